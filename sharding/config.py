@@ -1,0 +1,141 @@
+"""The model facts msinfer needs, read once from a Hugging Face `config.json`.
+
+Plain Python (no MindSpore, no Ray): the launcher reads it to plan the layout before any worker
+starts, and each worker reads it to build its network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# architectures value -> (family, does q/k/v carry a bias by default, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json cannot be served; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"{source}: architectures {archs or '(missing)'} is not supported; "
+                f"msinfer serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family, default_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key):
+            if d.get(key) is None:
+                raise ModelConfigError(f"{source}: required key '{key}' is missing ({arch})")
+            return d[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelConfigError(
+                f"{source}: rope type '{rope_type}' is not supported (default, linear, llama3)")
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        if d.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        attention_bias = bool(d.get("attention_bias", default_qkv_bias))
+        return cls(
+            architecture=arch, family=family,
+            vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")), num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=default_qkv_bias or attention_bias,
+            o_bias=attention_bias and family == "llama",
+            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=qk_norm,
+            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            eos_token_ids=eos,
+            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} if rope_type != "default" else {},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        f = Path(path) / "config.json"
+        if not f.is_file():
+            raise ModelConfigError(f"{f}: not found; a model directory holds a Hugging Face config.json")
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{f}: cannot be read as JSON ({e})") from None
+        cfg = cls.from_dict(d, str(f))
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            try:
+                g = json.loads(gen.read_text()).get("eos_token_id")
+            except (OSError, json.JSONDecodeError):
+                g = None
+            extra = g if isinstance(g, list) else ([] if g is None else [g])
+            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
+            object.__setattr__(cfg, "eos_token_ids", merged)
+        return cfg
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim/2] in float32, as transformers computes them."""
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        if kind == "linear":
+            inv = inv / float(self.rope_scaling["factor"])
+        elif kind == "llama3":
+            s = self.rope_scaling
+            factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+            old = float(s["original_max_position_embeddings"])
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > old / lo, inv / factor, inv)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+            inv = np.where(is_mid, mid, scaled)
+        return inv.astype(np.float32)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

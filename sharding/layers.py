@@ -1,0 +1,213 @@
+"""Tensor-parallel layers in MindSpore. Each layer knows which dimension it splits and slices the
+checkpoint tensors it owns itself (`weight_loader`), reading only its rows or columns from disk.
+
+Activations are 2-D, [tokens, features]. Weights keep the Hugging Face layout [out, in] and are
+multiplied with `transpose_b`, so a checkpoint slice is copied into a parameter as it is.
+Collectives run on the world group of the rank's communication cluster: one cluster per
+tensor-parallel group, so the world group *is* the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from sharding.config import ModelConfig
+from sharding.layout import TPInfo, kv_head_range, vocab_shard
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor whose shape is not the one the config implies."""
+
+
+def source_shape(src) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor: a safetensors slice (`get_shape`) or a numpy array."""
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
+
+
+def read_shard(src, dim: int | None, start: int = 0, size: int | None = None) -> np.ndarray:
+    """Read rows/columns [start, start+size) of `dim` (None: all of it). Only that part leaves the disk."""
+    shape = source_shape(src)
+    if dim is None:
+        return np.asarray(src[tuple(slice(None) for _ in shape)])
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + size)
+    return np.asarray(src[tuple(index)])
+
+
+def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
+    got = source_shape(src)
+    if got != tuple(expected):
+        raise ShapeMismatch(f"tensor '{name}' has shape {list(got)}, the config implies {list(expected)}")
+
+
+def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> None:
+    """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype."""
+    if rows is None:
+        param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
+        return
+    buf = param.asnumpy()
+    buf[rows] = data.astype(buf.dtype, copy=False)
+    param.set_data(Tensor(buf, dtype=param.dtype))
+
+
+def new_param(shape, dtype, name: str) -> Parameter:
+    return Parameter(Tensor(np.zeros(shape, np.float32), dtype=dtype), name=name, requires_grad=False)
+
+
+class LinearBase(nn.Cell):
+    """Y = X W^T + b on [tokens, in]; `tp_dim` is the weight dimension this layer splits."""
+    tp_dim: int | None = None
+
+    def __init__(self, in_size: int, out_size: int, bias: bool, tp: TPInfo, dtype):
+        super().__init__()
+        self.tp = tp
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.weight = new_param((out_size, in_size), dtype, "weight")
+        self.bias = new_param((out_size,), dtype, "bias") if bias else None
+
+    def weight_loader(self, param: Parameter, src, name: str, shard_id=None) -> None:
+        full = list(param.shape)
+        if self.tp_dim is not None and (param is self.weight or self.tp_dim == 0):
+            full[self.tp_dim] *= self.tp.size
+        check_shape(name, src, tuple(full))
+        dim = self.tp_dim if (param is self.weight or self.tp_dim == 0) else None
+        size = param.shape[dim] if dim is not None else None
+        copy_into(param, read_shard(src, dim, self.tp.rank * (size or 0), size))
+
+    def construct(self, x):
+        y = self.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(LinearBase):
+    tp_dim = None
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X [A_1, ..., A_p]: rank r holds output rows A_r and returns its part of Y, no collective."""
+    tp_dim = 0
+
+    def __init__(self, in_size, out_size, bias, tp, dtype):
+        super().__init__(in_size, out_size // tp.size, bias, tp, dtype)
+
+
+class RowParallelLinear(LinearBase):
+    """Y = sum_r X_r A_r + b: rank r holds input columns A_r; partial products are all-reduced,
+    and the bias is added once, after the reduce (adding it on every rank would count it tp times)."""
+    tp_dim = 1
+
+    def __init__(self, in_size, out_size, bias, tp, dtype):
+        super().__init__(in_size // tp.size, out_size, bias, tp, dtype)
+        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+
+    def construct(self, x):
+        y = self.matmul(x, self.weight)
+        if self.all_reduce is not None:
+            y = self.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs in one matmul (gate and up): [A_r^0; A_r^1; ...]."""
+    tp_dim = 0
+
+    def __init__(self, in_size, out_sizes: list[int], bias, tp, dtype):
+        self.out_sizes = [o // tp.size for o in out_sizes]
+        super().__init__(in_size, sum(self.out_sizes), bias, tp, dtype)
+
+    def weight_loader(self, param, src, name, shard_id: int = 0):
+        size = self.out_sizes[shard_id]
+        offset = sum(self.out_sizes[:shard_id])
+        expected = (size * self.tp.size,) + tuple(param.shape[1:])
+        check_shape(name, src, expected)
+        copy_into(param, read_shard(src, 0, self.tp.rank * size, size), slice(offset, offset + size))
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k, v projections fused. Rank r holds num_heads/tp query heads and the KV heads they
+    attend to; with tp_size > num_kv_heads each KV head is replicated on tp/num_kv_heads ranks."""
+    tp_dim = 0
+
+    def __init__(self, cfg: ModelConfig, bias, tp, dtype):
+        self.head_dim = cfg.head_dim
+        self.q_heads = cfg.num_heads // tp.size
+        self.kv_lo, self.kv_hi = kv_head_range(cfg, tp)
+        self.kv_heads = self.kv_hi - self.kv_lo
+        self.total = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+        out = (self.q_heads + 2 * self.kv_heads) * cfg.head_dim
+        super().__init__(cfg.hidden_size, out, bias, tp, dtype)
+
+    def weight_loader(self, param, src, name, shard_id: str = "q"):
+        D = self.head_dim
+        q, kv = self.q_heads * D, self.kv_heads * D
+        first_head = self.tp.rank * self.q_heads if shard_id == "q" else self.kv_lo
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        expected = (self.total[shard_id] * D,) + tuple(param.shape[1:])
+        check_shape(name, src, expected)
+        copy_into(param, read_shard(src, 0, first_head * D, size), slice(offset, offset + size))
+
+
+class VocabParallelEmbedding(nn.Cell):
+    """Rank r holds vocab rows [start, stop); ids outside give zeros, and the sum over ranks
+    (all-reduce) is the full lookup. Shards are padded to equal size when tp does not divide vocab."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, self.stop, per = vocab_shard(vocab_size, tp)
+        self.weight = new_param((per, hidden), dtype, "weight")
+        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+
+    def weight_loader(self, param, src, name, shard_id=None):
+        check_shape(name, src, (self.vocab_size, param.shape[1]))
+        rows = read_shard(src, 0, self.start, self.stop - self.start)
+        copy_into(param, rows, slice(0, self.stop - self.start))
+
+    def construct(self, ids):
+        if self.all_reduce is None:
+            return ops.gather(self.weight, ids, 0)
+        local = ids - self.start
+        inside = ops.logical_and(local >= 0, local < self.stop - self.start)
+        local = ops.select(inside, local, ops.zeros_like(local))
+        out = ops.gather(self.weight, local, 0)
+        out = out * ops.expand_dims(inside.astype(out.dtype), -1)
+        return self.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocab rows; the shards are gathered to the full vocab (padding cut)."""
+
+    def __init__(self, vocab_size, hidden, tp, dtype, tied: VocabParallelEmbedding | None = None):
+        super().__init__(vocab_size, hidden, tp, dtype)
+        self.all_reduce = None
+        if tied is not None:
+            self.weight = tied.weight
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.all_gather = ops.AllGather() if tp.size > 1 else None
+
+    def construct(self, x):
+        logits = self.matmul(x, self.weight)                     # [N, V/tp]
+        if self.all_gather is None:
+            return logits
+        parts = self.all_gather(logits)                          # [tp*N, V/tp], rank-major
+        n = x.shape[0]
+        parts = parts.reshape(self.tp.size, n, -1).transpose(1, 0, 2).reshape(n, -1)
+        return parts[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, size: int, eps: float, dtype, rms_norm_op):
+        super().__init__()
+        self.weight = new_param((size,), dtype, "weight")
+        self.eps = eps
+        self.op = rms_norm_op
+
+    def weight_loader(self, param, src, name, shard_id=None):
+        check_shape(name, src, tuple(param.shape))
+        copy_into(param, read_shard(src, None))
+
+    def construct(self, x):
+        return self.op(x, self.weight, self.eps)

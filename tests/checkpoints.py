@@ -1,0 +1,45 @@
+"""Small random Hugging Face checkpoints, built with transformers' save_pretrained, one per
+architecture feature msinfer must serve. Shared by the parity, sharding and CLI tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VARIANTS = {
+    # name: (config class, overrides)
+    "llama_gqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama_mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "llama_mha_bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                                           mlp_bias=True)),
+    "qwen2_qkv_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3_qknorm_odd_head_dim": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+}
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 10000.0, **extra) -> Path:
+    import torch
+    import transformers
+
+    out = Path(root) / name
+    if (out / "config.json").is_file():
+        return out
+    cls_name, overrides = VARIANTS[name]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides, **extra})
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger than default init so that logits are decisive and bugs show
+        for p in model.parameters():
+            if p.dim() == 1 and "norm" in getattr(p, "_name", ""):
+                continue
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "bias" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5) * 2)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,148 @@
+"""The decoder network (Llama / Qwen2 / Qwen3) over a paged KV cache, in MindSpore.
+
+One `construct` serves every step. A step takes B sequences with T new tokens each (T = 1 when
+decoding, padded to the longest prompt when prefilling): it writes their K/V rows into the cache
+at `slots`, then attends over each sequence's first L cached positions (`context_index`). All
+index tensors are built by the engine (`worker.runner`), never by a caller.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+import numpy as np
+
+from sharding.config import ModelConfig
+from sharding.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                             RowParallelLinear, VocabParallelEmbedding, new_param)
+from sharding.layout import TPInfo
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int):
+        super().__init__()
+        self.dev = dev
+        self.qkv_proj = QKVParallelLinear(cfg, cfg.qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
+        else:
+            self.q_norm = self.k_norm = None
+        shape = (num_slots, self.kv_heads, cfg.head_dim)
+        self.k_cache = new_param(shape, dtype, "k_cache")
+        self.v_cache = new_param(shape, dtype, "v_cache")
+
+    def construct(self, x, cos, sin, slots, context_index, query_pos):
+        B, T = query_pos.shape
+        N = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(N, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = self.dev.rotary(q, cos, sin)
+        k = self.dev.rotary(k, cos, sin)
+        k_cache = self.dev.write_cache(self.k_cache, slots, k)
+        v_cache = self.dev.write_cache(self.v_cache, slots, v)
+        out = self.dev.attention(q.reshape(B, T, self.heads, self.head_dim), k_cache, v_cache,
+                                 context_index, query_pos, self.scale)
+        return self.o_proj(out.reshape(N, self.q_size))
+
+
+class MLP(nn.Cell):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype):
+        super().__init__()
+        I = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+        self.half = I // tp.size
+
+    def construct(self, x):
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops.silu(gate_up[:, : self.half]) * gate_up[:, self.half:])
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg, tp, dtype, dev, num_slots):
+        super().__init__()
+        self.self_attn = Attention(cfg, tp, dtype, dev, num_slots)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
+
+    def construct(self, x, cos, sin, slots, context_index, query_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, context_index, query_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Cell):
+    """Inputs of one step (B sequences x T new tokens, N = B*T):
+        input_ids      [N]      int32   the new tokens, right-padded per sequence
+        rope_pos       [N, P]   float32 rotary position components (P = 1 for plain RoPE)
+        slots          [N]      int32   cache row each new token's K/V is written to
+        context_index  [B, L]   int32   cache rows of each sequence's positions 0..L-1
+        query_pos      [B, T]   int32   position of each new token in its sequence
+        out_index      [M]      int32   rows of the N tokens whose logits are returned
+    Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int, freq_matrix: np.ndarray):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.CellList([DecoderLayer(cfg, tp, dtype, dev, num_slots) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied)
+        # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
+        self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
+        self.dtype = dtype
+
+    def construct(self, input_ids, rope_pos, slots, context_index, query_pos, out_index):
+        x = self.embed_tokens(input_ids)
+        angles = ops.matmul(rope_pos, self.freq_matrix)                 # [N, D/2]
+        cos = ops.cos(angles).astype(self.dtype).expand_dims(1)
+        sin = ops.sin(angles).astype(self.dtype).expand_dims(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, context_index, query_pos)
+        x = self.norm(ops.gather(x, out_index, 0))
+        return self.lm_head(x).astype(ms.float32)
+
+    def named_loaders(self):
+        """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""
+        table = {}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for s in ("q", "k", "v"):
+                table[p + f"self_attn.{s}_proj.weight"] = (attn.qkv_proj, attn.qkv_proj.weight, s)
+                if attn.qkv_proj.bias is not None:
+                    table[p + f"self_attn.{s}_proj.bias"] = (attn.qkv_proj, attn.qkv_proj.bias, s)
+            table[p + "self_attn.o_proj.weight"] = (attn.o_proj, attn.o_proj.weight, None)
+            if attn.o_proj.bias is not None:
+                table[p + "self_attn.o_proj.bias"] = (attn.o_proj, attn.o_proj.bias, None)
+            if attn.q_norm is not None:
+                table[p + "self_attn.q_norm.weight"] = (attn.q_norm, attn.q_norm.weight, None)
+                table[p + "self_attn.k_norm.weight"] = (attn.k_norm, attn.k_norm.weight, None)
+            for j, name in enumerate(("gate_proj", "up_proj")):
+                table[p + f"mlp.{name}.weight"] = (mlp.gate_up_proj, mlp.gate_up_proj.weight, j)
+                if mlp.gate_up_proj.bias is not None:
+                    table[p + f"mlp.{name}.bias"] = (mlp.gate_up_proj, mlp.gate_up_proj.bias, j)
+            table[p + "mlp.down_proj.weight"] = (mlp.down_proj, mlp.down_proj.weight, None)
+            if mlp.down_proj.bias is not None:
+                table[p + "mlp.down_proj.bias"] = (mlp.down_proj, mlp.down_proj.bias, None)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                cell = getattr(layer, norm)
+                table[p + f"{norm}.weight"] = (cell, cell.weight, None)
+        table["model.embed_tokens.weight"] = (self.embed_tokens, self.embed_tokens.weight, None)
+        table["model.norm.weight"] = (self.norm, self.norm.weight, None)
+        if not self.cfg.tie_word_embeddings:
+            table["lm_head.weight"] = (self.lm_head, self.lm_head.weight, None)
+        return table

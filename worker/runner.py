@@ -1,0 +1,162 @@
+"""The engine of one rank: builds the network, loads its shard, allocates the KV cache once, and
+runs compiled prefill and decode steps.
+
+Every index a step needs (positions, cache slots, context rows, which logits to return) is built
+here from each sequence's new tokens, its count of cached tokens and its block table. Shapes are
+padded to buckets (powers of two) so that the static graphs compile a few times and then run
+from cache; padded tokens write to a scratch block that no sequence owns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from sharding.config import ModelConfig
+from sharding.layout import TPInfo
+from worker.protocol import SeqStep, StepOutput
+from worker.positions import make_scheme
+from worker import sampler
+
+DTYPES = {"float32", "float16", "bfloat16"}
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"             # compute dtype of the network
+    device: str = "cpu"
+    max_model_len: int = 2048
+    max_batch_size: int = 32
+    num_blocks: int = 0                # 0: enough for max_batch_size sequences of max_model_len
+    block_size: int = 16
+    graph_mode: bool = True            # False: PyNative, for debugging
+    position_scheme: str = "rope"
+    allow_pickle: bool = False
+
+    def blocks(self) -> int:
+        return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> str:
+    """'auto' computes in float32 on the CPU (no bf16 collectives there) and in the checkpoint's
+    dtype on Ascend."""
+    if name == "auto":
+        return "float32" if device == "cpu" else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
+    return name
+
+
+class ModelRunner:
+    def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo()):
+        import mindspore as ms
+        from worker.model import CausalLM
+        from worker.ops import select_ops
+        from worker.loader import load_checkpoint
+
+        self.ms = ms
+        self.ec, self.tp = ec, tp
+        self.cfg = ModelConfig.from_dir(ec.model_dir)
+        self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device)
+        self.scheme = make_scheme(ec.position_scheme)
+        self.block_size = ec.block_size
+        self.num_blocks = ec.blocks()
+        self.scratch_block = self.num_blocks                 # padding writes land here
+        num_slots = (self.num_blocks + 1) * self.block_size
+        t0 = time.perf_counter()
+        self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device), num_slots,
+                              self.scheme.freq_matrix(self.cfg))
+        self.model.set_train(False)
+        self.load_stats = load_checkpoint(self.model, ec.model_dir, ec.allow_pickle)
+        self.load_s = time.perf_counter() - t0
+        if ec.graph_mode:
+            self.prefill_fn = ms.jit(self.model.construct)
+            self.decode_fn = ms.jit(self.model.construct)
+        else:
+            self.prefill_fn = self.decode_fn = self.model.construct
+        self.compile_s: dict[str, float] = {}
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _slots_for(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, seqs: list[SeqStep], is_prefill: bool):
+        B = len(seqs)
+        Bp = bucket(B)
+        T = max(len(s.token_ids) for s in seqs)
+        Tp = bucket(T) if is_prefill else 1
+        ctx = max(s.num_cached + len(s.token_ids) for s in seqs)
+        Lp = bucket(-(-ctx // self.block_size)) * self.block_size
+        nblk = Lp // self.block_size
+        P = self.scheme.num_components
+        scratch = self.scratch_block * self.block_size
+        ids = np.zeros((Bp, Tp), np.int32)
+        rope = np.zeros((Bp, Tp, P), np.float32)
+        slots = np.full((Bp, Tp), scratch, np.int32)
+        query_pos = np.zeros((Bp, Tp), np.int32)
+        tables = np.full((Bp, nblk), self.scratch_block, np.int64)
+        out_index = np.zeros((Bp,), np.int32)
+        for b, s in enumerate(seqs):
+            n = len(s.token_ids)
+            table = np.asarray(s.block_table, np.int64)
+            if len(table) * self.block_size < s.num_cached + n:
+                raise ValueError(f"sequence {s.seq_id}: block table holds {len(table)} blocks, too few "
+                                 f"for {s.num_cached + n} tokens")
+            pos = np.arange(s.num_cached, s.num_cached + n)
+            ids[b, :n] = s.token_ids
+            rope[b, :n] = self.scheme.components(s.num_cached, n)
+            slots[b, :n] = self._slots_for(table, pos)
+            query_pos[b, :n] = pos
+            tables[b, : min(len(table), nblk)] = table[:nblk]
+            out_index[b] = b * Tp + n - 1
+        context = (tables[:, :, None] * self.block_size + np.arange(self.block_size)).reshape(Bp, Lp)
+        T_ = self.ms.Tensor
+        ms = self.ms
+        return (T_(ids.reshape(-1), ms.int32), T_(rope.reshape(Bp * Tp, P), ms.float32),
+                T_(slots.reshape(-1), ms.int32), T_(context.astype(np.int32), ms.int32),
+                T_(query_pos, ms.int32), T_(out_index, ms.int32))
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
+        """Runs one step; returns the last-token logits [len(seqs), vocab] as float32."""
+        inputs = self.prepare(seqs, is_prefill)
+        fn = self.prefill_fn if is_prefill else self.decode_fn
+        key = f"{'prefill' if is_prefill else 'decode'} B={inputs[4].shape[0]} T={inputs[4].shape[1]} " \
+              f"L={inputs[3].shape[1]}"
+        t0 = time.perf_counter()
+        logits = fn(*inputs).asnumpy()
+        if key not in self.compile_s:
+            self.compile_s[key] = time.perf_counter() - t0
+        return logits[: len(seqs)]
+
+    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+        logits = self.forward(seqs, is_prefill)
+        todo = [i for i, s in enumerate(seqs) if s.sample]
+        chosen = [-1] * len(seqs)
+        picked = sampler.sample(logits[todo], [seqs[i].sampling for i in todo],
+                                [seqs[i].num_generated for i in todo]) if todo else []
+        for i, t in zip(todo, picked):
+            chosen[i] = t
+        lps = None
+        if logprobs and any(seqs[i].sampling.logprobs for i in todo):
+            lps = [None] * len(seqs)
+            for i, t in zip(todo, picked):
+                if seqs[i].sampling.logprobs:
+                    lps[i] = sampler.top_logprobs(logits[i: i + 1], [t], seqs[i].sampling.logprobs)[0]
+        return StepOutput(chosen, lps)
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        os.environ.setdefault("OMP_NUM_THREADS", str(n))

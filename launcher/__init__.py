@@ -1,0 +1,1 @@
+"""The driver process: CLI, job spec, Ray placement, scheduler, tokenizer, writer. Imports no MindSpore."""

@@ -1,0 +1,1 @@
+"""The tensor-parallel layout (plain Python) and the parallel layers that slice checkpoint tensors."""

@@ -1,0 +1,133 @@
+"""Ray placement of tensor-parallel groups ("replicas") and the steps the controller drives.
+
+One placement group per replica, one bundle per rank (`CPU` here, `NPU` + `CPU` on Ascend),
+packed on one node unless `placement: spread`. Each replica is its own MindSpore cluster: a
+scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Worker` per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from worker.actor import CommScheduler, Worker
+
+QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class LaunchError(RuntimeError):
+    """Workers could not be placed or started; the message says which and why."""
+
+
+def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False) -> None:
+    """Embedded local Ray (address None) or join an existing cluster."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": dict(QUIET_ENV)}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
+        return
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
+             dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
+             logging_level="ERROR", configure_logging=True)
+
+
+@dataclass
+class Replica:
+    index: int
+    tp_size: int
+    device: str = "cpu"                 # "cpu" | "ascend" | "auto"
+    placement: str = "pack"             # "pack" | "spread"
+    cpus_per_worker: float = 1
+    threads_per_worker: int = 0
+    ready_timeout_s: float = 600
+    workers: list = field(default_factory=list)
+    scheduler: object = None
+    pg: object = None
+    ranks: list = field(default_factory=list)
+    setup_info: list = field(default_factory=list)
+
+    def bundle(self) -> dict:
+        if self.device == "ascend":
+            return {"NPU": 1, "CPU": self.cpus_per_worker}
+        return {"CPU": self.cpus_per_worker}
+
+    def start(self, engine_config) -> list[dict]:
+        """Places the group, starts its communication cluster, loads every rank's shard."""
+        strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
+        self.pg = placement_group([self.bundle() for _ in range(self.tp_size)], strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.ready_timeout_s)
+        if not ready:
+            need = self.bundle()
+            raise LaunchError(
+                f"replica {self.index}: Ray could not place {self.tp_size} workers of {need} "
+                f"({strategy}) within {self.ready_timeout_s:.0f}s; cluster resources: "
+                f"{ray.cluster_resources()}")
+
+        def on(bundle):
+            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+
+        worker_cls = ray.remote(Worker)
+        res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
+        self.workers = [worker_cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
+                                           max_concurrency=2, **res)
+                        .remote(r, self.tp_size, self.device, self.threads_per_worker)
+                        for r in range(self.tp_size)]
+        host = port = None
+        if self.tp_size > 1:
+            self.scheduler = ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(0)) \
+                .remote(self.tp_size)
+            host, port = ray.get(self.scheduler.start.remote())
+        self.ranks = ray.get([w.info.remote() for w in self.workers])
+        self.setup_info = ray.get([w.setup.remote(engine_config, host, port) for w in self.workers])
+        return self.ranks
+
+    def submit(self, seqs, is_prefill: bool) -> list:
+        """Starts one step on every rank; element 0 resolves to rank 0's StepOutput."""
+        ref = ray.put(seqs) if self.tp_size > 1 else seqs
+        return [w.step.remote(ref, is_prefill) for w in self.workers]
+
+    def step(self, seqs, is_prefill: bool):
+        return ray.get(self.submit(seqs, is_prefill))[0]
+
+    def pids(self) -> list[int]:
+        return [r["pid"] for r in self.ranks]
+
+    def shutdown(self) -> None:
+        for a in [*self.workers, self.scheduler]:
+            if a is not None:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.workers, self.scheduler, self.pg = [], None, None
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:
+    """True once none of the local pids is alive (for tests and teardown checks)."""
+    end = time.time() + timeout_s
+    while time.time() < end:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,309 @@
+"""Continuous batching: which sequences run in the next step, and what each one feeds.
+
+A step is either a prefill (prompt chunks, several tokens per sequence) or a decode (one token per
+running sequence). Prefill goes first: waiting sequences are admitted in FIFO order while the batch
+size, the token budget and the free KV blocks allow. A prompt longer than the remaining budget is
+cut into chunks; only the chunk that reaches its end samples a token, and until then it stays at
+the head of the queue, so nothing overtakes it. When no prefill fits, every running sequence
+decodes its last token; if the cache runs out, the most recently admitted one is preempted (its
+blocks freed, its tokens kept) and later re-prefills prompt + generated tokens.
+
+Token accounting of a sequence: `num_cached` tokens have their K/V in the cache; a running
+sequence always has `num_cached == num_tokens - 1` (its last sampled token is fed next step).
+Lengths: a sequence ends with "length" once it holds `max_model_len` tokens, where max_model_len is
+also capped by the whole cache (num_blocks * block_size); a prompt must leave room for one
+generated token, or it is rejected with finish_reason "error" (see `Scheduler.take_rejected`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+
+from worker.protocol import SamplingParams, SeqStep
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None, key=None,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int = 0, seq_id: int | None = None):
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.key = key                                  # opaque to the scheduler (e.g. record id)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling or SamplingParams()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len              # 0: the scheduler's; capped by it on add
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached = 0
+        self.num_scheduled = 0                          # tokens fed by the step in flight
+        self.finish_reason: str | None = None           # "stop" | "length" | "error" | "abort"
+        self.stop_token_id: int | None = None           # the eos / stop token that ended it
+        self.error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The completion to detokenize: the eos / stop token stays in output_token_ids but, as in
+        vLLM, not in the text."""
+        if self.stop_token_id is not None:
+            return self.output_token_ids[:-1]
+        return self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_completion_tokens}, cached={self.num_cached}, finish={self.finish_reason})")
+
+
+class BlockManager:
+    """Free-list allocator of KV-cache blocks 0..num_blocks-1; a sequence owns the blocks of its
+    block_table, token i living in block_table[i // block_size]."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def missing(self, seq: Sequence, n_tokens_total: int) -> int:
+        """Blocks seq still needs to hold n_tokens_total tokens."""
+        return max(0, self.blocks_for(n_tokens_total) - len(seq.block_table))
+
+    def can_allocate(self, n_tokens: int) -> bool:
+        """Whether a sequence without blocks could get room for n_tokens now."""
+        return self.blocks_for(n_tokens) <= self.num_free
+
+    def can_ensure(self, seq: Sequence, n_tokens_total: int) -> bool:
+        return self.missing(seq, n_tokens_total) <= self.num_free
+
+    def ensure(self, seq: Sequence, n_tokens_total: int) -> None:
+        need = self.missing(seq, n_tokens_total)
+        if need > self.num_free:
+            raise RuntimeError(f"sequence {seq.seq_id} needs {need} KV blocks, {self.num_free} free")
+        seq.block_table.extend(self.free_ids.popleft() for _ in range(need))
+
+    def free(self, seq: Sequence) -> None:
+        self.free_ids.extend(seq.block_table)
+        seq.block_table = []
+
+
+class Scheduler:
+    def __init__(self, num_blocks: int, block_size: int, max_batch_size: int, max_batched_tokens: int,
+                 max_model_len: int):
+        if min(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len) < 1:
+            raise ValueError("num_blocks, block_size, max_batch_size, max_batched_tokens and "
+                             "max_model_len must all be >= 1")
+        if max_batched_tokens < max_batch_size:
+            raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be >= max_batch_size "
+                             f"({max_batch_size}): a decode step feeds one token per sequence")
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []              # in admission order
+        self.rejected: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.max_model_len = min(seq.max_model_len or self.max_model_len, self.max_model_len)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def take_rejected(self) -> list[Sequence]:
+        """Sequences finished with "error" by schedule() because they can never fit; seq.error
+        says why."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends seq wherever it is (waiting or running) and frees its blocks; a no-op if it has
+        already finished."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, "abort")
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[SeqStep], bool, list[Sequence]]:
+        """The next step: (one SeqStep per sequence, is_prefill, the sequences in the same order).
+        Empty only when has_work() is False (possibly because the last waiting ones were
+        rejected)."""
+        while self.has_work():
+            progress = (self.num_preemptions, len(self.rejected))
+            seqs = self._schedule_prefill()
+            if seqs:
+                return [self._seq_step(s) for s in seqs], True, seqs
+            seqs = self._schedule_decode()
+            if seqs:
+                return [self._seq_step(s) for s in seqs], False, seqs
+            # every running sequence was preempted: the head of the queue now has the whole cache
+            if progress == (self.num_preemptions, len(self.rejected)):
+                raise RuntimeError(f"scheduler stalled: {self.num_waiting} waiting, "
+                                   f"{self.num_running} running, {self.block_manager.num_free} free blocks")
+        return [], False, []
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_batched_tokens
+        # a sequence leaves `waiting` for `running` once its last chunk is scheduled; a partial
+        # chunk uses up the budget, so `running` counts every sequence of this batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if self._reject_if_impossible(seq):
+                continue
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            if not self.block_manager.can_ensure(seq, seq.num_cached + n):
+                break
+            self.block_manager.ensure(seq, seq.num_cached + n)
+            seq.num_scheduled = n
+            budget -= n
+            scheduled.append(seq)
+            if seq.num_cached + n < seq.num_tokens:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and len(scheduled) < self.max_batch_size:
+            seq = self.running[i]
+            # feeding the last token stores it at position num_tokens - 1
+            while not self.block_manager.can_ensure(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.ensure(seq, seq.num_tokens)
+                seq.num_scheduled = 1
+                scheduled.append(seq)
+                i += 1
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style: drop the cache of seq and queue it to re-prefill prompt + output.
+        It goes to the head of the queue, behind a prompt whose chunked prefill is under way (that
+        one holds blocks, and must not wait for blocks behind sequences that need them)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_cached = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+        self.num_preemptions += 1
+
+    def _reject_if_impossible(self, seq: Sequence) -> bool:
+        if seq.num_prompt_tokens == 0:
+            seq.error = "empty prompt"
+        elif seq.num_tokens >= seq.max_model_len:
+            capacity = self.block_manager.num_blocks * self.block_manager.block_size
+            limit = (f"the KV cache ({self.block_manager.num_blocks} blocks of "
+                     f"{self.block_manager.block_size} tokens)" if seq.max_model_len == capacity
+                     else f"max_model_len {seq.max_model_len}")
+            seq.error = (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a generated "
+                         f"token within {limit}")
+        else:
+            return False
+        self.finish(seq, "error")
+        self.rejected.append(seq)
+        return True
+
+    def _seq_step(self, seq: Sequence) -> SeqStep:
+        start, end = seq.num_cached, seq.num_cached + seq.num_scheduled
+        decode = seq.num_scheduled == 1 and end == seq.num_tokens
+        return SeqStep(seq_id=seq.seq_id, token_ids=[seq.last_token] if decode else seq.token_ids[start:end],
+                       num_cached=start, block_table=list(seq.block_table), sampling=seq.sampling,
+                       num_generated=seq.num_completion_tokens, sample=end == seq.num_tokens)
+
+    # ---- results ------------------------------------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Takes the sampled token of each scheduled sequence (-1 for a prefill chunk that does not
+        sample); returns the sequences this step finished, their blocks already freed. Sequences
+        finished or aborted since schedule() are skipped."""
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} sampled tokens for {len(seqs)} sequences")
+        finished = []
+        for seq, token in zip(seqs, token_ids):
+            if seq.is_finished:
+                continue
+            seq.num_cached += seq.num_scheduled
+            seq.num_scheduled = 0
+            if seq.num_cached < seq.num_tokens:
+                continue                               # a prompt chunk short of the prompt's end
+            if token < 0:
+                raise ValueError(f"sequence {seq.seq_id}: no token sampled at the end of its prefill")
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling
+        if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.stop_token_id = token
+            return "stop"
+        if seq.num_completion_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,98 @@
+"""The Ray actors of one tensor-parallel group: a `Worker` per rank, and the MindSpore scheduler.
+
+The controller creates them (launcher/replica.py wraps these classes with `ray.remote`), then:
+    host, port = scheduler.start()            # on the node of rank 0
+    [w.setup(engine_config, host, port)]      # every rank joins the group, loads its shard
+    [w.step(seqs, is_prefill)]                # every rank runs the same step; rank 0 samples
+Nothing but plain dataclasses (worker.protocol) crosses the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+from sharding.layout import TPInfo
+from worker.device import free_port, init_communication, select_device, start_scheduler_thread
+from worker.protocol import SeqStep, StepOutput
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def node_facts() -> dict:
+    import ray
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+
+class CommScheduler:
+    """MindSpore's scheduler role for one group; lives until the actor is killed."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.thread = None
+
+    def start(self) -> tuple[str, int]:
+        import ray
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        self.thread = start_scheduler_thread(host, port, self.world)
+        return host, port
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Worker:
+    def __init__(self, rank: int, world: int, device: str, threads: int = 0):
+        self.tp = TPInfo(rank, world)
+        self.device = select_device(device, rank=rank)
+        self.threads = threads
+        self.runner = None
+
+    def info(self) -> dict:
+        return {"rank": self.tp.rank, **node_facts(), "device": self.device.target.lower()
+                + ("" if self.device.device_id is None else f":{self.device.device_id}")}
+
+    def setup(self, engine_config, sched_host: str | None, sched_port: int | None) -> dict:
+        t0 = time.perf_counter()
+        import mindspore as ms
+        if self.device.device_id is None:
+            ms.set_device(self.device.target)
+        else:
+            ms.set_device(self.device.target, self.device.device_id)
+        if self.threads:
+            from mindspore.device_context.cpu import threads_num
+            threads_num(self.threads)
+        if self.tp.size > 1:
+            init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
+        comm_s = time.perf_counter() - t0
+        from worker.runner import ModelRunner
+        self.runner = ModelRunner(engine_config, self.tp)
+        return {"rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
+                "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
+                "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
+                "dtype": self.runner.dtype}
+
+    def step(self, seqs: list[SeqStep], is_prefill: bool) -> StepOutput | None:
+        if self.tp.rank == 0:
+            return self.runner.step(seqs, is_prefill)
+        self.runner.forward(seqs, is_prefill)
+        return None
+
+    def forward(self, seqs: list[SeqStep], is_prefill: bool):
+        """Raw last-token logits (rank 0) for tests and scoring."""
+        logits = self.runner.forward(seqs, is_prefill)
+        return logits if self.tp.rank == 0 else None
+
+    def loaded_params(self) -> dict:
+        """name -> numpy value of every parameter this rank holds (tests check the slices)."""
+        return {p.name: p.asnumpy() for p in self.runner.model.get_parameters()
+                if "cache" not in p.name}
+
+    def stats(self) -> dict:
+        return {"rank": self.tp.rank, "peak_rss_bytes": peak_rss_bytes(),
+                "compile_s": dict(self.runner.compile_s) if self.runner else {}}

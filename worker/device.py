@@ -41,7 +41,9 @@ def select_device(device: str, env: dict | None = None, rank: int = 0) -> Device
 
 
 def cluster_env(role: str, host: str, port: int, world: int, rank: int | None = None) -> dict[str, str]:
-    env = {"MS_ROLE": role, "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port), "MS_WORKER_NUM": str(world)}
+    env = {"MS_ROLE": role, "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port), "MS_WORKER_NUM": str(world),
+           # registration retries at a random 3-5 s by default; 1 s cuts group start-up by seconds
+           "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
     if rank is not None:
         env["MS_NODE_ID"] = str(rank)
     return env

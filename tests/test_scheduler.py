@@ -1,0 +1,330 @@
+"""The scheduler and block manager driven by a fake model, no MindSpore.
+
+The fake model keeps a paged cache of token ids: each step writes the fed tokens through the block
+table and reads the whole context back through it, and the next token is a function of that
+context. A wrong block table, a wrong num_cached or a block shared by two sequences changes the
+tokens, so comparing with a reference generation checks the cache bookkeeping end to end.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from launcher.scheduler import BlockManager, Scheduler, Sequence, SequenceStatus
+from worker.protocol import SamplingParams, SeqStep
+
+VOCAB = 50
+
+
+def next_token(context: list[int]) -> int:
+    h = 0
+    for t in context:                                # a rolling hash: every token, in order, counts
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt, sampling=SamplingParams(), eos=(), max_model_len=10**9):
+    out: list[int] = []
+    while True:
+        t = next_token(prompt + out)
+        out.append(t)
+        if (t in eos and not sampling.ignore_eos) or t in sampling.stop_token_ids:
+            return out, "stop"
+        if len(out) >= sampling.max_new_tokens or len(prompt) + len(out) >= max_model_len:
+            return out, "length"
+
+
+class FakeModel:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.cache: list[int | None] = [None] * (num_blocks * block_size)
+
+    def slot(self, s: SeqStep, pos: int) -> int:
+        return s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def __call__(self, steps: list[SeqStep]) -> list[int]:
+        out = []
+        for s in steps:
+            for i, t in enumerate(s.token_ids):
+                self.cache[self.slot(s, s.num_cached + i)] = t
+            context = [self.cache[self.slot(s, p)] for p in range(s.num_cached + len(s.token_ids))]
+            out.append(next_token(context) if s.sample else -1)
+        return out
+
+
+def check_step(sched: Scheduler, steps: list[SeqStep], is_prefill: bool, seqs: list[Sequence]) -> None:
+    bm = sched.block_manager
+    assert steps and len(steps) == len(seqs) <= sched.max_batch_size
+    assert sum(len(s.token_ids) for s in steps) <= sched.max_batched_tokens
+    assert len({s.seq_id for s in steps}) == len(steps)
+    for step, seq in zip(steps, seqs):
+        n = len(step.token_ids)
+        assert step.seq_id == seq.seq_id and n >= 1
+        assert step.num_cached == seq.num_cached
+        assert step.token_ids == seq.token_ids[seq.num_cached: seq.num_cached + n]
+        assert step.sample == (seq.num_cached + n == seq.num_tokens)
+        assert step.num_generated == seq.num_completion_tokens
+        assert step.block_table == seq.block_table and step.block_table is not seq.block_table
+        assert len(step.block_table) * bm.block_size >= step.num_cached + n
+        if not is_prefill:
+            assert n == 1 and step.sample
+    # block accounting: every block is free or owned by exactly one live sequence
+    holders = sched.running + [s for s in sched.waiting if s.block_table]
+    owned = [b for s in holders for b in s.block_table]
+    assert len(owned) == len(set(owned)) and set(owned).isdisjoint(bm.free_ids)
+    assert len(owned) + bm.num_free == bm.num_blocks
+    assert all(0 <= b < bm.num_blocks for b in owned)
+    # at most one prompt is part-way through its prefill, and it heads the queue
+    partial = [s for s in sched.waiting if s.block_table]
+    assert not partial or partial == [sched.waiting[0]]
+    assert len(sched.running) + len(partial) <= sched.max_batch_size
+
+
+def drive(sched: Scheduler, seqs: list[Sequence], model: FakeModel, per_step: int | None = None,
+          max_steps: int = 20_000):
+    """Adds seqs (all at once, or per_step at a time before each step), runs to the end and
+    returns (finished in finishing order, the feeds of each seq_id, seq_ids in order of admission)."""
+    pending = list(seqs)
+    finished: list[Sequence] = []
+    feeds: dict[int, list[tuple[bool, SeqStep]]] = defaultdict(list)
+    admitted: list[int] = []
+    for _ in range(max_steps):
+        for seq in pending[:per_step or len(pending)]:
+            sched.add(seq)
+        del pending[:per_step or len(pending)]
+        if not sched.has_work():
+            if not pending:
+                break
+            continue
+        steps, is_prefill, batch = sched.schedule()
+        finished += sched.take_rejected()
+        if not steps:
+            assert not sched.has_work()
+            continue
+        check_step(sched, steps, is_prefill, batch)
+        for s in steps:
+            if s.seq_id not in feeds:
+                admitted.append(s.seq_id)
+            feeds[s.seq_id].append((is_prefill, s))
+        finished += sched.postprocess(batch, model(steps))
+    else:
+        pytest.fail("the scheduler did not finish")
+    assert sched.block_manager.num_free == sched.block_manager.num_blocks
+    assert sched.num_waiting == sched.num_running == 0
+    return finished, feeds, admitted
+
+
+def make_sched(num_blocks=64, block_size=4, max_batch_size=4, max_batched_tokens=16, max_model_len=128):
+    return Scheduler(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len), \
+        FakeModel(num_blocks, block_size)
+
+
+def run_one(prompt, sampling=SamplingParams(), eos=(), **kw) -> Sequence:
+    sched, model = make_sched(**kw)
+    seq = Sequence(prompt, sampling, eos_token_ids=eos)
+    finished, _, _ = drive(sched, [seq], model)
+    assert finished == [seq] and seq.is_finished
+    return seq
+
+
+def workload(rng: random.Random, n: int, max_prompt: int, eos=(0,)) -> list[Sequence]:
+    return [Sequence([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_prompt))],
+                     SamplingParams(max_new_tokens=rng.randint(1, 30)), key=i, eos_token_ids=eos)
+            for i in range(n)]
+
+
+# ---- block manager ---------------------------------------------------------------------------------
+def test_block_manager_allocates_frees_and_refuses_overdraft():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a, b = Sequence([1]), Sequence([2])
+    assert bm.can_allocate(12) and not bm.can_allocate(13)
+    bm.ensure(a, 5)
+    assert len(a.block_table) == 2 and bm.num_free == 1
+    bm.ensure(a, 8)                                  # still fits in two blocks
+    assert len(a.block_table) == 2
+    assert not bm.can_ensure(b, 5) and bm.can_ensure(b, 4)
+    with pytest.raises(RuntimeError, match="needs 2 KV blocks, 1 free"):
+        bm.ensure(b, 5)
+    bm.ensure(b, 1)
+    assert sorted(a.block_table + b.block_table) == [0, 1, 2] and bm.num_free == 0
+    bm.free(a)
+    assert a.block_table == [] and bm.num_free == 2
+
+
+def test_scheduler_rejects_a_token_budget_below_the_batch_size():
+    with pytest.raises(ValueError, match="max_batched_tokens \\(4\\) must be >= max_batch_size \\(8\\)"):
+        Scheduler(16, 4, max_batch_size=8, max_batched_tokens=4, max_model_len=64)
+
+
+# ---- chunked prefill -------------------------------------------------------------------------------
+def test_long_prompt_is_prefilled_in_chunks_and_samples_only_on_the_last():
+    sched, model = make_sched(max_batched_tokens=16, max_model_len=128)
+    prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(50)]
+    long, short = Sequence(prompt, SamplingParams(max_new_tokens=3)), Sequence([5, 6, 7, 8, 9])
+    sched.add(long)
+    sched.add(short)
+    chunks = []
+    for _ in range(4):
+        steps, is_prefill, seqs = sched.schedule()
+        assert is_prefill and seqs[0] is long
+        chunks.append((steps[0].num_cached, steps[0].token_ids, steps[0].sample))
+        if len(seqs) > 1:                            # the short prompt only after the long one's end
+            assert seqs == [long, short] and chunks[-1][2]
+        sched.postprocess(seqs, model(steps))
+    assert [(c, len(t), s) for c, t, s in chunks] == [(0, 16, False), (16, 16, False), (32, 16, False),
+                                                      (48, 2, True)]
+    assert [t for _, ts, _ in chunks for t in ts] == prompt
+    assert long.num_cached == 50 and long.num_completion_tokens == 1
+    finished, _, _ = drive(sched, [], model)
+    assert {s.seq_id for s in finished} == {long.seq_id, short.seq_id}
+    assert long.output_token_ids == reference(prompt, long.sampling)[0]
+    assert short.output_token_ids == reference([5, 6, 7, 8, 9], short.sampling, max_model_len=128)[0]
+
+
+def test_prompt_of_max_model_len_minus_one_gets_through_a_small_budget():
+    prompt = [3] * 99
+    seq = run_one(prompt, max_batched_tokens=8, max_batch_size=2, max_model_len=100)
+    assert seq.output_token_ids == reference(prompt)[0][:1] and seq.finish_reason == "length"
+
+
+# ---- preemption --------------------------------------------------------------------------------------
+def test_preempted_sequence_recomputes_prompt_and_output_in_chunks():
+    # 4 blocks of 4 tokens: two sequences outgrow 8 tokens each and the later one is preempted
+    sched, model = make_sched(num_blocks=4, block_size=4, max_batch_size=2, max_batched_tokens=4)
+    sampling = SamplingParams(max_new_tokens=8)
+    a, b = Sequence([1, 2, 3, 4], sampling), Sequence([5, 6, 7, 8], sampling)
+    finished, feeds, _ = drive(sched, [a, b], model)
+    assert sched.num_preemptions >= 1
+    assert sorted(s.seq_id for s in finished) == sorted([a.seq_id, b.seq_id])
+    for seq in (a, b):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, sampling)[0]
+        assert seq.finish_reason == "length"
+    # b's second prefill: from num_cached 0, contiguous chunks of <= 4 tokens covering prompt and
+    # the tokens generated before preemption, sampling only on the last chunk
+    prefills = [s for is_prefill, s in feeds[b.seq_id] if is_prefill]
+    restart = next(i for i, s in enumerate(prefills) if i > 0 and s.num_cached == 0)
+    redo = prefills[restart:]
+    assert all(len(s.token_ids) <= 4 for s in redo)
+    assert [s.sample for s in redo] == [False] * (len(redo) - 1) + [True]
+    assert [s.num_cached for s in redo] == [sum(len(r.token_ids) for r in redo[:i]) for i in range(len(redo))]
+    fed = [t for s in redo for t in s.token_ids]
+    assert len(fed) > 4 and fed == b.token_ids[:len(fed)]
+    assert redo[-1].num_generated == len(fed) - 4
+
+
+def test_preemption_gives_the_same_tokens_as_an_ample_cache():
+    def run(num_blocks):
+        sched, model = make_sched(num_blocks=num_blocks, block_size=4, max_batch_size=6,
+                                  max_batched_tokens=16, max_model_len=48)
+        seqs = workload(random.Random(1), 40, max_prompt=30)
+        finished, _, _ = drive(sched, seqs, model, per_step=3)
+        return sched, {s.key: (s.output_token_ids, s.finish_reason) for s in finished}
+
+    tight, tight_out = run(num_blocks=14)
+    ample, ample_out = run(num_blocks=200)
+    assert tight.num_preemptions > 0 and ample.num_preemptions == 0
+    assert tight_out == ample_out and len(tight_out) == 40
+
+
+# ---- a long mixed stream ---------------------------------------------------------------------------
+def test_mixed_stream_every_sequence_finishes_once_in_fifo_admission_order():
+    rng = random.Random(0)
+    sched, model = make_sched(num_blocks=24, block_size=4, max_batch_size=5, max_batched_tokens=24,
+                              max_model_len=64)
+    seqs = workload(rng, 80, max_prompt=60)
+    seqs += [Sequence([1] * 64, key="too long"), Sequence([2] * 63, key="just fits")]
+    rng.shuffle(seqs)
+    finished, _, admitted = drive(sched, seqs, model, per_step=2)
+    assert sched.num_preemptions > 0                 # the cache is tight enough to preempt
+    assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
+    assert admitted == [s.seq_id for s in seqs if s.key != "too long"]
+    for seq in seqs:
+        assert seq.status is SequenceStatus.FINISHED and not seq.block_table
+        if seq.key == "too long":
+            assert seq.finish_reason == "error" and seq.output_token_ids == []
+            continue
+        out, reason = reference(seq.prompt_token_ids, seq.sampling, seq.eos_token_ids, 64)
+        assert (seq.output_token_ids, seq.finish_reason) == (out, reason)
+
+
+# ---- finish reasons ----------------------------------------------------------------------------------
+PROMPT = [4, 8, 15, 16, 23, 42]
+
+
+def first_new_token_at(tokens: list[int], start: int) -> int:
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_eos_finishes_with_stop_and_is_kept_in_tokens_not_text():
+    ref, _ = reference(PROMPT, SamplingParams(max_new_tokens=40))
+    i = first_new_token_at(ref, 3)
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40), eos=(ref[i],))
+    assert seq.finish_reason == "stop" and seq.stop_token_id == ref[i]
+    assert seq.output_token_ids == ref[:i + 1] and seq.text_token_ids == ref[:i]
+
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), eos=(ref[i],))
+    assert seq.finish_reason == "length" and seq.output_token_ids == ref and seq.text_token_ids == ref
+
+
+def test_stop_token_ids_finish_with_stop():
+    ref, _ = reference(PROMPT, SamplingParams(max_new_tokens=40))
+    i = first_new_token_at(ref, 2)
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=(ref[i],)))
+    assert seq.finish_reason == "stop" and seq.output_token_ids == ref[:i + 1]
+    assert seq.text_token_ids == ref[:i]
+
+
+def test_max_new_tokens_finishes_with_length():
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=3))
+    assert seq.finish_reason == "length" and seq.output_token_ids == reference(PROMPT)[0][:3]
+    assert seq.stop_token_id is None and seq.text_token_ids == seq.output_token_ids
+
+
+def test_max_model_len_and_cache_size_finish_with_length():
+    seq = run_one(PROMPT, max_model_len=10)
+    assert seq.finish_reason == "length" and seq.num_tokens == 10
+    # a sequence that would outgrow the whole cache (3 blocks of 4) stops at its size
+    seq = run_one(PROMPT, num_blocks=3, block_size=4, max_model_len=100)
+    assert seq.finish_reason == "length" and seq.num_tokens == 12
+    assert seq.output_token_ids == reference(PROMPT)[0][:6]
+
+
+# ---- rejection, abort ---------------------------------------------------------------------------------
+def test_sequence_that_can_never_fit_is_rejected_and_the_rest_go_on():
+    sched, model = make_sched(num_blocks=4, block_size=4, max_model_len=100)
+    ok1, too_big, empty, ok2 = Sequence([1, 2]), Sequence(list(range(16))), Sequence([]), Sequence([3] * 15)
+    finished, _, _ = drive(sched, [ok1, too_big, empty, ok2], model)
+    assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in (ok1, too_big, empty, ok2))
+    assert too_big.finish_reason == "error" and "KV cache (4 blocks of 4 tokens)" in too_big.error
+    assert empty.finish_reason == "error" and empty.error == "empty prompt"
+    assert ok1.finish_reason == ok2.finish_reason == "length" and ok2.num_completion_tokens == 1
+
+    sched, _ = make_sched(max_model_len=8)
+    seq = Sequence([1] * 8)
+    sched.add(seq)
+    assert sched.schedule() == ([], False, [])
+    assert not sched.has_work() and sched.take_rejected() == [seq] and sched.take_rejected() == []
+    assert "max_model_len 8" in seq.error
+
+
+def test_abort_frees_blocks_and_postprocess_skips_aborted():
+    sched, model = make_sched(num_blocks=16, block_size=4, max_batch_size=2, max_batched_tokens=8)
+    a, b, c = Sequence([1] * 5), Sequence([2] * 6), Sequence([3] * 3)
+    for s in (a, b, c):
+        sched.add(s)
+    steps, is_prefill, seqs = sched.schedule()
+    assert is_prefill and seqs == [a, b] and steps[1].token_ids == [2, 2, 2] and not steps[1].sample
+    assert (sched.num_running, sched.num_waiting) == (1, 2)      # b's prefill is under way
+    sched.abort(b)                                   # between schedule and postprocess
+    sched.finish(c, "error")                         # still waiting
+    assert b.finish_reason == "abort" and c.finish_reason == "error"
+    assert sched.postprocess(seqs, model(steps)) == []
+    assert a.num_completion_tokens == 1 and b.num_cached == 0 and b.output_token_ids == []
+    assert sched.block_manager.num_free == 16 - len(a.block_table)
+    sched.finish(b, "stop")                          # finishing twice changes nothing
+    assert b.finish_reason == "abort"
+    finished, _, _ = drive(sched, [], model)
+    assert finished == [a]

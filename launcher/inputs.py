@@ -1,0 +1,239 @@
+"""Input records, read lazily from .txt (one prompt a line), .jsonl or .parquet (same keys as
+jsonl, as columns).
+
+A bad record never raises: it comes back with `error` set (naming its line and the problem) so
+that the caller writes an error result and reads on. Only a file that cannot be read at all
+raises `InputError`, from `check_input` / `read_records`, before any record is served.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from launcher.errors import InputError
+from launcher.spec import INPUT_SUFFIXES
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids")
+PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass
+class Record:
+    id: str
+    line: int                                   # 1-based line (.txt, .jsonl) or row (.parquet)
+    prompt: str | None = None
+    messages: list | None = None
+    prompt_token_ids: list[int] | None = None
+    continuation: str | None = None
+    continuation_token_ids: list[int] | None = None
+    sampling: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def check_input(path: str | Path) -> Path:
+    """Cheap checks that the file exists, is readable and has a known format (a parquet file's
+    footer and columns are read, no rows)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in INPUT_SUFFIXES:
+        raise InputError(f"input file {path}: expected a .txt, .jsonl or .parquet file")
+    if not path.exists():
+        raise InputError(f"input file {path} does not exist")
+    if path.is_dir():
+        raise InputError(f"input file {path} is a folder; expected a {suffix} file")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise InputError(f"input file {path} cannot be read: {e.strerror or e}") from None
+    if suffix == ".parquet":
+        names = _parquet_file(path).schema_arrow.names
+        if not any(k in names for k in PROMPT_KEYS):
+            raise InputError(f"input file {path} has no column {', '.join(map(repr, PROMPT_KEYS))}; "
+                             f"its columns are {', '.join(names) or '(none)'}")
+    return path
+
+
+def read_records(path: str | Path) -> Iterator[Record]:
+    """Checks the file now (raising InputError), then yields its records one by one."""
+    path = check_input(path)
+    reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[path.suffix.lower()]
+    return _unique_ids(reader(path), "row" if path.suffix.lower() == ".parquet" else "line")
+
+
+def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
+    # a repeated id becomes an error record with its own id "<id>@<line>": the results file keeps
+    # one line per id, and resuming never takes the duplicate's error for the first record's result
+    first: dict[str, int] = {}
+    for r in records:
+        if r.id in first:
+            error = (f"{unit} {r.line}: id '{r.id}' was already used on {unit} {first[r.id]}; "
+                     f"ids must be unique")
+            r = Record(id=f"{r.id}@{r.line}", line=r.line, error=r.error or error)
+        first.setdefault(r.id, r.line)
+        yield r
+
+
+def _read_txt(path: Path) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            text, error = _decode(raw, n)
+            if error:
+                yield Record(id=str(n), line=n, error=error)
+            elif text.strip():
+                yield Record(id=str(n), line=n, prompt=text.removesuffix("\n").removesuffix("\r"))
+
+
+def _read_jsonl(path: Path) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            text, error = _decode(raw, n)
+            if error:
+                yield Record(id=str(n), line=n, error=error)
+                continue
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
+                continue
+            yield parse_record(obj, n, "line")
+
+
+def _read_parquet(path: Path) -> Iterator[Record]:
+    pf = _parquet_file(path)
+    columns = [c for c in pf.schema_arrow.names if c in KNOWN_KEYS]
+    n = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        for row in batch.to_pylist():
+            n += 1
+            yield parse_record(_drop_nulls(row), n, "row")
+
+
+def _parquet_file(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise InputError(f"input file {path}: reading .parquet needs pyarrow, which does not import here ({e})") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise InputError(f"input file {path} is not a readable parquet file: {e}") from None
+
+
+def _drop_nulls(row: dict) -> dict:
+    # parquet columns and struct fields exist in every row; a null means "not given"
+    out = {}
+    for k, v in row.items():
+        if v is None:
+            continue
+        if k == "sampling" and isinstance(v, dict):
+            v = {sk: sv for sk, sv in v.items() if sv is not None}
+        elif k == "messages" and isinstance(v, list):
+            v = [{mk: mv for mk, mv in m.items() if mv is not None} if isinstance(m, dict) else m for m in v]
+        out[k] = v
+    return out
+
+
+def _decode(raw: bytes, n: int) -> tuple[str, str | None]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "", f"line {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
+    return (text.removeprefix("\ufeff") if n == 1 else text), None
+
+
+def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
+    """One JSON object (a jsonl line, a parquet row) as a Record; problems go to `error`."""
+    where = f"{unit} {n}"
+    if not isinstance(obj, dict):
+        return Record(id=str(n), line=n, error=f"{where}: expected a JSON object with a 'prompt', 'messages' "
+                                                  f"or 'prompt_token_ids' key, got {_type(obj)}")
+    rid = obj.get("id")
+    if rid is None:
+        rid = str(n)
+    elif isinstance(rid, float) and rid.is_integer():  # pandas stores integer ids with gaps as floats
+        rid = str(int(rid))
+    elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
+        return Record(id=str(n), line=n, error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
+    else:
+        rid = str(rid)
+    rec = Record(id=rid, line=n)
+    rec.error = _fill(rec, obj)
+    if rec.error:
+        rec = Record(id=rid, line=n, error=f"{where}: {rec.error}")
+    return rec
+
+
+def _fill(rec: Record, obj: dict) -> str | None:
+    given = [k for k in PROMPT_KEYS if obj.get(k) is not None]
+    if not given:
+        return "no prompt: expected one of the keys 'prompt', 'messages' or 'prompt_token_ids'"
+    if len(given) > 1:
+        return f"has both '{given[0]}' and '{given[1]}'; give exactly one"
+    if "prompt" in given:
+        rec.prompt = obj["prompt"]
+        if not isinstance(rec.prompt, str):
+            return f"'prompt' must be a string, got {_type(rec.prompt)}"
+        if not rec.prompt.strip():
+            return "'prompt' is empty"
+    elif "messages" in given:
+        rec.messages = obj["messages"]
+        if error := _check_messages(rec.messages):
+            return error
+    else:
+        rec.prompt_token_ids = obj["prompt_token_ids"]
+        if error := _check_ids(rec.prompt_token_ids, "prompt_token_ids"):
+            return error
+    if obj.get("continuation") is not None and obj.get("continuation_token_ids") is not None:
+        return "has both 'continuation' and 'continuation_token_ids'; give at most one"
+    if obj.get("continuation") is not None:
+        rec.continuation = obj["continuation"]
+        if not isinstance(rec.continuation, str) or not rec.continuation:
+            return f"'continuation' must be a non-empty string, got {rec.continuation!r:.60}"
+    if obj.get("continuation_token_ids") is not None:
+        rec.continuation_token_ids = obj["continuation_token_ids"]
+        if error := _check_ids(rec.continuation_token_ids, "continuation_token_ids"):
+            return error
+    sampling = obj.get("sampling")
+    if sampling is not None and not isinstance(sampling, dict):
+        return f"'sampling' must be an object of sampling keys, got {_type(sampling)}"
+    rec.sampling = dict(sampling or {})
+    return None
+
+
+def _check_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}}, got {_type(messages)}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object with 'role' and 'content', got {_type(m)}"
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            return f"messages[{i}] needs a 'role' string (system, user, assistant, ...)"
+        if not isinstance(m.get("content"), (str, list)):
+            return f"messages[{i}] needs a 'content' string (or a list of content parts), got {_type(m.get('content'))}"
+    return None
+
+
+def _check_ids(ids: Any, key: str) -> str | None:
+    if not isinstance(ids, list) or not ids:
+        return f"'{key}' must be a non-empty list of token ids, got {_type(ids)}"
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    if bad:
+        return f"'{key}' must hold non-negative integers, found {bad[0]!r}"
+    return None
+
+
+def _type(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, list):
+        return "an empty list" if not x else "a list"
+    if isinstance(x, dict):
+        return "an object"
+    return f"{type(x).__name__} {x!r:.40}"

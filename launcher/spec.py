@@ -1,0 +1,408 @@
+"""The job spec: one pydantic model per YAML section, validated once, before Ray starts.
+
+`load_spec(path, overrides)` reads the YAML file, applies `--set dotted.key=value` overrides and
+validates. Every problem becomes a `SpecError` whose lines read
+`job.yaml:12: scheduler.max_batch: unknown key; did you mean 'max_batch_size'?`.
+Paths (`~`, `${VAR}`) are expanded; relative ones resolve against the spec file's folder, or
+against the working directory when given with --set (that is where the user typed them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from launcher.errors import RecordError, SpecError
+from worker.protocol import SamplingParams
+
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+PATH_KEYS = ("model.path", "model.tokenizer", "model.lora.path", "input.path", "output.path")
+_ENV_REF = re.compile(r"\$\{([^}]*)\}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def expand_path(value: str, base: str | Path | None = None) -> str:
+    """`${VAR}`, then `~`, then relative to `base` (default: the working directory). Raises
+    ValueError naming an unset variable."""
+    def env(m: re.Match) -> str:
+        name = m.group(1)
+        if not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"'${{{name}}}' is not a valid environment variable reference")
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} is not set (used as ${{{name}}} in '{value}')")
+        return os.environ[name]
+    if not value.strip():
+        raise ValueError("expected a path, got an empty string")
+    path = os.path.expanduser(_ENV_REF.sub(env, value))
+    return os.path.normpath(os.path.join(base or os.getcwd(), path))
+
+
+def _expand(cls, value: str | None, info: ValidationInfo) -> str | None:
+    return None if value is None else expand_path(value, (info.context or {}).get("base"))
+
+
+class Section(BaseModel):
+    # strict: a quoted "2" or a YAML `yes` for a number is a mistake to report, not to coerce
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class LoraSpec(Section):
+    path: str
+    scale: float = 1.0
+    _path = field_validator("path")(_expand)
+
+
+class PositionsSpec(Section):
+    scheme: Literal["rope", "rope2d"] = "rope"
+    ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class ModelSpec(Section):
+    path: str
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, ge=1)  # None: min(max_position_embeddings, 4096), set by the caller
+    tokenizer: str | None = None                    # None: model.path
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    graph_mode: bool = True
+    lora: LoraSpec | None = None
+    positions: PositionsSpec = Field(default_factory=PositionsSpec)
+    _paths = field_validator("path", "tokenizer")(_expand)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+
+class ParallelSpec(Section):
+    tensor_parallel: int = Field(1, ge=1)
+    data_parallel: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "ascend"] = "auto"
+    placement: Literal["pack", "spread"] = "pack"
+
+
+class InputSpec(Section):
+    path: str
+    chat_template: bool = True
+
+    @field_validator("path")
+    @classmethod
+    def _input_path(cls, value: str, info: ValidationInfo) -> str:
+        path = _expand(cls, value, info)
+        if Path(path).suffix.lower() not in INPUT_SUFFIXES:
+            raise ValueError(f"expected a .txt, .jsonl or .parquet file, got '{value}'")
+        return path
+
+
+class SamplingSpec(Section):
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    stop: list[Annotated[str, Field(min_length=1)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    ignore_eos: bool = False
+    logprobs: int = Field(0, ge=0)
+
+    def merge(self, overrides: dict | None, record_id: str | None = None) -> SamplingSpec:
+        """These defaults with one record's `sampling` overrides, validated like the spec."""
+        if not overrides:
+            return self
+        where = f"record '{record_id}'" if record_id is not None else "record"
+        if not isinstance(overrides, dict):
+            raise RecordError(f"{where}: sampling: expected a mapping of sampling keys, got {_show(overrides)}")
+        try:
+            return SamplingSpec.model_validate({**self.model_dump(), **overrides})
+        except ValidationError as e:
+            problems = _describe_all(e, SamplingSpec, lambda loc: "", prefix="sampling")
+            raise RecordError(f"{where}: " + "; ".join(problems)) from None
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**{**self.model_dump(), "stop": tuple(self.stop),
+                                 "stop_token_ids": tuple(self.stop_token_ids)})
+
+
+class SchedulerSpec(Section):
+    max_batch_size: int = Field(32, ge=1)
+    max_batched_tokens: int = Field(8192, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len
+
+
+class OutputSpec(Section):
+    path: str
+    status_interval_s: float = Field(2.0, gt=0.0)
+    _path = field_validator("path")(_expand)
+
+
+class RaySpec(Section):
+    address: str | None = None  # None: embedded local Ray; "auto" or host:port joins a cluster
+    dashboard: bool = False
+    num_cpus_per_worker: float = Field(1.0, ge=0.0)
+
+
+class FaultSpec(Section):
+    max_replica_restarts: int = Field(3, ge=0)
+    step_timeout_s: float = Field(600.0, gt=0.0)
+
+
+class JobSpec(Section):
+    task: Literal["generate", "score"] = "generate"
+    model: ModelSpec
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    input: InputSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    output: OutputSpec
+    ray: RaySpec = Field(default_factory=RaySpec)
+    fault: FaultSpec = Field(default_factory=FaultSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # `sampling:` with every line commented out is YAML null: read it as "all defaults"
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _DEFAULTED)}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        n, m = self.model.max_model_len, self.sampling.max_new_tokens
+        if n is not None and m >= n:
+            raise ValueError(f"sampling.max_new_tokens ({m}) must be less than model.max_model_len ({n}): "
+                             f"a sequence holds its prompt and the generated tokens")
+        blocks, bs = self.scheduler.kv_cache_blocks, self.scheduler.block_size
+        if n is not None and blocks is not None and blocks * bs < n:
+            raise ValueError(f"scheduler.kv_cache_blocks ({blocks}) x scheduler.block_size ({bs}) = {blocks * bs} "
+                             f"tokens cannot hold one sequence of model.max_model_len ({n}) tokens")
+        if self.input.path == self.output.path:
+            raise ValueError(f"output.path and input.path are the same file ({self.input.path}); "
+                             f"the results would overwrite the prompts")
+        return self
+
+    def resolved(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def with_max_model_len(self, n: int) -> JobSpec:
+        """The spec with a null model.max_model_len resolved by the caller (from the checkpoint's
+        config), with the checks that depend on it run again."""
+        data = self.resolved()
+        data["model"]["max_model_len"] = n
+        try:
+            return JobSpec.model_validate(data)
+        except ValidationError as e:
+            raise SpecError("\n".join(_describe_all(e, JobSpec, lambda loc: "job spec"))) from None
+
+
+_DEFAULTED = {name for name, f in JobSpec.model_fields.items() if not f.is_required()}
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: job spec file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read the job spec ({e})") from None
+    data, lines = _parse_yaml(text, str(path))
+    if data is None:
+        raise SpecError(f"{path}: the job spec is empty; expected a mapping with at least "
+                        f"model.path, input.path and output.path")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the top level of the job spec must be a mapping of sections "
+                        f"({', '.join(JobSpec.model_fields)}), got {_kind(data)}")
+    set_keys = [_apply_override(data, item) for item in overrides or ()]
+
+    def where(loc: tuple) -> str:
+        dotted = ".".join(map(str, loc))
+        if any(dotted == k or dotted.startswith(k + ".") for k in set_keys):
+            return "--set"
+        if loc in lines:
+            return f"{path}:{lines[loc]}"
+        if any(k.startswith(dotted + ".") for k in set_keys):  # e.g. --set task.x=1 made `task` a mapping
+            return "--set"
+        for n in range(len(loc) - 1, 0, -1):
+            if loc[:n] in lines:
+                return f"{path}:{lines[loc[:n]]}"
+        return str(path)
+
+    try:
+        return JobSpec.model_validate(data, context={"base": path.absolute().parent})
+    except ValidationError as e:
+        problems = _describe_all(e, JobSpec, where)
+        head = "" if len(problems) == 1 else f"{len(problems)} problems in the job spec:\n"
+        raise SpecError(head + "\n".join(problems)) from None
+
+
+# ---- YAML with line numbers -------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    def construct_mapping(self, node, deep=False):
+        # PyYAML keeps the last of two equal keys silently; a second `sampling:` section is a mistake
+        seen = {}
+        for key_node, _ in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+            if key in seen and key != "<<":
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice (first on line {seen[key] + 1}); YAML would keep "
+                    f"only the last one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 reads 1e-3 as a string; read it as the number the user meant
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _parse_yaml(text: str, name: str) -> tuple[Any, dict[tuple, int]]:
+    try:
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark else name
+        problem = getattr(e, "problem", None) or str(e)
+        context = getattr(e, "context", None)
+        raise SpecError(f"{where}: malformed YAML: {problem}" + (f" ({context})" if context else "")) from None
+    lines: dict[tuple, int] = {}
+
+    def walk(n, prefix: tuple):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                if isinstance(k, yaml.ScalarNode):
+                    lines[prefix + (k.value,)] = k.start_mark.line + 1
+                    walk(v, prefix + (k.value,))
+    walk(node, ())
+    return data, lines
+
+
+def _apply_override(data: dict, item: str) -> str:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not all(parts):
+        raise SpecError(f"--set {item!r}: expected dotted.key=value, e.g. --set parallel.tensor_parallel=2")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {key}: the value {text!r} is not a valid YAML scalar or list "
+                        f"({getattr(e, 'problem', None) or e})") from None
+    if key in PATH_KEYS and isinstance(value, str):
+        try:
+            value = expand_path(value)
+        except ValueError as e:
+            raise SpecError(f"--set {key}: {e}") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise SpecError(f"--set {key}: '{'.'.join(parts[:i + 1])}' is {_kind(child)}, not a section of keys")
+        node = child
+    node[parts[-1]] = value
+    return key
+
+
+# ---- pydantic errors as sentences -------------------------------------------------------------
+
+def _bound(op: str, x) -> str:
+    # the bound's type is the field's: Field(1, ge=1) is an integer, Field(0.0, ge=0.0) a number
+    return f"expected a number {op} {x:g}" if isinstance(x, float) else f"expected an integer {op} {x}"
+
+
+_EXPECTED: dict[str, Callable[[dict], str]] = {
+    "greater_than_equal": lambda c: _bound(">=", c["ge"]),
+    "greater_than": lambda c: _bound(">", c["gt"]),
+    "less_than_equal": lambda c: _bound("<=", c["le"]),
+    "less_than": lambda c: _bound("<", c["lt"]),
+    "int_type": lambda c: "expected an integer",
+    "int_from_float": lambda c: "expected an integer",
+    "float_type": lambda c: "expected a number",
+    "finite_number": lambda c: "expected a finite number",
+    "bool_type": lambda c: "expected true or false",
+    "string_type": lambda c: "expected a string",
+    "string_too_short": lambda c: "expected a non-empty string",
+    "literal_error": lambda c: f"expected one of {c['expected']}",
+    "list_type": lambda c: "expected a list",
+    "model_type": lambda c: "expected a mapping",
+    "dict_type": lambda c: "expected a mapping",
+}
+
+
+def _describe_all(e: ValidationError, root: type[BaseModel], where: Callable[[tuple], str],
+                  prefix: str = "") -> list[str]:
+    return [_describe(err, root, where, prefix) for err in e.errors()]
+
+
+def _describe(err: dict, root: type[BaseModel], where: Callable[[tuple], str], prefix: str) -> str:
+    loc = tuple(err["loc"])
+    dotted = ".".join([prefix] * bool(prefix) + [f"[{p}]" if isinstance(p, int) else str(p) for p in loc])
+    dotted = dotted.replace(".[", "[")
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        what = "unknown key; " + _suggest(str(loc[-1]), _keys_at(root, loc[:-1]))
+    elif kind == "missing":
+        what = "missing required key"
+    elif kind in ("value_error", "assertion_error"):
+        what = str(ctx.get("error", err["msg"]))
+    else:
+        expected = _EXPECTED.get(kind, lambda c: "expected: " + err["msg"].replace("Input should be ", ""))(ctx)
+        what = f"{expected}, got {_show(err['input'])}"
+    return ": ".join(part for part in (where(loc), dotted, what) if part)
+
+
+def _keys_at(root: type[BaseModel], loc: tuple) -> list[str]:
+    model = root
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = _model_in(field.annotation) if field else None
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_in(tp) -> type[BaseModel] | None:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    return next((m for m in map(_model_in, get_args(tp)) if m), None)
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+    return f"valid keys here: {', '.join(valid)}" if valid else "no keys are expected here"
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, dict):
+        return "a mapping"
+    if isinstance(x, list):
+        return "a list"
+    return f"the scalar {_show(x)}"
+
+
+def _show(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, dict):
+        return "a mapping"
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,127 @@
+"""The driver's tokenizer: records to prompt token ids, generated ids to text, stop strings.
+
+A thin layer over transformers' AutoTokenizer, reading local files only (nothing downloads).
+Chat templates are applied as vLLM does: render the template to text, then encode that text
+without adding special tokens again (the template already holds BOS and the role markers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from launcher.errors import RecordError, TokenizerError
+from launcher.inputs import Record
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "vocab.json", "vocab.txt", "merges.txt")
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Tokenizer | None:
+    """None when the folder holds no tokenizer files (results then carry token ids only)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TokenizerError(f"tokenizer folder {path} does not exist (model.tokenizer, or model.path when "
+                             f"model.tokenizer is null)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return Tokenizer(path, trust_remote_code)
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, trust_remote_code: bool = False):
+        from transformers import AutoTokenizer
+
+        self.path = str(path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
+        except Exception as e:  # transformers raises OSError, ValueError, json errors, ... for bad files
+            raise TokenizerError(f"the tokenizer files in {self.path} do not load: {type(e).__name__}: {e}") from None
+        self.eos_token_id: int | None = self.tok.eos_token_id
+        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return _ids(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):  # some versions hand back token ids (a list or BatchEncoding) anyway
+            return _ids(text)
+        return self.encode(text, add_special_tokens=False)
+
+    def encode_record(self, record: Record, chat_template: bool) -> list[int]:
+        """Prompt token ids of a record: `prompt_token_ids` as given; `messages` through the chat
+        template; `prompt` text through the chat template as one user message when `chat_template`
+        is on and the tokenizer has one, else encoded as is."""
+        where = f"record '{record.id}'"
+        if record.prompt_token_ids is not None:
+            return list(record.prompt_token_ids)
+        if record.messages is not None and not self.has_chat_template:
+            raise RecordError(f"{where}: has 'messages', but the tokenizer in {self.path} has no chat template; "
+                              f"give the prompt as 'prompt' text instead")
+        if record.messages is None and record.prompt is None:
+            raise RecordError(f"{where}: has no prompt to encode")
+        try:
+            if record.messages is not None:
+                ids = self.apply_chat_template(record.messages)
+            elif chat_template and self.has_chat_template:
+                ids = self.apply_chat_template([{"role": "user", "content": record.prompt}])
+            else:
+                ids = self.encode(record.prompt)
+        except Exception as e:  # a template's raise_exception(), a bad message, ...
+            raise RecordError(f"{where}: the tokenizer cannot encode it: {type(e).__name__}: {e}") from None
+        if not ids:
+            raise RecordError(f"{where}: the prompt encodes to no tokens")
+        return ids
+
+    def encode_continuation(self, record: Record) -> list[int] | None:
+        """Token ids of a scoring record's continuation, encoded on its own with no special tokens."""
+        if record.continuation_token_ids is not None:
+            return list(record.continuation_token_ids)
+        if record.continuation is None:
+            return None
+        ids = self.encode(record.continuation, add_special_tokens=False)
+        if not ids:
+            raise RecordError(f"record '{record.id}': the continuation encodes to no tokens")
+        return ids
+
+
+def _ids(x: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding (a dict) from apply_chat_template(tokenize=True)
+    if hasattr(x, "keys") and "input_ids" in x:
+        x = x["input_ids"]
+    x = list(x)
+    if x and isinstance(x[0], (list, tuple)):
+        x = list(x[0])
+    return [int(t) for t in x]
+
+
+class StopStringMatcher:
+    """Finds the first stop string in one sequence's growing output text.
+
+    Call `check(text)` with the whole decoded output after each new token; it returns the index
+    at which to cut the output (where the stop string starts; the stop string is not part of the
+    output) or None. Only the tail that could hold a new match is searched, so a long output
+    costs no more per step than a short one.
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = tuple(s for s in stop if s)
+        self.longest = max(map(len, self.stop), default=0)
+        self.checked = 0  # leading characters of the text known to hold no stop string
+
+    def check(self, text: str) -> int | None:
+        if not self.stop:
+            return None
+        start = max(0, min(self.checked, len(text)) - self.longest + 1)
+        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        # a trailing U+FFFD is a multi-byte character still incomplete: the next token may change it
+        self.checked = len(text.rstrip("\ufffd"))
+        return min(hits) if hits else None

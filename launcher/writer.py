@@ -1,0 +1,226 @@
+"""The results file (one JSON line per record) and its companions `<output>.status.json` and
+`<output>.summary.json`.
+
+Crash safety: each result is one write() of one whole line, then fsync. A process killed
+mid-write leaves at most a partial last line; the next run's ResultWriter cuts it away, and the
+ids on the whole lines (`done_ids`) are not computed again. Companion files are replaced
+atomically, so a reader sees the old or the new file, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.errors import OutputError
+
+
+def status_path(output: str | Path) -> Path:
+    return Path(f"{output}.status.json")
+
+
+def summary_path(output: str | Path) -> Path:
+    return Path(f"{output}.summary.json")
+
+
+def check_output(path: str | Path) -> Path:
+    """Before any worker starts: the results file's folder exists (or is created) and takes a
+    new file."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise OutputError(f"output.path {path} is a folder; expected a file name such as {path / 'results.jsonl'}")
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OutputError(f"output folder {folder} cannot be created: {blocker} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".msinfer-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise OutputError(f"output folder {folder} is not writable ({e.strerror or e}); choose another "
+                          f"output.path or fix the folder's permissions") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"results file {path} exists and is not writable; fix its permissions or choose "
+                          f"another output.path")
+    return path
+
+
+class ResultWriter:
+    """Appends results to `path`. Without `overwrite`, an existing file is resumed: its whole
+    lines stay, their ids are in `done_ids`, and a partial last line (a crash mid-write) is cut
+    so that its record is computed again, once."""
+
+    def __init__(self, path: str | Path, overwrite: bool = False):
+        self.path = Path(path)
+        self.done_ids: set[str] = set()
+        self.cut_partial_line = False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        if overwrite:
+            flags |= os.O_TRUNC
+        elif self.path.exists():
+            self._resume()
+        try:
+            self.fd: int | None = os.open(self.path, flags, 0o644)
+            self.size = os.fstat(self.fd).st_size
+        except OSError as e:
+            raise OutputError(f"results file {self.path} cannot be opened for writing: {e.strerror or e}") from None
+
+    def _resume(self):
+        good = bad_line = 0
+        try:
+            with open(self.path, "r+b") as f:
+                for n, raw in enumerate(f, 1):
+                    if bad_line:
+                        raise OutputError(
+                            f"results file {self.path}, line {bad_line}: not a whole JSON result, and more lines "
+                            f"follow it, so it is not a crash's partial last line. Fix or remove that line, or "
+                            f"pass --overwrite to start the results over")
+                    rid = _result_id(raw)
+                    if rid is None:
+                        bad_line = n
+                        continue
+                    self.done_ids.add(rid)
+                    good += len(raw)
+                if bad_line:
+                    f.truncate(good)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    self.cut_partial_line = True
+        except OSError as e:
+            raise OutputError(f"results file {self.path} exists but cannot be read and resumed: "
+                              f"{e.strerror or e}") from None
+
+    def write(self, result: dict):
+        if self.fd is None:
+            raise OutputError(f"results file {self.path} is closed; no more results can be written")
+        line = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        data = memoryview(line)
+        try:
+            while data:  # a regular file takes the whole line in one write(); loop in case it did not
+                n = os.write(self.fd, data)
+                if n <= 0:
+                    raise OSError(28, os.strerror(28))  # ENOSPC
+                data = data[n:]
+            os.fsync(self.fd)
+        except OSError as e:
+            self._fail(e)
+        self.size += len(line)
+        self.done_ids.add(str(result["id"]))
+
+    def _fail(self, e: OSError):
+        try:  # drop the partial line, if any: what was written before stays whole
+            os.ftruncate(self.fd, self.size)
+        except OSError:
+            pass
+        self.close()
+        raise OutputError(f"cannot write to results file {self.path}: {e.strerror or e}. The "
+                          f"{len(self.done_ids)} results written so far are kept; after freeing space or fixing "
+                          f"permissions, run the same job again to resume after them") from None
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _result_id(raw: bytes) -> str | None:
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def ok_result(id: str, token_ids: list[int], text: str | None, finish_reason: str, prompt_tokens: int,
+              extra: dict | None = None) -> dict:
+    """`output_text` only when there is a tokenizer to decode with (`text` is not None)."""
+    result = {"id": id}
+    if text is not None:
+        result["output_text"] = text
+    result.update(output_token_ids=list(token_ids), finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                  completion_tokens=len(token_ids))
+    result.update(extra or {})
+    result["error"] = None
+    return result
+
+
+def error_result(id: str, type: str, message: str) -> dict:
+    return {"id": id, "error": {"type": type, "message": message}}
+
+
+@dataclass
+class Stats:
+    done: int = 0
+    failed: int = 0
+    skipped: int = 0                  # already in the results file when the run started
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+
+    def add(self, result: dict, ttft_s: float | None = None):
+        if result.get("error"):
+            self.failed += 1
+            return
+        self.done += 1
+        self.prompt_tokens += result.get("prompt_tokens") or 0
+        self.completion_tokens += result.get("completion_tokens") or 0
+        if ttft_s is not None:
+            self.ttft_s.append(ttft_s)
+
+    def summary(self, startup_s: float, generation_s: float) -> dict:
+        def rate(x):
+            return round(x / generation_s, 3) if generation_s > 0 else None
+        return {
+            "records_done": self.done,
+            "records_failed": self.failed,
+            "records_skipped": self.skipped,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "startup_s": round(startup_s, 3),
+            "generation_s": round(generation_s, 3),
+            "tokens_per_s": rate(self.completion_tokens),
+            "ttft_p50_s": _percentile(self.ttft_s, 50),
+            "ttft_p95_s": _percentile(self.ttft_s, 95),
+            "records_per_s": rate(self.done),
+        }
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 4)

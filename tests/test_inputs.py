@@ -1,0 +1,161 @@
+import json
+import os
+
+import pytest
+
+from launcher.errors import InputError
+from launcher.inputs import Record, check_input, read_records
+
+
+def jsonl(tmp_path, lines, name="in.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b"".join((l if isinstance(l, bytes) else (l if isinstance(l, str) else json.dumps(l)).encode())
+                              + b"\n" for l in lines))
+    return path
+
+
+def test_txt_one_prompt_a_line_blank_lines_skipped(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbfhello\n\n   \nsecond line  \r\nthird")
+    recs = list(read_records(path))
+    assert [(r.id, r.line, r.prompt) for r in recs] == [("1", 1, "hello"), ("4", 4, "second line  "), ("5", 5, "third")]
+    assert all(r.error is None and r.sampling == {} for r in recs)
+
+
+def test_jsonl_forms(tmp_path):
+    path = jsonl(tmp_path, [
+        {"id": "a", "prompt": "hi", "sampling": {"temperature": 0.5}},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"id": 17, "prompt_token_ids": [1, 2, 3]},
+        {"id": "s", "prompt": "2+2=", "continuation": "4"},
+        {"id": "t", "prompt_token_ids": [5], "continuation_token_ids": [6, 7]},
+        {"id": "é", "prompt": "ünïcode ✓", "meta": {"ignored": True}},
+    ])
+    a, b, c, s, t, u = read_records(path)
+    assert (a.id, a.prompt, a.sampling) == ("a", "hi", {"temperature": 0.5})
+    assert (b.id, b.line, b.messages[1]["content"]) == ("2", 2, "hi")
+    assert (c.id, c.prompt_token_ids) == ("17", [1, 2, 3])
+    assert (s.continuation, t.continuation_token_ids) == ("4", [6, 7])
+    assert (u.id, u.prompt) == ("é", "ünïcode ✓")
+    assert all(r.error is None for r in (a, b, c, s, t, u))
+
+
+BAD = [
+    (b'{"id": "x", "prompt": "ok"}', None),
+    (b'{"id": "y", "prompt": ', "line 2: invalid JSON"),
+    (b'\xff\xfe{"prompt": "latin"}', "line 3: not valid UTF-8"),
+    (b'{"id": "z"}', "line 4: no prompt: expected one of the keys 'prompt', 'messages' or 'prompt_token_ids'"),
+    (b'{"id": "e", "prompt": "  "}', "line 5: 'prompt' is empty"),
+    (b'{"id": "n", "prompt": 42}', "line 6: 'prompt' must be a string, got int 42"),
+    (b'{"id": "m", "messages": [{"role": "user"}]}', "line 7: messages[0] needs a 'content' string"),
+    (b'{"id": "p", "prompt_token_ids": [1, -2]}', "line 8: 'prompt_token_ids' must hold non-negative integers, found -2"),
+    (b'{"id": "q", "prompt_token_ids": [1, null]}', "line 9: 'prompt_token_ids' must hold non-negative integers"),
+    (b'{"id": "b", "prompt": "a", "messages": []}', "line 10: has both 'prompt' and 'messages'"),
+    (b'{"id": "s", "prompt": "a", "sampling": [1]}', "line 11: 'sampling' must be an object"),
+    (b'[1, 2]', "line 12: expected a JSON object"),
+    (b'{"id": true, "prompt": "a"}', "line 13: 'id' must be a non-empty string or an integer"),
+    (b'{"id": "w", "prompt": "x", "continuation": ""}', "line 14: 'continuation' must be a non-empty string"),
+    (b'{"id": "last", "prompt": "still read"}', None),
+]
+
+
+def test_bad_records_become_error_records_and_the_rest_are_read(tmp_path):
+    recs = list(read_records(jsonl(tmp_path, [line for line, _ in BAD])))
+    assert len(recs) == len(BAD)
+    for rec, (_, expected) in zip(recs, BAD):
+        if expected is None:
+            assert rec.error is None and rec.prompt
+        else:
+            assert rec.error is not None and rec.error.startswith(expected), (rec.error, expected)
+    # its own id when readable, else the line number
+    assert [r.id for r in recs[1:5]] == ["2", "3", "z", "e"]
+    assert recs[12].id == "13"
+
+
+def test_duplicate_ids_name_both_lines(tmp_path):
+    path = jsonl(tmp_path, [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"}, {"id": "a", "prompt": "3"},
+                            {"prompt": "id defaults to line 4"}, {"id": 4, "prompt": "collides with line 4"}])
+    recs = list(read_records(path))
+    assert [r.id for r in recs] == ["a", "b", "a@3", "4", "4@5"]
+    assert recs[2].error == "line 3: id 'a' was already used on line 1; ids must be unique"
+    assert "line 5: id '4' was already used on line 4" in recs[4].error
+    assert len({r.id for r in recs}) == len(recs)  # one results line per id
+
+
+def test_parquet_in_row_batches(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import launcher.inputs as inputs
+
+    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 2)
+    table = pa.table({
+        "id": ["a", "b", None, "d", "e"],
+        "prompt": ["hello", None, None, "", "x"],
+        "prompt_token_ids": [None, [1, 2], None, None, None],
+        "sampling": [{"temperature": 0.5, "top_k": None}, None, None, None, {"temperature": None, "top_k": 3}],
+        "extra": [1, 2, 3, 4, 5],
+    })
+    path = tmp_path / "in.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    seen_batches = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self, *a, **k):
+        seen_batches.append(k.get("batch_size"))
+        assert "extra" not in k.get("columns")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    a, b, c, d, e = read_records(path)
+    assert seen_batches == [2]
+    assert (a.id, a.prompt, a.sampling) == ("a", "hello", {"temperature": 0.5})
+    assert (b.id, b.prompt_token_ids, b.sampling) == ("b", [1, 2], {})
+    assert c.id == "3" and c.error.startswith("row 3: no prompt")
+    assert d.error == "row 4: 'prompt' is empty"
+    assert e.sampling == {"top_k": 3}
+
+
+def test_parquet_messages_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "messages": [[{"role": "user", "content": "hi"}],
+                                                        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]]}), path)
+    a, b = read_records(path)
+    assert a.id == "1" and a.messages == [{"role": "user", "content": "hi"}] and b.messages[1]["content"] == "q"
+
+
+def test_unreadable_input_raises_before_reading(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        read_records(tmp_path / "missing.jsonl")  # raises on the call, not on the first next()
+    with pytest.raises(InputError, match="is a folder"):
+        check_input(_mkdir(tmp_path / "d.jsonl"))
+    with pytest.raises(InputError, match="expected a .txt, .jsonl or .parquet"):
+        check_input(tmp_path / "x.csv")
+
+
+def test_bad_parquet_file_raises(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(InputError, match="bad.parquet is not a readable parquet file"):
+        check_input(bad)
+    nocol = tmp_path / "nocol.parquet"
+    pq.write_table(pa.table({"text": ["a"]}), nocol)
+    with pytest.raises(InputError, match="has no column 'prompt', 'messages', 'prompt_token_ids'; its columns are text"):
+        check_input(nocol)
+
+
+def _mkdir(path):
+    os.mkdir(path)
+    return path
+
+
+def test_records_are_read_lazily(tmp_path):
+    path = jsonl(tmp_path, [{"prompt": str(i)} for i in range(1000)])
+    it = read_records(path)
+    assert isinstance(next(it), Record)

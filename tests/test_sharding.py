@@ -1,0 +1,167 @@
+"""Tier 1: the tensor-parallel layout and the shard math of every parallel layer.
+
+Each layer is built for every rank of a group, loads its slice of a full numpy tensor the way it
+loads a checkpoint, and the ranks' outputs re-assembled (concatenated, or summed by a stand-in
+all-reduce) must equal the full computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor
+
+from sharding.config import ModelConfig
+from sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                             QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
+from sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
+
+ms.set_device("CPU")
+rng = np.random.default_rng(0)
+SMOLLM2 = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+
+
+def cfg(**kw):
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=16, intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    return ModelConfig.from_dict({**base, **kw})
+
+
+def t(x):
+    return Tensor(x.astype(np.float32))
+
+
+class SumOverRanks:
+    """Stands in for AllReduce: first records each rank's partial, then returns their sum."""
+
+    def __init__(self):
+        self.partials = []
+
+    def __call__(self, x):
+        self.partials.append(x.asnumpy())
+        return x
+
+
+def test_column_parallel_concatenates_to_the_full_matmul():
+    W, b, x = rng.normal(size=(12, 8)), rng.normal(size=12), rng.normal(size=(3, 8))
+    outs = []
+    for r in range(3):
+        layer = ColumnParallelLinear(8, 12, True, TPInfo(r, 3), ms.float32)
+        layer.weight_loader(layer.weight, W, "w")
+        layer.weight_loader(layer.bias, b, "b")
+        assert layer.weight.shape == (4, 8)
+        outs.append(layer(t(x)).asnumpy())
+    np.testing.assert_allclose(np.concatenate(outs, 1), x @ W.T + b, rtol=1e-5, atol=1e-5)
+
+
+def test_row_parallel_sums_partials_and_adds_the_bias_once():
+    W, b, x = rng.normal(size=(6, 12)), rng.normal(size=6), rng.normal(size=(3, 12))
+    tp = 3
+    layers = []
+    for r in range(tp):
+        layer = RowParallelLinear(12, 6, True, TPInfo(r, tp), ms.float32)
+        layer.weight_loader(layer.weight, W, "w")
+        layer.weight_loader(layer.bias, b, "b")
+        layers.append(layer)
+    reducer = SumOverRanks()
+    for r, layer in enumerate(layers):
+        layer.all_reduce = reducer
+        layer(t(x[:, r * 4:(r + 1) * 4]))
+    total = sum(reducer.partials)
+    for layer in layers:     # second pass: the "all-reduce" hands every rank the sum
+        layer.all_reduce = lambda _y, total=total: t(total)
+    outs = [layer(t(x[:, r * 4:(r + 1) * 4])).asnumpy() for r, layer in enumerate(layers)]
+    for out in outs:
+        np.testing.assert_allclose(out, x @ W.T + b, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_column_holds_gate_and_up_slices_side_by_side():
+    G, U, x = rng.normal(size=(8, 4)), rng.normal(size=(8, 4)), rng.normal(size=(2, 4))
+    gate, up = [], []
+    for r in range(2):
+        layer = MergedColumnParallelLinear(4, [8, 8], False, TPInfo(r, 2), ms.float32)
+        layer.weight_loader(layer.weight, G, "gate", 0)
+        layer.weight_loader(layer.weight, U, "up", 1)
+        y = layer(t(x)).asnumpy()
+        gate.append(y[:, :4]); up.append(y[:, 4:])
+    np.testing.assert_allclose(np.concatenate(gate, 1), x @ G.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(up, 1), x @ U.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp", [(4, 2, 2), (4, 1, 2), (4, 2, 4), (4, 4, 2)])
+def test_qkv_parallel_splits_query_heads_and_replicates_kv_heads_when_needed(heads, kv_heads, tp):
+    D = 3
+    c = cfg(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=heads * D, head_dim=D)
+    Wq, Wk, Wv = (rng.normal(size=(n * D, c.hidden_size)) for n in (heads, kv_heads, kv_heads))
+    x = rng.normal(size=(2, c.hidden_size))
+    q_parts = []
+    for r in range(tp):
+        layer = QKVParallelLinear(c, False, TPInfo(r, tp), ms.float32)
+        for s, W in zip("qkv", (Wq, Wk, Wv)):
+            layer.weight_loader(layer.weight, W, s, s)
+        y = layer(t(x)).asnumpy()
+        q = y[:, : layer.q_heads * D]
+        k = y[:, layer.q_heads * D: (layer.q_heads + layer.kv_heads) * D]
+        q_parts.append(q)
+        # the KV head(s) this rank holds are the ones its query heads attend to
+        group = heads // kv_heads
+        first_kv = (r * layer.q_heads) // group
+        np.testing.assert_allclose(k, x @ Wk[first_kv * D:(first_kv + layer.kv_heads) * D].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(q_parts, 1), x @ Wq.T, rtol=1e-5, atol=1e-5)
+
+
+def test_vocab_parallel_embedding_and_lm_head_cover_the_vocab_with_padding():
+    V, H, tp = 10, 4, 3                     # 10 rows over 3 ranks: 4 + 4 + 2 (padded to 4)
+    E, ids, x = rng.normal(size=(V, H)), np.array([0, 3, 4, 9]), rng.normal(size=(2, H))
+    reducer, logits = SumOverRanks(), []
+    for r in range(tp):
+        emb = VocabParallelEmbedding(V, H, TPInfo(r, tp), ms.float32)
+        emb.weight_loader(emb.weight, E, "embed")
+        emb.all_reduce = reducer
+        emb(Tensor(ids.astype(np.int32)))
+        head = ParallelLMHead(V, H, TPInfo(r, tp), ms.float32, tied=emb)
+        head.all_gather = None
+        logits.append(head(t(x)).asnumpy())
+    np.testing.assert_allclose(sum(reducer.partials), E[ids], rtol=1e-6)
+    full = np.concatenate(logits, 1)[:, :V]
+    np.testing.assert_allclose(full, x @ E.T, rtol=1e-5, atol=1e-5)
+    assert np.all(np.concatenate(logits, 1)[:, V:] == 0)   # padded rows hold zeros
+
+
+def test_a_tensor_of_the_wrong_shape_is_named():
+    layer = ColumnParallelLinear(8, 12, False, TPInfo(0, 1), ms.float32)
+    with pytest.raises(ShapeMismatch, match=r"'model.layers.0.mlp.up_proj.weight' has shape \[12, 7\]"):
+        layer.weight_loader(layer.weight, np.zeros((12, 7)), "model.layers.0.mlp.up_proj.weight")
+
+
+def test_layout_for_smollm2_names_the_sizes_that_work():
+    c = ModelConfig.from_dict(SMOLLM2)
+    assert valid_tp_sizes(c) == [1, 3]
+    with pytest.raises(LayoutError) as e:
+        check_tp(c, 2)
+    msg = str(e.value)
+    assert "num_attention_heads=9" in msg and "num_key_value_heads=3" in msg and "Sizes that work: 1, 3" in msg
+
+
+def test_plan_gives_every_rank_an_equal_share_of_the_sharded_bytes():
+    c = ModelConfig.from_dict(SMOLLM2)
+    one, three = bytes_per_rank(c, 1), bytes_per_rank(c, 3)
+    replicated = sum(4 * np.prod(p.rank_shape) for p in plan_tensors(c, 1) if p.split_dim is None)
+    assert three == pytest.approx((one - replicated) / 3 + replicated, rel=1e-6)
+    plans = {p.name: p for p in plan_tensors(c, 3)}
+    assert plans["model.layers.0.self_attn.o_proj.weight"].split_dim == 1
+    assert plans["model.layers.0.self_attn.k_proj.weight"].rank_shape == (64, 576)
+    assert "lm_head.weight" not in plans                      # tied to the embedding
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    with pytest.raises(ValueError, match=r"MistralForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        ModelConfig.from_dict({**SMOLLM2, "architectures": ["MistralForCausalLM"]})
+
+
+def test_rope_theta_is_read_at_top_level_and_inside_rope_parameters():
+    top = ModelConfig.from_dict({**SMOLLM2, "rope_theta": 100000.0})
+    nested = ModelConfig.from_dict({**SMOLLM2, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}})
+    assert top.rope_theta == nested.rope_theta == 100000.0

@@ -1,0 +1,230 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import RecordError, SpecError, UserError
+from launcher.spec import JobSpec, SamplingSpec, load_spec
+from worker.protocol import SamplingParams
+
+MINIMAL = """\
+model:
+  path: models/tiny
+input:
+  path: prompts.jsonl
+output:
+  path: out/results.jsonl
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def spec_error(tmp_path, text, overrides=()) -> str:
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, text), list(overrides))
+    assert isinstance(e.value, UserError)
+    return str(e.value)
+
+
+def test_minimal_spec_defaults_and_relative_paths(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL))
+    assert spec.task == "generate"
+    assert spec.model.path == str(tmp_path / "models/tiny")
+    assert spec.model.tokenizer_path == spec.model.path
+    assert spec.input.path == str(tmp_path / "prompts.jsonl")
+    assert spec.output.path == str(tmp_path / "out/results.jsonl")
+    assert spec.parallel.tensor_parallel == 1 and spec.parallel.placement == "pack"
+    assert spec.scheduler.kv_cache_blocks is None and spec.model.max_model_len is None
+    assert spec.sampling.to_params() == SamplingParams()
+
+
+def test_relative_paths_resolve_against_the_spec_folder_not_cwd(tmp_path, monkeypatch):
+    (tmp_path / "jobs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(write(tmp_path / "jobs", MINIMAL))
+    assert spec.input.path == str(tmp_path / "jobs/prompts.jsonl")
+
+
+def test_tilde_and_env_expand(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DATA", "/data/set")
+    text = MINIMAL.replace("models/tiny", "~/models/tiny").replace("prompts.jsonl", "${DATA}/p.parquet")
+    text += "  status_interval_s: 0.5\n"
+    text = text.replace("model:\n", "model:\n  tokenizer: ${DATA}/../tok\n  lora: {path: ~/lora}\n")
+    spec = load_spec(write(tmp_path, text))
+    assert spec.model.path == str(tmp_path / "home/models/tiny")
+    assert spec.model.tokenizer == "/data/tok"
+    assert spec.model.lora.path == str(tmp_path / "home/lora") and spec.model.lora.scale == 1.0
+    assert spec.input.path == "/data/set/p.parquet"
+
+
+def test_unset_env_var_names_variable_and_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("NO_SUCH_VAR", raising=False)
+    msg = spec_error(tmp_path, MINIMAL.replace("out/results", "${NO_SUCH_VAR}/results"))
+    assert "output.path" in msg and "NO_SUCH_VAR" in msg and "job.yaml:6" in msg
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL + "scheduler:\n  max_batch: 4\n")
+    assert "job.yaml:8: scheduler.max_batch: unknown key; did you mean 'max_batch_size'" in msg
+    msg = spec_error(tmp_path, MINIMAL + "samplng:\n  top_k: 4\n")
+    assert "samplng: unknown key; did you mean 'sampling'?" in msg
+    msg = spec_error(tmp_path, MINIMAL + "parallel:\n  zzz: 4\n")
+    assert "parallel.zzz: unknown key; valid keys here: tensor_parallel, data_parallel, device, placement" in msg
+    msg = spec_error(tmp_path, MINIMAL.replace("path: models/tiny", "path: m\n  positions: {schem: rope}"))
+    assert "model.positions.schem: unknown key; did you mean 'scheme'?" in msg
+
+
+def test_missing_required_keys_named(tmp_path):
+    msg = spec_error(tmp_path, "model:\n  dtype: auto\ninput:\n  path: p.txt\n")
+    assert "model.path: missing required key" in msg
+    assert "output: missing required key" in msg
+    assert msg.startswith("2 problems in the job spec:")
+
+
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("parallel", "tensor_parallel", "0", "expected an integer >= 1, got 0"),
+    ("parallel", "tensor_parallel", "'2'", "expected an integer, got '2'"),
+    ("parallel", "device", "gpu", "expected one of 'auto', 'cpu' or 'ascend', got 'gpu'"),
+    ("sampling", "temperature", "-0.5", "expected a number >= 0, got -0.5"),
+    ("sampling", "top_p", "0", "expected a number > 0, got 0"),
+    ("sampling", "top_p", "1.5", "expected a number <= 1, got 1.5"),
+    ("sampling", "top_k", "-1", "expected an integer >= 0, got -1"),
+    ("sampling", "max_new_tokens", "0", "expected an integer >= 1, got 0"),
+    ("sampling", "stop", "'\\n'", "expected a list"),
+    ("sampling", "temperature", ".nan", "expected a finite number"),
+    ("model", "graph_mode", "maybe", "expected true or false, got 'maybe'"),
+    ("scheduler", "kv_cache_blocks", "0", "expected an integer >= 1, got 0"),
+    ("output", "status_interval_s", "0", "expected a number > 0"),
+])
+def test_range_and_type_checks(tmp_path, section, key, value, expected):
+    text = MINIMAL.replace("model:\n", "model:\n  graph_mode: true\n") if section != "model" else MINIMAL
+    if section in ("model", "output"):
+        text = text.replace(f"{section}:\n", f"{section}:\n  {key}: {value}\n")
+    else:
+        text += f"{section}:\n  {key}: {value}\n"
+    msg = spec_error(tmp_path, text)
+    assert f"{section}.{key}: {expected}" in msg
+
+
+def test_scientific_notation_reads_as_number(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  temperature: 1e-3\n"))
+    assert spec.sampling.temperature == 0.001
+
+
+def test_cross_field_checks(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL.replace("path: models/tiny", "path: m\n  max_model_len: 128")
+                     + "sampling:\n  max_new_tokens: 256\n")
+    assert "sampling.max_new_tokens (256) must be less than model.max_model_len (128)" in msg
+    msg = spec_error(tmp_path, MINIMAL.replace("out/results.jsonl", "prompts.jsonl"))
+    assert "output.path and input.path are the same file" in msg
+
+
+def test_max_model_len_resolved_later_is_checked_again(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  max_new_tokens: 300\n"))
+    assert spec.with_max_model_len(512).model.max_model_len == 512
+    with pytest.raises(SpecError, match=r"sampling.max_new_tokens \(300\) must be less than model.max_model_len \(256\)"):
+        spec.with_max_model_len(256)
+
+
+def test_input_suffix_checked(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL.replace("prompts.jsonl", "prompts.csv"))
+    assert "input.path: expected a .txt, .jsonl or .parquet file, got 'prompts.csv'" in msg
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL + "sampling:\n  stop: [a, b\n")
+    assert "job.yaml:" in msg and "malformed YAML" in msg
+    msg = spec_error(tmp_path, MINIMAL + "sampling:\n  top_k: 1\n\tseed: 2\n")
+    assert "job.yaml:9:1: malformed YAML: found character '\\t'" in msg
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL + "sampling: {top_k: 1}\nsampling: {top_k: 2}\n")
+    assert "job.yaml:8" in msg and "'sampling' appears twice (first on line 7)" in msg
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    assert "top level of the job spec must be a mapping" in spec_error(tmp_path, "- a\n- b\n")
+    assert "is empty" in spec_error(tmp_path, "# nothing\n")
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_empty_section_means_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\nfault:\n"))
+    assert spec.sampling == SamplingSpec()
+
+
+def test_overrides(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(write(tmp_path / "", MINIMAL), [
+        "parallel.tensor_parallel=2", 'sampling.stop=["\\n", "END"]', "sampling.temperature=0.7",
+        "model.lora.path=adapters/a", "model.max_model_len=null", "ray.address=10.0.0.1:6379"])
+    assert spec.parallel.tensor_parallel == 2
+    assert spec.sampling.stop == ["\n", "END"]
+    assert spec.sampling.temperature == 0.7
+    assert spec.model.lora.path == str(tmp_path / "adapters/a")
+    assert spec.ray.address == "10.0.0.1:6379"
+    assert spec.sampling.to_params().stop == ("\n", "END")
+
+
+def test_override_paths_resolve_against_cwd(tmp_path, monkeypatch):
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    spec = load_spec(write(tmp_path / "jobs", MINIMAL), ["output.path=other.jsonl"])
+    assert spec.output.path == str(tmp_path / "run/other.jsonl")
+    assert spec.input.path == str(tmp_path / "jobs/prompts.jsonl")
+
+
+def test_override_errors(tmp_path):
+    msg = spec_error(tmp_path, MINIMAL, ["scheduler.max_batch=4"])
+    assert "--set: scheduler.max_batch: unknown key; did you mean 'max_batch_size'" in msg
+    msg = spec_error(tmp_path, MINIMAL, ["parallel.tensor_parallel=-1"])
+    assert "--set: parallel.tensor_parallel: expected an integer >= 1, got -1" in msg
+    assert "--set 'parallel'" in spec_error(tmp_path, MINIMAL, ["parallel"])
+    assert "not a valid YAML" in spec_error(tmp_path, MINIMAL, ["sampling.stop=[a"])
+    assert "--set: task: expected one of 'generate' or 'score', got a mapping" in spec_error(
+        tmp_path, MINIMAL, ["task.x=1"])
+    msg = spec_error(tmp_path, "task: score\n" + MINIMAL, ["task.x=1"])
+    assert "--set task.x: 'task' is the scalar 'score', not a section of keys" in msg
+
+
+def test_resolved_is_json(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL))
+    resolved = json.loads(json.dumps(spec.resolved()))
+    assert resolved["model"]["path"] == spec.model.path
+    assert resolved["sampling"]["stop"] == [] and resolved["ray"]["address"] is None
+    assert JobSpec.model_validate(resolved) == spec
+
+
+def test_sampling_merge():
+    base = SamplingSpec(temperature=0.5, stop=["x"])
+    merged = base.merge({"top_k": 5, "stop": ["y"]}, "r1")
+    assert merged.top_k == 5 and merged.stop == ["y"] and merged.temperature == 0.5
+    assert base.merge({}, "r1") is base
+    with pytest.raises(RecordError, match=r"record 'r7': sampling.temprature: unknown key; did you mean 'temperature'"):
+        base.merge({"temprature": 1.0}, "r7")
+    with pytest.raises(RecordError, match=r"record 'r8': sampling.top_p: expected a number <= 1, got 2"):
+        base.merge({"top_p": 2}, "r8")
+    with pytest.raises(RecordError, match=r"record 'r9': sampling: expected a mapping"):
+        base.merge(["x"], "r9")
+
+
+def test_to_params_is_hashable_worker_dataclass():
+    params = SamplingSpec(stop=["a"], stop_token_ids=[3]).to_params()
+    assert isinstance(params, SamplingParams) and params.stop == ("a",) and params.stop_token_ids == (3,)
+    hash(params)
+
+
+def test_env_expansion_does_not_touch_other_strings(tmp_path, monkeypatch):
+    monkeypatch.delenv("UNSET_X", raising=False)
+    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  stop: ['${UNSET_X}']\n"))
+    assert spec.sampling.stop == ["${UNSET_X}"]
+    assert os.path.isabs(spec.output.path)

@@ -1,0 +1,125 @@
+import json
+
+import pytest
+
+from launcher.errors import RecordError, TokenizerError
+from launcher.inputs import Record
+from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+            "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
+            "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = ["hello world", "the capital of France is Paris", "stop here please", "be brief", "héllo wörld ✓"]
+
+
+def build_tokenizer(folder, chat_template=TEMPLATE):
+    """A byte-level BPE trained on a few strings, saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    raw.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return load_tokenizer(tok_dir)
+
+
+def test_loads_local_folder(tok):
+    assert isinstance(tok, Tokenizer) and tok.has_chat_template
+    assert tok.eos_token_id == 2 and len(tok) >= 256
+
+
+def test_prompt_with_and_without_chat_template(tok):
+    rec = Record(id="a", line=1, prompt="hello world")
+    plain = tok.encode_record(rec, chat_template=False)
+    assert plain[0] == 1 and tok.decode(plain) == "hello world"  # BOS added, skipped on decode
+    chat = tok.encode_record(rec, chat_template=True)
+    # the template's text encoded with no special tokens added: no BOS before <|user|>
+    assert chat == tok.tok.encode("<|user|>hello world<|assistant|>", add_special_tokens=False)
+    assert chat[0] == 3 and chat[-1] == 4
+
+
+def test_messages_use_template_as_transformers_renders_it(tok):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld ✓"}]
+    ids = tok.encode_record(Record(id="m", line=2, messages=messages), chat_template=False)
+    text = tok.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ids == tok.tok.encode(text, add_special_tokens=False)
+    # transformers 5 returns a BatchEncoding for tokenize=True; the ids agree
+    enc = tok.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert ids == list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def test_token_ids_pass_through_and_decode(tok):
+    assert tok.encode_record(Record(id="t", line=3, prompt_token_ids=[7, 8, 9]), chat_template=True) == [7, 8, 9]
+    ids = tok.encode("héllo wörld ✓", add_special_tokens=False)
+    assert tok.decode(ids + [tok.eos_token_id]) == "héllo wörld ✓"
+
+
+def test_unencodable_record_raises_record_error(tok):
+    bad = Record(id="x", line=4, messages=[{"role": "assistant", "content": "hi"}])
+    with pytest.raises(RecordError, match="record 'x': the tokenizer cannot encode it: .*must not be the assistant"):
+        tok.encode_record(bad, chat_template=True)
+
+
+def test_continuation(tok):
+    assert tok.encode_continuation(Record(id="s", line=1, prompt="a", continuation="hello")) == \
+        tok.encode("hello", add_special_tokens=False)
+    assert tok.encode_continuation(Record(id="s", line=1, prompt="a", continuation_token_ids=[5])) == [5]
+    assert tok.encode_continuation(Record(id="s", line=1, prompt="a")) is None
+
+
+def test_no_chat_template(tmp_path):
+    tok = load_tokenizer(build_tokenizer(tmp_path / "plain", chat_template=None))
+    assert not tok.has_chat_template
+    rec = Record(id="p", line=1, prompt="hello")
+    assert tok.encode_record(rec, chat_template=True) == tok.encode("hello")  # falls back to plain text
+    with pytest.raises(RecordError, match="record 'm': has 'messages', but the tokenizer .* has no chat template"):
+        tok.encode_record(Record(id="m", line=2, messages=[{"role": "user", "content": "hi"}]), chat_template=True)
+
+
+def test_folder_without_tokenizer_files_is_none(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert load_tokenizer(tmp_path) is None
+    with pytest.raises(TokenizerError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+
+
+def test_broken_tokenizer_files_raise(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(TokenizerError, match=f"the tokenizer files in {tmp_path} do not load"):
+        load_tokenizer(tmp_path)
+
+
+def test_stop_string_matcher_incremental():
+    m = StopStringMatcher(["\n\n", "END"])
+    text = ""
+    cut = None
+    for piece in ["Hello", " wor", "ld.\n", "\nmore"]:
+        text += piece
+        cut = m.check(text)
+        if cut is not None:
+            break
+    assert text[:cut] == "Hello world."  # the stop string spans two tokens and is not in the output
+    m = StopStringMatcher(["END", "D"])
+    assert m.check("xxEN") is None and m.check("xxEND") == 2  # cut before the earliest stop string
+    assert StopStringMatcher([]).check("anything") is None
+    m = StopStringMatcher(["é!"])
+    assert m.check("caf\ufffd") is None and m.check("café!") == 3  # an incomplete character is checked again

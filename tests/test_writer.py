@@ -1,0 +1,158 @@
+import errno
+import json
+import os
+
+import pytest
+
+from launcher.errors import OutputError
+from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path, summary_path,
+                             write_json_atomic)
+
+
+def lines(path):
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_result_builders():
+    r = ok_result("a", [5, 6], "héllo", "stop", 3, {"logprobs": [[-0.1], [-0.2]]})
+    assert list(r) == ["id", "output_text", "output_token_ids", "finish_reason", "prompt_tokens",
+                       "completion_tokens", "logprobs", "error"]
+    assert r["completion_tokens"] == 2 and r["error"] is None
+    assert "output_text" not in ok_result("b", [1], None, "length", 1)
+    assert error_result("c", "invalid_record", "line 3: bad") == {
+        "id": "c", "error": {"type": "invalid_record", "message": "line 3: bad"}}
+
+
+def test_write_then_resume_skips_done_ids(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        assert w.done_ids == set()
+        w.write(ok_result("a", [1], "ü", "stop", 2))
+        w.write(error_result("b", "invalid_record", "x"))
+    assert "ü" in path.read_text(encoding="utf-8")  # ensure_ascii=False
+    with ResultWriter(path) as w:
+        assert w.done_ids == {"a", "b"} and not w.cut_partial_line
+        w.write(ok_result("c", [1], None, "stop", 2))
+    assert [r["id"] for r in lines(path)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("tail", [b'{"id": "c", "output_tok', b'{"id": "c"}', b'\n', b'{"id": "c", \xff\n'])
+def test_resume_after_truncated_last_line_yields_each_id_once(tmp_path, tail):
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        for rid in "ab":
+            w.write(ok_result(rid, [1], "x", "stop", 1))
+    with open(path, "ab") as f:
+        f.write(tail)  # a crash in the middle of writing record c
+    with ResultWriter(path) as w:
+        assert w.done_ids == {"a", "b"} and w.cut_partial_line
+        for rid in ["a", "b", "c", "d"]:  # the caller skips done ids
+            if rid not in w.done_ids:
+                w.write(ok_result(rid, [1], "x", "stop", 1))
+    ids = [r["id"] for r in lines(path)]
+    assert ids == ["a", "b", "c", "d"]
+
+
+def test_bad_line_in_the_middle_is_not_cut(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(OutputError, match="out.jsonl, line 2: not a whole JSON result, and more lines follow"):
+        ResultWriter(path)
+    assert path.read_text() == '{"id": "a"}\nnot json\n{"id": "b"}\n'
+
+
+def test_overwrite_truncates(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": "old"}\n')
+    with ResultWriter(path, overwrite=True) as w:
+        assert w.done_ids == set()
+        w.write(error_result("new", "t", "m"))
+    assert [r["id"] for r in lines(path)] == ["new"]
+
+
+def test_each_line_is_one_write_and_fsynced(tmp_path, monkeypatch):
+    calls = []
+    real_write, real_fsync = os.write, os.fsync
+    monkeypatch.setattr(os, "write", lambda fd, data: calls.append(("write", bytes(data))) or real_write(fd, data))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync",)) or real_fsync(fd))
+    with ResultWriter(tmp_path / "out.jsonl") as w:
+        w.write(ok_result("a", [1, 2], "two\nlines", "stop", 1))
+    assert [c[0] for c in calls] == ["write", "fsync"]
+    assert calls[0][1].endswith(b"\n") and calls[0][1].count(b"\n") == 1
+
+
+def test_enospc_keeps_previous_lines_and_closes(tmp_path, monkeypatch):
+    path = tmp_path / "out.jsonl"
+    w = ResultWriter(path)
+    w.write(ok_result("a", [1], "x", "stop", 1))
+    real_write = os.write
+
+    def disk_full(fd, data):  # the disk takes a few bytes, then is full
+        real_write(fd, bytes(data[:7]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OutputError) as e:
+        w.write(ok_result("b", [1], "y", "stop", 1))
+    msg = str(e.value)
+    assert str(path) in msg and "No space left on device" in msg and "1 results written so far are kept" in msg
+    monkeypatch.setattr(os, "write", real_write)
+    with pytest.raises(OutputError, match="is closed"):
+        w.write(ok_result("c", [1], "z", "stop", 1))
+    assert [r["id"] for r in lines(path)] == ["a"]  # the partial line was cut back
+    assert ResultWriter(path).done_ids == {"a"}
+
+
+def test_check_output(tmp_path):
+    assert check_output(tmp_path / "new/deeper/out.jsonl") == tmp_path / "new/deeper/out.jsonl"
+    assert (tmp_path / "new/deeper").is_dir() and os.listdir(tmp_path / "new/deeper") == []
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(OutputError, match="file.txt is a file, not a folder"):
+        check_output(tmp_path / "file.txt/out.jsonl")
+    with pytest.raises(OutputError, match="file.txt is a file, not a folder"):
+        check_output(tmp_path / "file.txt/sub/out.jsonl")
+    with pytest.raises(OutputError, match="is a folder"):
+        check_output(tmp_path / "new")
+
+
+def test_check_output_unwritable_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    def denied(*a, **k):  # tests run as root, which ignores chmod: simulate EACCES
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(OutputError, match=r"output folder .* is not writable \(Permission denied\)"):
+        check_output(tmp_path / "out.jsonl")
+
+
+def test_write_json_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "res.jsonl"
+    status = status_path(out)
+    assert status.name == "res.jsonl.status.json" and summary_path(out).name == "res.jsonl.summary.json"
+    write_json_atomic(status, {"done": 1})
+    write_json_atomic(status, {"done": 2, "name": "ü"})
+    assert json.loads(status.read_text()) == {"done": 2, "name": "ü"}
+
+    def crash(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OutputError, match="status.json: No space left"):
+        write_json_atomic(status, {"done": 3})
+    assert json.loads(status.read_text()) == {"done": 2, "name": "ü"}  # old file whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res.jsonl.status.json"]  # no temp file left
+
+
+def test_stats_summary():
+    s = Stats(skipped=4)
+    for i in range(1, 11):
+        s.add(ok_result(str(i), [1] * 10, None, "length", 5), ttft_s=i / 10)
+    s.add(error_result("x", "t", "m"))
+    out = s.summary(startup_s=2.0, generation_s=4.0)
+    assert out["records_done"] == 10 and out["records_failed"] == 1 and out["records_skipped"] == 4
+    assert out["prompt_tokens"] == 50 and out["completion_tokens"] == 100
+    assert out["tokens_per_s"] == 25.0 and out["records_per_s"] == 2.5
+    assert out["ttft_p50_s"] == 0.55 and out["ttft_p95_s"] == pytest.approx(0.955)
+    assert json.dumps(out)
+    assert Stats().summary(0.0, 0.0)["ttft_p50_s"] is None

@@ -75,3 +75,30 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False) ->
     unique = {id(param): param for _, param, _ in table.values()}
     nbytes = sum(p.nbytes for p in unique.values())
     return {"tensors": len(seen), "bytes": nbytes}
+
+
+def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False) -> int:
+    """Before any worker starts: every tensor the layout plan needs is in the checkpoint with the
+    shape the config implies, and every file's header reads. Reads headers only. Returns the
+    checkpoint's size in bytes."""
+    found: dict[str, tuple[Path, tuple]] = {}
+    size = 0
+    for path in safetensors_files(model_dir, allow_pickle):
+        try:
+            with safe_open(str(path), framework="np") as f:
+                for name in f.keys():
+                    found[name] = (path, tuple(f.get_slice(name).get_shape()))
+            size += path.stat().st_size
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file may be truncated "
+                                  f"or corrupted: copy it again") from None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    for p in plans:
+        if p.name not in found:
+            raise CheckpointError(f"{model_dir}: weight tensor '{p.name}' is missing from the checkpoint")
+        path, shape = found[p.name]
+        if shape != tuple(p.full_shape):
+            raise CheckpointError(f"{path.name}: tensor '{p.name}' has shape {list(shape)}, the config implies "
+                                  f"{list(p.full_shape)}")
+    return size

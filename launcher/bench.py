@@ -1,0 +1,5 @@
+"""`msinfer bench`: placeholder until the benchmark lands (issue 7)."""
+
+
+def add_bench_parser(sub) -> None:
+    pass

@@ -1,0 +1,83 @@
+"""`msinfer run job.yaml`, `msinfer plan job.yaml`, `msinfer bench ...`.
+
+User errors (spec, model folder, input, output, launch) print one paragraph and exit non-zero,
+with no traceback; a job that completed exits 0 even when some records failed (they are counted
+in the summary)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import time
+
+EXIT_USER_ERROR = 2
+EXIT_JOB_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="msinfer", description="Batch inference of Hugging Face LLMs on MindSpore, "
+                                "one worker per card, driven by Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run a job: one result line per input record"),
+                        ("plan", "check a job spec, the model and the files, print the layout; start nothing")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("spec", help="the YAML job spec")
+        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec key, e.g. --set parallel.tensor_parallel=2 (repeatable)")
+        if name == "run":
+            c.add_argument("--overwrite", action="store_true", help="start the results file afresh (no resume)")
+            c.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+            c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from launcher.bench import add_bench_parser
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("GLOG_v", "3")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from launcher.controller import JobFailed
+    from launcher.job import USER_ERRORS, plan_job, run_job
+    from launcher.replica import LaunchError
+    from launcher.spec import load_spec
+
+    try:
+        if args.command == "bench":
+            from launcher.bench import run_bench
+            return run_bench(args)
+        spec = load_spec(args.spec, args.overrides)
+        if args.command == "plan":
+            print(plan_job(spec).describe())
+            return 0
+        summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
+                          t_start=t_start)
+        keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
+                "startup_s", "generation_s", "replica_restarts")
+        print(json.dumps({k: summary.get(k) for k in keys}))
+        return 0
+    except JobFailed as e:
+        _say(str(e))
+        return EXIT_JOB_FAILED
+    except (*USER_ERRORS, LaunchError) as e:
+        _say(str(e))
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        _say("interrupted; every finished record is in the results file, and running the same job again "
+             "resumes after them")
+        return EXIT_INTERRUPTED
+
+
+def _say(message: str) -> None:
+    lines = message.splitlines() or [""]
+    first = textwrap.fill(lines[0], width=100, initial_indent="msinfer: error: ", subsequent_indent="  ")
+    print("\n".join([first, *("  " + line for line in lines[1:])]), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

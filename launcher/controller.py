@@ -1,0 +1,255 @@
+"""The controller loop: data-parallel replicas, one scheduler each, steps driven asynchronously.
+
+    while work remains:
+        refill each replica's queue from the source, least outstanding work first
+        for each idle replica: steps = scheduler.schedule(); submit to its ranks
+        wait for any step to finish; postprocess; hand finished sequences to the caller
+
+A replica whose actor dies, or whose step outlives `step_timeout_s`, is torn down and restarted
+on a fresh scheduler port in the background while the others keep working; its unfinished
+sequences are re-queued from their prompts. Past `max_restarts` the job stops (JobFailed), and
+everything already handed to the caller stays handed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from launcher.errors import UserError
+from launcher.replica import LaunchError, Replica
+from launcher.scheduler import Scheduler, Sequence
+
+
+class JobFailed(UserError):
+    """Replicas failed more often than fault.max_replica_restarts allows."""
+
+
+@dataclass
+class ControllerConfig:
+    engine_config: object                  # worker.runner.EngineConfig
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    device: str = "cpu"
+    placement: str = "pack"
+    cpus_per_worker: float = 1
+    threads_per_worker: int = 0
+    max_batch_size: int = 32
+    max_batched_tokens: int = 8192
+    max_restarts: int = 3
+    step_timeout_s: float = 600.0
+
+
+@dataclass
+class Slot:
+    """One data-parallel replica and its scheduler."""
+    index: int
+    replica: Replica
+    scheduler: Scheduler
+    in_flight: tuple | None = None          # see _submit
+    starting: Future | None = None
+    restarts: int = 0
+    steps: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.starting is None and self.in_flight is None
+
+
+@dataclass
+class Controller:
+    cfg: ControllerConfig
+    slots: list[Slot] = field(default_factory=list)
+    restarts: int = 0
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(8))
+    on_restart: Callable[[int, str], None] | None = None
+
+    def _new_scheduler(self) -> Scheduler:
+        ec = self.cfg.engine_config
+        return Scheduler(ec.blocks(), ec.block_size, self.cfg.max_batch_size, self.cfg.max_batched_tokens,
+                         ec.max_model_len)
+
+    def _new_replica(self, index: int) -> Replica:
+        c = self.cfg
+        return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker)
+
+    def start(self) -> None:
+        """Starts every replica at once; returns when all ranks are ready."""
+        self.slots = [Slot(i, self._new_replica(i), self._new_scheduler()) for i in range(self.cfg.data_parallel)]
+        futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
+        try:
+            for f in futures:
+                f.result()
+        except Exception as e:
+            self.shutdown()
+            raise launch_error(e) from None
+
+    def ranks(self) -> list[dict]:
+        return [{"replica": s.index, **r} for s in self.slots for r in s.replica.ranks]
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self, source: Iterator[Sequence], on_step: Callable[[list[Sequence]], None],
+            on_finish: Callable[[Sequence], None]) -> None:
+        """Pulls sequences from `source` lazily; `on_step(seqs)` after every step (stop strings,
+        streaming: it may call `finish`); `on_finish(seq)` once per sequence."""
+        exhausted = False
+        while True:
+            exhausted = exhausted or self._refill(source)
+            for slot in self.slots:
+                self._poll_restart(slot)
+                if slot.ready and slot.scheduler.has_work():
+                    self._submit(slot, on_finish)
+            busy = [s for s in self.slots if s.in_flight is not None]
+            if not busy:
+                if exhausted and not any(s.scheduler.has_work() or s.starting for s in self.slots):
+                    return
+                if any(s.starting for s in self.slots):
+                    time.sleep(0.05)
+                continue
+            self._wait(busy, on_step, on_finish)
+
+    def _refill(self, source: Iterator[Sequence]) -> bool:
+        """Keeps about two batches queued per replica, giving each new sequence to the replica with
+        the least outstanding work. Returns True once the source is exhausted."""
+        target = 2 * self.cfg.max_batch_size
+        while True:
+            slot = min(self.slots, key=lambda s: (s.starting is not None, outstanding(s.scheduler)))
+            if slot.scheduler.num_waiting >= target:
+                return False
+            seq = next(source, None)
+            if seq is None:
+                return True
+            seq.t_added = time.perf_counter()
+            seq.t_first = None
+            slot.scheduler.add(seq)
+
+    def _submit(self, slot: Slot, on_finish) -> None:
+        steps, is_prefill, seqs = slot.scheduler.schedule()
+        for seq in slot.scheduler.take_rejected():
+            on_finish(seq)
+        if not steps:
+            return
+        refs = slot.replica.submit(steps, is_prefill)
+        # (rank refs, seqs, is_prefill, started, refs of ranks > 0 not yet seen to finish)
+        slot.in_flight = (refs, seqs, is_prefill, time.perf_counter(), set(refs[1:]))
+
+    def _wait(self, busy: list[Slot], on_step, on_finish) -> None:
+        by_ref = {s.in_flight[0][0]: s for s in busy}
+        others = {r: s for s in busy for r in s.in_flight[4]}
+        ready, _ = ray.wait(list(by_ref) + list(others), num_returns=1, timeout=1.0)
+        now = time.perf_counter()
+        for ref in ready:
+            if ref in others:               # a rank > 0 finished first: only an error matters here
+                slot = others[ref]
+                slot.in_flight[4].discard(ref)
+                try:
+                    ray.get(ref)
+                except (RayActorError, RayTaskError) as e:
+                    self._fail(slot, e)
+                continue
+            slot = by_ref[ref]
+            refs, seqs, is_prefill = slot.in_flight[:3]
+            try:
+                out = ray.get(refs, timeout=self.cfg.step_timeout_s)[0]
+            except (RayActorError, RayTaskError, GetTimeoutError) as e:
+                self._fail(slot, e)
+                continue
+            slot.in_flight = None
+            slot.steps += 1
+            for seq, tok in zip(seqs, out.token_ids):
+                if tok >= 0 and seq.t_first is None:
+                    seq.t_first = now
+            if out.logprobs is not None:
+                for seq, lp in zip(seqs, out.logprobs):
+                    if lp is not None:
+                        seq.logprobs = getattr(seq, "logprobs", []) + [lp]
+            finished = slot.scheduler.postprocess(seqs, out.token_ids)
+            on_step(seqs)
+            for seq in finished:
+                on_finish(seq)
+            for seq in seqs:                # finished by on_step (stop strings)
+                if seq.finish_reason == "stop" and seq not in finished and seq.is_finished:
+                    on_finish(seq)
+        for slot in busy:                   # a wedged step (a peer stuck in a collective)
+            if slot.in_flight is not None and now - slot.in_flight[3] > self.cfg.step_timeout_s:
+                self._fail(slot, TimeoutError(f"a step ran longer than fault.step_timeout_s="
+                                              f"{self.cfg.step_timeout_s:g}s"))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        for slot in self.slots:
+            if seq in slot.scheduler.running or seq in slot.scheduler.waiting:
+                slot.scheduler.finish(seq, reason)
+                return
+
+    # ---- faults ---------------------------------------------------------------------------------
+    def _fail(self, slot: Slot, error: Exception) -> None:
+        self.restarts += 1
+        slot.restarts += 1
+        why = f"replica {slot.index} failed ({describe(error)})"
+        if self.on_restart:
+            self.on_restart(slot.index, why)
+        if self.restarts > self.cfg.max_restarts:
+            raise JobFailed(f"{why}; that is restart {self.restarts}, more than fault.max_replica_restarts="
+                            f"{self.cfg.max_restarts}. Every finished record is in the results file: run the "
+                            f"same job again to resume")
+        old = slot.scheduler
+        unfinished = list(old.waiting) + list(old.running)
+        if slot.in_flight is not None:
+            unfinished += [s for s in slot.in_flight[1] if s not in unfinished and not s.is_finished]
+        slot.in_flight = None
+        slot.replica.shutdown()
+        slot.scheduler = self._new_scheduler()
+        for seq in unfinished:              # recompute from the prompt: the replica's cache is gone
+            fresh = Sequence(seq.prompt_token_ids, seq.sampling, seq.key, seq.eos_token_ids, seq.max_model_len)
+            fresh.t_added, fresh.t_first = getattr(seq, "t_added", time.perf_counter()), None
+            for name in ("stop_matcher", "record"):
+                if hasattr(seq, name):
+                    setattr(fresh, name, getattr(seq, name))
+            slot.scheduler.add(fresh)
+        slot.replica = self._new_replica(slot.index)
+        slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
+
+    def _poll_restart(self, slot: Slot) -> None:
+        if slot.starting is None or not slot.starting.done():
+            return
+        future, slot.starting = slot.starting, None
+        try:
+            future.result()
+        except Exception as e:
+            self._fail(slot, e)
+
+    def shutdown(self) -> None:
+        for slot in self.slots:
+            slot.replica.shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def outstanding(sched: Scheduler) -> int:
+    """Tokens still to be produced or prefilled by a replica: what 'least busy' means."""
+    todo = 0
+    for seq in list(sched.waiting) + list(sched.running):
+        todo += seq.sampling.max_new_tokens - seq.num_completion_tokens + (seq.num_tokens - seq.num_cached) // 8
+    return todo
+
+
+def describe(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(e, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, RayActorError):
+        return "a worker process died"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def launch_error(e: BaseException) -> Exception:
+    if isinstance(e, (LaunchError, UserError)):
+        return e
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, (ValueError, OSError)):
+        return LaunchError(f"a worker failed to start: {type(cause).__name__}: {cause}")
+    return LaunchError(f"a worker failed to start: {describe(e)}")

@@ -1,0 +1,323 @@
+"""A batch job from spec to results file: `plan_job` checks everything before anything starts,
+`run_job` starts the replicas and streams one result per record to the output file.
+
+One record's path: input line -> Record (launcher.inputs) -> prompt ids (launcher.tokenizer) ->
+Sequence in a replica's scheduler (launcher.controller) -> steps on the workers -> finished
+Sequence -> result line (launcher.writer).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.errors import RecordError, UserError
+from launcher.inputs import check_input, read_records
+from launcher.scheduler import Sequence
+from launcher.spec import JobSpec
+from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
+from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path,
+                             summary_path, write_json_atomic)
+from sharding.config import ModelConfig, ModelConfigError
+from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
+from worker.loader import CheckpointError, check_checkpoint
+from worker.runner import EngineConfig, resolve_dtype
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class Plan:
+    spec: JobSpec
+    model: ModelConfig
+    tokenizer: Tokenizer | None
+    engine: EngineConfig
+    device: str
+    weight_bytes_per_rank: int
+    kv_bytes_per_rank: int
+    checkpoint_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        s, m = self.spec, self.model
+        tp, dp = s.parallel.tensor_parallel, s.parallel.data_parallel
+        gib = 1024 ** 3
+        lines = [
+            f"model       {s.model.path}",
+            f"            {m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads} "
+            f"(kv {m.num_kv_heads}, head_dim {m.head_dim}), vocab {m.vocab_size}, checkpoint "
+            f"{self.checkpoint_bytes / gib:.2f} GiB",
+            f"parallel    {dp} replica(s) x tensor parallel {tp} = {dp * tp} worker(s) on {self.device}, "
+            f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}",
+            f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
+            f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
+            f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
+            f"sequences   max_model_len {self.engine.max_model_len}, batch <= {s.scheduler.max_batch_size}, "
+            f"<= {s.scheduler.max_batched_tokens} tokens per step",
+            f"input       {s.input.path}" + ("" if self.tokenizer else "  (no tokenizer: prompt_token_ids only)"),
+            f"output      {s.output.path}",
+            f"ray         {s.ray.address or 'embedded local Ray'}",
+        ]
+        lines.append("layout      " + layout_summary(m, tp))
+        return "\n".join(lines + [f"note        {n}" for n in self.notes])
+
+
+def layout_summary(m: ModelConfig, tp: int) -> str:
+    if tp == 1:
+        return "tp 1: every rank holds every tensor whole"
+    kv = "split" if m.num_kv_heads % tp == 0 else f"replicated on {tp // m.num_kv_heads} ranks each"
+    return (f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}, mlp {m.intermediate_size}/{tp} "
+            f"columns, vocab rows {m.vocab_size}/{tp}, norms replicated")
+
+
+def plan_job(spec: JobSpec) -> Plan:
+    """Every check that can fail, before Ray starts. Raises a UserError-like exception."""
+    m = ModelConfig.from_dir(spec.model.path)
+    if spec.model.max_model_len is None:
+        spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
+    tp = spec.parallel.tensor_parallel
+    check_tp(m, tp)
+    plans = plan_tensors(m, tp)
+    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle)
+    tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+    check_input(spec.input.path)
+    check_output(spec.output.path)
+    device = spec.parallel.device
+    if device == "auto":
+        device = "ascend" if os.environ.get("ASCEND_HOME_PATH") else "cpu"
+    dtype = resolve_dtype(spec.model.dtype, m, device)
+    notes = []
+    if device == "cpu" and tp > 1 and dtype == "bfloat16":
+        raise LayoutError("model.dtype bfloat16 with tensor_parallel > 1 on the CPU: MindSpore's CPU collectives "
+                          "have no bfloat16; use float32 (or dtype: auto)")
+    if spec.model.max_model_len > m.max_position_embeddings:
+        notes.append(f"max_model_len {spec.model.max_model_len} exceeds the model's max_position_embeddings "
+                     f"{m.max_position_embeddings}")
+    engine = EngineConfig(model_dir=spec.model.path, dtype=dtype, device=device,
+                          max_model_len=spec.model.max_model_len, max_batch_size=spec.scheduler.max_batch_size,
+                          num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
+                          graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
+                          allow_pickle=spec.model.allow_pickle)
+    dbytes = 2 if dtype in ("float16", "bfloat16") else 4
+    kv_heads_rank = max(1, m.num_kv_heads // tp)
+    kv = 2 * m.num_layers * kv_heads_rank * m.head_dim * dbytes * (engine.blocks() + 1) * engine.block_size
+    weights = bytes_per_rank(m, tp, dbytes)
+    if device == "cpu":
+        import psutil
+        ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
+        need, have = ranks_here * (weights + kv), psutil.virtual_memory().total
+        if need > 0.8 * have:
+            raise LayoutError(
+                f"{ranks_here} worker(s) need {need / 1024**3:.1f} GiB for weights and KV cache, this machine has "
+                f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
+                f"scheduler.max_batch_size or model.max_model_len")
+    return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes)
+
+
+USER_ERRORS = (UserError, ModelConfigError, LayoutError, CheckpointError)
+
+
+def count_lines(path: str) -> int | None:
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception:
+            return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class JobRun:
+    """State of one `run_job`: the writer, the stats, the stream and the status file."""
+
+    def __init__(self, plan: Plan, overwrite: bool, stream: bool, progress: bool, t_start: float):
+        self.plan, self.spec, self.tok = plan, plan.spec, plan.tokenizer
+        self.writer = ResultWriter(self.spec.output.path, overwrite)
+        self.stats = Stats()
+        self.t_start = t_start
+        self.t_gen: float | None = None
+        self.stream, self.streamed, self.last_streamed = stream, {}, None
+        self.controller = None
+        self.status_t = 0.0
+        self.restart_log: list[str] = []
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
+                            file=sys.stderr, desc="msinfer", disable=None)
+
+    # ---- records in -----------------------------------------------------------------------------
+    def sequences(self):
+        spec, eos = self.spec, self.plan.model.eos_token_ids
+        if self.tok is not None and self.tok.eos_token_id is not None:
+            eos = tuple(dict.fromkeys([*eos, self.tok.eos_token_id]))
+        max_len = spec.model.max_model_len
+        for rec in read_records(spec.input.path):
+            if rec.id in self.writer.done_ids:
+                self.stats.skipped += 1
+                self._tick()
+                continue
+            if rec.error:
+                self.emit(error_result(rec.id, "InvalidRecord", rec.error))
+                continue
+            try:
+                sampling = spec.sampling.merge(rec.sampling, rec.id).to_params()
+                if self.tok is None:
+                    if rec.prompt_token_ids is None:
+                        raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
+                                          f"'prompt_token_ids'")
+                    ids = list(rec.prompt_token_ids)
+                else:
+                    ids = self.tok.encode_record(rec, spec.input.chat_template)
+                bad = [t for t in ids if not 0 <= t < self.plan.model.vocab_size]
+                if bad:
+                    raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.plan.model.vocab_size - 1})")
+                if len(ids) >= max_len:
+                    raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
+                                      f"is {max_len}, which must also leave room for generated tokens")
+            except RecordError as e:
+                self.emit(error_result(rec.id, "InvalidRecord", str(e)))
+                continue
+            seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else eos, max_len)
+            seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
+            if self.t_gen is None:
+                self.t_gen = time.perf_counter()
+            yield seq
+
+    # ---- results out ----------------------------------------------------------------------------
+    def on_step(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.stop_matcher is not None and not seq.is_finished and seq.output_token_ids:
+                text = self.tok.decode(seq.text_token_ids)
+                cut = seq.stop_matcher.check(text)
+                if cut is not None:
+                    seq.cut_text = text[:cut]
+                    self.controller.finish(seq, "stop")
+            if self.stream and self.tok is not None:
+                self._stream(seq)
+        if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
+            self.write_status("running")
+
+    def _stream(self, seq: Sequence) -> None:
+        text = getattr(seq, "cut_text", None) or self.tok.decode(seq.text_token_ids)
+        done = self.streamed.get(seq.key, 0)
+        if len(text) > done and not text.endswith("\ufffd"):
+            if self.last_streamed != seq.key:
+                sys.stdout.write(f"\n[{seq.key}] ")
+                self.last_streamed = seq.key
+            sys.stdout.write(text[done:])
+            sys.stdout.flush()
+            self.streamed[seq.key] = len(text)
+
+    def on_finish(self, seq: Sequence) -> None:
+        if seq.finish_reason in ("error", "abort"):
+            self.emit(error_result(seq.key, "InvalidRecord", seq.error or f"sequence {seq.finish_reason}"))
+            return
+        text = None
+        if self.tok is not None:
+            text = getattr(seq, "cut_text", None)
+            if text is None:
+                text = self.tok.decode(seq.text_token_ids)
+        extra = {}
+        if getattr(seq, "logprobs", None):
+            extra["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
+        result = ok_result(seq.key, seq.output_token_ids, text, seq.finish_reason, seq.num_prompt_tokens, extra)
+        ttft = seq.t_first - seq.t_added if getattr(seq, "t_first", None) else None
+        self.emit(result, ttft)
+
+    def emit(self, result: dict, ttft: float | None = None) -> None:
+        self.writer.write(result)
+        self.stats.add(result, ttft)
+        self._tick(result.get("completion_tokens") or 0)
+
+    def _tick(self, tokens: int = 0) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.tokens_done = getattr(self, "tokens_done", 0) + tokens
+            el = self.bar.format_dict.get("elapsed") or 0
+            if el > 0:
+                self.bar.set_postfix(tok_s=f"{self.tokens_done / el:.1f}", refresh=False)
+
+    # ---- status and summary -------------------------------------------------------------------
+    def workers(self) -> list[dict]:
+        return self.controller.ranks() if self.controller else []
+
+    def write_status(self, state: str) -> None:
+        self.status_t = time.perf_counter()
+        s = self.stats
+        write_json_atomic(status_path(self.spec.output.path), {
+            "state": state, "updated_unix": time.time(), "records_done": s.done, "records_failed": s.failed,
+            "records_skipped": s.skipped, "completion_tokens": s.completion_tokens,
+            "replica_restarts": self.controller.restarts if self.controller else 0,
+            "workers": self.workers()})
+
+    def summary(self, startup_s: float) -> dict:
+        gen_s = (time.perf_counter() - self.t_gen) if self.t_gen else 0.0
+        out = self.stats.summary(startup_s, gen_s)
+        out["replica_restarts"] = self.controller.restarts if self.controller else 0
+        out["restart_reasons"] = self.restart_log
+        out["spec"] = self.spec.resolved()
+        out["replicas"] = self.workers()
+        if self.controller:
+            out["setup"] = [info for s in self.controller.slots for info in s.replica.setup_info]
+        return out
+
+
+def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
+            t_start: float | None = None) -> dict:
+    """Runs a job to the end; returns the summary (also written to <output>.summary.json)."""
+    from launcher.controller import Controller, ControllerConfig
+    from launcher.replica import init_ray
+
+    import ray
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    plan = plan_job(spec)
+    spec = plan.spec
+    job = JobRun(plan, overwrite, stream, progress, t_start)
+    tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
+    started_ray = not ray.is_initialized()
+    cfg = ControllerConfig(engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
+                           placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
+                           threads_per_worker=threads_per_worker(tp * dp) if plan.device == "cpu" else 0,
+                           max_batch_size=spec.scheduler.max_batch_size,
+                           max_batched_tokens=spec.scheduler.max_batched_tokens,
+                           max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s)
+    controller = job.controller = Controller(cfg)
+    controller.on_restart = lambda i, why: job.restart_log.append(why)
+    try:
+        job.write_status("starting")
+        init_ray(spec.ray.address, int(tp * dp * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard)
+        controller.start()
+        startup_s = time.perf_counter() - t_start
+        job.write_status("running")
+        controller.run(job.sequences(), job.on_step, job.on_finish)
+        summary = job.summary(startup_s)
+        write_json_atomic(summary_path(spec.output.path), summary)
+        job.write_status("done")
+        return summary
+    except BaseException:
+        try:
+            job.write_status("failed")
+        except Exception:
+            pass
+        raise
+    finally:
+        if job.bar is not None:
+            job.bar.close()
+        if job.stream:
+            sys.stdout.write("\n")
+        controller.shutdown()
+        job.writer.close()
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def threads_per_worker(workers_on_node: int) -> int:
+    """Intra-op threads per worker so the node's cores are shared, not oversubscribed."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_node))

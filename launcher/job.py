@@ -8,6 +8,8 @@ Sequence -> result line (launcher.writer).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -101,6 +103,7 @@ def plan_job(spec: JobSpec) -> Plan:
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle)
+    engine = dataclasses.replace(engine, compile_cache_dir=compile_cache_dir(engine, tp))
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
     kv_heads_rank = max(1, m.num_kv_heads // tp)
     kv = 2 * m.num_layers * kv_heads_rank * m.head_dim * dbytes * (engine.blocks() + 1) * engine.block_size
@@ -115,6 +118,13 @@ def plan_job(spec: JobSpec) -> Plan:
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
     return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes)
+
+
+def compile_cache_dir(engine: EngineConfig, tp: int) -> str:
+    """One graph cache per model and engine shape; MindSpore adds a folder per rank below it."""
+    key = hashlib.sha1(repr((os.path.realpath(engine.model_dir), dataclasses.astuple(engine), tp)).encode())
+    root = os.environ.get("MSINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "msinfer")
+    return os.path.join(root, "graphs", key.hexdigest()[:16])
 
 
 USER_ERRORS = (UserError, ModelConfigError, LayoutError, CheckpointError)

@@ -9,6 +9,7 @@ Nothing but plain dataclasses (worker.protocol) crosses the wire.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import time
@@ -47,8 +48,9 @@ class CommScheduler:
 
 
 class Worker:
-    def __init__(self, rank: int, world: int, device: str, threads: int = 0):
+    def __init__(self, rank: int, world: int, device: str, threads: int = 0, replica: int = 0):
         self.tp = TPInfo(rank, world)
+        self.replica = replica
         self.device = select_device(device, rank=rank)
         self.threads = threads
         self.runner = None
@@ -71,6 +73,9 @@ class Worker:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
         comm_s = time.perf_counter() - t0
         from worker.runner import ModelRunner
+        if engine_config.compile_cache_dir:   # replicas must not write one cache folder at once
+            engine_config = dataclasses.replace(
+                engine_config, compile_cache_dir=os.path.join(engine_config.compile_cache_dir, f"replica{self.replica}"))
         self.runner = ModelRunner(engine_config, self.tp)
         return {"rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
                 "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],

@@ -43,6 +43,7 @@ class EngineConfig:
     graph_mode: bool = True            # False: PyNative, for debugging
     position_scheme: str = "rope"
     allow_pickle: bool = False
+    compile_cache_dir: str | None = None   # MindSpore's graph cache: a second run skips compiling
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
@@ -65,6 +66,9 @@ class ModelRunner:
         from worker.ops import select_ops
         from worker.loader import load_checkpoint
 
+        if ec.compile_cache_dir:     # read when graphs compile; one folder per rank (rank_<n>/)
+            os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+            os.environ["MS_COMPILER_CACHE_PATH"] = ec.compile_cache_dir
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
@@ -92,12 +96,14 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, seqs: list[SeqStep], is_prefill: bool):
+        # Coarse buckets keep the number of compiled shapes small: a decode step reads every
+        # weight once whatever its batch, so padding a small batch to 8 costs little.
         B = len(seqs)
-        Bp = bucket(B)
+        Bp = bucket(B) if is_prefill else bucket(B, min(8, bucket(self.ec.max_batch_size)))
         T = max(len(s.token_ids) for s in seqs)
-        Tp = bucket(T) if is_prefill else 1
+        Tp = bucket(T, 16) if is_prefill else 1
         ctx = max(s.num_cached + len(s.token_ids) for s in seqs)
-        Lp = bucket(-(-ctx // self.block_size)) * self.block_size
+        Lp = bucket(-(-ctx // self.block_size), max(1, 64 // self.block_size)) * self.block_size
         nblk = Lp // self.block_size
         P = self.scheme.num_components
         scratch = self.scratch_block * self.block_size
@@ -155,8 +161,3 @@ class ModelRunner:
                 if seqs[i].sampling.logprobs:
                     lps[i] = sampler.top_logprobs(logits[i: i + 1], [t], seqs[i].sampling.logprobs)[0]
         return StepOutput(chosen, lps)
-
-
-def set_threads(n: int | None) -> None:
-    if n:
-        os.environ.setdefault("OMP_NUM_THREADS", str(n))

@@ -67,7 +67,7 @@ class Controller:
     slots: list[Slot] = field(default_factory=list)
     restarts: int = 0
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(8))
-    on_restart: Callable[[int, str], None] | None = None
+    restart_log: list[str] = field(default_factory=list)
 
     def _new_scheduler(self) -> Scheduler:
         ec = self.cfg.engine_config
@@ -191,8 +191,7 @@ class Controller:
         self.restarts += 1
         slot.restarts += 1
         why = f"replica {slot.index} failed ({describe(error)})"
-        if self.on_restart:
-            self.on_restart(slot.index, why)
+        self.restart_log.append(why)
         if self.restarts > self.cfg.max_restarts:
             raise JobFailed(f"{why}; that is restart {self.restarts}, more than fault.max_replica_restarts="
                             f"{self.cfg.max_restarts}. Every finished record is in the results file: run the "

@@ -75,8 +75,9 @@ def layout_summary(m: ModelConfig, tp: int) -> str:
             f"columns, vocab rows {m.vocab_size}/{tp}, norms replicated")
 
 
-def plan_job(spec: JobSpec) -> Plan:
-    """Every check that can fail, before Ray starts. Raises a UserError-like exception."""
+def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
+    """Every check that can fail, before Ray starts. Raises a UserError-like exception.
+    `check_io=False` skips the input and output files (the Python API has neither)."""
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
@@ -85,8 +86,9 @@ def plan_job(spec: JobSpec) -> Plan:
     plans = plan_tensors(m, tp)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle)
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
-    check_input(spec.input.path)
-    check_output(spec.output.path)
+    if check_io:
+        check_input(spec.input.path)
+        check_output(spec.output.path)
     device = spec.parallel.device
     if device == "auto":
         device = "ascend" if os.environ.get("ASCEND_HOME_PATH") else "cpu"
@@ -142,32 +144,31 @@ def count_lines(path: str) -> int | None:
 
 
 class JobRun:
-    """State of one `run_job`: the writer, the stats, the stream and the status file."""
+    """One pass of records through a started controller: encoding, stop strings, streaming,
+    results to `sink` (the results file's writer, or a list), stats and the status file."""
 
-    def __init__(self, plan: Plan, overwrite: bool, stream: bool, progress: bool, t_start: float):
+    def __init__(self, plan: Plan, controller, sink, done_ids=frozenset(), stream: bool = False,
+                 progress: bool = True, status: bool = True):
         self.plan, self.spec, self.tok = plan, plan.spec, plan.tokenizer
-        self.writer = ResultWriter(self.spec.output.path, overwrite)
+        self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
         self.stats = Stats()
-        self.t_start = t_start
         self.t_gen: float | None = None
         self.stream, self.streamed, self.last_streamed = stream, {}, None
-        self.controller = None
         self.status_t = 0.0
-        self.restart_log: list[str] = []
         self.bar = None
-        if progress:
+        if progress and status:
             from tqdm import tqdm
             self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
                             file=sys.stderr, desc="msinfer", disable=None)
 
     # ---- records in -----------------------------------------------------------------------------
-    def sequences(self):
+    def sequences(self, records):
         spec, eos = self.spec, self.plan.model.eos_token_ids
         if self.tok is not None and self.tok.eos_token_id is not None:
             eos = tuple(dict.fromkeys([*eos, self.tok.eos_token_id]))
         max_len = spec.model.max_model_len
-        for rec in read_records(spec.input.path):
-            if rec.id in self.writer.done_ids:
+        for rec in records:
+            if rec.id in self.done_ids:
                 self.stats.skipped += 1
                 self._tick()
                 continue
@@ -241,7 +242,7 @@ class JobRun:
         self.emit(result, ttft)
 
     def emit(self, result: dict, ttft: float | None = None) -> None:
-        self.writer.write(result)
+        self.sink(result)
         self.stats.add(result, ttft)
         self._tick(result.get("completion_tokens") or 0)
 
@@ -259,6 +260,8 @@ class JobRun:
 
     def write_status(self, state: str) -> None:
         self.status_t = time.perf_counter()
+        if not self.status:
+            return
         s = self.stats
         write_json_atomic(status_path(self.spec.output.path), {
             "state": state, "updated_unix": time.time(), "records_done": s.done, "records_failed": s.failed,
@@ -270,7 +273,7 @@ class JobRun:
         gen_s = (time.perf_counter() - self.t_gen) if self.t_gen else 0.0
         out = self.stats.summary(startup_s, gen_s)
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
-        out["restart_reasons"] = self.restart_log
+        out["restart_reasons"] = list(self.controller.restart_log) if self.controller else []
         out["spec"] = self.spec.resolved()
         out["replicas"] = self.workers()
         if self.controller:
@@ -278,35 +281,56 @@ class JobRun:
         return out
 
 
+def make_controller(plan: Plan):
+    from launcher.controller import Controller, ControllerConfig
+
+    spec = plan.spec
+    tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
+    return Controller(ControllerConfig(
+        engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
+        placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
+        threads_per_worker=threads_per_worker(tp * dp) if plan.device == "cpu" else 0,
+        max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
+        max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s))
+
+
+def start_controller(plan: Plan):
+    """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray)."""
+    import ray
+    from launcher.replica import init_ray
+
+    spec = plan.spec
+    started_ray = not ray.is_initialized()
+    workers = spec.parallel.tensor_parallel * spec.parallel.data_parallel
+    init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard)
+    controller = make_controller(plan)
+    try:
+        controller.start()
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    return controller, started_ray
+
+
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
             t_start: float | None = None) -> dict:
     """Runs a job to the end; returns the summary (also written to <output>.summary.json)."""
-    from launcher.controller import Controller, ControllerConfig
-    from launcher.replica import init_ray
-
     import ray
 
     t_start = time.perf_counter() if t_start is None else t_start
     plan = plan_job(spec)
     spec = plan.spec
-    job = JobRun(plan, overwrite, stream, progress, t_start)
-    tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
-    started_ray = not ray.is_initialized()
-    cfg = ControllerConfig(engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
-                           placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
-                           threads_per_worker=threads_per_worker(tp * dp) if plan.device == "cpu" else 0,
-                           max_batch_size=spec.scheduler.max_batch_size,
-                           max_batched_tokens=spec.scheduler.max_batched_tokens,
-                           max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s)
-    controller = job.controller = Controller(cfg)
-    controller.on_restart = lambda i, why: job.restart_log.append(why)
+    writer = ResultWriter(spec.output.path, overwrite)
+    job = JobRun(plan, None, writer.write, writer.done_ids, stream, progress)
+    started_ray = False
     try:
         job.write_status("starting")
-        init_ray(spec.ray.address, int(tp * dp * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard)
-        controller.start()
+        controller, started_ray = start_controller(plan)
+        job.controller = controller
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
-        controller.run(job.sequences(), job.on_step, job.on_finish)
+        controller.run(job.sequences(read_records(spec.input.path)), job.on_step, job.on_finish)
         summary = job.summary(startup_s)
         write_json_atomic(summary_path(spec.output.path), summary)
         job.write_status("done")
@@ -322,8 +346,9 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             job.bar.close()
         if job.stream:
             sys.stdout.write("\n")
-        controller.shutdown()
-        job.writer.close()
+        if job.controller is not None:
+            job.controller.shutdown()
+        writer.close()
         if started_ray and ray.is_initialized():
             ray.shutdown()
 

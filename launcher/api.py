@@ -1,0 +1,86 @@
+"""The Python API, for notebooks and scripts:
+
+    from launcher.api import LLM, run_job
+    llm = LLM("~/models/Qwen3-0.6B", tensor_parallel=2)
+    results = llm.generate(["What is the capital of France?"], {"max_new_tokens": 32})
+    llm.shutdown()
+
+    summary = run_job("job.yaml", overrides=["sampling.temperature=0.7"])
+
+`LLM` keeps its workers between `generate` calls; results come back in prompt order, each the
+same dict as a line of the results file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from launcher.errors import SpecError
+from launcher.inputs import parse_record
+from launcher.job import JobRun, plan_job, run_job as _run_job, start_controller
+from launcher.spec import JobSpec, SamplingSpec, load_spec
+
+
+def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] = (), **kwargs) -> dict:
+    """`msinfer run` as a function: a spec file (with --set style overrides) or a JobSpec."""
+    if not isinstance(spec, JobSpec):
+        spec = load_spec(spec, overrides)
+    return _run_job(spec, **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
+                 max_model_len: int | None = None, device: str = "auto", chat_template: bool = True,
+                 max_batch_size: int = 32, ray_address: str | None = None, **model_options):
+        sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
+        try:
+            spec = JobSpec.model_validate({
+                "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
+                "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
+                "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
+                "output": {"path": "in-memory-results.jsonl"},
+                "scheduler": {"max_batch_size": max_batch_size},
+                "ray": {"address": ray_address},
+                "sampling": sampling,
+            })
+        except ValidationError as e:
+            raise SpecError(f"LLM(...): {e}") from None
+        self.plan = plan_job(spec, check_io=False)
+        self.controller, self._started_ray = start_controller(self.plan)
+
+    def generate(self, prompts: list, sampling: dict | SamplingSpec | None = None, stream: bool = False) -> list[dict]:
+        """prompts: text, chat messages (a list of {role, content}) or token ids, or whole records
+        ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order."""
+        defaults = sampling if isinstance(sampling, SamplingSpec) else SamplingSpec.model_validate(sampling or {})
+        plan = dataclasses.replace(self.plan, spec=self.plan.spec.model_copy(update={"sampling": defaults}))
+        records = [parse_record({**as_record(p), "id": i}, i + 1, "prompt") for i, p in enumerate(prompts)]
+        results: dict[str, dict] = {}
+        job = JobRun(plan, self.controller, lambda r: results.__setitem__(r["id"], r), stream=stream,
+                     progress=False, status=False)
+        self.controller.run(job.sequences(records), job.on_step, job.on_finish)
+        return [results[str(i)] for i in range(len(prompts))]
+
+    def shutdown(self) -> None:
+        import ray
+        self.controller.shutdown()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def as_record(p) -> dict:
+    if isinstance(p, dict):
+        return p
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, list) and p and isinstance(p[0], dict):
+        return {"messages": p}
+    return {"prompt_token_ids": list(p)}

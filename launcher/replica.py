@@ -32,7 +32,8 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False)
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
         return
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
+    # address="local": a new embedded instance even when `ray start` runs on this machine
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
              dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
 

@@ -38,9 +38,10 @@ class Attention(nn.Cell):
         self.k_cache = new_param(shape, dtype, "k_cache")
         self.v_cache = new_param(shape, dtype, "v_cache")
 
-    def construct(self, x, cos, sin, slots, context_index, query_pos):
-        B, T = query_pos.shape
+    def construct(self, x, cos, sin, slots, context_index, attn_bias):
+        B, L = context_index.shape
         N = x.shape[0]
+        T = N // B
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
@@ -53,7 +54,7 @@ class Attention(nn.Cell):
         k_cache = self.dev.write_cache(self.k_cache, slots, k)
         v_cache = self.dev.write_cache(self.v_cache, slots, v)
         out = self.dev.attention(q.reshape(B, T, self.heads, self.head_dim), k_cache, v_cache,
-                                 context_index, query_pos, self.scale)
+                                 context_index, attn_bias, self.scale)
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -78,8 +79,8 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
 
-    def construct(self, x, cos, sin, slots, context_index, query_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, context_index, query_pos)
+    def construct(self, x, cos, sin, slots, context_index, attn_bias):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, context_index, attn_bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,14 +105,18 @@ class CausalLM(nn.Cell):
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
+        self.dev = dev
+        attn = self.layers[0].self_attn
+        self.group = attn.heads // attn.kv_heads
 
     def construct(self, input_ids, rope_pos, slots, context_index, query_pos, out_index):
         x = self.embed_tokens(input_ids)
         angles = ops.matmul(rope_pos, self.freq_matrix)                 # [N, D/2]
         cos = ops.cos(angles).astype(self.dtype).expand_dims(1)
         sin = ops.sin(angles).astype(self.dtype).expand_dims(1)
+        attn_bias = self.dev.attention_bias(query_pos, context_index.shape[1], self.group, self.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, context_index, query_pos)
+            x = layer(x, cos, sin, slots, context_index, attn_bias)
         x = self.norm(ops.gather(x, out_index, 0))
         return self.lm_head(x).astype(ms.float32)
 

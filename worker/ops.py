@@ -40,10 +40,20 @@ class CpuOps:
         return ops.scatter_update(cache, slots, rows)
 
     @staticmethod
-    def attention(q, k_cache, v_cache, context_index, query_pos, scale):
+    def attention_bias(query_pos, L, group, dtype):
+        """Additive mask [B, 1, group*T, L], built once per step and shared by every layer: key j
+        is visible to a query at position p iff j <= p (causal; padding keys lie beyond every p)."""
+        B, T = query_pos.shape
+        key_pos = ops.arange(L, dtype=ms.int32).reshape(1, 1, L)
+        allowed = key_pos <= query_pos.reshape(B, T, 1)                   # [B, T, L]
+        bias = ops.select(allowed, ops.zeros_like(allowed, dtype=dtype), ops.full_like(allowed, NEG_INF, dtype=dtype))
+        return ops.tile(bias.reshape(B, 1, 1, T, L), (1, 1, group, 1, 1)).reshape(B, 1, group * T, L)
+
+    @staticmethod
+    def attention(q, k_cache, v_cache, context_index, bias, scale):
         """q [B, T, H, D]; context_index [B, L] cache rows of each sequence's first L positions;
-        query_pos [B, T] each query's position. Key j is visible to a query at position p iff j <= p.
-        Returns [B, T, H*D]."""
+        bias from `attention_bias`. Query heads are grouped by KV head, so K/V are never copied
+        per query head. Returns [B, T, H*D]."""
         B, T, H, D = q.shape
         L = context_index.shape[1]
         k = ops.gather(k_cache, context_index, 0)                         # [B, L, KV, D]
@@ -52,11 +62,6 @@ class CpuOps:
         G = H // KV
         qg = q.reshape(B, T, KV, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
         scores = ops.matmul(qg, k.transpose(0, 2, 3, 1)) * scale          # [B, KV, G*T, L]
-        key_pos = ops.arange(L, dtype=ms.int32).reshape(1, 1, L)
-        allowed = key_pos <= query_pos.reshape(B, T, 1)                   # [B, T, L]
-        bias = ops.select(allowed, ops.zeros_like(allowed, dtype=scores.dtype),
-                          ops.full_like(allowed, NEG_INF, dtype=scores.dtype))
-        bias = ops.tile(bias.reshape(B, 1, 1, T, L), (1, 1, G, 1, 1)).reshape(B, 1, G * T, L)
         probs = ops.softmax((scores + bias).astype(ms.float32), -1).astype(q.dtype)
         out = ops.matmul(probs, v.transpose(0, 2, 1, 3))                  # [B, KV, G*T, D]
         return out.reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H * D)

@@ -60,3 +60,31 @@ def check_rank_holds_exactly_its_slices(replica, path):
 def ray_get(ref):
     import ray
     return ray.get(ref)
+
+
+def test_tp3_on_the_demo_model_answers_paris_like_transformers(ray_local):
+    """SmolLM2 (9 heads, 3 KV heads) split over 3 workers: one KV head each."""
+    import torch
+    import transformers
+    from scripts.make_demo_model import ensure_demo_model
+
+    path = ensure_demo_model()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
+    r = Replica(0, 3)
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=1))
+    try:
+        out = Driver(r).generate({0: prompt}, 10)[0]
+        info = r.setup_info
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert "Paris" in tok.decode(out)
+    assert out[:len(ref)] == ref            # transformers stops at EOS; the driver does not
+    # each rank holds a third of the sharded weights plus the replicated norms
+    assert len({i["param_bytes"] for i in info}) == 1
+    assert wait_gone(pids)

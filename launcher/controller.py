@@ -168,6 +168,9 @@ class Controller:
                 for seq, lp in zip(seqs, out.logprobs):
                     if lp is not None:
                         seq.logprobs = getattr(seq, "logprobs", []) + [lp]
+            for seq, scores in zip(seqs, out.scores or ()):
+                if scores:                  # a scoring chunk: log-probabilities of the continuation tokens it saw
+                    seq.continuation_logprobs = getattr(seq, "continuation_logprobs", []) + scores
             finished = slot.scheduler.postprocess(seqs, out.token_ids)
             on_step(seqs)
             for seq in finished:
@@ -206,9 +209,11 @@ class Controller:
         for seq in unfinished:              # recompute from the prompt: the replica's cache is gone
             fresh = Sequence(seq.prompt_token_ids, seq.sampling, seq.key, seq.eos_token_ids, seq.max_model_len)
             fresh.t_added, fresh.t_first = getattr(seq, "t_added", time.perf_counter()), None
-            for name in ("stop_matcher", "record"):
-                if hasattr(seq, name):
-                    setattr(fresh, name, getattr(seq, name))
+            fresh.num_score_tokens = seq.num_score_tokens
+            if hasattr(seq, "record"):
+                fresh.record = seq.record
+            if hasattr(seq, "stop_matcher"):    # a new matcher: the old one has scanned the lost output
+                fresh.stop_matcher = seq.stop_matcher and type(seq.stop_matcher)(seq.stop_matcher.stop)
             slot.scheduler.add(fresh)
         slot.replica = self._new_replica(slot.index)
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)

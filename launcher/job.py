@@ -16,16 +16,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import RecordError, UserError
+from launcher.errors import RecordError, SpecError, UserError
 from launcher.inputs import check_input, read_records
 from launcher.scheduler import Sequence
 from launcher.spec import JobSpec
 from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
-from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path,
-                             summary_path, write_json_atomic)
+from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, score_result,
+                             status_path, summary_path, write_json_atomic)
 from sharding.config import ModelConfig, ModelConfigError
 from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
-from worker.loader import CheckpointError, check_checkpoint
+from worker.loader import CheckpointError, check_checkpoint, check_model_dir
+from worker.lora import check_adapter
+from worker.positions import make_scheme
 from worker.runner import EngineConfig, resolve_dtype
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -78,6 +80,7 @@ def layout_summary(m: ModelConfig, tp: int) -> str:
 def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
     """Every check that can fail, before Ray starts. Raises a UserError-like exception.
     `check_io=False` skips the input and output files (the Python API has neither)."""
+    check_model_dir(spec.model.path)
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
@@ -105,6 +108,7 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle)
+    engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     engine = dataclasses.replace(engine, compile_cache_dir=compile_cache_dir(engine, tp))
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
     kv_heads_rank = max(1, m.num_kv_heads // tp)
@@ -120,6 +124,28 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
     return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes)
+
+
+def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:
+    """EngineConfig fields of model.positions and model.lora, checked here: the scheme's options,
+    and the adapter against the checkpoint's tensor shapes (headers only)."""
+    positions, lora = spec.model.positions, spec.model.lora
+    options = {"ratio": positions.ratio} if positions.scheme == "rope2d" else {}
+    try:
+        scheme = make_scheme(positions.scheme, **options)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if positions.scheme == "rope2d":
+        half = m.head_dim // 2
+        notes.append(f"positions rope2d: {len(scheme.branch_pairs(half))} of {half} rotary frequency pairs carry "
+                     f"the branch id (0 for plain prompts), the others the token's position")
+    fields = {"position_options": options}
+    if lora is not None:
+        n = check_adapter(lora.path, lora.scale, plans)
+        notes.append(f"LoRA adapter {lora.path}: {n} modules merged into the weights as they load "
+                     f"(scale {lora.scale:g})")
+        fields.update(lora_path=lora.path, lora_scale=lora.scale)
+    return fields
 
 
 def compile_cache_dir(engine: EngineConfig, tp: int) -> str:
@@ -184,21 +210,41 @@ class JobRun:
                     ids = list(rec.prompt_token_ids)
                 else:
                     ids = self.tok.encode_record(rec, spec.input.chat_template)
+                continuation = self.continuation(rec)
+                ids = ids + continuation
                 bad = [t for t in ids if not 0 <= t < self.plan.model.vocab_size]
                 if bad:
                     raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
                                       f"(0..{self.plan.model.vocab_size - 1})")
-                if len(ids) >= max_len:
+                if continuation and len(ids) > max_len:
+                    raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
+                                      f"model.max_model_len is {max_len}")
+                if not continuation and len(ids) >= max_len:
                     raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                       f"is {max_len}, which must also leave room for generated tokens")
             except RecordError as e:
                 self.emit(error_result(rec.id, "InvalidRecord", str(e)))
                 continue
             seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else eos, max_len)
+            seq.num_score_tokens = len(continuation)
             seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
             if self.t_gen is None:
                 self.t_gen = time.perf_counter()
             yield seq
+
+    def continuation(self, rec) -> list[int]:
+        """The token ids a record asks to score: its continuation with task: score, else none."""
+        if rec.continuation is None and rec.continuation_token_ids is None:
+            return []
+        if self.spec.task != "score":
+            raise RecordError(f"record '{rec.id}': has a continuation to score, but the job's task is "
+                              f"'{self.spec.task}'; set task: score")
+        if self.tok is None and rec.continuation_token_ids is None:
+            raise RecordError(f"record '{rec.id}': the model has no tokenizer, so the continuation must be "
+                              f"given as 'continuation_token_ids'")
+        if self.tok is None:
+            return list(rec.continuation_token_ids)
+        return self.tok.encode_continuation(rec)
 
     # ---- results out ----------------------------------------------------------------------------
     def on_step(self, seqs: list[Sequence]) -> None:
@@ -228,6 +274,11 @@ class JobRun:
     def on_finish(self, seq: Sequence) -> None:
         if seq.finish_reason in ("error", "abort"):
             self.emit(error_result(seq.key, "InvalidRecord", seq.error or f"sequence {seq.finish_reason}"))
+            return
+        if seq.is_scoring:
+            n = seq.num_score_tokens
+            self.emit(score_result(seq.key, seq.prompt_token_ids[-n:], getattr(seq, "continuation_logprobs", []),
+                                   seq.num_prompt_tokens - n))
             return
         text = None
         if self.tok is not None:

@@ -13,6 +13,11 @@ sequence always has `num_cached == num_tokens - 1` (its last sampled token is fe
 Lengths: a sequence ends with "length" once it holds `max_model_len` tokens, where max_model_len is
 also capped by the whole cache (num_blocks * block_size); a prompt must leave room for one
 generated token, or it is rejected with finish_reason "error" (see `Scheduler.take_rejected`).
+
+Scoring: a sequence with `num_score_tokens = n` holds prompt + continuation as its prompt. It is
+prefilled like any other (in chunks if need be), each step asking for the log-probabilities of
+the continuation tokens it can see (`SeqStep.targets`), samples nothing, and finishes with
+"scored" at the end of its prefill.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached = 0
         self.num_scheduled = 0                          # tokens fed by the step in flight
-        self.finish_reason: str | None = None           # "stop" | "length" | "error" | "abort"
+        self.finish_reason: str | None = None           # "stop" | "length" | "scored" | "error" | "abort"
+        self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
         self.error: str | None = None
 
@@ -77,6 +83,18 @@ class Sequence:
         if self.stop_token_id is not None:
             return self.output_token_ids[:-1]
         return self.output_token_ids
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.num_score_tokens > 0
+
+    def score_targets(self, start: int, end: int) -> list[int] | None:
+        """For tokens start..end-1 fed by a prefill step: the next token whose log-probability to
+        return where that token is one of the scored ones, else -1 (None: not a scoring sequence)."""
+        if not self.is_scoring:
+            return None
+        first, toks = self.num_tokens - self.num_score_tokens, self.token_ids
+        return [toks[j + 1] if first <= j + 1 < len(toks) else -1 for j in range(start, end)]
 
     @property
     def is_finished(self) -> bool:
@@ -253,13 +271,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _reject_if_impossible(self, seq: Sequence) -> bool:
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        limit = (f"the KV cache ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} "
+                 f"tokens)" if seq.max_model_len == capacity else f"max_model_len {seq.max_model_len}")
         if seq.num_prompt_tokens == 0:
             seq.error = "empty prompt"
-        elif seq.num_tokens >= seq.max_model_len:
-            capacity = self.block_manager.num_blocks * self.block_manager.block_size
-            limit = (f"the KV cache ({self.block_manager.num_blocks} blocks of "
-                     f"{self.block_manager.block_size} tokens)" if seq.max_model_len == capacity
-                     else f"max_model_len {seq.max_model_len}")
+        elif seq.is_scoring and seq.num_score_tokens >= seq.num_tokens:
+            seq.error = "scoring needs at least one prompt token before the continuation"
+        elif seq.is_scoring and seq.num_tokens > seq.max_model_len:
+            seq.error = f"prompt and continuation of {seq.num_tokens} tokens do not fit within {limit}"
+        elif not seq.is_scoring and seq.num_tokens >= seq.max_model_len:
             seq.error = (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a generated "
                          f"token within {limit}")
         else:
@@ -273,7 +294,8 @@ class Scheduler:
         decode = seq.num_scheduled == 1 and end == seq.num_tokens
         return SeqStep(seq_id=seq.seq_id, token_ids=[seq.last_token] if decode else seq.token_ids[start:end],
                        num_cached=start, block_table=list(seq.block_table), sampling=seq.sampling,
-                       num_generated=seq.num_completion_tokens, sample=end == seq.num_tokens)
+                       num_generated=seq.num_completion_tokens, sample=end == seq.num_tokens and not seq.is_scoring,
+                       targets=seq.score_targets(start, end))
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
@@ -290,6 +312,10 @@ class Scheduler:
             seq.num_scheduled = 0
             if seq.num_cached < seq.num_tokens:
                 continue                               # a prompt chunk short of the prompt's end
+            if seq.is_scoring:                         # scored: nothing to generate
+                self.finish(seq, "scored")
+                finished.append(seq)
+                continue
             if token < 0:
                 raise ValueError(f"sequence {seq.seq_id}: no token sampled at the end of its prefill")
             seq.output_token_ids.append(token)

@@ -60,7 +60,13 @@ class LoraSpec(Section):
 
 class PositionsSpec(Section):
     scheme: Literal["rope", "rope2d"] = "rope"
-    ratio: float = Field(0.0, ge=0.0, le=1.0)
+    ratio: float = Field(0.0, ge=0.0, le=1.0)   # rope2d: the share of rotary frequency pairs for the branch id
+
+    @model_validator(mode="after")
+    def _ratio_is_rope2d(self) -> PositionsSpec:
+        if self.scheme != "rope2d" and self.ratio:
+            raise ValueError(f"ratio {self.ratio:g} applies to scheme rope2d only (scheme is {self.scheme})")
+        return self
 
 
 class ModelSpec(Section):

@@ -85,8 +85,27 @@ class Worker:
     def step(self, seqs: list[SeqStep], is_prefill: bool) -> StepOutput | None:
         if self.tp.rank == 0:
             return self.runner.step(seqs, is_prefill)
-        self.runner.forward(seqs, is_prefill)
+        self.runner.execute(seqs, is_prefill)     # the same graph as rank 0: its collectives pair up
         return None
+
+    def timed_step(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[StepOutput | None, float]:
+        """step() and its seconds on this rank, without the Ray round trip (msinfer bench)."""
+        t0 = time.perf_counter()
+        out = self.step(seqs, is_prefill)
+        return out, time.perf_counter() - t0
+
+    def fill_random(self, scale: float = 0.02, seed: int = 0) -> int:
+        """Small random values in every weight, for EngineConfig(random_weights=True), which loads
+        none (msinfer bench --skip-load). The KV cache stays as it is. Returns the bytes filled."""
+        import numpy as np
+        from mindspore import Tensor
+        rng = np.random.default_rng([seed, self.tp.rank])
+        filled = 0
+        for p in self.runner.model.get_parameters():
+            if "cache" not in p.name and p.name != "freq_matrix":
+                p.set_data(Tensor(rng.standard_normal(p.shape, np.float32) * scale, dtype=p.dtype))
+                filled += p.nbytes
+        return filled
 
     def forward(self, seqs: list[SeqStep], is_prefill: bool):
         """Raw last-token logits (rank 0) for tests and scoring."""

@@ -1,8 +1,10 @@
 """Which device a worker computes on, and how a rank joins its communication group.
 
 On Ascend, Ray hands each worker one `NPU` and sets ASCEND_RT_VISIBLE_DEVICES to that card, so the
-card is device 0 of what the process can see; without Ray's assignment we fall back to the card
-listed for this rank. On the CPU there is no device id.
+card is device 0 of what the process can see. With RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES
+set, Ray leaves the variable as the node had it and the worker finds its card by the id Ray
+assigned; without any assignment we fall back to the card listed for this rank. On the CPU there
+is no device id.
 
 A tensor-parallel group is one MindSpore cluster started without msrun: one scheduler process
 (`MS_ROLE=MS_SCHED`) and one worker process per rank (`MS_ROLE=MS_WORKER`, `MS_NODE_ID`=rank),
@@ -24,20 +26,40 @@ class DeviceChoice:
     device_id: int | None  # Ascend card index as this process sees it
 
 
-def select_device(device: str, env: dict | None = None, rank: int = 0) -> DeviceChoice:
-    env = os.environ if env is None else env
+def select_device(device: str, env: dict | None = None, rank: int = 0,
+                  assigned: list[str] | None = None) -> DeviceChoice:
+    """`assigned`: the NPU ids Ray gave this worker; None asks Ray when `env` is this process's."""
+    live, env = env is None, os.environ if env is None else env
     if device in ("auto", ""):
         device = "ascend" if env.get("ASCEND_RT_VISIBLE_DEVICES") or env.get("ASCEND_HOME_PATH") else "cpu"
     if device == "cpu":
         return DeviceChoice("CPU", None)
     if device != "ascend":
         raise ValueError(f"parallel.device '{device}' is not one of auto, cpu, ascend")
-    visible = [v for v in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = [v.strip() for v in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if len(visible) == 1:           # Ray assigned exactly this card: it is device 0 of this process
         return DeviceChoice("Ascend", 0)
-    if visible:                     # several cards visible: take this rank's
+    if assigned is None and live:
+        assigned = ray_npu_ids()
+    card = str(assigned[0]).strip() if assigned else None
+    if card is not None and card in visible:    # Ray's card among several visible (NOSET mode)
+        return DeviceChoice("Ascend", visible.index(card))
+    if card is not None and not visible:
+        return DeviceChoice("Ascend", int(card))
+    if visible:                     # several cards visible, none assigned: take this rank's
         return DeviceChoice("Ascend", rank % len(visible))
     return DeviceChoice("Ascend", int(env.get("DEVICE_ID", rank)))
+
+
+def ray_npu_ids() -> list[str]:
+    """The NPU ids Ray assigned to this worker process ([] outside Ray or without NPUs)."""
+    try:
+        import ray
+        if not ray.is_initialized():
+            return []
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("NPU", [])]
+    except Exception:
+        return []
 
 
 def cluster_env(role: str, host: str, port: int, world: int, rank: int | None = None) -> dict[str, str]:

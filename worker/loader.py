@@ -8,12 +8,16 @@ peak host memory is one slice, not one checkpoint.
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors can hand out bf16 slices
 from safetensors import SafetensorError, safe_open
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+NOT_WEIGHTS = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth")
 
 
 class CheckpointError(ValueError):
@@ -36,17 +40,75 @@ def safetensors_files(model_dir: str | Path, allow_pickle: bool = False) -> list
     files = sorted(d.glob("*.safetensors"))
     if files:
         return files
-    pickled = sorted(p.name for p in d.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
+    pickled = sorted(p for p in d.glob("*") if p.suffix in PICKLE_SUFFIXES and p.name not in NOT_WEIGHTS)
     if pickled:
+        names = ", ".join(p.name for p in pickled)
         if allow_pickle:
-            raise CheckpointError(
-                f"{d}: holds only pickle weights ({', '.join(pickled)}); msinfer loads safetensors only: "
-                f"convert them once with transformers' save_pretrained(safe_serialization=True)")
+            return pickled
         raise CheckpointError(
-            f"{d}: holds only pickle weights ({', '.join(pickled)}), which can run code when loaded; "
-            f"msinfer refuses them (model.allow_pickle: true acknowledges the risk, but the weights "
-            f"must still be converted to safetensors)")
+            f"{d}: holds only pickle weights ({names}), which can run code when loaded; msinfer loads "
+            f"safetensors only, unless model.allow_pickle: true (then they are read with torch's weights-only "
+            f"unpickler). Better: convert them once with transformers' save_pretrained(safe_serialization=True)")
     raise CheckpointError(f"{d}: no *.safetensors weights found")
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """model.path exists, is a folder and can be listed and read (before anything else reads it)."""
+    d = Path(model_dir)
+    if not d.exists():
+        raise CheckpointError(f"model.path {d} does not exist; it should be a folder holding a Hugging Face "
+                              f"config.json and *.safetensors weights")
+    if not d.is_dir():
+        raise CheckpointError(f"model.path {d} is a file, not a folder; give the folder that holds config.json "
+                              f"and the *.safetensors weights")
+    try:
+        names = os.listdir(d)
+        for name in ("config.json", *(n for n in names if n.endswith(".safetensors"))):
+            if (d / name).is_file():
+                with open(d / name, "rb") as f:
+                    f.read(1)
+    except OSError as e:
+        raise CheckpointError(f"model folder {d} cannot be read: {e.strerror or e}"
+                              + (f" ({e.filename})" if e.filename else "")) from None
+
+
+@contextmanager
+def open_weights(path: Path):
+    """One weights file as `keys()` and `get_slice(name)`: safetensors read lazily, slice by slice;
+    a pickle file (only with model.allow_pickle) read whole by torch's weights-only unpickler."""
+    if path.suffix != ".safetensors":
+        yield _PickleWeights(path)
+        return
+    with safe_open(str(path), framework="np") as f:
+        yield f
+
+
+class _PickleWeights:
+    def __init__(self, path: Path):
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(f"{path}: reading pickle weights needs torch, which is not installed; "
+                                  f"convert the checkpoint to safetensors instead") from None
+        self.torch = torch
+        try:
+            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # a pickle that is not a plain state dict, a truncated file, ...
+            raise CheckpointError(f"{path}: not a readable PyTorch weights file ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not isinstance(self.tensors, dict):
+            raise CheckpointError(f"{path}: expected a state dict of tensors, got {type(self.tensors).__name__}")
+
+    def keys(self):
+        return [k for k, v in self.tensors.items() if isinstance(v, self.torch.Tensor)]
+
+    def get_slice(self, name: str):
+        t = self.tensors[name]
+        return (t.float() if t.dtype == self.torch.bfloat16 else t).numpy()
+
+
+def _shape(src) -> tuple:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
 
 
 def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False) -> dict:
@@ -55,7 +117,7 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False) ->
     seen: set[str] = set()
     for path in safetensors_files(model_dir, allow_pickle):
         try:
-            with safe_open(str(path), framework="np") as f:
+            with open_weights(path) as f:
                 for name in f.keys():
                     if name not in table:
                         continue
@@ -85,9 +147,9 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False) -
     size = 0
     for path in safetensors_files(model_dir, allow_pickle):
         try:
-            with safe_open(str(path), framework="np") as f:
+            with open_weights(path) as f:
                 for name in f.keys():
-                    found[name] = (path, tuple(f.get_slice(name).get_shape()))
+                    found[name] = (path, _shape(f.get_slice(name)))
             size += path.stat().st_size
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file may be truncated "

@@ -120,6 +120,17 @@ class CausalLM(nn.Cell):
         x = self.norm(ops.gather(x, out_index, 0))
         return self.lm_head(x).astype(ms.float32)
 
+    def score(self, input_ids, rope_pos, slots, context_index, query_pos, out_index, score_index, targets):
+        """A prefill that also scores: returns (logits [M, vocab] at out_index, as `construct`
+        returns them; log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The
+        log-softmax and the pick run in the graph, so a scoring step hands back S floats, not
+        S x vocab logits."""
+        m = out_index.shape[0]
+        logits = self.construct(input_ids, rope_pos, slots, context_index, query_pos,
+                                ops.concat((out_index, score_index)))
+        logp = ops.log_softmax(logits[m:], -1)
+        return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)
+
     def named_loaders(self):
         """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""
         table = {}

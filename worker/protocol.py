@@ -36,9 +36,12 @@ class SeqStep:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_generated: int = 0            # tokens sampled so far: with the seed, fixes the random stream
     sample: bool = True               # False for a prefill chunk that is not the prompt's last
+    # scoring: per token of token_ids, the next token whose log-probability to return (-1: none)
+    targets: list[int] | None = None
 
 
 @dataclass
 class StepOutput:
     token_ids: list[int]              # one sampled token per SeqStep (-1 where sample=False)
     logprobs: list | None = None      # per SeqStep: (chosen logprob, [(token, logprob), ...]) or None
+    scores: list | None = None        # per SeqStep: log-probabilities of its targets >= 0, or None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,8 +42,12 @@ class EngineConfig:
     block_size: int = 16
     graph_mode: bool = True            # False: PyNative, for debugging
     position_scheme: str = "rope"
+    position_options: dict = field(default_factory=dict)   # the scheme's options, e.g. {"ratio": 0.25}
+    lora_path: str | None = None       # a PEFT adapter merged into the weights as they load
+    lora_scale: float = 1.0            # times the adapter's own alpha / r
     allow_pickle: bool = False
     compile_cache_dir: str | None = None   # MindSpore's graph cache: a second run skips compiling
+    random_weights: bool = False       # read no checkpoint (msinfer bench --skip-load; Worker.fill_random)
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
@@ -65,6 +69,7 @@ class ModelRunner:
         from worker.model import CausalLM
         from worker.ops import select_ops
         from worker.loader import load_checkpoint
+        from worker.lora import with_lora
 
         if ec.compile_cache_dir:     # read when graphs compile; one folder per rank (rank_<n>/)
             os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
@@ -73,7 +78,7 @@ class ModelRunner:
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
         self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device)
-        self.scheme = make_scheme(ec.position_scheme)
+        self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
         self.block_size = ec.block_size
         self.num_blocks = ec.blocks()
         self.scratch_block = self.num_blocks                 # padding writes land here
@@ -82,13 +87,19 @@ class ModelRunner:
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device), num_slots,
                               self.scheme.freq_matrix(self.cfg))
         self.model.set_train(False)
-        self.load_stats = load_checkpoint(self.model, ec.model_dir, ec.allow_pickle)
+        if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
+            self.load_stats = {"tensors": 0, "bytes": 0}
+        else:
+            self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
+                                              ec.allow_pickle)
         self.load_s = time.perf_counter() - t0
         if ec.graph_mode:
             self.prefill_fn = ms.jit(self.model.construct)
             self.decode_fn = ms.jit(self.model.construct)
+            self.score_fn = ms.jit(self.model.score)
         else:
             self.prefill_fn = self.decode_fn = self.model.construct
+            self.score_fn = self.model.score
         self.compile_s: dict[str, float] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -146,8 +157,50 @@ class ModelRunner:
             self.compile_s[key] = time.perf_counter() - t0
         return logits[: len(seqs)]
 
+    def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
+        """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
+        the log-probabilities of each sequence's targets when any sequence of a prefill scores."""
+        if is_prefill and any(s.targets for s in seqs):
+            return self.forward_scores(seqs)
+        return self.forward(seqs, is_prefill), None
+
+    def forward_scores(self, seqs: list[SeqStep]) -> tuple[np.ndarray, list]:
+        """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
+        j with targets[j] >= 0 (None for a sequence without targets). The scored rows are padded
+        to a bucket of 16 so that scoring adds few compiled shapes."""
+        inputs = self.prepare(seqs, True)
+        Tp = inputs[4].shape[1]
+        rows, targets, counts = [], [], []
+        for b, s in enumerate(seqs):
+            t = list(s.targets or ())
+            if t and len(t) != len(s.token_ids):
+                raise ValueError(f"sequence {s.seq_id}: {len(t)} targets for {len(s.token_ids)} tokens")
+            picked = [(j, tok) for j, tok in enumerate(t) if tok >= 0]
+            if any(tok >= self.cfg.vocab_size for _, tok in picked):
+                raise ValueError(f"sequence {s.seq_id}: a target token is outside the vocabulary")
+            rows += [b * Tp + j for j, _ in picked]
+            targets += [tok for _, tok in picked]
+            counts.append(len(picked) if t else None)
+        S = bucket(len(rows), 16)
+        score_index = np.zeros(S, np.int32)
+        score_index[: len(rows)] = rows
+        score_targets = np.zeros(S, np.int32)
+        score_targets[: len(rows)] = targets
+        key = f"score B={inputs[4].shape[0]} T={Tp} L={inputs[3].shape[1]} S={S}"
+        t0 = time.perf_counter()
+        logits, logp = self.score_fn(*inputs, self.ms.Tensor(score_index, self.ms.int32),
+                                     self.ms.Tensor(score_targets, self.ms.int32))
+        logits, logp = logits.asnumpy(), logp.asnumpy()
+        if key not in self.compile_s:
+            self.compile_s[key] = time.perf_counter() - t0
+        scores, at = [], 0
+        for n in counts:
+            scores.append(None if n is None else [float(x) for x in logp[at: at + n]])
+            at += n or 0
+        return logits[: len(seqs)], scores
+
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
-        logits = self.forward(seqs, is_prefill)
+        logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
         picked = sampler.sample(logits[todo], [seqs[i].sampling for i in todo],
@@ -160,4 +213,4 @@ class ModelRunner:
             for i, t in zip(todo, picked):
                 if seqs[i].sampling.logprobs:
                     lps[i] = sampler.top_logprobs(logits[i: i + 1], [t], seqs[i].sampling.logprobs)[0]
-        return StepOutput(chosen, lps)
+        return StepOutput(chosen, lps, scores)

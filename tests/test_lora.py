@@ -1,0 +1,177 @@
+"""LoRA adapters (PEFT format) merged while loading: greedy tokens equal transformers + peft with the
+adapter merged, at tensor parallel 1 and 2; a bad adapter fails before any worker starts, naming
+the module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.conftest import PROMPTS
+from tests.engine_driver import Driver
+from worker.lora import AdapterError, LoraAdapter, check_adapter
+from worker.runner import EngineConfig, ModelRunner
+
+NAME = "qwen2_qkv_bias"            # fused q/k/v with biases, GQA: every shard id and both split dims
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+R, ALPHA = 4, 8
+N_NEW = 8
+
+
+@pytest.fixture(scope="session")
+def adapter(checkpoint, tmp_path_factory):
+    """(adapter folder, transformers + peft merged greedy tokens per prompt, base model's tokens)."""
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+                                                      lora_dropout=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():                  # lora_B starts at zero: make the adapter matter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.3)
+    out = tmp_path_factory.mktemp("lora") / "adapter"
+    model.save_pretrained(out)
+    merged = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32), out
+    ).merge_and_unload().eval()
+    expected = [greedy(merged, p) for p in PROMPTS]
+    plain = [greedy(transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32), p)
+             for p in PROMPTS]
+    assert expected != plain, "the adapter does not change the greedy tokens: the test would prove nothing"
+    return out, expected
+
+
+def greedy(model, prompt):
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_config(path, adapter_dir, scale=1.0):
+    return EngineConfig(str(path), max_model_len=128, max_batch_size=4, lora_path=str(adapter_dir), lora_scale=scale)
+
+
+def test_tp1_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, checkpoint):
+    adapter_dir, expected = adapter
+    runner = ModelRunner(engine_config(checkpoint(NAME), adapter_dir))
+    out = Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW)
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_tp2_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, checkpoint, ray_local):
+    """Each rank merges only its slice: its rows of B for q/k/v and gate/up, its columns of A for
+    o_proj and down_proj."""
+    from launcher.replica import Replica
+    adapter_dir, expected = adapter
+    r = Replica(0, 2)
+    try:
+        r.start(engine_config(checkpoint(NAME), adapter_dir))
+        out = Driver(r).generate(dict(enumerate(PROMPTS)), N_NEW)
+    finally:
+        r.shutdown()
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_scale_multiplies_the_adapters_own_alpha_over_r(adapter, checkpoint):
+    """W' = W + scale * alpha/r * B @ A, checked on the loaded parameters (no graph runs)."""
+    adapter_dir, _ = adapter
+    runner = ModelRunner(engine_config(checkpoint(NAME), adapter_dir, scale=0.5))
+    params = {p.name: p.asnumpy() for p in runner.model.get_parameters()}
+    base = load_file(str(checkpoint(NAME) / "model.safetensors"))
+    lora = load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+    def merged(module):
+        a = lora[f"base_model.model.{module}.lora_A.weight"]
+        b = lora[f"base_model.model.{module}.lora_B.weight"]
+        return base[f"{module}.weight"] + 0.5 * ALPHA / R * (b @ a)
+
+    p = "model.layers.1."
+    qkv = np.concatenate([merged(p + f"self_attn.{s}_proj") for s in "qkv"])
+    np.testing.assert_allclose(params["layers.1.self_attn.qkv_proj.weight"], qkv, atol=1e-6)
+    np.testing.assert_allclose(params["layers.1.mlp.down_proj.weight"], merged(p + "mlp.down_proj"), atol=1e-6)
+    # biases and norms are the base model's
+    np.testing.assert_array_equal(params["layers.1.input_layernorm.weight"], base[p + "input_layernorm.weight"])
+
+
+def edited_adapter(src, dst, config=None, tensors=None):
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors:
+        t = load_file(str(src / "adapter_model.safetensors"))
+        save_file(tensors(t), str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def test_adapter_for_a_module_the_model_lacks_fails_naming_it(adapter, checkpoint, tmp_path):
+    from sharding.config import ModelConfig
+    from sharding.layout import plan_tensors
+    adapter_dir, _ = adapter
+    plans = plan_tensors(ModelConfig.from_dir(checkpoint(NAME)), 2)
+    assert check_adapter(str(adapter_dir), 1.0, plans) == 2 * len(TARGETS)
+
+    in_config = edited_adapter(adapter_dir, tmp_path / "a", config={"target_modules": TARGETS + ["c_attn"]})
+    with pytest.raises(AdapterError, match="target module 'c_attn' is not a module of the base model"):
+        check_adapter(str(in_config), 1.0, plans)
+
+    def rename(t):
+        key = "base_model.model.model.layers.0.mlp.up_proj.lora_{}.weight"
+        for ab in "AB":
+            t[key.format(ab).replace("layers.0", "layers.7")] = t.pop(key.format(ab))
+        return t
+    in_tensors = edited_adapter(adapter_dir, tmp_path / "b", tensors=rename)
+    with pytest.raises(AdapterError, match=r"target module 'model\.layers\.7\.mlp\.up_proj' is not in the base"):
+        check_adapter(str(in_tensors), 1.0, plans)
+
+
+def test_shape_mismatch_fails_naming_the_module_before_and_while_loading(adapter, checkpoint, tmp_path):
+    from sharding.config import ModelConfig
+    from sharding.layout import plan_tensors
+    adapter_dir, _ = adapter
+
+    def shrink(t):
+        key = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"
+        t[key] = t[key][:16]                              # one KV head's rows, the model has two
+        return t
+    bad = edited_adapter(adapter_dir, tmp_path / "bad", tensors=shrink)
+    message = r"target module 'model\.layers\.1\.self_attn\.k_proj': the adapter's B @ A is \[16, 64\]"
+    with pytest.raises(AdapterError, match=message):
+        check_adapter(str(bad), 1.0, plan_tensors(ModelConfig.from_dir(checkpoint(NAME)), 1))
+    with pytest.raises(AdapterError, match=message):        # a worker given it anyway
+        ModelRunner(engine_config(checkpoint(NAME), bad))
+
+
+def test_unsupported_adapters_are_refused_with_the_reason(adapter, tmp_path):
+    adapter_dir, _ = adapter
+    with pytest.raises(AdapterError, match="use_dora is true"):
+        LoraAdapter(edited_adapter(adapter_dir, tmp_path / "dora", config={"use_dora": True}))
+    with pytest.raises(AdapterError, match="adapter_config.json is missing"):
+        LoraAdapter(tmp_path)
+
+
+def test_plan_job_checks_the_adapter_before_workers_start(adapter, checkpoint, tmp_path):
+    from launcher.job import plan_job
+    from launcher.spec import JobSpec
+    adapter_dir, _ = adapter
+    (tmp_path / "in.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    spec = {"model": {"path": str(checkpoint(NAME)), "max_model_len": 64, "lora": {"path": str(adapter_dir),
+                                                                                  "scale": 2.0}},
+            "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out.jsonl")},
+            "sampling": {"max_new_tokens": 8}}
+    plan = plan_job(JobSpec.model_validate(spec))
+    assert (plan.engine.lora_path, plan.engine.lora_scale) == (str(adapter_dir), 2.0)
+    spec["model"]["lora"]["path"] = str(edited_adapter(adapter_dir, tmp_path / "x",
+                                                       config={"target_modules": ["c_attn"]}))
+    with pytest.raises(AdapterError, match="'c_attn'"):
+        plan_job(JobSpec.model_validate(spec))

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _say(message: str) -> None:
     lines = message.splitlines() or [""]
-    first = textwrap.fill(lines[0], width=100, initial_indent="msinfer: error: ", subsequent_indent="  ")
+    first = textwrap.fill(lines[0], width=100, initial_indent="msinfer: error: ", subsequent_indent="  ",
+                          break_on_hyphens=False, break_long_words=False)
     print("\n".join([first, *("  " + line for line in lines[1:])]), file=sys.stderr)
 
 

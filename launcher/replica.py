@@ -8,6 +8,7 @@ scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Wo
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -30,12 +31,51 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False)
         return
     env = {"env_vars": dict(QUIET_ENV)}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
+        check_reachable(address)
+        enable_token_auth()
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why})") from None
         return
     # address="local": a new embedded instance even when `ray start` runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
              dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
+
+
+def enable_token_auth() -> None:
+    """Ray 2.60 sends the user's token (RAY_AUTH_TOKEN, ~/.ray/auth_token) to a cluster it finds by
+    itself (address "auto"), but to an explicit host:port only with RAY_AUTH_MODE=token, and a
+    `ray start --head` cluster refuses a driver without it. Do what "auto" does; a cluster without
+    authentication accepts the token too."""
+    try:
+        from ray._private.authentication import authentication_token_setup as auth
+    except ImportError:             # another Ray: RAY_AUTH_MODE=token is the user's switch
+        return
+    auth.logger.disabled = True     # its "token authentication is enabled" warning is for new clusters
+    try:
+        auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        auth.logger.disabled = False
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fails in seconds where no Ray head listens: `ray.init(address=host:port)` would retry for
+    minutes, deaf to Ctrl-C."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"ray.address '{address}': expected host:port of a Ray head (e.g. 10.0.0.1:6379), "
+                          f"or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise LaunchError(f"ray.address {address}: no Ray head answers there ({e.strerror or e}); start one "
+                          f"with `ray start --head --port={port}` or scripts/msinfer-node.sh, or correct the "
+                          f"address") from None
 
 
 @dataclass
@@ -85,6 +125,9 @@ class Replica:
                 .remote(self.tp_size)
             host, port = ray.get(self.scheduler.start.remote())
         self.ranks = ray.get([w.info.remote() for w in self.workers])
+        if port is not None:            # in the status file: where this group's scheduler listens
+            for r in self.ranks:
+                r["ms_scheduler"] = f"{host}:{port}"
         self.setup_info = ray.get([w.setup.remote(engine_config, host, port) for w in self.workers])
         return self.ranks
 

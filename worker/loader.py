@@ -92,7 +92,12 @@ class _PickleWeights:
                                   f"convert the checkpoint to safetensors instead") from None
         self.torch = torch
         try:
-            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:  # the legacy (pre-zip) format cannot be memory-mapped
+                if "mmap" not in str(e):
+                    raise
+                self.tensors = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # a pickle that is not a plain state dict, a truncated file, ...
             raise CheckpointError(f"{path}: not a readable PyTorch weights file ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None

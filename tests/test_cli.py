@@ -1,0 +1,284 @@
+"""Tier 3: the CLI as a user runs it -- `msinfer run job.yaml` in a subprocess, a results file out.
+
+Every job here shares one small checkpoint and one engine shape (max_model_len, batch size), so
+MindSpore's graph cache (MSINFER_CACHE, one folder for the test session) compiles each step shape
+once. The helpers (`cli`, `Job`) are shared with tests/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+MODEL = "llama_gqa_tied"   # 4 heads, 2 KV heads, intermediate 128: tensor parallel 1, 2 or 4
+ENGINE = {"model": {"max_model_len": 64}, "scheduler": {"max_batch_size": 2}}  # one graph cache for all jobs
+
+
+def prompt(i: int) -> list[int]:
+    return [5 + i, 17, 33, 9][:2 + i % 3]
+
+
+def records(n: int) -> list[dict]:
+    return [{"id": f"r{i:02d}", "prompt_token_ids": prompt(i)} for i in range(n)]
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class Job:
+    """A job folder: job.yaml, in.jsonl (dicts as JSON lines, bytes as raw lines) and
+    out/results.jsonl with its status and summary files."""
+
+    def __init__(self, folder: Path, model: Path, lines: list, **sections):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spec_path = self.dir / "job.yaml"
+        self.input = self.dir / "in.jsonl"
+        self.output = self.dir / "out" / "results.jsonl"
+        with open(self.input, "wb") as f:
+            for line in lines:
+                f.write(line if isinstance(line, bytes) else json.dumps(line).encode() + b"\n")
+        base = {"model": {"path": str(model)}, "input": {"path": "in.jsonl"},
+                "sampling": {"max_new_tokens": 4, "ignore_eos": True},
+                "output": {"path": "out/results.jsonl", "status_interval_s": 0.2}}
+        self.spec = merge(merge(base, ENGINE), sections)
+        self.write_spec()
+
+    def write_spec(self, text: str | None = None) -> Path:
+        self.spec_path.write_text(text if text is not None else yaml.safe_dump(self.spec, sort_keys=False))
+        return self.spec_path
+
+    def results(self) -> list[dict]:
+        return [json.loads(line) for line in self.output.read_bytes().splitlines()]
+
+    def ids(self) -> list[str]:
+        return [r["id"] for r in self.results()]
+
+    def status(self) -> dict | None:
+        return _json(Path(f"{self.output}.status.json"))
+
+    def summary(self) -> dict | None:
+        return _json(Path(f"{self.output}.summary.json"))
+
+    def write_prior_results(self, n: int = 2) -> bytes:
+        """Results of an earlier run, to check that a failing run leaves them alone."""
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        data = b"".join(json.dumps({"id": f"prior{i}", "output_token_ids": [7, 8], "finish_reason": "length",
+                                    "prompt_tokens": 2, "completion_tokens": 2, "error": None}).encode() + b"\n"
+                        for i in range(n))
+        self.output.write_bytes(data)
+        return data
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
+        return None
+
+
+def msinfer_command() -> list[str]:
+    script = Path(sys.executable).with_name("msinfer")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "launcher.cli"]
+
+
+class Cli:
+    def __init__(self, env: dict):
+        self.env = env
+
+    def run(self, *args, timeout: float = 180, env: dict | None = None, prefix: tuple = (),
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+        p = subprocess.run([*prefix, *msinfer_command(), *map(str, args)], capture_output=True, text=True,
+                           env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
+        assert "Traceback" not in p.stderr, p.stderr
+        return p
+
+    def start(self, *args, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([*msinfer_command(), *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**self.env, **(env or {})},
+                                start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def cli(tmp_path_factory) -> Cli:
+    base = tmp_path_factory.getbasetemp()
+    return Cli({**os.environ, "MSINFER_CACHE": str(base / "msinfer-cache"), "GLOG_v": "3",
+                "HF_MODULES_CACHE": str(base / "hf-modules"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="session")
+def model(checkpoint) -> Path:
+    return checkpoint(MODEL)
+
+
+def said(p: subprocess.CompletedProcess | str) -> str:
+    """stderr as one line: the CLI wraps its paragraph at 100 columns (textwrap: at spaces, or
+    after a hyphen, which the line then ends with)."""
+    text = p if isinstance(p, str) else p.stderr
+    return " ".join(re.sub(r"(?<=-)\n +", "", text).split())
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, every: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"msinfer exited ({proc.returncode}) while waiting for {what}:\n{out}\n{err}")
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def line_count(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def no_ray() -> dict:
+    """An env with a fresh, empty Ray temp dir: if it stays empty, Ray never started."""
+    return {"RAY_TMPDIR": tempfile.mkdtemp(prefix="msi-ray-", dir="/tmp")}
+
+
+def assert_ray_never_started(env: dict) -> None:
+    started = os.listdir(env["RAY_TMPDIR"])
+    assert not started, f"Ray started: {started}"
+    os.rmdir(env["RAY_TMPDIR"])
+
+
+# ---- a job in, a results file out; interrupted and run again -------------------------------------
+
+BAD_RECORDS = [   # (input line, what the error message of its result says)
+    (b'{"id": "broken", "prompt_token_ids": [1, 2\n', "invalid JSON"),
+    ({"id": "no-prompt", "sampling": {"temperature": 0}}, "no prompt"),
+    ({"id": "empty", "prompt": "  "}, "'prompt' is empty"),
+    ({"id": "too-long", "prompt_token_ids": [3] * 64}, "the prompt has 64 tokens; model.max_model_len is 64"),
+    (b'{"id": "latin1", "prompt": "caf\xe9"}\n', "not valid UTF-8"),
+    ({"id": "text", "prompt": "hello"}, "the model has no tokenizer, so records need 'prompt_token_ids'"),
+]
+
+
+def test_run_interrupt_and_run_again(cli, model, tmp_path):
+    """A user's job: good records, bad ones (invalid JSON, no prompt, empty prompt, too long, not
+    UTF-8, text without a tokenizer) and a --set override. Ctrl-C in the middle (exit 130), then
+    the same command again: it skips what finished, computes the rest and exits 0; every record
+    has exactly one result line, the bad ones an error naming their id and problem."""
+    good = records(16)
+    good[5]["sampling"] = {"max_new_tokens": 2}               # a record's own sampling beats --set
+    bad = [line for line, _ in BAD_RECORDS]
+    lines = good[:1] + bad[:3] + good[1:9] + bad[3:] + good[9:]
+    job = Job(tmp_path, model, lines)                          # the spec says max_new_tokens: 4
+    command = ("run", job.spec_path, "--no-progress", "--set", "sampling.max_new_tokens=40")
+
+    proc = cli.start(*command)
+    wait_for(lambda: job.output.exists() and job.output.read_bytes().count(b'"error": null') >= 2,
+             120, "two results", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "running the same job again resumes" in said(err)
+    assert job.status()["state"] == "failed"
+    kept = job.output.read_bytes()
+    assert kept.endswith(b"\n")
+    done_before = job.ids()
+    assert len(done_before) < len(lines), "the interrupt came too late to test a resume"
+
+    p = cli.run(*command)
+    assert p.returncode == 0, p.stderr
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    assert printed["records_skipped"] == len(done_before)
+    assert printed["records_done"] + printed["records_failed"] == len(lines) - len(done_before)
+    assert job.output.read_bytes().startswith(kept)           # what was written stays as it was
+    results = {r["id"]: r for r in job.results()}
+    assert len(results) == len(job.results()) == len(lines)   # each record exactly once
+    for rec in good:
+        r = results[rec["id"]]
+        n = 2 if rec is good[5] else 40
+        assert r["error"] is None and r["finish_reason"] == "length"
+        assert len(r["output_token_ids"]) == r["completion_tokens"] == n
+    for line, message in BAD_RECORDS:
+        n = lines.index(line) + 1                  # a line that cannot be read has its line number as id
+        r = results[line["id"] if isinstance(line, dict) else str(n)]
+        assert r["error"]["type"] == "InvalidRecord" and message in r["error"]["message"]
+        assert f"line {n}: " in r["error"]["message"] or f"record '{r['id']}'" in r["error"]["message"]
+    summary = job.summary()
+    assert summary["spec"]["sampling"]["max_new_tokens"] == 40
+    assert summary["records_skipped"] == len(done_before)
+    status = job.status()
+    assert status["state"] == "done" and status["workers"][0]["pid"] > 0
+
+
+def test_plan_prints_the_layout_and_starts_nothing(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(2))
+    env = no_ray()
+    p = cli.run("plan", job.spec_path, "--set", "parallel.tensor_parallel=2", "--set", "parallel.data_parallel=2",
+                env=env)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert f"model       {model}" in out
+    assert "LlamaForCausalLM: 2 layers, hidden 64, heads 4 (kv 2, head_dim 16), vocab 256" in out
+    assert "2 replica(s) x tensor parallel 2 = 4 worker(s) on cpu" in out
+    assert "q heads 4/2 per rank" in out and "kv heads split" in out
+    assert "max_model_len 64" in out and "(no tokenizer: prompt_token_ids only)" in out
+    assert not job.output.exists() and job.status() is None
+    assert_ray_never_started(env)
+
+
+def test_bad_tensor_parallel_size_fails_before_ray_naming_the_sizes_that_work(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(2))
+    env = no_ray()
+    p = cli.run("run", job.spec_path, "--set", "parallel.tensor_parallel=3", env=env)
+    assert p.returncode == 2
+    msg = said(p)
+    assert msg.startswith("msinfer: error: parallel.tensor_parallel=3 does not fit LlamaForCausalLM")
+    assert "num_attention_heads=4 is not divisible by 3" in msg and "Sizes that work: 1, 2, 4" in msg
+    assert job.status() is None and not job.output.exists()
+    assert_ray_never_started(env)
+
+
+SPEC_ERRORS = {
+    "malformed-yaml": ("model:\n  path: m\n input:\n", (), "job.yaml:3:2: malformed YAML"),
+    "unknown-key": (None, ("--set", "scheduler.max_batch=4"),
+                    "--set: scheduler.max_batch: unknown key; did you mean 'max_batch_size'"),
+    "wrong-type": (None, ("--set", "sampling.max_new_tokens=many"),
+                   "--set: sampling.max_new_tokens: expected an integer, got 'many'"),
+    "bad-override": (None, ("--set", "sampling.max_new_tokens"), "expected dotted.key=value"),
+    "missing-key": ("model:\n  path: m\ninput:\n  path: in.jsonl\n", (), "output: missing required key"),
+    "no-room": (None, ("--set", "sampling.max_new_tokens=64"),
+                "sampling.max_new_tokens (64) must be less than model.max_model_len (64)"),
+    "bad-dtype": (None, ("--set", "model.dtype=fp8"), "model.dtype: expected one of"),
+}
+
+
+@pytest.mark.parametrize("case", SPEC_ERRORS)
+def test_spec_errors_exit_2_with_one_message_and_no_traceback(cli, model, tmp_path, case):
+    text, overrides, expected = SPEC_ERRORS[case]
+    job = Job(tmp_path, model, records(1))
+    if text is not None:
+        job.write_spec(text)
+    p = cli.run("run", job.spec_path, *overrides)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("msinfer: error: ") and expected in said(p), p.stderr
+    assert p.stdout == ""
+
+
+def test_missing_spec_file_exits_2(cli, tmp_path):
+    p = cli.run("plan", tmp_path / "nope.yaml")
+    assert p.returncode == 2 and "nope.yaml: job spec file not found" in said(p)

@@ -1,0 +1,439 @@
+"""Issue 6: a killed worker, a killed controller or a broken file loses nothing.
+
+The fault tests run `msinfer run` in a subprocess and kill processes of the running job: a
+worker (its pid read from `<output>.status.json`), or msinfer itself. The bad-input tests each
+break one thing, run the job over a results file that holds earlier results, and check the
+message (it names the key, file or tensor), exit code 2, that those results are untouched and
+that Ray never started.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.errors import UserError
+from launcher.job import plan_job
+from launcher.replica import wait_gone
+from launcher.spec import load_spec
+from launcher.writer import ResultWriter
+from tests.test_cli import (Job, assert_ray_never_started, cli, line_count, model, no_ray, records,  # noqa: F401
+                            said, wait_for)
+
+
+def running(job: Job, workers: int) -> dict | None:
+    s = job.status()
+    return s if s and s["state"] == "running" and len(s["workers"]) == workers else None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a job the test started (its own process group), if a failed assertion left it running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def listener(port: int) -> psutil._common.sconn | None:
+    return next((c for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port), None)
+
+
+def whole_lines(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    assert data.endswith(b"\n"), "the results file ends in a partial line"
+    return [json.loads(line) for line in data.splitlines()]
+
+
+# ---- a killed worker ----------------------------------------------------------------------------
+
+def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model, tmp_path):
+    """tp 2: SIGKILL of rank 1 mid-job. The replica goes (rank 0 and its MindSpore scheduler too),
+    a new one starts with a scheduler on a fresh port, listening on the node's address, and the
+    lost records are computed again: every record exactly once, the job exits 0."""
+    n = 8
+    job = Job(tmp_path, model, records(n), parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 32},
+              fault={"max_replica_restarts": 2})
+    proc = cli.start("run", job.spec_path, "--no-progress")
+    try:
+        before = wait_for(lambda: running(job, 2), 180, "two running workers", proc)["workers"]
+        old_pids = [w["pid"] for w in before]
+        node_ip = before[0]["node_ip"]
+        host, port = before[0]["ms_scheduler"].rsplit(":", 1)
+        assert host == node_ip and host not in ("0.0.0.0", "::", "")
+        sock = listener(int(port))
+        assert sock is not None and sock.laddr.ip == node_ip, f"the MindSpore scheduler listens on {sock}"
+        old_scheduler = sock.pid
+        wait_for(lambda: line_count(job.output) >= 1, 120, "a first result", proc)
+
+        os.kill(old_pids[1], signal.SIGKILL)
+        after = wait_for(lambda: (s := running(job, 2)) and s["replica_restarts"] == 1
+                         and not {w["pid"] for w in s["workers"]} & set(old_pids) and s, 180,
+                         "the restarted replica", proc)["workers"]
+        assert wait_gone([*old_pids, old_scheduler], 30), "the failed replica's processes outlived it"
+        new_port = int(after[0]["ms_scheduler"].rsplit(":", 1)[1])
+        assert new_port != int(port)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err
+    assert sorted(job.ids()) == [r["id"] for r in records(n)]
+    assert all(r["error"] is None and r["completion_tokens"] == 32 for r in job.results())
+    summary = job.summary()
+    assert summary["replica_restarts"] == 1 and summary["records_done"] == n
+    assert summary["restart_reasons"] == ["replica 0 failed (a worker process died)"]
+
+
+# ---- a killed controller ------------------------------------------------------------------------
+
+def test_killed_controller_leaves_whole_lines_and_the_next_run_resumes(cli, model, tmp_path):
+    n = 16
+    job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 40})
+    proc = cli.start("run", job.spec_path, "--no-progress")
+    try:
+        workers = [w["pid"] for w in wait_for(lambda: running(job, 1), 180, "a running worker", proc)["workers"]]
+        wait_for(lambda: line_count(job.output) >= 3, 120, "three results", proc)
+        # Ray's GCS and raylet die with their parent (PR_SET_PDEATHSIG) and the workers with the
+        # raylet; Ray's dashboard and runtime-env agents linger idle until their GCS reconnect
+        # timeout (60 s) and are not waited for here
+        ray_core = [c.pid for c in psutil.Process(proc.pid).children() if c.name() in ("gcs_server", "raylet")]
+        proc.kill()                                           # SIGKILL: no cleanup of any kind
+        proc.wait(30)
+    finally:
+        stop(proc)
+    kept = whole_lines(job.output)
+    assert 3 <= len(kept) < n and len({r["id"] for r in kept}) == len(kept)
+    assert len(ray_core) == 2 and wait_gone(ray_core + workers, 30), "Ray outlived the killed controller"
+
+    p = cli.run("run", job.spec_path, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert whole_lines(job.output)[:len(kept)] == kept
+    assert sorted(job.ids()) == [r["id"] for r in records(n)]
+    summary = job.summary()
+    assert summary["records_skipped"] == len(kept) and summary["records_done"] == n - len(kept)
+
+
+def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(cli, model, tmp_path):
+    """A stopped worker (SIGSTOP) is a wedged step: after fault.step_timeout_s it is a failure of
+    its replica. With fault.max_replica_restarts: 0 that failure stops the job: exit 3, a message,
+    every finished record kept whole for the next run to resume after."""
+    n = 16
+    job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 40},
+              fault={"max_replica_restarts": 0, "step_timeout_s": 6})
+    proc = cli.start("run", job.spec_path, "--no-progress")
+    stopped = None
+    try:
+        worker = wait_for(lambda: running(job, 1), 180, "a running worker", proc)["workers"][0]["pid"]
+        wait_for(lambda: line_count(job.output) >= 1, 120, "a first result", proc)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = worker
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - t0
+    finally:
+        stop(proc)
+        if stopped is not None and psutil.pid_exists(stopped):   # a stopped process ignores its raylet's end
+            os.kill(stopped, signal.SIGKILL)
+    assert proc.returncode == 3, err
+    assert waited >= 5, f"the job stopped {waited:.1f}s after the worker did, before the step timeout"
+    msg = said(err)
+    assert "Traceback" not in err
+    assert ("replica 0 failed (TimeoutError: a step ran longer than fault.step_timeout_s=6s); that is restart 1, "
+            "more than fault.max_replica_restarts=0") in msg
+    assert "Every finished record is in the results file: run the same job again to resume" in msg
+    kept = whole_lines(job.output)
+    assert 1 <= len(kept) < n and len({r["id"] for r in kept}) == len(kept)
+    assert all(r["error"] is None and r["completion_tokens"] == 40 for r in kept)
+    assert job.status()["state"] == "failed" and job.status()["replica_restarts"] == 1
+    with ResultWriter(job.output) as w:            # what the next run skips
+        assert w.done_ids == {r["id"] for r in kept} and not w.cut_partial_line
+
+
+# ---- bad input: a clear message, nothing lost, nothing started ---------------------------------
+
+def fails_before_ray(cli, job: Job, *args, prefix: tuple = ()) -> str:
+    """Runs the job over earlier results; returns the error message (on one line)."""
+    prior = job.write_prior_results() if not job.output.exists() else job.output.read_bytes()
+    env = no_ray()
+    p = cli.run("run", job.spec_path, "--no-progress", *args, env=env, prefix=prefix)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith("msinfer: error: ") and p.stdout == ""
+    assert job.output.read_bytes() == prior
+    assert job.status() is None
+    assert_ray_never_started(env)
+    return said(p)
+
+
+def without_root_override() -> tuple:
+    """A command prefix under which file permissions apply (root reads and writes anything)."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permissions cannot be made to apply")
+    return ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
+
+
+def broken_copy(model: Path, folder: Path) -> Path:
+    out = folder / "broken-model"
+    shutil.copytree(model, out)
+    return out
+
+
+def test_malformed_yaml(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1))
+    job.write_spec(f"model:\n  path: {model}\n  dtype: [float32\ninput:\n  path: in.jsonl\n")
+    msg = fails_before_ray(cli, job)
+    assert f"{job.spec_path}:4:" in msg and "malformed YAML" in msg
+
+
+def test_wrong_types(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1), sampling={"max_new_tokens": "ten", "temperature": "hot"})
+    msg = fails_before_ray(cli, job)
+    assert "2 problems in the job spec" in msg
+    assert "sampling.max_new_tokens: expected an integer, got 'ten'" in msg
+    assert "sampling.temperature: expected a number, got 'hot'" in msg
+    line = job.spec_path.read_text().splitlines().index("  max_new_tokens: ten") + 1
+    assert f"{job.spec_path}:{line}: sampling.max_new_tokens" in msg
+
+
+def test_unknown_keys(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1), sampling={"max_tokens": 4}, faults={"max_replica_restarts": 1})
+    msg = fails_before_ray(cli, job)
+    assert "sampling.max_tokens: unknown key; did you mean 'max_new_tokens'?" in msg
+    assert "faults: unknown key; did you mean 'fault'?" in msg
+
+
+def test_missing_model_folder(cli, model, tmp_path):
+    job = Job(tmp_path, tmp_path / "no-such-model", records(1))
+    msg = fails_before_ray(cli, job)
+    assert f"model.path {tmp_path / 'no-such-model'} does not exist" in msg
+
+
+def test_model_path_is_a_file(cli, model, tmp_path):
+    job = Job(tmp_path, model / "config.json", records(1))
+    assert f"model.path {model / 'config.json'} is a file, not a folder" in fails_before_ray(cli, job)
+
+
+def test_unreadable_model_folder(cli, model, tmp_path):
+    broken = broken_copy(model, tmp_path)
+    job = Job(tmp_path, broken, records(1))
+    broken.chmod(0o000)
+    try:
+        msg = fails_before_ray(cli, job, prefix=without_root_override())
+    finally:
+        broken.chmod(0o755)
+    assert f"model folder {broken} cannot be read: Permission denied" in msg
+
+
+def test_truncated_safetensors_names_the_file(cli, model, tmp_path):
+    broken = broken_copy(model, tmp_path)
+    weights = broken / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert f"{weights}: not a readable safetensors file" in msg and "truncated or corrupted" in msg
+
+
+def test_corrupted_safetensors_header_names_the_file(cli, model, tmp_path):
+    broken = broken_copy(model, tmp_path)
+    weights = broken / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(8)
+        f.write(b"}not json{")
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert f"{weights}: not a readable safetensors file" in msg
+
+
+def test_config_missing_a_required_key(cli, model, tmp_path):
+    broken = broken_copy(model, tmp_path)
+    config = json.loads((broken / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (broken / "config.json").write_text(json.dumps(config))
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert f"{broken / 'config.json'}: required key 'num_hidden_layers' is missing" in msg
+
+
+def test_tokenizer_that_does_not_load(cli, model, tmp_path):
+    broken = broken_copy(model, tmp_path)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {')
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert f"the tokenizer files in {broken} do not load" in msg
+
+
+def test_missing_weight_tensor_is_named(cli, model, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    broken = broken_copy(model, tmp_path)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert "weight tensor 'model.layers.1.mlp.up_proj.weight' is missing from the checkpoint" in msg
+
+
+def test_weight_tensor_with_a_wrong_shape_is_named(cli, model, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    broken = broken_copy(model, tmp_path)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    save_file(tensors, broken / "model.safetensors")
+    msg = fails_before_ray(cli, Job(tmp_path, broken, records(1)))
+    assert ("model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64], "
+            "the config implies [32, 64]") in msg
+
+
+def test_missing_input_file(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1))
+    job.input.unlink()
+    assert f"input file {job.input} does not exist" in fails_before_ray(cli, job)
+
+
+def test_unreadable_input_file(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1))
+    job.input.chmod(0o000)
+    msg = fails_before_ray(cli, job, prefix=without_root_override())
+    assert f"input file {job.input} cannot be read: Permission denied" in msg
+
+
+def test_output_folder_that_cannot_be_written_is_found_before_workers_start(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1))
+    job.write_prior_results()
+    job.output.parent.chmod(0o555)
+    try:
+        msg = fails_before_ray(cli, job, prefix=without_root_override())
+    finally:
+        job.output.parent.chmod(0o755)
+    assert f"output folder {job.output.parent} is not writable (Permission denied)" in msg
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs (needs root and mount); skipped where it cannot be mounted."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(folder: Path, leave_bytes: int) -> None:
+    """Fills the file system of `folder`, then frees `leave_bytes` again."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, filler.stat().st_size - leave_bytes)
+
+
+def test_disk_that_fills_up_mid_job_stops_it_keeping_what_was_written(cli, model, tmp_path, small_disk):
+    n = 60
+    job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 16},
+              output={"path": str(small_disk / "results.jsonl"), "status_interval_s": 1000})
+    job.output = small_disk / "results.jsonl"
+    prior = job.write_prior_results()
+    fill(small_disk, 2 * 4096)      # room for the status file (and its replacement) and a page of results
+    p = cli.run("run", job.spec_path, "--no-progress")
+    assert p.returncode == 2, p.stderr
+    msg = said(p)
+    assert f"cannot write to results file {job.output}: No space left on device" in msg
+    assert "results written so far are kept" in msg and "run the same job again to resume" in msg
+    data = job.output.read_bytes()
+    assert data.startswith(prior)
+    kept = whole_lines(job.output)
+    assert 2 < len(kept) < n + 2, "the disk should fill up in the middle of the job"
+    assert all(r["error"] is None and r["completion_tokens"] == 16 for r in kept[2:])
+    with ResultWriter(job.output) as w:            # the next run resumes after every kept line
+        assert w.done_ids == {r["id"] for r in kept} and not w.cut_partial_line
+
+
+# ---- security -----------------------------------------------------------------------------------
+
+def test_pickle_weights_are_refused_unless_allowed(cli, model, tmp_path):
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+    from worker.loader import open_weights
+    pickled = broken_copy(model, tmp_path)
+    tensors = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, pickled / "pytorch_model.bin")
+    job = Job(tmp_path, pickled, records(1))
+    msg = fails_before_ray(cli, job)
+    assert f"{pickled}: holds only pickle weights (pytorch_model.bin), which can run code when loaded" in msg
+    assert "unless model.allow_pickle: true" in msg
+
+    plan = plan_job(load_spec(job.spec_path, ["model.allow_pickle=true"]))
+    assert plan.checkpoint_bytes == (pickled / "pytorch_model.bin").stat().st_size
+    with open_weights(pickled / "pytorch_model.bin") as f:   # what the workers read
+        assert sorted(f.keys()) == sorted(tensors)
+        for name, value in tensors.items():
+            np.testing.assert_array_equal(f.get_slice(name), value)
+
+
+def test_remote_code_does_not_run_without_trust_remote_code(cli, model, tmp_path):
+    custom = broken_copy(model, tmp_path)
+    marker = tmp_path / "REMOTE_CODE_RAN"
+    (custom / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "CustomTokenizer", "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}))
+    (custom / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                      f"from transformers import PreTrainedTokenizer as CustomTokenizer\n")
+    job = Job(tmp_path, custom, records(1))
+    msg = fails_before_ray(cli, job)
+    assert f"the tokenizer files in {custom} do not load" in msg and "trust_remote_code" in msg
+    assert not marker.exists()
+
+
+def test_trust_remote_code_reaches_transformers(monkeypatch, tmp_path):
+    import transformers
+    from launcher.tokenizer import load_tokenizer
+    seen = []
+
+    def from_pretrained(path, **kw):
+        seen.append(kw)
+        raise ValueError("stop here")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for trust in (False, True):
+        with pytest.raises(UserError):
+            load_tokenizer(tmp_path, trust_remote_code=trust)
+    assert [kw["trust_remote_code"] for kw in seen] == [False, True]
+    assert all(kw["local_files_only"] for kw in seen)
+
+
+def test_ray_dashboard_is_off_unless_asked_for_and_then_on_localhost(monkeypatch):
+    import ray
+    from launcher import replica
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    replica.init_ray(None, 2)
+    replica.init_ray(None, 2, dashboard=True)
+    assert calls[0]["include_dashboard"] is False
+    assert calls[1]["include_dashboard"] is True and calls[1]["dashboard_host"] == "127.0.0.1"
+
+
+def test_mindspore_scheduler_listens_on_the_node_address_not_every_interface(monkeypatch):
+    import ray
+    from worker import actor
+    from worker.device import cluster_env
+    started = []
+    monkeypatch.setattr(actor, "start_scheduler_thread", lambda host, port, world: started.append((host, port)))
+    host, port = actor.CommScheduler(2).start()
+    assert started == [(host, port)]
+    assert host == ray.util.get_node_ip_address() and host not in ("0.0.0.0", "::", "")
+    env = cluster_env("MS_SCHED", host, port, 2)
+    assert env["MS_SCHED_HOST"] == host and env["MS_SCHED_PORT"] == str(port)

@@ -191,14 +191,14 @@ class Controller:
 
     # ---- faults ---------------------------------------------------------------------------------
     def _fail(self, slot: Slot, error: Exception) -> None:
-        self.restarts += 1
-        slot.restarts += 1
         why = f"replica {slot.index} failed ({describe(error)})"
         self.restart_log.append(why)
-        if self.restarts > self.cfg.max_restarts:
-            raise JobFailed(f"{why}; that is restart {self.restarts}, more than fault.max_replica_restarts="
-                            f"{self.cfg.max_restarts}. Every finished record is in the results file: run the "
-                            f"same job again to resume")
+        if self.restarts >= self.cfg.max_restarts:
+            raise JobFailed(f"{why}; restarting it would be restart {self.restarts + 1}, more than "
+                            f"fault.max_replica_restarts={self.cfg.max_restarts}. Every finished record is in "
+                            f"the results file: run the same job again to resume")
+        self.restarts += 1
+        slot.restarts += 1
         old = slot.scheduler
         unfinished = list(old.waiting) + list(old.running)
         if slot.in_flight is not None:

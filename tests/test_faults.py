@@ -146,7 +146,7 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     assert waited >= 5, f"the job stopped {waited:.1f}s after the worker did, before the step timeout"
     msg = said(err)
     assert "Traceback" not in err
-    assert ("replica 0 failed (TimeoutError: a step ran longer than fault.step_timeout_s=6s); that is restart 1, "
+    assert ("replica 0 failed (TimeoutError: a step ran longer than fault.step_timeout_s=6s); restarting it would be restart 1, "
             "more than fault.max_replica_restarts=0") in msg
     assert "Every finished record is in the results file: run the same job again to resume" in msg
     kept = whole_lines(job.output)

@@ -9,7 +9,6 @@ Sequence -> result line (launcher.writer).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import time
@@ -109,7 +108,6 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
-    engine = dataclasses.replace(engine, compile_cache_dir=compile_cache_dir(engine, tp))
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
     kv_heads_rank = max(1, m.num_kv_heads // tp)
     kv = 2 * m.num_layers * kv_heads_rank * m.head_dim * dbytes * (engine.blocks() + 1) * engine.block_size
@@ -146,13 +144,6 @@ def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> 
                      f"(scale {lora.scale:g})")
         fields.update(lora_path=lora.path, lora_scale=lora.scale)
     return fields
-
-
-def compile_cache_dir(engine: EngineConfig, tp: int) -> str:
-    """One graph cache per model and engine shape; MindSpore adds a folder per rank below it."""
-    key = hashlib.sha1(repr((os.path.realpath(engine.model_dir), dataclasses.astuple(engine), tp)).encode())
-    root = os.environ.get("MSINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "msinfer")
-    return os.path.join(root, "graphs", key.hexdigest()[:16])
 
 
 USER_ERRORS = (UserError, ModelConfigError, LayoutError, CheckpointError)
@@ -340,7 +331,8 @@ def make_controller(plan: Plan):
     return Controller(ControllerConfig(
         engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
-        threads_per_worker=threads_per_worker(tp * dp) if plan.device == "cpu" else 0,
+        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.device == "cpu"
+        else 0,   # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s))
 

@@ -32,33 +32,19 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False)
     env = {"env_vars": dict(QUIET_ENV)}
     if address:
         check_reachable(address)
-        enable_token_auth()
         try:
             ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError, ValueError) as e:
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why})") from None
+            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+                "; if the cluster uses token authentication (`ray start` does when a token exists), export "
+                "RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
+            raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why}){hint}") from None
         return
     # address="local": a new embedded instance even when `ray start` runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
              dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
-
-
-def enable_token_auth() -> None:
-    """Ray 2.60 sends the user's token (RAY_AUTH_TOKEN, ~/.ray/auth_token) to a cluster it finds by
-    itself (address "auto"), but to an explicit host:port only with RAY_AUTH_MODE=token, and a
-    `ray start --head` cluster refuses a driver without it. Do what "auto" does; a cluster without
-    authentication accepts the token too."""
-    try:
-        from ray._private.authentication import authentication_token_setup as auth
-    except ImportError:             # another Ray: RAY_AUTH_MODE=token is the user's switch
-        return
-    auth.logger.disabled = True     # its "token authentication is enabled" warning is for new clusters
-    try:
-        auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    finally:
-        auth.logger.disabled = False
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -9,7 +9,6 @@ Nothing but plain dataclasses (worker.protocol) crosses the wire.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import time
@@ -73,9 +72,6 @@ class Worker:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
         comm_s = time.perf_counter() - t0
         from worker.runner import ModelRunner
-        if engine_config.compile_cache_dir:   # replicas must not write one cache folder at once
-            engine_config = dataclasses.replace(
-                engine_config, compile_cache_dir=os.path.join(engine_config.compile_cache_dir, f"replica{self.replica}"))
         self.runner = ModelRunner(engine_config, self.tp)
         return {"rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
                 "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],

@@ -46,7 +46,6 @@ class EngineConfig:
     lora_path: str | None = None       # a PEFT adapter merged into the weights as they load
     lora_scale: float = 1.0            # times the adapter's own alpha / r
     allow_pickle: bool = False
-    compile_cache_dir: str | None = None   # MindSpore's graph cache: a second run skips compiling
     random_weights: bool = False       # read no checkpoint (msinfer bench --skip-load; Worker.fill_random)
 
     def blocks(self) -> int:
@@ -71,9 +70,6 @@ class ModelRunner:
         from worker.loader import load_checkpoint
         from worker.lora import with_lora
 
-        if ec.compile_cache_dir:     # read when graphs compile; one folder per rank (rank_<n>/)
-            os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
-            os.environ["MS_COMPILER_CACHE_PATH"] = ec.compile_cache_dir
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)

@@ -1,0 +1,367 @@
+"""Scale out: data-parallel replicas, groups across nodes, the node and Slurm scripts, Ascend cards.
+
+The two-node cluster is `ray.cluster_utils.Cluster` in a helper process, and every job runs as
+`msinfer run ... --set ray.address=<cluster>` in a subprocess, as a user would run it: the pytest
+process never joins that cluster, so the session's embedded Ray (`ray_local`) and this cluster
+cannot disturb each other. Ray's temporary folders go to private short paths (TMPDIR), so nothing
+here touches /tmp/ray, and nothing calls `ray stop`, which would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launcher.controller import Controller, ControllerConfig, Slot
+from launcher.scheduler import Sequence
+from launcher.spec import load_spec
+from worker.device import DeviceChoice, select_device
+from worker.protocol import SamplingParams
+from worker.runner import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MSINFER = str(BIN / "msinfer")
+NODE_SH = str(ROOT / "scripts" / "msinfer-node.sh")
+SLURM_SH = str(ROOT / "scripts" / "msinfer.slurm")
+CKPT = "llama_gqa_tied"            # 2 KV heads: tp 2 splits them
+N_RECORDS, N_NEW = 12, 8
+TOKEN = secrets.token_hex(32)
+
+CLUSTER_HELPER = textwrap.dedent("""
+    import json, sys
+    from ray.cluster_utils import Cluster
+    nodes, cpus = int(sys.argv[1]), int(sys.argv[2])
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=cpus, include_dashboard=False))
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus)
+    cluster.wait_for_nodes()
+    ids = [n.node_id for n in cluster.list_all_nodes()]
+    print(json.dumps({"address": cluster.address, "node_ids": ids}), flush=True)
+    try:
+        sys.stdin.read()            # until the test closes stdin, or dies
+    finally:
+        cluster.shutdown()
+""")
+
+
+def short_tmp(prefix: str) -> str:
+    # Ray's socket paths live under its temp folder and must stay under ~100 characters
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def clean_env(**extra) -> dict:
+    """This process's environment without what an embedded Ray (`ray_local`) may have put there,
+    with a token of these tests' own: every cluster here runs token authentication, as `ray start`
+    does, and nothing reads or writes ~/.ray."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(GLOG_v="3", TOKENIZERS_PARALLELISM="false", RAY_AUTH_TOKEN=TOKEN, **extra)
+    return env
+
+
+def processes_under(path: str) -> list[int]:
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(path in part for part in p.info["cmdline"] or ()):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+# ---- shared fixtures ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A two-node Ray cluster on this machine, one CPU per node: a one-CPU worker fits a node once."""
+    tmp = short_tmp("msc")
+    proc = subprocess.Popen([sys.executable, "-c", CLUSTER_HELPER, "2", "1"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env=clean_env(TMPDIR=tmp, RAY_TMPDIR=tmp, RAY_AUTH_MODE="token"))
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"the two-node cluster did not start (exit status {proc.wait(30)})")
+        yield json.loads(line)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert not processes_under(tmp), "the cluster's Ray processes outlived it"
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory, checkpoint) -> Path:
+    """A job folder: the checkpoint, N_RECORDS token-id records, a job spec writing results/."""
+    d = tmp_path_factory.mktemp("scale_out")
+    rng = random.Random(0)
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(N_RECORDS):
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": [rng.randrange(3, 256)
+                                                                   for _ in range(3 + i % 6)]}) + "\n")
+    (d / "job.yaml").write_text(textwrap.dedent(f"""\
+        model:
+          path: {checkpoint(CKPT)}
+          max_model_len: 128
+        parallel:
+          device: cpu
+        input:
+          path: prompts.jsonl
+        sampling:
+          max_new_tokens: {N_NEW}
+          ignore_eos: true
+        scheduler:
+          max_batch_size: 4
+        output:
+          path: results/out.jsonl
+        """))
+    return d
+
+
+def run_job(job_dir: Path, name: str, *sets: str, address: str | None = None, timeout: float = 240) -> tuple:
+    """`msinfer run` in a subprocess; returns (results by id, summary)."""
+    out = job_dir / "results" / f"{name}.jsonl"
+    args = [MSINFER, "run", str(job_dir / "job.yaml"), "--overwrite", "--no-progress",
+            "--set", f"output.path={out}", *[a for s in sets for a in ("--set", s)]]
+    if address:
+        args += ["--set", f"ray.address={address}"]
+    r = subprocess.run(args, cwd=job_dir, capture_output=True, text=True, timeout=timeout,
+                       env=clean_env(MSINFER_CACHE=str(job_dir / f"cache-{name}"), RAY_AUTH_MODE="token"))
+    assert r.returncode == 0, f"msinfer run failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return read_results(out), json.loads(Path(f"{out}.summary.json").read_text())
+
+
+def read_results(path: Path) -> dict:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ids = [r["id"] for r in lines]
+    assert len(ids) == len(set(ids)), f"records written more than once: {sorted(ids)}"
+    return {r["id"]: r for r in lines}
+
+
+@pytest.fixture(scope="module")
+def dp2_run(two_nodes, job_dir):
+    return run_job(job_dir, "dp2", "parallel.data_parallel=2", "parallel.tensor_parallel=1",
+                   "parallel.placement=pack", "ray.num_cpus_per_worker=1", address=two_nodes["address"])
+
+
+# ---- data parallel over two nodes -----------------------------------------------------------------
+
+def test_dp2_puts_one_replica_on_each_node_and_writes_every_record_once(two_nodes, dp2_run):
+    results, summary = dp2_run
+    assert sorted(results) == sorted(f"r{i}" for i in range(N_RECORDS))
+    assert all(r.get("finish_reason") == "length" and len(r["output_token_ids"]) == N_NEW for r in results.values()), \
+        list(results.values())[0]
+    assert summary["records_done"] == N_RECORDS and summary["records_failed"] == 0
+    ranks = summary["replicas"]
+    assert sorted(r["replica"] for r in ranks) == [0, 1]
+    assert {r["node_id"] for r in ranks} == set(two_nodes["node_ids"]), ranks
+    assert all(r["node_ip"] and r["pid"] and r["device"] == "cpu" for r in ranks)
+
+
+def test_tp2_spread_spans_both_nodes_and_generates_what_tp1_generates(two_nodes, job_dir, dp2_run):
+    tp1, _ = dp2_run
+    results, summary = run_job(job_dir, "tp2", "parallel.data_parallel=1", "parallel.tensor_parallel=2",
+                               "parallel.placement=spread", "ray.num_cpus_per_worker=1",
+                               address=two_nodes["address"])
+    ranks = sorted(summary["replicas"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["node_id"] for r in ranks} == set(two_nodes["node_ids"]), ranks
+    # MindSpore's scheduler listens on rank 0's node, and both ranks were pointed at it
+    assert [r["ms_scheduler"].rsplit(":", 1)[0] for r in ranks] == [ranks[0]["node_ip"]] * 2
+    assert {k: r["output_token_ids"] for k, r in results.items()} == {k: r["output_token_ids"] for k, r in tp1.items()}
+
+
+# ---- the controller spreads records by outstanding work (no Ray) ----------------------------------
+
+def controller_with_slots(n: int) -> Controller:
+    ec = EngineConfig("unused", max_model_len=128, max_batch_size=4, num_blocks=64, block_size=16)
+    c = Controller(ControllerConfig(engine_config=ec, data_parallel=n, max_batch_size=4, max_batched_tokens=64))
+    c.slots = [Slot(i, replica=None, scheduler=c._new_scheduler()) for i in range(n)]
+    return c
+
+
+def seqs(n: int, max_new_tokens: int = 10, prompt_len: int = 8):
+    return [Sequence(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new_tokens), key=f"s{i}")
+            for i in range(n)]
+
+
+def queued(c: Controller) -> list[list[str]]:
+    return [[s.key for s in slot.scheduler.waiting] for slot in c.slots]
+
+
+def test_records_alternate_between_equally_busy_replicas():
+    c = controller_with_slots(2)
+    assert c._refill(iter(seqs(6))) is True
+    assert queued(c) == [["s0", "s2", "s4"], ["s1", "s3", "s5"]]
+
+
+def test_records_go_to_the_replica_with_less_outstanding_work():
+    c = controller_with_slots(2)
+    c.slots[0].scheduler.add(seqs(1, max_new_tokens=100)[0])           # replica 0 is busy for a while
+    c._refill(iter(seqs(4, max_new_tokens=10)))
+    assert [len(q) for q in queued(c)] == [1, 4]
+
+
+def test_a_restarting_replica_gets_no_records_while_another_has_room():
+    c = controller_with_slots(2)
+    c.slots[0].starting = object()                                      # a restart under way
+    assert c._refill(iter(seqs(20))) is False                           # replica 1 full: stop pulling
+    assert [len(q) for q in queued(c)] == [0, 2 * 4]
+
+
+# ---- Ascend: one card per worker from Ray's NPU resource ------------------------------------------
+
+@pytest.mark.parametrize("env, rank, assigned, expected", [
+    ({}, 0, None, DeviceChoice("CPU", None)),                                          # auto, no Ascend
+    ({"ASCEND_RT_VISIBLE_DEVICES": "5"}, 3, None, DeviceChoice("Ascend", 0)),          # Ray set this card
+    ({"ASCEND_RT_VISIBLE_DEVICES": "5"}, 0, ["5"], DeviceChoice("Ascend", 0)),
+    ({"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7"}, 0, ["6"], DeviceChoice("Ascend", 2)),   # NOSET: Ray's card
+    ({"ASCEND_RT_VISIBLE_DEVICES": "4, 5,6,7"}, 0, ["5"], DeviceChoice("Ascend", 1)),
+    ({"ASCEND_HOME_PATH": "/usr/local/Ascend"}, 1, ["3"], DeviceChoice("Ascend", 3)),  # NOSET, no list
+    ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, 2, None, DeviceChoice("Ascend", 2)),    # no Ray: by rank
+    ({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, 3, [], DeviceChoice("Ascend", 1)),
+    ({"ASCEND_HOME_PATH": "/usr/local/Ascend", "DEVICE_ID": "7"}, 0, None, DeviceChoice("Ascend", 7)),
+    ({"ASCEND_HOME_PATH": "/usr/local/Ascend"}, 2, None, DeviceChoice("Ascend", 2)),
+])
+def test_select_device_on_auto(env, rank, assigned, expected):
+    assert select_device("auto", env, rank=rank, assigned=assigned) == expected
+
+
+def test_select_device_explicit_choices():
+    assert select_device("cpu", {"ASCEND_RT_VISIBLE_DEVICES": "3"}) == DeviceChoice("CPU", None)
+    assert select_device("ascend", {}, rank=1) == DeviceChoice("Ascend", 1)
+    with pytest.raises(ValueError, match="parallel.device 'gpu'"):
+        select_device("gpu", {})
+
+
+def test_two_replicas_on_one_node_get_different_cards_with_noset():
+    """RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES: every worker sees all cards; rank 0 of
+    replica 0 and rank 0 of replica 1 must still take the two different cards Ray gave them."""
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert select_device("ascend", env, rank=0, assigned=["0"]) != select_device("ascend", env, rank=0,
+                                                                                   assigned=["4"])
+
+
+# ---- joining a cluster: a wrong address fails in seconds ------------------------------------------
+
+@pytest.mark.parametrize("address, message", [
+    ("10.0.0.1", "expected host:port"),
+    ("10.0.0.1:0", "expected host:port"),
+    ("127.0.0.1:{closed}", "no Ray head answers there"),
+])
+def test_joining_a_cluster_where_no_head_listens_fails_fast(address, message):
+    from launcher.replica import LaunchError, check_reachable
+    with pytest.raises(LaunchError, match=message):
+        check_reachable(address.format(closed=free_port()), timeout_s=2)
+    check_reachable("auto")             # Ray's own lookup: nothing to probe
+
+
+# ---- the example job specs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["multinode.yaml", "ascend-qwen3-14b-tp8.yaml"])
+def test_example_specs_are_valid(name):
+    spec = load_spec(ROOT / "configs" / name)
+    if name.startswith("ascend"):
+        assert (spec.parallel.device, spec.parallel.tensor_parallel, spec.parallel.placement) == ("ascend", 8, "pack")
+
+
+# ---- the scripts ----------------------------------------------------------------------------------
+
+def run_script(*args, env=None, cwd=None, timeout=60):
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=env or clean_env(), cwd=cwd)
+
+
+@pytest.mark.parametrize("script", [NODE_SH, SLURM_SH])
+def test_scripts_have_help(script):
+    r = run_script(script, "--help")
+    assert r.returncode == 0 and r.stdout.startswith("Usage:") and "JOB.yaml" in r.stdout
+
+
+def slurm_env(tmp_path: Path, **extra) -> dict:
+    return clean_env(SLURM_JOB_NODELIST=socket.gethostname(), SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1",
+                     SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp_path), **extra)
+
+
+@pytest.mark.parametrize("script, args, env, message", [
+    (NODE_SH, ["missing.yaml"], None, "job spec 'missing.yaml' not found"),
+    (NODE_SH, ["--join", "nohost", "job.yaml"], None, "--join expects the head's HOST:PORT"),
+    (NODE_SH, ["--join"], None, "--join needs a value"),
+    (NODE_SH, ["--port", "0"], None, "--port must be between 1 and 65535"),
+    (NODE_SH, ["--bogus"], None, "unknown option '--bogus'"),
+    (SLURM_SH, [], "slurm", "no job spec given"),
+    (SLURM_SH, ["missing.yaml"], "slurm", "job spec 'missing.yaml' not found"),
+    (SLURM_SH, ["job.yaml"], None, "SLURM_JOB_NODELIST is not set"),
+])
+def test_scripts_fail_in_one_line_when_inputs_are_missing(script, args, env, message, tmp_path):
+    (tmp_path / "job.yaml").write_text("{}\n")
+    r = run_script(script, *args, cwd=tmp_path, env=slurm_env(tmp_path) if env else clean_env())
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr and "error:" in r.stderr, r.stderr
+
+
+def test_node_script_needs_ray(tmp_path):
+    lone = tmp_path / "msinfer-node.sh"                 # no .venv beside it, no ray on PATH
+    shutil.copy(NODE_SH, lone)
+    r = run_script(lone, "--head", env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 2 and "'ray' not found on PATH" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+STAND_INS = {
+    # srun: drop srun's own options (this script passes them as --key=value), run the command here
+    "srun": '#!/usr/bin/env bash\nwhile [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n',
+    "scontrol": '#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] || exit 1\ntr , "\\n" <<<"$3"\n',
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_slurm_script_runs_a_job_end_to_end(job_dir, dp2_run, tmp_path):
+    """One node: the head's srun step starts Ray, waits for the node, runs the job, stops Ray."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    ray_tmp = short_tmp("mss")
+    try:
+        env = slurm_env(tmp_path, PATH=f"{bin_dir}:{BIN}:/usr/bin:/bin", TMPDIR=ray_tmp,
+                        MSINFER_CACHE=str(tmp_path / "cache"))
+        out = tmp_path / "slurm.jsonl"
+        r = run_script(SLURM_SH, "--port", free_port(), job_dir / "job.yaml", "--overwrite", "--no-progress",
+                       "--set", f"output.path={out}", "--set", "ray.num_cpus_per_worker=1",
+                       env=env, cwd=tmp_path, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results = read_results(out)
+        assert {k: r["output_token_ids"] for k, r in results.items()} == \
+            {k: r["output_token_ids"] for k, r in dp2_run[0].items()}
+        summary = json.loads(Path(f"{out}.summary.json").read_text())
+        head_ip = subprocess.run(["bash", NODE_SH, "--print-ip"], capture_output=True, text=True).stdout.strip()
+        assert summary["spec"]["ray"]["address"].startswith(head_ip + ":")
+        assert [r["node_ip"] for r in summary["replicas"]] == [head_ip]
+        assert "stopping the Ray node" in r.stderr
+        assert not processes_under(ray_tmp), "Ray processes outlived the Slurm job"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -94,11 +94,11 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
     device = spec.parallel.device
     if device == "auto":
         device = "ascend" if os.environ.get("ASCEND_HOME_PATH") else "cpu"
-    dtype = resolve_dtype(spec.model.dtype, m, device)
+    try:
+        dtype = resolve_dtype(spec.model.dtype, m, device)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
     notes = []
-    if device == "cpu" and tp > 1 and dtype == "bfloat16":
-        raise LayoutError("model.dtype bfloat16 with tensor_parallel > 1 on the CPU: MindSpore's CPU collectives "
-                          "have no bfloat16; use float32 (or dtype: auto)")
     if spec.model.max_model_len > m.max_position_embeddings:
         notes.append(f"max_model_len {spec.model.max_model_len} exceeds the model's max_position_embeddings "
                      f"{m.max_position_embeddings}")

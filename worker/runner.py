@@ -53,12 +53,15 @@ class EngineConfig:
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> str:
-    """'auto' computes in float32 on the CPU (no bf16 collectives there) and in the checkpoint's
-    dtype on Ascend."""
+    """'auto' computes in float32 on the CPU and in the checkpoint's dtype on Ascend. MindSpore's
+    CPU kernels have no bfloat16 (Gather and the collectives refuse it), so it is refused there."""
     if name == "auto":
         return "float32" if device == "cpu" else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
     if name not in DTYPES:
         raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
+    if name == "bfloat16" and device == "cpu":
+        raise ValueError("model.dtype bfloat16 does not run on the CPU (MindSpore's CPU Gather and collectives "
+                         "have no bfloat16); use float32, or auto, which picks float32 on the CPU")
     return name
 
 

@@ -1,0 +1,87 @@
+"""`msinfer bench`: flag parsing and case order (units), then a tiny run on random weights through
+the CLI, with one case that cannot run and one whose worker dies mid-way."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from launcher import bench
+from launcher.bench import BenchError, make_cases, parse_sizes
+from launcher.cli import main
+
+
+@pytest.mark.parametrize("text, expected", [("4", [4]), ("1,2,4", [1, 2, 4]), ("[1,2,4]", [1, 2, 4]),
+                                            (" [8, 1] ", [8, 1]), ("2,2,1", [2, 1])])
+def test_list_flag_forms(text, expected):
+    assert parse_sizes(text, "--batch-size") == expected
+
+
+@pytest.mark.parametrize("flag, value", [("--batch-size", "x"), ("--input-len", "[1,0]"), ("--output-len", "1,,2"),
+                                         ("--batch-size", "[]"), ("--tensor-parallel", "two")])
+def test_bad_value_names_the_flag(flag, value, capsys, tmp_path):
+    with pytest.raises(BenchError, match=flag):
+        parse_sizes(value, flag) if flag != "--tensor-parallel" else bench.parse_one(value, flag)
+    code = main(["bench", "--model", str(tmp_path), flag, value, "--output", str(tmp_path)])   # flags first
+    err = capsys.readouterr().err
+    assert code == 2 and flag in err and "Traceback" not in err
+
+
+def test_cases_are_the_product_in_kv_bytes_order():
+    cases = make_cases([4, 1], [128, 32], [32], kv_bytes_per_token=10)
+    assert [(c.batch_size, c.input_len) for c in cases] == [(1, 32), (1, 128), (4, 32), (4, 128)]
+    assert [c.kv_bytes for c in cases] == [10 * b * (i + 32) for b, i in ((1, 32), (1, 128), (4, 32), (4, 128))]
+
+
+def test_error_column_keeps_the_gist_of_a_mindspore_error():
+    message = ("TypeError: \n-----\n- Kernel select failed:\n-----\nSelect CPU operator[Gather] fail! "
+               "Unsupported data type!\nThe supported data types are ...")
+    assert bench.gist(message) == "TypeError: Select CPU operator[Gather] fail! Unsupported data type!"
+    assert bench.gist("a worker process died") == "a worker process died"
+
+
+def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_local, tmp_path, monkeypatch):
+    model = tmp_path / "config-only"                  # --skip-load needs no weights
+    model.mkdir()
+    shutil.copy(checkpoint("llama_gqa_tied") / "config.json", model)
+    out = tmp_path / "bench"
+
+    real_run_case = bench.run_case
+    def run_case(engine, case, repeats):             # the worker dies during the first case
+        if case.batch_size == 1:
+            ray_local.kill(engine.replica.workers[0], no_restart=True)
+        return real_run_case(engine, case, repeats)
+    monkeypatch.setattr(bench, "run_case", run_case)
+
+    # max_position_embeddings is 512: input 510 + output 4 cannot run
+    code = main(["bench", "--model", str(model), "--skip-load", "--batch-size", "[2,1]", "--input-len", "16,510",
+                 "--output-len", "4", "--output", str(out), "--no-progress"])
+    assert code == 0
+
+    with open(out / "bench.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    kv = [int(r["kv_cache_bytes"]) for r in rows]
+    assert len(rows) == 4 and kv == sorted(kv)
+    # 2 layers x 2 kv heads x head_dim 16 x 2 (K and V) x 4 bytes = 512 bytes per token
+    assert [(int(r["batch_size"]), int(r["input_len"])) for r in rows] == \
+        [(1, 16), (2, 16), (1, 510), (2, 510)]
+    assert kv[0] == 512 * 1 * (16 + 4)
+    status = {(r["batch_size"], r["input_len"]): (r["status"], r["error"]) for r in rows}
+    assert status["1", "16"] == ("error", "a worker process died")
+    assert status["2", "16"] == ("ok", "")                                      # on a fresh replica
+    assert all(status[b, "510"][0] == "error" and "max model len 512" in status[b, "510"][1] for b in "12")
+    r = rows[1]
+    assert float(r["decode_tok_s"]) > 0 and float(r["e2e_tok_s"]) > 0 and float(r["prefill_ms"]) > 0
+    assert float(r["ttft_ms"]) >= float(r["prefill_ms"]) and float(r["peak_mem_mib"]) > 100
+    assert int(r["graphs_compiled"]) >= 1 and float(r["compile_s"]) > 0
+
+    doc = json.loads((out / "bench.json").read_text())
+    assert [(c["batch_size"], c["input_len"], c["status"]) for c in doc["cases"]] == \
+        [(int(r["batch_size"]), int(r["input_len"]), r["status"]) for r in rows]
+    assert doc["bench"]["weights"].startswith("random") and len(doc["bench"]["replica_starts"]) == 2
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "bench.png").stat().st_size > 0

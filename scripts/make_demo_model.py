@@ -6,7 +6,8 @@ the result is saved as config.json + bf16 model.safetensors + tokenizer + chat t
 `$MSINFER_CACHE/SmolLM2-135M-Instruct` (default `~/.cache/msinfer`).
 
 The checkpoint is written to a temporary folder and renamed into place only once it is complete
-and checked, so the final folder existing means it is whole; a second run returns at once.
+and checked, so an interrupted run never leaves a folder that looks whole. A second run re-reads
+the small JSON files (~0.1 s) and returns.
 
     python scripts/make_demo_model.py      # prints the checkpoint's path
 """
@@ -17,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,10 +48,6 @@ def cache_dir() -> Path:
 
 def demo_model_path() -> Path:
     return cache_dir() / MODEL_NAME
-
-
-def is_complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in REQUIRED_FILES)
 
 
 def find_gguf(install: bool = True) -> Path:
@@ -83,8 +81,8 @@ def convert(gguf: Path, out: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
     if packed or any(not p.dtype.is_floating_point for p in model.parameters()):
-        raise DemoModelError(f"transformers kept GGUF-packed weights ({', '.join(packed) or 'integer tensors'}); "
-                             f"a plain checkpoint needs them dequantized")
+        raise DemoModelError(f"transformers kept GGUF-packed weights ({', '.join(packed) or 'integer tensors'})"
+                             f"; a plain checkpoint needs them dequantized")
     # The weights are dense now; without this, save_pretrained refuses (GGUF is not serializable)
     # and config.json would tell loaders to look for a .gguf file.
     model.hf_quantizer = None
@@ -98,20 +96,29 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(out)
     # "PreTrainedTokenizerFast" loads the same tokenizer.json in transformers 4 and 5 (the GGUF
-    # conversion writes "TokenizersBackend", a transformers 5 name).
+    # conversion writes "TokenizersBackend", a transformers 5 name); is_local and
+    # local_files_only are arguments of this load that transformers copies into the file.
     tc = out / "tokenizer_config.json"
-    tc.write_text(json.dumps({**json.loads(tc.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"},
-                             indent=2) + "\n")
+    saved = {k: v for k, v in json.loads(tc.read_text()).items() if k not in ("is_local", "local_files_only")}
+    tc.write_text(json.dumps({**saved, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
 
 
-def check(path: Path) -> None:
-    """The facts msinfer and the tests rely on, read back from the saved files."""
-    cfg = json.loads((path / "config.json").read_text())
-    gen = json.loads((path / "generation_config.json").read_text())
+def problems(path: Path) -> list[str]:
+    """What is wrong with the checkpoint at `path`, read back from its files: the facts msinfer and
+    the tests rely on. Empty when it is whole and right."""
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        return [f"missing {', '.join(missing)}"]
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        gen = json.loads((path / "generation_config.json").read_text())
+        added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+        vocab = {t["id"]: t["content"] for t in added}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"unreadable ({type(e).__name__}: {e})"]
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
     eos = gen.get("eos_token_id")
-    vocab = {t["id"]: t["content"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
-    problems = [
+    found = [
         f"architectures is {cfg.get('architectures')}, expected {ARCHITECTURES}"
         if cfg.get("architectures") != ARCHITECTURES else "",
         "tie_word_embeddings is not true" if cfg.get("tie_word_embeddings") is not True else "",
@@ -125,33 +132,35 @@ def check(path: Path) -> None:
         if vocab.get(EOS_TOKEN_ID) != EOS_TOKEN else "",
         "no chat template" if not (path / "chat_template.jinja").read_text().strip() else "",
     ]
-    problems = [p for p in problems if p]
-    if problems:
-        raise DemoModelError(f"{path}: " + "; ".join(problems))
+    return [p for p in found if p]
 
 
 def ensure_demo_model() -> Path:
     """The demo checkpoint's folder, built on the first call; later calls only look at it."""
     final = demo_model_path()
-    if is_complete(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():  # not made by this script (it renames only complete folders): rebuild it
-        print(f"{final}: incomplete, rebuilding it", file=sys.stderr)
+    if final.exists():
+        wrong = problems(final)
+        if not wrong:
+            return final
+        # This script renames only checked folders into place, so someone else changed this one.
+        print(f"{final}: {'; '.join(wrong)}; rebuilding it", file=sys.stderr)
         shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
     gguf = find_gguf()
     print(f"converting {gguf} -> {final}", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", suffix=".partial", dir=final.parent))
     try:
         convert(gguf, tmp)
-        check(tmp)
+        wrong = problems(tmp)
+        if wrong:
+            raise DemoModelError(f"the converted checkpoint is not as expected: {'; '.join(wrong)}")
         tmp.chmod(0o755)                                   # mkdtemp makes it private
         for f in tmp.iterdir():
             f.chmod(0o644)
         try:
             tmp.rename(final)
         except OSError:                                    # another process finished first
-            if not is_complete(final):
+            if problems(final):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -159,6 +168,8 @@ def ensure_demo_model() -> Path:
 
 
 def main() -> None:
+    # A terminated run (make, CI) unwinds like ^C does, so its temporary folder is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         print(ensure_demo_model())
     except (DemoModelError, subprocess.CalledProcessError) as e:

@@ -1,0 +1,82 @@
+"""Issue 3's figures for the demo model, side by side in one run: each rank's peak resident memory
+after loading its shard, time from start to all ranks ready, and the decode step time at tp 1 and
+tp 3 as the controller sees it, with the share spent outside the model (Ray, step input, sampling,
+collectives are inside the worker's time; the difference to the driver's time is Ray + controller).
+
+    .venv/bin/python scripts/measure_tp.py [--batch 16] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from launcher.replica import Replica, init_ray  # noqa: E402
+from scripts.make_demo_model import ensure_demo_model  # noqa: E402
+from worker.protocol import SeqStep  # noqa: E402
+from worker.runner import EngineConfig  # noqa: E402
+
+
+def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
+    t0 = time.perf_counter()
+    r = Replica(0, tp, threads_per_worker=max(1, 2 // tp))
+    r.start(EngineConfig(str(path), max_model_len=256, max_batch_size=batch))
+    ready_s = time.perf_counter() - t0
+    try:
+        per = 256 // 16
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+        prompt = list(range(100, 132))
+        r.step([SeqStep(i, prompt, 0, tables[i]) for i in range(batch)], True)
+        driver, inside = [], []
+        for s in range(steps):
+            seqs = [SeqStep(i, [200 + s], 32 + s, tables[i], num_generated=s + 1) for i in range(batch)]
+            t = time.perf_counter()
+            refs = [w.timed_step.remote(seqs, False) for w in r.workers]
+            outs = ray.get(refs)
+            driver.append(time.perf_counter() - t)
+            inside.append(max(o[1] for o in outs))
+        skip = 2                                  # the first steps compile
+        d, i = statistics.median(driver[skip:]), statistics.median(inside[skip:])
+        model = measure_model_only(r, tables, batch)
+        return {"tp": tp, "ready_s": ready_s,
+                "peak_rss_mib": [round(x["peak_rss_bytes"] / 2**20) for x in r.setup_info],
+                "param_mib": [round(x["param_bytes"] / 2**20) for x in r.setup_info],
+                "step_ms": d * 1e3, "worker_step_ms": i * 1e3, "model_ms": model * 1e3}
+    finally:
+        r.shutdown()
+
+
+def measure_model_only(r: Replica, tables, batch) -> float:
+    """The compiled forward alone on every rank (no sampling, no Ray in the timing)."""
+    seqs = [SeqStep(i, [300], 40, tables[i]) for i in range(batch)]
+    times = ray.get([w.time_forward.remote(seqs, False, 10) for w in r.workers])
+    return max(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    path = ensure_demo_model()
+    init_ray(None, 4)
+    rows = [measure(path, tp, args.batch, args.steps) for tp in (1, 3)]
+    print(f"demo model, decode batch {args.batch}, context ~40 tokens, float32, CPU")
+    print(f"{'tp':>3} {'ready s':>8} {'peak RSS MiB/rank':>20} {'params MiB/rank':>16} {'step ms':>8} "
+          f"{'worker ms':>10} {'model ms':>9} {'outside model':>14}")
+    for x in rows:
+        outside = 1 - x["model_ms"] / x["step_ms"]
+        print(f"{x['tp']:>3} {x['ready_s']:>8.1f} {str(x['peak_rss_mib']):>20} {str(x['param_mib']):>16} "
+              f"{x['step_ms']:>8.1f} {x['worker_step_ms']:>10.1f} {x['model_ms']:>9.1f} {outside:>13.0%}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

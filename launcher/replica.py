@@ -103,7 +103,7 @@ class Replica:
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
         self.workers = [worker_cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
                                            max_concurrency=2, **res)
-                        .remote(r, self.tp_size, self.device, self.threads_per_worker, self.index)
+                        .remote(r, self.tp_size, self.device, self.threads_per_worker)
                         for r in range(self.tp_size)]
         host = port = None
         if self.tp_size > 1:

@@ -47,9 +47,8 @@ class CommScheduler:
 
 
 class Worker:
-    def __init__(self, rank: int, world: int, device: str, threads: int = 0, replica: int = 0):
+    def __init__(self, rank: int, world: int, device: str, threads: int = 0):
         self.tp = TPInfo(rank, world)
-        self.replica = replica
         self.device = select_device(device, rank=rank)
         self.threads = threads
         self.runner = None

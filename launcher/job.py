@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from launcher.errors import RecordError, SpecError, UserError
 from launcher.inputs import check_input, read_records

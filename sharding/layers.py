@@ -10,7 +10,6 @@ tensor-parallel group, so the world group *is* the tensor-parallel group.
 from __future__ import annotations
 
 import numpy as np
-import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from sharding.config import ModelConfig

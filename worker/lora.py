@@ -162,7 +162,7 @@ class LoraAdapter:
 
 
 def check_shapes(lm: LoraModule, base: tuple) -> None:
-    (r, a_in), (b_out, _) = lm.a_shape, lm.b_shape
+    (_, a_in), (b_out, _) = lm.a_shape, lm.b_shape
     if tuple(base) != (b_out, a_in):
         raise AdapterError(f"target module '{lm.module}': the adapter's B @ A is [{b_out}, {a_in}] (lora_B "
                            f"{list(lm.b_shape)}, lora_A {list(lm.a_shape)}), the base weight is {list(base)}")

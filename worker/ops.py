@@ -55,7 +55,6 @@ class CpuOps:
         bias from `attention_bias`. Query heads are grouped by KV head, so K/V are never copied
         per query head. Returns [B, T, H*D]."""
         B, T, H, D = q.shape
-        L = context_index.shape[1]
         k = ops.gather(k_cache, context_index, 0)                         # [B, L, KV, D]
         v = ops.gather(v_cache, context_index, 0)
         KV = k.shape[2]

@@ -9,7 +9,6 @@ from cache; padded tokens write to a scratch block that no sequence owns.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 

@@ -149,11 +149,17 @@ class ModelRunner:
         fn = self.prefill_fn if is_prefill else self.decode_fn
         key = f"{'prefill' if is_prefill else 'decode'} B={inputs[4].shape[0]} T={inputs[4].shape[1]} " \
               f"L={inputs[3].shape[1]}"
+        return self._call(key, fn, *inputs)[: len(seqs)]
+
+    def _call(self, key: str, fn, *inputs):
+        """Runs a compiled step and copies its outputs to numpy; the first call of each shape (its
+        compile) is timed in compile_s."""
         t0 = time.perf_counter()
-        logits = fn(*inputs).asnumpy()
+        out = fn(*inputs)
+        out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
         if key not in self.compile_s:
             self.compile_s[key] = time.perf_counter() - t0
-        return logits[: len(seqs)]
+        return out
 
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
         """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
@@ -185,12 +191,8 @@ class ModelRunner:
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
         key = f"score B={inputs[4].shape[0]} T={Tp} L={inputs[3].shape[1]} S={S}"
-        t0 = time.perf_counter()
-        logits, logp = self.score_fn(*inputs, self.ms.Tensor(score_index, self.ms.int32),
-                                     self.ms.Tensor(score_targets, self.ms.int32))
-        logits, logp = logits.asnumpy(), logp.asnumpy()
-        if key not in self.compile_s:
-            self.compile_s[key] = time.perf_counter() - t0
+        logits, logp = self._call(key, self.score_fn, *inputs, self.ms.Tensor(score_index, self.ms.int32),
+                                  self.ms.Tensor(score_targets, self.ms.int32))
         scores, at = [], 0
         for n in counts:
             scores.append(None if n is None else [float(x) for x in logp[at: at + n]])

@@ -169,6 +169,7 @@ class JobRun:
         self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
         self.stats = Stats()
         self.t_gen: float | None = None
+        self.t_first_result: float | None = None
         self.stream, self.streamed, self.last_streamed = stream, {}, None
         self.status_t = 0.0
         self.bar = None
@@ -284,6 +285,8 @@ class JobRun:
 
     def emit(self, result: dict, ttft: float | None = None) -> None:
         self.sink(result)
+        if self.t_first_result is None:
+            self.t_first_result = time.perf_counter()
         self.stats.add(result, ttft)
         self._tick(result.get("completion_tokens") or 0)
 
@@ -374,6 +377,8 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         job.write_status("running")
         controller.run(job.sequences(read_records(spec.input.path)), job.on_step, job.on_finish)
         summary = job.summary(startup_s)
+        if job.t_first_result is not None:
+            summary["first_result_s"] = round(job.t_first_result - t_start, 3)
         write_json_atomic(summary_path(spec.output.path), summary)
         job.write_status("done")
         return summary

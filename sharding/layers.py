@@ -77,7 +77,7 @@ class LinearBase(nn.Cell):
 
     def construct(self, x):
         y = self.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
+        return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y
 
 
 class ReplicatedLinear(LinearBase):
@@ -105,7 +105,7 @@ class RowParallelLinear(LinearBase):
         y = self.matmul(x, self.weight)
         if self.all_reduce is not None:
             y = self.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -172,7 +172,7 @@ class VocabParallelEmbedding(nn.Cell):
         inside = ops.logical_and(local >= 0, local < self.stop - self.start)
         local = ops.select(inside, local, ops.zeros_like(local))
         out = ops.gather(self.weight, local, 0)
-        out = out * ops.expand_dims(inside.astype(out.dtype), -1)
+        out = out * ops.broadcast_to(ops.expand_dims(inside.astype(out.dtype), -1), out.shape)
         return self.all_reduce(out)
 
 

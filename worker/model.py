@@ -34,12 +34,12 @@ class Attention(nn.Cell):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
         else:
             self.q_norm = self.k_norm = None
-        shape = (num_slots, self.kv_heads, cfg.head_dim)
+        shape = (num_slots * self.kv_heads, cfg.head_dim)
         self.k_cache = new_param(shape, dtype, "k_cache")
         self.v_cache = new_param(shape, dtype, "v_cache")
 
-    def construct(self, x, cos, sin, slots, context_index, attn_bias):
-        B, L = context_index.shape
+    def construct(self, x, rope_q, rope_k, write_index, read_index, attn_bias):
+        B = read_index.shape[1]
         N = x.shape[0]
         T = N // B
         qkv = self.qkv_proj(x)
@@ -49,12 +49,12 @@ class Attention(nn.Cell):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.dev.rotary(q, cos, sin)
-        k = self.dev.rotary(k, cos, sin)
-        k_cache = self.dev.write_cache(self.k_cache, slots, k)
-        v_cache = self.dev.write_cache(self.v_cache, slots, v)
+        q = self.dev.rotary(q, *rope_q)
+        k = self.dev.rotary(k, *rope_k)
+        k_cache = self.dev.write_cache(self.k_cache, write_index, k)
+        v_cache = self.dev.write_cache(self.v_cache, write_index, v)
         out = self.dev.attention(q.reshape(B, T, self.heads, self.head_dim), k_cache, v_cache,
-                                 context_index, attn_bias, self.scale)
+                                 read_index, attn_bias, self.scale)
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -79,8 +79,8 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
 
-    def construct(self, x, cos, sin, slots, context_index, attn_bias):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, context_index, attn_bias)
+    def construct(self, x, rope_q, rope_k, write_index, read_index, attn_bias):
+        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, write_index, read_index, attn_bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,16 +107,19 @@ class CausalLM(nn.Cell):
         self.dtype = dtype
         self.dev = dev
         attn = self.layers[0].self_attn
+        self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.group = attn.heads // attn.kv_heads
 
     def construct(self, input_ids, rope_pos, slots, context_index, query_pos, out_index):
         x = self.embed_tokens(input_ids)
         angles = ops.matmul(rope_pos, self.freq_matrix)                 # [N, D/2]
-        cos = ops.cos(angles).astype(self.dtype).expand_dims(1)
-        sin = ops.sin(angles).astype(self.dtype).expand_dims(1)
-        attn_bias = self.dev.attention_bias(query_pos, context_index.shape[1], self.group, self.dtype)
+        cos, sin = ops.cos(angles).astype(self.dtype), ops.sin(angles).astype(self.dtype)
+        rope_q = self.dev.rope_tables(cos, sin, self.heads)
+        rope_k = self.dev.rope_tables(cos, sin, self.kv_heads)
+        attn_bias = self.dev.attention_bias(query_pos, context_index.shape[1], self.kv_heads, self.group, self.dtype)
+        write_index, read_index = self.dev.cache_index(slots, context_index, self.kv_heads)
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, context_index, attn_bias)
+            x = layer(x, rope_q, rope_k, write_index, read_index, attn_bias)
         x = self.norm(ops.gather(x, out_index, 0))
         return self.lm_head(x).astype(ms.float32)
 

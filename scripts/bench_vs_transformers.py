@@ -1,0 +1,184 @@
+"""A whole batch job, side by side: `msinfer run` at tensor parallel 1 against transformers'
+batched `generate`, on the same prompts, the same machine and the same number of threads.
+
+The workload is the one of issue 7: the demo model (SmolLM2-135M-Instruct) in float32, 64 prompts
+of varied length (token windows of a fixed text, lengths drawn uniformly from [--min-len,
+--max-len] with a fixed seed), 64 new tokens each, greedy, end of sequence ignored so both sides
+make exactly the same number of tokens.
+
+- msinfer: a real job (spec, embedded Ray, one worker, results file). Its figure is completion
+  tokens / `generation_s` from the job summary: that time includes compiling every graph shape the
+  job meets, and excludes start-up (Ray, worker, weights), which is reported apart with the time
+  to the first result.
+- transformers: `model.generate` over the prompts, left-padded, in batches of each size given by
+  --hf-batch (64 = all prompts in one call). Its figure is new tokens / total generate time.
+  Loading the model is not counted.
+
+The sides run in turn, msinfer first; with --rounds N they alternate N times and each keeps its
+best round, so that both meet the same machine load.
+
+    python scripts/bench_vs_transformers.py [--prompts 64] [--new-tokens 64] [--hf-batch 64,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = """\
+The history of astronomy is a long story of people looking up at the night sky and trying to
+explain what they saw. Early farmers tracked the seasons by the rising of certain stars, sailors
+found their way across open water by the pole star, and priests kept calendars that predicted
+eclipses. Greek thinkers asked why the planets wander against the fixed stars, and built models of
+nested spheres to answer. Much later, telescopes showed moons circling Jupiter and phases of Venus,
+and the sun took its place at the centre of the system. Kepler found that the planets move on
+ellipses, sweeping equal areas in equal times, and Newton showed that one law of gravity explains
+both a falling apple and the orbit of the moon. In the nineteenth century, spectroscopes split
+starlight into colours and revealed which elements the stars are made of, and photography let
+astronomers record faint objects that no eye could see. The twentieth century brought the
+discovery that the spiral nebulae are galaxies like our own, that the universe is expanding, and
+that it began in a hot, dense state some fourteen billion years ago. Radio telescopes found
+pulsars and the faint glow left over from the early universe; space telescopes, above the blurring
+air, photographed galaxies whose light set out before the earth was formed. Today astronomers
+measure the wobble of stars to find planets around them, listen for ripples in space-time from
+colliding black holes, and map the positions of a billion stars in our galaxy. Each answer has
+raised new questions: what the dark matter is that holds galaxies together, why the expansion of
+the universe is speeding up, and whether life has begun anywhere else among the stars.
+"""
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """n token-id prompts of lengths uniform in [lo, hi], windows of TEXT (repeated as needed)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    base = tokenizer(TEXT).input_ids
+    ids = base * (-(-2 * hi // len(base)))
+    prompts = []
+    for length in rng.integers(lo, hi + 1, n):
+        start = int(rng.integers(0, len(ids) - length))
+        prompts.append(ids[start:start + int(length)])
+    return prompts
+
+
+def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch_size: int,
+                max_batched_tokens: int, work: Path) -> dict:
+    """A real `msinfer run` (the CLI, in a subprocess) over the prompts; returns its summary."""
+    inp, out = work / "prompts.jsonl", work / "results.jsonl"
+    with open(inp, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n")
+    spec = {
+        "model": {"path": str(path), "dtype": "float32", "max_model_len": max(map(len, prompts)) + new_tokens},
+        "parallel": {"tensor_parallel": 1, "device": "cpu"},
+        "input": {"path": str(inp), "chat_template": False},
+        "sampling": {"max_new_tokens": new_tokens, "ignore_eos": True},
+        "scheduler": {"max_batch_size": max_batch_size, "max_batched_tokens": max_batched_tokens},
+        "output": {"path": str(out)},
+    }
+    (work / "job.yaml").write_text(json.dumps(spec))          # JSON is YAML
+    cmd = [sys.executable, "-m", "launcher.cli", "run", str(work / "job.yaml"), "--overwrite", "--no-progress"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    summary = json.loads(Path(f"{out}.summary.json").read_text())
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["token_ids"] = {}
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        summary["token_ids"][r["id"]] = r.get("token_ids")
+    return summary
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int) -> tuple[float, int, dict]:
+    """Batched greedy generate, left-padded. Returns (seconds, new tokens, {id: token ids})."""
+    import torch
+
+    made, tokens = 0, {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+            new = out[:, width:]
+            made += new.numel()
+            for j, row in enumerate(new.tolist()):
+                tokens[f"p{i + j}"] = row
+    return time.perf_counter() - t0, made, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=16, help="shortest prompt, tokens (default 16)")
+    ap.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens (default 256)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each side (default 2)")
+    ap.add_argument("--hf-batch", default="64,16", help="transformers batch sizes, comma separated (default 64,16)")
+    ap.add_argument("--max-batch-size", type=int, default=64, help="msinfer scheduler.max_batch_size (default 64)")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048,
+                    help="msinfer scheduler.max_batched_tokens (default 2048)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times; keep each best")
+    ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+
+    sys.path.insert(0, str(ROOT))
+    from scripts.make_demo_model import ensure_demo_model
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    path = ensure_demo_model()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = make_prompts(tokenizer, args.prompts, args.min_len, args.max_len)
+    hf_batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
+    model = None if args.skip_transformers else \
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    load_before = os.getloadavg()[0]
+
+    ms_best, hf_best = None, {}
+    with tempfile.TemporaryDirectory(prefix="msinfer-vs-hf-") as work:
+        for _ in range(args.rounds):
+            s = run_msinfer(path, prompts, args.new_tokens, args.max_batch_size, args.max_batched_tokens, Path(work))
+            if ms_best is None or s["generation_s"] < ms_best["generation_s"]:
+                ms_best = s
+            for b in ([] if model is None else hf_batches):
+                r = run_transformers(model, prompts, args.new_tokens, b, pad_id)
+                if b not in hf_best or r[0] < hf_best[b][0]:
+                    hf_best[b] = r
+
+    import mindspore
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
+    lengths = sorted(map(len, prompts))
+    print(f"\nworkload  {path.name} (float32), {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
+          f"({sum(lengths)} in all), {args.new_tokens} new tokens each, greedy, eos ignored; best of {args.rounds}")
+    print(f"versions  mindspore {mindspore.__version__}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, python {sys.version.split()[0]}")
+    print(f"machine   nproc {nproc}, threads per side {args.threads}, load average "
+          f"{load_before:.2f} before / {os.getloadavg()[0]:.2f} after\n")
+    ms_tok = ms_best["completion_tokens"]
+    ms_rate = ms_tok / ms_best["generation_s"]
+    print(f"msinfer tp 1 (max_batch_size {args.max_batch_size}, max_batched_tokens {args.max_batched_tokens})")
+    print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {ms_best.get('first_result_s', float('nan')):.1f} s "
+          f"from start, generation {ms_best['generation_s']:.1f} s, whole command {ms_best['wall_s']:.1f} s")
+    print(f"  {ms_tok} tokens / generation_s = {ms_rate:.1f} tok/s")
+    for b, (secs, made, tokens) in sorted(hf_best.items()):
+        same = sum(tokens[k] == ms_best["token_ids"].get(k) for k in tokens)
+        print(f"transformers generate, batch {b}: {made} tokens in {secs:.1f} s = {made / secs:.1f} tok/s; "
+              f"msinfer is {ms_rate / (made / secs):.2f}x; same tokens for {same}/{len(tokens)} prompts")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from launcher.errors import UserError
 from launcher.replica import LaunchError, Replica
@@ -40,7 +40,7 @@ class ControllerConfig:
     cpus_per_worker: float = 1
     threads_per_worker: int = 0
     max_batch_size: int = 32
-    max_batched_tokens: int = 8192
+    max_batched_tokens: int = 512
     max_restarts: int = 3
     step_timeout_s: float = 600.0
 
@@ -55,6 +55,7 @@ class Slot:
     starting: Future | None = None
     restarts: int = 0
     steps: int = 0
+    step_s: dict = field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]})   # kind -> [steps, seconds]
 
     @property
     def ready(self) -> bool:
@@ -88,6 +89,24 @@ class Controller:
         except Exception as e:
             self.shutdown()
             raise launch_error(e) from None
+
+    def step_stats(self) -> dict:
+        """Steps run and their seconds (submit to result, as the controller saw them) by kind, and
+        the graphs each replica's rank 0 compiled, with their first-call seconds."""
+        out = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
+               "graphs_compiled": 0, "compile_s": 0.0}
+        for s in self.slots:
+            for kind in ("prefill", "decode"):
+                out[f"{kind}_steps"] += s.step_s[kind][0]
+                out[f"{kind}_s"] += s.step_s[kind][1]
+            try:
+                compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]
+            except Exception:                # a replica that is down: its figures are lost, not the summary
+                continue
+            out["graphs_compiled"] += len(compiled)
+            out["compile_s"] += sum(compiled.values())
+            out.setdefault("graphs", {}).update({f"replica {s.index} {k}": round(v, 2) for k, v in compiled.items()})
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
     def ranks(self) -> list[dict]:
         return [{"replica": s.index, **r} for s in self.slots for r in s.replica.ranks]
@@ -149,16 +168,19 @@ class Controller:
                 slot.in_flight[4].discard(ref)
                 try:
                     ray.get(ref)
-                except (RayActorError, RayTaskError) as e:
+                except RayError as e:          # a dead actor, a failed task, the node out of memory
                     self._fail(slot, e)
                 continue
             slot = by_ref[ref]
             refs, seqs, is_prefill = slot.in_flight[:3]
             try:
                 out = ray.get(refs, timeout=self.cfg.step_timeout_s)[0]
-            except (RayActorError, RayTaskError, GetTimeoutError) as e:
+            except RayError as e:              # also GetTimeoutError
                 self._fail(slot, e)
                 continue
+            kind = slot.step_s["prefill" if is_prefill else "decode"]
+            kind[0] += 1
+            kind[1] += time.perf_counter() - slot.in_flight[3]
             slot.in_flight = None
             slot.steps += 1
             for seq, tok in zip(seqs, out.token_ids):

@@ -322,6 +322,7 @@ class JobRun:
         out["replicas"] = self.workers()
         if self.controller:
             out["setup"] = [info for s in self.controller.slots for info in s.replica.setup_info]
+            out["steps"] = self.controller.step_stats()
         return out
 
 

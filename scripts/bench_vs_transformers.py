@@ -126,8 +126,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each side (default 2)")
     ap.add_argument("--hf-batch", default="64,16", help="transformers batch sizes, comma separated (default 64,16)")
     ap.add_argument("--max-batch-size", type=int, default=64, help="msinfer scheduler.max_batch_size (default 64)")
-    ap.add_argument("--max-batched-tokens", type=int, default=2048,
-                    help="msinfer scheduler.max_batched_tokens (default 2048)")
+    ap.add_argument("--max-batched-tokens", type=int, default=512,
+                    help="msinfer scheduler.max_batched_tokens (default 512)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times; keep each best")
     ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
     args = ap.parse_args()
@@ -174,6 +174,12 @@ def main() -> None:
     print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {ms_best.get('first_result_s', float('nan')):.1f} s "
           f"from start, generation {ms_best['generation_s']:.1f} s, whole command {ms_best['wall_s']:.1f} s")
     print(f"  {ms_tok} tokens / generation_s = {ms_rate:.1f} tok/s")
+    st = ms_best.get("steps") or {}
+    if st:
+        print(f"  {st['prefill_steps']} prefill steps {st['prefill_s']:.1f} s, {st['decode_steps']} decode steps "
+              f"{st['decode_s']:.1f} s; {st['graphs_compiled']} graphs compiled, first calls {st['compile_s']:.1f} s")
+        for key, secs in (st.get("graphs") or {}).items():
+            print(f"    {key}: first call {secs:.1f} s")
     for b, (secs, made, tokens) in sorted(hf_best.items()):
         same = sum(tokens[k] == ms_best["token_ids"].get(k) for k in tokens)
         print(f"transformers generate, batch {b}: {made} tokens in {secs:.1f} s = {made / secs:.1f} tok/s; "

@@ -66,12 +66,19 @@ class CpuOps:
         return ops.scatter_update(cache, index, rows)
 
     @staticmethod
-    def attention_bias(query_pos, L, kv_heads, group, dtype):
-        """Additive mask [KV, B, group*T, L], built once per step and shared by every layer: key j
-        is visible to a query at position p iff j <= p (causal; padding keys lie beyond every p)."""
-        B, T = query_pos.shape
-        key_pos = ops.broadcast_to(ops.arange(L, dtype=ms.int32).reshape(1, 1, L), (B, T, L))
-        allowed = key_pos <= ops.broadcast_to(query_pos.reshape(B, T, 1), (B, T, L))
+    def attention_bias(query_pos, query_seq, key_pos, key_seq, kv_heads, group, dtype):
+        """Additive mask [KV, B, group*T, L], built once per step and shared by every layer: a key
+        is visible to a query iff both belong to the same sequence and the key's position is not
+        after the query's (causal)."""
+        (B, T), L = query_pos.shape, key_pos.shape[1]
+
+        def rows(x):
+            return ops.broadcast_to(x.reshape(B, T, 1), (B, T, L))
+
+        def cols(x):
+            return ops.broadcast_to(x.reshape(B, 1, L), (B, T, L))
+
+        allowed = ops.logical_and(cols(key_seq) == rows(query_seq), cols(key_pos) <= rows(query_pos))
         bias = ops.select(allowed, ops.zeros_like(allowed, dtype=dtype), ops.full_like(allowed, NEG_INF, dtype=dtype))
         return ops.broadcast_to(bias.reshape(1, B, 1, T, L), (kv_heads, B, group, T, L)).reshape(
             kv_heads, B, group * T, L)

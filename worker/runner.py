@@ -30,6 +30,21 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
+def half_bucket(n: int, minimum: int = 2) -> int:
+    """The smallest of minimum x (1, 1.5, 2, 3, 4, 6, 8, ...) that holds n: at most a third is
+    padding, for twice the shapes of `bucket`. minimum must be even."""
+    b = minimum
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return b
+
+
+def shape_key(inputs) -> str:
+    """The graph shape of a step's inputs (see ModelRunner.prepare)."""
+    (B, T), L, M = inputs[4].shape, inputs[3].shape[1], inputs[-1].shape[0]
+    return f"B={B} T={T} L={L} M={M}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -105,51 +120,80 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, seqs: list[SeqStep], is_prefill: bool):
-        # Coarse buckets keep the number of compiled shapes small: a decode step reads every
-        # weight once whatever its batch, so padding a small batch to 8 costs little.
-        B = len(seqs)
-        Bp = bucket(B) if is_prefill else bucket(B, min(8, bucket(self.ec.max_batch_size)))
-        T = max(len(s.token_ids) for s in seqs)
-        Tp = bucket(T, 16) if is_prefill else 1
-        ctx = max(s.num_cached + len(s.token_ids) for s in seqs)
-        Lp = bucket(-(-ctx // self.block_size), max(1, 64 // self.block_size)) * self.block_size
-        nblk = Lp // self.block_size
+        """The step's input tensors (see CausalLM) and the first row of each sequence's tokens.
+
+        Decode: B sequences x 1 token, each attending over its own first L cache positions.
+        Prefill: the sequences' tokens packed one after another into N rows (no padding between
+        them), as one batch row (B = 1, T = N) whose keys are every packed sequence's context, L
+        in all; the mask keeps each query to its own sequence's keys. Packing costs attention
+        over N x L scores, but the linear layers, most of the work, see only real tokens.
+
+        Shapes come from a few buckets (powers of two) so that the static graphs compile a few
+        times and then run from cache; padded tokens write to a scratch block no sequence owns."""
         P = self.scheme.num_components
-        scratch = self.scratch_block * self.block_size
-        ids = np.zeros((Bp, Tp), np.int32)
-        rope = np.zeros((Bp, Tp, P), np.float32)
-        slots = np.full((Bp, Tp), scratch, np.int32)
-        query_pos = np.zeros((Bp, Tp), np.int32)
-        tables = np.full((Bp, nblk), self.scratch_block, np.int64)
-        out_index = np.zeros((Bp,), np.int32)
-        for b, s in enumerate(seqs):
-            n = len(s.token_ids)
+        bs = self.block_size
+        scratch = self.scratch_block * bs
+        tables = []
+        for s in seqs:
             table = np.asarray(s.block_table, np.int64)
-            if len(table) * self.block_size < s.num_cached + n:
+            if len(table) * bs < s.num_cached + len(s.token_ids):
                 raise ValueError(f"sequence {s.seq_id}: block table holds {len(table)} blocks, too few "
-                                 f"for {s.num_cached + n} tokens")
+                                 f"for {s.num_cached + len(s.token_ids)} tokens")
+            tables.append(table)
+        if is_prefill:
+            n_tok = sum(len(s.token_ids) for s in seqs)
+            B, T = 1, bucket(n_tok, 64)
+            L = bucket(sum(s.num_cached + len(s.token_ids) for s in seqs), T)
+            M = min(bucket(max(len(seqs), self.ec.max_batch_size)), T)
+        else:
+            B = bucket(len(seqs), min(8, bucket(self.ec.max_batch_size)))
+            T = 1
+            # the context gathered per sequence sets a decode step's cost at long contexts, so
+            # it is bucketed more finely than the batch
+            ctx = max(s.num_cached + 1 for s in seqs)
+            L = half_bucket(-(-ctx // bs), max(2, 64 // bs)) * bs
+            M = B
+        N = B * T
+        ids = np.zeros(N, np.int32)
+        rope = np.zeros((N, P), np.float32)
+        slots = np.full(N, scratch, np.int32)
+        query_pos = np.zeros(N, np.int32)
+        query_seq = np.full(N, -2, np.int32)                 # padding queries match no key
+        context = np.full((B, L), scratch, np.int32)
+        key_pos = np.zeros((B, L), np.int32)
+        key_seq = np.full((B, L), -1, np.int32)
+        out_index = np.zeros(M, np.int32)
+        first_row, row, key = [], 0, 0
+        for b, (s, table) in enumerate(zip(seqs, tables)):
+            n = len(s.token_ids)
             pos = np.arange(s.num_cached, s.num_cached + n)
-            ids[b, :n] = s.token_ids
-            rope[b, :n] = self.scheme.components(s.num_cached, n)
-            slots[b, :n] = self._slots_for(table, pos)
-            query_pos[b, :n] = pos
-            tables[b, : min(len(table), nblk)] = table[:nblk]
-            out_index[b] = b * Tp + n - 1
-        context = (tables[:, :, None] * self.block_size + np.arange(self.block_size)).reshape(Bp, Lp)
-        T_ = self.ms.Tensor
-        ms = self.ms
-        return (T_(ids.reshape(-1), ms.int32), T_(rope.reshape(Bp * Tp, P), ms.float32),
-                T_(slots.reshape(-1), ms.int32), T_(context.astype(np.int32), ms.int32),
-                T_(query_pos, ms.int32), T_(out_index, ms.int32))
+            if not is_prefill:
+                row, key = b, 0
+            ids[row: row + n] = s.token_ids
+            rope[row: row + n] = self.scheme.components(s.num_cached, n)
+            slots[row: row + n] = self._slots_for(table, pos)
+            query_pos[row: row + n] = pos
+            query_seq[row: row + n] = b
+            k = s.num_cached + n if is_prefill else min(s.num_cached + n, L)
+            kb = b if not is_prefill else 0
+            context[kb, key: key + k] = self._slots_for(table, np.arange(k))
+            key_pos[kb, key: key + k] = np.arange(k)
+            key_seq[kb, key: key + k] = b
+            first_row.append(row)
+            out_index[b] = row + n - 1
+            row, key = row + n, key + k
+        T_, ms = self.ms.Tensor, self.ms
+        i32 = ms.int32
+        return (T_(ids, i32), T_(rope, ms.float32), T_(slots, i32), T_(context, i32),
+                T_(query_pos.reshape(B, T), i32), T_(query_seq.reshape(B, T), i32), T_(key_pos, i32),
+                T_(key_seq, i32), T_(out_index, i32)), first_row
 
     # ---- steps ----------------------------------------------------------------------------------
     def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
         """Runs one step; returns the last-token logits [len(seqs), vocab] as float32."""
-        inputs = self.prepare(seqs, is_prefill)
+        inputs, _ = self.prepare(seqs, is_prefill)
         fn = self.prefill_fn if is_prefill else self.decode_fn
-        key = f"{'prefill' if is_prefill else 'decode'} B={inputs[4].shape[0]} T={inputs[4].shape[1]} " \
-              f"L={inputs[3].shape[1]}"
-        return self._call(key, fn, *inputs)[: len(seqs)]
+        return self._call(f"{'prefill' if is_prefill else 'decode'} {shape_key(inputs)}", fn, *inputs)[: len(seqs)]
 
     def _call(self, key: str, fn, *inputs):
         """Runs a compiled step and copies its outputs to numpy; the first call of each shape (its
@@ -172,8 +216,7 @@ class ModelRunner:
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
         j with targets[j] >= 0 (None for a sequence without targets). The scored rows are padded
         to a bucket of 16 so that scoring adds few compiled shapes."""
-        inputs = self.prepare(seqs, True)
-        Tp = inputs[4].shape[1]
+        inputs, first_row = self.prepare(seqs, True)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
             t = list(s.targets or ())
@@ -182,7 +225,7 @@ class ModelRunner:
             picked = [(j, tok) for j, tok in enumerate(t) if tok >= 0]
             if any(tok >= self.cfg.vocab_size for _, tok in picked):
                 raise ValueError(f"sequence {s.seq_id}: a target token is outside the vocabulary")
-            rows += [b * Tp + j for j, _ in picked]
+            rows += [first_row[b] + j for j, _ in picked]
             targets += [tok for _, tok in picked]
             counts.append(len(picked) if t else None)
         S = bucket(len(rows), 16)
@@ -190,8 +233,7 @@ class ModelRunner:
         score_index[: len(rows)] = rows
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
-        key = f"score B={inputs[4].shape[0]} T={Tp} L={inputs[3].shape[1]} S={S}"
-        logits, logp = self._call(key, self.score_fn, *inputs, self.ms.Tensor(score_index, self.ms.int32),
+        logits, logp = self._call(f"score {shape_key(inputs)} S={S}", self.score_fn, *inputs, self.ms.Tensor(score_index, self.ms.int32),
                                   self.ms.Tensor(score_targets, self.ms.int32))
         scores, at = [], 0
         for n in counts:

@@ -93,3 +93,23 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(checkpoint
     other_seed = Driver(runner).generate({0: PROMPTS[0]}, 6, SamplingParams(temperature=1.0, seed=99))[0]
     assert alone == batched
     assert alone != other_seed
+
+
+def test_a_prefill_too_large_for_one_packed_step_runs_split_and_gives_the_same_logits(checkpoint, monkeypatch):
+    """More prompt tokens than one packed prefill takes (PREFILL_SPLIT_TOKENS): the runner splits
+    the step by whole sequences, and each sequence's logits equal a prefill of it alone."""
+    import worker.runner as runner_module
+    from worker.protocol import SeqStep
+    runner = runner_for(checkpoint("llama_gqa_tied"))
+    rng = np.random.default_rng(0)
+    steps = [SeqStep(i, [int(t) for t in rng.integers(0, 100, n)], 0, list(range(8 * i, 8 * i + 8)))
+             for i, n in enumerate((20, 40, 30))]
+    alone = [runner.execute([s], True)[0][0] for s in steps]
+    monkeypatch.setattr(runner_module, "PREFILL_SPLIT_TOKENS", 64)   # 90 tokens: run as 20+40, then 30
+    forward, calls = runner.forward, []
+    monkeypatch.setattr(runner, "forward", lambda seqs, is_prefill: calls.append(len(seqs)) or forward(seqs, is_prefill))
+    together, scores = runner.execute(steps, True)
+    assert calls == [2, 1]
+    assert together.shape[0] == 3 and scores is None
+    for i in range(3):
+        assert np.abs(together[i] - alone[i]).max() < 1e-4, f"prompt {i}"

@@ -21,6 +21,7 @@ from worker.positions import make_scheme
 from worker import sampler
 
 DTYPES = {"float32", "float16", "bfloat16"}
+PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -207,7 +208,21 @@ class ModelRunner:
 
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
         """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
-        the log-probabilities of each sequence's targets when any sequence of a prefill scores."""
+        the log-probabilities of each sequence's targets when any sequence of a prefill scores.
+        A prefill of more than PREFILL_SPLIT_TOKENS runs as several, by whole sequences: packed
+        attention grows with the square of a step's tokens."""
+        if is_prefill and len(seqs) > 1 and sum(len(s.token_ids) for s in seqs) > PREFILL_SPLIT_TOKENS:
+            groups, size = [[]], 0
+            for s in seqs:
+                if groups[-1] and size + len(s.token_ids) > PREFILL_SPLIT_TOKENS:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(s)
+                size += len(s.token_ids)
+            parts = [self.execute(g, True) for g in groups]
+            scores = None if all(p[1] is None for p in parts) else \
+                [x for g, p in zip(groups, parts) for x in (p[1] or [None] * len(g))]
+            return np.concatenate([p[0] for p in parts]), scores
         if is_prefill and any(s.targets for s in seqs):
             return self.forward_scores(seqs)
         return self.forward(seqs, is_prefill), None

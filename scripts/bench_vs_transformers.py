@@ -92,7 +92,7 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
     summary["token_ids"] = {}
     for line in out.read_text().splitlines():
         r = json.loads(line)
-        summary["token_ids"][r["id"]] = r.get("token_ids")
+        summary["token_ids"][r["id"]] = r.get("output_token_ids")
     return summary
 
 

@@ -3,7 +3,7 @@ runs compiled prefill and decode steps.
 
 Every index a step needs (positions, cache slots, context rows, which logits to return) is built
 here from each sequence's new tokens, its count of cached tokens and its block table. Shapes are
-padded to buckets (powers of two) so that the static graphs compile a few times and then run
+padded to buckets so that the static graphs compile a few times and then run
 from cache; padded tokens write to a scratch block that no sequence owns.
 """
 
@@ -129,7 +129,7 @@ class ModelRunner:
         in all; the mask keeps each query to its own sequence's keys. Packing costs attention
         over N x L scores, but the linear layers, most of the work, see only real tokens.
 
-        Shapes come from a few buckets (powers of two) so that the static graphs compile a few
+        Shapes come from a few buckets (`bucket`, `half_bucket`) so that the static graphs compile a few
         times and then run from cache; padded tokens write to a scratch block no sequence owns."""
         P = self.scheme.num_components
         bs = self.block_size

@@ -54,7 +54,6 @@ class Slot:
     in_flight: tuple | None = None          # see _submit
     starting: Future | None = None
     restarts: int = 0
-    steps: int = 0
     step_s: dict = field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]})   # kind -> [steps, seconds]
 
     @property
@@ -182,7 +181,6 @@ class Controller:
             kind[0] += 1
             kind[1] += time.perf_counter() - slot.in_flight[3]
             slot.in_flight = None
-            slot.steps += 1
             for seq, tok in zip(seqs, out.token_ids):
                 if tok >= 0 and seq.t_first is None:
                     seq.t_first = now

@@ -129,8 +129,9 @@ class ModelRunner:
         in all; the mask keeps each query to its own sequence's keys. Packing costs attention
         over N x L scores, but the linear layers, most of the work, see only real tokens.
 
-        Shapes come from a few buckets (`bucket`, `half_bucket`) so that the static graphs compile a few
-        times and then run from cache; padded tokens write to a scratch block no sequence owns."""
+        Shapes come from a few buckets (`bucket`, `half_bucket`) so that the static graphs compile
+        a few times and then run from cache; padded tokens write to a scratch block no sequence
+        owns."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
@@ -175,8 +176,8 @@ class ModelRunner:
             slots[row: row + n] = self._slots_for(table, pos)
             query_pos[row: row + n] = pos
             query_seq[row: row + n] = b
-            k = s.num_cached + n if is_prefill else min(s.num_cached + n, L)
-            kb = b if not is_prefill else 0
+            k = s.num_cached + n                                   # its keys: its whole context
+            kb = 0 if is_prefill else b
             context[kb, key: key + k] = self._slots_for(table, np.arange(k))
             key_pos[kb, key: key + k] = np.arange(k)
             key_seq[kb, key: key + k] = b
@@ -248,8 +249,9 @@ class ModelRunner:
         score_index[: len(rows)] = rows
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
-        logits, logp = self._call(f"score {shape_key(inputs)} S={S}", self.score_fn, *inputs, self.ms.Tensor(score_index, self.ms.int32),
-                                  self.ms.Tensor(score_targets, self.ms.int32))
+        i32 = self.ms.int32
+        logits, logp = self._call(f"score {shape_key(inputs)} S={S}", self.score_fn, *inputs,
+                                  self.ms.Tensor(score_index, i32), self.ms.Tensor(score_targets, i32))
         scores, at = [], 0
         for n in counts:
             scores.append(None if n is None else [float(x) for x in logp[at: at + n]])

@@ -78,31 +78,35 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
         yield r
 
 
-def _read_txt(path: Path) -> Iterator[Record]:
+def _lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """(line number, text, error) of every line that is not blank; a line that is not UTF-8
+    comes with its error and no text."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             text, error = _decode(raw, n)
-            if error:
-                yield Record(id=str(n), line=n, error=error)
-            elif text.strip():
-                yield Record(id=str(n), line=n, prompt=text.removesuffix("\n").removesuffix("\r"))
+            if error or text.strip():
+                yield n, text, error
+
+
+def _read_txt(path: Path) -> Iterator[Record]:
+    for n, text, error in _lines(path):
+        if error:
+            yield Record(id=str(n), line=n, error=error)
+        else:
+            yield Record(id=str(n), line=n, prompt=text.removesuffix("\n").removesuffix("\r"))
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            text, error = _decode(raw, n)
-            if error:
-                yield Record(id=str(n), line=n, error=error)
-                continue
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
-                continue
-            yield parse_record(obj, n, "line")
+    for n, text, error in _lines(path):
+        if error:
+            yield Record(id=str(n), line=n, error=error)
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
+            continue
+        yield parse_record(obj, n, "line")
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:

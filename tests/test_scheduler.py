@@ -328,12 +328,3 @@ def test_abort_frees_blocks_and_postprocess_skips_aborted():
     assert b.finish_reason == "abort"
     finished, _, _ = drive(sched, [], model)
     assert finished == [a]
-
-
-def test_decode_context_buckets_pad_at_most_a_third_and_grow_in_1_5x_steps():
-    from worker.runner import half_bucket
-    sizes = sorted({half_bucket(n, 4) for n in range(1, 200)})
-    assert sizes == [4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-    for n in range(4, 200):
-        b = half_bucket(n, 4)
-        assert n <= b and (b - n) / b < 1 / 3 + 1e-9, n

@@ -71,7 +71,7 @@ class Worker:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
         comm_s = time.perf_counter() - t0
         from worker.runner import ModelRunner
-        self.runner = ModelRunner(engine_config, self.tp)
+        self.runner = ModelRunner(engine_config, self.tp, self.threads)
         return {"rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
                 "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,

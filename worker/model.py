@@ -1,14 +1,14 @@
 """The decoder network (Llama / Qwen2 / Qwen3) over a paged KV cache, in MindSpore.
 
 One `construct` serves every step: it writes the new tokens' K/V rows into the cache at `slots`,
-then each token attends over the cached keys of its own sequence (`context_index`, masked by
-sequence and position). Decode steps lay sequences out one per row, prefill steps pack them
-into one row. All index tensors are built by the engine (`worker.runner`), never by a caller.
+then each token attends over the first positions of its own sequence, read through the
+sequence's block table (a paged-attention kernel, `worker.ops`). A step's tokens are packed one
+after another, whatever sequence they belong to, so prefill and decode steps differ only in how
+many tokens each sequence brings. All index tensors are built by the engine (`worker.runner`),
+never by a caller.
 """
 
 from __future__ import annotations
-
-import math
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -28,7 +28,6 @@ class Attention(nn.Cell):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
@@ -37,11 +36,10 @@ class Attention(nn.Cell):
         shape = (num_slots * self.kv_heads, cfg.head_dim)
         self.k_cache = new_param(shape, dtype, "k_cache")
         self.v_cache = new_param(shape, dtype, "v_cache")
+        self.attend = dev.attention_op()
 
-    def construct(self, x, rope_q, rope_k, write_index, read_index, attn_bias):
-        B = read_index.shape[1]
+    def construct(self, x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, meta):
         N = x.shape[0]
-        T = N // B
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
@@ -53,8 +51,7 @@ class Attention(nn.Cell):
         k = self.dev.rotary(k, *rope_k)
         k_cache = self.dev.write_cache(self.k_cache, write_index, k)
         v_cache = self.dev.write_cache(self.v_cache, write_index, v)
-        out = self.dev.attention(q.reshape(B, T, self.heads, self.head_dim), k_cache, v_cache,
-                                 read_index, attn_bias, self.scale)
+        out = self.attend(q, k_cache, v_cache, block_tables, token_seq, token_len, meta)
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -81,27 +78,27 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
 
-    def construct(self, x, rope_q, rope_k, write_index, read_index, attn_bias):
-        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, write_index, read_index, attn_bias)
+    def construct(self, x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, write_index, block_tables, token_seq,
+                               token_len, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class CausalLM(nn.Cell):
-    """Inputs of one step (B rows x T new tokens, N = B*T; see ModelRunner.prepare for how
-    sequences are laid out in them):
-        input_ids      [N]      int32   the new tokens
+    """Inputs of one step (N tokens of up to M sequences; see ModelRunner.prepare):
+        input_ids      [N]      int32   the new tokens, packed one sequence after another
         rope_pos       [N, P]   float32 rotary position components (P = 1 for plain RoPE)
         slots          [N]      int32   cache slot each new token's K/V is written to
-        context_index  [B, L]   int32   cache slots of the keys each row attends over
-        query_pos      [B, T]   int32   position of each new token in its sequence
-        query_seq      [B, T]   int32   which sequence each new token belongs to
-        key_pos        [B, L]   int32   position of each key in its sequence
-        key_seq        [B, L]   int32   which sequence each key belongs to (-1: padding)
+        block_tables   [M, MB]  int32   the cache blocks of each sequence
+        token_seq      [N]      int32   which sequence (row of block_tables) each token is of
+        token_len      [N]      int32   how many positions of its sequence it sees: its position + 1
+                                        (causal), 0 for a padding token
         out_index      [M]      int32   rows of the N tokens whose logits are returned
-    A query sees a key iff both are of the same sequence and key_pos <= query_pos.
+    The attention scale is 1/sqrt(head_dim), as in every supported family.
     Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int, freq_matrix: np.ndarray):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int, freq_matrix: np.ndarray,
+                 block_size: int = 16, threads: int = 0):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -115,30 +112,29 @@ class CausalLM(nn.Cell):
         self.dev = dev
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
-        self.group = attn.heads // attn.kv_heads
+        # what the attention kernel needs besides its tensors: block size, KV heads, threads
+        self.attn_meta = Tensor(np.array([block_size, self.kv_heads, threads], np.int32))
 
-    def construct(self, input_ids, rope_pos, slots, context_index, query_pos, query_seq, key_pos, key_seq, out_index):
+    def construct(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index):
         x = self.embed_tokens(input_ids)
         angles = ops.matmul(rope_pos, self.freq_matrix)                 # [N, D/2]
         cos, sin = ops.cos(angles).astype(self.dtype), ops.sin(angles).astype(self.dtype)
         rope_q = self.dev.rope_tables(cos, sin, self.heads)
         rope_k = self.dev.rope_tables(cos, sin, self.kv_heads)
-        attn_bias = self.dev.attention_bias(query_pos, query_seq, key_pos, key_seq, self.kv_heads, self.group,
-                                            self.dtype)
-        write_index, read_index = self.dev.cache_index(slots, context_index, self.kv_heads)
+        write_index = self.dev.write_index(slots, self.kv_heads)
         for layer in self.layers:
-            x = layer(x, rope_q, rope_k, write_index, read_index, attn_bias)
+            x = layer(x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, self.attn_meta)
         x = self.norm(ops.gather(x, out_index, 0))
         return self.lm_head(x).astype(ms.float32)
 
-    def score(self, input_ids, rope_pos, slots, context_index, query_pos, query_seq, key_pos, key_seq, out_index,
-              score_index, targets):
+    def score(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index, score_index,
+              targets):
         """A prefill that also scores: returns (logits [M, vocab] at out_index, as `construct`
         returns them; log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The
         log-softmax and the pick run in the graph, so a scoring step hands back S floats, not
         S x vocab logits."""
         m = out_index.shape[0]
-        logits = self.construct(input_ids, rope_pos, slots, context_index, query_pos, query_seq, key_pos, key_seq,
+        logits = self.construct(input_ids, rope_pos, slots, block_tables, token_seq, token_len,
                                 ops.concat((out_index, score_index)))
         logp = ops.log_softmax(logits[m:], -1)
         return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)

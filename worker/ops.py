@@ -4,19 +4,55 @@
     rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32
     rotary        q*cos + rotate_half(q)*sin (the Hugging Face, non-interleaved layout)
     cache write   ScatterUpdate of the new K/V rows into the flat cache ([slots * kv_heads, D])
-    attention     gather the context rows of each sequence from the cache, head-major, masked
-                  softmax(QK^T)V, grouped so K/V heads are never copied per query head
-`AscendOps` swaps in MindSpore's fused Ascend kernels where they exist (RmsNorm and
-FlashAttentionScore); it needs an Ascend card and is not exercised on the CPU.
+    attention     a paged-attention kernel of our own (worker/csrc), a MindSpore AOT custom
+                  operator: each token reads its sequence's K/V rows through the block table,
+                  with no gathered copy and no mask; compiled with the machine's C++ compiler
+                  on first use and cached (`kernel_library`)
+`AscendOps` swaps in MindSpore's fused Ascend kernels where they exist (RmsNorm); it needs an
+Ascend card and is not exercised on the CPU. Its attention still has to be wired to MindSpore's
+Ascend PagedAttention kernel, which takes the same block tables.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+import platform
+import shutil
+import subprocess
+
 import mindspore as ms
 from mindspore import ops
 
-NEG_INF = -1e30
-_BMM_T = ops.BatchMatMul(transpose_b=True)
+CSRC = Path(__file__).with_name("csrc")
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+def kernel_library(name: str) -> str:
+    """Path of csrc/<name>.cc built as a shared library for this machine. Built once per source,
+    flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels; a build by
+    another process at the same time is harmless (each writes its own file, then renames)."""
+    src = CSRC / f"{name}.cc"
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError(f"msinfer's CPU attention kernel ({src.name}) needs a C++ compiler: install g++ "
+                           "or set CXX")
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    key = hashlib.sha256(src.read_bytes() + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
+    root = Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernels"
+    lib = root / f"{name}-{key.hexdigest()[:16]}.so"
+    if not lib.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        run = subprocess.run([cxx, *CXXFLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"building {src} with {cxx} failed:\n{run.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    return str(lib)
 
 
 class CpuOps:
@@ -48,17 +84,12 @@ class CpuOps:
         return ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
 
     @staticmethod
-    def cache_index(slots, context_index, kv_heads):
-        """The cache is [slots * kv_heads, D], head-minor. Returns the rows a step writes, [N, KV],
-        and the rows its attention reads, [KV, B, L]: head-major, so the gathered K/V come out in
-        the layout the batched matmuls take, with no transpose."""
-        N, (B, L) = slots.shape[0], context_index.shape
+    def write_index(slots, kv_heads):
+        """The cache is [slots * kv_heads, D], head-minor: the rows a step's new K/V go to, [N, KV]."""
+        N = slots.shape[0]
         heads = ops.arange(kv_heads, dtype=ms.int32)
-        write = ops.broadcast_to(slots.reshape(N, 1) * kv_heads, (N, kv_heads)) + \
+        return ops.broadcast_to(slots.reshape(N, 1) * kv_heads, (N, kv_heads)) + \
             ops.broadcast_to(heads.reshape(1, kv_heads), (N, kv_heads))
-        read = ops.broadcast_to(context_index.reshape(1, B, L) * kv_heads, (kv_heads, B, L)) + \
-            ops.broadcast_to(heads.reshape(kv_heads, 1, 1), (kv_heads, B, L))
-        return write, read
 
     @staticmethod
     def write_cache(cache, index, rows):
@@ -66,38 +97,13 @@ class CpuOps:
         return ops.scatter_update(cache, index, rows)
 
     @staticmethod
-    def attention_bias(query_pos, query_seq, key_pos, key_seq, kv_heads, group, dtype):
-        """Additive mask [KV, B, group*T, L], built once per step and shared by every layer: a key
-        is visible to a query iff both belong to the same sequence and the key's position is not
-        after the query's (causal)."""
-        (B, T), L = query_pos.shape, key_pos.shape[1]
-
-        def rows(x):
-            return ops.broadcast_to(x.reshape(B, T, 1), (B, T, L))
-
-        def cols(x):
-            return ops.broadcast_to(x.reshape(B, 1, L), (B, T, L))
-
-        allowed = ops.logical_and(cols(key_seq) == rows(query_seq), cols(key_pos) <= rows(query_pos))
-        bias = ops.select(allowed, ops.zeros_like(allowed, dtype=dtype), ops.full_like(allowed, NEG_INF, dtype=dtype))
-        return ops.broadcast_to(bias.reshape(1, B, 1, T, L), (kv_heads, B, group, T, L)).reshape(
-            kv_heads, B, group * T, L)
-
-    @staticmethod
-    def attention(q, k_cache, v_cache, read_index, bias, scale):
-        """q [B, T, H, D]; read_index [KV, B, L] cache rows of each sequence's first L positions per
-        KV head (from `cache_index`); bias from `attention_bias`. Query heads are grouped by KV
-        head, so K/V are never copied per query head. Returns [B, T, H*D]."""
-        B, T, H, D = q.shape
-        KV = read_index.shape[0]
-        G = H // KV
-        k = ops.gather(k_cache, read_index, 0)                            # [KV, B, L, D]
-        v = ops.gather(v_cache, read_index, 0)
-        qg = (q * scale).reshape(B, T, KV, G, D).transpose(2, 0, 3, 1, 4).reshape(KV, B, G * T, D)
-        scores = _BMM_T(qg, k)                                            # [KV, B, G*T, L]
-        probs = ops.softmax((scores + bias).astype(ms.float32), -1).astype(q.dtype)
-        out = ops.matmul(probs, v)                                        # [KV, B, G*T, D]
-        return out.reshape(KV, B, G, T, D).transpose(1, 3, 0, 2, 4).reshape(B, T, H * D)
+    def attention_op():
+        """The paged-attention operator (worker/csrc/paged_attention.cc, built on first use):
+        (q [N, H, D], k_cache, v_cache, block_tables [M, MB], rows [N], lens [N], meta [3]) -> [N, H, D].
+        Each token attends over the first lens[n] positions of sequence rows[n], read from the cache
+        through its block table."""
+        return ops.Custom(f"{kernel_library('paged_attention')}:PagedAttention",
+                          out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
 
 
 class AscendOps(CpuOps):

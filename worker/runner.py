@@ -31,19 +31,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
-def half_bucket(n: int, minimum: int = 2) -> int:
-    """The smallest of minimum x (1, 1.5, 2, 3, 4, 6, 8, ...) that holds n: at most a third is
-    padding, for twice the shapes of `bucket`. minimum must be even."""
-    b = minimum
-    while b < n:
-        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
-    return b
-
-
 def shape_key(inputs) -> str:
     """The graph shape of a step's inputs (see ModelRunner.prepare)."""
-    (B, T), L, M = inputs[4].shape, inputs[3].shape[1], inputs[-1].shape[0]
-    return f"B={B} T={T} L={L} M={M}"
+    return f"N={inputs[0].shape[0]} M={inputs[-1].shape[0]}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +71,8 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> str:
 
 
 class ModelRunner:
-    def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo()):
+    def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo(), threads: int = 0):
+        """threads: of the CPU attention kernel, as many as the worker gives MindSpore (0: all cores)."""
         import mindspore as ms
         from worker.model import CausalLM
         from worker.ops import select_ops
@@ -98,8 +89,9 @@ class ModelRunner:
         self.scratch_block = self.num_blocks                 # padding writes land here
         num_slots = (self.num_blocks + 1) * self.block_size
         t0 = time.perf_counter()
+        self.max_blocks_per_seq = -(-ec.max_model_len // self.block_size)
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device), num_slots,
-                              self.scheme.freq_matrix(self.cfg))
+                              self.scheme.freq_matrix(self.cfg), self.block_size, threads)
         self.model.set_train(False)
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
             self.load_stats = {"tensors": 0, "bytes": 0}
@@ -123,72 +115,52 @@ class ModelRunner:
     def prepare(self, seqs: list[SeqStep], is_prefill: bool):
         """The step's input tensors (see CausalLM) and the first row of each sequence's tokens.
 
-        Decode: B sequences x 1 token, each attending over its own first L cache positions.
-        Prefill: the sequences' tokens packed one after another into N rows (no padding between
-        them), as one batch row (B = 1, T = N) whose keys are every packed sequence's context, L
-        in all; the mask keeps each query to its own sequence's keys. Packing costs attention
-        over N x L scores, but the linear layers, most of the work, see only real tokens.
+        The sequences' new tokens are packed one after another into N rows, with no padding
+        between them; each token sees the first (its position + 1) positions of its own sequence,
+        read through the sequence's block table. A decode step brings one token per sequence, a
+        prefill step whole prompts (or their uncached tails).
 
-        Shapes come from a few buckets (`bucket`, `half_bucket`) so that the static graphs compile
-        a few times and then run from cache; padded tokens write to a scratch block no sequence
-        owns."""
+        N and M (the returned logit rows) come from power-of-two buckets and the block tables are
+        as wide as max_model_len, so the static graphs compile for a handful of shapes and then
+        run from cache; padded tokens see nothing and write to a scratch block no sequence owns."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
-        tables = []
-        for s in seqs:
-            table = np.asarray(s.block_table, np.int64)
-            if len(table) * bs < s.num_cached + len(s.token_ids):
-                raise ValueError(f"sequence {s.seq_id}: block table holds {len(table)} blocks, too few "
-                                 f"for {s.num_cached + len(s.token_ids)} tokens")
-            tables.append(table)
+        n_tok = sum(len(s.token_ids) for s in seqs)
         if is_prefill:
-            n_tok = sum(len(s.token_ids) for s in seqs)
-            B, T = 1, bucket(n_tok, 64)
-            L = bucket(sum(s.num_cached + len(s.token_ids) for s in seqs), T)
-            M = min(bucket(max(len(seqs), self.ec.max_batch_size)), T)
+            N = bucket(n_tok, 64)
+            M = min(bucket(max(len(seqs), self.ec.max_batch_size)), N)
         else:
-            B = bucket(len(seqs), min(8, bucket(self.ec.max_batch_size)))
-            T = 1
-            # the context gathered per sequence sets a decode step's cost at long contexts, so
-            # it is bucketed more finely than the batch
-            ctx = max(s.num_cached + 1 for s in seqs)
-            L = half_bucket(-(-ctx // bs), max(2, 64 // bs)) * bs
-            M = B
-        N = B * T
+            N = M = bucket(n_tok, min(8, bucket(self.ec.max_batch_size)))
+        width = max([self.max_blocks_per_seq] + [bucket(len(s.block_table)) for s in seqs
+                                                 if len(s.block_table) > self.max_blocks_per_seq])
         ids = np.zeros(N, np.int32)
         rope = np.zeros((N, P), np.float32)
         slots = np.full(N, scratch, np.int32)
-        query_pos = np.zeros(N, np.int32)
-        query_seq = np.full(N, -2, np.int32)                 # padding queries match no key
-        context = np.full((B, L), scratch, np.int32)
-        key_pos = np.zeros((B, L), np.int32)
-        key_seq = np.full((B, L), -1, np.int32)
+        tables = np.full((M, width), self.scratch_block, np.int32)
+        token_seq = np.zeros(N, np.int32)
+        token_len = np.zeros(N, np.int32)
         out_index = np.zeros(M, np.int32)
-        first_row, row, key = [], 0, 0
-        for b, (s, table) in enumerate(zip(seqs, tables)):
+        first_row, row = [], 0
+        for b, s in enumerate(seqs):
             n = len(s.token_ids)
+            table = np.asarray(s.block_table, np.int64)
+            if len(table) * bs < s.num_cached + n:
+                raise ValueError(f"sequence {s.seq_id}: block table holds {len(table)} blocks, too few "
+                                 f"for {s.num_cached + n} tokens")
             pos = np.arange(s.num_cached, s.num_cached + n)
-            if not is_prefill:
-                row, key = b, 0
             ids[row: row + n] = s.token_ids
             rope[row: row + n] = self.scheme.components(s.num_cached, n)
             slots[row: row + n] = self._slots_for(table, pos)
-            query_pos[row: row + n] = pos
-            query_seq[row: row + n] = b
-            k = s.num_cached + n                                   # its keys: its whole context
-            kb = 0 if is_prefill else b
-            context[kb, key: key + k] = self._slots_for(table, np.arange(k))
-            key_pos[kb, key: key + k] = np.arange(k)
-            key_seq[kb, key: key + k] = b
+            tables[b, : len(table)] = table
+            token_seq[row: row + n] = b
+            token_len[row: row + n] = pos + 1
             first_row.append(row)
             out_index[b] = row + n - 1
-            row, key = row + n, key + k
-        T_, ms = self.ms.Tensor, self.ms
-        i32 = ms.int32
-        return (T_(ids, i32), T_(rope, ms.float32), T_(slots, i32), T_(context, i32),
-                T_(query_pos.reshape(B, T), i32), T_(query_seq.reshape(B, T), i32), T_(key_pos, i32),
-                T_(key_seq, i32), T_(out_index, i32)), first_row
+            row += n
+        T_, i32 = self.ms.Tensor, self.ms.int32
+        return (T_(ids, i32), T_(rope, self.ms.float32), T_(slots, i32), T_(tables, i32), T_(token_seq, i32),
+                T_(token_len, i32), T_(out_index, i32)), first_row
 
     # ---- steps ----------------------------------------------------------------------------------
     def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
@@ -210,8 +182,9 @@ class ModelRunner:
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
         """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
         the log-probabilities of each sequence's targets when any sequence of a prefill scores.
-        A prefill of more than PREFILL_SPLIT_TOKENS runs as several, by whole sequences: packed
-        attention grows with the square of a step's tokens."""
+        A prefill of more than PREFILL_SPLIT_TOKENS runs as several, by whole sequences: a static
+        graph holds every intermediate of its step (about 1 MB a token for the demo model), and
+        each token bucket is one more graph to compile."""
         if is_prefill and len(seqs) > 1 and sum(len(s.token_ids) for s in seqs) > PREFILL_SPLIT_TOKENS:
             groups, size = [[]], 0
             for s in seqs:

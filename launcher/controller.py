@@ -54,7 +54,8 @@ class Slot:
     in_flight: tuple | None = None          # see _submit
     starting: Future | None = None
     restarts: int = 0
-    step_s: dict = field(default_factory=lambda: {"prefill": [0, 0.0], "decode": [0, 0.0]})   # kind -> [steps, seconds]
+    # kind -> [steps, seconds (submit to result), of which rank 0's step, of which its network]
+    step_s: dict = field(default_factory=lambda: {k: [0, 0.0, 0.0, 0.0] for k in ("prefill", "decode")})
 
     @property
     def ready(self) -> bool:
@@ -90,14 +91,16 @@ class Controller:
             raise launch_error(e) from None
 
     def step_stats(self) -> dict:
-        """Steps run and their seconds (submit to result, as the controller saw them) by kind, and
-        the graphs each replica's rank 0 compiled, with their first-call seconds."""
-        out = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
-               "graphs_compiled": 0, "compile_s": 0.0}
+        """Steps run and their seconds by kind: as the controller saw them (submit to result), of
+        which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); and the
+        graphs each replica's rank 0 compiled, with their first-call seconds."""
+        out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in ("prefill", "decode")
+               for x in ("steps", "s", "worker_s", "model_s")}
+        out.update(graphs_compiled=0, compile_s=0.0)
         for s in self.slots:
             for kind in ("prefill", "decode"):
-                out[f"{kind}_steps"] += s.step_s[kind][0]
-                out[f"{kind}_s"] += s.step_s[kind][1]
+                for x, v in zip(("steps", "s", "worker_s", "model_s"), s.step_s[kind]):
+                    out[f"{kind}_{x}"] += v
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]
             except Exception:                # a replica that is down: its figures are lost, not the summary
@@ -180,6 +183,8 @@ class Controller:
             kind = slot.step_s["prefill" if is_prefill else "decode"]
             kind[0] += 1
             kind[1] += time.perf_counter() - slot.in_flight[3]
+            kind[2] += out.worker_s
+            kind[3] += out.model_s
             slot.in_flight = None
             for seq, tok in zip(seqs, out.token_ids):
                 if tok >= 0 and seq.t_first is None:

@@ -180,6 +180,11 @@ def main() -> None:
               f"{st['decode_s']:.1f} s; {st['graphs_compiled']} graphs compiled, first calls {st['compile_s']:.1f} s")
         for key, secs in (st.get("graphs") or {}).items():
             print(f"    {key}: first call {secs:.1f} s")
+        for kind in ("prefill", "decode"):
+            if st.get(f"{kind}_s"):
+                print(f"  {kind}: {st[f'{kind}_model_s']:.1f} s in the network, {st[f'{kind}_worker_s']:.1f} s in "
+                      f"the worker's step, {st[f'{kind}_s']:.1f} s as the controller saw them: "
+                      f"{1 - st[f'{kind}_model_s'] / st[f'{kind}_s']:.0%} outside the network")
     for b, (secs, made, tokens) in sorted(hf_best.items()):
         same = sum(tokens[k] == ms_best["token_ids"].get(k) for k in tokens)
         print(f"transformers generate, batch {b}: {made} tokens in {secs:.1f} s = {made / secs:.1f} tok/s; "

@@ -113,3 +113,30 @@ def test_a_prefill_too_large_for_one_packed_step_runs_split_and_gives_the_same_l
     assert together.shape[0] == 3 and scores is None
     for i in range(3):
         assert np.abs(together[i] - alone[i]).max() < 1e-4, f"prompt {i}"
+
+
+def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_paid_for_a_compile(
+        checkpoint, monkeypatch):
+    """Ski rental over graph shapes: a step whose own bucket is not compiled runs in the next
+    larger compiled one (same logits), until the padding paid that way reaches
+    PAD_TOKENS_BEFORE_COMPILE tokens; a shape more than twice too large is never used."""
+    import worker.runner as runner_module
+    from worker.protocol import SeqStep
+    monkeypatch.setattr(runner_module, "PAD_TOKENS_BEFORE_COMPILE", 100)
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied")), max_model_len=128, max_batch_size=8))
+    rng = np.random.default_rng(1)
+
+    def prompt(seq_id, n):
+        return SeqStep(seq_id, [int(t) for t in rng.integers(3, 200, n)], 0, list(range(8 * seq_id, 8 * seq_id + 8)))
+
+    runner.forward([prompt(0, 100)], True)
+    assert runner.graphs == {(128, 8)}
+    short = prompt(1, 40)                                  # its own bucket is 64: runs padded to 128
+    padded = runner.forward([short], True)
+    assert runner.graphs == {(128, 8)} and runner.pad_debt == {(64, 8): 64}
+    own = runner.step_fn(*runner.prepare([short], True, reuse=False)[0]).asnumpy()[:1]
+    assert np.abs(padded - own).max() < 1e-5
+    runner.forward([prompt(2, 40)], True)                  # 64 + 64 padded tokens >= 100: compiles 64
+    assert runner.graphs == {(128, 8), (64, 8)}
+    runner.forward([SeqStep(1, [5], 40, short.block_table)], False)     # 1 token: 64 is 8x too large
+    assert (8, 8) in runner.graphs

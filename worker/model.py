@@ -56,16 +56,15 @@ class Attention(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev):
         super().__init__()
+        self.dev = dev
         I = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
-        self.half = I // tp.size
 
     def construct(self, x):
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(ops.silu(gate_up[:, : self.half]) * gate_up[:, self.half:])
+        return self.down_proj(self.dev.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Cell):
@@ -74,7 +73,7 @@ class DecoderLayer(nn.Cell):
     def __init__(self, cfg, tp, dtype, dev, num_slots):
         super().__init__()
         self.self_attn = Attention(cfg, tp, dtype, dev, num_slots)
-        self.mlp = MLP(cfg, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype, dev)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
 
@@ -98,7 +97,7 @@ class CausalLM(nn.Cell):
     Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int, freq_matrix: np.ndarray,
-                 block_size: int = 16, threads: int = 0):
+                 block_size: int = 16):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -112,8 +111,8 @@ class CausalLM(nn.Cell):
         self.dev = dev
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
-        # what the attention kernel needs besides its tensors: block size, KV heads, threads
-        self.attn_meta = Tensor(np.array([block_size, self.kv_heads, threads], np.int32))
+        # what the attention kernel needs besides its tensors: block size, KV heads
+        self.attn_meta = Tensor(np.array([block_size, self.kv_heads], np.int32))
 
     def construct(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index):
         x = self.embed_tokens(input_ids)

@@ -1,20 +1,22 @@
 """The device seam: the handful of per-device operators the network uses, chosen once per worker.
 
-`CpuOps` (runs here, and anywhere) composes portable MindSpore primitives:
     rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32
     rotary        q*cos + rotate_half(q)*sin (the Hugging Face, non-interleaved layout)
+    silu_mul      silu(gate) * up
     cache write   ScatterUpdate of the new K/V rows into the flat cache ([slots * kv_heads, D])
-    attention     a paged-attention kernel of our own (worker/csrc), a MindSpore AOT custom
-                  operator: each token reads its sequence's K/V rows through the block table,
-                  with no gathered copy and no mask; compiled with the machine's C++ compiler
-                  on first use and cached (`kernel_library`)
-`AscendOps` swaps in MindSpore's fused Ascend kernels where they exist (RmsNorm); it needs an
-Ascend card and is not exercised on the CPU. Its attention still has to be wired to MindSpore's
-Ascend PagedAttention kernel, which takes the same block tables.
+    attention     paged: each token reads its sequence's K/V rows through the block table
+
+`MsOps` writes them with portable MindSpore primitives (attention excepted). `CpuOps` replaces
+them with kernels of our own (worker/csrc/kernels.cc), MindSpore AOT custom operators compiled
+with the machine's C++ compiler on first use and cached (`kernel_library`): one call where
+MindSpore's CPU backend runs 5-10 small kernels, and attention with no gathered copy of K/V and
+no mask. `AscendOps` uses MindSpore's fused Ascend kernels where they exist (RmsNorm); it needs
+an Ascend card and is not exercised on the CPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 from pathlib import Path
@@ -36,8 +38,7 @@ def kernel_library(name: str) -> str:
     src = CSRC / f"{name}.cc"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise RuntimeError(f"msinfer's CPU attention kernel ({src.name}) needs a C++ compiler: install g++ "
-                           "or set CXX")
+        raise RuntimeError(f"msinfer's CPU kernels ({src}) need a C++ compiler: install g++ or set CXX")
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -55,8 +56,10 @@ def kernel_library(name: str) -> str:
     return str(lib)
 
 
-class CpuOps:
-    name = "cpu"
+class MsOps:
+    """The network's operators from portable MindSpore primitives: any device, no kernel of ours.
+    Attention has none here; a device supplies it (`attention_op`)."""
+    name = "mindspore"
 
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
@@ -71,17 +74,23 @@ class CpuOps:
         return y * ops.broadcast_to(weight, y.shape)
 
     @staticmethod
+    def rope_tables(cos, sin, heads):
+        """cos/sin [N, D/2] -> the tables `rotary` takes, built once per step: [N, heads, D/2]."""
+        shape = (cos.shape[0], heads, cos.shape[1])
+        return ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
+
+    @staticmethod
     def rotary(x, cos, sin):
-        """x [N, heads, D]; cos/sin [N, heads, D/2] (broadcast once per step, see `rope_tables`)."""
+        """x [N, heads, D]; cos/sin from `rope_tables`."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return ops.concat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
     @staticmethod
-    def rope_tables(cos, sin, heads):
-        """cos/sin [N, D/2] -> [N, heads, D/2], as `rotary` takes them."""
-        shape = (cos.shape[0], heads, cos.shape[1])
-        return ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
+    def silu_mul(gate_up):
+        """[N, 2I] (gate | up) -> silu(gate) * up [N, I]."""
+        half = gate_up.shape[-1] // 2
+        return ops.silu(gate_up[:, :half]) * gate_up[:, half:]
 
     @staticmethod
     def write_index(slots, kv_heads):
@@ -98,16 +107,62 @@ class CpuOps:
 
     @staticmethod
     def attention_op():
-        """The paged-attention operator (worker/csrc/paged_attention.cc, built on first use):
-        (q [N, H, D], k_cache, v_cache, block_tables [M, MB], rows [N], lens [N], meta [3]) -> [N, H, D].
-        Each token attends over the first lens[n] positions of sequence rows[n], read from the cache
-        through its block table."""
-        return ops.Custom(f"{kernel_library('paged_attention')}:PagedAttention",
-                          out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
+        """A primitive (q [N, H, D], k_cache, v_cache, block_tables [M, MB], rows [N], lens [N],
+        meta [2] = (block size, KV heads)) -> [N, H, D]: each token attends over the first lens[n]
+        positions of sequence rows[n], read from the cache through its block table."""
+        raise NotImplementedError("this device has no paged-attention operator wired in")
 
 
-class AscendOps(CpuOps):
-    """Fused Ascend kernels (MindSpore's LLM inference tutorial). Not runnable on the CPU."""
+# The kernels' primitives, made by `load_kernels` before any graph that uses them is built.
+_RMS_NORM = _ROTARY = _SILU_MUL = None
+
+
+class CpuOps(MsOps):
+    """MsOps with the kernels of worker/csrc/kernels.cc (see its header) in place of the
+    elementwise chains and of attention."""
+    name = "cpu"
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        return _RMS_NORM(x, weight, ops.fill(ms.float32, (1,), eps))
+
+    @staticmethod
+    def rope_tables(cos, sin, heads):
+        return cos, sin                       # the kernel reads [N, D/2] for every head
+
+    @staticmethod
+    def rotary(x, cos, sin):
+        return _ROTARY(x, cos, sin)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        return _SILU_MUL(gate_up)
+
+    @staticmethod
+    def attention_op():
+        return _custom("PagedAttention", lambda q, *_: q)
+
+
+def _custom(func: str, out_shape):
+    return ops.Custom(f"{kernel_library('kernels')}:{func}", out_shape=out_shape,
+                      out_dtype=lambda x, *_: x, func_type="aot")
+
+
+def load_kernels(threads: int = 0) -> None:
+    """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
+    included (0: every core), as many as the worker gives MindSpore."""
+    global _RMS_NORM, _ROTARY, _SILU_MUL
+    lib = ctypes.CDLL(kernel_library("kernels"))      # the same library MindSpore opens
+    lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
+    _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
+    _ROTARY = _custom("Rotary", lambda x, *_: x)
+    _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
+
+
+class AscendOps(MsOps):
+    """Fused Ascend kernels (MindSpore's LLM inference tutorial). Not runnable on the CPU, and its
+    attention still has to be wired to MindSpore's Ascend PagedAttention kernel, which takes the
+    same block tables."""
     name = "ascend"
 
     @staticmethod
@@ -115,5 +170,8 @@ class AscendOps(CpuOps):
         return ops.rms_norm(x, weight, eps)[0]
 
 
-def select_ops(device: str):
-    return AscendOps if device == "ascend" else CpuOps
+def select_ops(device: str, threads: int = 0):
+    if device == "ascend":
+        return AscendOps
+    load_kernels(threads)
+    return CpuOps

@@ -45,3 +45,5 @@ class StepOutput:
     token_ids: list[int]              # one sampled token per SeqStep (-1 where sample=False)
     logprobs: list | None = None      # per SeqStep: (chosen logprob, [(token, logprob), ...]) or None
     scores: list | None = None        # per SeqStep: log-probabilities of its targets >= 0, or None
+    worker_s: float = 0.0             # the step on rank 0, from its call to its return
+    model_s: float = 0.0              # of which in the compiled network (to its logits in numpy)

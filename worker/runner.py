@@ -22,6 +22,10 @@ from worker import sampler
 
 DTYPES = {"float32", "float16", "bfloat16"}
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
+# A step may run in an already compiled larger shape, padded, until the padding it has cost that way
+# adds up to this many tokens; then its own shape is compiled (see ModelRunner.shape). On this CPU a
+# compile of the demo model costs about as much as 1500-2000 tokens of steps.
+PAD_TOKENS_BEFORE_COMPILE = 1536
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -72,7 +76,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> str:
 
 class ModelRunner:
     def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo(), threads: int = 0):
-        """threads: of the CPU attention kernel, as many as the worker gives MindSpore (0: all cores)."""
+        """threads: of the CPU kernels (worker.ops), as many as the worker gives MindSpore (0: all cores)."""
         import mindspore as ms
         from worker.model import CausalLM
         from worker.ops import select_ops
@@ -90,8 +94,8 @@ class ModelRunner:
         num_slots = (self.num_blocks + 1) * self.block_size
         t0 = time.perf_counter()
         self.max_blocks_per_seq = -(-ec.max_model_len // self.block_size)
-        self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device), num_slots,
-                              self.scheme.freq_matrix(self.cfg), self.block_size, threads)
+        self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device, threads), num_slots,
+                              self.scheme.freq_matrix(self.cfg), self.block_size)
         self.model.set_train(False)
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
             self.load_stats = {"tensors": 0, "bytes": 0}
@@ -100,19 +104,44 @@ class ModelRunner:
                                               ec.allow_pickle)
         self.load_s = time.perf_counter() - t0
         if ec.graph_mode:
-            self.prefill_fn = ms.jit(self.model.construct)
-            self.decode_fn = ms.jit(self.model.construct)
+            self.step_fn = ms.jit(self.model.construct)      # prefill and decode steps alike
             self.score_fn = ms.jit(self.model.score)
         else:
-            self.prefill_fn = self.decode_fn = self.model.construct
+            self.step_fn = self.model.construct
             self.score_fn = self.model.score
         self.compile_s: dict[str, float] = {}
+        self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes step_fn has compiled
+        self.model_s = 0.0                                   # seconds in compiled calls, all steps
+        self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
 
     # ---- inputs -------------------------------------------------------------------------------
     def _slots_for(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, seqs: list[SeqStep], is_prefill: bool):
+    def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True) -> tuple[int, int]:
+        """The (N, M) a step of n_tok tokens of n_seqs sequences runs in: power-of-two buckets (N
+        at least 64 for a prefill, 8 for a decode; M holds the logit rows), or, with `reuse`, the
+        next larger bucket if it is compiled, padded, while the padding such steps have cost stays
+        under PAD_TOKENS_BEFORE_COMPILE tokens: a compile costs seconds, a few padded steps less
+        (rent until the rent paid equals the price). The choice depends only on the steps run so
+        far, so every rank of a group makes the same one."""
+        if is_prefill:
+            N = bucket(n_tok, 64)
+            M = min(bucket(max(n_seqs, self.ec.max_batch_size)), N)
+        else:
+            N = M = bucket(n_tok, min(8, bucket(self.ec.max_batch_size)))
+        if not reuse or (N, M) in self.graphs:
+            return N, M
+        fits = sorted((n, m) for n, m in self.graphs if N <= n <= 2 * N and m >= n_seqs)
+        if not fits:
+            return N, M
+        debt = self.pad_debt.get((N, M), 0) + fits[0][0] - N
+        if debt >= PAD_TOKENS_BEFORE_COMPILE:
+            return N, M
+        self.pad_debt[(N, M)] = debt
+        return fits[0]
+
+    def prepare(self, seqs: list[SeqStep], is_prefill: bool, reuse: bool = True):
         """The step's input tensors (see CausalLM) and the first row of each sequence's tokens.
 
         The sequences' new tokens are packed one after another into N rows, with no padding
@@ -120,18 +149,13 @@ class ModelRunner:
         read through the sequence's block table. A decode step brings one token per sequence, a
         prefill step whole prompts (or their uncached tails).
 
-        N and M (the returned logit rows) come from power-of-two buckets and the block tables are
-        as wide as max_model_len, so the static graphs compile for a handful of shapes and then
-        run from cache; padded tokens see nothing and write to a scratch block no sequence owns."""
+        N and M (the returned logit rows) come from `shape` and the block tables are as wide as
+        max_model_len, so the static graphs compile for a handful of shapes and then run from
+        cache; padded tokens see nothing and write to a scratch block no sequence owns."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
-        n_tok = sum(len(s.token_ids) for s in seqs)
-        if is_prefill:
-            N = bucket(n_tok, 64)
-            M = min(bucket(max(len(seqs), self.ec.max_batch_size)), N)
-        else:
-            N = M = bucket(n_tok, min(8, bucket(self.ec.max_batch_size)))
+        N, M = self.shape(sum(len(s.token_ids) for s in seqs), len(seqs), is_prefill, reuse)
         width = max([self.max_blocks_per_seq] + [bucket(len(s.block_table)) for s in seqs
                                                  if len(s.block_table) > self.max_blocks_per_seq])
         ids = np.zeros(N, np.int32)
@@ -166,17 +190,22 @@ class ModelRunner:
     def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
         """Runs one step; returns the last-token logits [len(seqs), vocab] as float32."""
         inputs, _ = self.prepare(seqs, is_prefill)
-        fn = self.prefill_fn if is_prefill else self.decode_fn
-        return self._call(f"{'prefill' if is_prefill else 'decode'} {shape_key(inputs)}", fn, *inputs)[: len(seqs)]
+        shape = (inputs[0].shape[0], inputs[-1].shape[0])
+        first = None if shape in self.graphs else f"{'prefill' if is_prefill else 'decode'} {shape_key(inputs)}"
+        logits = self._call(first, self.step_fn, *inputs)
+        self.graphs.add(shape)
+        return logits[: len(seqs)]
 
-    def _call(self, key: str, fn, *inputs):
+    def _call(self, key: str | None, fn, *inputs):
         """Runs a compiled step and copies its outputs to numpy; the first call of each shape (its
-        compile) is timed in compile_s."""
+        compile), named by `key`, is timed in compile_s."""
         t0 = time.perf_counter()
         out = fn(*inputs)
         out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
-        if key not in self.compile_s:
-            self.compile_s[key] = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.model_s += seconds
+        if key is not None and key not in self.compile_s:
+            self.compile_s[key] = seconds
         return out
 
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
@@ -205,7 +234,7 @@ class ModelRunner:
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
         j with targets[j] >= 0 (None for a sequence without targets). The scored rows are padded
         to a bucket of 16 so that scoring adds few compiled shapes."""
-        inputs, first_row = self.prepare(seqs, True)
+        inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
             t = list(s.targets or ())
@@ -232,6 +261,7 @@ class ModelRunner:
         return logits[: len(seqs)], scores
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+        t0, model0 = time.perf_counter(), self.model_s
         logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
@@ -245,4 +275,4 @@ class ModelRunner:
             for i, t in zip(todo, picked):
                 if seqs[i].sampling.logprobs:
                     lps[i] = sampler.top_logprobs(logits[i: i + 1], [t], seqs[i].sampling.logprobs)[0]
-        return StepOutput(chosen, lps, scores)
+        return StepOutput(chosen, lps, scores, time.perf_counter() - t0, self.model_s - model0)

@@ -145,6 +145,14 @@ inline void softmax_rows(float* s, int64_t rows, int64_t stride, const int64_t* 
   }
 }
 
+// A decode token's K/V rows are scattered over the cache (one per position, KV heads apart), too
+// irregular for the hardware prefetcher: ask for the row kAhead positions on.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+
 template <typename T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
@@ -180,8 +188,10 @@ struct PagedAttention {
     s.resize(G * len);
     for (int64_t i = 0; i < G * D; ++i) qv[i] = static_cast<float>(q[(n * H + h * G) * D + i]) * scale;
     key_rows(n, h, len, krow);
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
     for (int64_t j = 0; j < len; ++j) {
       const T* k = krow[j];
+      if (j + kAhead < len) prefetch(krow[j + kAhead], row_bytes);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qv.data() + g * D;
         float dot = 0.f;
@@ -196,6 +206,7 @@ struct PagedAttention {
     const std::ptrdiff_t voff = vc - kc;
     for (int64_t j = 0; j < len; ++j) {
       const T* v = krow[j] + voff;
+      if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, row_bytes);
       for (int64_t g = 0; g < G; ++g) {
         const float w = s[g * len + j];
         float* a = acc.data() + g * D;

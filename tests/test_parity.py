@@ -140,3 +140,30 @@ def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_pai
     assert runner.graphs == {(128, 8), (64, 8)}
     runner.forward([SeqStep(1, [5], 40, short.block_table)], False)     # 1 token: 64 is 8x too large
     assert (8, 8) in runner.graphs
+
+
+def test_float16_on_the_cpu_gives_transformers_greedy_tokens(checkpoint, hf_greedy):
+    """The CPU kernels' half-precision path (loads and stores in float16, sums in float32), on the
+    variant with q/k norms and an odd head_dim; prompts of 2-17 tokens cover single tokens and
+    16-token prefill tiles."""
+    name = "qwen3_qknorm_odd_head_dim"
+    runner = ModelRunner(EngineConfig(str(checkpoint(name)), dtype="float16", max_model_len=128, max_batch_size=8))
+    rec = Recording(runner)
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_greedy(name, prompt, N_NEW)
+        assert out[i] == ref_tokens, f"prompt {i}"
+        assert np.abs(rec.logits[0][i] - ref_logits[0]).max() < 5e-2 * np.abs(ref_logits[0]).max()
+
+
+def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, monkeypatch):
+    import worker.ops as dev_ops
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path))           # nothing built there yet
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(dev_ops.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="need a C.. compiler: install g.. or set CXX"):
+        dev_ops.kernel_library("kernels")
+    monkeypatch.setenv("CXX", "false")                            # a compiler that fails
+    with pytest.raises(RuntimeError, match=r"building .*kernels\.cc with false failed"):
+        dev_ops.kernel_library("kernels")
+    assert not list(tmp_path.rglob("*.so"))

@@ -153,6 +153,17 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
 }
 
+typedef float v16 __attribute__((vector_size(64)));   // 16 float lanes (GCC vector extension)
+
+template <typename T>
+inline v16 load16(const T* p) {
+  v16 x;
+  for (int u = 0; u < 16; ++u) x[u] = static_cast<float>(p[u]);
+  return x;
+}
+
+inline void store16(float* o, v16 x) { std::memcpy(o, &x, sizeof(x)); }
+
 template <typename T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
@@ -221,19 +232,16 @@ struct PagedAttention {
   // chunk), KV head h: each K row is read once for all of them, and the scores accumulate
   // across the tokens (16 lanes of one vector) rather than along D, so no horizontal sums.
   void tile(int64_t n0, int64_t count, int64_t h) const {
-    typedef float v16 __attribute__((vector_size(64)));
     thread_local std::vector<v16> qt, s;            // qt [g][d], s [g][j]: 16 tokens a vector
     thread_local std::vector<const T*> krow;
     const int64_t len = lens[n0 + count - 1];        // the last token sees the most
     int64_t tok_len[QT];
     for (int64_t i = 0; i < QT; ++i) tok_len[i] = i < count ? lens[n0 + i] : 0;
-    qt.resize(G * D);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) {
-        v16 x = {};
-        for (int64_t i = 0; i < count; ++i) x[i] = static_cast<float>(q[((n0 + i) * H + h * G + g) * D + d]) * scale;
-        qt[g * D + d] = x;
-      }
+    qt.assign(G * D, v16{});
+    for (int64_t i = 0; i < count; ++i) {            // each token's query rows, read in order
+      const T* qi = q + ((n0 + i) * H + h * G) * D;
+      for (int64_t e = 0; e < G * D; ++e) qt[e][i] = static_cast<float>(qi[e]) * scale;
+    }
     key_rows(n0, h, len, krow);
     s.resize(G * len);
     for (int64_t g = 0; g < G; ++g) {
@@ -286,14 +294,25 @@ struct PagedAttention {
         T* o = out + ((n0 + i) * H + h * G + g) * D;
         for (int64_t c = 0; c < D; c += 32) {
           const int64_t width = std::min<int64_t>(32, D - c);
-          float a[32] = {};
-          if (width == 32) {
-            for (int64_t j = 0; j < tok_len[i]; ++j) {
+          alignas(64) float a[32] = {};
+          if (width == 32) {                         // even and odd keys: four FMA chains
+            v16 e0 = {}, e1 = {}, o0 = {}, o1 = {};
+            int64_t j = 0;
+            for (; j + 2 <= tok_len[i]; j += 2) {
               const T* v = krow[j] + voff + c;
-              const float w = p[j][i];
-#pragma omp simd
-              for (int64_t u = 0; u < 32; ++u) a[u] += w * static_cast<float>(v[u]);
+              const T* u = krow[j + 1] + voff + c;
+              e0 += p[j][i] * load16(v);
+              e1 += p[j][i] * load16(v + 16);
+              o0 += p[j + 1][i] * load16(u);
+              o1 += p[j + 1][i] * load16(u + 16);
             }
+            if (j < tok_len[i]) {
+              const T* v = krow[j] + voff + c;
+              e0 += p[j][i] * load16(v);
+              e1 += p[j][i] * load16(v + 16);
+            }
+            store16(a, e0 + o0);
+            store16(a + 16, e1 + o1);
           } else {
             for (int64_t j = 0; j < tok_len[i]; ++j) {
               const T* v = krow[j] + voff + c;

@@ -96,7 +96,8 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
     return summary
 
 
-def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int) -> tuple[float, int, dict]:
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: int,
+                     pad_id: int) -> tuple[float, int, dict]:
     """Batched greedy generate, left-padded. Returns (seconds, new tokens, {id: token ids})."""
     import torch
 
@@ -171,7 +172,8 @@ def main() -> None:
     ms_tok = ms_best["completion_tokens"]
     ms_rate = ms_tok / ms_best["generation_s"]
     print(f"msinfer tp 1 (max_batch_size {args.max_batch_size}, max_batched_tokens {args.max_batched_tokens})")
-    print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {ms_best.get('first_result_s', float('nan')):.1f} s "
+    first = ms_best.get('first_result_s', float('nan'))
+    print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {first:.1f} s "
           f"from start, generation {ms_best['generation_s']:.1f} s, whole command {ms_best['wall_s']:.1f} s")
     print(f"  {ms_tok} tokens / generation_s = {ms_rate:.1f} tok/s")
     st = ms_best.get("steps") or {}

@@ -107,7 +107,8 @@ def test_a_prefill_too_large_for_one_packed_step_runs_split_and_gives_the_same_l
     alone = [runner.execute([s], True)[0][0] for s in steps]
     monkeypatch.setattr(runner_module, "PREFILL_SPLIT_TOKENS", 64)   # 90 tokens: run as 20+40, then 30
     forward, calls = runner.forward, []
-    monkeypatch.setattr(runner, "forward", lambda seqs, is_prefill: calls.append(len(seqs)) or forward(seqs, is_prefill))
+    monkeypatch.setattr(runner, "forward",
+                        lambda seqs, is_prefill: calls.append(len(seqs)) or forward(seqs, is_prefill))
     together, scores = runner.execute(steps, True)
     assert calls == [2, 1]
     assert together.shape[0] == 3 and scores is None

@@ -17,6 +17,7 @@ an Ascend card and is not exercised on the CPU.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -33,8 +34,8 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c+
 
 def kernel_library(name: str) -> str:
     """Path of csrc/<name>.cc built as a shared library for this machine. Built once per source,
-    flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels; a build by
-    another process at the same time is harmless (each writes its own file, then renames)."""
+    flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels, by one
+    process at a time (a file lock; the others then find it built)."""
     src = CSRC / f"{name}.cc"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -46,13 +47,17 @@ def kernel_library(name: str) -> str:
     key = hashlib.sha256(src.read_bytes() + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
     root = Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernels"
     lib = root / f"{name}-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run([cxx, *CXXFLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"building {src} with {cxx} failed:\n{run.stderr[-2000:]}")
-        os.replace(tmp, lib)
+    if lib.exists():
+        return str(lib)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:       # the ranks of a node build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            run = subprocess.run([cxx, *CXXFLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"building {src} with {cxx} failed:\n{run.stderr[-2000:]}")
+            os.replace(tmp, lib)
     return str(lib)
 
 
@@ -113,8 +118,9 @@ class MsOps:
         raise NotImplementedError("this device has no paged-attention operator wired in")
 
 
-# The kernels' primitives, made by `load_kernels` before any graph that uses them is built.
-_RMS_NORM = _ROTARY = _SILU_MUL = None
+# The kernels' library and primitives, set by `load_kernels` before any network that uses them
+# is built.
+_LIBRARY = _RMS_NORM = _ROTARY = _SILU_MUL = None
 
 
 class CpuOps(MsOps):
@@ -144,15 +150,15 @@ class CpuOps(MsOps):
 
 
 def _custom(func: str, out_shape):
-    return ops.Custom(f"{kernel_library('kernels')}:{func}", out_shape=out_shape,
-                      out_dtype=lambda x, *_: x, func_type="aot")
+    return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot")
 
 
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""
-    global _RMS_NORM, _ROTARY, _SILU_MUL
-    lib = ctypes.CDLL(kernel_library("kernels"))      # the same library MindSpore opens
+    global _LIBRARY, _RMS_NORM, _ROTARY, _SILU_MUL
+    _LIBRARY = kernel_library("kernels")
+    lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _ROTARY = _custom("Rotary", lambda x, *_: x)

@@ -119,17 +119,16 @@ class Pool {
 
 int g_threads = 1;
 
-// fn(i) for i in [0, n), in chunks of at least `grain` items when that is worth a second thread.
+// fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` items (smaller
+// calls are not worth waking a helper for).
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
   Pool::get().run(n, static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain))), fn);
 }
 
-// Softmax over each of `rows` score rows of length lens[r] (row r at s + r * stride), in place;
-// scores past a row's length become 0.
-inline void softmax_rows(float* s, int64_t rows, int64_t stride, const int64_t* lens) {
+// Softmax over each of `rows` score rows of length len (row r at s + r * len), in place.
+inline void softmax_rows(float* s, int64_t rows, int64_t len) {
   for (int64_t r = 0; r < rows; ++r) {
-    float* sr = s + r * stride;
-    const int64_t len = lens[r];
+    float* sr = s + r * len;
     float m = sr[0];
     for (int64_t j = 1; j < len; ++j) m = std::max(m, sr[j]);
     float sum = 0.f;
@@ -141,7 +140,6 @@ inline void softmax_rows(float* s, int64_t rows, int64_t stride, const int64_t* 
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) sr[j] *= inv;
-    std::fill(sr + len, sr + stride, 0.f);
   }
 }
 
@@ -211,9 +209,7 @@ struct PagedAttention {
         s[g * len + j] = dot;
       }
     }
-    thread_local std::vector<int64_t> row_lens;
-    row_lens.assign(G, len);
-    softmax_rows(s.data(), G, len, row_lens.data());
+    softmax_rows(s.data(), G, len);
     const std::ptrdiff_t voff = vc - kc;
     for (int64_t j = 0; j < len; ++j) {
       const T* v = krow[j] + voff;
@@ -409,7 +405,15 @@ int64_t numel(int nd, const int64_t* shape) {
   return n;
 }
 
-bool is_half(const char* dtype) { return std::strcmp(dtype, "float16") == 0; }
+// f(T{}) with T the element type MindSpore names: float16 or float32.
+template <typename F>
+void with_dtype(const char* dtype, F&& f) {
+  if (std::strcmp(dtype, "float16") == 0) {
+    f(_Float16{});
+  } else {
+    f(float{});
+  }
+}
 
 }  // namespace
 
@@ -423,15 +427,11 @@ extern "C" int PagedAttention(int nparam, void** params, int* ndims, int64_t** s
   const auto* tables = static_cast<const int32_t*>(params[3]);
   const auto* rows = static_cast<const int32_t*>(params[4]);
   const auto* lens = static_cast<const int32_t*>(params[5]);
-  if (is_half(dtypes[0])) {
-    using T = _Float16;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
     attend(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
            tables, rows, lens, static_cast<T*>(params[7]), N, H, D, KV, MB, bs);
-  } else {
-    using T = float;
-    attend(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
-           tables, rows, lens, static_cast<T*>(params[7]), N, H, D, KV, MB, bs);
-  }
+  });
   return 0;
 }
 
@@ -441,12 +441,11 @@ extern "C" int RmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, 
   if (nparam != 4 || ndims[0] < 1) return 1;
   const int64_t H = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / std::max<int64_t>(H, 1);
   const float eps = *static_cast<const float*>(params[2]);
-  if (is_half(dtypes[0]))
-    rms_norm(static_cast<const _Float16*>(params[0]), static_cast<const _Float16*>(params[1]), eps,
-             static_cast<_Float16*>(params[3]), rows, H);
-  else
-    rms_norm(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), eps,
-             static_cast<float*>(params[3]), rows, H);
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), eps, static_cast<T*>(params[3]),
+             rows, H);
+  });
   return 0;
 }
 
@@ -455,12 +454,11 @@ extern "C" int Rotary(int nparam, void** params, int* ndims, int64_t** shapes, c
                       void* extra) {
   if (nparam != 4 || ndims[0] != 3 || ndims[1] != 2 || shapes[1][1] * 2 != shapes[0][2]) return 1;
   const int64_t N = shapes[0][0], heads = shapes[0][1], D = shapes[0][2];
-  if (is_half(dtypes[0]))
-    rotary(static_cast<const _Float16*>(params[0]), static_cast<const _Float16*>(params[1]),
-           static_cast<const _Float16*>(params[2]), static_cast<_Float16*>(params[3]), N, heads, D);
-  else
-    rotary(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
-           static_cast<const float*>(params[2]), static_cast<float*>(params[3]), N, heads, D);
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    rotary(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
+           static_cast<T*>(params[3]), N, heads, D);
+  });
   return 0;
 }
 
@@ -469,10 +467,10 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
                        void* extra) {
   if (nparam != 2 || ndims[0] != 2 || shapes[0][1] % 2) return 1;
   const int64_t N = shapes[0][0], I = shapes[0][1] / 2;
-  if (is_half(dtypes[0]))
-    silu_mul(static_cast<const _Float16*>(params[0]), static_cast<_Float16*>(params[1]), N, I);
-  else
-    silu_mul(static_cast<const float*>(params[0]), static_cast<float*>(params[1]), N, I);
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul(static_cast<const T*>(params[0]), static_cast<T*>(params[1]), N, I);
+  });
   return 0;
 }
 

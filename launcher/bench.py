@@ -265,11 +265,10 @@ class BenchReplica:
             self.replica.shutdown()
             self.replica = None
 
-    def _step(self, seqs, is_prefill: bool, timed: bool = False):
+    def _step(self, seqs, is_prefill: bool):
         import ray
         ref = ray.put(seqs) if self.plan.tp > 1 else seqs
-        workers = self.replica.workers
-        refs = [(w.timed_step if timed else w.step).remote(ref, is_prefill) for w in workers]
+        refs = [w.step.remote(ref, is_prefill) for w in self.replica.workers]
         return ray.get(refs, timeout=self.plan.step_timeout_s)[0]
 
     def generate(self, case: Case) -> Timing:
@@ -283,15 +282,14 @@ class BenchReplica:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
         sampling = SamplingParams(max_new_tokens=n_out, ignore_eos=True)
         t0 = time.perf_counter()
-        out, prefill_s = self._step([SeqStep(i, prompts[i], 0, tables[i], sampling) for i in range(B)],
-                                    True, timed=True)
+        out = self._step([SeqStep(i, prompts[i], 0, tables[i], sampling) for i in range(B)], True)
         t_first = time.perf_counter()
         last = out.token_ids
         for k in range(1, n_out):
             seqs = [SeqStep(i, [last[i]], n_in + k - 1, tables[i], sampling, num_generated=k) for i in range(B)]
             last = self._step(seqs, False).token_ids
         t_end = time.perf_counter()
-        return Timing(prefill_s, t_first - t0, t_end - t_first, t_end - t0)
+        return Timing(out.worker_s, t_first - t0, t_end - t_first, t_end - t0)
 
     def stats(self) -> list[dict]:
         import ray

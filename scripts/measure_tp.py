@@ -1,7 +1,8 @@
 """Issue 3's figures for the demo model, side by side in one run: each rank's peak resident memory
 after loading its shard, time from start to all ranks ready, and the decode step time at tp 1 and
-tp 3 as the controller sees it, with the share spent outside the model (Ray, step input, sampling,
-collectives are inside the worker's time; the difference to the driver's time is Ray + controller).
+tp 3 as the controller sees it, with the share spent outside the model. Worker and model times are
+rank 0's, as each step reports them (StepOutput.worker_s, .model_s): the network includes its
+collectives; the worker adds step inputs and sampling; the driver adds Ray.
 
     .venv/bin/python scripts/measure_tp.py [--batch 16] [--steps 20]
 """
@@ -34,30 +35,22 @@ def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
         tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
         prompt = list(range(100, 132))
         r.step([SeqStep(i, prompt, 0, tables[i]) for i in range(batch)], True)
-        driver, inside = [], []
+        driver, inside, model = [], [], []
         for s in range(steps):
             seqs = [SeqStep(i, [200 + s], 32 + s, tables[i], num_generated=s + 1) for i in range(batch)]
             t = time.perf_counter()
-            refs = [w.timed_step.remote(seqs, False) for w in r.workers]
-            outs = ray.get(refs)
+            out = r.step(seqs, False)
             driver.append(time.perf_counter() - t)
-            inside.append(max(o[1] for o in outs))
+            inside.append(out.worker_s)
+            model.append(out.model_s)
         skip = 2                                  # the first steps compile
-        d, i = statistics.median(driver[skip:]), statistics.median(inside[skip:])
-        model = measure_model_only(r, tables, batch)
+        d, i, m = (statistics.median(x[skip:]) for x in (driver, inside, model))
         return {"tp": tp, "ready_s": ready_s,
                 "peak_rss_mib": [round(x["peak_rss_bytes"] / 2**20) for x in r.setup_info],
                 "param_mib": [round(x["param_bytes"] / 2**20) for x in r.setup_info],
-                "step_ms": d * 1e3, "worker_step_ms": i * 1e3, "model_ms": model * 1e3}
+                "step_ms": d * 1e3, "worker_step_ms": i * 1e3, "model_ms": m * 1e3}
     finally:
         r.shutdown()
-
-
-def measure_model_only(r: Replica, tables, batch) -> float:
-    """The compiled forward alone on every rank (no sampling, no Ray in the timing)."""
-    seqs = [SeqStep(i, [300], 40, tables[i]) for i in range(batch)]
-    times = ray.get([w.time_forward.remote(seqs, False, 10) for w in r.workers])
-    return max(times)
 
 
 def main() -> None:

@@ -83,22 +83,6 @@ class Worker:
         self.runner.execute(seqs, is_prefill)     # the same graph as rank 0: its collectives pair up
         return None
 
-    def timed_step(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[StepOutput | None, float]:
-        """step() and its seconds on this rank, without the Ray round trip (msinfer bench)."""
-        t0 = time.perf_counter()
-        out = self.step(seqs, is_prefill)
-        return out, time.perf_counter() - t0
-
-    def time_forward(self, seqs: list[SeqStep], is_prefill: bool, repeats: int = 10) -> float:
-        """Median seconds of the compiled forward alone (scripts/measure_tp.py)."""
-        self.runner.forward(seqs, is_prefill)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.runner.forward(seqs, is_prefill)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-
     def fill_random(self, scale: float = 0.02, seed: int = 0) -> int:
         """Small random values in every weight, for EngineConfig(random_weights=True), which loads
         none (msinfer bench --skip-load). The KV cache stays as it is. Returns the bytes filled."""

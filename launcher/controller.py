@@ -30,6 +30,12 @@ class JobFailed(UserError):
     """Replicas failed more often than fault.max_replica_restarts allows."""
 
 
+STEP_KINDS = ("prefill", "decode")
+# per kind of step: how many, their seconds from submit to result, of which rank 0 spent in the
+# step, of which in the compiled network
+STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
+
+
 @dataclass
 class ControllerConfig:
     engine_config: object                  # worker.runner.EngineConfig
@@ -54,8 +60,9 @@ class Slot:
     in_flight: tuple | None = None          # see _submit
     starting: Future | None = None
     restarts: int = 0
-    # kind -> [steps, seconds (submit to result), of which rank 0's step, of which its network]
-    step_s: dict = field(default_factory=lambda: {k: [0, 0.0, 0.0, 0.0] for k in ("prefill", "decode")})
+    # kind -> figures in the order of STEP_FIGURES
+    step_s: dict = field(default_factory=lambda: {k: [0 if x == "steps" else 0.0 for x in STEP_FIGURES]
+                                                          for k in STEP_KINDS})
 
     @property
     def ready(self) -> bool:
@@ -94,12 +101,11 @@ class Controller:
         """Steps run and their seconds by kind: as the controller saw them (submit to result), of
         which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); and the
         graphs each replica's rank 0 compiled, with their first-call seconds."""
-        out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in ("prefill", "decode")
-               for x in ("steps", "s", "worker_s", "model_s")}
+        out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in STEP_KINDS for x in STEP_FIGURES}
         out.update(graphs_compiled=0, compile_s=0.0)
         for s in self.slots:
-            for kind in ("prefill", "decode"):
-                for x, v in zip(("steps", "s", "worker_s", "model_s"), s.step_s[kind]):
+            for kind in STEP_KINDS:
+                for x, v in zip(STEP_FIGURES, s.step_s[kind]):
                     out[f"{kind}_{x}"] += v
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]
@@ -180,11 +186,9 @@ class Controller:
             except RayError as e:              # also GetTimeoutError
                 self._fail(slot, e)
                 continue
-            kind = slot.step_s["prefill" if is_prefill else "decode"]
-            kind[0] += 1
-            kind[1] += time.perf_counter() - slot.in_flight[3]
-            kind[2] += out.worker_s
-            kind[3] += out.model_s
+            figures = slot.step_s["prefill" if is_prefill else "decode"]
+            for i, v in enumerate((1, time.perf_counter() - slot.in_flight[3], out.worker_s, out.model_s)):
+                figures[i] += v
             slot.in_flight = None
             for seq, tok in zip(seqs, out.token_ids):
                 if tok >= 0 and seq.t_first is None:

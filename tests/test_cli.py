@@ -221,6 +221,11 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
     summary = job.summary()
     assert summary["spec"]["sampling"]["max_new_tokens"] == 40
     assert summary["records_skipped"] == len(done_before)
+    steps = summary["steps"]          # the controller's, the worker's and the network's share of each step
+    for kind in ("prefill", "decode"):
+        assert steps[f"{kind}_steps"] > 0
+        assert 0 < steps[f"{kind}_model_s"] <= steps[f"{kind}_worker_s"] <= steps[f"{kind}_s"]
+    assert steps["graphs_compiled"] == len(steps["graphs"]) > 0
     status = job.status()
     assert status["state"] == "done" and status["workers"][0]["pid"] > 0
 

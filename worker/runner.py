@@ -3,8 +3,8 @@ runs compiled prefill and decode steps.
 
 Every index a step needs (positions, cache slots, context rows, which logits to return) is built
 here from each sequence's new tokens, its count of cached tokens and its block table. Shapes are
-padded to buckets so that the static graphs compile a few times and then run
-from cache; padded tokens write to a scratch block that no sequence owns.
+padded to buckets so that the static graphs compile a few times and then run from cache; padded
+tokens write to a scratch block that no sequence owns.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Tensor-parallel layers in MindSpore. Each layer knows which dimension it splits and slices the
 checkpoint tensors it owns itself (`weight_loader`), reading only its rows or columns from disk.
 
-Activations are 2-D, [tokens, features]. Weights keep the Hugging Face layout [out, in] and are
-multiplied with `transpose_b`, so a checkpoint slice is copied into a parameter as it is.
+Activations are 2-D, [tokens, features]. Weights keep the Hugging Face shape [out, in] and are
+multiplied with `transpose_b`, so a checkpoint slice is copied into a parameter as it is. A device
+may bring its own matmul (`linear`, a primitive (x, w) -> x w^T) and embedding lookup (`lookup`,
+(w, local ids) -> rows, zeros for ids outside the shard) that read the weights in its own element
+order, which it sets once every weight is loaded (`CausalLM.pack_weights`).
 Collectives run on the world group of the rank's communication cluster: one cluster per
 tensor-parallel group, so the world group *is* the tensor-parallel group.
 """
@@ -59,10 +62,10 @@ class LinearBase(nn.Cell):
     """Y = X W^T + b on [tokens, in]; `tp_dim` is the weight dimension this layer splits."""
     tp_dim: int | None = None
 
-    def __init__(self, in_size: int, out_size: int, bias: bool, tp: TPInfo, dtype):
+    def __init__(self, in_size: int, out_size: int, bias: bool, tp: TPInfo, dtype, linear=None):
         super().__init__()
         self.tp = tp
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
         self.weight = new_param((out_size, in_size), dtype, "weight")
         self.bias = new_param((out_size,), dtype, "bias") if bias else None
 
@@ -88,8 +91,8 @@ class ColumnParallelLinear(LinearBase):
     """Y = X [A_1, ..., A_p]: rank r holds output rows A_r and returns its part of Y, no collective."""
     tp_dim = 0
 
-    def __init__(self, in_size, out_size, bias, tp, dtype):
-        super().__init__(in_size, out_size // tp.size, bias, tp, dtype)
+    def __init__(self, in_size, out_size, bias, tp, dtype, linear=None):
+        super().__init__(in_size, out_size // tp.size, bias, tp, dtype, linear)
 
 
 class RowParallelLinear(LinearBase):
@@ -97,8 +100,8 @@ class RowParallelLinear(LinearBase):
     and the bias is added once, after the reduce (adding it on every rank would count it tp times)."""
     tp_dim = 1
 
-    def __init__(self, in_size, out_size, bias, tp, dtype):
-        super().__init__(in_size // tp.size, out_size, bias, tp, dtype)
+    def __init__(self, in_size, out_size, bias, tp, dtype, linear=None):
+        super().__init__(in_size // tp.size, out_size, bias, tp, dtype, linear)
         self.all_reduce = ops.AllReduce() if tp.size > 1 else None
 
     def construct(self, x):
@@ -112,9 +115,9 @@ class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel outputs in one matmul (gate and up): [A_r^0; A_r^1; ...]."""
     tp_dim = 0
 
-    def __init__(self, in_size, out_sizes: list[int], bias, tp, dtype):
+    def __init__(self, in_size, out_sizes: list[int], bias, tp, dtype, linear=None):
         self.out_sizes = [o // tp.size for o in out_sizes]
-        super().__init__(in_size, sum(self.out_sizes), bias, tp, dtype)
+        super().__init__(in_size, sum(self.out_sizes), bias, tp, dtype, linear)
 
     def weight_loader(self, param, src, name, shard_id: int = 0):
         size = self.out_sizes[shard_id]
@@ -129,14 +132,14 @@ class QKVParallelLinear(LinearBase):
     attend to; with tp_size > num_kv_heads each KV head is replicated on tp/num_kv_heads ranks."""
     tp_dim = 0
 
-    def __init__(self, cfg: ModelConfig, bias, tp, dtype):
+    def __init__(self, cfg: ModelConfig, bias, tp, dtype, linear=None):
         self.head_dim = cfg.head_dim
         self.q_heads = cfg.num_heads // tp.size
         self.kv_lo, self.kv_hi = kv_head_range(cfg, tp)
         self.kv_heads = self.kv_hi - self.kv_lo
         self.total = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
         out = (self.q_heads + 2 * self.kv_heads) * cfg.head_dim
-        super().__init__(cfg.hidden_size, out, bias, tp, dtype)
+        super().__init__(cfg.hidden_size, out, bias, tp, dtype, linear)
 
     def weight_loader(self, param, src, name, shard_id: str = "q"):
         D = self.head_dim
@@ -152,9 +155,10 @@ class VocabParallelEmbedding(nn.Cell):
     """Rank r holds vocab rows [start, stop); ids outside give zeros, and the sum over ranks
     (all-reduce) is the full lookup. Shards are padded to equal size when tp does not divide vocab."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, dtype):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo, dtype, lookup=None):
         super().__init__()
         self.tp = tp
+        self.lookup = lookup() if lookup else None
         self.vocab_size = vocab_size
         self.start, self.stop, per = vocab_shard(vocab_size, tp)
         self.weight = new_param((per, hidden), dtype, "weight")
@@ -166,6 +170,9 @@ class VocabParallelEmbedding(nn.Cell):
         copy_into(param, rows, slice(0, self.stop - self.start))
 
     def construct(self, ids):
+        if self.lookup is not None:
+            out = self.lookup(self.weight, ids - self.start if self.start else ids)
+            return out if self.all_reduce is None else self.all_reduce(out)
         if self.all_reduce is None:
             return ops.gather(self.weight, ids, 0)
         local = ids - self.start
@@ -179,12 +186,12 @@ class VocabParallelEmbedding(nn.Cell):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocab rows; the shards are gathered to the full vocab (padding cut)."""
 
-    def __init__(self, vocab_size, hidden, tp, dtype, tied: VocabParallelEmbedding | None = None):
+    def __init__(self, vocab_size, hidden, tp, dtype, tied: VocabParallelEmbedding | None = None, linear=None):
         super().__init__(vocab_size, hidden, tp, dtype)
         self.all_reduce = None
         if tied is not None:
             self.weight = tied.weight
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
         self.all_gather = ops.AllGather() if tp.size > 1 else None
 
     def construct(self, x):

@@ -86,7 +86,7 @@ def test_scale_multiplies_the_adapters_own_alpha_over_r(adapter, checkpoint):
     """W' = W + scale * alpha/r * B @ A, checked on the loaded parameters (no graph runs)."""
     adapter_dir, _ = adapter
     runner = ModelRunner(engine_config(checkpoint(NAME), adapter_dir, scale=0.5))
-    params = {p.name: p.asnumpy() for p in runner.model.get_parameters()}
+    params = runner.model.weights()
     base = load_file(str(checkpoint(NAME) / "model.safetensors"))
     lora = load_file(str(adapter_dir / "adapter_model.safetensors"))
 

@@ -15,7 +15,7 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from sharding.config import ModelConfig
-from sharding.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from sharding.layers import (LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RowParallelLinear, VocabParallelEmbedding, new_param)
 from sharding.layout import TPInfo
 
@@ -24,8 +24,9 @@ class Attention(nn.Cell):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int):
         super().__init__()
         self.dev = dev
-        self.qkv_proj = QKVParallelLinear(cfg, cfg.qkv_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(cfg, cfg.qkv_bias, tp, dtype, dev.linear_op)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype,
+                                        dev.linear_op)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         if cfg.qk_norm:
@@ -60,8 +61,8 @@ class MLP(nn.Cell):
         super().__init__()
         self.dev = dev
         I = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype)
-        self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype, dev.linear_op)
+        self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op)
 
     def construct(self, x):
         return self.down_proj(self.dev.silu_mul(self.gate_up_proj(x)))
@@ -100,11 +101,11 @@ class CausalLM(nn.Cell):
                  block_size: int = 16):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
         self.layers = nn.CellList([DecoderLayer(cfg, tp, dtype, dev, num_slots) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
@@ -113,6 +114,7 @@ class CausalLM(nn.Cell):
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         # what the attention kernel needs besides its tensors: block size, KV heads
         self.attn_meta = Tensor(np.array([block_size, self.kv_heads], np.int32))
+        self.packed: set[str] = set()        # names of the weights in the device's order (pack_weights)
 
     def construct(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index):
         x = self.embed_tokens(input_ids)
@@ -137,6 +139,22 @@ class CausalLM(nn.Cell):
                                 ops.concat((out_index, score_index)))
         logp = ops.log_softmax(logits[m:], -1)
         return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)
+
+    def pack_weights(self) -> None:
+        """Every matmul and embedding weight into the device's element order (`dev.pack`), once
+        all are loaded; the layers were built with the device's ops, which read that order."""
+        if self.dev.pack is None:
+            return
+        for _, cell in self.cells_and_names():
+            w = getattr(cell, "weight", None)
+            if isinstance(cell, (LinearBase, VocabParallelEmbedding)) and w.name not in self.packed:
+                w.set_data(Tensor(self.dev.pack(w.asnumpy()), dtype=w.dtype))
+                self.packed.add(w.name)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """name -> value of every parameter but the KV cache, in the Hugging Face layout."""
+        return {p.name: self.dev.unpack(p.asnumpy()) if p.name in self.packed else p.asnumpy()
+                for p in self.get_parameters() if "cache" not in p.name}
 
     def named_loaders(self):
         """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""

@@ -5,6 +5,8 @@
     silu_mul      silu(gate) * up
     cache write   ScatterUpdate of the new K/V rows into the flat cache ([slots * kv_heads, D])
     attention     paged: each token reads its sequence's K/V rows through the block table
+    linear        x w^T, and the embedding lookup, both over weights the device may reorder
+                  (`pack`) once they are loaded
 
 `MsOps` writes them with portable MindSpore primitives (attention excepted). `CpuOps` replaces
 them with kernels of our own (worker/csrc/kernels.cc), MindSpore AOT custom operators compiled
@@ -27,9 +29,12 @@ import subprocess
 
 import mindspore as ms
 from mindspore import ops
+import numpy as np
 
 CSRC = Path(__file__).with_name("csrc")
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-shared",
+            "-fPIC", "-pthread")
+PANEL = 32     # kernels.cc kPanel: the column panels of a packed weight
 
 
 def kernel_library(name: str) -> str:
@@ -65,6 +70,8 @@ class MsOps:
     """The network's operators from portable MindSpore primitives: any device, no kernel of ours.
     Attention has none here; a device supplies it (`attention_op`)."""
     name = "mindspore"
+    # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
+    linear_op = embed_op = pack = unpack = None
 
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
@@ -147,6 +154,35 @@ class CpuOps(MsOps):
     @staticmethod
     def attention_op():
         return _custom("PagedAttention", lambda q, *_: q)
+
+    @staticmethod
+    def linear_op():
+        """(x [M, K], w [N, K] packed) -> x w^T [M, N]."""
+        return _custom("Linear", lambda x, w: [x[0], w[0]])
+
+    @staticmethod
+    def embed_op():
+        """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V)."""
+        return ops.Custom(f"{_LIBRARY}:Embed", out_shape=lambda w, ids: [ids[0], w[1]], out_dtype=lambda w, ids: w,
+                          func_type="aot")
+
+    @staticmethod
+    def pack(w: np.ndarray) -> np.ndarray:
+        """w [N, K] -> the same shape in the kernels' order: panels of 32 rows (columns of the
+        product), each stored K-major ([K][32]; the last panel [K][N mod 32])."""
+        N, K = w.shape
+        full = N // PANEL * PANEL
+        head = w[:full].reshape(N // PANEL, PANEL, K).transpose(0, 2, 1)
+        return np.concatenate((head.reshape(-1), w[full:].T.reshape(-1))).reshape(N, K)
+
+    @staticmethod
+    def unpack(w: np.ndarray) -> np.ndarray:
+        """The inverse of `pack`."""
+        N, K = w.shape
+        full = N // PANEL * PANEL
+        flat = w.reshape(-1)
+        head = flat[:full * K].reshape(N // PANEL, K, PANEL).transpose(0, 2, 1).reshape(full, K)
+        return np.concatenate((head, flat[full * K:].reshape(K, N - full).T))
 
 
 def _custom(func: str, out_shape):

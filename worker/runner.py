@@ -102,6 +102,7 @@ class ModelRunner:
         else:
             self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
                                               ec.allow_pickle)
+        self.model.pack_weights()
         self.load_s = time.perf_counter() - t0
         if ec.graph_mode:
             self.step_fn = ms.jit(self.model.construct)      # prefill and decode steps alike

@@ -27,6 +27,7 @@
 // is read once per token and KV head.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <condition_variable>
@@ -43,8 +44,20 @@ extern "C" float expf(float);
 
 namespace {
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
 // fn(i) for i in [0, n) on `threads` threads, the caller's among them. Helpers are started on
-// first need and kept; between calls they wait on a condition variable.
+// first need and kept. A call never waits for a helper to wake (in a virtual machine that takes
+// ~140 us, more than most kernels): items are claimed from one atomic word that also names the
+// call, so a helper that wakes late finds them all taken, and the caller waits only for items
+// in progress. After its last item a helper spins kSpin before sleeping, so that the next call,
+// a few microseconds later in the same step, finds it awake.
 class Pool {
  public:
   static Pool& get() {
@@ -55,66 +68,88 @@ class Pool {
   void run(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
     std::lock_guard<std::mutex> call(call_);
     const int helpers = static_cast<int>(std::min<int64_t>(threads, n)) - 1;
-    if (helpers <= 0) {
+    if (helpers <= 0 || n > kMaxItems) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
-    std::unique_lock<std::mutex> lock(m_);
     while (static_cast<int>(workers_.size()) < helpers) {
       const int id = static_cast<int>(workers_.size());
       workers_.emplace_back([this, id] { loop(id); });
     }
     task_ = &fn;
-    n_ = n;
-    next_ = 0;
-    wanted_ = helpers;
-    finished_ = 0;
-    ++generation_;
-    lock.unlock();
-    wake_.notify_all();
-    drain();
-    lock.lock();
-    done_.wait(lock, [this] { return finished_ == wanted_; });
-    task_ = nullptr;
+    done_.store(0, std::memory_order_relaxed);
+    wanted_.store(helpers, std::memory_order_relaxed);
+    const uint64_t gen = (next_.load(std::memory_order_relaxed) >> kGenShift) + 1;
+    next_.store(gen << kGenShift | static_cast<uint64_t>(n) << kCountShift, std::memory_order_release);
+    if (sleeping_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lock(m_);
+      wake_.notify_all();
+    }
+    const int64_t mine = work(gen);
+    while (done_.load(std::memory_order_acquire) != n - mine) cpu_relax();
   }
 
   ~Pool() {
+    stop_.store(true);
     {
       std::lock_guard<std::mutex> lock(m_);
-      stop_ = true;
+      wake_.notify_all();
     }
-    wake_.notify_all();
     for (auto& t : workers_) t.join();
   }
 
  private:
-  void drain() {
-    for (int64_t i; (i = next_.fetch_add(1)) < n_;) (*task_)(i);
+  // next_: generation (bits 40-63) | item count (20-39) | next item (0-19)
+  static constexpr int kGenShift = 40, kCountShift = 20;
+  static constexpr int64_t kMaxItems = (1 << 20) - 1;
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+
+  // Claims and runs items of generation gen until none is left; returns how many it ran.
+  int64_t work(uint64_t gen) {
+    int64_t ran = 0;
+    uint64_t v = next_.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t i = static_cast<int64_t>(v & kMaxItems), n = static_cast<int64_t>(v >> kCountShift & kMaxItems);
+      if ((v >> kGenShift) != gen || i >= n) return ran;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*task_)(i);
+      ++ran;
+      v = next_.load(std::memory_order_acquire);
+    }
   }
 
   void loop(int id) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(m_);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || (generation_ != seen && id < wanted_); });
-      if (stop_) return;
-      seen = generation_;
-      lock.unlock();
-      drain();
-      lock.lock();
-      if (++finished_ == wanted_) done_.notify_one();
+      uint64_t gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      while (gen == seen && !stop_.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until) {
+        cpu_relax();
+        gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      }
+      if (gen == seen) {
+        std::unique_lock<std::mutex> lock(m_);
+        sleeping_.fetch_add(1);
+        wake_.wait(lock, [&] { return stop_.load() || (next_.load() >> kGenShift) != seen; });
+        sleeping_.fetch_sub(1);
+        gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      }
+      if (stop_.load()) return;
+      seen = gen;
+      if (id >= wanted_.load(std::memory_order_relaxed)) continue;
+      const int64_t ran = work(gen);
+      if (ran) done_.fetch_add(ran, std::memory_order_release);
     }
   }
 
   std::mutex call_, m_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_;
   std::vector<std::thread> workers_;
   const std::function<void(int64_t)>* task_ = nullptr;
-  std::atomic<int64_t> next_{0};
-  int64_t n_ = 0;
-  uint64_t generation_ = 0;
-  int wanted_ = 0, finished_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> wanted_{0}, sleeping_{0};
+  std::atomic<bool> stop_{false};
 };
 
 int g_threads = 1;
@@ -130,6 +165,7 @@ inline void softmax_rows(float* s, int64_t rows, int64_t len) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * len;
     float m = sr[0];
+#pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < len; ++j) m = std::max(m, sr[j]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -162,6 +198,34 @@ inline v16 load16(const T* p) {
 
 inline void store16(float* o, v16 x) { std::memcpy(o, &x, sizeof(x)); }
 
+typedef _Float16 h16 __attribute__((vector_size(32)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 loadv(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
+inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline void storev(_Float16* p, v16 x) { *reinterpret_cast<h16u*>(p) = __builtin_convertvector(x, h16); }
+
+// Lane i of the result is the sum of the lanes of x[i]: four rounds of pairwise shuffles and
+// adds (15 of each) instead of 16 horizontal sums.
+inline v16 sum16(const v16* x) {
+  static constexpr v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  static constexpr v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  static constexpr v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  static constexpr v16i hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  static constexpr v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  static constexpr v16i hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  static constexpr v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  static constexpr v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
+  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
 template <typename T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
@@ -182,46 +246,87 @@ struct PagedAttention {
     }
   }
 
-  // One token (a decode step's): its G query heads of KV head h over its `len` positions.
-  void one(int64_t n, int64_t h) const {
+  // One token (a decode step's), all its H query heads over its `len` positions. The KV heads
+  // of a position are one contiguous [KV][D] row block, so K and V are each read in one pass.
+  void one(int64_t n) const {
     thread_local std::vector<float> qv, acc, s;
     thread_local std::vector<const T*> krow;
-    T* o = out + (n * H + h * G) * D;
+    T* o = out + n * H * D;
     const int64_t len = lens[n];
     if (len <= 0) {
-      std::fill(o, o + G * D, T(0));
+      std::fill(o, o + H * D, T(0));
       return;
     }
-    qv.resize(G * D);
-    acc.assign(G * D, 0.f);
-    s.resize(G * len);
-    for (int64_t i = 0; i < G * D; ++i) qv[i] = static_cast<float>(q[(n * H + h * G) * D + i]) * scale;
-    key_rows(n, h, len, krow);
-    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-    for (int64_t j = 0; j < len; ++j) {
+    qv.resize(H * D);
+    acc.assign(H * D, 0.f);
+    s.resize(H * len);
+    for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
+    key_rows(n, 0, len, krow);
+    const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(T));
+    int64_t j = 0;
+    if (D % 16 == 0) {            // 16 positions at a time: 16 dot products, summed lane-wise
+      for (; j + 16 <= len; j += 16) {
+        for (int64_t hq = 0; hq < H; ++hq) {
+          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
+            prefetch(krow[j + t], block_bytes);      // the next 16 positions, a share per head
+          const float* qh = qv.data() + hq * D;
+          const int64_t off = hq / G * D;
+          v16 acc[16] = {};
+          for (int64_t d = 0; d < D; d += 16) {
+            const v16 qd = loadv(qh + d);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) acc[t] += qd * loadv(krow[j + t] + off + d);
+          }
+          storev(s.data() + hq * len + j, sum16(acc));
+        }
+      }
+    }
+    for (; j < len; ++j) {
       const T* k = krow[j];
-      if (j + kAhead < len) prefetch(krow[j + kAhead], row_bytes);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qv.data() + g * D;
+      if (j + kAhead < len) prefetch(krow[j + kAhead], block_bytes);
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float* qh = qv.data() + hq * D;
+        const T* kh = k + hq / G * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        s[g * len + j] = dot;
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
+        s[hq * len + j] = dot;
       }
     }
-    softmax_rows(s.data(), G, len);
+    softmax_rows(s.data(), H, len);
     const std::ptrdiff_t voff = vc - kc;
-    for (int64_t j = 0; j < len; ++j) {
+    j = 0;
+    if (D % 16 == 0) {            // 16 positions at a time, each head's sums held in registers
+      for (; j + 16 <= len; j += 16)
+        for (int64_t hq = 0; hq < H; ++hq) {
+          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
+            prefetch(krow[j + t] + voff, block_bytes);
+          const float* p = s.data() + hq * len + j;
+          const int64_t off = voff + hq / G * D;
+          float* a = acc.data() + hq * D;
+          for (int64_t d = 0; d < D; d += 16) {
+            v16 e = loadv(a + d), f = {};
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t += 2) {
+              e += p[t] * loadv(krow[j + t] + off + d);
+              f += p[t + 1] * loadv(krow[j + t + 1] + off + d);
+            }
+            storev(a + d, e + f);
+          }
+        }
+    }
+    for (; j < len; ++j) {
       const T* v = krow[j] + voff;
-      if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, row_bytes);
-      for (int64_t g = 0; g < G; ++g) {
-        const float w = s[g * len + j];
-        float* a = acc.data() + g * D;
+      if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, block_bytes);
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float w = s[hq * len + j];
+        const T* vh = v + hq / G * D;
+        float* a = acc.data() + hq * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(vh[d]);
       }
     }
-    for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    for (int64_t i = 0; i < H * D; ++i) o[i] = static_cast<T>(acc[i]);
   }
 
   // count (<= QT) consecutive tokens n0.. of one sequence at consecutive positions (a prefill
@@ -321,22 +426,28 @@ struct PagedAttention {
   }
 
   void run() const {
-    // Work items: runs of up to QT consecutive tokens of one sequence at consecutive positions
-    // (tiles), or single tokens, each with one KV head.
-    std::vector<int64_t> start;
-    for (int64_t n = 0; n < N; ++n) {
-      const bool joins = n > 0 && lens[n] > 1 && rows[n] == rows[n - 1] && lens[n] == lens[n - 1] + 1 &&
-                         n - start.back() < QT;
-      if (!joins) start.push_back(n);
-    }
-    start.push_back(N);
-    const int64_t items = static_cast<int64_t>(start.size() - 1);
-    parallel_for(items * KV, 1, [&](int64_t item) {
-      const int64_t t = item / KV, h = item % KV, n0 = start[t], count = start[t + 1] - n0;
-      if (count >= 4 && lens[n0] > 0) {
-        tile(n0, count, h);
+    // Work items: runs of 4 to QT consecutive tokens of one sequence at consecutive positions
+    // (prefill tiles), one item per KV head, and single tokens, one item for all heads.
+    struct Item {
+      int64_t n0, count, h;
+    };
+    std::vector<Item> items;
+    for (int64_t n = 0, end; n < N; n = end) {
+      for (end = n + 1; end < N && end - n < QT && lens[end] > 1 && rows[end] == rows[n] &&
+                        lens[end] == lens[end - 1] + 1;)
+        ++end;
+      if (end - n >= 4 && lens[n] > 0) {
+        for (int64_t h = 0; h < KV; ++h) items.push_back({n, end - n, h});
       } else {
-        for (int64_t n = n0; n < n0 + count; ++n) one(n, h);
+        for (int64_t i = n; i < end; ++i) items.push_back({i, 1, -1});
+      }
+    }
+    parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t i) {
+      const Item& it = items[i];
+      if (it.h >= 0) {
+        tile(it.n0, it.count, it.h);
+      } else {
+        one(it.n0);
       }
     });
   }
@@ -396,6 +507,110 @@ void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
       const float a = static_cast<float>(g[i]);
       o[i] = static_cast<T>(static_cast<float>(static_cast<T>(a / (1.f + expf(-a)))) * static_cast<float>(u[i]));
     }
+  });
+}
+
+// ---- Linear: y [M, N] = x [M, K] w^T ------------------------------------------------------
+// w keeps its [N, K] shape but is stored panel-major (worker/ops.py pack_panels): the columns
+// p*32 .. p*32+31 of y come from panel p, K rows of 32 weights ([K][width] for a last, narrower
+// panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
+// over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.
+// Rows are taken kRowBlock at a time so that their x stays in cache while every panel passes.
+constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 128;
+
+// c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
+// the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
+// the hardware prefetcher alone leaves the FMAs waiting on them.
+template <typename T, int R>
+inline void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc, const char* pf,
+                  int64_t pf_step) {
+  v16 c0[R], c1[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) c0[i] = c1[i] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const T* bk = b + k * kPanel;
+    __builtin_prefetch(pf + k * pf_step);
+    const v16 b0 = loadv(bk), b1 = loadv(bk + 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const float s = static_cast<float>(a[i * lda + k]);
+      c0[i] += s * b0;
+      c1[i] += s * b1;
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    storev(c + i * ldc, c0[i]);
+    storev(c + i * ldc + 16, c1[i]);
+  }
+}
+
+template <typename T, int R = kRows>
+void micro_rows(int64_t r, const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc, const char* pf,
+                int64_t pf_step) {
+  if constexpr (R > 0) {
+    if (r == R) return micro<T, R>(a, lda, b, K, c, ldc, pf, pf_step);
+    micro_rows<T, R - 1>(r, a, lda, b, K, c, ldc, pf, pf_step);
+  }
+}
+
+// Work items are runs of up to kRun panels over one block of rows. While a panel's row groups
+// are computed, the next panel of the run is prefetched, a share per group; the run's first
+// panel is prefetched ahead of its own first group.
+constexpr int64_t kRun = 8;
+
+template <typename T>
+void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
+  const int64_t runs = (panels + kRun - 1) / kRun, blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
+  parallel_for(blocks * runs, 1, [&](int64_t item) {
+    const int64_t m0 = item / runs * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
+    const int64_t p0 = item % runs * kRun, p1 = std::min(p0 + kRun, panels);
+    const int64_t groups = (m1 - m0 + kRows - 1) / kRows;
+    const int64_t share = (panel_bytes + groups - 1) / groups;
+    for (int64_t p = p0; p < std::min(p1, full); ++p) {
+      const T* b = w + p * kPanel * K;
+      const char* next = reinterpret_cast<const char*>(b + kPanel * K);
+      for (int64_t m = m0, g = 0; m < m1; m += kRows, ++g) {
+        const char* pf = next + g * share;
+        int64_t step = (share + K - 1) / K;
+        if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
+        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
+        micro_rows<T>(std::min(kRows, m1 - m), x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step);
+      }
+    }
+    if (p1 <= full) return;
+    // the last, narrower panel: padded to 32 columns, computed into a scratch tile
+    const int64_t col = full * kPanel, width = N - col;
+    const T* b = w + col * K;
+    thread_local std::vector<T> pad, tile;
+    pad.assign(K * kPanel, T(0));
+    for (int64_t k = 0; k < K; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
+    tile.resize(kRows * kPanel);
+    for (int64_t m = m0; m < m1; m += kRows) {
+      const int64_t r = std::min(kRows, m1 - m);
+      micro_rows<T>(r, x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0);
+      for (int64_t i = 0; i < r; ++i)
+        std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
+    }
+  });
+}
+
+// Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight);
+// ids outside [0, V) (another rank's vocabulary) give zeros.
+template <typename T>
+void embed(const T* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
+  parallel_for(N, 64, [&](int64_t n) {
+    T* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, T(0));
+      return;
+    }
+    const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
+    const T* b = w + col * H + (id - col);
+    for (int64_t k = 0; k < H; ++k) o[k] = b[k * width];
   });
 }
 
@@ -470,6 +685,30 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     silu_mul(static_cast<const T*>(params[0]), static_cast<T*>(params[1]), N, I);
+  });
+  return 0;
+}
+
+// x [M, K], w [N, K] panel-major -> [M, N]
+extern "C" int Linear(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                      void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
+  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    linear(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M, K, N);
+  });
+  return 0;
+}
+
+// w [V, H] panel-major, ids [N] int32 -> [N, H]
+extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                     void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 1) return 1;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    embed(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), static_cast<T*>(params[2]),
+          shapes[1][0], shapes[0][0], shapes[0][1]);
   });
   return 0;
 }

@@ -48,11 +48,8 @@ class Attention(nn.Cell):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.dev.rotary(q, *rope_q)
-        k = self.dev.rotary(k, *rope_k)
-        k_cache = self.dev.write_cache(self.k_cache, write_index, k)
-        v_cache = self.dev.write_cache(self.v_cache, write_index, v)
-        out = self.attend(q, k_cache, v_cache, block_tables, token_seq, token_len, meta)
+        out = self.dev.attend(self.attend, q, k, v, rope_q, rope_k, self.k_cache, self.v_cache, write_index,
+                              block_tables, token_seq, token_len, meta)
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -93,7 +90,8 @@ class CausalLM(nn.Cell):
         token_seq      [N]      int32   which sequence (row of block_tables) each token is of
         token_len      [N]      int32   how many positions of its sequence it sees: its position + 1
                                         (causal), 0 for a padding token
-        out_index      [M]      int32   rows of the N tokens whose logits are returned
+        out_index      [M]      int32   rows of the N tokens whose logits are returned (-1: padding,
+                                        whose logits are not computed where the device can skip them)
     The attention scale is 1/sqrt(head_dim), as in every supported family.
     Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
 
@@ -125,7 +123,7 @@ class CausalLM(nn.Cell):
         write_index = self.dev.write_index(slots, self.kv_heads)
         for layer in self.layers:
             x = layer(x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, self.attn_meta)
-        x = self.norm(ops.gather(x, out_index, 0))
+        x = self.norm(self.dev.rows(x, out_index))
         return self.lm_head(x).astype(ms.float32)
 
     def score(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index, score_index,

@@ -5,6 +5,7 @@
     silu_mul      silu(gate) * up
     cache write   ScatterUpdate of the new K/V rows into the flat cache ([slots * kv_heads, D])
     attention     paged: each token reads its sequence's K/V rows through the block table
+    attend        rotary, cache write and attention of one layer, as the device composes them
     linear        x w^T, and the embedding lookup, both over weights the device may reorder
                   (`pack`) once they are loaded
 
@@ -105,6 +106,11 @@ class MsOps:
         return ops.silu(gate_up[:, :half]) * gate_up[:, half:]
 
     @staticmethod
+    def rows(x, index):
+        """x [N, H] -> rows index [M] of it; an index of -1 (a padding row) may give any row."""
+        return ops.gather(x, ops.maximum(index, ops.zeros_like(index)), 0)
+
+    @staticmethod
     def write_index(slots, kv_heads):
         """The cache is [slots * kv_heads, D], head-minor: the rows a step's new K/V go to, [N, KV]."""
         N = slots.shape[0]
@@ -124,10 +130,18 @@ class MsOps:
         positions of sequence rows[n], read from the cache through its block table."""
         raise NotImplementedError("this device has no paged-attention operator wired in")
 
+    @classmethod
+    def attend(cls, op, q, k, v, rope_q, rope_k, k_cache, v_cache, write_index, tables, rows, lens, meta):
+        """One layer's attention from its un-rotated q [N, H, D], k and v [N, KV, D]: rotary, the
+        new K/V rows into the cache, then `op` (an `attention_op`)."""
+        k_cache = cls.write_cache(k_cache, write_index, cls.rotary(k, *rope_k))
+        v_cache = cls.write_cache(v_cache, write_index, v)
+        return op(cls.rotary(q, *rope_q), k_cache, v_cache, tables, rows, lens, meta)
+
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.
-_LIBRARY = _RMS_NORM = _ROTARY = _SILU_MUL = None
+_LIBRARY = _RMS_NORM = _SILU_MUL = _ROWS = None
 
 
 class CpuOps(MsOps):
@@ -144,8 +158,12 @@ class CpuOps(MsOps):
         return cos, sin                       # the kernel reads [N, D/2] for every head
 
     @staticmethod
-    def rotary(x, cos, sin):
-        return _ROTARY(x, cos, sin)
+    def rows(x, index):
+        return _ROWS(x, index)                # -1 gives a zero row, which `linear` then skips
+
+    @staticmethod
+    def write_index(slots, kv_heads):
+        return slots                          # the kernel writes row slot * KV + head itself
 
     @staticmethod
     def silu_mul(gate_up):
@@ -153,7 +171,13 @@ class CpuOps(MsOps):
 
     @staticmethod
     def attention_op():
+        """(q, k, v, cos, sin, k_cache, v_cache, slots, block_tables, rows, lens, meta) -> [N, H, D]:
+        rotary, cache write and attention in one kernel (kernels.cc)."""
         return _custom("PagedAttention", lambda q, *_: q)
+
+    @staticmethod
+    def attend(op, q, k, v, rope_q, rope_k, k_cache, v_cache, write_index, tables, rows, lens, meta):
+        return op(q, k, v, *rope_q, k_cache, v_cache, write_index, tables, rows, lens, meta)
 
     @staticmethod
     def linear_op():
@@ -192,13 +216,13 @@ def _custom(func: str, out_shape):
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""
-    global _LIBRARY, _RMS_NORM, _ROTARY, _SILU_MUL
+    global _LIBRARY, _RMS_NORM, _SILU_MUL, _ROWS
     _LIBRARY = kernel_library("kernels")
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
-    _ROTARY = _custom("Rotary", lambda x, *_: x)
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
+    _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])
 
 
 class AscendOps(MsOps):

@@ -165,7 +165,7 @@ class ModelRunner:
         tables = np.full((M, width), self.scratch_block, np.int32)
         token_seq = np.zeros(N, np.int32)
         token_len = np.zeros(N, np.int32)
-        out_index = np.zeros(M, np.int32)
+        out_index = np.full(M, -1, np.int32)
         first_row, row = [], 0
         for b, s in enumerate(seqs):
             n = len(s.token_ids)

@@ -1,28 +1,38 @@
 // The CPU kernels of msinfer's network, MindSpore AOT custom operators (mindspore.ops.Custom,
 // func_type="aot"), built on first use by worker/ops.py. Each takes float32 or float16 and
 // computes in float32:
-//   PagedAttention  softmax(q K^T / sqrt(D)) V over each token's context, read through the block
-//                   tables straight from the KV cache (no gathered copy, no mask)
+//   PagedAttention  rotary embedding, the new K/V rows into the cache, then softmax(q K^T /
+//                   sqrt(D)) V over each token's context, read through the block tables straight
+//                   from the KV cache (no gathered copy, no mask)
+//   Linear          x w^T over a weight packed in column panels (every matmul of the network)
+//   Embed           rows of a packed embedding table
+//   Rows            rows of a matrix by index, zeros for an index out of range (padding)
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
-//   Rotary          rotate_half rotary embedding (the Hugging Face, non-interleaved layout)
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
 //
-// Work is shared by a small pool of threads that sleep between calls (SetThreads sets how many,
-// the caller's included): OpenMP's spinning workers would steal the cores from the MindSpore
-// kernels that run next (a decode step was 45% slower with them).
+// Work is shared by a small pool of threads that spin briefly, then sleep, between calls
+// (SetThreads sets how many, the caller's included): OpenMP's long-spinning workers would steal
+// the cores from the MindSpore kernels that run next (a decode step was 45% slower with them).
 //
 // PagedAttention, inputs in order:
-//   q        [N, H, D]       query heads of N tokens (float32 or float16)
-//   k_cache  [S * KV, D]     the layer's cache, row slot * KV + kv_head
+//   q        [N, H, D]       query heads of N tokens, before the rotary embedding
+//   k, v     [N, KV, D]      the tokens' new keys (before the rotary embedding) and values
+//   cos, sin [N, D/2]        each token's rotary table
+//   k_cache  [S * KV, D]     the layer's cache, row slot * KV + kv_head (written in place)
 //   v_cache  [S * KV, D]
+//   slots    [N] int32       the cache slot each token's K/V row goes to (padding: a scratch slot)
 //   tables   [M, MB] int32   block table of each sequence in the step
 //   rows     [N] int32       which table row (sequence) each token belongs to
 //   lens     [N] int32       how many positions of its sequence each token sees (0: padding)
 //   meta     [2] int32       block size, KV heads
 // Output:
 //   out      [N, H, D]       softmax(q K^T / sqrt(D)) V, zeros for padding tokens
+// First every token's rotated K and its V go to the cache and its rotated q to `out`; then each
+// token attends, reading its q back from `out`. The cache is written here rather than by a
+// scatter operator in the graph: one pass instead of three operators a layer, and no other
+// operator reads the cache, so the order is this kernel's own.
 // Query heads sharing a KV head (grouped-query attention) are computed together, so each K/V row
 // is read once per token and KV head.
 #include <algorithm>
@@ -226,15 +236,44 @@ inline v16 sum16(const v16* x) {
   return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
+// Rotary embedding (rotate_half, the Hugging Face layout) of `heads` rows of D at x into o, with
+// one token's tables c, s [D/2]; rounded to T as MindSpore's elementwise chain does.
+template <typename T>
+inline void rotate(const T* x, int64_t heads, int64_t D, const T* c, const T* s, T* o) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h, x += D, o += D) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+      o[i] = static_cast<T>(x1 * ci - x2 * si);
+      o[i + half] = static_cast<T>(x2 * ci + x1 * si);
+    }
+  }
+}
+
 template <typename T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
 
-  const T *q, *kc, *vc;
+  const T *q, *kc, *vc;               // q: the rotated queries, in `out` (see write())
   const int32_t *tables, *rows, *lens;
   T* out;
   int64_t N, H, D, KV, MB, bs, G;
   float scale;
+
+  // Each token's rotated K and its V into the cache at its slot, its rotated q into `out`.
+  static void write(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* kc, T* vc,
+                    const int32_t* slots, T* out, int64_t N, int64_t H, int64_t KV, int64_t D) {
+    parallel_for(N, 16, [&](int64_t n) {
+      const T* c = cos + n * D / 2;
+      const T* s = sin + n * D / 2;
+      const int64_t row = static_cast<int64_t>(slots[n]) * KV * D;
+      rotate(q + n * H * D, H, D, c, s, out + n * H * D);
+      rotate(k + n * KV * D, KV, D, c, s, kc + row);
+      std::copy(v + n * KV * D, v + (n + 1) * KV * D, vc + row);
+    });
+  }
 
   // Cache rows (K; V at the same offset) of positions 0..len-1 of token n's sequence, KV head h.
   void key_rows(int64_t n, int64_t h, int64_t len, std::vector<const T*>& krow) const {
@@ -454,10 +493,11 @@ struct PagedAttention {
 };
 
 template <typename T>
-void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* rows,
-            const int32_t* lens, T* out, int64_t N, int64_t H, int64_t D, int64_t KV, int64_t MB,
-            int64_t bs) {
-  PagedAttention<T>{q, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
+void attend(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* kc, T* vc, const int32_t* slots,
+            const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N, int64_t H,
+            int64_t D, int64_t KV, int64_t MB, int64_t bs) {
+  PagedAttention<T>::write(q, k, v, cos, sin, kc, vc, slots, out, N, H, KV, D);
+  PagedAttention<T>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
                     1.0f / std::sqrt(static_cast<float>(D))}.run();
 }
 
@@ -473,26 +513,6 @@ void rms_norm(const T* x, const T* w, float eps, T* out, int64_t rows, int64_t H
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i)   // rounded to T before the weight, as Hugging Face does
       o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
-  });
-}
-
-template <typename T>
-void rotary(const T* x, const T* cos, const T* sin, T* out, int64_t N, int64_t heads, int64_t D) {
-  const int64_t half = D / 2;
-  parallel_for(N, 64, [&](int64_t n) {
-    const T* c = cos + n * half;
-    const T* s = sin + n * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* xr = x + (n * heads + h) * D;
-      T* o = out + (n * heads + h) * D;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
-        const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
-        o[i] = static_cast<T>(x1 * ci - x2 * si);
-        o[i + half] = static_cast<T>(x2 * ci + x1 * si);
-      }
-    }
   });
 }
 
@@ -560,7 +580,7 @@ void micro_rows(int64_t r, const T* a, int64_t lda, const T* b, int64_t K, T* c,
 constexpr int64_t kRun = 8;
 
 template <typename T>
-void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
   const int64_t runs = (panels + kRun - 1) / kRun, blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
@@ -595,6 +615,36 @@ void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
         std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
     }
   });
+}
+
+// y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
+// of a step's logits (worker/ops.py CpuOps.rows), most of a prefill step's.
+template <typename T>
+void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+  std::vector<int64_t> live;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* r = x + m * K;
+    if (std::any_of(r, r + K, [](T v) { return v != T(0); })) live.push_back(m);
+  }
+  const int64_t L = static_cast<int64_t>(live.size());
+  if (L == M) return linear_rows(x, w, y, M, K, N);
+  std::vector<T> xs(L * K), ys(L * N);
+  for (int64_t i = 0; i < L; ++i) std::copy(x + live[i] * K, x + (live[i] + 1) * K, xs.data() + i * K);
+  if (L) linear_rows(xs.data(), w, ys.data(), L, K, N);
+  std::fill(y, y + M * N, T(0));
+  for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * N, ys.data() + (i + 1) * N, y + live[i] * N);
+}
+
+// Rows idx[m] of x [N, H]; indices outside [0, N) give zeros.
+template <typename T>
+void rows_of(const T* x, const int32_t* idx, T* out, int64_t N, int64_t M, int64_t H) {
+  for (int64_t m = 0; m < M; ++m) {
+    if (idx[m] < 0 || idx[m] >= N) {
+      std::fill(out + m * H, out + (m + 1) * H, T(0));
+    } else {
+      std::copy(x + idx[m] * H, x + (idx[m] + 1) * H, out + m * H);
+    }
+  }
 }
 
 // Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight);
@@ -634,18 +684,18 @@ void with_dtype(const char* dtype, F&& f) {
 
 extern "C" int PagedAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                               void* stream, void* extra) {
-  if (nparam != 8 || ndims[0] != 3 || ndims[1] != 2 || ndims[3] != 2 || shapes[6][0] != 2) return 1;
-  const int64_t N = shapes[0][0], H = shapes[0][1], D = shapes[0][2], MB = shapes[3][1];
-  const int32_t* meta = static_cast<const int32_t*>(params[6]);
+  if (nparam != 13 || ndims[0] != 3 || ndims[1] != 3 || ndims[5] != 2 || ndims[8] != 2 || shapes[11][0] != 2)
+    return 1;
+  const int64_t N = shapes[0][0], H = shapes[0][1], D = shapes[0][2], MB = shapes[8][1];
+  const int32_t* meta = static_cast<const int32_t*>(params[11]);
   const int64_t bs = meta[0], KV = meta[1];
-  if (bs <= 0 || KV <= 0 || H % KV != 0 || shapes[1][1] != D) return 2;
-  const auto* tables = static_cast<const int32_t*>(params[3]);
-  const auto* rows = static_cast<const int32_t*>(params[4]);
-  const auto* lens = static_cast<const int32_t*>(params[5]);
+  if (bs <= 0 || KV <= 0 || H % KV != 0 || shapes[1][1] != KV || shapes[5][1] != D || shapes[3][1] * 2 != D) return 2;
+  auto i32 = [&](int i) { return static_cast<const int32_t*>(params[i]); };
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    attend(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
-           tables, rows, lens, static_cast<T*>(params[7]), N, H, D, KV, MB, bs);
+    auto in = [&](int i) { return static_cast<T*>(params[i]); };
+    attend<T>(in(0), in(1), in(2), in(3), in(4), in(5), in(6), i32(7), i32(8), i32(9), i32(10), in(12), N, H, D, KV,
+              MB, bs);
   });
   return 0;
 }
@@ -660,19 +710,6 @@ extern "C" int RmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, 
     using T = decltype(tag);
     rms_norm(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), eps, static_cast<T*>(params[3]),
              rows, H);
-  });
-  return 0;
-}
-
-// x [N, heads, D], cos [N, D/2], sin [N, D/2] -> [N, heads, D]
-extern "C" int Rotary(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
-                      void* extra) {
-  if (nparam != 4 || ndims[0] != 3 || ndims[1] != 2 || shapes[1][1] * 2 != shapes[0][2]) return 1;
-  const int64_t N = shapes[0][0], heads = shapes[0][1], D = shapes[0][2];
-  with_dtype(dtypes[0], [&](auto tag) {
-    using T = decltype(tag);
-    rotary(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
-           static_cast<T*>(params[3]), N, heads, D);
   });
   return 0;
 }
@@ -709,6 +746,18 @@ extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, co
     using T = decltype(tag);
     embed(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), static_cast<T*>(params[2]),
           shapes[1][0], shapes[0][0], shapes[0][1]);
+  });
+  return 0;
+}
+
+// x [N, H], idx [M] int32 -> [M, H]
+extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                    void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 1) return 1;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    rows_of(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), static_cast<T*>(params[2]),
+            shapes[0][0], shapes[1][0], shapes[0][1]);
   });
   return 0;
 }

@@ -37,11 +37,18 @@ class Attention(nn.Cell):
         shape = (num_slots * self.kv_heads, cfg.head_dim)
         self.k_cache = new_param(shape, dtype, "k_cache")
         self.v_cache = new_param(shape, dtype, "v_cache")
-        self.attend = dev.attention_op()
+        self.attend = dev.attention_op(self.q_size)
+        if dev.fused_attention:      # one kernel from the qkv projection on: slices, norms and all
+            ones = Tensor(np.ones(cfg.head_dim), dtype)
+            self.qk_norm = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (ones, ones)
+            self.norm_meta = Tensor(np.array([cfg.rms_norm_eps, float(cfg.qk_norm)], np.float32))
 
     def construct(self, x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, meta):
         N = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.dev.fused_attention:
+            return self.o_proj(self.attend(qkv, *self.qk_norm, self.norm_meta, *rope_q, self.k_cache, self.v_cache,
+                                           write_index, block_tables, token_seq, token_len, meta))
         q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].reshape(N, self.kv_heads, self.head_dim)

@@ -123,8 +123,10 @@ class MsOps:
         """cache [slots*KV, D] (a Parameter, updated in place); index [N, KV]; rows [N, KV, D]."""
         return ops.scatter_update(cache, index, rows)
 
+    fused_attention = False     # attention_op takes q, k, v apart, already normed (see Attention)
+
     @staticmethod
-    def attention_op():
+    def attention_op(q_size: int):
         """A primitive (q [N, H, D], k_cache, v_cache, block_tables [M, MB], rows [N], lens [N],
         meta [2] = (block size, KV heads)) -> [N, H, D]: each token attends over the first lens[n]
         positions of sequence rows[n], read from the cache through its block table."""
@@ -169,15 +171,14 @@ class CpuOps(MsOps):
     def silu_mul(gate_up):
         return _SILU_MUL(gate_up)
 
-    @staticmethod
-    def attention_op():
-        """(q, k, v, cos, sin, k_cache, v_cache, slots, block_tables, rows, lens, meta) -> [N, H, D]:
-        rotary, cache write and attention in one kernel (kernels.cc)."""
-        return _custom("PagedAttention", lambda q, *_: q)
+    fused_attention = True
 
     @staticmethod
-    def attend(op, q, k, v, rope_q, rope_k, k_cache, v_cache, write_index, tables, rows, lens, meta):
-        return op(q, k, v, *rope_q, k_cache, v_cache, write_index, tables, rows, lens, meta)
+    def attention_op(q_size: int):
+        """(qkv [N, (H + 2 KV) D], q_norm [D], k_norm [D], (eps, qk norm?) [2], cos, sin, k_cache,
+        v_cache, slots, block_tables, rows, lens, meta) -> [N, H D]: q/k norm, rotary, cache write
+        and attention in one kernel (kernels.cc), straight from the qkv projection."""
+        return _custom("PagedAttention", lambda qkv, *_: [qkv[0], q_size])
 
     @staticmethod
     def linear_op():

@@ -17,18 +17,19 @@
 // the cores from the MindSpore kernels that run next (a decode step was 45% slower with them).
 //
 // PagedAttention, inputs in order:
-//   q        [N, H, D]       query heads of N tokens, before the rotary embedding
-//   k, v     [N, KV, D]      the tokens' new keys (before the rotary embedding) and values
-//   cos, sin [N, D/2]        each token's rotary table
-//   k_cache  [S * KV, D]     the layer's cache, row slot * KV + kv_head (written in place)
+//   qkv      [N, (H + 2 KV) D]  the tokens' q, k, v projections, before any norm or rotary
+//   q_norm   [D], k_norm [D]    RMSNorm weights of q and k heads (Qwen3), used if norm[1] != 0
+//   norm     [2] float32        eps, and whether to norm q and k heads before the rotary
+//   cos, sin [N, D/2]           each token's rotary table
+//   k_cache  [S * KV, D]        the layer's cache, row slot * KV + kv_head (written in place)
 //   v_cache  [S * KV, D]
-//   slots    [N] int32       the cache slot each token's K/V row goes to (padding: a scratch slot)
-//   tables   [M, MB] int32   block table of each sequence in the step
-//   rows     [N] int32       which table row (sequence) each token belongs to
-//   lens     [N] int32       how many positions of its sequence each token sees (0: padding)
-//   meta     [2] int32       block size, KV heads
+//   slots    [N] int32          the cache slot each token's K/V row goes to (padding: a scratch slot)
+//   tables   [M, MB] int32      block table of each sequence in the step
+//   rows     [N] int32          which table row (sequence) each token belongs to
+//   lens     [N] int32          how many positions of its sequence each token sees (0: padding)
+//   meta     [2] int32          block size, KV heads
 // Output:
-//   out      [N, H, D]       softmax(q K^T / sqrt(D)) V, zeros for padding tokens
+//   out      [N, H D]           softmax(q K^T / sqrt(D)) V, zeros for padding tokens
 // First every token's rotated K and its V go to the cache and its rotated q to `out`; then each
 // token attends, reading its q back from `out`. The cache is written here rather than by a
 // scatter operator in the graph: one pass instead of three operators a layer, and no other
@@ -236,6 +237,19 @@ inline v16 sum16(const v16* x) {
   return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
+// x * rsqrt(mean(x^2) + eps) * w over one row of H, rounded to T before the weight as Hugging
+// Face does. o may be x.
+template <typename T>
+inline void norm_row(const T* x, const T* w, float eps, T* o, int64_t H) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i)
+    o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * inv)));
+}
+
 // Rotary embedding (rotate_half, the Hugging Face layout) of `heads` rows of D at x into o, with
 // one token's tables c, s [D/2]; rounded to T as MindSpore's elementwise chain does.
 template <typename T>
@@ -262,16 +276,27 @@ struct PagedAttention {
   int64_t N, H, D, KV, MB, bs, G;
   float scale;
 
-  // Each token's rotated K and its V into the cache at its slot, its rotated q into `out`.
-  static void write(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* kc, T* vc,
+  // Each token's rotated K (normed first if qn) and its V into the cache at its slot, its
+  // rotated q into `out`.
+  static void write(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
                     const int32_t* slots, T* out, int64_t N, int64_t H, int64_t KV, int64_t D) {
     parallel_for(N, 16, [&](int64_t n) {
       const T* c = cos + n * D / 2;
       const T* s = sin + n * D / 2;
-      const int64_t row = static_cast<int64_t>(slots[n]) * KV * D;
-      rotate(q + n * H * D, H, D, c, s, out + n * H * D);
-      rotate(k + n * KV * D, KV, D, c, s, kc + row);
-      std::copy(v + n * KV * D, v + (n + 1) * KV * D, vc + row);
+      const T* q = qkv + n * (H + 2 * KV) * D;
+      const T* k = q + H * D;
+      const T* v = k + KV * D;
+      T* qo = out + n * H * D;
+      T* ko = kc + static_cast<int64_t>(slots[n]) * KV * D;
+      if (qn) {
+        for (int64_t h = 0; h < H; ++h) norm_row(q + h * D, qn, eps, qo + h * D, D);
+        for (int64_t h = 0; h < KV; ++h) norm_row(k + h * D, kn, eps, ko + h * D, D);
+        q = qo;
+        k = ko;
+      }
+      rotate(q, H, D, c, s, qo);
+      rotate(k, KV, D, c, s, ko);
+      std::copy(v, v + KV * D, vc + static_cast<int64_t>(slots[n]) * KV * D);
     });
   }
 
@@ -493,27 +518,17 @@ struct PagedAttention {
 };
 
 template <typename T>
-void attend(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* kc, T* vc, const int32_t* slots,
-            const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N, int64_t H,
-            int64_t D, int64_t KV, int64_t MB, int64_t bs) {
-  PagedAttention<T>::write(q, k, v, cos, sin, kc, vc, slots, out, N, H, KV, D);
+void attend(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
+            const int32_t* slots, const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N,
+            int64_t H, int64_t D, int64_t KV, int64_t MB, int64_t bs) {
+  PagedAttention<T>::write(qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, N, H, KV, D);
   PagedAttention<T>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
                     1.0f / std::sqrt(static_cast<float>(D))}.run();
 }
 
 template <typename T>
 void rms_norm(const T* x, const T* w, float eps, T* out, int64_t rows, int64_t H) {
-  parallel_for(rows, 64, [&](int64_t r) {
-    const T* xr = x + r * H;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-    T* o = out + r * H;
-#pragma omp simd
-    for (int64_t i = 0; i < H; ++i)   // rounded to T before the weight, as Hugging Face does
-      o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
-  });
+  parallel_for(rows, 64, [&](int64_t r) { norm_row(x + r * H, w, eps, out + r * H, H); });
 }
 
 template <typename T>
@@ -684,18 +699,21 @@ void with_dtype(const char* dtype, F&& f) {
 
 extern "C" int PagedAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                               void* stream, void* extra) {
-  if (nparam != 13 || ndims[0] != 3 || ndims[1] != 3 || ndims[5] != 2 || ndims[8] != 2 || shapes[11][0] != 2)
+  if (nparam != 14 || ndims[0] != 2 || ndims[6] != 2 || ndims[9] != 2 || ndims[13] != 2 || shapes[12][0] != 2 ||
+      shapes[3][0] != 2)
     return 1;
-  const int64_t N = shapes[0][0], H = shapes[0][1], D = shapes[0][2], MB = shapes[8][1];
-  const int32_t* meta = static_cast<const int32_t*>(params[11]);
-  const int64_t bs = meta[0], KV = meta[1];
-  if (bs <= 0 || KV <= 0 || H % KV != 0 || shapes[1][1] != KV || shapes[5][1] != D || shapes[3][1] * 2 != D) return 2;
+  const int32_t* meta = static_cast<const int32_t*>(params[12]);
+  const float* norm = static_cast<const float*>(params[3]);
+  const int64_t N = shapes[0][0], D = shapes[6][1], MB = shapes[9][1], bs = meta[0], KV = meta[1];
+  const int64_t H = D > 0 ? shapes[13][1] / D : 0;
+  if (bs <= 0 || KV <= 0 || H <= 0 || H % KV != 0 || shapes[0][1] != (H + 2 * KV) * D || shapes[4][1] * 2 != D)
+    return 2;
   auto i32 = [&](int i) { return static_cast<const int32_t*>(params[i]); };
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<T*>(params[i]); };
-    attend<T>(in(0), in(1), in(2), in(3), in(4), in(5), in(6), i32(7), i32(8), i32(9), i32(10), in(12), N, H, D, KV,
-              MB, bs);
+    attend<T>(in(0), norm[1] != 0.f ? in(1) : nullptr, in(2), norm[0], in(4), in(5), in(6), in(7), i32(8), i32(9),
+              i32(10), i32(11), in(13), N, H, D, KV, MB, bs);
   });
   return 0;
 }

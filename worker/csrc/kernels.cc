@@ -551,7 +551,7 @@ void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
 // panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
 // over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.
 // Rows are taken kRowBlock at a time so that their x stays in cache while every panel passes.
-constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 128;
+constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
 
 // c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
 // the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
@@ -607,12 +607,14 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
     for (int64_t p = p0; p < std::min(p1, full); ++p) {
       const T* b = w + p * kPanel * K;
       const char* next = reinterpret_cast<const char*>(b + kPanel * K);
-      for (int64_t m = m0, g = 0; m < m1; m += kRows, ++g) {
+      for (int64_t m = m0, g = 0; m < m1; ++g) {
+        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
         const char* pf = next + g * share;
         int64_t step = (share + K - 1) / K;
         if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
         if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
-        micro_rows<T>(std::min(kRows, m1 - m), x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step);
+        micro_rows<T>(r, x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step);
+        m += r;
       }
     }
     if (p1 <= full) return;

@@ -148,7 +148,7 @@ _LIBRARY = _RMS_NORM = _SILU_MUL = _ROWS = None
 
 class CpuOps(MsOps):
     """MsOps with the kernels of worker/csrc/kernels.cc (see its header) in place of the
-    elementwise chains and of attention."""
+    elementwise chains, attention, every matmul and the embedding lookup (over packed weights)."""
     name = "cpu"
 
     @staticmethod
@@ -188,8 +188,7 @@ class CpuOps(MsOps):
     @staticmethod
     def embed_op():
         """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V)."""
-        return ops.Custom(f"{_LIBRARY}:Embed", out_shape=lambda w, ids: [ids[0], w[1]], out_dtype=lambda w, ids: w,
-                          func_type="aot")
+        return _custom("Embed", lambda w, ids: [ids[0], w[1]])
 
     @staticmethod
     def pack(w: np.ndarray) -> np.ndarray:

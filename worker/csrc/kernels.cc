@@ -200,15 +200,6 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 typedef float v16 __attribute__((vector_size(64)));   // 16 float lanes (GCC vector extension)
 
-template <typename T>
-inline v16 load16(const T* p) {
-  v16 x;
-  for (int u = 0; u < 16; ++u) x[u] = static_cast<float>(p[u]);
-  return x;
-}
-
-inline void store16(float* o, v16 x) { std::memcpy(o, &x, sizeof(x)); }
-
 typedef _Float16 h16 __attribute__((vector_size(32)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
@@ -287,7 +278,8 @@ struct PagedAttention {
       const T* k = q + H * D;
       const T* v = k + KV * D;
       T* qo = out + n * H * D;
-      T* ko = kc + static_cast<int64_t>(slots[n]) * KV * D;
+      const int64_t row = static_cast<int64_t>(slots[n]) * KV * D;
+      T* ko = kc + row;
       if (qn) {
         for (int64_t h = 0; h < H; ++h) norm_row(q + h * D, qn, eps, qo + h * D, D);
         for (int64_t h = 0; h < KV; ++h) norm_row(k + h * D, kn, eps, ko + h * D, D);
@@ -296,7 +288,7 @@ struct PagedAttention {
       }
       rotate(q, H, D, c, s, qo);
       rotate(k, KV, D, c, s, ko);
-      std::copy(v, v + KV * D, vc + static_cast<int64_t>(slots[n]) * KV * D);
+      std::copy(v, v + KV * D, vc + row);
     });
   }
 
@@ -466,18 +458,18 @@ struct PagedAttention {
             for (; j + 2 <= tok_len[i]; j += 2) {
               const T* v = krow[j] + voff + c;
               const T* u = krow[j + 1] + voff + c;
-              e0 += p[j][i] * load16(v);
-              e1 += p[j][i] * load16(v + 16);
-              o0 += p[j + 1][i] * load16(u);
-              o1 += p[j + 1][i] * load16(u + 16);
+              e0 += p[j][i] * loadv(v);
+              e1 += p[j][i] * loadv(v + 16);
+              o0 += p[j + 1][i] * loadv(u);
+              o1 += p[j + 1][i] * loadv(u + 16);
             }
             if (j < tok_len[i]) {
               const T* v = krow[j] + voff + c;
-              e0 += p[j][i] * load16(v);
-              e1 += p[j][i] * load16(v + 16);
+              e0 += p[j][i] * loadv(v);
+              e1 += p[j][i] * loadv(v + 16);
             }
-            store16(a, e0 + o0);
-            store16(a + 16, e1 + o1);
+            storev(a, e0 + o0);
+            storev(a + 16, e1 + o1);
           } else {
             for (int64_t j = 0; j < tok_len[i]; ++j) {
               const T* v = krow[j] + voff + c;
@@ -546,7 +538,7 @@ void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
 }
 
 // ---- Linear: y [M, N] = x [M, K] w^T ------------------------------------------------------
-// w keeps its [N, K] shape but is stored panel-major (worker/ops.py pack_panels): the columns
+// w keeps its [N, K] shape but is stored panel-major (worker/ops.py CpuOps.pack): the columns
 // p*32 .. p*32+31 of y come from panel p, K rows of 32 weights ([K][width] for a last, narrower
 // panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
 // over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.

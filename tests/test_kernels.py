@@ -1,6 +1,7 @@
-"""The CPU kernels' matmul, embedding and row lookups against numpy, on the shapes the model tests
-do not reach: a last panel narrower than 32 columns (a tensor-parallel shard of an odd size),
-zero rows (padding) and out-of-range indices."""
+"""The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
+last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
+(padding), lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
+float16, and a step that mixes a prefill chunk, decode tokens and padding."""
 
 from __future__ import annotations
 
@@ -47,3 +48,61 @@ def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     got = kernels.embed_op()(Tensor(kernels.pack(table)), Tensor(ids)).asnumpy()
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(kernels.rows(Tensor(table), Tensor(ids)).asnumpy(), want)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+@pytest.mark.parametrize("H,KV,D,qk_norm", [(6, 2, 64, False), (8, 2, 24, True), (5, 1, 128, False)])
+def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kernels, H, KV, D, qk_norm, dtype, tol):
+    """One step as the runner packs it: a prompt's chunk of 21 tokens (positions 5-25, a 16-token
+    tile and a 5-token one) after 5 cached positions, three decode tokens with 40, 1 and 70
+    positions, and a padding token; caches paged in blocks of 4 in shuffled order. The kernel
+    norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends."""
+    rng = np.random.default_rng(H * D)
+    bs, eps, blocks = 4, 1e-6, 80
+    tables = rng.permutation(blocks - 1).astype(np.int32)[:76].reshape(4, 19)   # block 79: scratch
+    kc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
+    vc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
+    rows = np.array([0] * 21 + [1, 2, 3, 0], np.int32)
+    pos = np.array(list(range(5, 26)) + [39, 0, 69, 0])
+    lens = (pos + 1).astype(np.int32)
+    lens[-1] = 0                                                    # padding
+    slots = (tables[rows, pos // bs] * bs + pos % bs).astype(np.int32)
+    slots[-1] = (blocks - 1) * bs
+    N = len(rows)
+    qkv = rng.standard_normal((N, (H + 2 * KV) * D)).astype(dtype)
+    qn, kn = (1 + 0.1 * rng.standard_normal(D)).astype(dtype), (1 + 0.1 * rng.standard_normal(D)).astype(dtype)
+    angle = pos[:, None] / 10000 ** (np.arange(D // 2) / (D // 2))
+    cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
+    norm = np.array([eps, float(qk_norm)], np.float32)
+    meta = np.array([bs, KV], np.int32)
+    out = kernels.attention_op(H * D)(*(Tensor(a) for a in (
+        qkv, qn, kn, norm, cos, sin, kc.copy(), vc.copy(), slots, tables, rows, lens, meta))).asnumpy()
+
+    f = np.float64
+    q = qkv[:, : H * D].reshape(N, H, D).astype(f)
+    k = qkv[:, H * D: (H + KV) * D].reshape(N, KV, D).astype(f)
+    v = qkv[:, (H + KV) * D:].reshape(N, KV, D).astype(f)
+    if qk_norm:
+        q, k = _rms(q, qn.astype(f), eps), _rms(k, kn.astype(f), eps)
+    c, s = cos.astype(f)[:, None], sin.astype(f)[:, None]
+    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    K, V = kc.astype(f).reshape(-1, KV, D), vc.astype(f).reshape(-1, KV, D)
+    K[slots], V[slots] = k, v
+    want = np.zeros((N, H, D))
+    for n in range(N - 1):
+        ctx = tables[rows[n], np.arange(lens[n]) // bs] * bs + np.arange(lens[n]) % bs
+        for h in range(H):
+            score = K[ctx, h // (H // KV)] @ q[n, h] / np.sqrt(D)
+            p = np.exp(score - score.max())
+            want[n, h] = p / p.sum() @ V[ctx, h // (H // KV)]
+    np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0)

@@ -165,10 +165,15 @@ class Pool {
 
 int g_threads = 1;
 
-// fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` items (smaller
-// calls are not worth waking a helper for).
+// fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
+// calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a
+// time: a claim is an atomic add on a line both cores write, ~0.1 us, as long as a row of RmsNorm.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
-  Pool::get().run(n, static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain))), fn);
+  const int threads = static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain)));
+  if (grain <= 1) return Pool::get().run(n, threads, fn);
+  Pool::get().run((n + grain - 1) / grain, threads, [&](int64_t c) {
+    for (int64_t i = c * grain; i < std::min(n, (c + 1) * grain); ++i) fn(i);
+  });
 }
 
 // Softmax over each of `rows` score rows of length len (row r at s + r * len), in place.
@@ -191,11 +196,12 @@ inline void softmax_rows(float* s, int64_t rows, int64_t len) {
 }
 
 // A decode token's K/V rows are scattered over the cache (one per position, KV heads apart), too
-// irregular for the hardware prefetcher: ask for the row kAhead positions on.
+// irregular for the hardware prefetcher: ask for the row kAhead positions on. Into L2 (locality
+// 1): the fill buffers of L1 are few, and a decode step at batch 64 was 8% faster this way.
 constexpr int64_t kAhead = 8;
 
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
 }
 
 typedef float v16 __attribute__((vector_size(64)));   // 16 float lanes (GCC vector extension)
@@ -254,6 +260,73 @@ inline void rotate(const T* x, int64_t heads, int64_t D, const T* c, const T* s,
       o[i] = static_cast<T>(x1 * ci - x2 * si);
       o[i + half] = static_cast<T>(x2 * ci + x1 * si);
     }
+  }
+}
+
+// Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
+// sum_d qt[g][d] k_j[d], eight keys at a time: per d, GC query loads and eight key broadcasts
+// feed 8 GC FMAs (24 accumulators for GC = 3).
+template <typename T, int GC>
+void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v16* s, int64_t ld) {
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    v16 acc[GC][8] = {};
+    const T* const* k = krow + j;
+    for (int64_t d = 0; d < D; ++d) {
+      v16 q[GC];
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) q[g] = qt[g * D + d];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const float kv = static_cast<float>(k[t][d]);
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) acc[g][t] += q[g] * kv;
+      }
+    }
+    for (int g = 0; g < GC; ++g)
+      for (int t = 0; t < 8; ++t) s[g * ld + j + t] = acc[g][t];
+  }
+  for (; j < len; ++j) {
+    v16 acc[GC] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float kv = static_cast<float>(krow[j][d]);
+      for (int g = 0; g < GC; ++g) acc[g] += qt[g * D + d] * kv;
+    }
+    for (int g = 0; g < GC; ++g) s[g * ld + j] = acc[g];
+  }
+}
+
+// P V of a prefill tile for R of its tokens (lanes i0.. of p [j]) and C vectors (16 C values)
+// of D from offset c: a[r][c] = sum_{j < len} p[j][i0 + r] v_j[c]. Per key, C V loads and R
+// broadcasts feed R C FMAs (28 accumulators for R = 7, C = 4). p is zero past a token's own
+// keys, so the tokens share one loop over the longest of their lengths.
+template <typename T, int R, int C>
+void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
+             int64_t lda) {
+  v16 acc[R][C] = {};
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = krow[j] + voff;
+    v16 vv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) vv[c] = loadv(v + 16 * c);
+    const float* pj = reinterpret_cast<const float*>(p + j) + i0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float w = pj[r];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] += w * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) storev(a + r * lda + 16 * c, acc[r][c]);
+}
+
+template <typename T, int C, int R = 7>
+void tile_pv_rows(int64_t r, const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len,
+                  float* a, int64_t lda) {
+  if constexpr (R > 0) {
+    if (r == R) return tile_pv<T, R, C>(p, i0, krow, voff, len, a, lda);
+    tile_pv_rows<T, C, R - 1>(r, p, i0, krow, voff, len, a, lda);
   }
 }
 
@@ -319,6 +392,11 @@ struct PagedAttention {
     for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
     key_rows(n, 0, len, krow);
     const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(T));
+    const std::ptrdiff_t voff = vc - kc;
+    for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {   // the loops below prefetch 16 ahead
+      prefetch(krow[t], block_bytes);
+      prefetch(krow[t] + voff, block_bytes);
+    }
     int64_t j = 0;
     if (D % 16 == 0) {            // 16 positions at a time: 16 dot products, summed lane-wise
       for (; j + 16 <= len; j += 16) {
@@ -350,7 +428,6 @@ struct PagedAttention {
       }
     }
     softmax_rows(s.data(), H, len);
-    const std::ptrdiff_t voff = vc - kc;
     j = 0;
     if (D % 16 == 0) {            // 16 positions at a time, each head's sums held in registers
       for (; j + 16 <= len; j += 16)
@@ -392,8 +469,10 @@ struct PagedAttention {
     thread_local std::vector<v16> qt, s;            // qt [g][d], s [g][j]: 16 tokens a vector
     thread_local std::vector<const T*> krow;
     const int64_t len = lens[n0 + count - 1];        // the last token sees the most
+    static_assert(QT == 16, "a tile's tokens are the 16 lanes of a vector");
     int64_t tok_len[QT];
-    for (int64_t i = 0; i < QT; ++i) tok_len[i] = i < count ? lens[n0 + i] : 0;
+    v16i lane_len;
+    for (int64_t i = 0; i < QT; ++i) lane_len[i] = static_cast<int32_t>(tok_len[i] = i < count ? lens[n0 + i] : 0);
     qt.assign(G * D, v16{});
     for (int64_t i = 0; i < count; ++i) {            // each token's query rows, read in order
       const T* qi = q + ((n0 + i) * H + h * G) * D;
@@ -401,50 +480,63 @@ struct PagedAttention {
     }
     key_rows(n0, h, len, krow);
     s.resize(G * len);
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const v16* qg = qt.data() + g0 * D;
+      v16* sg = s.data() + g0 * len;
+      switch (std::min<int64_t>(3, G - g0)) {
+        case 1: tile_scores<T, 1>(qg, D, krow.data(), len, sg, len); break;
+        case 2: tile_scores<T, 2>(qg, D, krow.data(), len, sg, len); break;
+        default: tile_scores<T, 3>(qg, D, krow.data(), len, sg, len); break;
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
-      const v16* qg = qt.data() + g * D;
       v16* sg = s.data() + g * len;
-      int64_t j = 0;
-      for (; j + 4 <= len; j += 4) {                 // four keys: four independent FMA chains
-        v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        const T *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-        for (int64_t d = 0; d < D; ++d) {
-          a0 += qg[d] * static_cast<float>(k0[d]);
-          a1 += qg[d] * static_cast<float>(k1[d]);
-          a2 += qg[d] * static_cast<float>(k2[d]);
-          a3 += qg[d] * static_cast<float>(k3[d]);
-        }
-        sg[j] = a0;
-        sg[j + 1] = a1;
-        sg[j + 2] = a2;
-        sg[j + 3] = a3;
-      }
-      for (; j < len; ++j) {
-        v16 a0 = {};
-        for (int64_t d = 0; d < D; ++d) a0 += qg[d] * static_cast<float>(krow[j][d]);
-        sg[j] = a0;
-      }
-      // softmax of each token (lane) over its own keys j < tok_len[i]
-      float m[QT], sum[QT];
-      for (int64_t i = 0; i < QT; ++i) m[i] = -3.0e38f, sum[i] = 0.f;
-      for (int64_t jj = 0; jj < len; ++jj)
-        for (int64_t i = 0; i < QT; ++i)
-          if (jj < tok_len[i]) m[i] = std::max(m[i], sg[jj][i]);
+      // softmax of each token (lane) over its own keys j < tok_len[i], 16 lanes a vector
+      v16 m = v16{} - 3.0e38f, sum = {};
       for (int64_t jj = 0; jj < len; ++jj) {
-        float e[QT];
-#pragma omp simd
-        for (int64_t i = 0; i < QT; ++i) e[i] = jj < tok_len[i] ? expf(sg[jj][i] - m[i]) : 0.f;
-        for (int64_t i = 0; i < QT; ++i) {
-          sg[jj][i] = e[i];
-          sum[i] += e[i];
-        }
+        const v16i seen = (v16i{} + static_cast<int32_t>(jj)) < lane_len;
+        m = seen ? (sg[jj] > m ? sg[jj] : m) : m;
       }
-      for (int64_t i = 0; i < count; ++i) sum[i] = 1.f / sum[i];
-      for (int64_t jj = 0; jj < len; ++jj)
-        for (int64_t i = 0; i < count; ++i) sg[jj][i] *= sum[i];
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const v16i seen = (v16i{} + static_cast<int32_t>(jj)) < lane_len;
+        alignas(64) float e[QT];
+        storev(e, seen ? sg[jj] - m : v16{});   // unseen lanes: exp(0), not an overflow (slow path)
+#pragma omp simd simdlen(16)   // one 16-lane expf: two 8-lane halves would stall the load below
+        for (int64_t i = 0; i < QT; ++i) e[i] = expf(e[i]);
+        sg[jj] = seen ? loadv(e) : v16{};
+        sum += sg[jj];
+      }
+      const v16 inv = sum > 0.f ? 1.f / sum : v16{};
+      for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
+    }
+    const std::ptrdiff_t voff = vc - kc;
+    if (D % 16 == 0) {              // P V in groups of up to 7 tokens, 64 values of D at a time
+      thread_local std::vector<float> a;
+      a.resize(7 * D);
+      const int64_t groups = (count + 6) / 7;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i0 = 0, k = 0; k < groups; ++k) {
+          const int64_t r = count / groups + (k < count % groups);
+          const v16* p = s.data() + g * len;
+          for (int64_t c = 0; c < D; c += 64) {
+            const T* const* kr = krow.data();
+            const int64_t n = tok_len[i0 + r - 1];
+            switch (std::min<int64_t>(4, (D - c) / 16)) {
+              case 1: tile_pv_rows<T, 1>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
+              case 2: tile_pv_rows<T, 2>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
+              case 3: tile_pv_rows<T, 3>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
+              default: tile_pv_rows<T, 4>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
+            }
+          }
+          for (int64_t t = 0; t < r; ++t) {
+            T* o = out + ((n0 + i0 + t) * H + h * G + g) * D;
+            for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[t * D + e]);
+          }
+          i0 += r;
+        }
+      return;
     }
     // P V, token by token over its own keys only, 32 output lanes at a time held in registers
-    const std::ptrdiff_t voff = vc - kc;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < count; ++i) {
         const v16* p = s.data() + g * len;
@@ -557,6 +649,8 @@ inline void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t 
   for (int64_t k = 0; k < K; ++k) {
     const T* bk = b + k * kPanel;
     __builtin_prefetch(pf + k * pf_step);
+    __builtin_prefetch(bk + 16 * kPanel);        // the panel itself, from L2 into L1, 16 rows ahead
+    __builtin_prefetch(bk + 16 * kPanel + 16);
     const v16 b0 = loadv(bk), b1 = loadv(bk + 16);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
@@ -581,7 +675,7 @@ void micro_rows(int64_t r, const T* a, int64_t lda, const T* b, int64_t K, T* c,
   }
 }
 
-// Work items are runs of up to kRun panels over one block of rows. While a panel's row groups
+// Work items are runs of about kRun panels over one block of rows. While a panel's row groups
 // are computed, the next panel of the run is prefetched, a share per group; the run's first
 // panel is prefetched ahead of its own first group.
 constexpr int64_t kRun = 8;
@@ -589,11 +683,14 @@ constexpr int64_t kRun = 8;
 template <typename T>
 void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
-  const int64_t runs = (panels + kRun - 1) / kRun, blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  // The panels are split into runs of near-equal length, as many as the threads can share evenly
+  // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
+  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
   const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
   parallel_for(blocks * runs, 1, [&](int64_t item) {
     const int64_t m0 = item / runs * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
-    const int64_t p0 = item % runs * kRun, p1 = std::min(p0 + kRun, panels);
+    const int64_t p0 = item % runs * panels / runs, p1 = (item % runs + 1) * panels / runs;
     const int64_t groups = (m1 - m0 + kRows - 1) / kRows;
     const int64_t share = (panel_bytes + groups - 1) / groups;
     for (int64_t p = p0; p < std::min(p1, full); ++p) {

@@ -266,7 +266,8 @@ class ModelRunner:
         logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
-        picked = sampler.sample(logits[todo], [seqs[i].sampling for i in todo],
+        rows = logits if len(todo) == len(seqs) else logits[todo]       # no copy when all sample
+        picked = sampler.sample(rows, [seqs[i].sampling for i in todo],
                                 [seqs[i].num_generated for i in todo]) if todo else []
         for i, t in zip(todo, picked):
             chosen[i] = t

@@ -197,7 +197,8 @@ inline void softmax_rows(float* s, int64_t rows, int64_t len) {
 
 // A decode token's K/V rows are scattered over the cache (one per position, KV heads apart), too
 // irregular for the hardware prefetcher: ask for the row kAhead positions on. Into L2 (locality
-// 1): the fill buffers of L1 are few, and a decode step at batch 64 was 8% faster this way.
+// 1): the fill buffers of L1 are few, and a batch-64 decode layer's attention took ~1.11 ms this
+// way against ~1.22 ms into L1.
 constexpr int64_t kAhead = 8;
 
 inline void prefetch(const void* p, int64_t bytes) {
@@ -296,10 +297,10 @@ void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v1
   }
 }
 
-// P V of a prefill tile for R of its tokens (lanes i0.. of p [j]) and C vectors (16 C values)
-// of D from offset c: a[r][c] = sum_{j < len} p[j][i0 + r] v_j[c]. Per key, C V loads and R
-// broadcasts feed R C FMAs (28 accumulators for R = 7, C = 4). p is zero past a token's own
-// keys, so the tokens share one loop over the longest of their lengths.
+// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over 16 C consecutive values of
+// D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per key, C V
+// loads and R broadcasts feed R C FMAs (28 accumulators for R = 7, C = 4). p is zero past a
+// token's own keys, so the tokens share one loop over the longest of their lengths.
 template <typename T, int R, int C>
 void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
              int64_t lda) {

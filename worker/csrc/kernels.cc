@@ -46,6 +46,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 // glibc's vector expf (libmvec), which math.h declares only under -ffast-math; with this the
@@ -264,6 +265,16 @@ inline void rotate(const T* x, int64_t heads, int64_t D, const T* c, const T* s,
   }
 }
 
+// f(std::integral_constant<int, n>{}) for a run-time n in [1, Max]: a count of rows, heads or
+// vectors becomes the compile-time size of a kernel's register block.
+template <int Max, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) return f(std::integral_constant<int, Max>{});
+    with_count<Max - 1>(n, f);
+  }
+}
+
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
 // sum_d qt[g][d] k_j[d], eight keys at a time: per d, GC query loads and eight key broadcasts
 // feed 8 GC FMAs (24 accumulators for GC = 3).
@@ -320,15 +331,6 @@ void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) storev(a + r * lda + 16 * c, acc[r][c]);
-}
-
-template <typename T, int C, int R = 7>
-void tile_pv_rows(int64_t r, const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len,
-                  float* a, int64_t lda) {
-  if constexpr (R > 0) {
-    if (r == R) return tile_pv<T, R, C>(p, i0, krow, voff, len, a, lda);
-    tile_pv_rows<T, C, R - 1>(r, p, i0, krow, voff, len, a, lda);
-  }
 }
 
 template <typename T>
@@ -484,11 +486,8 @@ struct PagedAttention {
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
       const v16* qg = qt.data() + g0 * D;
       v16* sg = s.data() + g0 * len;
-      switch (std::min<int64_t>(3, G - g0)) {
-        case 1: tile_scores<T, 1>(qg, D, krow.data(), len, sg, len); break;
-        case 2: tile_scores<T, 2>(qg, D, krow.data(), len, sg, len); break;
-        default: tile_scores<T, 3>(qg, D, krow.data(), len, sg, len); break;
-      }
+      with_count<3>(std::min<int64_t>(3, G - g0),
+                    [&](auto gc) { tile_scores<T, gc>(qg, D, krow.data(), len, sg, len); });
     }
     for (int64_t g = 0; g < G; ++g) {
       v16* sg = s.data() + g * len;
@@ -510,67 +509,33 @@ struct PagedAttention {
       const v16 inv = sum > 0.f ? 1.f / sum : v16{};
       for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
     }
+    // P V in groups of up to 7 tokens: 64 values of D at a time held in registers, the last
+    // D mod 16 (an odd head size) one value at a time
     const std::ptrdiff_t voff = vc - kc;
-    if (D % 16 == 0) {              // P V in groups of up to 7 tokens, 64 values of D at a time
-      thread_local std::vector<float> a;
-      a.resize(7 * D);
-      const int64_t groups = (count + 6) / 7;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i0 = 0, k = 0; k < groups; ++k) {
-          const int64_t r = count / groups + (k < count % groups);
-          const v16* p = s.data() + g * len;
-          for (int64_t c = 0; c < D; c += 64) {
-            const T* const* kr = krow.data();
-            const int64_t n = tok_len[i0 + r - 1];
-            switch (std::min<int64_t>(4, (D - c) / 16)) {
-              case 1: tile_pv_rows<T, 1>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
-              case 2: tile_pv_rows<T, 2>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
-              case 3: tile_pv_rows<T, 3>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
-              default: tile_pv_rows<T, 4>(r, p, i0, kr, voff + c, n, a.data() + c, D); break;
-            }
-          }
-          for (int64_t t = 0; t < r; ++t) {
-            T* o = out + ((n0 + i0 + t) * H + h * G + g) * D;
-            for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[t * D + e]);
-          }
-          i0 += r;
-        }
-      return;
-    }
-    // P V, token by token over its own keys only, 32 output lanes at a time held in registers
+    const int64_t D16 = D / 16 * 16, groups = (count + 6) / 7;
+    thread_local std::vector<float> a;
+    a.resize(7 * D);
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < count; ++i) {
+      for (int64_t i0 = 0, k = 0; k < groups; ++k) {
+        const int64_t r = count / groups + (k < count % groups), n = tok_len[i0 + r - 1];
         const v16* p = s.data() + g * len;
-        T* o = out + ((n0 + i) * H + h * G + g) * D;
-        for (int64_t c = 0; c < D; c += 32) {
-          const int64_t width = std::min<int64_t>(32, D - c);
-          alignas(64) float a[32] = {};
-          if (width == 32) {                         // even and odd keys: four FMA chains
-            v16 e0 = {}, e1 = {}, o0 = {}, o1 = {};
-            int64_t j = 0;
-            for (; j + 2 <= tok_len[i]; j += 2) {
-              const T* v = krow[j] + voff + c;
-              const T* u = krow[j + 1] + voff + c;
-              e0 += p[j][i] * loadv(v);
-              e1 += p[j][i] * loadv(v + 16);
-              o0 += p[j + 1][i] * loadv(u);
-              o1 += p[j + 1][i] * loadv(u + 16);
-            }
-            if (j < tok_len[i]) {
-              const T* v = krow[j] + voff + c;
-              e0 += p[j][i] * loadv(v);
-              e1 += p[j][i] * loadv(v + 16);
-            }
-            storev(a, e0 + o0);
-            storev(a + 16, e1 + o1);
-          } else {
-            for (int64_t j = 0; j < tok_len[i]; ++j) {
-              const T* v = krow[j] + voff + c;
-              for (int64_t u = 0; u < width; ++u) a[u] += p[j][i] * static_cast<float>(v[u]);
-            }
+        for (int64_t c = 0; c < D16; c += 64)
+          with_count<7>(r, [&](auto rows) {
+            with_count<4>(std::min<int64_t>(4, (D16 - c) / 16), [&](auto vecs) {
+              tile_pv<T, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
+            });
+          });
+        for (int64_t t = 0; t < r; ++t)
+          for (int64_t e = D16; e < D; ++e) {
+            float sum = 0.f;
+            for (int64_t j = 0; j < tok_len[i0 + t]; ++j) sum += p[j][i0 + t] * static_cast<float>(krow[j][voff + e]);
+            a[t * D + e] = sum;
           }
-          for (int64_t u = 0; u < width; ++u) o[c + u] = static_cast<T>(a[u]);
+        for (int64_t t = 0; t < r; ++t) {
+          T* o = out + ((n0 + i0 + t) * H + h * G + g) * D;
+          for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[t * D + e]);
         }
+        i0 += r;
       }
   }
 
@@ -647,9 +612,11 @@ constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
 // the panel (`cached`: it was asked for during the previous panel's groups and is in L2), it
 // is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
 // coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
+// Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
+// percent slower.
 template <typename T, int R>
-inline void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc, const char* pf,
-                  int64_t pf_step, bool cached) {
+__attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc,
+                                     const char* pf, int64_t pf_step, bool cached) {
   v16 c0[R], c1[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) c0[i] = c1[i] = v16{};
@@ -672,15 +639,6 @@ inline void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t 
   for (int i = 0; i < R; ++i) {
     storev(c + i * ldc, c0[i]);
     storev(c + i * ldc + 16, c1[i]);
-  }
-}
-
-template <typename T, int R = kRows>
-void micro_rows(int64_t r, const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc, const char* pf,
-                int64_t pf_step, bool cached = false) {
-  if constexpr (R > 0) {
-    if (r == R) return micro<T, R>(a, lda, b, K, c, ldc, pf, pf_step, cached);
-    micro_rows<T, R - 1>(r, a, lda, b, K, c, ldc, pf, pf_step, cached);
   }
 }
 
@@ -713,7 +671,9 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
         int64_t step = (share + K - 1) / K;
         if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
         if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
-        micro_rows<T>(r, x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step, groups > 1);
+        with_count<kRows>(r, [&](auto rows) {
+          micro<T, rows>(x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step, groups > 1);
+        });
         m += r;
       }
     }
@@ -727,7 +687,10 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
     tile.resize(kRows * kPanel);
     for (int64_t m = m0; m < m1; m += kRows) {
       const int64_t r = std::min(kRows, m1 - m);
-      micro_rows<T>(r, x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0);
+      with_count<kRows>(r, [&](auto rows) {
+        micro<T, rows>(x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0,
+                       false);
+      });
       for (int64_t i = 0; i < r; ++i)
         std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
     }

@@ -92,8 +92,11 @@ class Pool {
     done_.store(0, std::memory_order_relaxed);
     wanted_.store(helpers, std::memory_order_relaxed);
     const uint64_t gen = (next_.load(std::memory_order_relaxed) >> kGenShift) + 1;
-    next_.store(gen << kGenShift | static_cast<uint64_t>(n) << kCountShift, std::memory_order_release);
-    if (sleeping_.load(std::memory_order_acquire)) {
+    // Sequentially consistent, like the helper's sleeping_ increment and its check of next_
+    // before it sleeps: with release/acquire this load may be done before the store is seen,
+    // and a helper going to sleep just then would miss the call (and sleep until the next).
+    next_.store(gen << kGenShift | static_cast<uint64_t>(n) << kCountShift);
+    if (sleeping_.load()) {
       std::lock_guard<std::mutex> lock(m_);
       wake_.notify_all();
     }

@@ -73,6 +73,7 @@ class MsOps:
     name = "mindspore"
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
     linear_op = embed_op = pack = unpack = None
+    pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
 
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
@@ -150,6 +151,9 @@ class CpuOps(MsOps):
     """MsOps with the kernels of worker/csrc/kernels.cc (see its header) in place of the
     elementwise chains, attention, every matmul and the embedding lookup (over packed weights)."""
     name = "cpu"
+    # Padding rows embed to zeros, every kernel keeps a zero row zero (attention gives zeros for a
+    # token that sees nothing) and `linear` skips zero rows: a padded step costs its real tokens.
+    pad_id = -1
 
     @staticmethod
     def rms_norm(x, weight, eps):

@@ -159,7 +159,7 @@ class ModelRunner:
         N, M = self.shape(sum(len(s.token_ids) for s in seqs), len(seqs), is_prefill, reuse)
         width = max([self.max_blocks_per_seq] + [bucket(len(s.block_table)) for s in seqs
                                                  if len(s.block_table) > self.max_blocks_per_seq])
-        ids = np.zeros(N, np.int32)
+        ids = np.full(N, self.model.dev.pad_id, np.int32)
         rope = np.zeros((N, P), np.float32)
         slots = np.full(N, scratch, np.int32)
         tables = np.full((M, width), self.scratch_block, np.int32)

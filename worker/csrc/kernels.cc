@@ -701,7 +701,9 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
 }
 
 // y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
-// of a step's logits (worker/ops.py CpuOps.rows), most of a prefill step's.
+// of a step (worker/runner.py pads with a token id whose embedding is zeros, and every operator
+// keeps such rows zero) and of its logits (CpuOps.rows). Trailing zero rows, the usual case, are
+// left off in place; zero rows among others are gathered out.
 template <typename T>
 void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   std::vector<int64_t> live;
@@ -710,10 +712,14 @@ void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
     if (std::any_of(r, r + K, [](T v) { return v != T(0); })) live.push_back(m);
   }
   const int64_t L = static_cast<int64_t>(live.size());
-  if (L == M) return linear_rows(x, w, y, M, K, N);
+  if (L == 0 || live.back() == L - 1) {            // rows 0..L-1 live, the rest zeros
+    if (L) linear_rows(x, w, y, L, K, N);
+    std::fill(y + L * N, y + M * N, T(0));
+    return;
+  }
   std::vector<T> xs(L * K), ys(L * N);
   for (int64_t i = 0; i < L; ++i) std::copy(x + live[i] * K, x + (live[i] + 1) * K, xs.data() + i * K);
-  if (L) linear_rows(xs.data(), w, ys.data(), L, K, N);
+  linear_rows(xs.data(), w, ys.data(), L, K, N);
   std::fill(y, y + M * N, T(0));
   for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * N, ys.data() + (i + 1) * N, y + live[i] * N);
 }

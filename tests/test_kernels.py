@@ -1,6 +1,6 @@
 """The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
-(padding), lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
+(padding), the gate/up projection with its activation, lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
 float16, and a step that mixes a prefill chunk, decode tokens and padding."""
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ def test_zero_rows_give_zero_rows_and_the_others_are_unchanged(kernels, zero):
     y = kernels.linear_op()(Tensor(x), Tensor(kernels.pack(w))).asnumpy()
     np.testing.assert_allclose(y, x @ w.T, atol=1e-4)
     assert not y[zero].any()
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+def test_linear_glu_is_silu_of_the_gate_times_the_up_projection(kernels, dtype, tol):
+    """The MLP's gate/up projection with its activation (LinearGlu): 19 rows (a group of 14 and
+    one of 5, the last two padding), 3 panels of 16 gate and 16 up columns."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((19, 40)).astype(dtype)
+    x[-2:] = 0
+    w = (rng.standard_normal((96, 40)) * 0.2).astype(dtype)          # gate rows 0-47, up rows 48-95
+    np.testing.assert_array_equal(kernels.unpack_glu(kernels.pack_glu(w)), w)
+    y = kernels.glu_linear_op()(Tensor(x), Tensor(kernels.pack_glu(w))).asnumpy()
+    h = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = h[:, :48] / (1 + np.exp(-h[:, :48])) * h[:, 48:]
+    assert y.shape == (19, 48)
+    np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    assert not y[-2:].any()
 
 
 def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):

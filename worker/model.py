@@ -18,6 +18,7 @@ from sharding.config import ModelConfig
 from sharding.layers import (LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RowParallelLinear, VocabParallelEmbedding, new_param)
 from sharding.layout import TPInfo
+from worker.ops import GLU_GROUP
 
 
 class Attention(nn.Cell):
@@ -65,11 +66,16 @@ class MLP(nn.Cell):
         super().__init__()
         self.dev = dev
         I = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype, dev.linear_op)
+        # silu(gate) * up computed by the projection itself where the device has such a kernel
+        self.fused = dev.glu_linear_op is not None and not cfg.mlp_bias and (I // tp.size) % GLU_GROUP == 0
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype,
+                                                       dev.glu_linear_op if self.fused else dev.linear_op)
+        self.gate_up_proj.glu = self.fused          # its weight is packed by dev.pack_glu
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op)
 
     def construct(self, x):
-        return self.down_proj(self.dev.silu_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.fused else self.dev.silu_mul(h))
 
 
 class DecoderLayer(nn.Cell):
@@ -119,7 +125,7 @@ class CausalLM(nn.Cell):
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         # what the attention kernel needs besides its tensors: block size, KV heads
         self.attn_meta = Tensor(np.array([block_size, self.kv_heads], np.int32))
-        self.packed: set[str] = set()        # names of the weights in the device's order (pack_weights)
+        self.packed: dict = {}               # name of a weight in the device's order -> its unpack
 
     def construct(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index):
         x = self.embed_tokens(input_ids)
@@ -153,12 +159,14 @@ class CausalLM(nn.Cell):
         for _, cell in self.cells_and_names():
             w = getattr(cell, "weight", None)
             if isinstance(cell, (LinearBase, VocabParallelEmbedding)) and w.name not in self.packed:
-                w.set_data(Tensor(self.dev.pack(w.asnumpy()), dtype=w.dtype))
-                self.packed.add(w.name)
+                glu = getattr(cell, "glu", False)
+                pack = self.dev.pack_glu if glu else self.dev.pack
+                w.set_data(Tensor(pack(w.asnumpy()), dtype=w.dtype))
+                self.packed[w.name] = self.dev.unpack_glu if glu else self.dev.unpack
 
     def weights(self) -> dict[str, np.ndarray]:
         """name -> value of every parameter but the KV cache, in the Hugging Face layout."""
-        return {p.name: self.dev.unpack(p.asnumpy()) if p.name in self.packed else p.asnumpy()
+        return {p.name: self.packed[p.name](p.asnumpy()) if p.name in self.packed else p.asnumpy()
                 for p in self.get_parameters() if "cache" not in p.name}
 
     def named_loaders(self):

@@ -36,6 +36,7 @@ CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-shared",
             "-fPIC", "-pthread")
 PANEL = 32     # kernels.cc kPanel: the column panels of a packed weight
+GLU_GROUP = PANEL // 2      # outputs per panel of LinearGlu
 
 
 def kernel_library(name: str) -> str:
@@ -73,6 +74,7 @@ class MsOps:
     name = "mindspore"
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
     linear_op = embed_op = pack = unpack = None
+    glu_linear_op = pack_glu = unpack_glu = None      # gate/up projection and silu-mul in one (CpuOps)
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
 
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
@@ -190,6 +192,13 @@ class CpuOps(MsOps):
         return _custom("Linear", lambda x, w: [x[0], w[0]])
 
     @staticmethod
+    def glu_linear_op():
+        """(x [M, K], w [2I, K] packed by `pack_glu`) -> silu(x gate^T) * (x up^T) [M, I], for
+        I a multiple of GLU_GROUP: the MLP's gate/up projection and its activation in one pass,
+        with no [M, 2I] intermediate."""
+        return _custom("LinearGlu", lambda x, w: [x[0], w[0] // 2])
+
+    @staticmethod
     def embed_op():
         """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V)."""
         return _custom("Embed", lambda w, ids: [ids[0], w[1]])
@@ -211,6 +220,22 @@ class CpuOps(MsOps):
         flat = w.reshape(-1)
         head = flat[:full * K].reshape(N // PANEL, K, PANEL).transpose(0, 2, 1).reshape(full, K)
         return np.concatenate((head, flat[full * K:].reshape(K, N - full).T))
+
+
+    @classmethod
+    def pack_glu(cls, w: np.ndarray) -> np.ndarray:
+        """w [2I, K] (gate rows, then up rows) -> `pack` of the rows interleaved GLU_GROUP at a
+        time (16 gate, 16 up, ...): each panel of 32 holds the gate and up columns of 16 outputs."""
+        I, K = w.shape[0] // 2, w.shape[1]
+        pairs = np.stack((w[:I].reshape(I // GLU_GROUP, GLU_GROUP, K), w[I:].reshape(I // GLU_GROUP, GLU_GROUP, K)), 1)
+        return cls.pack(pairs.reshape(2 * I, K))
+
+    @classmethod
+    def unpack_glu(cls, w: np.ndarray) -> np.ndarray:
+        """The inverse of `pack_glu`."""
+        I, K = w.shape[0] // 2, w.shape[1]
+        pairs = cls.unpack(w).reshape(I // GLU_GROUP, 2, GLU_GROUP, K)
+        return np.concatenate((pairs[:, 0].reshape(I, K), pairs[:, 1].reshape(I, K)))
 
 
 def _custom(func: str, out_shape):

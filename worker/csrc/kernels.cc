@@ -5,6 +5,7 @@
 //                   sqrt(D)) V over each token's context, read through the block tables straight
 //                   from the KV cache (no gathered copy, no mask)
 //   Linear          x w^T over a weight packed in column panels (every matmul of the network)
+//   LinearGlu       silu(x gate^T) * (x up^T), the MLP's first half, over gate and up packed together
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
@@ -587,6 +588,13 @@ void rms_norm(const T* x, const T* w, float eps, T* out, int64_t rows, int64_t H
   parallel_for(rows, 64, [&](int64_t r) { norm_row(x + r * H, w, eps, out + r * H, H); });
 }
 
+// silu(g) * u, with silu's result in T before the product, as the network computes it
+template <typename T>
+inline T silu_times(T g, T u) {
+  const float a = static_cast<float>(g);
+  return static_cast<T>(static_cast<float>(static_cast<T>(a / (1.f + expf(-a)))) * static_cast<float>(u));
+}
+
 template <typename T>
 void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
   parallel_for(N, 16, [&](int64_t n) {
@@ -594,10 +602,7 @@ void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
     const T* u = g + I;
     T* o = out + n * I;
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float a = static_cast<float>(g[i]);
-      o[i] = static_cast<T>(static_cast<float>(static_cast<T>(a / (1.f + expf(-a)))) * static_cast<float>(u[i]));
-    }
+    for (int64_t i = 0; i < I; ++i) o[i] = silu_times(g[i], u[i]);
   });
 }
 
@@ -617,7 +622,7 @@ constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
 // coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
 // Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
 // percent slower.
-template <typename T, int R>
+template <typename T, int R, bool Glu = false>
 __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc,
                                      const char* pf, int64_t pf_step, bool cached) {
   v16 c0[R], c1[R];
@@ -638,10 +643,21 @@ __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_
       c1[i] += s * b1;
     }
   }
+  if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
+    for (int i = 0; i < R; ++i) {
+      alignas(64) float g[16], u[16];
+      storev(g, c0[i]);
+      storev(u, c1[i]);
+      T* o = c + i * ldc;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) o[j] = silu_times(static_cast<T>(g[j]), static_cast<T>(u[j]));
+    }
+  } else {
 #pragma GCC unroll 16
-  for (int i = 0; i < R; ++i) {
-    storev(c + i * ldc, c0[i]);
-    storev(c + i * ldc + 16, c1[i]);
+    for (int i = 0; i < R; ++i) {
+      storev(c + i * ldc, c0[i]);
+      storev(c + i * ldc + 16, c1[i]);
+    }
   }
 }
 
@@ -652,8 +668,12 @@ __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_
 // first panel is prefetched ahead of its own first group.
 constexpr int64_t kRun = 8;
 
-template <typename T>
+// Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
+// silu(gate) * up, computed as each tile leaves the registers.
+template <typename T, bool Glu = false>
 void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;       // of y, per panel
+  const int64_t ldy = Glu ? N / 2 : N;
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   // The panels are split into runs of near-equal length, as many as the threads can share evenly
@@ -675,12 +695,12 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
         if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
         if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
         with_count<kRows>(r, [&](auto rows) {
-          micro<T, rows>(x + m * K, K, b, K, y + m * N + p * kPanel, N, pf, step, groups > 1);
+          micro<T, rows, Glu>(x + m * K, K, b, K, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1);
         });
         m += r;
       }
     }
-    if (p1 <= full) return;
+    if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     // the last, narrower panel: padded to 32 columns, computed into a scratch tile
     const int64_t col = full * kPanel, width = N - col;
     const T* b = w + col * K;
@@ -704,8 +724,9 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
 // of a step (worker/runner.py pads with a token id whose embedding is zeros, and every operator
 // keeps such rows zero) and of its logits (CpuOps.rows). Trailing zero rows, the usual case, are
 // left off in place; zero rows among others are gathered out.
-template <typename T>
+template <typename T, bool Glu = false>
 void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t W = Glu ? N / 2 : N;            // columns of y
   std::vector<int64_t> live;
   for (int64_t m = 0; m < M; ++m) {
     const T* r = x + m * K;
@@ -713,15 +734,15 @@ void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   }
   const int64_t L = static_cast<int64_t>(live.size());
   if (L == 0 || live.back() == L - 1) {            // rows 0..L-1 live, the rest zeros
-    if (L) linear_rows(x, w, y, L, K, N);
-    std::fill(y + L * N, y + M * N, T(0));
+    if (L) linear_rows<T, Glu>(x, w, y, L, K, N);
+    std::fill(y + L * W, y + M * W, T(0));
     return;
   }
-  std::vector<T> xs(L * K), ys(L * N);
+  std::vector<T> xs(L * K), ys(L * W);
   for (int64_t i = 0; i < L; ++i) std::copy(x + live[i] * K, x + (live[i] + 1) * K, xs.data() + i * K);
-  linear_rows(xs.data(), w, ys.data(), L, K, N);
-  std::fill(y, y + M * N, T(0));
-  for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * N, ys.data() + (i + 1) * N, y + live[i] * N);
+  linear_rows<T, Glu>(xs.data(), w, ys.data(), L, K, N);
+  std::fill(y, y + M * W, T(0));
+  for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * W, ys.data() + (i + 1) * W, y + live[i] * W);
 }
 
 // Rows idx[m] of x [N, H]; indices outside [0, N) give zeros.
@@ -826,6 +847,21 @@ extern "C" int Linear(int nparam, void** params, int* ndims, int64_t** shapes, c
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     linear(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M, K, N);
+  });
+  return 0;
+}
+
+// x [M, K], w [2I, K] panel-major with gate and up interleaved 16 columns at a time -> silu(x gate^T)
+// * (x up^T) [M, I]: the MLP's gate/up projection and its activation in one pass
+extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                         void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1] || shapes[1][0] % kPanel)
+    return 1;
+  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    linear<T, true>(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M,
+                    K, N);
   });
   return 0;
 }

@@ -187,7 +187,7 @@ inline void softmax_rows(float* s, int64_t rows, int64_t len) {
     float* sr = s + r * len;
     float m = sr[0];
 #pragma omp simd reduction(max : m)
-    for (int64_t j = 1; j < len; ++j) m = std::max(m, sr[j]);
+    for (int64_t j = 1; j < len; ++j) m = sr[j] > m ? sr[j] : m;   // (std::max stays scalar: 4 cycles a score)
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; ++j) {

@@ -1,7 +1,8 @@
 """The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
-(padding), the gate/up projection with its activation, lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
-float16, and a step that mixes a prefill chunk, decode tokens and padding."""
+(padding), the gate/up projection with its activation, lookups with out-of-range indices, and
+paged attention with head sizes of 24 to 128, float16, and a step that mixes a prefill chunk,
+decode tokens and padding."""
 
 from __future__ import annotations
 

@@ -155,6 +155,7 @@ class CpuOps(MsOps):
     name = "cpu"
     # Padding rows embed to zeros, every kernel keeps a zero row zero (attention gives zeros for a
     # token that sees nothing) and `linear` skips zero rows: a padded step costs its real tokens.
+    # (A layer with a bias makes them non-zero from there on; they are then computed, as before.)
     pad_id = -1
 
     @staticmethod
@@ -220,7 +221,6 @@ class CpuOps(MsOps):
         flat = w.reshape(-1)
         head = flat[:full * K].reshape(N // PANEL, K, PANEL).transpose(0, 2, 1).reshape(full, K)
         return np.concatenate((head, flat[full * K:].reshape(K, N - full).T))
-
 
     @classmethod
     def pack_glu(cls, w: np.ndarray) -> np.ndarray:

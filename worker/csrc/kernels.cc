@@ -721,8 +721,8 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
 }
 
 // y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
-// of a step (worker/runner.py pads with a token id whose embedding is zeros, and every operator
-// keeps such rows zero) and of its logits (CpuOps.rows). Trailing zero rows, the usual case, are
+// of a step (worker/runner.py pads with a token id whose embedding is zeros, and the operators
+// of bias-free layers keep such rows zero) and of its logits (CpuOps.rows). Trailing zero rows, the usual case, are
 // left off in place; zero rows among others are gathered out.
 template <typename T, bool Glu = false>
 void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {

@@ -67,15 +67,15 @@ class MLP(nn.Cell):
         self.dev = dev
         I = cfg.intermediate_size
         # silu(gate) * up computed by the projection itself where the device has such a kernel
-        self.fused = dev.glu_linear_op is not None and not cfg.mlp_bias and (I // tp.size) % GLU_GROUP == 0
+        glu = dev.glu_linear_op is not None and not cfg.mlp_bias and (I // tp.size) % GLU_GROUP == 0
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype,
-                                                       dev.glu_linear_op if self.fused else dev.linear_op)
-        self.gate_up_proj.glu = self.fused          # its weight is packed by dev.pack_glu
+                                                       dev.glu_linear_op if glu else dev.linear_op)
+        self.gate_up_proj.glu = glu                 # its weight is packed by dev.pack_glu
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op)
 
     def construct(self, x):
         h = self.gate_up_proj(x)
-        return self.down_proj(h if self.fused else self.dev.silu_mul(h))
+        return self.down_proj(h if self.gate_up_proj.glu else self.dev.silu_mul(h))
 
 
 class DecoderLayer(nn.Cell):

@@ -722,8 +722,8 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
 
 // y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
 // of a step (worker/runner.py pads with a token id whose embedding is zeros, and the operators
-// of bias-free layers keep such rows zero) and of its logits (CpuOps.rows). Trailing zero rows, the usual case, are
-// left off in place; zero rows among others are gathered out.
+// of bias-free layers keep such rows zero) and of its logits (CpuOps.rows). Trailing zero rows,
+// the usual case, are left off in place; zero rows among others are gathered out.
 template <typename T, bool Glu = false>
 void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t W = Glu ? N / 2 : N;            // columns of y
@@ -839,31 +839,31 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
   return 0;
 }
 
-// x [M, K], w [N, K] panel-major -> [M, N]
-extern "C" int Linear(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
-                      void* extra) {
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
+// The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y.
+template <bool Glu>
+int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1] || (Glu && shapes[1][0] % kPanel))
+    return 1;
   const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    linear(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M, K, N);
+    linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M,
+                   K, N);
   });
   return 0;
+}
+
+// x [M, K], w [N, K] panel-major -> [M, N]
+extern "C" int Linear(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                      void* extra) {
+  return linear_entry<false>(nparam, params, ndims, shapes, dtypes);
 }
 
 // x [M, K], w [2I, K] panel-major with gate and up interleaved 16 columns at a time -> silu(x gate^T)
 // * (x up^T) [M, I]: the MLP's gate/up projection and its activation in one pass
 extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                          void* extra) {
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1] || shapes[1][0] % kPanel)
-    return 1;
-  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
-  with_dtype(dtypes[0], [&](auto tag) {
-    using T = decltype(tag);
-    linear<T, true>(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M,
-                    K, N);
-  });
-  return 0;
+  return linear_entry<true>(nparam, params, ndims, shapes, dtypes);
 }
 
 // w [V, H] panel-major, ids [N] int32 -> [N, H]

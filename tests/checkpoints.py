@@ -13,6 +13,9 @@ VARIANTS = {
                                            mlp_bias=True)),
     "qwen2_qkv_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen3_qknorm_odd_head_dim": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # saved in bfloat16, as most checkpoints are: its matmuls run on bfloat16 tiles where the CPU has AMX
+    "llama_gqa_tied_bfloat16": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                    tie_word_embeddings=True)),
 }
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -41,5 +44,7 @@ def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 1
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5) * 2)
+    if name.endswith("_bfloat16"):
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out)
     return out

@@ -2,7 +2,7 @@
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
 (padding), the gate/up projection with its activation, lookups with out-of-range indices, and
 paged attention with head sizes of 24 to 128, float16, and a step that mixes a prefill chunk,
-decode tokens and padding."""
+decode tokens and padding; and the bfloat16 weights in AMX tiles (where the CPU has AMX)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,78 @@ def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     got = kernels.embed_op()(Tensor(kernels.pack(table)), Tensor(ids)).asnumpy()
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(kernels.rows(Tensor(table), Tensor(ids)).asnumpy(), want)
+
+
+@pytest.fixture(scope="module")
+def tiles(kernels):
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU (or the kernel refuses it): bfloat16 weights stay in float32 panels")
+    return kernels
+
+
+def _bfloat16(a: np.ndarray) -> np.ndarray:
+    """a as float32 holding bfloat16 values (truncated), as a bfloat16 checkpoint loads."""
+    return (a.astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 32), (19, 96, 64), (40, 32, 96), (64, 64, 32)])
+def test_linear_over_bfloat16_tiles_is_as_accurate_as_float32(tiles, M, K, N):
+    """A bfloat16 weight (its float32 values' low halves zero) in AMX tiles: x is split into three
+    bfloat16 parts, so the result has float32 accuracy, not bfloat16's (x rounded to bfloat16 would
+    be off by ~1e-3 of the largest output; two parts by ~1e-5)."""
+    rng = np.random.default_rng(M + K + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = _bfloat16(rng.standard_normal((N, K)) * 0.1)
+    packed, unpack = tiles.pack_weight(w)
+    assert packed.dtype == np.int16 and packed.shape == w.shape
+    np.testing.assert_array_equal(unpack(packed), w)
+    y = tiles.linear_op()(Tensor(x), Tensor(packed)).asnumpy()
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, ref, atol=2e-6 * np.abs(ref).max(), rtol=0)
+
+
+def test_bfloat16_tiles_skip_zero_rows_and_compute_the_gate_up_activation(tiles):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((37, 64)).astype(np.float32)
+    zero = [3, 20, 35, 36]                      # among others, and trailing
+    x[zero] = 0
+    w = _bfloat16(rng.standard_normal((128, 64)) * 0.2)       # gate rows 0-63, up rows 64-127
+    packed, unpack = tiles.pack_weight(w, glu=True)
+    assert packed.dtype == np.int16
+    np.testing.assert_array_equal(unpack(packed), w)
+    y = tiles.glu_linear_op()(Tensor(x), Tensor(packed)).asnumpy()
+    h = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = h[:, :64] / (1 + np.exp(-h[:, :64])) * h[:, 64:]
+    np.testing.assert_allclose(y, ref, atol=2e-6 * np.abs(ref).max(), rtol=0)
+    assert not y[zero].any()
+    plain = tiles.linear_op()(Tensor(x), Tensor(tiles.pack_weight(w)[0])).asnumpy()
+    np.testing.assert_allclose(plain, h, atol=2e-6 * np.abs(h).max(), rtol=0)
+    assert not plain[zero].any()
+
+
+def test_an_embedding_in_bfloat16_tiles_gives_its_float32_rows(tiles):
+    rng = np.random.default_rng(2)
+    table = _bfloat16(rng.standard_normal((64, 96)))
+    ids = np.array([0, 15, 16, 63, 64, -1, 33], np.int32)
+    want = np.stack([table[i] if 0 <= i < 64 else np.zeros(96, np.float32) for i in ids])
+    got = tiles.embed_op()(Tensor(tiles.pack_weight(table)[0]), Tensor(ids)).asnumpy()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_only_bfloat16_weights_of_whole_tiles_go_to_tiles(kernels):
+    """A weight with any value that is not a bfloat16 (a float32 checkpoint, a merged adapter) or
+    with N or K not a multiple of 32 stays in float32 panels, exact."""
+    rng = np.random.default_rng(4)
+    exact = _bfloat16(rng.standard_normal((64, 64)))
+    inexact = exact.copy()
+    inexact[5, 7] = np.nextafter(inexact[5, 7], np.float32(9))
+    assert (kernels.pack_weight(exact)[0].dtype == np.int16) == kernels.amx
+    for w in (inexact, _bfloat16(rng.standard_normal((48, 64))), _bfloat16(rng.standard_normal((64, 40)))):
+        packed, unpack = kernels.pack_weight(w)
+        assert packed.dtype == np.float32
+        np.testing.assert_array_equal(unpack(packed), w)
 
 
 def _rms(x, w, eps):

@@ -49,6 +49,28 @@ def test_greedy_tokens_and_logits_match_transformers(name, checkpoint, hf_greedy
             assert diff < LOGIT_ATOL, f"{name} prompt {i} step {step}: max |logit diff| {diff}"
 
 
+def test_a_bfloat16_checkpoint_runs_on_amx_tiles_and_gives_the_tokens_of_float32_panels(checkpoint, monkeypatch):
+    """Where the CPU has AMX, the weights of a bfloat16 checkpoint go to bfloat16 tiles (int16
+    parameters): every matmul and the tied embedding. The parity test above holds them to
+    transformers' logits; without tiles the same tokens come out of float32 panels."""
+    import mindspore as ms
+    from worker.ops import CpuOps, load_kernels
+    name = "llama_gqa_tied_bfloat16"
+    tiled = runner_for(checkpoint(name))
+    if not CpuOps.amx:
+        pytest.skip("no AMX on this CPU: bfloat16 weights stay in float32 panels")
+    int16 = [p.name for p in tiled.model.get_parameters() if p.dtype == ms.int16]
+    assert len(int16) == 4 * tiled.cfg.num_layers + 1          # qkv, o, gate_up, down; embedding = LM head
+    monkeypatch.setenv("MSINFER_AMX", "0")                     # how a user turns tiles off
+    panels = ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8))
+    monkeypatch.undo()
+    load_kernels()
+    assert not any(p.dtype == ms.int16 for p in panels.model.get_parameters())
+    prompts = dict(enumerate(PROMPTS))
+    assert Driver(tiled).generate(prompts, N_NEW) == Driver(panels).generate(prompts, N_NEW)
+    np.testing.assert_array_equal(tiled.model.weights()["lm_head.weight"], panels.model.weights()["lm_head.weight"])
+
+
 def test_prefill_decode_and_scoring_alternate_in_any_order(checkpoint, hf_greedy):
     """A generation, then a new prompt joining mid-way, then a scoring-style forward, then more
     decoding: every sequence gets exactly the tokens a fresh model gives it alone."""

@@ -86,13 +86,17 @@ class Worker:
     def fill_random(self, scale: float = 0.02, seed: int = 0) -> int:
         """Small random values in every weight, for EngineConfig(random_weights=True), which loads
         none (msinfer bench --skip-load). The KV cache stays as it is. Returns the bytes filled."""
+        import mindspore as ms
         import numpy as np
         from mindspore import Tensor
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
         for p in self.runner.model.get_parameters():
             if "cache" not in p.name and p.name != "freq_matrix":
-                p.set_data(Tensor(rng.standard_normal(p.shape, np.float32) * scale, dtype=p.dtype))
+                values = rng.standard_normal(p.shape, np.float32) * scale
+                if p.dtype == ms.int16:          # bfloat16 tiles (CpuOps.pack_weight): the values' high halves
+                    values = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+                p.set_data(Tensor(values, dtype=p.dtype))
                 filled += p.nbytes
         return filled
 

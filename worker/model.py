@@ -70,7 +70,7 @@ class MLP(nn.Cell):
         glu = dev.glu_linear_op is not None and not cfg.mlp_bias and (I // tp.size) % GLU_GROUP == 0
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype,
                                                        dev.glu_linear_op if glu else dev.linear_op)
-        self.gate_up_proj.glu = glu                 # its weight is packed by dev.pack_glu
+        self.gate_up_proj.glu = glu                 # its weight is packed for it (dev.pack_weight)
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op)
 
     def construct(self, x):
@@ -152,17 +152,21 @@ class CausalLM(nn.Cell):
         return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)
 
     def pack_weights(self) -> None:
-        """Every matmul and embedding weight into the device's element order (`dev.pack`), once
-        all are loaded; the layers were built with the device's ops, which read that order."""
-        if self.dev.pack is None:
+        """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),
+        once all are loaded; the layers were built with the device's ops, which read that order.
+        A weight may change its dtype (bfloat16 tiles are int16), so it becomes a new Parameter of
+        the same name, set on every cell that holds it (a tied LM head shares the embedding's)."""
+        if self.dev.pack_weight is None:
             return
+        done: dict[str, Parameter] = {}
         for _, cell in self.cells_and_names():
             w = getattr(cell, "weight", None)
-            if isinstance(cell, (LinearBase, VocabParallelEmbedding)) and w.name not in self.packed:
-                glu = getattr(cell, "glu", False)
-                pack = self.dev.pack_glu if glu else self.dev.pack
-                w.set_data(Tensor(pack(w.asnumpy()), dtype=w.dtype))
-                self.packed[w.name] = self.dev.unpack_glu if glu else self.dev.unpack
+            if not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
+                continue
+            if w.name not in done:
+                data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False))
+                done[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
+            cell.weight = done[w.name]
 
     def weights(self) -> dict[str, np.ndarray]:
         """name -> value of every parameter but the KV cache, in the Hugging Face layout."""

@@ -73,7 +73,7 @@ class MsOps:
     Attention has none here; a device supplies it (`attention_op`)."""
     name = "mindspore"
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
-    linear_op = embed_op = pack = unpack = None
+    linear_op = embed_op = pack = unpack = pack_weight = None
     glu_linear_op = pack_glu = unpack_glu = None      # gate/up projection and silu-mul in one (CpuOps)
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
 
@@ -201,8 +201,44 @@ class CpuOps(MsOps):
 
     @staticmethod
     def embed_op():
-        """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V)."""
-        return _custom("Embed", lambda w, ids: [ids[0], w[1]])
+        """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V); float32 from a
+        table in bfloat16 tiles."""
+        return ops.Custom(f"{_LIBRARY}:Embed", out_shape=lambda w, ids: [ids[0], w[1]], func_type="aot",
+                          out_dtype=lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
+
+    # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by
+    # load_kernels; MSINFER_AMX=0 turns it off.
+    amx = False
+
+    @classmethod
+    def pack_weight(cls, w: np.ndarray, glu: bool = False):
+        """A loaded weight [N, K] in the order the kernels read -> (packed array, its unpack).
+        A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint's, unless an adapter
+        was merged into it), with N and K multiples of 32, goes to bfloat16 AMX tiles where the CPU
+        has them (int16, half the bytes; products still at float32 accuracy); any other to panels
+        of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a time."""
+        N, K = w.shape
+        if cls.amx and w.dtype == np.float32 and N % 32 == 0 and K % 32 == 0 and is_bfloat16(w):
+            if glu:
+                return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
+            return cls.pack_tiles(w), cls.unpack_tiles
+        return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
+
+    @staticmethod
+    def pack_tiles(w: np.ndarray) -> np.ndarray:
+        """w [N, K] float32 holding bfloat16 values -> int16 [N, K]: bfloat16 tiles [N/16][K/32][16][32],
+        tile (n, k) holding, for k-pair i and column c of 16n..16n+15, w[c][32k + 2i], w[c][32k + 2i + 1]."""
+        N, K = w.shape
+        bits = (np.ascontiguousarray(w).view(np.uint32) >> 16).astype(np.uint16)
+        tiles = bits.reshape(N // 16, 16, K // 32, 16, 2).transpose(0, 2, 3, 1, 4)
+        return np.ascontiguousarray(tiles).reshape(N, K).view(np.int16)
+
+    @staticmethod
+    def unpack_tiles(t: np.ndarray) -> np.ndarray:
+        """The inverse of `pack_tiles`."""
+        N, K = t.shape
+        bits = t.view(np.uint16).reshape(N // 16, K // 32, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(N, K)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
 
     @staticmethod
     def pack(w: np.ndarray) -> np.ndarray:
@@ -224,18 +260,34 @@ class CpuOps(MsOps):
 
     @classmethod
     def pack_glu(cls, w: np.ndarray) -> np.ndarray:
-        """w [2I, K] (gate rows, then up rows) -> `pack` of the rows interleaved GLU_GROUP at a
-        time (16 gate, 16 up, ...): each panel of 32 holds the gate and up columns of 16 outputs."""
-        I, K = w.shape[0] // 2, w.shape[1]
-        pairs = np.stack((w[:I].reshape(I // GLU_GROUP, GLU_GROUP, K), w[I:].reshape(I // GLU_GROUP, GLU_GROUP, K)), 1)
-        return cls.pack(pairs.reshape(2 * I, K))
+        """w [2I, K] (gate rows, then up rows) -> `pack` of `interleave_glu(w)`: each panel of 32
+        holds the gate and up columns of 16 outputs."""
+        return cls.pack(cls.interleave_glu(w))
 
     @classmethod
     def unpack_glu(cls, w: np.ndarray) -> np.ndarray:
         """The inverse of `pack_glu`."""
+        return cls.deinterleave_glu(cls.unpack(w))
+
+    @staticmethod
+    def interleave_glu(w: np.ndarray) -> np.ndarray:
+        """w [2I, K] (gate rows, then up rows) -> its rows GLU_GROUP at a time: 16 gate, 16 up, ..."""
         I, K = w.shape[0] // 2, w.shape[1]
-        pairs = cls.unpack(w).reshape(I // GLU_GROUP, 2, GLU_GROUP, K)
+        pairs = np.stack((w[:I].reshape(I // GLU_GROUP, GLU_GROUP, K), w[I:].reshape(I // GLU_GROUP, GLU_GROUP, K)), 1)
+        return pairs.reshape(2 * I, K)
+
+    @staticmethod
+    def deinterleave_glu(w: np.ndarray) -> np.ndarray:
+        """The inverse of `interleave_glu`."""
+        I, K = w.shape[0] // 2, w.shape[1]
+        pairs = w.reshape(I // GLU_GROUP, 2, GLU_GROUP, K)
         return np.concatenate((pairs[:, 0].reshape(I, K), pairs[:, 1].reshape(I, K)))
+
+
+def is_bfloat16(w: np.ndarray) -> bool:
+    """Whether every value of a float32 array is a bfloat16 value (its low 16 bits zero)."""
+    bits = np.ascontiguousarray(w).view(np.uint16).reshape(-1, 2)
+    return not bits[:, 0].any()          # little-endian: the low half of each float32 comes first
 
 
 def _custom(func: str, out_shape):
@@ -249,6 +301,7 @@ def load_kernels(threads: int = 0) -> None:
     _LIBRARY = kernel_library("kernels")
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
+    CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
     _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])

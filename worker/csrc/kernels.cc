@@ -4,7 +4,8 @@
 //   PagedAttention  rotary embedding, the new K/V rows into the cache, then softmax(q K^T /
 //                   sqrt(D)) V over each token's context, read through the block tables straight
 //                   from the KV cache (no gathered copy, no mask)
-//   Linear          x w^T over a weight packed in column panels (every matmul of the network)
+//   Linear          x w^T over a weight packed in column panels (every matmul of the network), or
+//                   over a bfloat16 weight in AMX tiles, at float32 accuracy (see amx_rows)
 //   LinearGlu       silu(x gate^T) * (x up^T), the MLP's first half, over gate and up packed together
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
@@ -49,6 +50,13 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MSINFER_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // glibc's vector expf (libmvec), which math.h declares only under -ffast-math; with this the
 // exp loops below vectorize.
@@ -216,6 +224,10 @@ typedef _Float16 h16 __attribute__((vector_size(32)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint32_t v16u32u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint16_t v16u16u __attribute__((vector_size(32), aligned(2)));
 
 inline v16 loadv(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
@@ -720,12 +732,181 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
   });
 }
 
+// ---- Linear over bfloat16 weights, in AMX tiles ---------------------------------------------
+// Most checkpoints store their weights in bfloat16, so a float32 network holds weights whose
+// last 16 bits are zero. For such a weight (CpuOps.pack_weight checks), x w^T is computed with
+// Intel AMX at the float32 result: each row of x is split into three bfloat16 parts, hi + mid +
+// lo == x exactly (hi = x truncated to bfloat16, mid = the rest truncated, lo = what remains,
+// at most 8 significant bits); every product of a part and a weight is exact in float32 (8 x 8
+// significant bits), and TDPBF16PS sums them in float32. The result differs from a float32
+// matmul only in the order of its float32 additions (3K terms instead of K). Three bfloat16
+// passes on the tile unit take about half the time of one float32 pass on the vector units, and
+// the weight is half the bytes.
+//   w is stored as int16 [N, K], tiles [N/16][K/32][16][32]: tile (n, k) holds columns 16n..16n+15
+// and k-pairs of 32k..32k+31, row i = (w[c][32k + 2i], w[c][32k + 2i + 1]) for each column c
+// (the layout TDPBF16PS reads its second operand in). N and K are multiples of 32.
+constexpr int64_t kTileBf16 = 16 * 32;      // elements of one tile
+
+inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+#ifdef MSINFER_AMX
+// The process may use the tile registers once the kernel grants it (Linux 5.16 on).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {                          // palette 1, eight tiles of 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// x [M, K] -> a[p][Mp/16][K/32][16][32], p = hi, mid, lo; rows M..Mp-1 zeros.
+void split_bf16(const float* x, int64_t M, int64_t K, int64_t Mp, uint16_t* a) {
+  const int64_t KB = K / 32, part = Mp * K;
+  parallel_for(Mp, 16, [&](int64_t m) {
+    uint16_t* t = a + m / 16 * KB * kTileBf16 + m % 16 * 32;
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(x + m * K);
+    for (int64_t kb = 0; kb < KB; ++kb, t += kTileBf16, r += 32) {
+      if (m >= M) {
+        for (int p = 0; p < 3; ++p) std::fill(t + p * part, t + p * part + 32, uint16_t(0));
+        continue;
+      }
+      for (int i = 0; i < 32; i += 16) {
+        const v16u32 u = *reinterpret_cast<const v16u32u*>(r + i), hi = u & 0xffff0000u;
+        const v16 rest = reinterpret_cast<const v16&>(u) - reinterpret_cast<const v16&>(hi);     // exact
+        const v16u32 mid = reinterpret_cast<const v16u32&>(rest) & 0xffff0000u;
+        const v16 lo = rest - reinterpret_cast<const v16&>(mid);                                // exact
+        *reinterpret_cast<v16u16u*>(t + i) = __builtin_convertvector(hi >> 16, v16u16);
+        *reinterpret_cast<v16u16u*>(t + part + i) = __builtin_convertvector(mid >> 16, v16u16);
+        *reinterpret_cast<v16u16u*>(t + 2 * part + i) =
+            __builtin_convertvector(reinterpret_cast<const v16u32&>(lo) >> 16, v16u16);
+      }
+    }
+  });
+}
+
+constexpr int64_t kAheadTiles = 4;
+
+// Rows m..m+16*Two-1 of x (split, at a) times column tiles b0, b1: into tiles 0, 1 (and 2, 3).
+// Per k-tile the two weight tiles are loaded once for the three parts of both row tiles.
+template <bool Two>
+inline void amx_block(const uint16_t* a, int64_t part, const uint16_t* b0, const uint16_t* b1, int64_t KB) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    if (kb + kAheadTiles < KB)      // the weights come from memory for the first rows (and in a decode)
+      for (int64_t line = 0; line < kTileBf16; line += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + (kb + kAheadTiles) * kTileBf16 + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b1 + (kb + kAheadTiles) * kTileBf16 + line), _MM_HINT_T0);
+      }
+    _tile_loadd(4, b0 + kb * kTileBf16, 64);
+    _tile_loadd(5, b1 + kb * kTileBf16, 64);
+    for (int p = 0; p < 3; ++p) {
+      const uint16_t* ap = a + p * part + kb * kTileBf16;
+      _tile_loadd(6, ap, 64);
+      _tile_dpbf16ps(0, 6, 4);
+      _tile_dpbf16ps(1, 6, 5);
+      if (Two) {
+        _tile_loadd(7, ap + KB * kTileBf16, 64);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_dpbf16ps(3, 7, 5);
+      }
+    }
+  }
+}
+
+// y = x w^T for rows 0..M-1 (Glu: silu of the even column tiles times the odd ones, w packed
+// with 16 gate and 16 up columns per pair of tiles). Each thread takes pairs of column tiles
+// and runs every row through them, so the pair's weights stay in L1.
+template <bool Glu>
+void amx_rows(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t Mp = (M + 15) / 16 * 16, KB = K / 32, part = Mp * K, ldy = Glu ? N / 2 : N;
+  static thread_local std::vector<uint16_t> split;
+  split.resize(3 * part);
+  const uint16_t* a = split.data();
+  split_bf16(x, M, K, Mp, split.data());
+  // Rows are taken in chunks whose split parts (6 bytes an element) fit in L2 with room to spare,
+  // all column pairs of a chunk before the next: the weights pass once a chunk, x's parts stay.
+  const int64_t chunk = std::max<int64_t>(32, (1 << 20) / (6 * K) / 32 * 32), pairs = N / 32;
+  parallel_for((Mp + chunk - 1) / chunk * pairs, 1, [&](int64_t item) {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float tile[4][16 * 16];
+    const int64_t c = item % pairs, m0 = item / pairs * chunk;
+    const uint16_t* b0 = w + 2 * c * KB * kTileBf16;
+    const uint16_t* b1 = b0 + KB * kTileBf16;
+    for (int64_t m = m0; m < std::min(Mp, m0 + chunk); m += 32) {
+      const bool two = m + 16 < Mp;
+      const uint16_t* am = a + m / 16 * KB * kTileBf16;
+      if (two) {
+        amx_block<true>(am, part, b0, b1, KB);
+      } else {
+        amx_block<false>(am, part, b0, b1, KB);
+      }
+      const int64_t rows = std::min<int64_t>(M - m, two ? 32 : 16);
+      if (!Glu && rows == 32) {                  // whole tiles straight into y
+        float* o = y + m * ldy + 32 * c;
+        _tile_stored(0, o, ldy * 4);
+        _tile_stored(1, o + 16, ldy * 4);
+        _tile_stored(2, o + 16 * ldy, ldy * 4);
+        _tile_stored(3, o + 16 * ldy + 16, ldy * 4);
+        continue;
+      }
+      _tile_stored(0, tile[0], 64);
+      _tile_stored(1, tile[1], 64);
+      if (two) {
+        _tile_stored(2, tile[2], 64);
+        _tile_stored(3, tile[3], 64);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = tile[r / 16 * 2] + r % 16 * 16;
+        const float* u = tile[r / 16 * 2 + 1] + r % 16 * 16;
+        if (Glu) {
+          float* o = y + (m + r) * ldy + 16 * c;
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) o[j] = silu_times(g[j], u[j]);
+        } else {
+          float* o = y + (m + r) * ldy + 32 * c;
+          std::copy(g, g + 16, o);
+          std::copy(u, u + 16, o + 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Rows ids[n] of an embedding table in bfloat16 tiles (see above), as float32.
+void embed_bf16(const uint16_t* w, const int32_t* ids, float* out, int64_t N, int64_t V, int64_t H) {
+  const int64_t KB = H / 32;
+  parallel_for(N, 64, [&](int64_t n) {
+    float* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, 0.f);
+      return;
+    }
+    const uint16_t* b = w + id / 16 * KB * kTileBf16 + id % 16 * 2;
+    for (int64_t k = 0; k < H; ++k) o[k] = bf16_value(b[k / 32 * kTileBf16 + k % 32 / 2 * 32 + k % 2]);
+  });
+}
+
 // y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
 // of a step (worker/runner.py pads with a token id whose embedding is zeros, and the operators
 // of bias-free layers keep such rows zero) and of its logits (CpuOps.rows). Trailing zero rows,
 // the usual case, are left off in place; zero rows among others are gathered out.
-template <typename T, bool Glu = false>
-void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+template <typename T, bool Glu, typename Rows>
+void linear(const T* x, T* y, int64_t M, int64_t K, int64_t N, Rows&& rows_fn) {
   const int64_t W = Glu ? N / 2 : N;            // columns of y
   std::vector<int64_t> live;
   for (int64_t m = 0; m < M; ++m) {
@@ -734,13 +915,13 @@ void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   }
   const int64_t L = static_cast<int64_t>(live.size());
   if (L == 0 || live.back() == L - 1) {            // rows 0..L-1 live, the rest zeros
-    if (L) linear_rows<T, Glu>(x, w, y, L, K, N);
+    if (L) rows_fn(x, y, L);
     std::fill(y + L * W, y + M * W, T(0));
     return;
   }
   std::vector<T> xs(L * K), ys(L * W);
   for (int64_t i = 0; i < L; ++i) std::copy(x + live[i] * K, x + (live[i] + 1) * K, xs.data() + i * K);
-  linear_rows<T, Glu>(xs.data(), w, ys.data(), L, K, N);
+  rows_fn(xs.data(), ys.data(), L);
   std::fill(y, y + M * W, T(0));
   for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * W, ys.data() + (i + 1) * W, y + live[i] * W);
 }
@@ -839,16 +1020,29 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
   return 0;
 }
 
-// The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y.
+// The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y. w is float32 or float16
+// in panels, or int16: bfloat16 in AMX tiles (x float32).
 template <bool Glu>
 int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1] || (Glu && shapes[1][0] % kPanel))
     return 1;
   const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  if (std::strcmp(dtypes[1], "int16") == 0) {
+#ifdef MSINFER_AMX
+    if (std::strcmp(dtypes[0], "float32") != 0 || K % 32 || N % 32 || !amx_permitted()) return 2;
+    const uint16_t* w = static_cast<const uint16_t*>(params[1]);
+    linear<float, Glu>(static_cast<const float*>(params[0]), static_cast<float*>(params[2]), M, K, N,
+                       [&](const float* xs, float* ys, int64_t L) { amx_rows<Glu>(xs, w, ys, L, K, N); });
+    return 0;
+#else
+    return 2;
+#endif
+  }
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<T*>(params[2]), M,
-                   K, N);
+    const T* w = static_cast<const T*>(params[1]);
+    linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<T*>(params[2]), M, K, N,
+                   [&](const T* xs, T* ys, int64_t L) { linear_rows<T, Glu>(xs, w, ys, L, K, N); });
   });
   return 0;
 }
@@ -866,10 +1060,16 @@ extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes
   return linear_entry<true>(nparam, params, ndims, shapes, dtypes);
 }
 
-// w [V, H] panel-major, ids [N] int32 -> [N, H]
+// w [V, H] panel-major (or int16: bfloat16 tiles, giving float32), ids [N] int32 -> [N, H]
 extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                      void* extra) {
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 1) return 1;
+  if (std::strcmp(dtypes[0], "int16") == 0) {                  // bfloat16 tiles -> float32
+    if (shapes[0][0] % 32 || shapes[0][1] % 32) return 2;
+    embed_bf16(static_cast<const uint16_t*>(params[0]), static_cast<const int32_t*>(params[1]),
+               static_cast<float*>(params[2]), shapes[1][0], shapes[0][0], shapes[0][1]);
+    return 0;
+  }
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     embed(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), static_cast<T*>(params[2]),
@@ -888,6 +1088,16 @@ extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, con
             shapes[0][0], shapes[1][0], shapes[0][1]);
   });
   return 0;
+}
+
+// Whether Linear and Embed take bfloat16 weights in AMX tiles (int16): the library was built for a
+// CPU with AMX and the kernel lets this process use it.
+extern "C" int AmxReady() {
+#ifdef MSINFER_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 // How many threads the kernels use, the caller's included (the worker's MindSpore thread count).

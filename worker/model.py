@@ -164,6 +164,8 @@ class CausalLM(nn.Cell):
             if not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
                 continue
             if w.name not in done:
+                if w.name in self.packed:        # by an earlier call
+                    continue
                 data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False))
                 done[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = done[w.name]

@@ -89,13 +89,14 @@ class Worker:
         import mindspore as ms
         import numpy as np
         from mindspore import Tensor
+        from worker.ops import bfloat16_bits
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
         for p in self.runner.model.get_parameters():
             if "cache" not in p.name and p.name != "freq_matrix":
                 values = rng.standard_normal(p.shape, np.float32) * scale
-                if p.dtype == ms.int16:          # bfloat16 tiles (CpuOps.pack_weight): the values' high halves
-                    values = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+                if p.dtype == ms.int16:          # bfloat16 tiles (CpuOps.pack_weight)
+                    values = bfloat16_bits(values).view(np.int16)
                 p.set_data(Tensor(values, dtype=p.dtype))
                 filled += p.nbytes
         return filled

@@ -37,6 +37,7 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-co
             "-fPIC", "-pthread")
 PANEL = 32     # kernels.cc kPanel: the column panels of a packed weight
 GLU_GROUP = PANEL // 2      # outputs per panel of LinearGlu
+TILE = 32      # kernels.cc amx_rows: N and K of a weight in bfloat16 tiles are multiples of this
 
 
 def kernel_library(name: str) -> str:
@@ -203,8 +204,8 @@ class CpuOps(MsOps):
     def embed_op():
         """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V); float32 from a
         table in bfloat16 tiles."""
-        return ops.Custom(f"{_LIBRARY}:Embed", out_shape=lambda w, ids: [ids[0], w[1]], func_type="aot",
-                          out_dtype=lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
+        return _custom("Embed", lambda w, ids: [ids[0], w[1]],
+                       lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
 
     # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by
     # load_kernels; MSINFER_AMX=0 turns it off.
@@ -218,7 +219,7 @@ class CpuOps(MsOps):
         has them (int16, half the bytes; products still at float32 accuracy); any other to panels
         of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a time."""
         N, K = w.shape
-        if cls.amx and w.dtype == np.float32 and N % 32 == 0 and K % 32 == 0 and is_bfloat16(w):
+        if cls.amx and w.dtype == np.float32 and N % TILE == 0 and K % TILE == 0 and is_bfloat16(w):
             if glu:
                 return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
             return cls.pack_tiles(w), cls.unpack_tiles
@@ -229,8 +230,7 @@ class CpuOps(MsOps):
         """w [N, K] float32 holding bfloat16 values -> int16 [N, K]: bfloat16 tiles [N/16][K/32][16][32],
         tile (n, k) holding, for k-pair i and column c of 16n..16n+15, w[c][32k + 2i], w[c][32k + 2i + 1]."""
         N, K = w.shape
-        bits = (np.ascontiguousarray(w).view(np.uint32) >> 16).astype(np.uint16)
-        tiles = bits.reshape(N // 16, 16, K // 32, 16, 2).transpose(0, 2, 3, 1, 4)
+        tiles = bfloat16_bits(w).reshape(N // 16, 16, K // 32, 16, 2).transpose(0, 2, 3, 1, 4)
         return np.ascontiguousarray(tiles).reshape(N, K).view(np.int16)
 
     @staticmethod
@@ -284,14 +284,21 @@ class CpuOps(MsOps):
         return np.concatenate((pairs[:, 0].reshape(I, K), pairs[:, 1].reshape(I, K)))
 
 
+def bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits (uint16) of float32 values, truncated: exact for values that are bfloat16."""
+    return (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
 def is_bfloat16(w: np.ndarray) -> bool:
     """Whether every value of a float32 array is a bfloat16 value (its low 16 bits zero)."""
     bits = np.ascontiguousarray(w).view(np.uint16).reshape(-1, 2)
     return not bits[:, 0].any()          # little-endian: the low half of each float32 comes first
 
 
-def _custom(func: str, out_shape):
-    return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot")
+def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
+    """Kernel `func` of the library as a MindSpore operator; its output has the first input's
+    dtype unless out_dtype says otherwise."""
+    return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
 
 
 def load_kernels(threads: int = 0) -> None:

@@ -825,8 +825,8 @@ inline void amx_block(const uint16_t* a, int64_t part, const uint16_t* b0, const
 }
 
 // y = x w^T for rows 0..M-1 (Glu: silu of the even column tiles times the odd ones, w packed
-// with 16 gate and 16 up columns per pair of tiles). Each thread takes pairs of column tiles
-// and runs every row through them, so the pair's weights stay in L1.
+// with 16 gate and 16 up columns per pair of tiles). A work item is one pair of column tiles
+// over one chunk of rows: the pair's weights stay in L1 while the chunk's rows pass.
 template <bool Glu>
 void amx_rows(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t Mp = (M + 15) / 16 * 16, KB = K / 32, part = Mp * K, ldy = Glu ? N / 2 : N;

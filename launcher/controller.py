@@ -2,8 +2,13 @@
 
     while work remains:
         refill each replica's queue from the source, least outstanding work first
-        for each idle replica: steps = scheduler.schedule(); submit to its ranks
-        wait for any step to finish; postprocess; hand finished sequences to the caller
+        for each replica with fewer than 2 steps in flight: steps = scheduler.schedule(); submit
+        wait for any replica's oldest step to finish; postprocess; hand finished sequences on
+
+Async scheduling (on unless `async_scheduling=False`): a replica's next step is scheduled and
+submitted while its current one runs (see launcher/scheduler.py), so that its workers go from one
+step to the next without waiting for the controller: the Ray round trip, the postprocessing and
+the scheduling of a step all happen while the one after it runs.
 
 A replica whose actor dies, or whose step outlives `step_timeout_s`, is torn down and restarted
 on a fresh scheduler port in the background while the others keep working; its unfinished
@@ -14,6 +19,7 @@ everything already handed to the caller stays handed.
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -31,8 +37,9 @@ class JobFailed(UserError):
 
 
 STEP_KINDS = ("prefill", "decode")
-# per kind of step: how many, their seconds from submit to result, of which rank 0 spent in the
-# step, of which in the compiled network
+# per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
+# the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
+# which in the compiled network
 STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
 
 
@@ -49,6 +56,21 @@ class ControllerConfig:
     max_batched_tokens: int = 512
     max_restarts: int = 3
     step_timeout_s: float = 600.0
+    async_scheduling: bool = True          # a replica's next step submitted while its current one runs
+
+    @property
+    def max_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
+
+
+@dataclass
+class InFlight:
+    """A submitted step."""
+    refs: list                             # one per rank; refs[0] resolves to rank 0's StepOutput
+    seqs: list
+    is_prefill: bool
+    submitted: float
+    others: set                            # refs of ranks > 0 not yet seen to finish
 
 
 @dataclass
@@ -57,16 +79,13 @@ class Slot:
     index: int
     replica: Replica
     scheduler: Scheduler
-    in_flight: tuple | None = None          # see _submit
+    in_flight: deque = field(default_factory=deque)   # InFlight steps, oldest first
+    last_result: float = 0.0                # when its last step's result came in
     starting: Future | None = None
     restarts: int = 0
     # kind -> figures in the order of STEP_FIGURES
     step_s: dict = field(default_factory=lambda: {k: [0 if x == "steps" else 0.0 for x in STEP_FIGURES]
                                                           for k in STEP_KINDS})
-
-    @property
-    def ready(self) -> bool:
-        return self.starting is None and self.in_flight is None
 
 
 @dataclass
@@ -129,9 +148,10 @@ class Controller:
             exhausted = exhausted or self._refill(source)
             for slot in self.slots:
                 self._poll_restart(slot)
-                if slot.ready and slot.scheduler.has_work():
-                    self._submit(slot, on_finish)
-            busy = [s for s in self.slots if s.in_flight is not None]
+                while (slot.starting is None and len(slot.in_flight) < self.cfg.max_in_flight
+                       and slot.scheduler.has_work() and self._submit(slot, on_finish)):
+                    pass
+            busy = [s for s in self.slots if s.in_flight]
             if not busy:
                 if exhausted and not any(s.scheduler.has_work() or s.starting for s in self.slots):
                     return
@@ -155,52 +175,60 @@ class Controller:
             seq.t_first = None
             slot.scheduler.add(seq)
 
-    def _submit(self, slot: Slot, on_finish) -> None:
-        steps, is_prefill, seqs = slot.scheduler.schedule()
+    def _submit(self, slot: Slot, on_finish) -> bool:
+        """Schedules and submits the replica's next step (ahead of the one in flight, if any);
+        False when there is none to submit now."""
+        steps, is_prefill, seqs = slot.scheduler.schedule(ahead=bool(slot.in_flight))
         for seq in slot.scheduler.take_rejected():
             on_finish(seq)
         if not steps:
-            return
+            return False
         refs = slot.replica.submit(steps, is_prefill)
-        # (rank refs, seqs, is_prefill, started, refs of ranks > 0 not yet seen to finish)
-        slot.in_flight = (refs, seqs, is_prefill, time.perf_counter(), set(refs[1:]))
+        slot.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
+        return True
 
     def _wait(self, busy: list[Slot], on_step, on_finish) -> None:
-        by_ref = {s.in_flight[0][0]: s for s in busy}
-        others = {r: s for s in busy for r in s.in_flight[4]}
+        by_ref = {s.in_flight[0].refs[0]: s for s in busy}
+        others = {r: (s, step) for s in busy for step in s.in_flight for r in step.others}
         ready, _ = ray.wait(list(by_ref) + list(others), num_returns=1, timeout=1.0)
         now = time.perf_counter()
         for ref in ready:
             if ref in others:               # a rank > 0 finished first: only an error matters here
-                slot = others[ref]
-                slot.in_flight[4].discard(ref)
+                slot, step = others[ref]
+                step.others.discard(ref)
                 try:
                     ray.get(ref)
                 except RayError as e:          # a dead actor, a failed task, the node out of memory
                     self._fail(slot, e)
                 continue
             slot = by_ref[ref]
-            refs, seqs, is_prefill = slot.in_flight[:3]
+            step = slot.in_flight[0]
+            seqs, is_prefill = step.seqs, step.is_prefill
             try:
-                out = ray.get(refs, timeout=self.cfg.step_timeout_s)[0]
+                out = ray.get(step.refs, timeout=self.cfg.step_timeout_s)[0]
             except RayError as e:              # also GetTimeoutError
                 self._fail(slot, e)
                 continue
+            slot.in_flight.popleft()
             figures = slot.step_s["prefill" if is_prefill else "decode"]
-            for i, v in enumerate((1, time.perf_counter() - slot.in_flight[3], out.worker_s, out.model_s)):
+            done = time.perf_counter()
+            for i, v in enumerate((1, done - max(step.submitted, slot.last_result), out.worker_s, out.model_s)):
                 figures[i] += v
-            slot.in_flight = None
-            for seq, tok in zip(seqs, out.token_ids):
-                if tok >= 0 and seq.t_first is None:
+            slot.last_result = done
+            # a sequence that finished while this step was in flight (async scheduling: it stopped in
+            # the step before) gets nothing from it
+            live = [not seq.is_finished for seq in seqs]
+            for seq, tok, ok in zip(seqs, out.token_ids, live):
+                if ok and tok >= 0 and seq.t_first is None:
                     seq.t_first = now
-            if out.logprobs is not None:
-                for seq, lp in zip(seqs, out.logprobs):
-                    if lp is not None:
-                        seq.logprobs = getattr(seq, "logprobs", []) + [lp]
-            for seq, scores in zip(seqs, out.scores or ()):
-                if scores:                  # a scoring chunk: log-probabilities of the continuation tokens it saw
+            for seq, lp, ok in zip(seqs, out.logprobs or (), live):
+                if ok and lp is not None:
+                    seq.logprobs = getattr(seq, "logprobs", []) + [lp]
+            for seq, scores, ok in zip(seqs, out.scores or (), live):
+                if ok and scores:           # a scoring chunk: log-probabilities of the continuation tokens it saw
                     seq.continuation_logprobs = getattr(seq, "continuation_logprobs", []) + scores
             finished = slot.scheduler.postprocess(seqs, out.token_ids)
+            seqs = [seq for seq, ok in zip(seqs, live) if ok]
             on_step(seqs)
             for seq in finished:
                 on_finish(seq)
@@ -208,7 +236,7 @@ class Controller:
                 if seq.finish_reason == "stop" and seq not in finished and seq.is_finished:
                     on_finish(seq)
         for slot in busy:                   # a wedged step (a peer stuck in a collective)
-            if slot.in_flight is not None and now - slot.in_flight[3] > self.cfg.step_timeout_s:
+            if slot.in_flight and now - max(slot.in_flight[0].submitted, slot.last_result) > self.cfg.step_timeout_s:
                 self._fail(slot, TimeoutError(f"a step ran longer than fault.step_timeout_s="
                                               f"{self.cfg.step_timeout_s:g}s"))
 
@@ -230,9 +258,9 @@ class Controller:
         slot.restarts += 1
         old = slot.scheduler
         unfinished = list(old.waiting) + list(old.running)
-        if slot.in_flight is not None:
-            unfinished += [s for s in slot.in_flight[1] if s not in unfinished and not s.is_finished]
-        slot.in_flight = None
+        for step in slot.in_flight:
+            unfinished += [s for s in step.seqs if s not in unfinished and not s.is_finished]
+        slot.in_flight.clear()
         slot.replica.shutdown()
         slot.scheduler = self._new_scheduler()
         for seq in unfinished:              # recompute from the prompt: the replica's cache is gone
@@ -266,7 +294,7 @@ def outstanding(sched: Scheduler) -> int:
     """Tokens still to be produced or prefilled by a replica: what 'least busy' means."""
     todo = 0
     for seq in list(sched.waiting) + list(sched.running):
-        todo += seq.sampling.max_new_tokens - seq.num_completion_tokens + (seq.num_tokens - seq.num_cached) // 8
+        todo += seq.sampling.max_new_tokens - seq.num_completion_tokens + max(0, seq.num_tokens - seq.num_cached) // 8
     return todo
 
 

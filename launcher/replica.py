@@ -78,6 +78,7 @@ class Replica:
     pg: object = None
     ranks: list = field(default_factory=list)
     setup_info: list = field(default_factory=list)
+    submitted: int = 0                  # steps submitted: the next one's index (Worker.step)
 
     def bundle(self) -> dict:
         if self.device == "ascend":
@@ -101,8 +102,9 @@ class Replica:
 
         worker_cls = ray.remote(Worker)
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
+        self.submitted = 0
         self.workers = [worker_cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
-                                           max_concurrency=2, **res)
+                                           max_concurrency=3, **res)   # 2 steps in flight + a query
                         .remote(r, self.tp_size, self.device, self.threads_per_worker)
                         for r in range(self.tp_size)]
         host = port = None
@@ -118,9 +120,11 @@ class Replica:
         return self.ranks
 
     def submit(self, seqs, is_prefill: bool) -> list:
-        """Starts one step on every rank; element 0 resolves to rank 0's StepOutput."""
+        """Starts one step on every rank, after the steps submitted before it; element 0 resolves
+        to rank 0's StepOutput."""
         ref = ray.put(seqs) if self.tp_size > 1 else seqs
-        return [w.step.remote(ref, is_prefill) for w in self.workers]
+        index, self.submitted = self.submitted, self.submitted + 1
+        return [w.step.remote(ref, is_prefill, index) for w in self.workers]
 
     def step(self, seqs, is_prefill: bool):
         return ray.get(self.submit(seqs, is_prefill))[0]

@@ -8,8 +8,19 @@ the head of the queue, so nothing overtakes it. When no prefill fits, every runn
 decodes its last token; if the cache runs out, the most recently admitted one is preempted (its
 blocks freed, its tokens kept) and later re-prefills prompt + generated tokens.
 
-Token accounting of a sequence: `num_cached` tokens have their K/V in the cache; a running
-sequence always has `num_cached == num_tokens - 1` (its last sampled token is fed next step).
+Token accounting of a sequence: `num_cached` tokens have their K/V in the cache once the steps
+run so far have run; steps in flight feed `num_scheduled` more and will sample `num_pending` more
+tokens. Between steps a running sequence has `num_cached == num_tokens - 1` (its last sampled token
+is fed next step).
+
+Async scheduling (`schedule(ahead=True)`): while one step is in flight, the next one is scheduled
+from what that step will leave behind, so that the workers start it the moment the first ends. A
+sequence the step in flight samples for decodes `SAMPLED`, the token the worker sampled for it in
+the previous step; a sequence that step is sure to finish (its last scored chunk, its last token
+by length) is left out. One that will stop on eos or a stop string is not known yet: it decodes
+once more and that token is dropped. A decode that would need a preemption waits for the step in
+flight's results (the step goes without it).
+
 Lengths: a sequence ends with "length" once it holds `max_model_len` tokens, where max_model_len is
 also capped by the whole cache (num_blocks * block_size); a prompt must leave room for one
 generated token, or it is rejected with finish_reason "error" (see `Scheduler.take_rejected`).
@@ -26,7 +37,7 @@ import enum
 import itertools
 from collections import deque
 
-from worker.protocol import SamplingParams, SeqStep
+from worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 
 class SequenceStatus(enum.Enum):
@@ -50,7 +61,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0
-        self.num_scheduled = 0                          # tokens fed by the step in flight
+        self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.finish_reason: str | None = None           # "stop" | "length" | "scored" | "error" | "abort"
         self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
@@ -67,6 +78,28 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens the steps in flight feed."""
+        return sum(n for n, _ in self.in_flight)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens the steps in flight sample."""
+        return sum(samples for _, samples in self.in_flight)
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """A step in flight is sure to finish it (a scoring sequence's last chunk; the token that
+        reaches max_new_tokens or max_model_len)."""
+        if not self.in_flight:
+            return False
+        if self.is_scoring:
+            return self.num_cached + self.num_scheduled >= self.num_tokens
+        n = self.num_pending
+        return (self.num_completion_tokens + n >= self.sampling.max_new_tokens
+                or self.num_tokens + n >= self.max_model_len)
 
     @property
     def last_token(self) -> int:
@@ -200,26 +233,29 @@ class Scheduler:
         self.finish(seq, "abort")
 
     # ---- scheduling ---------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[SeqStep], bool, list[Sequence]]:
+    def schedule(self, ahead: bool = False) -> tuple[list[SeqStep], bool, list[Sequence]]:
         """The next step: (one SeqStep per sequence, is_prefill, the sequences in the same order).
-        Empty only when has_work() is False (possibly because the last waiting ones were
-        rejected)."""
+        Without `ahead` (no step in flight), empty only when has_work() is False (possibly because
+        the last waiting ones were rejected). With `ahead` (a step in flight: see the module's
+        docstring), empty when nothing can be scheduled before that step's results."""
         while self.has_work():
             progress = (self.num_preemptions, len(self.rejected))
-            seqs = self._schedule_prefill()
-            if seqs:
-                return [self._seq_step(s) for s in seqs], True, seqs
-            seqs = self._schedule_decode()
-            if seqs:
-                return [self._seq_step(s) for s in seqs], False, seqs
+            steps = self._schedule_prefill()
+            if steps:
+                return [st for _, st in steps], True, [s for s, _ in steps]
+            steps = self._schedule_decode(ahead)
+            if steps:
+                return [st for _, st in steps], False, [s for s, _ in steps]
+            if ahead:
+                return [], False, []
             # every running sequence was preempted: the head of the queue now has the whole cache
             if progress == (self.num_preemptions, len(self.rejected)):
                 raise RuntimeError(f"scheduler stalled: {self.num_waiting} waiting, "
                                    f"{self.num_running} running, {self.block_manager.num_free} free blocks")
         return [], False, []
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _schedule_prefill(self) -> list[tuple[Sequence, SeqStep]]:
+        scheduled = []
         budget = self.max_batched_tokens
         # a sequence leaves `waiting` for `running` once its last chunk is scheduled; a partial
         # chunk uses up the budget, so `running` counts every sequence of this batch
@@ -227,35 +263,40 @@ class Scheduler:
             seq = self.waiting[0]
             if self._reject_if_impossible(seq):
                 continue
-            n = min(seq.num_tokens - seq.num_cached, budget)
-            if not self.block_manager.can_ensure(seq, seq.num_cached + n):
+            start = seq.num_cached + seq.num_scheduled
+            n = min(seq.num_tokens - start, budget)
+            if not self.block_manager.can_ensure(seq, start + n):
                 break
-            self.block_manager.ensure(seq, seq.num_cached + n)
-            seq.num_scheduled = n
+            self.block_manager.ensure(seq, start + n)
             budget -= n
-            scheduled.append(seq)
-            if seq.num_cached + n < seq.num_tokens:
+            scheduled.append((seq, self._seq_step(seq, n)))
+            if start + n < seq.num_tokens:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _schedule_decode(self, ahead: bool = False) -> list[tuple[Sequence, SeqStep]]:
+        scheduled = []
         i = 0
         while i < len(self.running) and len(scheduled) < self.max_batch_size:
             seq = self.running[i]
-            # feeding the last token stores it at position num_tokens - 1
-            while not self.block_manager.can_ensure(seq, seq.num_tokens):
+            if seq.ends_in_flight:
+                i += 1
+                continue
+            # feeding the last token stores it at position num_tokens - 1 (pending tokens included)
+            total = seq.num_tokens + seq.num_pending
+            while not self.block_manager.can_ensure(seq, total):
+                if ahead:                   # preempting would drop a cache a step in flight writes:
+                    return scheduled        # the rest wait for that step's results
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.ensure(seq, seq.num_tokens)
-                seq.num_scheduled = 1
-                scheduled.append(seq)
+                self.block_manager.ensure(seq, total)
+                scheduled.append((seq, self._seq_step(seq, 1)))
                 i += 1
         return scheduled
 
@@ -263,6 +304,7 @@ class Scheduler:
         """Recompute-style: drop the cache of seq and queue it to re-prefill prompt + output.
         It goes to the head of the queue, behind a prompt whose chunked prefill is under way (that
         one holds blocks, and must not wait for blocks behind sequences that need them)."""
+        assert not seq.in_flight, "preempting a sequence a step in flight feeds"
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_cached = 0
@@ -289,27 +331,36 @@ class Scheduler:
         self.rejected.append(seq)
         return True
 
-    def _seq_step(self, seq: Sequence) -> SeqStep:
-        start, end = seq.num_cached, seq.num_cached + seq.num_scheduled
-        decode = seq.num_scheduled == 1 and end == seq.num_tokens
-        return SeqStep(seq_id=seq.seq_id, token_ids=[seq.last_token] if decode else seq.token_ids[start:end],
-                       num_cached=start, block_table=list(seq.block_table), sampling=seq.sampling,
-                       num_generated=seq.num_completion_tokens, sample=end == seq.num_tokens and not seq.is_scoring,
+    def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
+        """The step feeding seq's next n tokens, recorded in seq.in_flight."""
+        pending = seq.num_pending
+        start = seq.num_cached + seq.num_scheduled
+        end = start + n
+        if pending:                     # a decode of the token the step in flight samples
+            tokens = [SAMPLED]
+        elif n == 1 and end == seq.num_tokens:
+            tokens = [seq.last_token]
+        else:
+            tokens = seq.token_ids[start:end]
+        sample = end == seq.num_tokens + pending and not seq.is_scoring
+        seq.in_flight.append((n, sample))
+        return SeqStep(seq_id=seq.seq_id, token_ids=tokens, num_cached=start, block_table=list(seq.block_table),
+                       sampling=seq.sampling, num_generated=seq.num_completion_tokens + pending, sample=sample,
                        targets=seq.score_targets(start, end))
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Takes the sampled token of each scheduled sequence (-1 for a prefill chunk that does not
-        sample); returns the sequences this step finished, their blocks already freed. Sequences
-        finished or aborted since schedule() are skipped."""
+        """Takes the sampled token of each sequence of the oldest step in flight (-1 for a prefill
+        chunk that does not sample); returns the sequences this step finished, their blocks
+        already freed. Sequences finished or aborted since schedule() are skipped."""
         if len(seqs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(seqs)} sequences")
         finished = []
         for seq, token in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
-            seq.num_cached += seq.num_scheduled
-            seq.num_scheduled = 0
+            n, _ = seq.in_flight.popleft()
+            seq.num_cached += n
             if seq.num_cached < seq.num_tokens:
                 continue                               # a prompt chunk short of the prompt's end
             if seq.is_scoring:                         # scored: nothing to generate

@@ -142,6 +142,8 @@ class SchedulerSpec(Section):
     max_batched_tokens: int = Field(512, ge=1)
     block_size: int = Field(16, ge=1)
     kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len
+    # schedule and submit each step while the one before it runs (launcher/controller.py)
+    async_scheduling: bool = True
 
 
 class OutputSpec(Section):

@@ -69,7 +69,7 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[lis
 
 
 def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch_size: int,
-                max_batched_tokens: int, work: Path) -> dict:
+                max_batched_tokens: int, work: Path, overrides: list[str] = ()) -> dict:
     """A real `msinfer run` (the CLI, in a subprocess) over the prompts; returns its summary."""
     inp, out = work / "prompts.jsonl", work / "results.jsonl"
     with open(inp, "w") as f:
@@ -85,6 +85,8 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
     }
     (work / "job.yaml").write_text(json.dumps(spec))          # JSON is YAML
     cmd = [sys.executable, "-m", "launcher.cli", "run", str(work / "job.yaml"), "--overwrite", "--no-progress"]
+    for o in overrides:
+        cmd += ["--set", o]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     summary = json.loads(Path(f"{out}.summary.json").read_text())
@@ -131,6 +133,8 @@ def main() -> None:
                     help="msinfer scheduler.max_batched_tokens (default 512)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times; keep each best")
     ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed on to msinfer run, e.g. scheduler.async_scheduling=false")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
@@ -152,7 +156,8 @@ def main() -> None:
     ms_best, hf_best = None, {}
     with tempfile.TemporaryDirectory(prefix="msinfer-vs-hf-") as work:
         for _ in range(args.rounds):
-            s = run_msinfer(path, prompts, args.new_tokens, args.max_batch_size, args.max_batched_tokens, Path(work))
+            s = run_msinfer(path, prompts, args.new_tokens, args.max_batch_size, args.max_batched_tokens, Path(work),
+                            args.set)
             if ms_best is None or s["generation_s"] < ms_best["generation_s"]:
                 ms_best = s
             for b in ([] if model is None else hf_batches):
@@ -171,7 +176,8 @@ def main() -> None:
           f"{load_before:.2f} before / {os.getloadavg()[0]:.2f} after\n")
     ms_tok = ms_best["completion_tokens"]
     ms_rate = ms_tok / ms_best["generation_s"]
-    print(f"msinfer tp 1 (max_batch_size {args.max_batch_size}, max_batched_tokens {args.max_batched_tokens})")
+    print(f"msinfer tp 1 (max_batch_size {args.max_batch_size}, max_batched_tokens {args.max_batched_tokens}"
+          + "".join(f", {o}" for o in args.set) + ")")
     first = ms_best.get('first_result_s', float('nan'))
     print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {first:.1f} s "
           f"from start, generation {ms_best['generation_s']:.1f} s, whole command {ms_best['wall_s']:.1f} s")

@@ -1,10 +1,14 @@
 """Issue 3's figures for the demo model, side by side in one run: each rank's peak resident memory
 after loading its shard, time from start to all ranks ready, and the decode step time at tp 1 and
-tp 3 as the controller sees it, with the share spent outside the model. Worker and model times are
-rank 0's, as each step reports them (StepOutput.worker_s, .model_s): the network includes its
-collectives; the worker adds step inputs and sampling; the driver adds Ray.
+tp 3 as one synchronous call sees it, with the share spent outside the model. Worker and model
+times are rank 0's, as each step reports them (StepOutput.worker_s, .model_s): the network includes
+its collectives; the worker adds step inputs and sampling; the driver adds Ray.
 
-    .venv/bin/python scripts/measure_tp.py [--batch 16] [--steps 20]
+Then issue 7's: decode steps of a batch as the job runs them, through the controller (scheduler,
+Ray calls, postprocessing), with async scheduling off and on, alternating on the same workers:
+the wall time a step accounts for against rank 0's time in the network.
+
+    .venv/bin/python scripts/measure_tp.py [--batch 16] [--steps 20] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
+from launcher.controller import Controller, ControllerConfig  # noqa: E402
 from launcher.replica import Replica, init_ray  # noqa: E402
+from launcher.scheduler import Sequence  # noqa: E402
+from worker.protocol import SamplingParams  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
 from worker.protocol import SeqStep  # noqa: E402
 from worker.runner import EngineConfig  # noqa: E402
@@ -53,10 +60,37 @@ def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
         r.shutdown()
 
 
+def through_controller(path: Path, tp: int, batch: int, steps: int, rounds: int) -> list[dict]:
+    """Decode figures per run of `batch` prompts (17-47 tokens) generating steps + 1 tokens each,
+    async scheduling off and on in turn, after a run that compiles."""
+    ec = EngineConfig(str(path), max_model_len=256, max_batch_size=batch)
+    c = Controller(ControllerConfig(ec, tensor_parallel=tp, threads_per_worker=max(1, 2 // tp),
+                                    max_batch_size=batch))
+    c.start()
+    try:
+        def run(async_scheduling: bool) -> dict:
+            c.cfg.async_scheduling = async_scheduling
+            before = c.step_stats()
+            seqs = [Sequence(list(range(100 + i, 117 + 2 * i)), SamplingParams(max_new_tokens=steps + 1,
+                                                                                ignore_eos=True))
+                    for i in range(batch)]
+            c.run(iter(seqs), lambda s: None, lambda s: None)
+            after = c.step_stats()
+            n = after["decode_steps"] - before["decode_steps"]
+            per = {k: (after[f"decode_{k}"] - before[f"decode_{k}"]) / n * 1e3 for k in ("s", "worker_s", "model_s")}
+            return {"tp": tp, "async": async_scheduling, "steps": n, "step_ms": per["s"],
+                    "worker_step_ms": per["worker_s"], "model_ms": per["model_s"]}
+        run(True)
+        return [run(a) for _ in range(rounds) for a in (False, True)]
+    finally:
+        c.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2, help="of async scheduling off, then on")
     args = ap.parse_args()
     path = ensure_demo_model()
     init_ray(None, 4)
@@ -68,6 +102,13 @@ def main() -> None:
         outside = 1 - x["model_ms"] / x["step_ms"]
         print(f"{x['tp']:>3} {x['ready_s']:>8.1f} {str(x['peak_rss_mib']):>20} {str(x['param_mib']):>16} "
               f"{x['step_ms']:>8.1f} {x['worker_step_ms']:>10.1f} {x['model_ms']:>9.1f} {outside:>13.0%}")
+    runs = [x for tp in (1, 3) for x in through_controller(path, tp, args.batch, args.steps, args.rounds)]
+    print(f"\nthe same decode batch through the controller ({args.steps} decode steps a run), per step:")
+    print(f"{'tp':>3} {'async':>6} {'step ms':>8} {'worker ms':>10} {'model ms':>9} {'outside model':>14}")
+    for x in runs:
+        outside = 1 - x["model_ms"] / x["step_ms"]
+        print(f"{x['tp']:>3} {'on' if x['async'] else 'off':>6} {x['step_ms']:>8.1f} {x['worker_step_ms']:>10.1f} "
+              f"{x['model_ms']:>9.1f} {outside:>13.0%}")
     ray.shutdown()
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from worker.protocol import SamplingParams, SeqStep
+from worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 
 class Driver:
     """Greedy/sampled generation over an engine with `step(seqs, is_prefill)`; each sequence
     gets its own blocks so sequences can join and leave at any time."""
 
-    def __init__(self, engine, block_size: int = 16, blocks_per_seq: int = 8):
+    def __init__(self, engine, block_size: int = 16, blocks_per_seq: int = 8, feed_sampled: bool = False):
+        """feed_sampled: decodes feed SAMPLED, as async scheduling does, for the engine to take the
+        tokens it sampled in the step before."""
         self.engine, self.bs, self.per = engine, block_size, blocks_per_seq
+        self.feed_sampled = feed_sampled
         self.seqs: dict[int, dict] = {}
 
     def table(self, sid):
@@ -26,7 +29,8 @@ class Driver:
 
     def decode(self, sids=None):
         sids = list(self.seqs) if sids is None else sids
-        steps = [SeqStep(s, [self.seqs[s]["gen"][-1]], len(self.seqs[s]["prompt"]) + len(self.seqs[s]["gen"]) - 1,
+        steps = [SeqStep(s, [SAMPLED if self.feed_sampled else self.seqs[s]["gen"][-1]],
+                         len(self.seqs[s]["prompt"]) + len(self.seqs[s]["gen"]) - 1,
                          self.table(s), self.seqs[s]["sampling"], num_generated=len(self.seqs[s]["gen"]))
                  for s in sids]
         out = self.engine.step(steps, False)

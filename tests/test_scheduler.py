@@ -4,17 +4,20 @@ The fake model keeps a paged cache of token ids: each step writes the fed tokens
 table and reads the whole context back through it, and the next token is a function of that
 context. A wrong block table, a wrong num_cached or a block shared by two sequences changes the
 tokens, so comparing with a reference generation checks the cache bookkeeping end to end.
+
+Each workload also runs with async scheduling (`ahead`): a step is scheduled while the one before
+it is in flight, and the fake model, like the worker, feeds SAMPLED from its previous call.
 """
 
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import pytest
 
 from launcher.scheduler import BlockManager, Scheduler, Sequence, SequenceStatus
-from worker.protocol import SamplingParams, SeqStep
+from worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 VOCAB = 50
 
@@ -41,6 +44,7 @@ class FakeModel:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.cache: list[int | None] = [None] * (num_blocks * block_size)
+        self.sampled: dict[int, int] = {}             # seq_id -> its token of the last call
 
     def slot(self, s: SeqStep, pos: int) -> int:
         return s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -48,10 +52,12 @@ class FakeModel:
     def __call__(self, steps: list[SeqStep]) -> list[int]:
         out = []
         for s in steps:
-            for i, t in enumerate(s.token_ids):
+            tokens = [self.sampled[s.seq_id]] if s.token_ids == [SAMPLED] else s.token_ids
+            for i, t in enumerate(tokens):
                 self.cache[self.slot(s, s.num_cached + i)] = t
             context = [self.cache[self.slot(s, p)] for p in range(s.num_cached + len(s.token_ids))]
             out.append(next_token(context) if s.sample else -1)
+        self.sampled = {s.seq_id: t for s, t in zip(steps, out) if t >= 0}
         return out
 
 
@@ -62,11 +68,16 @@ def check_step(sched: Scheduler, steps: list[SeqStep], is_prefill: bool, seqs: l
     assert len({s.seq_id for s in steps}) == len(steps)
     for step, seq in zip(steps, seqs):
         n = len(step.token_ids)
-        assert step.seq_id == seq.seq_id and n >= 1
-        assert step.num_cached == seq.num_cached
-        assert step.token_ids == seq.token_ids[seq.num_cached: seq.num_cached + n]
-        assert step.sample == (seq.num_cached + n == seq.num_tokens)
-        assert step.num_generated == seq.num_completion_tokens
+        assert step.seq_id == seq.seq_id and n >= 1 and seq.in_flight[-1] == (n, step.sample)
+        start = seq.num_cached + seq.num_scheduled - n            # after the steps in flight before it
+        pending = seq.num_pending - step.sample                   # tokens those steps sample
+        assert step.num_cached == start and pending in (0, 1)
+        if pending:                                               # a decode of the token in flight
+            assert step.token_ids == [SAMPLED] and not is_prefill
+        else:
+            assert step.token_ids == seq.token_ids[start: start + n]
+        assert step.sample == (start + n == seq.num_tokens + pending)
+        assert step.num_generated == seq.num_completion_tokens + pending
         assert step.block_table == seq.block_table and step.block_table is not seq.block_table
         assert len(step.block_table) * bm.block_size >= step.num_cached + n
         if not is_prefill:
@@ -84,31 +95,37 @@ def check_step(sched: Scheduler, steps: list[SeqStep], is_prefill: bool, seqs: l
 
 
 def drive(sched: Scheduler, seqs: list[Sequence], model: FakeModel, per_step: int | None = None,
-          max_steps: int = 20_000):
+          max_steps: int = 20_000, ahead: bool = False):
     """Adds seqs (all at once, or per_step at a time before each step), runs to the end and
-    returns (finished in finishing order, the feeds of each seq_id, seq_ids in order of admission)."""
+    returns (finished in finishing order, the feeds of each seq_id, seq_ids in order of admission).
+    With `ahead`, as the controller does with async scheduling: up to two steps in flight, the
+    second scheduled before the first's results; the model runs the steps in the order scheduled."""
     pending = list(seqs)
     finished: list[Sequence] = []
     feeds: dict[int, list[tuple[bool, SeqStep]]] = defaultdict(list)
     admitted: list[int] = []
+    in_flight: deque = deque()
     for _ in range(max_steps):
         for seq in pending[:per_step or len(pending)]:
             sched.add(seq)
         del pending[:per_step or len(pending)]
-        if not sched.has_work():
+        while sched.has_work() and len(in_flight) < (2 if ahead else 1):
+            steps, is_prefill, batch = sched.schedule(ahead=bool(in_flight))
+            finished += sched.take_rejected()
+            if not steps:
+                assert in_flight or not sched.has_work()
+                break
+            check_step(sched, steps, is_prefill, batch)
+            for s in steps:
+                if s.seq_id not in feeds:
+                    admitted.append(s.seq_id)
+                feeds[s.seq_id].append((is_prefill, s))
+            in_flight.append((steps, batch))
+        if not in_flight:
             if not pending:
                 break
             continue
-        steps, is_prefill, batch = sched.schedule()
-        finished += sched.take_rejected()
-        if not steps:
-            assert not sched.has_work()
-            continue
-        check_step(sched, steps, is_prefill, batch)
-        for s in steps:
-            if s.seq_id not in feeds:
-                admitted.append(s.seq_id)
-            feeds[s.seq_id].append((is_prefill, s))
+        steps, batch = in_flight.popleft()
         finished += sched.postprocess(batch, model(steps))
     else:
         pytest.fail("the scheduler did not finish")
@@ -122,10 +139,10 @@ def make_sched(num_blocks=64, block_size=4, max_batch_size=4, max_batched_tokens
         FakeModel(num_blocks, block_size)
 
 
-def run_one(prompt, sampling=SamplingParams(), eos=(), **kw) -> Sequence:
+def run_one(prompt, sampling=SamplingParams(), eos=(), ahead=False, **kw) -> Sequence:
     sched, model = make_sched(**kw)
     seq = Sequence(prompt, sampling, eos_token_ids=eos)
-    finished, _, _ = drive(sched, [seq], model)
+    finished, _, _ = drive(sched, [seq], model, ahead=ahead)
     assert finished == [seq] and seq.is_finished
     return seq
 
@@ -134,6 +151,11 @@ def workload(rng: random.Random, n: int, max_prompt: int, eos=(0,)) -> list[Sequ
     return [Sequence([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_prompt))],
                      SamplingParams(max_new_tokens=rng.randint(1, 30)), key=i, eos_token_ids=eos)
             for i in range(n)]
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def ahead(request) -> bool:
+    return request.param
 
 
 # ---- block manager ---------------------------------------------------------------------------------
@@ -215,12 +237,12 @@ def test_preempted_sequence_recomputes_prompt_and_output_in_chunks():
     assert redo[-1].num_generated == len(fed) - 4
 
 
-def test_preemption_gives_the_same_tokens_as_an_ample_cache():
+def test_preemption_gives_the_same_tokens_as_an_ample_cache(ahead):
     def run(num_blocks):
         sched, model = make_sched(num_blocks=num_blocks, block_size=4, max_batch_size=6,
                                   max_batched_tokens=16, max_model_len=48)
         seqs = workload(random.Random(1), 40, max_prompt=30)
-        finished, _, _ = drive(sched, seqs, model, per_step=3)
+        finished, _, _ = drive(sched, seqs, model, per_step=3, ahead=ahead)
         return sched, {s.key: (s.output_token_ids, s.finish_reason) for s in finished}
 
     tight, tight_out = run(num_blocks=14)
@@ -230,14 +252,14 @@ def test_preemption_gives_the_same_tokens_as_an_ample_cache():
 
 
 # ---- a long mixed stream ---------------------------------------------------------------------------
-def test_mixed_stream_every_sequence_finishes_once_in_fifo_admission_order():
+def test_mixed_stream_every_sequence_finishes_once_in_fifo_admission_order(ahead):
     rng = random.Random(0)
     sched, model = make_sched(num_blocks=24, block_size=4, max_batch_size=5, max_batched_tokens=24,
                               max_model_len=64)
     seqs = workload(rng, 80, max_prompt=60)
     seqs += [Sequence([1] * 64, key="too long"), Sequence([2] * 63, key="just fits")]
     rng.shuffle(seqs)
-    finished, _, admitted = drive(sched, seqs, model, per_step=2)
+    finished, _, admitted = drive(sched, seqs, model, per_step=2, ahead=ahead)
     assert sched.num_preemptions > 0                 # the cache is tight enough to preempt
     assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
     assert admitted == [s.seq_id for s in seqs if s.key != "too long"]
@@ -258,45 +280,62 @@ def first_new_token_at(tokens: list[int], start: int) -> int:
     return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
 
 
-def test_eos_finishes_with_stop_and_is_kept_in_tokens_not_text():
+def test_eos_finishes_with_stop_and_is_kept_in_tokens_not_text(ahead):
     ref, _ = reference(PROMPT, SamplingParams(max_new_tokens=40))
     i = first_new_token_at(ref, 3)
-    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40), eos=(ref[i],))
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40), eos=(ref[i],), ahead=ahead)
     assert seq.finish_reason == "stop" and seq.stop_token_id == ref[i]
     assert seq.output_token_ids == ref[:i + 1] and seq.text_token_ids == ref[:i]
 
-    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), eos=(ref[i],))
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), eos=(ref[i],), ahead=ahead)
     assert seq.finish_reason == "length" and seq.output_token_ids == ref and seq.text_token_ids == ref
 
 
-def test_stop_token_ids_finish_with_stop():
+def test_stop_token_ids_finish_with_stop(ahead):
     ref, _ = reference(PROMPT, SamplingParams(max_new_tokens=40))
     i = first_new_token_at(ref, 2)
-    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=(ref[i],)))
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=(ref[i],)), ahead=ahead)
     assert seq.finish_reason == "stop" and seq.output_token_ids == ref[:i + 1]
     assert seq.text_token_ids == ref[:i]
 
 
-def test_max_new_tokens_finishes_with_length():
-    seq = run_one(PROMPT, SamplingParams(max_new_tokens=3))
+def test_max_new_tokens_finishes_with_length(ahead):
+    seq = run_one(PROMPT, SamplingParams(max_new_tokens=3), ahead=ahead)
     assert seq.finish_reason == "length" and seq.output_token_ids == reference(PROMPT)[0][:3]
     assert seq.stop_token_id is None and seq.text_token_ids == seq.output_token_ids
 
 
-def test_max_model_len_and_cache_size_finish_with_length():
-    seq = run_one(PROMPT, max_model_len=10)
+def test_max_model_len_and_cache_size_finish_with_length(ahead):
+    seq = run_one(PROMPT, max_model_len=10, ahead=ahead)
     assert seq.finish_reason == "length" and seq.num_tokens == 10
     # a sequence that would outgrow the whole cache (3 blocks of 4) stops at its size
-    seq = run_one(PROMPT, num_blocks=3, block_size=4, max_model_len=100)
+    seq = run_one(PROMPT, num_blocks=3, block_size=4, max_model_len=100, ahead=ahead)
     assert seq.finish_reason == "length" and seq.num_tokens == 12
     assert seq.output_token_ids == reference(PROMPT)[0][:6]
 
 
+def test_async_decodes_feed_the_token_in_flight_and_only_a_stop_costs_a_step():
+    """With a step always in flight, every decode feeds SAMPLED; a sequence ending by length is
+    never scheduled past its last token, one ending on eos decodes once more and drops that token."""
+    ref, _ = reference(PROMPT, SamplingParams(max_new_tokens=40))
+    i = first_new_token_at(ref, 3)
+    sched, model = make_sched()
+    stops = Sequence(PROMPT, SamplingParams(max_new_tokens=40), eos_token_ids=(ref[i],))
+    lasts = Sequence(PROMPT[::-1], SamplingParams(max_new_tokens=5))
+    finished, feeds, _ = drive(sched, [stops, lasts], model, ahead=True)
+    assert stops.output_token_ids == ref[:i + 1] and stops.finish_reason == "stop"
+    assert lasts.output_token_ids == reference(PROMPT[::-1], lasts.sampling)[0] and lasts.finish_reason == "length"
+    for seq, wasted in ((stops, 1), (lasts, 0)):
+        decodes = [step for is_prefill, step in feeds[seq.seq_id] if not is_prefill]
+        assert decodes and all(step.token_ids == [SAMPLED] for step in decodes)
+        assert len(decodes) == seq.num_completion_tokens - 1 + wasted
+
+
 # ---- rejection, abort ---------------------------------------------------------------------------------
-def test_sequence_that_can_never_fit_is_rejected_and_the_rest_go_on():
+def test_sequence_that_can_never_fit_is_rejected_and_the_rest_go_on(ahead):
     sched, model = make_sched(num_blocks=4, block_size=4, max_model_len=100)
     ok1, too_big, empty, ok2 = Sequence([1, 2]), Sequence(list(range(16))), Sequence([]), Sequence([3] * 15)
-    finished, _, _ = drive(sched, [ok1, too_big, empty, ok2], model)
+    finished, _, _ = drive(sched, [ok1, too_big, empty, ok2], model, ahead=ahead)
     assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in (ok1, too_big, empty, ok2))
     assert too_big.finish_reason == "error" and "KV cache (4 blocks of 4 tokens)" in too_big.error
     assert empty.finish_reason == "error" and empty.error == "empty prompt"

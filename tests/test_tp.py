@@ -24,10 +24,11 @@ def start(path, tp):
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_qkv_bias", "llama_mha_bias"])
 def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, ray_local):
     """MQA at tp 2 replicates the single KV head; qwen2 shards q/k/v biases; llama_mha_bias has a
-    row-parallel o_proj/down_proj bias that must be added once, after the all-reduce."""
+    row-parallel o_proj/down_proj bias that must be added once, after the all-reduce. Decodes feed
+    SAMPLED (async scheduling): each rank must have sampled the token rank 0 returned."""
     r = start(checkpoint(name), 2)
     try:
-        out = Driver(r).generate(dict(enumerate(PROMPTS)), N_NEW)
+        out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
         if name == "llama_mqa":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 import time
 
 from sharding.layout import TPInfo
@@ -52,6 +53,8 @@ class Worker:
         self.device = select_device(device, rank=rank)
         self.threads = threads
         self.runner = None
+        self.turn = threading.Condition()       # steps run one at a time, in order (see step)
+        self.next_index = 0
 
     def info(self) -> dict:
         return {"rank": self.tp.rank, **node_facts(), "device": self.device.target.lower()
@@ -77,11 +80,21 @@ class Worker:
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
                 "dtype": self.runner.dtype}
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool) -> StepOutput | None:
-        if self.tp.rank == 0:
-            return self.runner.step(seqs, is_prefill)
-        self.runner.execute(seqs, is_prefill)     # the same graph as rank 0: its collectives pair up
-        return None
+    def step(self, seqs: list[SeqStep], is_prefill: bool, index: int = -1) -> StepOutput | None:
+        """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
+        async scheduling two steps are in flight and the actor has threads for both: each waits for
+        the one before it."""
+        with self.turn:
+            if index >= 0:
+                self.turn.wait_for(lambda: self.next_index == index)
+            try:
+                # every rank samples (the same tokens: the logits are whole on each) for SAMPLED
+                out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0)
+            finally:
+                if index >= 0:
+                    self.next_index = index + 1
+                    self.turn.notify_all()
+        return out if self.tp.rank == 0 else None
 
     def fill_random(self, scale: float = 0.02, seed: int = 0) -> int:
         """Small random values in every weight, for EngineConfig(random_weights=True), which loads

@@ -27,10 +27,15 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+# As a decode's one token: the token the worker sampled for this sequence in the step before
+# (async scheduling: the controller schedules a step before it has the results of the one in flight).
+SAMPLED = -1
+
+
 @dataclass
 class SeqStep:
     seq_id: int
-    token_ids: list[int]              # the tokens this step feeds (a prompt chunk, or one token)
+    token_ids: list[int]              # the tokens this step feeds (a prompt chunk, or one token, or [SAMPLED])
     num_cached: int                   # tokens of this sequence already in the KV cache
     block_table: list[int]            # cache blocks of the sequence, in order
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -16,7 +16,7 @@ import numpy as np
 
 from sharding.config import ModelConfig
 from sharding.layout import TPInfo
-from worker.protocol import SeqStep, StepOutput
+from worker.protocol import SAMPLED, SeqStep, StepOutput
 from worker.positions import make_scheme
 from worker import sampler
 
@@ -114,6 +114,7 @@ class ModelRunner:
         self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes step_fn has compiled
         self.model_s = 0.0                                   # seconds in compiled calls, all steps
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
+        self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
 
     # ---- inputs -------------------------------------------------------------------------------
     def _slots_for(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -262,7 +263,14 @@ class ModelRunner:
         return logits[: len(seqs)], scores
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+        """Runs the step and samples. Every rank of a group samples the same tokens (the logits are
+        gathered whole on each) and keeps them for the next step's SAMPLED inputs."""
         t0, model0 = time.perf_counter(), self.model_s
+        for s in seqs:
+            if s.token_ids == [SAMPLED]:
+                if s.seq_id not in self.sampled:
+                    raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
+                s.token_ids = [self.sampled[s.seq_id]]
         logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
@@ -271,6 +279,7 @@ class ModelRunner:
                                 [seqs[i].num_generated for i in todo]) if todo else []
         for i, t in zip(todo, picked):
             chosen[i] = t
+        self.sampled = {seqs[i].seq_id: t for i, t in zip(todo, picked)}
         lps = None
         if logprobs and any(seqs[i].sampling.logprobs for i in todo):
             lps = [None] * len(seqs)

@@ -21,16 +21,20 @@ def start(path, tp):
     return r
 
 
-@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_qkv_bias", "llama_mha_bias"])
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_qkv_bias", "llama_mha_bias", "llama_gqa_tied_bfloat16"])
 def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, ray_local):
     """MQA at tp 2 replicates the single KV head; qwen2 shards q/k/v biases; llama_mha_bias has a
-    row-parallel o_proj/down_proj bias that must be added once, after the all-reduce. Decodes feed
-    SAMPLED (async scheduling): each rank must have sampled the token rank 0 returned."""
+    row-parallel o_proj/down_proj bias that must be added once, after the all-reduce; the bfloat16
+    checkpoint's shards go to AMX tiles where the CPU has them. Decodes feed SAMPLED (async
+    scheduling): each rank must have sampled the token rank 0 returned."""
     r = start(checkpoint(name), 2)
     try:
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
+        if name.endswith("_bfloat16"):   # qkv, o, gate_up, down of 2 layers; the embedding = LM head
+            for amx, tiles in ray_get([w.__ray_call__.remote(count_tiles) for w in r.workers]):
+                assert tiles == (2 * 4 + 1 if amx else 0)
         if name == "llama_mqa":
             check_rank_holds_exactly_its_slices(r, checkpoint(name))
     finally:
@@ -56,6 +60,13 @@ def check_rank_holds_exactly_its_slices(replica, path):
         emb = full["model.embed_tokens.weight"][rank * 128:(rank + 1) * 128]
         np.testing.assert_array_equal(p["embed_tokens.weight"], emb)
         assert p["layers.1.mlp.gate_up_proj.weight"].shape == (128, H)   # 2 x 128/2 rows
+
+
+def count_tiles(worker) -> tuple[bool, int]:
+    """Whether the rank's CPU gives it AMX tiles, and how many of its parameters are tiles (int16)."""
+    import mindspore as ms
+    from worker.ops import CpuOps
+    return CpuOps.amx, sum(p.dtype == ms.int16 for p in worker.runner.model.get_parameters())
 
 
 def ray_get(ref):

@@ -190,3 +190,26 @@ def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, 
     with pytest.raises(RuntimeError, match=r"building .*kernels\.cc with false failed"):
         dev_ops.kernel_library("kernels")
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(checkpoint):
+    """The step's packed inputs for a prefill chunk and a decode side by side: each token's position,
+    cache slot (through its own block table), sequence and context length; the logits row of each
+    sequence is its last token's. A block table too short for the tokens is refused by name."""
+    from worker.protocol import SeqStep
+    runner = runner_for(checkpoint("llama_gqa_tied"))
+    bs = runner.block_size
+    steps = [SeqStep(7, [11, 12, 13], bs - 1, [4, 9]), SeqStep(8, [14], 2 * bs + 5, [1, 2, 6])]
+    (ids, rope, slots, tables, token_seq, token_len, out_index), first_row = runner.prepare(steps, True)
+    assert first_row == [0, 3]
+    assert ids.asnumpy()[:4].tolist() == [11, 12, 13, 14]
+    positions = [bs - 1, bs, bs + 1, 2 * bs + 5]
+    assert rope.asnumpy()[:4, 0].tolist() == positions
+    assert slots.asnumpy()[:4].tolist() == [4 * bs + bs - 1, 9 * bs, 9 * bs + 1, 6 * bs + 5]
+    assert (slots.asnumpy()[4:] == runner.scratch_block * bs).all()           # padding writes to scratch
+    assert token_seq.asnumpy()[:4].tolist() == [0, 0, 0, 1]
+    assert token_len.asnumpy()[:4].tolist() == [p + 1 for p in positions]
+    assert out_index.asnumpy()[:3].tolist() == [2, 3, -1]
+    assert tables.asnumpy()[0, :3].tolist() == [4, 9, runner.scratch_block]
+    with pytest.raises(ValueError, match="sequence 8: block table holds 2 blocks, too few for 38 tokens"):
+        runner.prepare([steps[0], SeqStep(8, [14], 2 * bs + 5, [1, 2])], True)

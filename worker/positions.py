@@ -2,7 +2,8 @@
 
 A scheme gives P position components per token and a [P, head_dim/2] frequency matrix; the
 network computes angles = components @ matrix, so a new scheme touches no model code. The engine
-calls `components` for every prefill and every decode step: callers never pass positions.
+calls `at` (every token's position) for every prefill and every decode step: callers never pass
+positions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ class RopePositions:
         return cfg.inv_freq()[None, :]
 
     def components(self, start: int, count: int) -> np.ndarray:
-        return np.arange(start, start + count, dtype=np.float32)[:, None]
+        return self.at(np.arange(start, start + count))
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """[len(positions), P] components of tokens at these positions (of plain prompts)."""
+        return positions.astype(np.float32)[:, None]
 
 
 class Rope2DPositions:
@@ -54,8 +59,10 @@ class Rope2DPositions:
         return np.stack([np.where(branch, inv, 0), np.where(branch, 0, inv)]).astype(np.float32)
 
     def components(self, start: int, count: int, branch: int = 0) -> np.ndarray:
-        time = np.arange(start, start + count, dtype=np.float32)
-        return np.stack([np.full(count, branch, np.float32), time], axis=1)
+        return self.at(np.arange(start, start + count), branch)
+
+    def at(self, positions: np.ndarray, branch: int = 0) -> np.ndarray:
+        return np.stack([np.full(len(positions), branch, np.float32), positions.astype(np.float32)], axis=1)
 
 
 SCHEMES = {"rope": RopePositions, "rope2d": Rope2DPositions}

@@ -117,9 +117,6 @@ class ModelRunner:
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
 
     # ---- inputs -------------------------------------------------------------------------------
-    def _slots_for(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True) -> tuple[int, int]:
         """The (N, M) a step of n_tok tokens of n_seqs sequences runs in: power-of-two buckets (N
         at least 64 for a prefill, 8 for a decode; M holds the logit rows), or, with `reuse`, the
@@ -157,33 +154,37 @@ class ModelRunner:
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
-        N, M = self.shape(sum(len(s.token_ids) for s in seqs), len(seqs), is_prefill, reuse)
-        width = max([self.max_blocks_per_seq] + [bucket(len(s.block_table)) for s in seqs
-                                                 if len(s.block_table) > self.max_blocks_per_seq])
-        ids = np.full(N, self.model.dev.pad_id, np.int32)
-        rope = np.zeros((N, P), np.float32)
-        slots = np.full(N, scratch, np.int32)
+        B = len(seqs)
+        n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, B)
+        start = np.fromiter((s.num_cached for s in seqs), np.int64, B)
+        blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
+        short = np.flatnonzero(blocks * bs < start + n)
+        if len(short):
+            s = seqs[short[0]]
+            raise ValueError(f"sequence {s.seq_id}: block table holds {len(s.block_table)} blocks, too few "
+                             f"for {s.num_cached + len(s.token_ids)} tokens")
+        total = int(n.sum())
+        N, M = self.shape(total, B, is_prefill, reuse)
+        width = max([self.max_blocks_per_seq] + [bucket(b) for b in blocks.tolist() if b > self.max_blocks_per_seq])
+        first = np.cumsum(n) - n                    # each sequence's first row
+        seq_of = np.repeat(np.arange(B), n)         # each token's sequence
+        pos = np.arange(total) - first[seq_of] + start[seq_of]
         tables = np.full((M, width), self.scratch_block, np.int32)
-        token_seq = np.zeros(N, np.int32)
-        token_len = np.zeros(N, np.int32)
-        out_index = np.full(M, -1, np.int32)
-        first_row, row = [], 0
         for b, s in enumerate(seqs):
-            n = len(s.token_ids)
-            table = np.asarray(s.block_table, np.int64)
-            if len(table) * bs < s.num_cached + n:
-                raise ValueError(f"sequence {s.seq_id}: block table holds {len(table)} blocks, too few "
-                                 f"for {s.num_cached + n} tokens")
-            pos = np.arange(s.num_cached, s.num_cached + n)
-            ids[row: row + n] = s.token_ids
-            rope[row: row + n] = self.scheme.components(s.num_cached, n)
-            slots[row: row + n] = self._slots_for(table, pos)
-            tables[b, : len(table)] = table
-            token_seq[row: row + n] = b
-            token_len[row: row + n] = pos + 1
-            first_row.append(row)
-            out_index[b] = row + n - 1
-            row += n
+            tables[b, : len(s.block_table)] = s.block_table
+        ids = np.full(N, self.model.dev.pad_id, np.int32)
+        ids[:total] = np.fromiter((t for s in seqs for t in s.token_ids), np.int32, total)
+        rope = np.zeros((N, P), np.float32)
+        rope[:total] = self.scheme.at(pos)
+        slots = np.full(N, scratch, np.int32)
+        slots[:total] = tables[seq_of, pos // bs] * bs + pos % bs
+        token_seq = np.zeros(N, np.int32)
+        token_seq[:total] = seq_of
+        token_len = np.zeros(N, np.int32)
+        token_len[:total] = pos + 1
+        out_index = np.full(M, -1, np.int32)
+        out_index[:B] = first + n - 1
+        first_row = first.tolist()
         T_, i32 = self.ms.Tensor, self.ms.int32
         return (T_(ids, i32), T_(rope, self.ms.float32), T_(slots, i32), T_(tables, i32), T_(token_seq, i32),
                 T_(token_len, i32), T_(out_index, i32)), first_row

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 from sharding.config import ModelConfig
 from sharding.layout import TPInfo, kv_head_range, vocab_shard
@@ -55,7 +56,10 @@ def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> 
 
 
 def new_param(shape, dtype, name: str) -> Parameter:
-    return Parameter(Tensor(np.zeros(shape, np.float32), dtype=dtype), name=name, requires_grad=False)
+    """A zero parameter whose memory is not touched until written (`initializer` allocates zero
+    pages): the KV cache of a long max_model_len costs no time or resident memory for what no
+    sequence reaches, and weights are written once, by the loader."""
+    return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
 class LinearBase(nn.Cell):

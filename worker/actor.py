@@ -3,7 +3,8 @@
 The controller creates them (launcher/replica.py wraps these classes with `ray.remote`), then:
     host, port = scheduler.start()            # on the node of rank 0
     [w.setup(engine_config, host, port)]      # every rank joins the group, loads its shard
-    [w.step(seqs, is_prefill)]                # every rank runs the same step; rank 0 samples
+    [w.step(seqs, is_prefill, index)]         # every rank runs the same step and samples the same
+                                              # tokens; rank 0 returns them. Steps run in index order
 Nothing but plain dataclasses (worker.protocol) crosses the wire.
 """
 

@@ -26,9 +26,8 @@ import ray  # noqa: E402
 from launcher.controller import Controller, ControllerConfig  # noqa: E402
 from launcher.replica import Replica, init_ray  # noqa: E402
 from launcher.scheduler import Sequence  # noqa: E402
-from worker.protocol import SamplingParams  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
-from worker.protocol import SeqStep  # noqa: E402
+from worker.protocol import SamplingParams, SeqStep  # noqa: E402
 from worker.runner import EngineConfig  # noqa: E402
 
 

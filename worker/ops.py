@@ -7,7 +7,7 @@
     attention     paged: each token reads its sequence's K/V rows through the block table
     attend        rotary, cache write and attention of one layer, as the device composes them
     linear        x w^T, and the embedding lookup, both over weights the device may reorder
-                  (`pack`) once they are loaded
+                  (`pack_weight`) once they are loaded
 
 `MsOps` writes them with portable MindSpore primitives (attention excepted). `CpuOps` replaces
 them with kernels of our own (worker/csrc/kernels.cc), MindSpore AOT custom operators compiled
@@ -74,8 +74,8 @@ class MsOps:
     Attention has none here; a device supplies it (`attention_op`)."""
     name = "mindspore"
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
-    linear_op = embed_op = pack = unpack = pack_weight = None
-    glu_linear_op = pack_glu = unpack_glu = None      # gate/up projection and silu-mul in one (CpuOps)
+    linear_op = embed_op = pack_weight = None
+    glu_linear_op = None      # gate/up projection and silu-mul in one (CpuOps)
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
 
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an

@@ -64,6 +64,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--skip-load", action="store_true",
                    help="random weights of the model's shapes instead of the checkpoint (needs only config.json)")
     b.add_argument("--device", default="auto", choices=("auto", "cpu", "ascend"))
+    b.add_argument("--ops", default="auto", choices=("auto", "portable"),
+                   help="operators: the device's fastest (auto) or portable MindSpore primitives")
     b.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="compute dtype (auto: float32 on the CPU, the checkpoint's on Ascend)")
     b.add_argument("--max-model-len", default=None,
@@ -152,6 +154,7 @@ def plan_bench(args) -> BenchPlan:
     from sharding.config import ModelConfig
     from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
     from worker.loader import CheckpointError, check_checkpoint
+    from worker.device import ascend_emulated, resolve_device
     from worker.runner import EngineConfig, resolve_dtype
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
@@ -173,11 +176,10 @@ def plan_bench(args) -> BenchPlan:
         ckpt_bytes = 0 if args.skip_load else check_checkpoint(args.model, plan_tensors(m, tp))
     except CheckpointError as e:
         raise CheckpointError(f"{e} (--skip-load runs on random weights with config.json alone)") from None
-    device = args.device
-    if device == "auto":
-        device = "ascend" if os.environ.get("ASCEND_HOME_PATH") else "cpu"
+    device = resolve_device(args.device)
+    emulate = device == "ascend" and ascend_emulated()
     try:
-        dtype = resolve_dtype(args.dtype, m, device)
+        dtype = resolve_dtype(args.dtype, m, device, emulate)
     except ValueError as e:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
@@ -185,7 +187,7 @@ def plan_bench(args) -> BenchPlan:
     weights = bytes_per_rank(m, tp, dbytes)
     kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads          # of the KV cache one rank holds
     budget = None
-    if device == "cpu" and not args.ray_address:
+    if (device == "cpu" or emulate) and not args.ray_address:
         import psutil
         budget = MEMORY_FRACTION * psutil.virtual_memory().total
     rejected: dict[Case, str] = {}
@@ -203,7 +205,7 @@ def plan_bench(args) -> BenchPlan:
         model_dir=str(args.model), dtype=dtype, device=device,
         max_model_len=max(c.seq_len for c in runnable), max_batch_size=max(c.batch_size for c in runnable),
         num_blocks=max(c.batch_size * -(-c.seq_len // block_size) for c in runnable), block_size=block_size,
-        random_weights=bool(args.skip_load))
+        random_weights=bool(args.skip_load), ops=args.ops, emulate=emulate)
     out_dir = Path(args.output)
     check_out_dir(out_dir)
     return BenchPlan(str(args.model), m, tp, device, dtype, max_len, cases, rejected, engine, weights,
@@ -245,7 +247,7 @@ class BenchReplica:
         import ray
 
         p = self.plan
-        threads = threads_per_worker(p.tp) if p.device == "cpu" else 0
+        threads = threads_per_worker(p.tp) if p.device == "cpu" or p.engine.emulate else 0
         self.replica = Replica(self.starts, p.tp, p.device, threads_per_worker=threads)
         self.starts += 1
         try:
@@ -451,7 +453,7 @@ def run_bench(args) -> int:
     bar = None
     try:
         if runnable:
-            init_ray(plan.ray_address, plan.tp + 1)
+            init_ray(plan.ray_address, plan.tp + 1, npus=plan.tp if plan.engine.emulate else 0)
             engine.start()
         if not args.no_progress:
             from tqdm import tqdm

@@ -26,6 +26,7 @@ from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
 from worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from worker.lora import check_adapter
 from worker.positions import make_scheme
+from worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
 from worker.runner import EngineConfig, resolve_dtype
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -42,6 +43,7 @@ class Plan:
     kv_bytes_per_rank: int
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
+    card: CardPlan | None = None          # accelerators: the memory of one card, as planned
 
     def describe(self) -> str:
         s, m = self.spec, self.model
@@ -64,6 +66,8 @@ class Plan:
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
         lines.append("layout      " + layout_summary(m, tp))
+        if self.card is not None:
+            lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
 
 
@@ -73,6 +77,99 @@ def layout_summary(m: ModelConfig, tp: int) -> str:
     kv = "split" if m.num_kv_heads % tp == 0 else f"replicated on {tp // m.num_kv_heads} ranks each"
     return (f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}, mlp {m.intermediate_size}/{tp} "
             f"columns, vocab rows {m.vocab_size}/{tp}, norms replicated")
+
+
+def verification_note(device: str, emulate: bool, ops: str) -> str:
+    """How the chosen device path is verified, for `plan` (and the README says the same)."""
+    if device == "cpu":
+        return "verified here by running: the CPU path is tested against transformers"
+    if ops == "portable":
+        return ("ascend with portable MindSpore operators: the same network is tested on the CPU against "
+                "transformers; never run on a card here")
+    if emulate:
+        return (f"ascend EMULATED on the CPU ({EMULATE_ENV}=1): the fused kernels are stand-ins with their "
+                f"documented semantics; everything around them is what a card runs")
+    return ("ascend fused kernels: verified by emulation against MindSpore's documented contracts, never on a "
+            "card here; if a kernel fails, model.ops: portable runs the same model without them")
+
+
+def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> None:
+    """What the chosen operators need of the spec: block sizes and head sizes for Ascend's kernels,
+    static shapes for the CPU kernels."""
+    fused = spec.model.ops == "auto"
+    if device == "cpu" and fused and spec.model.shapes == "dynamic":
+        raise LayoutError("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom "
+                          "operators in static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
+    if device == "ascend" and fused:
+        bs = spec.scheduler.block_size
+        if bs % BLOCK_MULTIPLE:
+            raise LayoutError(f"scheduler.block_size {bs}: Ascend's ReshapeAndCache and PagedAttention take blocks "
+                              f"of a multiple of {BLOCK_MULTIPLE} tokens (128 is usual on cards); or set model.ops: "
+                              f"portable")
+        if m.head_dim not in HEAD_SIZES:
+            notes.append(f"head_dim {m.head_dim} is not among the head sizes vllm-mindspore runs Ascend's attention "
+                         f"kernels with ({', '.join(map(str, HEAD_SIZES))}); if a card refuses it, model.ops: "
+                         f"portable runs the model without them")
+
+
+def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int) -> int:
+    """K and V of every layer for one cache block, on one rank."""
+    return 2 * m.num_layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
+
+
+@dataclass(frozen=True)
+class CardPlan:
+    """One card of an accelerator replica: what it holds, in bytes."""
+    memory: int               # the card's memory
+    assumed: bool             # memory is the default, not parallel.device_memory_gb
+    fraction: float
+    weights: int
+    activations: int          # the largest step's intermediates and logits (an estimate)
+    runtime: int              # workspace and communication buffers (an estimate)
+    kv: int
+    blocks: int
+
+    def describe(self) -> str:
+        gib = 1024 ** 3
+        return (f"{self.memory / gib:.3g} GiB{' (assumed: set parallel.device_memory_gb)' if self.assumed else ''} x "
+                f"{self.fraction:g} = {self.fraction * self.memory / gib:.2f} GiB for weights {self.weights / gib:.2f}"
+                f" + activations {self.activations / gib:.2f} + runtime {self.runtime / gib:.2f} + KV cache "
+                f"{self.kv / gib:.2f} GiB ({self.blocks} blocks)")
+
+
+CARD_MEMORY_GB = 64           # an Atlas 800T A2's 910B card, when parallel.device_memory_gb is not set
+RUNTIME_BYTES = 2 * 1024 ** 3  # per card: the runtime's workspace and HCCL buffers (an estimate, not measured)
+
+
+def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int, dbytes: int) -> CardPlan:
+    """The KV cache a card holds after weights, the largest step's activations and the runtime's
+    share, within parallel.memory_fraction of its memory: as many blocks as fit, at most what
+    max_batch_size sequences of max_model_len need (or scheduler.kv_cache_blocks, which must fit).
+    Refuses a layout that leaves no room for one sequence of max_model_len."""
+    p, tp = spec.parallel, spec.parallel.tensor_parallel
+    memory = int((p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3)
+    budget = int(p.memory_fraction * memory)
+    tokens, rows = spec.scheduler.max_batched_tokens, spec.scheduler.max_batch_size
+    per_token = (4 * m.hidden_size + 2 * m.intermediate_size // tp
+                 + (m.num_heads + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim // tp) * dbytes
+    activations = tokens * per_token + 3 * rows * m.vocab_size * 4    # float32 logits, gathered whole
+    block = kv_block_bytes(m, tp, engine.block_size, dbytes)
+    free = budget - weights - activations - RUNTIME_BYTES
+    fits = max(0, free // block - 1)                        # one block is the scratch block
+    wanted = engine.num_blocks or engine.max_batch_size * -(-engine.max_model_len // engine.block_size)
+    blocks = min(fits, wanted) if not engine.num_blocks else wanted
+    one_seq = -(-engine.max_model_len // engine.block_size)
+    gib = 1024 ** 3
+    if blocks > fits or fits < one_seq:
+        raise LayoutError(
+            f"the layout does not fit a {memory / gib:.3g} GiB card at memory_fraction {p.memory_fraction:g}: weights "
+            f"{weights / gib:.2f} GiB + activations {activations / gib:.2f} + runtime {RUNTIME_BYTES / gib:.2f} leave "
+            f"room for {fits} KV blocks of {engine.block_size} tokens, and "
+            + (f"scheduler.kv_cache_blocks asks for {blocks}" if blocks > fits else
+               f"one sequence of max_model_len {engine.max_model_len} needs {one_seq}")
+            + "; raise parallel.tensor_parallel, or lower model.max_model_len or scheduler.max_batched_tokens")
+    return CardPlan(memory, p.device_memory_gb is None, p.memory_fraction, weights, activations, RUNTIME_BYTES,
+                    (blocks + 1) * block, blocks)
 
 
 def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
@@ -90,11 +187,10 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
     if check_io:
         check_input(spec.input.path)
         check_output(spec.output.path)
-    device = spec.parallel.device
-    if device == "auto":
-        device = "ascend" if os.environ.get("ASCEND_HOME_PATH") else "cpu"
+    device = resolve_device(spec.parallel.device)
+    emulate = device == "ascend" and ascend_emulated()
     try:
-        dtype = resolve_dtype(spec.model.dtype, m, device)
+        dtype = resolve_dtype(spec.model.dtype, m, device, emulate)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     notes = []
@@ -105,13 +201,18 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
                           max_model_len=spec.model.max_model_len, max_batch_size=spec.scheduler.max_batch_size,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
-                          allow_pickle=spec.model.allow_pickle)
+                          allow_pickle=spec.model.allow_pickle, ops=spec.model.ops, shapes=spec.model.shapes,
+                          emulate=emulate)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
+    check_ops(spec, m, device, notes)
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
-    kv_heads_rank = max(1, m.num_kv_heads // tp)
-    kv = 2 * m.num_layers * kv_heads_rank * m.head_dim * dbytes * (engine.blocks() + 1) * engine.block_size
     weights = bytes_per_rank(m, tp, dbytes)
-    if device == "cpu":
+    card = None
+    if device == "ascend":
+        card = card_plan(spec, m, engine, weights, dbytes)
+        engine = dataclasses.replace(engine, num_blocks=card.blocks)
+    kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
+    if device == "cpu" or emulate:
         import psutil
         ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
         need, have = ranks_here * (weights + kv), psutil.virtual_memory().total
@@ -120,7 +221,8 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
                 f"{ranks_here} worker(s) need {need / 1024**3:.1f} GiB for weights and KV cache, this machine has "
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
-    return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes)
+    notes.append(verification_note(device, emulate, spec.model.ops))
+    return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes, card)
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:
@@ -334,7 +436,8 @@ def make_controller(plan: Plan):
     return Controller(ControllerConfig(
         engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
-        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.device == "cpu"
+        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp)
+        if plan.device == "cpu" or plan.engine.emulate
         else 0,   # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
@@ -349,7 +452,8 @@ def start_controller(plan: Plan):
     spec = plan.spec
     started_ray = not ray.is_initialized()
     workers = spec.parallel.tensor_parallel * spec.parallel.data_parallel
-    init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard)
+    init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
+             npus=workers if plan.engine.emulate else 0)
     controller = make_controller(plan)
     try:
         controller.start()

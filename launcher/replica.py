@@ -25,8 +25,10 @@ class LaunchError(RuntimeError):
     """Workers could not be placed or started; the message says which and why."""
 
 
-def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False) -> None:
-    """Embedded local Ray (address None) or join an existing cluster."""
+def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:
+    """Embedded local Ray (address None) or join an existing cluster. `npus`: the embedded node
+    advertises that many `NPU`s (emulated Ascend cards; Ray sets ASCEND_RT_VISIBLE_DEVICES for each
+    worker it places on one, as on a real node)."""
     if ray.is_initialized():
         return
     env = {"env_vars": dict(QUIET_ENV)}
@@ -43,6 +45,7 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False)
         return
     # address="local": a new embedded instance even when `ray start` runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
+             resources={"NPU": npus} if npus else None,
              dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
 

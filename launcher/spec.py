@@ -77,6 +77,8 @@ class ModelSpec(Section):
     allow_pickle: bool = False
     trust_remote_code: bool = False
     graph_mode: bool = True
+    ops: Literal["auto", "portable"] = "auto"      # auto: the device's fastest operators (CPU kernels, Ascend's fused)
+    shapes: Literal["auto", "dynamic", "buckets"] = "auto"   # auto: dynamic where the operators take them
     lora: LoraSpec | None = None
     positions: PositionsSpec = Field(default_factory=PositionsSpec)
     _paths = field_validator("path", "tokenizer")(_expand)
@@ -91,6 +93,8 @@ class ParallelSpec(Section):
     data_parallel: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "ascend"] = "auto"
     placement: Literal["pack", "spread"] = "pack"
+    device_memory_gb: float | None = Field(None, gt=0)   # an accelerator card's memory; None: 64 on Ascend
+    memory_fraction: float = Field(0.9, gt=0, le=1)       # of it for weights, KV cache, activations, runtime
 
 
 class InputSpec(Section):

@@ -209,15 +209,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Cell):
-    def __init__(self, size: int, eps: float, dtype, rms_norm_op):
+    def __init__(self, size: int, eps: float, dtype, dev):
         super().__init__()
         self.weight = new_param((size,), dtype, "weight")
-        self.eps = eps
-        self.op = rms_norm_op
+        self.op = dev.rms_norm_op(eps)            # the device's (x, weight) -> normalized x cell
 
     def weight_loader(self, param, src, name, shard_id=None):
         check_shape(name, src, tuple(param.shape))
         copy_into(param, read_shard(src, None))
 
     def construct(self, x):
-        return self.op(x, self.weight, self.eps)
+        return self.op(x, self.weight)

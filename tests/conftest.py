@@ -57,7 +57,7 @@ def hf_greedy(checkpoint):
 def ray_local():
     from launcher.replica import init_ray
     import ray
-    init_ray(None, 4)
+    init_ray(None, 4, npus=4)        # emulated Ascend cards for tests of that path (tests/test_ascend.py)
     yield ray
     ray.shutdown()
 

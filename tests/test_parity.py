@@ -9,6 +9,7 @@ import pytest
 from tests.checkpoints import VARIANTS
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
+from worker.model import STEP_INPUTS
 from worker.protocol import SamplingParams, StepOutput
 from worker.runner import EngineConfig, ModelRunner
 
@@ -157,7 +158,8 @@ def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_pai
     short = prompt(1, 40)                                  # its own bucket is 64: runs padded to 128
     padded = runner.forward([short], True)
     assert runner.graphs == {(128, 8)} and runner.pad_debt == {(64, 8): 64}
-    own = runner.step_fn(*runner.prepare([short], True, reuse=False)[0]).asnumpy()[:1]
+    inputs = runner.prepare([short], True, reuse=False)[0]
+    own = runner.step_fn(*(inputs[name] for name in STEP_INPUTS)).asnumpy()[:1]
     assert np.abs(padded - own).max() < 1e-5
     runner.forward([prompt(2, 40)], True)                  # 64 + 64 padded tokens >= 100: compiles 64
     assert runner.graphs == {(128, 8), (64, 8)}
@@ -200,7 +202,9 @@ def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(c
     runner = runner_for(checkpoint("llama_gqa_tied"))
     bs = runner.block_size
     steps = [SeqStep(7, [11, 12, 13], bs - 1, [4, 9]), SeqStep(8, [14], 2 * bs + 5, [1, 2, 6])]
-    (ids, rope, slots, tables, token_seq, token_len, out_index), first_row = runner.prepare(steps, True)
+    inputs, first_row = runner.prepare(steps, True)
+    ids, rope, slots, tables, token_seq, token_len, out_index = (inputs[k] for k in (
+        "input_ids", "positions", "slot_mapping", "block_tables", "token_seq", "token_len", "out_index"))
     assert first_row == [0, 3]
     assert ids.asnumpy()[:4].tolist() == [11, 12, 13, 14]
     positions = [bs - 1, bs, bs + 1, 2 * bs + 5]

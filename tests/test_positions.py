@@ -140,9 +140,10 @@ def test_rope2d_decoded_step_by_step_equals_one_prefill_of_the_same_tokens(check
     runner, out, logits = rope2d_run(checkpoint(NAME), RATIO)
     prompt = PROMPTS[0]
     tokens = prompt + out[0][:-1]
+    from worker.model import STEP_INPUTS
     inputs, _ = runner.prepare([SeqStep(7, tokens, 0, list(range(56, 64)))], True)
-    every_row = ms.Tensor(np.arange(len(tokens), dtype=np.int32))    # one sequence: row j is position j
-    once = runner.step_fn(*inputs[:-1], every_row).asnumpy()
+    inputs["out_index"] = ms.Tensor(np.arange(len(tokens), dtype=np.int32))    # one sequence: row j is position j
+    once = runner.step_fn(*(inputs[name] for name in STEP_INPUTS)).asnumpy()
     for step in range(N_NEW):
         diff = np.abs(once[len(prompt) - 1 + step] - logits[step][0]).max()
         assert diff < 1e-4, f"step {step}: max |logit diff| {diff}"

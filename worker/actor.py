@@ -64,7 +64,9 @@ class Worker:
     def setup(self, engine_config, sched_host: str | None, sched_port: int | None) -> dict:
         t0 = time.perf_counter()
         import mindspore as ms
-        if self.device.device_id is None:
+        if engine_config.emulate:             # Ascend's path on the CPU (worker/ascend.py)
+            ms.set_device("CPU")
+        elif self.device.device_id is None:
             ms.set_device(self.device.target)
         else:
             ms.set_device(self.device.target, self.device.device_id)
@@ -76,7 +78,13 @@ class Worker:
         comm_s = time.perf_counter() - t0
         from worker.runner import ModelRunner
         self.runner = ModelRunner(engine_config, self.tp, self.threads)
-        return {"rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
+        card = {}
+        if self.device.target == "Ascend" and not engine_config.emulate:     # as the card reports it
+            try:
+                card["device_memory_bytes"] = ms.hal.get_device_properties(self.device.device_id).total_memory
+            except Exception:
+                pass
+        return {**card, "rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
                 "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
                 "dtype": self.runner.dtype}

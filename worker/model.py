@@ -22,7 +22,7 @@ from worker.ops import GLU_GROUP
 
 
 class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int):
         super().__init__()
         self.dev = dev
         self.qkv_proj = QKVParallelLinear(cfg, cfg.qkv_bias, tp, dtype, dev.linear_op)
@@ -31,33 +31,37 @@ class Attention(nn.Cell):
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev.rms_norm)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, dev)
         else:
             self.q_norm = self.k_norm = None
-        shape = (num_slots * self.kv_heads, cfg.head_dim)
+        shape = dev.cache_shape(num_blocks, block_size, self.kv_heads, cfg.head_dim)
         self.k_cache = new_param(shape, dtype, "k_cache")
         self.v_cache = new_param(shape, dtype, "v_cache")
-        self.attend = dev.attention_op(self.q_size)
         if dev.fused_attention:      # one kernel from the qkv projection on: slices, norms and all
+            self.attend = dev.attention_op(self.q_size)
             ones = Tensor(np.ones(cfg.head_dim), dtype)
             self.qk_norm = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (ones, ones)
             self.norm_meta = Tensor(np.array([cfg.rms_norm_eps, float(cfg.qk_norm)], np.float32))
+            self.attn_meta = Tensor(np.array([block_size, self.kv_heads], np.int32))
+        else:
+            self.attend = dev.attention(self.heads, self.kv_heads, cfg.head_dim, block_size, dtype)
 
-    def construct(self, x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, meta):
+    def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
         N = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.dev.fused_attention:
+            slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
             return self.o_proj(self.attend(qkv, *self.qk_norm, self.norm_meta, *rope_q, self.k_cache, self.v_cache,
-                                           write_index, block_tables, token_seq, token_len, meta))
+                                           slot_mapping, block_tables, token_seq, token_len, self.attn_meta))
         q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].reshape(N, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        out = self.dev.attend(self.attend, q, k, v, rope_q, rope_k, self.k_cache, self.v_cache, write_index,
-                              block_tables, token_seq, token_len, meta)
+        out = self.attend(self.dev.rotary(q, *rope_q), self.dev.rotary(k, *rope_k), v, self.k_cache, self.v_cache,
+                          ctx, prefill)
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -81,40 +85,54 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     # Compiled once and reused for every layer: a 30-layer step compiles in ~2/3 of the time.
     @ms.lazy_inline(policy="front")
-    def __init__(self, cfg, tp, dtype, dev, num_slots):
+    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
         super().__init__()
-        self.self_attn = Attention(cfg, tp, dtype, dev, num_slots)
+        self.self_attn = Attention(cfg, tp, dtype, dev, num_blocks, block_size)
         self.mlp = MLP(cfg, tp, dtype, dev)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
 
-    def construct(self, x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, write_index, block_tables, token_seq,
-                               token_len, meta)
+    def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
+        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, ctx, prefill)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# The inputs of every compiled step, in order (see CausalLM). The names are the graph's input
+# names: Ascend's kernels read `batch_valid_length` and `q_seq_lens` by name (worker/ascend.py).
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "batch_valid_length", "q_seq_lens",
+               "token_seq", "token_len", "attn_mask", "out_index")
+SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
+
+
 class CausalLM(nn.Cell):
-    """Inputs of one step (N tokens of up to M sequences; see ModelRunner.prepare):
-        input_ids      [N]      int32   the new tokens, packed one sequence after another
-        rope_pos       [N, P]   float32 rotary position components (P = 1 for plain RoPE)
-        slots          [N]      int32   cache slot each new token's K/V is written to
-        block_tables   [M, MB]  int32   the cache blocks of each sequence
-        token_seq      [N]      int32   which sequence (row of block_tables) each token is of
-        token_len      [N]      int32   how many positions of its sequence it sees: its position + 1
-                                        (causal), 0 for a padding token
-        out_index      [M]      int32   rows of the N tokens whose logits are returned (-1: padding,
-                                        whose logits are not computed where the device can skip them)
+    """Inputs of one step (N tokens of B sequences, in M >= B rows; see ModelRunner.prepare):
+        input_ids          [N]      int32   the new tokens, packed one sequence after another
+        positions          [N, P]   float32 rotary position components (P = 1 for plain RoPE)
+        slot_mapping       [N]      int32   cache slot (block * block_size + offset) of each new token's K/V
+        block_tables       [M, MB]  int32   the cache blocks of each sequence
+        batch_valid_length [M]      int32   each sequence's length with this step's tokens (0: padding)
+        q_seq_lens         [M]      int32   each sequence's tokens in this step
+        token_seq          [N]      int32   which sequence (row of block_tables) each token is of
+        token_len          [N]      int32   how many positions of its sequence it sees: its position + 1
+                                            (causal), 0 for a padding token
+        attn_mask          [N, MB * block_size] or [1, 1]   the compute dtype: 0 where a token may
+                                            look, -10000 past its position (devices with `paged_mask`)
+        out_index          [M]      int32   rows of the N tokens whose logits are returned (-1: padding,
+                                            whose logits are not computed where the device can skip them)
+    Each device reads the inputs its attention takes. Two step kinds compile apart: `prefill`
+    (nothing of any sequence cached: attention among the step's own tokens) and `decode` (any
+    other step, chunks after cached tokens included: attention through the block tables).
     The attention scale is 1/sqrt(head_dim), as in every supported family.
     Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_slots: int, freq_matrix: np.ndarray,
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, freq_matrix: np.ndarray,
                  block_size: int = 16):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
-        self.layers = nn.CellList([DecoderLayer(cfg, tp, dtype, dev, num_slots) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev.rms_norm)
+        self.layers = nn.CellList([DecoderLayer(cfg, tp, dtype, dev, num_blocks, block_size)
+                                   for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
@@ -123,31 +141,42 @@ class CausalLM(nn.Cell):
         self.dev = dev
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
-        # what the attention kernel needs besides its tensors: block size, KV heads
-        self.attn_meta = Tensor(np.array([block_size, self.kv_heads], np.int32))
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
 
-    def construct(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index):
+    def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+                token_len, attn_mask, out_index, prefill: bool):
         x = self.embed_tokens(input_ids)
-        angles = ops.matmul(rope_pos, self.freq_matrix)                 # [N, D/2]
+        angles = ops.matmul(positions, self.freq_matrix)                 # [N, D/2]
         cos, sin = ops.cos(angles).astype(self.dtype), ops.sin(angles).astype(self.dtype)
         rope_q = self.dev.rope_tables(cos, sin, self.heads)
         rope_k = self.dev.rope_tables(cos, sin, self.kv_heads)
-        write_index = self.dev.write_index(slots, self.kv_heads)
+        ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
         for layer in self.layers:
-            x = layer(x, rope_q, rope_k, write_index, block_tables, token_seq, token_len, self.attn_meta)
+            x = layer(x, rope_q, rope_k, ctx, prefill)
         x = self.norm(self.dev.rows(x, out_index))
         return self.lm_head(x).astype(ms.float32)
 
-    def score(self, input_ids, rope_pos, slots, block_tables, token_seq, token_len, out_index, score_index,
-              targets):
-        """A prefill that also scores: returns (logits [M, vocab] at out_index, as `construct`
-        returns them; log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The
-        log-softmax and the pick run in the graph, so a scoring step hands back S floats, not
-        S x vocab logits."""
+    def prefill(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+                token_len, attn_mask, out_index):
+        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                            token_seq, token_len, attn_mask, out_index, True)
+
+    def decode(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+               token_len, attn_mask, out_index):
+        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                            token_seq, token_len, attn_mask, out_index, False)
+
+    construct = decode
+
+    def score(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+              token_len, attn_mask, out_index, score_index, targets):
+        """A prefill (of the decode kind: its sequences may have cached tokens) that also scores:
+        returns (logits [M, vocab] at out_index, as `decode` returns them; log p(targets[i] | the
+        tokens up to row score_index[i]) [S], float32). The log-softmax and the pick run in the
+        graph, so a scoring step hands back S floats, not S x vocab logits."""
         m = out_index.shape[0]
-        logits = self.construct(input_ids, rope_pos, slots, block_tables, token_seq, token_len,
-                                ops.concat((out_index, score_index)))
+        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
         logp = ops.log_softmax(logits[m:], -1)
         return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)
 

@@ -1,20 +1,19 @@
 """The device seam: the handful of per-device operators the network uses, chosen once per worker.
 
-    rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32
+    rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32 (a cell per eps: `rms_norm_op`)
     rotary        q*cos + rotate_half(q)*sin (the Hugging Face, non-interleaved layout)
     silu_mul      silu(gate) * up
-    cache write   ScatterUpdate of the new K/V rows into the flat cache ([slots * kv_heads, D])
-    attention     paged: each token reads its sequence's K/V rows through the block table
-    attend        rotary, cache write and attention of one layer, as the device composes them
+    attention     the new K/V rows into the layer's cache, then attention: among the step's own
+                  tokens for a prefill with nothing cached, else paged (each token reads its
+                  sequence's K/V rows through the block table)
     linear        x w^T, and the embedding lookup, both over weights the device may reorder
                   (`pack_weight`) once they are loaded
 
-`MsOps` writes them with portable MindSpore primitives (attention excepted). `CpuOps` replaces
+`MsOps` writes them in portable MindSpore primitives (`model.ops: portable`). `CpuOps` replaces
 them with kernels of our own (worker/csrc/kernels.cc), MindSpore AOT custom operators compiled
 with the machine's C++ compiler on first use and cached (`kernel_library`): one call where
 MindSpore's CPU backend runs 5-10 small kernels, and attention with no gathered copy of K/V and
-no mask. `AscendOps` uses MindSpore's fused Ascend kernels where they exist (RmsNorm); it needs
-an Ascend card and is not exercised on the CPU.
+no mask. `worker.ascend.AscendOps` calls MindSpore's fused Ascend kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import shutil
 import subprocess
 
 import mindspore as ms
-from mindspore import ops
+from mindspore import Tensor, nn, ops
 import numpy as np
 
 CSRC = Path(__file__).with_name("csrc")
@@ -69,26 +68,112 @@ def kernel_library(name: str) -> str:
     return str(lib)
 
 
+class RmsNorm(nn.Cell):
+    """x * rsqrt(mean(x^2) + eps) * w in MindSpore primitives, in float32 whatever x's dtype."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def construct(self, x, weight):
+        x32 = x.astype(ms.float32)
+        var = ops.mean(x32 * x32, -1, keep_dims=True)
+        y = (x32 * ops.broadcast_to(ops.rsqrt(var + self.eps), x32.shape)).astype(x.dtype)
+        return y * ops.broadcast_to(weight, y.shape)
+
+
+# The score of a position a token must not see. Finite, so that a padding token that sees nothing
+# (static shapes) gets a uniform average instead of NaN; exp() of it is 0 in float32.
+MASKED = -1e30
+
+
+def _softmax_pv(scores, visible, v):
+    """softmax over the last axis of float32 scores [..., L] where `visible` (broadcast to them),
+    then times v [..., L, D] in v's dtype."""
+    scores = ops.select(ops.broadcast_to(visible, scores.shape), scores, ops.full_like(scores, MASKED))
+    return ops.bmm(ops.softmax(scores, -1).astype(v.dtype), v)
+
+
+def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
+    """Each token n of q [N, H, D] attends over the first lens[n] positions of its sequence, whose
+    cache blocks are tables[n] [MB], in caches [blocks, block_size, KV, D]; `bias` [N, MB *
+    block_size] (or [1, 1]) is added to its scores. Query head h reads KV head h // (H / KV).
+    The K/V rows are gathered ([N, MB * block_size, KV, D]): memory grows with N x the table width."""
+    N, H, D = q.shape
+    bs, KV = k_cache.shape[1], k_cache.shape[2]
+    L = tables.shape[1] * bs
+    k = ops.gather(k_cache, tables, 0).reshape(N, L, KV, D).transpose(0, 2, 3, 1)       # [N, KV, D, L]
+    v = ops.gather(v_cache, tables, 0).reshape(N, L, KV, D).transpose(0, 2, 1, 3)       # [N, KV, L, D]
+    scores = ops.bmm(q.reshape(N, KV, H // KV, D), k).astype(ms.float32) * scale      # [N, KV, G, L]
+    if bias is not None:
+        scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, 1, L)
+    visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, 1, L)
+    return _softmax_pv(scores, visible, v).reshape(N, H, D)
+
+
+def packed_attention(q, k, v, token_seq, scale: float, causal: bool = True):
+    """Attention among a step's own tokens, nothing read from the cache (a prefill of sequences with
+    nothing cached): q [N, H, D], k and v [N, KV, D], packed one sequence after another; token i
+    sees token j of the same sequence (token_seq) with j <= i (causal). Scores are [H, N, N]."""
+    N, H, D = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qh = q.reshape(N, KV, G, D).transpose(1, 2, 0, 3).reshape(KV, G * N, D)
+    scores = ops.bmm(qh, k.transpose(1, 2, 0)).astype(ms.float32) * scale                 # [KV, G*N, N]
+    visible = token_seq.reshape(N, 1) == token_seq.reshape(1, N)
+    if causal:
+        index = ops.arange(N, dtype=ms.int32)
+        visible = ops.logical_and(visible, index.reshape(1, N) <= index.reshape(N, 1))
+    visible = ops.broadcast_to(visible.reshape(1, 1, N, N), (KV, G, N, N)).reshape(KV, G * N, N)
+    out = _softmax_pv(scores, visible, v.transpose(1, 0, 2))                              # [KV, G*N, D]
+    return out.reshape(KV, G, N, D).transpose(2, 0, 1, 3).reshape(N, H, D)
+
+
+class PortableAttention(nn.Cell):
+    """Cache write and attention of one layer in MindSpore primitives. Caches [blocks, block_size,
+    KV, D] (the layout Ascend's kernels take); the new rows go in with ScatterNdUpdate at (slot //
+    block_size, slot % block_size). A prefill with nothing cached attends among its own tokens
+    (`packed_attention`); every other step reads K/V through the block tables (`paged_attention`)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
+        super().__init__()
+        self.scale = head_dim ** -0.5
+        self.block_size = block_size
+
+    def construct(self, q, k, v, k_cache, v_cache, ctx, prefill: bool):
+        slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
+        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+        written = ops.depend(ops.scatter_nd_update(k_cache, at, k), ops.scatter_nd_update(v_cache, at, v))
+        q = ops.depend(q, written)
+        if prefill:
+            return packed_attention(q, k, v, token_seq, self.scale)
+        return paged_attention(q, k_cache, v_cache, ops.gather(block_tables, token_seq, 0), token_len, self.scale)
+
+
 class MsOps:
-    """The network's operators from portable MindSpore primitives: any device, no kernel of ours.
-    Attention has none here; a device supplies it (`attention_op`)."""
-    name = "mindspore"
+    """The network's operators in portable MindSpore primitives (`model.ops: portable`): any
+    device target, no kernel of ours, dynamic shapes. The base of the other devices' seams."""
+    name = "portable"
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
     linear_op = embed_op = pack_weight = None
     glu_linear_op = None      # gate/up projection and silu-mul in one (CpuOps)
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
-
+    dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
+    paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)
+    fused_attention = False   # True: the attention op takes the qkv projection whole (CpuOps)
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
     # 2048 x 576, kept for the graph's life). Every operand is therefore broadcast explicitly,
     # which costs one copy, and the elementwise ops all see equal shapes.
 
     @staticmethod
-    def rms_norm(x, weight, eps):
-        x32 = x.astype(ms.float32)
-        var = ops.mean(x32 * x32, -1, keep_dims=True)
-        y = (x32 * ops.broadcast_to(ops.rsqrt(var + eps), x32.shape)).astype(x.dtype)
-        return y * ops.broadcast_to(weight, y.shape)
+    def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple:
+        return (num_blocks, block_size, kv_heads, head_dim)
+
+    @staticmethod
+    def rms_norm_op(eps: float):
+        """A cell (x [..., H], weight [H]) -> x normalized over H, times weight."""
+        return RmsNorm(eps)
 
     @staticmethod
     def rope_tables(cos, sin, heads):
@@ -115,34 +200,10 @@ class MsOps:
         return ops.gather(x, ops.maximum(index, ops.zeros_like(index)), 0)
 
     @staticmethod
-    def write_index(slots, kv_heads):
-        """The cache is [slots * kv_heads, D], head-minor: the rows a step's new K/V go to, [N, KV]."""
-        N = slots.shape[0]
-        heads = ops.arange(kv_heads, dtype=ms.int32)
-        return ops.broadcast_to(slots.reshape(N, 1) * kv_heads, (N, kv_heads)) + \
-            ops.broadcast_to(heads.reshape(1, kv_heads), (N, kv_heads))
-
-    @staticmethod
-    def write_cache(cache, index, rows):
-        """cache [slots*KV, D] (a Parameter, updated in place); index [N, KV]; rows [N, KV, D]."""
-        return ops.scatter_update(cache, index, rows)
-
-    fused_attention = False     # attention_op takes q, k, v apart, already normed (see Attention)
-
-    @staticmethod
-    def attention_op(q_size: int):
-        """A primitive (q [N, H, D], k_cache, v_cache, block_tables [M, MB], rows [N], lens [N],
-        meta [2] = (block size, KV heads)) -> [N, H, D]: each token attends over the first lens[n]
-        positions of sequence rows[n], read from the cache through its block table."""
-        raise NotImplementedError("this device has no paged-attention operator wired in")
-
-    @classmethod
-    def attend(cls, op, q, k, v, rope_q, rope_k, k_cache, v_cache, write_index, tables, rows, lens, meta):
-        """One layer's attention from its un-rotated q [N, H, D], k and v [N, KV, D]: rotary, the
-        new K/V rows into the cache, then `op` (an `attention_op`)."""
-        k_cache = cls.write_cache(k_cache, write_index, cls.rotary(k, *rope_k))
-        v_cache = cls.write_cache(v_cache, write_index, v)
-        return op(cls.rotary(q, *rope_q), k_cache, v_cache, tables, rows, lens, meta)
+    def attention(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
+        """A cell (q [N, H, D], k and v [N, KV, D] (rotated), k_cache, v_cache, ctx, prefill) -> [N, H, D]
+        that writes the new K/V rows and attends; ctx is CausalLM's step context."""
+        return PortableAttention(heads, kv_heads, head_dim, block_size, dtype)
 
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
@@ -150,18 +211,34 @@ class MsOps:
 _LIBRARY = _RMS_NORM = _SILU_MUL = _ROWS = None
 
 
+class CpuRmsNorm(nn.Cell):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x, weight):
+        return _RMS_NORM(x, weight, self.eps)
+
+
 class CpuOps(MsOps):
     """MsOps with the kernels of worker/csrc/kernels.cc (see its header) in place of the
-    elementwise chains, attention, every matmul and the embedding lookup (over packed weights)."""
+    elementwise chains, attention, every matmul and the embedding lookup (over packed weights).
+    MindSpore 2.10 runs custom operators in static shapes only ("The pointer[value] is null" at the
+    first call of a dynamic-shape graph), so steps run in power-of-two buckets (worker/runner.py)."""
     name = "cpu"
     # Padding rows embed to zeros, every kernel keeps a zero row zero (attention gives zeros for a
     # token that sees nothing) and `linear` skips zero rows: a padded step costs its real tokens.
     # (A layer with a bias makes them non-zero from there on; they are then computed, as before.)
     pad_id = -1
+    dynamic_shapes = False
 
     @staticmethod
-    def rms_norm(x, weight, eps):
-        return _RMS_NORM(x, weight, ops.fill(ms.float32, (1,), eps))
+    def cache_shape(num_blocks, block_size, kv_heads, head_dim):
+        return (num_blocks * block_size * kv_heads, head_dim)   # row (slot * KV + head), the same bytes
+
+    @staticmethod
+    def rms_norm_op(eps):
+        return CpuRmsNorm(eps)
 
     @staticmethod
     def rope_tables(cos, sin, heads):
@@ -172,10 +249,6 @@ class CpuOps(MsOps):
         return _ROWS(x, index)                # -1 gives a zero row, which `linear` then skips
 
     @staticmethod
-    def write_index(slots, kv_heads):
-        return slots                          # the kernel writes row slot * KV + head itself
-
-    @staticmethod
     def silu_mul(gate_up):
         return _SILU_MUL(gate_up)
 
@@ -184,8 +257,8 @@ class CpuOps(MsOps):
     @staticmethod
     def attention_op(q_size: int):
         """(qkv [N, (H + 2 KV) D], q_norm [D], k_norm [D], (eps, qk norm?) [2], cos, sin, k_cache,
-        v_cache, slots, block_tables, rows, lens, meta) -> [N, H D]: q/k norm, rotary, cache write
-        and attention in one kernel (kernels.cc), straight from the qkv projection."""
+        v_cache, slots, block_tables, token_seq, token_len, meta) -> [N, H D]: q/k norm, rotary,
+        cache write and attention in one kernel (kernels.cc), straight from the qkv projection."""
         return _custom("PagedAttention", lambda qkv, *_: [qkv[0], q_size])
 
     @staticmethod
@@ -314,19 +387,13 @@ def load_kernels(threads: int = 0) -> None:
     _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])
 
 
-class AscendOps(MsOps):
-    """Fused Ascend kernels (MindSpore's LLM inference tutorial). Not runnable on the CPU, and its
-    attention still has to be wired to MindSpore's Ascend PagedAttention kernel, which takes the
-    same block tables."""
-    name = "ascend"
-
-    @staticmethod
-    def rms_norm(x, weight, eps):
-        return ops.rms_norm(x, weight, eps)[0]
-
-
-def select_ops(device: str, threads: int = 0):
+def select_ops(device: str, ops_choice: str = "auto", threads: int = 0, emulate: bool = False):
+    """The device seam of a worker: `model.ops` portable, or the device's fastest (auto): the CPU
+    kernels, or Ascend's fused kernels (their CPU stand-ins with `emulate`)."""
+    if ops_choice == "portable":
+        return MsOps
     if device == "ascend":
-        return AscendOps
+        from worker.ascend import AscendOps, EmulatedAscendOps
+        return EmulatedAscendOps if emulate else AscendOps
     load_kernels(threads)
     return CpuOps

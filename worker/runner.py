@@ -10,6 +10,7 @@ tokens write to a scratch block that no sequence owns.
 from __future__ import annotations
 
 import time
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ from sharding.layout import TPInfo
 from worker.protocol import SAMPLED, SeqStep, StepOutput
 from worker.positions import make_scheme
 from worker import sampler
+from worker.device import MASK_PENALTY
 
 DTYPES = {"float32", "float16", "bfloat16"}
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
@@ -35,9 +37,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
-def shape_key(inputs) -> str:
+def shape_key(inputs: dict) -> str:
     """The graph shape of a step's inputs (see ModelRunner.prepare)."""
-    return f"N={inputs[0].shape[0]} M={inputs[-1].shape[0]}"
+    return f"N={inputs['input_ids'].shape[0]} M={inputs['out_index'].shape[0]}"
 
 
 @dataclass(frozen=True)
@@ -56,21 +58,27 @@ class EngineConfig:
     lora_scale: float = 1.0            # times the adapter's own alpha / r
     allow_pickle: bool = False
     random_weights: bool = False       # read no checkpoint (msinfer bench --skip-load; Worker.fill_random)
+    ops: str = "auto"                  # "auto": the device's fastest operators; "portable": MindSpore primitives
+    shapes: str = "auto"               # "dynamic" | "buckets" | "auto": the operators' choice (MsOps.dynamic_shapes)
+    emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
 
 
-def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> str:
-    """'auto' computes in float32 on the CPU and in the checkpoint's dtype on Ascend. MindSpore's
-    CPU kernels have no bfloat16 (Gather and the collectives refuse it), so it is refused there."""
+def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False) -> str:
+    """'auto' computes in float32 on the CPU (emulated Ascend included) and in the checkpoint's
+    dtype on Ascend. MindSpore's CPU kernels have no bfloat16 (Gather and the collectives refuse
+    it), so it is refused there."""
+    on_cpu = device == "cpu" or emulate
     if name == "auto":
-        return "float32" if device == "cpu" else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
+        return "float32" if on_cpu else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
     if name not in DTYPES:
         raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
-    if name == "bfloat16" and device == "cpu":
-        raise ValueError("model.dtype bfloat16 does not run on the CPU (MindSpore's CPU Gather and collectives "
-                         "have no bfloat16); use float32, or auto, which picks float32 on the CPU")
+    if name == "bfloat16" and on_cpu:
+        where = "the emulated Ascend path (it runs on the CPU)" if emulate else "the CPU"
+        raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
+                         "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
     return name
 
 
@@ -86,15 +94,19 @@ class ModelRunner:
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
-        self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device)
+        self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate)
         self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
         self.block_size = ec.block_size
         self.num_blocks = ec.blocks()
         self.scratch_block = self.num_blocks                 # padding writes land here
-        num_slots = (self.num_blocks + 1) * self.block_size
         t0 = time.perf_counter()
         self.max_blocks_per_seq = -(-ec.max_model_len // self.block_size)
-        self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), select_ops(ec.device, threads), num_slots,
+        self.dev = select_ops(ec.device, ec.ops, threads, ec.emulate)
+        self.dynamic = self.dev.dynamic_shapes if ec.shapes == "auto" else ec.shapes == "dynamic"
+        if self.dynamic and self.dev.fused_attention:
+            raise ValueError("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom "
+                             "operators in static shapes only); use model.shapes: buckets or model.ops: portable")
+        self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size)
         self.model.set_train(False)
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
@@ -104,26 +116,49 @@ class ModelRunner:
                                               ec.allow_pickle)
         self.model.pack_weights()
         self.load_s = time.perf_counter() - t0
-        if ec.graph_mode:
-            self.step_fn = ms.jit(self.model.construct)      # prefill and decode steps alike
-            self.score_fn = ms.jit(self.model.score)
-        else:
-            self.step_fn = self.model.construct
-            self.score_fn = self.model.score
+        # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both
+        # kinds, so their prefill steps run the decode graph.
+        kinds = {"prefill": self.model.prefill, "decode": self.model.decode, "score": self.model.score}
+        if self.dev.fused_attention:
+            kinds["prefill"] = self.model.decode
+        self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
+        self.step_fn = self.fns["decode"]
         self.compile_s: dict[str, float] = {}
-        self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes step_fn has compiled
+        self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes the step graphs have run
+        self.compiled_graphs: set[tuple] = set()             # (kind, and shapes when static) of each graph run
         self.model_s = 0.0                                   # seconds in compiled calls, all steps
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
 
+    def compiled(self, fn, kind: str):
+        """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count
+        (mindspore.enable_dynamic: each input's dims of variable size declared None, by name)."""
+        ms = self.ms
+        if not self.dynamic:
+            return ms.jit(fn)
+        # enable_dynamic keeps its shapes on the function object, which a bound method shares with
+        # every instance: each runner gets a function of its own (same code, so the same input names)
+        f = fn.__func__
+        own = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        own.__qualname__ = f.__qualname__
+        graph = ms.jit(types.MethodType(own, fn.__self__))
+        from worker.model import SCORE_INPUTS, STEP_INPUTS
+        i32 = ms.int32
+        dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], i32),
+                "attn_mask": ([None, None], getattr(ms, self.dtype))}
+        specs = {n: dims.get(n, ([None], i32)) for n in (SCORE_INPUTS if kind == "score" else STEP_INPUTS)}
+        return ms.enable_dynamic(**{n: ms.Tensor(shape=shp, dtype=dt) for n, (shp, dt) in specs.items()})(graph)
+
     # ---- inputs -------------------------------------------------------------------------------
     def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True) -> tuple[int, int]:
-        """The (N, M) a step of n_tok tokens of n_seqs sequences runs in: power-of-two buckets (N
-        at least 64 for a prefill, 8 for a decode; M holds the logit rows), or, with `reuse`, the
-        next larger bucket if it is compiled, padded, while the padding such steps have cost stays
-        under PAD_TOKENS_BEFORE_COMPILE tokens: a compile costs seconds, a few padded steps less
-        (rent until the rent paid equals the price). The choice depends only on the steps run so
-        far, so every rank of a group makes the same one."""
+        """The (N, M) a step of n_tok tokens of n_seqs sequences runs in. With dynamic shapes, its
+        own. Else power-of-two buckets (N at least 64 for a prefill, 8 for a decode; M holds the
+        logit rows), or, with `reuse`, the next larger bucket if it is compiled, padded, while the
+        padding such steps have cost stays under PAD_TOKENS_BEFORE_COMPILE tokens: a compile costs
+        seconds, a few padded steps less (rent until the rent paid equals the price). The choice
+        depends only on the steps run so far, so every rank of a group makes the same one."""
+        if self.dynamic:
+            return n_tok, n_seqs
         if is_prefill:
             N = bucket(n_tok, 64)
             M = min(bucket(max(n_seqs, self.ec.max_batch_size)), N)
@@ -140,17 +175,21 @@ class ModelRunner:
         self.pad_debt[(N, M)] = debt
         return fits[0]
 
-    def prepare(self, seqs: list[SeqStep], is_prefill: bool, reuse: bool = True):
-        """The step's input tensors (see CausalLM) and the first row of each sequence's tokens.
+    def prepare(self, seqs: list[SeqStep], is_prefill: bool, reuse: bool = True,
+                paged: bool = True) -> tuple[dict, list[int]]:
+        """The step's input tensors by name (see CausalLM) and the first row of each sequence's tokens.
 
         The sequences' new tokens are packed one after another into N rows, with no padding
         between them; each token sees the first (its position + 1) positions of its own sequence,
         read through the sequence's block table. A decode step brings one token per sequence, a
         prefill step whole prompts (or their uncached tails).
 
-        N and M (the returned logit rows) come from `shape` and the block tables are as wide as
-        max_model_len, so the static graphs compile for a handful of shapes and then run from
-        cache; padded tokens see nothing and write to a scratch block no sequence owns."""
+        N and M (the returned logit rows) come from `shape`. With static shapes the block tables
+        are as wide as max_model_len, so the graphs compile for a handful of shapes and then run
+        from cache; padded tokens see nothing and write to a scratch block no sequence owns. With
+        dynamic shapes nothing is padded and the tables are as wide as the step's longest sequence.
+        `paged`: the step attends through the block tables (any kind but `prefill`), so a device
+        with `paged_mask` gets the causal mask of its chunks."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
@@ -165,14 +204,18 @@ class ModelRunner:
                              f"for {s.num_cached + len(s.token_ids)} tokens")
         total = int(n.sum())
         N, M = self.shape(total, B, is_prefill, reuse)
-        width = max([self.max_blocks_per_seq] + [bucket(b) for b in blocks.tolist() if b > self.max_blocks_per_seq])
+        if self.dynamic:
+            width = max(1, int((-(-(start + n) // bs)).max()))
+        else:
+            width = max([self.max_blocks_per_seq] + [bucket(b) for b in blocks.tolist() if b > self.max_blocks_per_seq])
         first = np.cumsum(n) - n                    # each sequence's first row
         seq_of = np.repeat(np.arange(B), n)         # each token's sequence
         pos = np.arange(total) - first[seq_of] + start[seq_of]
         tables = np.full((M, width), self.scratch_block, np.int32)
         for b, s in enumerate(seqs):
-            tables[b, : len(s.block_table)] = s.block_table
-        ids = np.full(N, self.model.dev.pad_id, np.int32)
+            k = min(len(s.block_table), width)
+            tables[b, :k] = s.block_table[:k]
+        ids = np.full(N, self.dev.pad_id, np.int32)
         ids[:total] = np.fromiter((t for s in seqs for t in s.token_ids), np.int32, total)
         rope = np.zeros((N, P), np.float32)
         rope[:total] = self.scheme.at(pos)
@@ -182,34 +225,70 @@ class ModelRunner:
         token_seq[:total] = seq_of
         token_len = np.zeros(N, np.int32)
         token_len[:total] = pos + 1
+        valid_len = np.zeros(M, np.int32)
+        valid_len[:B] = start + n
+        q_lens = np.zeros(M, np.int32)
+        q_lens[:B] = n
+        if paged and self.dev.paged_mask and n.max(initial=0) > 1:     # 0 / -10000 past each token's position
+            mask = np.where(np.arange(width * bs)[None, :] > np.append(pos, np.zeros(N - total, np.int64))[:, None],
+                            np.float32(MASK_PENALTY), np.float32(0))
+        else:
+            mask = np.zeros((1, 1), np.float32)
         out_index = np.full(M, -1, np.int32)
         out_index[:B] = first + n - 1
-        first_row = first.tolist()
         T_, i32 = self.ms.Tensor, self.ms.int32
-        return (T_(ids, i32), T_(rope, self.ms.float32), T_(slots, i32), T_(tables, i32), T_(token_seq, i32),
-                T_(token_len, i32), T_(out_index, i32)), first_row
+        inputs = {"input_ids": T_(ids, i32), "positions": T_(rope, self.ms.float32), "slot_mapping": T_(slots, i32),
+                  "block_tables": T_(tables, i32), "batch_valid_length": T_(valid_len, i32),
+                  "q_seq_lens": T_(q_lens, i32), "token_seq": T_(token_seq, i32), "token_len": T_(token_len, i32),
+                  "attn_mask": T_(mask, getattr(self.ms, self.dtype)), "out_index": T_(out_index, i32)}
+        return inputs, first.tolist()
+
+    def kind(self, seqs: list[SeqStep], is_prefill: bool) -> str:
+        """`prefill` when no sequence of the step has cached tokens, else `decode` (see CausalLM)."""
+        return "prefill" if is_prefill and all(s.num_cached == 0 for s in seqs) else "decode"
 
     # ---- steps ----------------------------------------------------------------------------------
     def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
         """Runs one step; returns the last-token logits [len(seqs), vocab] as float32."""
-        inputs, _ = self.prepare(seqs, is_prefill)
-        shape = (inputs[0].shape[0], inputs[-1].shape[0])
-        first = None if shape in self.graphs else f"{'prefill' if is_prefill else 'decode'} {shape_key(inputs)}"
-        logits = self._call(first, self.step_fn, *inputs)
-        self.graphs.add(shape)
+        kind = self.kind(seqs, is_prefill)
+        inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill")
+        logits = self._call(kind, inputs)
         return logits[: len(seqs)]
 
-    def _call(self, key: str | None, fn, *inputs):
-        """Runs a compiled step and copies its outputs to numpy; the first call of each shape (its
-        compile), named by `key`, is timed in compile_s."""
+    def _call(self, kind: str, inputs: dict, *extra):
+        """Runs a compiled step of `kind` and copies its outputs to numpy; the first call of each
+        graph (its compile) is timed in compile_s: by kind with dynamic shapes, by kind and shape
+        with static ones."""
+        from worker.model import STEP_INPUTS
+        shape = (inputs["input_ids"].shape[0], inputs["out_index"].shape[0])
+        fn = self.fns[kind]
+        graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + tuple(
+            e.shape[0] for e in extra))
         t0 = time.perf_counter()
-        out = fn(*inputs)
-        out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
+        try:
+            out = fn(*(inputs[name] for name in STEP_INPUTS), *extra)
+            out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
+        except RuntimeError as e:
+            raise self.kernel_error(e, inputs, kind) from e
         seconds = time.perf_counter() - t0
         self.model_s += seconds
-        if key is not None and key not in self.compile_s:
-            self.compile_s[key] = seconds
+        if graph not in self.compiled_graphs:
+            self.compiled_graphs.add(graph)
+            self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
+                f" S={extra[0].shape[0]}" if extra else "")] = seconds
+        if kind != "score":
+            self.graphs.add(shape)
         return out
+
+    def kernel_error(self, error: RuntimeError, inputs: dict, kind: str) -> Exception:
+        """On the Ascend path, a failure MindSpore blames on a fused kernel becomes a KernelError
+        that names it (worker.ascend.kernel_error); anything else stays as it was."""
+        if self.ec.device != "ascend" or self.ec.ops == "portable":
+            return error
+        from worker.ascend import kernel_error
+        attn = self.model.layers[0].self_attn
+        return kernel_error(error, inputs, kind, self.cfg, (attn.heads, attn.kv_heads), self.dtype,
+                            self.block_size) or error
 
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
         """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
@@ -236,7 +315,7 @@ class ModelRunner:
     def forward_scores(self, seqs: list[SeqStep]) -> tuple[np.ndarray, list]:
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
         j with targets[j] >= 0 (None for a sequence without targets). The scored rows are padded
-        to a bucket of 16 so that scoring adds few compiled shapes."""
+        to a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
@@ -249,14 +328,14 @@ class ModelRunner:
             rows += [first_row[b] + j for j, _ in picked]
             targets += [tok for _, tok in picked]
             counts.append(len(picked) if t else None)
-        S = bucket(len(rows), 16)
+        S = len(rows) if self.dynamic else bucket(len(rows), 16)
         score_index = np.zeros(S, np.int32)
         score_index[: len(rows)] = rows
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
         i32 = self.ms.int32
-        logits, logp = self._call(f"score {shape_key(inputs)} S={S}", self.score_fn, *inputs,
-                                  self.ms.Tensor(score_index, i32), self.ms.Tensor(score_targets, i32))
+        logits, logp = self._call("score", inputs, self.ms.Tensor(score_index, i32),
+                                  self.ms.Tensor(score_targets, i32))
         scores, at = [], 0
         for n in counts:
             scores.append(None if n is None else [float(x) for x in logp[at: at + n]])

@@ -1,0 +1,358 @@
+"""Tier 2: the portable network (`model.ops: portable`) and the Ascend path emulated on the CPU
+(MSINFER_ASCEND_EMULATE=1: Ascend's fused kernels stood in, worker/ascend.py) generate what
+transformers generates, feed their kernels what the CPU kernels see, call the installed
+MindSpore primitives as their signatures and MindSpore's own graph compiler accept, and compile
+each step kind once with dynamic shapes."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from tests.checkpoints import VARIANTS
+from tests.conftest import PROMPTS
+from tests.engine_driver import Driver
+from tests.test_parity import Recording
+from worker.protocol import SeqStep
+from worker.runner import EngineConfig, ModelRunner
+
+N_NEW = 8
+LOGIT_ATOL = 2e-4
+PATHS = {"portable": dict(ops="portable"), "ascend-emulated": dict(device="ascend", emulate=True)}
+_RUNNERS: dict = {}
+
+
+def runner_for(path, path_kind: str, **extra) -> ModelRunner:
+    key = (str(path), path_kind, tuple(sorted(extra.items())))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8,
+                                                 **PATHS[path_kind], **extra))
+    return _RUNNERS[key]
+
+
+@pytest.mark.parametrize("path_kind", list(PATHS))
+@pytest.mark.parametrize("name", [v for v in VARIANTS if not v.endswith("_bfloat16")])
+def test_greedy_tokens_and_logits_match_transformers(name, path_kind, checkpoint, hf_greedy):
+    """GQA, MQA, q/k/v and MLP biases, q/k norms with head_dim 24, tied embeddings; prefill (all
+    prompts at once, nothing cached) and decode steps."""
+    rec = Recording(runner_for(checkpoint(name), path_kind))
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_greedy(name, prompt, N_NEW)
+        assert out[i] == ref_tokens, f"{name} {path_kind} prompt {i}"
+        for step in (0, N_NEW - 1):
+            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
+            assert diff < LOGIT_ATOL, f"{name} {path_kind} prompt {i} step {step}: max |logit diff| {diff}"
+
+
+def hf_logprobs(checkpoint, name, tokens):
+    """transformers' float32 log p(tokens[j+1] | tokens[:j+1]) for every j."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    return np.array([float(logp[j, tokens[j + 1]]) for j in range(len(tokens) - 1)])
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("float16", 2e-2)])
+@pytest.mark.parametrize("path_kind", list(PATHS))
+def test_scoring_log_probabilities_match_transformers(path_kind, dtype, atol, checkpoint):
+    """Scoring runs as a prefill of the paged (decode) kind; in float16 the log-probabilities stay
+    within 2e-2 of transformers' float32 ones, on both paths."""
+    name = "qwen2_qkv_bias"
+    tokens = PROMPTS[2] + PROMPTS[0]
+    runner = runner_for(checkpoint(name), path_kind, dtype=dtype)
+    step = SeqStep(0, tokens, 0, list(range(8)), targets=tokens[1:] + [-1], sample=False)
+    _, scores = runner.execute([step], True)
+    np.testing.assert_allclose(scores[0], hf_logprobs(checkpoint, name, tokens), atol=atol)
+
+
+@pytest.mark.parametrize("path_kind", list(PATHS))
+def test_chunked_prefill_joining_decodes_gives_the_cpu_kernels_logits(path_kind, checkpoint, hf_greedy):
+    """A step that mixes a prefill chunk after cached tokens (PagedAttention with q_seq_lens and the
+    causal mask on Ascend) with decodes of other sequences: the same logits as the CPU kernels
+    (`model.ops: auto` on the CPU) to float32 tolerance, and then transformers' tokens."""
+    name = "llama_gqa_tied"
+    path = checkpoint(name)
+    cpu = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8))
+    other = runner_for(path, path_kind)
+    long_prompt = PROMPTS[2]
+    logits = {}
+    for kind, runner in (("cpu", cpu), (path_kind, other)):
+        d = Driver(runner)
+        d.prefill({0: PROMPTS[0], 1: PROMPTS[1]})
+        first = runner.step([SeqStep(2, long_prompt[:10], 0, d.table(2), sample=False)], True)   # chunk 1
+        assert first.token_ids == [-1]
+        mixed = [SeqStep(2, long_prompt[10:], 10, d.table(2))] + [
+            SeqStep(s, [d.seqs[s]["gen"][-1]], len(d.seqs[s]["prompt"]), d.table(s), num_generated=1) for s in (0, 1)]
+        logits[kind] = runner.forward(mixed, True)
+        assert runner.kind(mixed, True) == "decode"
+    np.testing.assert_allclose(logits[path_kind], logits["cpu"], atol=LOGIT_ATOL)
+    assert int(logits[path_kind][0].argmax()) == hf_greedy(name, long_prompt, N_NEW)[0][0]
+
+
+def test_lora_on_the_emulated_ascend_path_gives_transformers_tokens(checkpoint, tmp_path):
+    """A PEFT adapter merged as the shards load (worker/lora.py), on the emulated Ascend path."""
+    import peft
+    import torch
+    import transformers
+    name = "qwen2_qkv_bias"
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                          "down_proj"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "adapter")
+    merged = model.merge_and_unload().eval()
+    with torch.no_grad():
+        expected = merged.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=N_NEW, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    runner = runner_for(checkpoint(name), "ascend-emulated", lora_path=str(tmp_path / "adapter"))
+    assert Driver(runner).generate({0: PROMPTS[0]}, N_NEW)[0] == expected
+
+
+def test_each_step_kind_compiles_once_whatever_the_token_counts(checkpoint):
+    """Dynamic shapes: prefills and decodes of many different token and sequence counts, scoring
+    and chunks in between, and MindSpore compiles one graph per step kind (its own count of the
+    graphs it built, mindspore.graph.api.ms_compile_cache)."""
+    from mindspore.graph import api
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_mqa")), max_model_len=128, max_batch_size=8,
+                                      ops="portable"))
+    assert runner.dynamic
+    before = len(api.ms_compile_cache)
+    rng = np.random.default_rng(0)
+    d = Driver(runner)
+    for sid, n in enumerate((3, 17, 5, 30)):
+        d.prefill({sid: [int(t) for t in rng.integers(3, 200, n)]})
+        for _ in range(sid + 1):
+            d.decode()
+    runner.execute([SeqStep(9, [5, 6, 7, 8], 0, d.table(7), targets=[6, 7, 8, -1], sample=False)], True)
+    runner.execute([SeqStep(9, [5, 6, 7, 8, 9], 0, d.table(7), targets=[6, 7, 8, 9, -1], sample=False)], True)
+    assert len(api.ms_compile_cache) - before == 3
+    assert set(runner.compile_s) == {"prefill", "decode", "score"}
+
+
+def test_the_stand_ins_take_the_installed_primitives_signatures():
+    """Each stand-in's constructor and call take exactly the installed MindSpore primitive's
+    parameters, with its defaults: code that runs with the stand-ins calls the real kernels the
+    same way."""
+    from mindspore.ops import auto_generate
+    from worker.ascend import KERNELS, StandIns
+
+    def params(fn):
+        return [(p.name, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
+
+    for name in KERNELS:
+        real, stand_in = getattr(auto_generate, name), getattr(StandIns, name)
+        assert params(stand_in.__init__) == params(real.__init__), name
+        assert params(stand_in.construct) == params(real.__call__), name
+
+
+def test_every_kernel_call_passes_arguments_the_installed_primitives_accept(checkpoint, monkeypatch):
+    """Recording stand-ins, run eagerly (PyNative) through a prefill, a chunk and a decode: every
+    constructor and call binds to the installed primitive's signature, lengths are int32 and the
+    caches are the layer's Parameters in [blocks, block_size, KV, D]."""
+    import mindspore as ms
+    from mindspore.ops import auto_generate
+    import worker.ascend as ascend
+    calls = []
+
+    def recording(name):
+        base = getattr(ascend.StandIns, name)
+        real = getattr(auto_generate, name)
+
+        class Recorder(base):
+            def __init__(self, *args, **kwargs):
+                inspect.signature(real.__init__).bind(None, *args, **kwargs)
+                super().__init__(*args, **kwargs)
+
+            def construct(self, *args, **kwargs):
+                bound = inspect.signature(real.__call__).bind(None, *args, **kwargs)
+                calls.append((name, {k: v for k, v in bound.arguments.items() if k != "self"}))
+                return super().construct(*args, **kwargs)
+        return Recorder
+
+    class Recording:
+        ReshapeAndCache, FlashAttentionScore = recording("ReshapeAndCache"), recording("FlashAttentionScore")
+        PagedAttention, RmsNorm = recording("PagedAttention"), recording("RmsNorm")
+
+    monkeypatch.setattr(ascend.EmulatedAscendOps, "kernels", Recording)
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_mqa")), max_model_len=128, max_batch_size=8,
+                                      device="ascend", emulate=True, graph_mode=False))
+    d = Driver(runner)
+    d.prefill({0: PROMPTS[0], 1: PROMPTS[1]})
+    runner.step([SeqStep(2, PROMPTS[2][:5], 0, d.table(2), sample=False)], True)
+    runner.step([SeqStep(2, PROMPTS[2][5:], 5, d.table(2))], True)
+    d.decode()
+    kinds = {name for name, _ in calls}
+    assert kinds == {"ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm"}
+    cache_shape = (runner.num_blocks + 1, runner.block_size, 1, 16)
+    for name, args in calls:
+        if name == "ReshapeAndCache":
+            assert isinstance(args["key_cache"], ms.Parameter) and args["key_cache"].shape == cache_shape
+            assert args["slot_mapping"].dtype == ms.int32
+        if name == "PagedAttention":
+            assert isinstance(args["key_cache"], ms.Parameter)
+            assert args["context_lens"].dtype == args["q_seq_lens"].dtype == args["block_tables"].dtype == ms.int32
+        if name == "FlashAttentionScore":
+            assert args["actual_seq_qlen"].dtype == ms.int32 and args["attn_mask"].shape == (128, 128)
+
+
+@pytest.mark.parametrize("kernel,standing_in", [("ReshapeAndCache", ()),
+                                                ("FlashAttentionScore", ("ReshapeAndCache",)),
+                                                ("PagedAttention", ("ReshapeAndCache", "FlashAttentionScore"))])
+def test_the_installed_primitives_compile_as_called_and_fail_only_at_kernel_selection(
+        kernel, standing_in, checkpoint, monkeypatch):
+    """The real primitives (the kernels before `kernel` stood in, so that the graph reaches it) go
+    through MindSpore's graph compiler with msinfer's keyword calls, shapes and dtypes, and stop
+    only where the CPU has no kernel for them. The compiled node reads the step's graph inputs by
+    their names (batch_valid_length, q_seq_lens, slot_mapping); the error a user sees names the
+    kernel, what it was given, and model.ops: portable."""
+    from mindspore.ops import auto_generate
+    import worker.ascend as ascend
+    from worker.ascend import KernelError
+
+    class Mixed:
+        RmsNorm = ascend.StandIns.RmsNorm       # the first kernel of every layer: stood in to reach the others
+    for name in ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention"):
+        setattr(Mixed, name, getattr(ascend.StandIns if name in standing_in else auto_generate, name))
+    monkeypatch.setattr(ascend.AscendOps, "kernels", Mixed)
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied")), max_model_len=128, max_batch_size=8,
+                                      device="ascend", dtype="float16"))
+    d = Driver(runner)
+    with pytest.raises(KernelError) as failed:
+        d.prefill({0: PROMPTS[0]})
+        d.decode()
+    message, cause = str(failed.value), str(failed.value.__cause__)
+    assert f"Unsupported op [{kernel}] on CPU" in cause
+    assert f"the Ascend kernel {kernel} failed" in message and "model.ops: portable" in message
+    node = next(line for line in cause.splitlines() if f"PrimFunc_{kernel}" in line)
+    wanted = {"ReshapeAndCache": ["param_layers.0.self_attn.k_cache", "param_slot_mapping"],
+              "FlashAttentionScore": ["Tensor(shape=[128, 128], dtype=Float16"],
+              "PagedAttention": ["param_block_tables", "param_batch_valid_length", "param_attn_mask",
+                                 "param_q_seq_lens"]}[kernel]
+    positions = [node.index(w) for w in wanted]
+    assert positions == sorted(positions), f"{kernel}: its inputs are not in the order of its call signature"
+    first = {"ReshapeAndCache": "key [6, 32] float16", "FlashAttentionScore": "query [6, 64] float16",
+             "PagedAttention": "query [1, 64] float16"}[kernel]          # 6 prompt tokens, 4 heads x 16
+    assert f"msinfer gave it {first}" in message and "int32" in message
+
+
+def test_kernel_failures_elsewhere_stay_as_they_are():
+    from worker.ascend import kernel_error
+    assert kernel_error(RuntimeError("out of memory"), {}, "decode", None, (1, 1), "float16", 16) is None
+
+
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen3_qknorm_odd_head_dim"])
+def test_tp2_on_the_emulated_ascend_path_and_portable_ops(name, checkpoint, hf_greedy, ray_local):
+    """Ranks on Ray's (emulated) NPUs: each worker gets its card through ASCEND_RT_VISIBLE_DEVICES as
+    on a node; MQA replicates the single KV head on both ranks. The same model with portable ops."""
+    from launcher.replica import Replica, wait_gone
+    path_kind = "ascend-emulated" if name == "llama_mqa" else "portable"
+    r = Replica(0, 2, device="ascend" if path_kind == "ascend-emulated" else "cpu")
+    try:
+        r.start(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=4, **PATHS[path_kind]))
+        out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+        for i, prompt in enumerate(PROMPTS):
+            assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
+        if path_kind == "ascend-emulated":
+            assert [info["device"] for info in r.ranks] == ["ascend:0", "ascend:0"]
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+
+
+QWEN3_14B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+             "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+             "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def ascend_spec(model_dir, tmp_path, **sections):
+    from launcher.spec import JobSpec
+    spec = {"model": {"path": str(model_dir), "max_model_len": 8192}, "input": {"path": str(tmp_path / "in.jsonl")},
+            "output": {"path": str(tmp_path / "out.jsonl")},
+            "parallel": {"tensor_parallel": 8, "device": "ascend"},
+            "scheduler": {"max_batch_size": 64, "max_batched_tokens": 8192, "block_size": 128}}
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return JobSpec.model_validate(spec)
+
+
+def test_the_card_plan_sizes_the_kv_cache_from_the_cards_memory_and_refuses_what_does_not_fit(tmp_path):
+    """Qwen3-14B (the example Ascend config): at tp 8 on 64 GB cards the cache holds what 64
+    sequences of 8192 tokens need; on one 32 GB card the bfloat16 weights alone do not fit."""
+    import json
+    from launcher.job import card_plan
+    from sharding.config import ModelConfig
+    from sharding.layout import bytes_per_rank
+    from sharding.layout import LayoutError
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
+    m = ModelConfig.from_dir(str(tmp_path))
+    engine = EngineConfig(str(tmp_path), max_model_len=8192, max_batch_size=64, block_size=128, device="ascend")
+    spec = ascend_spec(tmp_path, tmp_path)
+    card = card_plan(spec, m, engine, bytes_per_rank(m, 8, 2), 2)
+    assert card.blocks == 64 * 8192 // 128 and card.assumed
+    used = card.weights + card.activations + card.runtime + card.kv
+    assert used <= 0.9 * card.memory
+    small = ascend_spec(tmp_path, tmp_path, parallel={"tensor_parallel": 1, "device_memory_gb": 32})
+    with pytest.raises(LayoutError, match=r"does not fit a 32 GiB card at memory_fraction 0.9: weights 2[0-9.]+ GiB"):
+        card_plan(small, m, engine, bytes_per_rank(m, 1, 2), 2)
+    few = ascend_spec(tmp_path, tmp_path, parallel={"device_memory_gb": 6.5})     # 3.4 GiB of weights a card
+    with pytest.raises(LayoutError, match="a 6.5 GiB card .* room for 0 KV blocks of 128 tokens, and one sequence "
+                                          "of max_model_len 8192 needs 64"):
+        card_plan(few, m, engine, bytes_per_rank(m, 8, 2), 2)
+
+
+def test_plan_on_the_emulated_ascend_path_checks_block_size_and_says_how_it_is_verified(
+        checkpoint, tmp_path, monkeypatch):
+    from launcher.job import plan_job
+    from sharding.layout import LayoutError
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    path = checkpoint("llama_gqa_tied")
+    sections = dict(model={"max_model_len": 128}, parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 8},
+                    scheduler={"max_batch_size": 4, "max_batched_tokens": 256})
+    with pytest.raises(LayoutError, match="scheduler.block_size 8: Ascend's ReshapeAndCache and PagedAttention "
+                                          "take blocks of a multiple of 16"):
+        plan_job(ascend_spec(path, tmp_path, **{**sections, "scheduler": {"block_size": 8}}), check_io=False)
+    plan = plan_job(ascend_spec(path, tmp_path, **sections), check_io=False)
+    text = plan.describe()
+    assert plan.engine.emulate and plan.engine.dtype == "float32"
+    assert "ascend EMULATED on the CPU" in text and "card        64 GiB (assumed" in text
+    assert "head_dim 16 is not among the head sizes" in text
+    portable = plan_job(ascend_spec(path, tmp_path, **{**sections, "model": {"ops": "portable", "max_model_len": 128}}),
+                        check_io=False)
+    assert "never run on a card here" in portable.describe()
+    monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
+    assert "verified by emulation against MindSpore's documented contracts" in \
+        plan_job(ascend_spec(path, tmp_path, **sections), check_io=False).describe()
+
+
+def test_a_job_runs_on_the_emulated_ascend_path_like_on_a_card(checkpoint, hf_greedy, tmp_path, monkeypatch,
+                                                                ray_local):
+    """run_job with parallel.device ascend and MSINFER_ASCEND_EMULATE=1: Ray places the worker on an
+    (emulated) NPU, the step graphs are the Ascend path's, and the results are transformers'."""
+    import json
+    from launcher.job import run_job
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    name = "qwen2_qkv_bias"
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": p}) + "\n"
+                                               for i, p in enumerate(PROMPTS)))
+    spec = ascend_spec(checkpoint(name), tmp_path, model={"max_model_len": 128},
+                       parallel={"tensor_parallel": 1},
+                       sampling={"max_new_tokens": N_NEW, "ignore_eos": True},
+                       scheduler={"max_batch_size": 4, "max_batched_tokens": 64, "block_size": 16})
+    summary = run_job(spec, progress=False)
+    results = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for i, prompt in enumerate(PROMPTS):
+        assert results[f"r{i}"]["output_token_ids"] == hf_greedy(name, prompt, N_NEW)[0]
+    assert summary["replicas"][0]["device"] == "ascend:0"
+    assert set(summary["steps"]["graphs"]) == {"replica 0 prefill", "replica 0 decode"}

@@ -1,0 +1,260 @@
+"""Ascend's fused inference kernels, wired as MindSpore 2.10 documents them, and their CPU stand-ins.
+
+`AscendOps` is the device seam (worker/ops.py) of `parallel.device: ascend`. It calls the
+primitives of `mindspore.ops.auto_generate`, with the arguments vllm-mindspore and MindFormers pass
+on cards (../shared/ASCEND.md has the sources):
+
+    ReshapeAndCache      the step's new K/V rows into caches [blocks, block_size, KV, D] at
+                         slot_mapping (int32, block * block_size + offset), in place
+    FlashAttentionScore  a prefill with nothing cached: layout "TH", per-sequence lengths
+    PagedAttention       every other step (decode, a prefill chunk after cached tokens), with
+                         q_seq_lens and an additive causal mask for chunks
+    RmsNorm              every norm
+
+Rotary runs in MindSpore primitives on the card (MsOps.rotary): msinfer's position schemes give
+each token its own cos/sin rows, and ApplyRotaryPosEmb's contract for per-token tables (vllm-
+mindspore passes them with batch_valid_length as position_ids) is one no source here settles.
+
+The kernels find sequence lengths by graph input name as well as by argument (ASCEND.md, "the
+hidden coupling"): CausalLM's compiled steps name their inputs `batch_valid_length` and
+`q_seq_lens` for that reason.
+
+Nobody here has a card. `EmulatedAscendOps` (MSINFER_ASCEND_EMULATE=1) swaps each kernel for a
+stand-in cell below with the installed primitive's constructor and call signature (names,
+defaults) and the documented semantics, in portable MindSpore primitives so that it runs inside
+the same dynamic-shape graphs (ops.Custom pyfunc kernels fail in dynamic-shape graphs in 2.10).
+Everything else (cache layout, inputs and their names, dtypes, keyword arguments, the step kinds)
+is what a card runs. The kernels themselves are never run here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.ops import auto_generate
+import numpy as np
+
+from worker.device import MASK_PENALTY
+from worker.ops import MsOps, packed_attention, paged_attention
+
+KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
+
+
+def flash_mask(dtype) -> Tensor:
+    """FlashAttentionScore's compressed causal mask as vllm-mindspore builds it (models/
+    attention_mask.py): 128 x 128, upper triangle set, 1 for bfloat16 and -10000 otherwise."""
+    fill = 1.0 if dtype == ms.bfloat16 else MASK_PENALTY
+    return Tensor(np.triu(np.ones((128, 128), np.float32), 1) * fill, dtype)
+
+
+class AscendRmsNorm(nn.Cell):
+    def __init__(self, kernels, eps: float):
+        super().__init__()
+        self.op = kernels.RmsNorm(epsilon=eps)
+
+    def construct(self, x, weight):
+        # vllm-mindspore layers/layernorm.py: ops.RmsNorm(eps)(x, weight)[0]; output 1 is rstd
+        return self.op(x, weight)[0]
+
+
+class AscendAttention(nn.Cell):
+    """One layer's cache write and attention with the fused kernels; q, k, v are 2-D as the
+    kernels take them on cards ([T, heads * D])."""
+
+    def __init__(self, kernels, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
+        super().__init__()
+        scale = head_dim ** -0.5
+        # mindspore/ops/auto_generate/gen_ops_prim.py ReshapeAndCache.__init__(self): no arguments
+        self.reshape_and_cache = kernels.ReshapeAndCache()
+        # gen_ops_prim.py FlashAttentionScore.__init__(head_num, keep_prob, scale_value, pre_tokens,
+        # next_tokens, inner_precise, input_layout, sparse_mode); the values of vllm-mindspore
+        # v1/attention/layer.py (sparse_mode 0, no band: the mask makes it causal)
+        self.flash_attention = kernels.FlashAttentionScore(head_num=heads, scale_value=scale,
+                                                           pre_tokens=2147483647, next_tokens=2147483647,
+                                                           input_layout="TH")
+        # gen_ops_prim.py PagedAttention.__init__(head_num, scale_value, kv_head_num, ...), as
+        # vllm-mindspore v1/attention/layer.py constructs it
+        self.paged_attention = kernels.PagedAttention(head_num=heads, scale_value=scale, kv_head_num=kv_heads)
+        self.flash_mask = flash_mask(dtype)
+
+    def construct(self, q, k, v, k_cache, v_cache, ctx, prefill: bool):
+        slot_mapping, block_tables, batch_valid_length, q_seq_lens, _, _, attn_mask = ctx
+        N = q.shape[0]
+        q, k, v = q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)
+        # ReshapeAndCache.__call__(key, value, key_cache, value_cache, slot_mapping): writes the
+        # caches (Parameters, passed as they are) in place; the query waits for it (vllm-mindspore
+        # layer.py: ops.depend(query, cache_out))
+        written = self.reshape_and_cache(k, value=v, key_cache=k_cache, value_cache=v_cache,
+                                         slot_mapping=slot_mapping)
+        q = ops.depend(q, written)
+        if prefill:
+            # FlashAttentionScore.__call__(query, key, value, real_shift, drop_mask, padding_mask,
+            # attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen) -> (max, sum, out, attention):
+            # per-sequence (not cumulative) lengths, as vllm-mindspore and MindFormers' inference
+            # path pass them; the docstring's TND layout wants cumulative ones (ASCEND.md)
+            return self.flash_attention(q, k, v, attn_mask=self.flash_mask, actual_seq_qlen=batch_valid_length,
+                                        actual_seq_kvlen=batch_valid_length)[3]
+        # PagedAttention.__call__(query, key_cache, value_cache, block_tables, context_lens,
+        # antiquant_scale, antiquant_offset, attn_mask, q_seq_lens, alibi_mask): context_lens is
+        # each sequence's whole length, q_seq_lens its tokens in this step; the mask is [1, 1]
+        # zeros for a decode and [T, context] (0 / -10000 past each token's position) for chunks
+        return self.paged_attention(q, key_cache=k_cache, value_cache=v_cache, block_tables=block_tables,
+                                    context_lens=batch_valid_length, attn_mask=attn_mask, q_seq_lens=q_seq_lens)
+
+
+class AscendOps(MsOps):
+    """The fused Ascend kernels (module docstring); MsOps for the rest."""
+    name = "ascend"
+    paged_mask = True
+    kernels = auto_generate          # where the kernels come from (EmulatedAscendOps: StandIns)
+
+    @classmethod
+    def rms_norm_op(cls, eps):
+        return AscendRmsNorm(cls.kernels, eps)
+
+    @classmethod
+    def attention(cls, heads, kv_heads, head_dim, block_size, dtype):
+        return AscendAttention(cls.kernels, heads, kv_heads, head_dim, block_size, dtype)
+
+
+# ---- stand-ins: the documented semantics in portable primitives, for emulation on the CPU -------
+
+def _token_sequences(seq_lens, num_tokens_like):
+    """seq_lens [B] (tokens of each sequence, packed in order) -> each token's sequence [T] and
+    its index within that sequence [T], for T = num_tokens_like.shape[0]."""
+    T = num_tokens_like.shape[0]
+    ends = ops.cumsum(seq_lens, 0)
+    token = ops.arange(T, dtype=ms.int32)
+    seq = (ops.broadcast_to(ends.reshape(1, -1), (T, ends.shape[0])) <= token.reshape(T, 1)).astype(ms.int32).sum(1)
+    return seq, token - ops.gather(ends - seq_lens, seq, 0)
+
+
+class ReshapeAndCache(nn.Cell):
+    """Stand-in: key/value [T, KV * D] or [T, KV, D] into caches [blocks, block_size, KV, D] at
+    slot_mapping, in place (ScatterNdUpdate on the cache Parameters). Returns the key cache."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, key, value=None, key_cache=None, value_cache=None, slot_mapping=None):
+        bs, KV, D = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+        at = ops.stack((slot_mapping // bs, slot_mapping % bs), -1)
+        k = ops.scatter_nd_update(key_cache, at, key.reshape(-1, KV, D))
+        return ops.depend(k, ops.scatter_nd_update(value_cache, at, value.reshape(-1, KV, D)))
+
+
+class FlashAttentionScore(nn.Cell):
+    """Stand-in for layout "TH": query [T, H * D], key and value [T, KV * D] packed one sequence
+    after another, actual_seq_qlen = actual_seq_kvlen = per-sequence lengths (the convention of
+    the projects that run on cards); attention within each sequence, causal when a mask is given
+    (the compressed 128 x 128 causal mask). Returns the four outputs; only the last is computed."""
+
+    def __init__(self, head_num, keep_prob=1.0, scale_value=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+                 inner_precise=0, input_layout="BSH", sparse_mode=0):
+        super().__init__()
+        if input_layout != "TH" or keep_prob != 1.0 or sparse_mode != 0:
+            raise NotImplementedError(f"the FlashAttentionScore stand-in emulates input_layout TH, sparse_mode 0 and "
+                                      f"keep_prob 1 only, got {input_layout}, {sparse_mode}, {keep_prob}")
+        self.head_num, self.scale = head_num, scale_value
+
+    def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None, attn_mask=None,
+                  prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+        T = query.shape[0]
+        D = query.shape[1] // self.head_num
+        seq, _ = _token_sequences(actual_seq_qlen, query)
+        out = packed_attention(query.reshape(T, self.head_num, D), key.reshape(T, -1, D), value.reshape(T, -1, D),
+                               seq, self.scale, causal=attn_mask is not None).reshape(T, -1)
+        return out, out, out, out
+
+
+class PagedAttention(nn.Cell):
+    """Stand-in: query [T, H * D] of B sequences packed in order (q_seq_lens [B] tokens each; one
+    each when None), each reading the first context_lens[b] positions of its caches through
+    block_tables[b]; attn_mask (broadcast to [T, block_tables width * block_size]) is added to
+    the scores."""
+
+    def __init__(self, head_num, scale_value, kv_head_num, kv_cache_quant_mode="DEFAULT", mask_mode="MASK_DEFAULT",
+                 mla_v_dim=0):
+        super().__init__()
+        if kv_cache_quant_mode != "DEFAULT" or mask_mode != "MASK_DEFAULT" or mla_v_dim:
+            raise NotImplementedError("the PagedAttention stand-in emulates the default modes only")
+        self.head_num, self.scale = head_num, scale_value
+
+    def construct(self, query, key_cache, value_cache=None, block_tables=None, context_lens=None,
+                  antiquant_scale=None, antiquant_offset=None, attn_mask=None, q_seq_lens=None, alibi_mask=None):
+        T = query.shape[0]
+        D = key_cache.shape[3]
+        if q_seq_lens is None:
+            seq = ops.arange(T, dtype=ms.int32)
+        else:
+            seq, _ = _token_sequences(q_seq_lens, query)
+        out = paged_attention(query.reshape(T, self.head_num, D), key_cache, value_cache,
+                              ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), self.scale,
+                              attn_mask)
+        return out.reshape(T, -1)
+
+
+class RmsNorm(nn.Cell):
+    """Stand-in: (x, gamma) -> (x * rsqrt(mean(x^2) + epsilon) * gamma, rstd), in float32 inside."""
+
+    def __init__(self, epsilon=1e-6):
+        super().__init__()
+        self.epsilon = epsilon
+
+    def construct(self, x, gamma):
+        x32 = x.astype(ms.float32)
+        rstd = ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + self.epsilon)
+        y = (x32 * ops.broadcast_to(rstd, x32.shape)).astype(x.dtype)
+        return y * ops.broadcast_to(gamma, y.shape), rstd
+
+
+class StandIns:
+    """The stand-ins, under the names of mindspore.ops.auto_generate."""
+    ReshapeAndCache = ReshapeAndCache
+    FlashAttentionScore = FlashAttentionScore
+    PagedAttention = PagedAttention
+    RmsNorm = RmsNorm
+
+
+class EmulatedAscendOps(AscendOps):
+    """AscendOps with the stand-ins: the Ascend path on the CPU (MSINFER_ASCEND_EMULATE=1)."""
+    name = "ascend (emulated)"
+    kernels = StandIns
+
+
+class KernelError(RuntimeError):
+    """A fused kernel failed on a card: names it, what it was given, and the way around it."""
+
+
+def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple[int, int], dtype: str,
+                 block_size: int) -> KernelError | None:
+    """The KernelError for a step's failure where MindSpore's message names one of the fused
+    kernels (None otherwise): the kernel, the shapes and dtypes msinfer gave it in this step,
+    and `model.ops: portable`."""
+    text = str(error)
+    found = {m.start(): k for k in KERNELS for m in [re.search(rf"\b{k}\b", text)] if m}
+    if not found:
+        return None
+    kernel = found[min(found)]                   # the first named: MindSpore names the failing node first
+    H, KV = tp_heads
+    D = cfg.head_dim
+    T = inputs["input_ids"].shape[0]
+    B, W = inputs["block_tables"].shape
+    cache = f"[blocks, {block_size}, {KV}, {D}] {dtype}"
+    given = {
+        "ReshapeAndCache": f"key [{T}, {KV * D}] {dtype}, value [{T}, {KV * D}] {dtype}, key_cache and value_cache "
+                           f"{cache}, slot_mapping [{T}] int32",
+        "FlashAttentionScore": f"query [{T}, {H * D}] {dtype}, key and value [{T}, {KV * D}] {dtype}, attn_mask "
+                               f"[128, 128] {dtype}, actual_seq_qlen and actual_seq_kvlen [{B}] int32 (layout TH)",
+        "PagedAttention": f"query [{T}, {H * D}] {dtype}, key_cache and value_cache {cache}, block_tables [{B}, {W}] "
+                          f"int32, context_lens and q_seq_lens [{B}] int32, attn_mask "
+                          f"{list(inputs['attn_mask'].shape)} {dtype}",
+        "RmsNorm": f"x [{T}, hidden or {D}] {dtype}, gamma {dtype}",
+    }[kernel]
+    said = next((line.strip() for line in text.splitlines()
+                 if re.search(r"[A-Za-z]", line) and not line.lstrip().startswith("- ")), text)
+    return KernelError(f"the Ascend kernel {kernel} failed in a {kind} step; msinfer gave it {given}. "
+                       f"MindSpore said: {said[:400]} Set model.ops: portable in the job spec to run this model in "
+                       f"portable MindSpore operators instead of the fused kernels.")

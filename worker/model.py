@@ -1,10 +1,11 @@
 """The decoder network (Llama / Qwen2 / Qwen3) over a paged KV cache, in MindSpore.
 
-One `construct` serves every step: it writes the new tokens' K/V rows into the cache at `slots`,
-then each token attends over the first positions of its own sequence, read through the
-sequence's block table (a paged-attention kernel, `worker.ops`). A step's tokens are packed one
-after another, whatever sequence they belong to, so prefill and decode steps differ only in how
-many tokens each sequence brings. All index tensors are built by the engine (`worker.runner`),
+One `forward` serves every step: it writes the new tokens' K/V rows into the cache at their
+slots, then each token attends over the first positions of its own sequence (read through the
+sequence's block table, or, in a prefill with nothing cached, among the step's own tokens; the
+device's attention, `worker.ops`). A step's tokens are packed one after another, whatever
+sequence they belong to, so prefill and decode steps differ only in how many tokens each
+sequence brings. All index tensors are built by the engine (`worker.runner`),
 never by a caller.
 """
 

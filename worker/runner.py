@@ -2,9 +2,10 @@
 runs compiled prefill and decode steps.
 
 Every index a step needs (positions, cache slots, context rows, which logits to return) is built
-here from each sequence's new tokens, its count of cached tokens and its block table. Shapes are
-padded to buckets so that the static graphs compile a few times and then run from cache; padded
-tokens write to a scratch block that no sequence owns.
+here from each sequence's new tokens, its count of cached tokens and its block table. With
+dynamic shapes (portable and Ascend operators) each step kind compiles once and a step runs as it
+is; with static shapes (the CPU kernels) steps are padded to buckets, so that the graphs compile a
+few times and then run from cache, and padded tokens write to a scratch block no sequence owns.
 """
 
 from __future__ import annotations

@@ -108,6 +108,15 @@ class AscendOps(MsOps):
     """The fused Ascend kernels (module docstring); MsOps for the rest."""
     name = "ascend"
     paged_mask = True
+    # Kernel-by-kernel execution in inference mode, as vllm-mindspore (utils.py: jit_config
+    # {"jit_level": "O0", "infer_boost": "on"}) and MindFormers (models/utils.py) compile on cards:
+    # the mode in which the internal kernels read lengths by graph input name. infer_boost is
+    # deprecated in 2.10 but accepted, also by the CPU backend, so emulation compiles the same way.
+    jit_options = {"jit_level": "O0", "infer_boost": "on"}
+    # In that mode MindSpore keeps one compiled graph per value of the network cell's `phase`
+    # (graph/api.py, _JitExecutor._predict): without a phase per step kind, a decode would run the
+    # prefill graph. vllm-mindspore sets model.phase to "prefill" / "increment" before each call.
+    phases = {"prefill": "prefill", "decode": "increment", "score": "score"}
     kernels = auto_generate          # where the kernels come from (EmulatedAscendOps: StandIns)
 
     @classmethod

@@ -161,6 +161,8 @@ class MsOps:
     dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
     paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)
     fused_attention = False   # True: the attention op takes the qkv projection whole (CpuOps)
+    jit_options: dict = {}    # options of mindspore.jit for the step graphs
+    phases: dict | None = None   # step kind -> the network's `phase` while it runs (AscendOps)
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
     # 2048 x 576, kept for the graph's life). Every operand is therefore broadcast explicitly,

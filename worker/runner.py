@@ -136,13 +136,13 @@ class ModelRunner:
         (mindspore.enable_dynamic: each input's dims of variable size declared None, by name)."""
         ms = self.ms
         if not self.dynamic:
-            return ms.jit(fn)
+            return ms.jit(fn, **self.dev.jit_options)
         # enable_dynamic keeps its shapes on the function object, which a bound method shares with
         # every instance: each runner gets a function of its own (same code, so the same input names)
         f = fn.__func__
         own = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         own.__qualname__ = f.__qualname__
-        graph = ms.jit(types.MethodType(own, fn.__self__))
+        graph = ms.jit(types.MethodType(own, fn.__self__), **self.dev.jit_options)
         from worker.model import SCORE_INPUTS, STEP_INPUTS
         i32 = ms.int32
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], i32),
@@ -266,6 +266,8 @@ class ModelRunner:
         graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + tuple(
             e.shape[0] for e in extra))
         t0 = time.perf_counter()
+        if self.dev.phases:
+            self.model.phase = self.dev.phases[kind]
         try:
             out = fn(*(inputs[name] for name in STEP_INPUTS), *extra)
             out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()

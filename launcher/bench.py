@@ -446,7 +446,7 @@ def run_bench(args) -> int:
     run = BenchRun(plan, meta=bench_meta(plan))
     runnable = [c for c in plan.cases if c not in plan.rejected]
     print(f"msinfer bench: {len(plan.cases)} case(s), {len(runnable)} runnable, {plan.model.architecture} "
-          f"tp {plan.tp} on {plan.device} ({plan.dtype}, "
+          f"tp {plan.tp} on {plan.device}{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
           f"{'random weights' if plan.skip_load else 'checkpoint weights'}) -> {plan.out_dir}", file=sys.stderr)
     started_ray = not ray.is_initialized()
     engine = BenchReplica(plan)

@@ -7,6 +7,7 @@ scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Wo
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -43,6 +44,8 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
                 "RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
             raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why}){hint}") from None
         return
+    if npus:    # emulated cards: Ray's look-up of their type (CANN's acl module) can only fail, loudly
+        logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
     # address="local": a new embedded instance even when `ray start` runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
              resources={"NPU": npus} if npus else None,

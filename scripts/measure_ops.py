@@ -1,9 +1,12 @@
 """Portable MindSpore operators (`model.ops: portable`, dynamic shapes) against the CPU kernels
 (`model.ops: auto` on the CPU, power-of-two buckets), in one process on the same model: decode
 steps at batch 1, 16 and 64 and a 512-token prefill, the two sides alternating round by round;
-and each side's compile seconds per step kind.
+and each side's compile seconds per step kind. With --compile instead: a workload of steps of
+many sizes (prefills of 20-600 tokens, decodes of 1-40 sequences) on fresh runners, portable
+operators with dynamic shapes and with buckets, and the CPU kernels (buckets): graphs compiled,
+their seconds, and the workload's time.
 
-    python scripts/measure_ops.py [--model DIR] [--rounds 3] [--steps 5]
+    python scripts/measure_ops.py [--model DIR] [--rounds 3] [--steps 5] [--compile]
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ def main() -> None:
     ap.add_argument("--model", default=str(Path.home() / ".cache/msinfer/SmolLM2-135M-Instruct"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
     import mindspore as ms
     ms.set_device("CPU")
+    if args.compile:
+        return compiles(args.model)
     ctx = 576
     runners = {side: ModelRunner(EngineConfig(args.model, max_model_len=1024, max_batch_size=64, ops=side))
                for side in ("auto", "portable")}
@@ -59,6 +65,25 @@ def main() -> None:
         row = [f"{side} {', '.join(f'{t:.1f}' for t in times[(side, c)])}; {statistics.median(times[(side, c)]):.1f}"
                for side in runners]
         print(f"{c:12s} " + " | ".join(row))
+
+
+def compiles(model: str) -> None:
+    from mindspore.graph import api
+    blocks = 40
+    steps = [([SeqStep(0, [5 + t % 900 for t in range(n)], 0, list(range(blocks)))], True)
+             for n in (20, 70, 150, 300, 600)]
+    steps += [([SeqStep(i, [7], 100, list(range(i * blocks, (i + 1) * blocks))) for i in range(b)], False)
+              for b in (1, 3, 9, 20, 40)]
+    for ops, shapes in (("portable", "dynamic"), ("portable", "buckets"), ("auto", "buckets")):
+        before = len(api.ms_compile_cache)
+        r = ModelRunner(EngineConfig(model, max_model_len=640, max_batch_size=64, ops=ops, shapes=shapes))
+        t0 = time.perf_counter()
+        for seqs, prefill in steps:
+            r.forward(seqs, prefill)
+        total = time.perf_counter() - t0
+        print(f"{ops} {shapes}: {len(api.ms_compile_cache) - before} graphs compiled, first calls "
+              f"{sum(r.compile_s.values()):.1f} s ({', '.join(f'{k} {v:.2f}' for k, v in r.compile_s.items())}); "
+              f"{len(steps)} steps {total:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

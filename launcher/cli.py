@@ -1,4 +1,4 @@
-"""`msinfer run job.yaml`, `msinfer plan job.yaml`, `msinfer bench ...`.
+"""`msinfer run job.yaml`, `msinfer plan job.yaml`, `msinfer simulate job.yaml`, `msinfer bench ...`.
 
 User errors (spec, model folder, input, output, launch) print one paragraph and exit non-zero,
 with no traceback; a job that completed exits 0 even when some records failed (they are counted
@@ -23,15 +23,21 @@ def _parser() -> argparse.ArgumentParser:
                                 "one worker per card, driven by Ray.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("run", "run a job: one result line per input record"),
-                        ("plan", "check a job spec, the model and the files, print the layout; start nothing")):
+                        ("plan", "check a job spec, the model and the files, print the layout; start nothing"),
+                        ("simulate", "run a job on stand-in workers that take --step-ms a step and load no "
+                                     "weights: what the driver sustains at the job's dp x tp")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("spec", help="the YAML job spec")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a spec key, e.g. --set parallel.tensor_parallel=2 (repeatable)")
-        if name == "run":
+        if name in ("run", "simulate"):
             c.add_argument("--overwrite", action="store_true", help="start the results file afresh (no resume)")
             c.add_argument("--stream", action="store_true", help="print tokens as they are generated")
             c.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if name == "simulate":
+            c.add_argument("--step-ms", type=float, default=20.0, help="a stand-in step's milliseconds (default 20)")
+            c.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                           help="and milliseconds per token a prefill step feeds (default 0)")
     from launcher.bench import add_bench_parser
     add_bench_parser(sub)
     return p
@@ -43,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from launcher.controller import JobFailed
+    from launcher.errors import SpecError
     from launcher.job import USER_ERRORS, plan_job, run_job
     from launcher.replica import LaunchError
     from launcher.spec import load_spec
@@ -55,10 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             print(plan_job(spec).describe())
             return 0
+        simulate = None
+        if args.command == "simulate":
+            from launcher.simulate import StandIn
+            if args.step_ms <= 0 or args.prefill_ms_per_token < 0:
+                raise SpecError(f"--step-ms must be > 0 and --prefill-ms-per-token >= 0, got {args.step_ms:g} "
+                                f"and {args.prefill_ms_per_token:g}")
+            simulate = StandIn(args.step_ms, args.prefill_ms_per_token)
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
-                          t_start=t_start)
+                          t_start=t_start, simulate=simulate)
         keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
-                "startup_s", "generation_s", "replica_restarts")
+                "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))
         return 0
     except JobFailed as e:

@@ -1,7 +1,7 @@
 """The controller loop: data-parallel replicas, one scheduler each, steps driven asynchronously.
 
     while work remains:
-        refill each replica's queue from the source, least outstanding work first
+        refill each replica's queue from the source, least outstanding work first (Scheduler.load)
         for each replica with fewer than 2 steps in flight: steps = scheduler.schedule(); submit
         wait for any replica's oldest step to finish; postprocess; hand finished sequences on
 
@@ -57,6 +57,8 @@ class ControllerConfig:
     max_restarts: int = 3
     step_timeout_s: float = 600.0
     async_scheduling: bool = True          # a replica's next step submitted while its current one runs
+    worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
+    worker_options: dict = field(default_factory=dict)
 
     @property
     def max_in_flight(self) -> int:
@@ -103,7 +105,9 @@ class Controller:
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
-        return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker)
+        extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
+        return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
+                       **extra)
 
     def start(self) -> None:
         """Starts every replica at once; returns when all ranks are ready."""
@@ -165,7 +169,7 @@ class Controller:
         the least outstanding work. Returns True once the source is exhausted."""
         target = 2 * self.cfg.max_batch_size
         while True:
-            slot = min(self.slots, key=lambda s: (s.starting is not None, outstanding(s.scheduler)))
+            slot = min(self.slots, key=lambda s: (s.starting is not None, s.scheduler.load))
             if slot.scheduler.num_waiting >= target:
                 return False
             seq = next(source, None)
@@ -288,14 +292,6 @@ class Controller:
         for slot in self.slots:
             slot.replica.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def outstanding(sched: Scheduler) -> int:
-    """Tokens still to be produced or prefilled by a replica: what 'least busy' means."""
-    todo = 0
-    for seq in list(sched.waiting) + list(sched.running):
-        todo += seq.sampling.max_new_tokens - seq.num_completion_tokens + max(0, seq.num_tokens - seq.num_cached) // 8
-    return todo
 
 
 def describe(e: BaseException) -> str:

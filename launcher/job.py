@@ -172,9 +172,10 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
                     (blocks + 1) * block, blocks)
 
 
-def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
+def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan:
     """Every check that can fail, before Ray starts. Raises a UserError-like exception.
-    `check_io=False` skips the input and output files (the Python API has neither)."""
+    `check_io=False` skips the input and output files (the Python API has neither);
+    `weights=False` the checkpoint's tensors and the memory they need (`msinfer simulate`)."""
     check_model_dir(spec.model.path)
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
@@ -182,7 +183,7 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
     tp = spec.parallel.tensor_parallel
     check_tp(m, tp)
     plans = plan_tensors(m, tp)
-    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle)
+    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
     if check_io:
         check_input(spec.input.path)
@@ -206,23 +207,23 @@ def plan_job(spec: JobSpec, check_io: bool = True) -> Plan:
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
-    weights = bytes_per_rank(m, tp, dbytes)
+    weight_bytes = bytes_per_rank(m, tp, dbytes)
     card = None
     if device == "ascend":
-        card = card_plan(spec, m, engine, weights, dbytes)
+        card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks)
     kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
-    if device == "cpu" or emulate:
+    if (device == "cpu" or emulate) and weights:
         import psutil
         ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
-        need, have = ranks_here * (weights + kv), psutil.virtual_memory().total
+        need, have = ranks_here * (weight_bytes + kv), psutil.virtual_memory().total
         if need > 0.8 * have:
             raise LayoutError(
                 f"{ranks_here} worker(s) need {need / 1024**3:.1f} GiB for weights and KV cache, this machine has "
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
     notes.append(verification_note(device, emulate, spec.model.ops))
-    return Plan(spec, m, tokenizer, engine, device, weights, kv, ckpt_bytes, notes, card)
+    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card)
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:
@@ -428,23 +429,33 @@ class JobRun:
         return out
 
 
-def make_controller(plan: Plan):
+STAND_IN_CPUS = 0.01           # Ray's share for a stand-in worker: placement needs some resource
+
+
+def make_controller(plan: Plan, simulate=None):
+    """The job's controller; with `simulate` (a launcher.simulate.StandIn), on stand-in workers
+    that ask Ray for a hundredth of a CPU each and no card."""
     from launcher.controller import Controller, ControllerConfig
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
-    return Controller(ControllerConfig(
-        engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
-        placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
+    stand_ins = {}
+    if simulate is not None:
+        from launcher.simulate import StandInWorker
+        stand_ins = {"worker_cls": StandInWorker, "worker_options": {"timing": simulate}, "device": "cpu",
+                     "cpus_per_worker": STAND_IN_CPUS}
+    return Controller(ControllerConfig(**{
+        "engine_config": plan.engine, "tensor_parallel": tp, "data_parallel": dp, "device": plan.device,
+        "placement": spec.parallel.placement, "cpus_per_worker": spec.ray.num_cpus_per_worker, **stand_ins}, **dict(
         threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp)
-        if plan.device == "cpu" or plan.engine.emulate
+        if (plan.device == "cpu" or plan.engine.emulate) and simulate is None
         else 0,   # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
-        async_scheduling=spec.scheduler.async_scheduling))
+        async_scheduling=spec.scheduler.async_scheduling)))
 
 
-def start_controller(plan: Plan):
+def start_controller(plan: Plan, simulate=None):
     """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray)."""
     import ray
     from launcher.replica import init_ray
@@ -453,8 +464,8 @@ def start_controller(plan: Plan):
     started_ray = not ray.is_initialized()
     workers = spec.parallel.tensor_parallel * spec.parallel.data_parallel
     init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
-             npus=workers if plan.engine.emulate else 0)
-    controller = make_controller(plan)
+             npus=workers if plan.engine.emulate and simulate is None else 0)
+    controller = make_controller(plan, simulate)
     try:
         controller.start()
     except BaseException:
@@ -465,24 +476,33 @@ def start_controller(plan: Plan):
 
 
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
-            t_start: float | None = None) -> dict:
-    """Runs a job to the end; returns the summary (also written to <output>.summary.json)."""
+            t_start: float | None = None, simulate=None) -> dict:
+    """Runs a job to the end; returns the summary (also written to <output>.summary.json).
+    `simulate` (a launcher.simulate.StandIn): on stand-in workers, with the summary's `simulate`
+    figures (see launcher/simulate.py)."""
     import ray
 
     t_start = time.perf_counter() if t_start is None else t_start
-    plan = plan_job(spec)
+    plan = plan_job(spec, weights=simulate is None)
     spec = plan.spec
-    writer = ResultWriter(spec.output.path, overwrite)
+    writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s)
     job = JobRun(plan, None, writer.write, writer.done_ids, stream, progress)
     started_ray = False
     try:
         job.write_status("starting")
-        controller, started_ray = start_controller(plan)
+        controller, started_ray = start_controller(plan, simulate)
         job.controller = controller
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
+        cpu0 = time.process_time()
         controller.run(job.sequences(read_records(spec.input.path)), job.on_step, job.on_finish)
+        driver_cpu_s = time.process_time() - cpu0
         summary = job.summary(startup_s)
+        if simulate is not None:
+            from launcher.simulate import capacity
+            worker_cpu_s = sum(st.get("cpu_s", 0.0) for st in ray.get(
+                [w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60))
+            summary["simulate"] = capacity(summary, spec, simulate, driver_cpu_s, worker_cpu_s)
         if job.t_first_result is not None:
             summary["first_result_s"] = round(job.t_first_result - t_start, 3)
         write_json_atomic(summary_path(spec.output.path), summary)

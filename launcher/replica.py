@@ -79,6 +79,8 @@ class Replica:
     cpus_per_worker: float = 1
     threads_per_worker: int = 0
     ready_timeout_s: float = 600
+    worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
+    worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
     workers: list = field(default_factory=list)
     scheduler: object = None
     pg: object = None
@@ -106,15 +108,15 @@ class Replica:
         def on(bundle):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
-        worker_cls = ray.remote(Worker)
+        worker_cls = ray.remote(self.worker_cls)
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
         self.submitted = 0
         self.workers = [worker_cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
                                            max_concurrency=3, **res)   # 2 steps in flight + a query
-                        .remote(r, self.tp_size, self.device, self.threads_per_worker)
+                        .remote(r, self.tp_size, self.device, self.threads_per_worker, **self.worker_options)
                         for r in range(self.tp_size)]
         host = port = None
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.worker_cls.communicates:
             self.scheduler = ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(0)) \
                 .remote(self.tp_size)
             host, port = ray.get(self.scheduler.start.remote())

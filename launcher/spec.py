@@ -153,6 +153,7 @@ class SchedulerSpec(Section):
 class OutputSpec(Section):
     path: str
     status_interval_s: float = Field(2.0, gt=0.0)
+    fsync_interval_s: float = Field(1.0, ge=0.0)    # results synced to disk at most this often (0: every line)
     _path = field_validator("path")(_expand)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +54,17 @@ def check_output(path: str | Path) -> Path:
 class ResultWriter:
     """Appends results to `path`. Without `overwrite`, an existing file is resumed: its whole
     lines stay, their ids are in `done_ids`, and a partial last line (a crash mid-write) is cut
-    so that its record is computed again, once."""
+    so that its record is computed again, once.
 
-    def __init__(self, path: str | Path, overwrite: bool = False):
+    Each line goes to the file (the kernel) as its result comes, so a crash of msinfer loses
+    nothing written; the file is synced to disk (group commit) at most every `fsync_interval_s`
+    seconds and when it is closed, so a crash of the machine loses at most the results of that
+    window, which the next run computes again."""
+
+    def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0):
         self.path = Path(path)
+        self.fsync_interval_s = fsync_interval_s
+        self.synced = time.monotonic()
         self.done_ids: set[str] = set()
         self.cut_partial_line = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -106,7 +114,8 @@ class ResultWriter:
                 if n <= 0:
                     raise OSError(28, os.strerror(28))  # ENOSPC
                 data = data[n:]
-            os.fsync(self.fd)
+            if time.monotonic() - self.synced >= self.fsync_interval_s:
+                self.sync()
         except OSError as e:
             self._fail(e)
         self.size += len(line)
@@ -122,8 +131,16 @@ class ResultWriter:
                           f"{len(self.done_ids)} results written so far are kept; after freeing space or fixing "
                           f"permissions, run the same job again to resume after them") from None
 
+    def sync(self):
+        os.fsync(self.fd)
+        self.synced = time.monotonic()
+
     def close(self):
         if self.fd is not None:
+            try:
+                self.sync()
+            except OSError:
+                pass
             os.close(self.fd)
             self.fd = None
 

@@ -36,6 +36,27 @@ def test_write_then_resume_skips_done_ids(tmp_path):
     assert [r["id"] for r in lines(path)] == ["a", "b", "c"]
 
 
+def test_each_result_reaches_the_file_at_once_and_disk_syncs_are_grouped(tmp_path, monkeypatch):
+    """Group commit: every line is in the file as soon as it is written (a second reader sees it:
+    a crash of msinfer loses nothing), while fsync runs at most once per fsync_interval_s and at
+    close; with an interval of 0, once per line."""
+    import launcher.writer as writer_module
+    syncs = []
+    monkeypatch.setattr(writer_module.os, "fsync", lambda fd: syncs.append(fd))
+    path = tmp_path / "out.jsonl"
+    w = ResultWriter(path, fsync_interval_s=3600)
+    for i in range(50):
+        w.write(ok_result(f"r{i}", [1], "x", "length", 1))
+        assert len(lines(path)) == i + 1
+    assert syncs == []
+    w.close()
+    assert len(syncs) == 1
+    with ResultWriter(path, fsync_interval_s=0) as w:
+        for i in range(50, 55):
+            w.write(ok_result(f"r{i}", [1], "x", "length", 1))
+    assert len(syncs) == 1 + 5 + 1
+
+
 @pytest.mark.parametrize("tail", [b'{"id": "c", "output_tok', b'{"id": "c"}', b'\n', b'{"id": "c", \xff\n'])
 def test_resume_after_truncated_last_line_yields_each_id_once(tmp_path, tail):
     path = tmp_path / "out.jsonl"

@@ -49,6 +49,8 @@ class CommScheduler:
 
 
 class Worker:
+    communicates = True          # joins its group's MindSpore communication cluster (tp > 1)
+
     def __init__(self, rank: int, world: int, device: str, threads: int = 0):
         self.tp = TPInfo(rank, world)
         self.device = select_device(device, rank=rank)

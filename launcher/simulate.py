@@ -1,0 +1,107 @@
+"""`msinfer simulate job.yaml`: the job exactly as `msinfer run` runs it (spec, inputs, tokenizer
+and chat template, the dp x tp layout, scheduling, results, resume, status and summary), on
+stand-in workers that load no weights and take a given time per step. It measures what the
+driver and the Ray round trips cost at a scale this machine cannot run models at, and tells a
+user sizing a cluster whether one driver keeps their replicas busy.
+
+A stand-in step sleeps `step_ms` (plus `prefill_ms_per_token` per token a prefill feeds) and
+samples tokens drawn deterministically from the vocabulary by (sequence, token index), never an
+end-of-sequence token, so every record generates its max_new_tokens. The stand-ins are Ray
+actors like the workers (one per rank, in the replica's placement group, asking for no CPU), so
+the driver's side is exactly the real one.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+
+from worker.actor import Worker
+from worker.protocol import SAMPLED, SeqStep, StepOutput
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """How long a stand-in step takes."""
+    step_ms: float = 20.0
+    prefill_ms_per_token: float = 0.0
+
+
+class StandInRunner:
+    """ModelRunner's `step` without a model (see the module docstring)."""
+
+    def __init__(self, engine_config, timing: StandIn):
+        from sharding.config import ModelConfig
+        cfg = ModelConfig.from_dir(engine_config.model_dir)
+        self.vocab = cfg.vocab_size
+        self.avoid = set(cfg.eos_token_ids or ())
+        self.timing = timing
+        self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
+        self.load_s, self.load_stats, self.compile_s = 0.0, {"tensors": 0, "bytes": 0}, {}
+        self.sampled: dict[int, int] = {}
+
+    def token(self, seq_id: int, index: int) -> int:
+        t = zlib.crc32(f"{seq_id}:{index}".encode()) % self.vocab
+        while t in self.avoid:
+            t = (t + 1) % self.vocab
+        return t
+
+    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+        t0 = time.perf_counter()
+        fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
+        tokens, lps, scores = [], [], []
+        for s in seqs:
+            if s.token_ids == [SAMPLED] and s.seq_id not in self.sampled:
+                raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
+            tokens.append(self.token(s.seq_id, s.num_generated) if s.sample else -1)
+            lps.append((0.0, [(tokens[-1], 0.0)] * s.sampling.logprobs) if s.sample and s.sampling.logprobs else None)
+            scores.append([0.0 for t in s.targets if t >= 0] if s.targets else None)
+        self.sampled = {s.seq_id: t for s, t in zip(seqs, tokens) if t >= 0}
+        time.sleep(max(0.0, (self.timing.step_ms + self.timing.prefill_ms_per_token * fed) / 1e3
+                       - (time.perf_counter() - t0)))
+        seconds = time.perf_counter() - t0
+        return StepOutput(tokens, lps if logprobs and any(lps) else None, scores if any(scores) else None,
+                          seconds, seconds)
+
+
+class StandInWorker(Worker):
+    """A rank that runs a StandInRunner: no device, no communication group, no weights."""
+    communicates = False
+
+    def __init__(self, rank: int, world: int, device: str, threads: int = 0, timing: StandIn = StandIn()):
+        super().__init__(rank, world, "cpu", threads)
+        self.timing = timing
+
+    def info(self) -> dict:
+        return {**super().info(), "device": "stand-in"}
+
+    def setup(self, engine_config, sched_host=None, sched_port=None) -> dict:
+        t0 = time.perf_counter()
+        self.runner = StandInRunner(engine_config, self.timing)
+        self.cpu0 = time.process_time()
+        return {"rank": self.tp.rank, "comm_init_s": 0.0, "load_s": 0.0, "setup_s": time.perf_counter() - t0,
+                "param_bytes": 0, "num_blocks": self.runner.num_blocks, "dtype": self.runner.dtype}
+
+    def stats(self) -> dict:
+        return {**super().stats(), "cpu_s": time.process_time() - self.cpu0}       # since setup
+
+
+def capacity(summary: dict, spec, timing: StandIn, driver_cpu_s: float, worker_cpu_s: float) -> dict:
+    """The simulation's figures: throughput against the stand-ins' ceiling, CPU by process role."""
+    dp, tp = spec.parallel.data_parallel, spec.parallel.tensor_parallel
+    gen_s = summary.get("generation_s") or 0.0
+    tokens, records = summary.get("completion_tokens") or 0, summary.get("records_done") or 0
+    ceiling = dp * spec.scheduler.max_batch_size * 1e3 / timing.step_ms
+    return {
+        "step_ms": timing.step_ms, "prefill_ms_per_token": timing.prefill_ms_per_token,
+        "replicas": dp, "workers": dp * tp,
+        "ceiling_tokens_per_s": round(ceiling, 1),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "of_ceiling": round((summary.get("tokens_per_s") or 0.0) / ceiling, 3),
+        "records_per_s": round(records / gen_s, 2) if gen_s else None,
+        "driver_cpu_s": round(driver_cpu_s, 2),
+        "driver_cpu_us_per_token": round(1e6 * driver_cpu_s / tokens, 2) if tokens else None,
+        "driver_cpu_us_per_record": round(1e6 * driver_cpu_s / records, 1) if records else None,
+        "worker_cpu_s": round(worker_cpu_s, 2),
+    }

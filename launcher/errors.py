@@ -26,3 +26,8 @@ class OutputError(UserError):
 
 class TokenizerError(UserError):
     """Tokenizer files exist but do not load."""
+
+
+class SystemicError(UserError):
+    """Records fail for a cause that is not theirs (a library the tokenizer needs is missing, a
+    file cannot be read): the job stops instead of writing the same error for every record."""

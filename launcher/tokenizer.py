@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from launcher.errors import RecordError, TokenizerError
+from launcher.errors import RecordError, SystemicError, TokenizerError
 from launcher.inputs import Record
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -75,6 +75,12 @@ class Tokenizer:
                 ids = self.apply_chat_template([{"role": "user", "content": record.prompt}])
             else:
                 ids = self.encode(record.prompt)
+        except (ImportError, OSError, MemoryError) as e:     # the environment's fault, not the record's
+            raise SystemicError(
+                f"the tokenizer in {self.path} cannot encode records ({where} was the first): {type(e).__name__}: "
+                f"{e}. Every record would fail the same way, so the job stops; "
+                + ("install jinja2, which chat templates need (pip install jinja2), " if "jinja2" in str(e) else "")
+                + "then run the job again: finished records are kept") from None
         except Exception as e:  # a template's raise_exception(), a bad message, ...
             raise RecordError(f"{where}: the tokenizer cannot encode it: {type(e).__name__}: {e}") from None
         if not ids:

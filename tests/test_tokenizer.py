@@ -78,6 +78,22 @@ def test_unencodable_record_raises_record_error(tok):
         tok.encode_record(bad, chat_template=True)
 
 
+def test_a_failure_of_the_environment_stops_the_job_instead_of_failing_every_record(tok, monkeypatch):
+    """transformers' chat templates need jinja2, which it does not install: without it every chat
+    record would fail alike. That is not the record's fault: SystemicError (the job stops, exit
+    2) with what to install, not an error line per record."""
+    from launcher.errors import SystemicError
+
+    def no_jinja(*args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+    monkeypatch.setattr(tok.tok, "apply_chat_template", no_jinja)
+    with pytest.raises(SystemicError, match=r"cannot encode records \(record 'j' was the first\): ImportError: "
+                                            r"apply_chat_template requires jinja2.* install jinja2"):
+        tok.encode_record(Record(id="j", line=1, prompt="hello world"), chat_template=True)
+    assert not issubclass(SystemicError, RecordError)          # the job does not write it as a record's error
+    assert tok.encode_record(Record(id="k", line=2, prompt="hello world"), chat_template=False)   # no template used
+
+
 def test_continuation(tok):
     assert tok.encode_continuation(Record(id="s", line=1, prompt="a", continuation="hello")) == \
         tok.encode("hello", add_special_tokens=False)

@@ -36,6 +36,21 @@ def test_write_then_resume_skips_done_ids(tmp_path):
     assert [r["id"] for r in lines(path)] == ["a", "b", "c"]
 
 
+def test_resume_knows_every_id_however_it_is_spelled(tmp_path):
+    """Resume reads msinfer's own lines by their first bytes and parses anything else as JSON:
+    ids with quotes, backslashes, control characters or non-ASCII letters come back exactly."""
+    path = tmp_path / "out.jsonl"
+    ids = ['plain', 'a"b', 'c\\d', 'é✓ 名', 'tab\there', '", "x']
+    with ResultWriter(path) as w:
+        for rid in ids:
+            w.write(ok_result(rid, [1], "x", "stop", 1))
+        w.write(error_result("err", "invalid_record", "bad"))
+    with open(path, "ab") as f:
+        f.write(b'{"id": 7, "output_token_ids": []}\n')        # a line msinfer did not write
+    with ResultWriter(path) as w:
+        assert w.done_ids == {*ids, "err", "7"} and not w.cut_partial_line
+
+
 def test_each_result_reaches_the_file_at_once_and_disk_syncs_are_grouped(tmp_path, monkeypatch):
     """Group commit: every line is in the file as soon as it is written (a second reader sees it:
     a crash of msinfer loses nothing), while fsync runs at most once per fsync_interval_s and at

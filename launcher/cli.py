@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.controller import JobFailed
     from launcher.errors import SpecError
     from launcher.job import USER_ERRORS, plan_job, run_job
-    from launcher.replica import LaunchError
+    from launcher.replica import LaunchError, StartupTimeout
     from launcher.spec import load_spec
 
     try:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))
         return 0
-    except JobFailed as e:
+    except (JobFailed, StartupTimeout) as e:
         _say(str(e))
         return EXIT_JOB_FAILED
     except (*USER_ERRORS, LaunchError) as e:

@@ -56,6 +56,7 @@ class ControllerConfig:
     max_batched_tokens: int = 512
     max_restarts: int = 3
     step_timeout_s: float = 600.0
+    startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
     async_scheduling: bool = True          # a replica's next step submitted while its current one runs
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
     worker_options: dict = field(default_factory=dict)
@@ -107,7 +108,7 @@ class Controller:
         c = self.cfg
         extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
         return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
-                       **extra)
+                       startup_timeout_s=c.startup_timeout_s, **extra)
 
     def start(self) -> None:
         """Starts every replica at once; returns when all ranks are ready."""

@@ -452,7 +452,7 @@ def make_controller(plan: Plan, simulate=None):
         else 0,   # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
-        async_scheduling=spec.scheduler.async_scheduling)))
+        startup_timeout_s=spec.fault.startup_timeout_s, async_scheduling=spec.scheduler.async_scheduling)))
 
 
 def start_controller(plan: Plan, simulate=None):

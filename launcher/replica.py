@@ -26,6 +26,10 @@ class LaunchError(RuntimeError):
     """Workers could not be placed or started; the message says which and why."""
 
 
+class StartupTimeout(LaunchError):
+    """A start-up stage of a replica outlived fault.startup_timeout_s."""
+
+
 def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:
     """Embedded local Ray (address None) or join an existing cluster. `npus`: the embedded node
     advertises that many `NPU`s (emulated Ascend cards; Ray sets ASCEND_RT_VISIBLE_DEVICES for each
@@ -78,7 +82,7 @@ class Replica:
     placement: str = "pack"             # "pack" | "spread"
     cpus_per_worker: float = 1
     threads_per_worker: int = 0
-    ready_timeout_s: float = 600
+    startup_timeout_s: float = 900     # each start-up stage's deadline (fault.startup_timeout_s)
     worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
     workers: list = field(default_factory=list)
@@ -94,15 +98,16 @@ class Replica:
         return {"CPU": self.cpus_per_worker}
 
     def start(self, engine_config) -> list[dict]:
-        """Places the group, starts its communication cluster, loads every rank's shard."""
+        """Places the group, starts its communication cluster, loads every rank's shard. Each stage
+        must end within startup_timeout_s, or StartupTimeout names the ranks and the stage."""
         strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
         self.pg = placement_group([self.bundle() for _ in range(self.tp_size)], strategy=strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.ready_timeout_s)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.startup_timeout_s)
         if not ready:
             need = self.bundle()
-            raise LaunchError(
+            raise StartupTimeout(
                 f"replica {self.index}: Ray could not place {self.tp_size} workers of {need} "
-                f"({strategy}) within {self.ready_timeout_s:.0f}s; cluster resources: "
+                f"({strategy}) within fault.startup_timeout_s={self.startup_timeout_s:g}s; cluster resources: "
                 f"{ray.cluster_resources()}")
 
         def on(bundle):
@@ -119,13 +124,26 @@ class Replica:
         if self.tp_size > 1 and self.worker_cls.communicates:
             self.scheduler = ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(0)) \
                 .remote(self.tp_size)
-            host, port = ray.get(self.scheduler.start.remote())
-        self.ranks = ray.get([w.info.remote() for w in self.workers])
+            host, port = self._stage("its communication scheduler's start", [self.scheduler.start.remote()])[0]
+        self.ranks = self._stage("process start", [w.info.remote() for w in self.workers])
         if port is not None:            # in the status file: where this group's scheduler listens
             for r in self.ranks:
                 r["ms_scheduler"] = f"{host}:{port}"
-        self.setup_info = ray.get([w.setup.remote(engine_config, host, port) for w in self.workers])
+        self._stage("device and communication init",
+                    [w.join.remote(engine_config, host, port) for w in self.workers])
+        self.setup_info = self._stage("load", [w.load.remote(engine_config) for w in self.workers])
         return self.ranks
+
+    def _stage(self, stage: str, refs: list) -> list:
+        """The results of one start-up stage (a call per rank), within startup_timeout_s."""
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
+        if pending:
+            late = [r for r, ref in enumerate(refs) if ref in pending]
+            raise StartupTimeout(
+                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not "
+                f"finish {stage} within fault.startup_timeout_s={self.startup_timeout_s:g}s (a hung HCCL/MCCL "
+                f"init, an unreachable node or a stalled load); the job stops")
+        return ray.get(refs)
 
     def submit(self, seqs, is_prefill: bool) -> list:
         """Starts one step on every rank, after the steps submitted before it; element 0 resolves

@@ -76,7 +76,10 @@ class StandInWorker(Worker):
     def info(self) -> dict:
         return {**super().info(), "device": "stand-in"}
 
-    def setup(self, engine_config, sched_host=None, sched_port=None) -> dict:
+    def join(self, engine_config, sched_host=None, sched_port=None) -> float:
+        return 0.0
+
+    def load(self, engine_config) -> dict:
         t0 = time.perf_counter()
         self.runner = StandInRunner(engine_config, self.timing)
         self.cpu0 = time.process_time()

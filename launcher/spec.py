@@ -166,6 +166,7 @@ class RaySpec(Section):
 class FaultSpec(Section):
     max_replica_restarts: int = Field(3, ge=0)
     step_timeout_s: float = Field(600.0, gt=0.0)
+    startup_timeout_s: float = Field(900.0, gt=0.0)   # each start-up stage: placement, communication init, load
 
 
 class JobSpec(Section):

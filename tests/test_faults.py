@@ -437,3 +437,32 @@ def test_mindspore_scheduler_listens_on_the_node_address_not_every_interface(mon
     assert host == ray.util.get_node_ip_address() and host not in ("0.0.0.0", "::", "")
     env = cluster_env("MS_SCHED", host, port, 2)
     assert env["MS_SCHED_HOST"] == host and env["MS_SCHED_PORT"] == str(port)
+
+
+def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_rank_and_stage(
+        model, tmp_path, ray_local):
+    """fault.startup_timeout_s bounds each start-up stage: a rank whose communication init hangs
+    (here a stand-in worker that never returns from it) ends the replica's start with a
+    StartupTimeout naming replica, rank and stage, and its processes are gone."""
+    import sys
+    from ray import cloudpickle
+    from launcher.replica import Replica, StartupTimeout
+    from launcher.simulate import StandInWorker
+    from worker.runner import EngineConfig
+
+    class NeverJoins(StandInWorker):
+        def join(self, engine_config, sched_host=None, sched_port=None):
+            if self.tp.rank == 1:
+                time.sleep(3600)
+            return 0.0
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
+    r = Replica(3, 2, worker_cls=NeverJoins, startup_timeout_s=2, cpus_per_worker=0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(StartupTimeout, match=r"replica 3: rank 1 did not finish device and communication init "
+                                             r"within fault.startup_timeout_s=2s"):
+        r.start(EngineConfig(str(model)))
+    assert time.perf_counter() - t0 < 30
+    pids = r.pids()
+    r.shutdown()
+    assert len(pids) == 2 and wait_gone(pids)

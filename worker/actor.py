@@ -2,7 +2,8 @@
 
 The controller creates them (launcher/replica.py wraps these classes with `ray.remote`), then:
     host, port = scheduler.start()            # on the node of rank 0
-    [w.setup(engine_config, host, port)]      # every rank joins the group, loads its shard
+    [w.join(engine_config, host, port)]       # every rank joins the group,
+    [w.load(engine_config)]                   # then loads its shard
     [w.step(seqs, is_prefill, index)]         # every rank runs the same step and samples the same
                                               # tokens; rank 0 returns them. Steps run in index order
 Nothing but plain dataclasses (worker.protocol) crosses the wire.
@@ -63,7 +64,9 @@ class Worker:
         return {"rank": self.tp.rank, **node_facts(), "device": self.device.target.lower()
                 + ("" if self.device.device_id is None else f":{self.device.device_id}")}
 
-    def setup(self, engine_config, sched_host: str | None, sched_port: int | None) -> dict:
+    def join(self, engine_config, sched_host: str | None, sched_port: int | None) -> float:
+        """Start-up stage 1: the device, and the group's communication cluster (tp > 1). Returns
+        its seconds."""
         t0 = time.perf_counter()
         import mindspore as ms
         if engine_config.emulate:             # Ascend's path on the CPU (worker/ascend.py)
@@ -77,7 +80,13 @@ class Worker:
             threads_num(self.threads)
         if self.tp.size > 1:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
-        comm_s = time.perf_counter() - t0
+        self.comm_s = time.perf_counter() - t0
+        return self.comm_s
+
+    def load(self, engine_config) -> dict:
+        """Start-up stage 2: the network, this rank's shard of the checkpoint, the KV cache."""
+        t0 = time.perf_counter()
+        import mindspore as ms
         from worker.runner import ModelRunner
         self.runner = ModelRunner(engine_config, self.tp, self.threads)
         card = {}
@@ -86,10 +95,15 @@ class Worker:
                 card["device_memory_bytes"] = ms.hal.get_device_properties(self.device.device_id).total_memory
             except Exception:
                 pass
-        return {**card, "rank": self.tp.rank, "comm_init_s": comm_s, "load_s": self.runner.load_s,
-                "setup_s": time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
+        return {**card, "rank": self.tp.rank, "comm_init_s": self.comm_s, "load_s": self.runner.load_s,
+                "setup_s": self.comm_s + time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
                 "dtype": self.runner.dtype}
+
+    def setup(self, engine_config, sched_host: str | None, sched_port: int | None) -> dict:
+        """Both start-up stages in one call."""
+        self.join(engine_config, sched_host, sched_port)
+        return self.load(engine_config)
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, index: int = -1) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With

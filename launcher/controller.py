@@ -12,7 +12,7 @@ the scheduling of a step all happen while the one after it runs.
 
 A replica whose actor dies, or whose step outlives `step_timeout_s`, is torn down and restarted
 on a fresh scheduler port in the background while the others keep working; its unfinished
-sequences are re-queued from their prompts. Past `max_restarts` the job stops (JobFailed), and
+sequences are re-queued from their prompts, on the healthy replicas at once where there are any. Past `max_restarts` the job stops (JobFailed), and
 everything already handed to the caller stays handed.
 """
 
@@ -268,6 +268,8 @@ class Controller:
         slot.in_flight.clear()
         slot.replica.shutdown()
         slot.scheduler = self._new_scheduler()
+        # its records go to the healthy replicas at once, least loaded first, not after its restart
+        healthy = [s for s in self.slots if s is not slot and s.starting is None]
         for seq in unfinished:              # recompute from the prompt: the replica's cache is gone
             fresh = Sequence(seq.prompt_token_ids, seq.sampling, seq.key, seq.eos_token_ids, seq.max_model_len)
             fresh.t_added, fresh.t_first = getattr(seq, "t_added", time.perf_counter()), None
@@ -276,7 +278,7 @@ class Controller:
                 fresh.record = seq.record
             if hasattr(seq, "stop_matcher"):    # a new matcher: the old one has scanned the lost output
                 fresh.stop_matcher = seq.stop_matcher and type(seq.stop_matcher)(seq.stop_matcher.stop)
-            slot.scheduler.add(fresh)
+            (min(healthy, key=lambda s: s.scheduler.load) if healthy else slot).scheduler.add(fresh)
         slot.replica = self._new_replica(slot.index)
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 

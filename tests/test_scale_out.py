@@ -227,6 +227,43 @@ def test_a_restarting_replica_gets_no_records_while_another_has_room():
     assert [len(q) for q in queued(c)] == [0, 2 * 4]
 
 
+def test_a_failed_replicas_records_move_to_the_healthy_replicas_at_once(monkeypatch):
+    """Its queued and running records are computed again from their prompts on the least loaded
+    healthy replica, without waiting for its restart; with no healthy replica they wait for it."""
+    import threading
+
+    class FakeReplica:
+        started = threading.Event()
+
+        def shutdown(self):
+            pass
+
+        def start(self, engine_config):
+            self.started.wait(10)
+
+    c = controller_with_slots(3)
+    monkeypatch.setattr(c, "_new_replica", lambda index: FakeReplica())
+    for slot in c.slots:
+        slot.replica = FakeReplica()
+    c.slots[1].scheduler.add(seqs(1, max_new_tokens=50)[0])            # replica 1 is the busier one
+    lost = seqs(3)
+    for seq in lost:
+        c.slots[0].scheduler.add(seq)
+    c._fail(c.slots[0], RuntimeError("a worker process died"))
+    assert queued(c)[0] == [] and queued(c)[2] == [s.key for s in lost]
+    assert c.slots[0].starting is not None and c.restart_log == ["replica 0 failed (RuntimeError: a worker "
+                                                                 "process died)"]
+    alone = controller_with_slots(1)
+    monkeypatch.setattr(alone, "_new_replica", lambda index: FakeReplica())
+    alone.slots[0].replica = FakeReplica()
+    alone.slots[0].scheduler.add(seqs(1)[0])
+    alone._fail(alone.slots[0], RuntimeError("x"))
+    assert queued(alone) == [["s0"]]
+    FakeReplica.started.set()
+    c.shutdown()
+    alone.shutdown()
+
+
 # ---- Ascend: one card per worker from Ray's NPU resource ------------------------------------------
 
 @pytest.mark.parametrize("env, rank, assigned, expected", [

@@ -319,3 +319,14 @@ def test_spec_errors_exit_2_with_one_message_and_no_traceback(cli, model, tmp_pa
 def test_missing_spec_file_exits_2(cli, tmp_path):
     p = cli.run("plan", tmp_path / "nope.yaml")
     assert p.returncode == 2 and "nope.yaml: job spec file not found" in said(p)
+
+
+def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_its_flags(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(6), sampling={"max_new_tokens": 4})
+    bad = cli.run("simulate", job.spec_path, "--step-ms", "0")
+    assert bad.returncode == 2 and "--step-ms must be > 0" in bad.stderr
+    p = cli.run("simulate", job.spec_path, "--step-ms", "2", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["records_done"] == 6 and out["simulate"]["step_ms"] == 2.0 and out["simulate"]["tokens_per_s"] > 0
+    assert sorted(job.ids()) == [r["id"] for r in records(6)]

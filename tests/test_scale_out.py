@@ -402,3 +402,32 @@ def test_slurm_script_runs_a_job_end_to_end(job_dir, dp2_run, tmp_path):
         assert not processes_under(ray_tmp), "Ray processes outlived the Slurm job"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# ---- msinfer simulate: the job on stand-in workers ----------------------------------------------
+
+def test_simulate_runs_the_job_on_stand_ins_writes_every_record_once_and_resumes(checkpoint, tmp_path, ray_local):
+    """dp 2 x tp 2 of stand-ins that take 5 ms a step and load no weights: every record gets its
+    max_new_tokens (the stand-ins never sample eos), each exactly once; a second run resumes and
+    skips them all; the summary measures throughput against the stand-ins' ceiling."""
+    import json
+    from launcher.job import run_job
+    from launcher.simulate import StandIn
+    from launcher.spec import JobSpec
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(40)))
+    spec = JobSpec.model_validate({
+        "model": {"path": str(checkpoint("llama_gqa_tied")), "max_model_len": 64},
+        "parallel": {"tensor_parallel": 2, "data_parallel": 2},
+        "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out.jsonl")},
+        "sampling": {"max_new_tokens": 8}, "scheduler": {"max_batch_size": 8, "max_batched_tokens": 64}})
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=5.0))
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in results) == sorted(f"r{i}" for i in range(40))
+    assert all(r["completion_tokens"] == 8 and r["finish_reason"] == "length" for r in results)
+    sim = summary["simulate"]
+    assert sim["workers"] == 4 and sim["ceiling_tokens_per_s"] == 2 * 8 * 1000 / 5.0
+    assert 0 < sim["of_ceiling"] <= 1.0 and sim["driver_cpu_us_per_token"] > 0
+    assert {r["device"] for r in summary["replicas"]} == {"stand-in"}
+    again = run_job(spec, progress=False, simulate=StandIn(step_ms=5.0))
+    assert again["records_skipped"] == 40 and again["records_done"] == 0

@@ -101,3 +101,19 @@ def test_batched_greedy_tokens_equal_transformers(demo, generated):
                     f"transformers {expected[j:j + 4]} {tok.decode(expected[:j + 1])!r}; transformers' logit "
                     f"margin of its token over the engine's {float(logits[expected[j]] - logits[tokens[i][j]]):.4g}, "
                     f"the engine's top-2 log-prob margin {margins[i][j]:.4g}")
+
+
+def test_the_emulated_ascend_path_generates_what_the_cpu_kernels_generate(demo, generated):
+    """The same batch on the Ascend path with its fused kernels stood in (MSINFER_ASCEND_EMULATE,
+    float32): the same 32 tokens for every prompt as the CPU kernels, which the test above holds
+    to transformers. A difference is reported with both engines' top-2 margins at it."""
+    engine = ModelRunner(EngineConfig(str(demo["path"]), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                      max_batch_size=len(demo["prompts"]), device="ascend", emulate=True))
+    tokens, margins = engine_greedy(engine, demo["prompts"], NEW_TOKENS)
+    cpu_tokens, cpu_margins = generated
+    for i in range(len(tokens)):
+        if tokens[i] != cpu_tokens[i]:
+            j = next(k for k, (a, b) in enumerate(zip(tokens[i], cpu_tokens[i])) if a != b)
+            pytest.fail(f"prompt {i}: first difference at new token {j}: emulated Ascend {tokens[i][j:j + 4]}, "
+                        f"CPU kernels {cpu_tokens[i][j:j + 4]}; top-2 margins {margins[i][j]:.4g} and "
+                        f"{cpu_margins[i][j]:.4g}")

@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from worker.actor import CommScheduler, Worker
+from worker.protocol import pack_step
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -147,8 +148,10 @@ class Replica:
 
     def submit(self, seqs, is_prefill: bool) -> list:
         """Starts one step on every rank, after the steps submitted before it; element 0 resolves
-        to rank 0's StepOutput."""
-        ref = ray.put(seqs) if self.tp_size > 1 else seqs
+        to rank 0's StepOutput. The step goes as one pickle (worker.protocol.pack_step): Ray's own
+        serializer walks a list of dataclasses object by object, ~10x slower at 256 sequences."""
+        payload = pack_step(seqs)
+        ref = ray.put(payload) if self.tp_size > 1 else payload
         index, self.submitted = self.submitted, self.submitted + 1
         return [w.step.remote(ref, is_prefill, index) for w in self.workers]
 

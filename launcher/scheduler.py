@@ -199,7 +199,8 @@ class Scheduler:
     def work(seq: Sequence) -> int:
         """What a sequence still costs its replica, in tokens: those it may still generate, and
         an eighth of those it still has to prefill. Records are dealt by the sum (`load`)."""
-        return seq.sampling.max_new_tokens - seq.num_completion_tokens + max(0, seq.num_tokens - seq.num_cached) // 8
+        out = len(seq.output_token_ids)            # len() rather than the properties: once per token and more
+        return seq.sampling.max_new_tokens - out + max(0, len(seq.prompt_token_ids) + out - seq.num_cached) // 8
 
     def add(self, seq: Sequence) -> None:
         seq.max_model_len = min(seq.max_model_len or self.max_model_len, self.max_model_len)

@@ -18,7 +18,7 @@ import time
 
 from sharding.layout import TPInfo
 from worker.device import free_port, init_communication, select_device, start_scheduler_thread
-from worker.protocol import SeqStep, StepOutput
+from worker.protocol import SeqStep, StepOutput, unpack_step
 
 
 def peak_rss_bytes() -> int:
@@ -105,10 +105,11 @@ class Worker:
         self.join(engine_config, sched_host, sched_port)
         return self.load(engine_config)
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool, index: int = -1) -> StepOutput | None:
+    def step(self, seqs: bytes | list[SeqStep], is_prefill: bool, index: int = -1) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
         async scheduling two steps are in flight and the actor has threads for both: each waits for
-        the one before it."""
+        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step) or a list."""
+        seqs = unpack_step(seqs)
         with self.turn:
             if index >= 0:
                 self.turn.wait_for(lambda: self.next_index == index)

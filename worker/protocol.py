@@ -7,6 +7,7 @@ tokens the cache already holds; the worker derives every position and index from
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 
 
@@ -52,3 +53,13 @@ class StepOutput:
     scores: list | None = None        # per SeqStep: log-probabilities of its targets >= 0, or None
     worker_s: float = 0.0             # the step on rank 0, from its call to its return
     model_s: float = 0.0              # of which in the compiled network (to its logits in numpy)
+
+
+def pack_step(seqs: list[SeqStep]) -> bytes:
+    """A step's SeqSteps as they cross the wire: one pickle (protocol 5), from and to msinfer's
+    own processes only."""
+    return pickle.dumps(seqs, protocol=5)
+
+
+def unpack_step(payload: bytes | list[SeqStep]) -> list[SeqStep]:
+    return pickle.loads(payload) if isinstance(payload, bytes) else payload

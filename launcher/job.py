@@ -80,7 +80,7 @@ def layout_summary(m: ModelConfig, tp: int) -> str:
 
 
 def verification_note(device: str, emulate: bool, ops: str) -> str:
-    """How the chosen device path is verified, for `plan` (and the README says the same)."""
+    """How the chosen device path is verified, for `plan` (docs/ascend.md says the same)."""
     if device == "cpu":
         return "verified here by running: the CPU path is tested against transformers"
     if ops == "portable":

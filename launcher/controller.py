@@ -12,8 +12,9 @@ the scheduling of a step all happen while the one after it runs.
 
 A replica whose actor dies, or whose step outlives `step_timeout_s`, is torn down and restarted
 on a fresh scheduler port in the background while the others keep working; its unfinished
-sequences are re-queued from their prompts, on the healthy replicas at once where there are any. Past `max_restarts` the job stops (JobFailed), and
-everything already handed to the caller stays handed.
+sequences are re-queued from their prompts, on the healthy replicas at once where there are any.
+Past `max_restarts` the job stops (JobFailed), and everything already handed to the caller stays
+handed.
 """
 
 from __future__ import annotations
@@ -274,8 +275,8 @@ class Controller:
             fresh = Sequence(seq.prompt_token_ids, seq.sampling, seq.key, seq.eos_token_ids, seq.max_model_len)
             fresh.t_added, fresh.t_first = getattr(seq, "t_added", time.perf_counter()), None
             fresh.num_score_tokens = seq.num_score_tokens
-            if hasattr(seq, "record"):
-                fresh.record = seq.record
+            if hasattr(seq, "request"):     # how its OpenAI Batch output line answers it (launcher.job)
+                fresh.request = seq.request
             if hasattr(seq, "stop_matcher"):    # a new matcher: the old one has scanned the lost output
                 fresh.stop_matcher = seq.stop_matcher and type(seq.stop_matcher)(seq.stop_matcher.stop)
             (min(healthy, key=lambda s: s.scheduler.load) if healthy else slot).scheduler.add(fresh)

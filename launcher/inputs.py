@@ -1,5 +1,6 @@
 """Input records, read lazily from .txt (one prompt a line), .jsonl or .parquet (same keys as
-jsonl, as columns).
+jsonl, as columns). A .jsonl line with `custom_id` and `body` is an OpenAI Batch API request
+(`parse_openai`): its `custom_id` is the record's id and its body's parameters its sampling.
 
 A bad record never raises: it comes back with `error` set (naming its line and the problem) so
 that the caller writes an error result and reads on. Only a file that cannot be read at all
@@ -32,6 +33,22 @@ class Record:
     continuation_token_ids: list[int] | None = None
     sampling: dict = field(default_factory=dict)
     error: str | None = None
+    openai: str | None = None                   # an OpenAI Batch request's url: how its result is written
+    openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
+
+
+def is_openai_batch(path: str | Path) -> bool:
+    """Whether a .jsonl input's first record is an OpenAI Batch API request."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        return False
+    for _, text, error in _lines(path):
+        try:
+            obj = json.loads(text) if not error else None
+        except json.JSONDecodeError:
+            return False
+        return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+    return False
 
 
 def check_input(path: str | Path) -> Path:
@@ -106,7 +123,8 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
         except json.JSONDecodeError as e:
             yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
             continue
-        yield parse_record(obj, n, "line")
+        yield parse_openai(obj, n) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
+            else parse_record(obj, n, "line")
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:
@@ -172,6 +190,83 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
     if rec.error:
         rec = Record(id=rid, line=n, error=f"{where}: {rec.error}")
     return rec
+
+
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+# body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
+OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                   "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
+OPENAI_IGNORED = ("model", "user", "stream", "n", "logprobs", "top_logprobs", "echo", "suffix", "metadata", "store")
+# parameters that change what would be generated and that msinfer does not serve yet: refused
+# per request (a 400), not silently ignored, unless they have their neutral value
+OPENAI_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
+                  "tools": None, "tool_choice": None, "best_of": 1, "min_p": 0, "repetition_penalty": 1,
+                  "top_k": None}
+
+
+def parse_openai(obj: dict, n: int) -> Record:
+    """One OpenAI Batch API request line: {custom_id, method, url, body}. The body is a chat
+    completion (messages) or a completion (prompt: a string or token ids) request."""
+    where = f"line {n}"
+    rid = obj.get("custom_id")
+    if not isinstance(rid, str) or not rid.strip():
+        return Record(id=str(n), line=n, error=f"{where}: 'custom_id' must be a non-empty string, got {rid!r:.40}")
+    url, body = obj.get("url"), obj.get("body")
+    rec = Record(id=rid, line=n, openai=url if url in OPENAI_URLS else OPENAI_URLS[0])
+    if obj.get("method", "POST") != "POST":
+        rec.error = f"{where}: method {obj.get('method')!r} is not POST"
+    elif url not in OPENAI_URLS:
+        rec.error = f"{where}: url {url!r} is not one of {', '.join(OPENAI_URLS)}"
+    elif not isinstance(body, dict):
+        rec.error = f"{where}: 'body' must be an object, got {_type(body)}"
+    else:
+        rec.error = _fill_openai(rec, body, url == OPENAI_URLS[0])
+        if rec.error:
+            rec.error = f"{where}: {rec.error}"
+    return rec
+
+
+def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
+    key = "messages" if chat else "prompt"
+    if body.get(key) is None:
+        return f"the body of a {rec.openai} request needs '{key}'"
+    if chat:
+        rec.messages = body["messages"]
+        if error := _check_messages(rec.messages):
+            return error
+    elif isinstance(body["prompt"], str) and body["prompt"].strip():
+        rec.prompt = body["prompt"]
+    elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(t, int) for t in body["prompt"]):
+        rec.prompt_token_ids = body["prompt"]
+        if error := _check_ids(rec.prompt_token_ids, "prompt"):
+            return error
+    else:
+        return "'prompt' must be a non-empty string or a list of token ids (one prompt per request)"
+    for k, neutral in OPENAI_NEUTRAL.items():
+        if body.get(k, neutral) not in (neutral, None):
+            return f"'{k}' is not supported by msinfer yet"
+    unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL)]
+    if unknown:
+        return f"unknown body key '{unknown[0]}'"
+    if body.get("n", 1) != 1:
+        return f"'n' is {body['n']!r}: one completion per request is supported"
+    if body.get("stream"):
+        return "'stream' is not available in a batch"
+    sampling = {OPENAI_SAMPLING[k]: v for k, v in body.items() if k in OPENAI_SAMPLING and v is not None}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    logprobs = body.get("logprobs")
+    if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
+        rec.openai_logprobs = body.get("top_logprobs") or 0
+    elif not chat and logprobs is not None and logprobs is not False:    # completions: logprobs 0-5
+        rec.openai_logprobs = logprobs
+    if rec.openai_logprobs is not None:
+        if isinstance(rec.openai_logprobs, bool) or not isinstance(rec.openai_logprobs, int) \
+                or not 0 <= rec.openai_logprobs <= 20:
+            return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
+        sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
+    rec.sampling = sampling
+    return None
 
 
 def _fill(rec: Record, obj: dict) -> str | None:

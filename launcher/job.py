@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from launcher.errors import RecordError, SpecError, UserError
-from launcher.inputs import check_input, read_records
+from launcher.inputs import check_input, is_openai_batch, read_records
 from launcher.scheduler import Sequence
 from launcher.spec import JobSpec
 from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
@@ -44,6 +44,7 @@ class Plan:
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
     card: CardPlan | None = None          # accelerators: the memory of one card, as planned
+    output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
 
     def describe(self) -> str:
         s, m = self.spec, self.model
@@ -223,7 +224,13 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
     notes.append(verification_note(device, emulate, spec.model.ops))
-    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card)
+    output_format = spec.output.format
+    if output_format == "auto":
+        output_format = "openai" if check_io and is_openai_batch(spec.input.path) else "msinfer"
+    if output_format == "openai" and spec.task == "score":
+        raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
+                        "msinfer")
+    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format)
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:
@@ -274,12 +281,20 @@ class JobRun:
         self.t_gen: float | None = None
         self.t_first_result: float | None = None
         self.stream, self.streamed, self.last_streamed = stream, {}, None
+        self.openai = plan.output_format == "openai"
         self.status_t = 0.0
         self.bar = None
         if progress and status:
             from tqdm import tqdm
             self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
                             file=sys.stderr, desc="msinfer", disable=None)
+
+    @property
+    def model_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.spec.model.path))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id]) if self.tok is not None else str(token_id)
 
     # ---- records in -----------------------------------------------------------------------------
     def sequences(self, records):
@@ -293,7 +308,7 @@ class JobRun:
                 self._tick()
                 continue
             if rec.error:
-                self.emit(error_result(rec.id, "InvalidRecord", rec.error))
+                self.emit(error_result(rec.id, "InvalidRecord", rec.error), request=self.request(rec))
                 continue
             try:
                 sampling = spec.sampling.merge(rec.sampling, rec.id).to_params()
@@ -317,9 +332,11 @@ class JobRun:
                     raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                       f"is {max_len}, which must also leave room for generated tokens")
             except RecordError as e:
-                self.emit(error_result(rec.id, "InvalidRecord", str(e)))
+                self.emit(error_result(rec.id, "InvalidRecord", str(e)), request=self.request(rec))
                 continue
             seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else eos, max_len)
+            if self.openai:
+                seq.request = self.request(rec)
             seq.num_score_tokens = len(continuation)
             seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
             if self.t_gen is None:
@@ -365,9 +382,22 @@ class JobRun:
             sys.stdout.flush()
             self.streamed[seq.key] = len(text)
 
+    def request(self, rec) -> tuple[str, int | None] | None:
+        """How an OpenAI Batch line answers the record (output.format openai): the url it was
+        sent to (for a plain record: chat completions where a chat template applies) and the
+        log-probability alternatives it asked for."""
+        if not self.openai:
+            return None
+        from launcher.openai_batch import CHAT_URL
+        chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
+                                            and self.tok is not None and self.tok.has_chat_template)
+        return rec.openai or (CHAT_URL if chat else "/v1/completions"), rec.openai_logprobs
+
     def on_finish(self, seq: Sequence) -> None:
+        request = getattr(seq, "request", None)
         if seq.finish_reason in ("error", "abort"):
-            self.emit(error_result(seq.key, "InvalidRecord", seq.error or f"sequence {seq.finish_reason}"))
+            self.emit(error_result(seq.key, "InvalidRecord", seq.error or f"sequence {seq.finish_reason}"),
+                      request=request)
             return
         if seq.is_scoring:
             n = seq.num_score_tokens
@@ -384,10 +414,16 @@ class JobRun:
             extra["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
         result = ok_result(seq.key, seq.output_token_ids, text, seq.finish_reason, seq.num_prompt_tokens, extra)
         ttft = seq.t_first - seq.t_added if getattr(seq, "t_first", None) else None
-        self.emit(result, ttft)
+        self.emit(result, ttft, request)
 
-    def emit(self, result: dict, ttft: float | None = None) -> None:
-        self.sink(result)
+    def emit(self, result: dict, ttft: float | None = None, request: tuple | None = None) -> None:
+        """One result to the sink; with output.format openai as an OpenAI Batch output line for
+        `request` (see `request`)."""
+        if request is not None:
+            from launcher.openai_batch import openai_line
+            self.sink(openai_line(result, *request, self.model_name, self.token_text))
+        else:
+            self.sink(result)
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()
         self.stats.add(result, ttft)
@@ -485,7 +521,8 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     t_start = time.perf_counter() if t_start is None else t_start
     plan = plan_job(spec, weights=simulate is None)
     spec = plan.spec
-    writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s)
+    writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
+                          "custom_id" if plan.output_format == "openai" else "id")
     job = JobRun(plan, None, writer.write, writer.done_ids, stream, progress)
     started_ray = False
     try:

@@ -154,6 +154,7 @@ class OutputSpec(Section):
     path: str
     status_interval_s: float = Field(2.0, gt=0.0)
     fsync_interval_s: float = Field(1.0, ge=0.0)    # results synced to disk at most this often (0: every line)
+    format: Literal["auto", "msinfer", "openai"] = "auto"   # auto: openai for an OpenAI Batch API input file
     _path = field_validator("path")(_expand)
 
 

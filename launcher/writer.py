@@ -61,8 +61,12 @@ class ResultWriter:
     seconds and when it is closed, so a crash of the machine loses at most the results of that
     window, which the next run computes again."""
 
-    def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0):
+    def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0,
+                 id_key: str = "id"):
+        """id_key: the key of a result line that holds its record's id ("custom_id" in the
+        OpenAI Batch format, launcher.openai_batch)."""
         self.path = Path(path)
+        self.id_key = id_key
         self.fsync_interval_s = fsync_interval_s
         self.synced = time.monotonic()
         self.done_ids: set[str] = set()
@@ -88,7 +92,7 @@ class ResultWriter:
                             f"results file {self.path}, line {bad_line}: not a whole JSON result, and more lines "
                             f"follow it, so it is not a crash's partial last line. Fix or remove that line, or "
                             f"pass --overwrite to start the results over")
-                    rid = _result_id(raw)
+                    rid = _result_id(raw, self.id_key)
                     if rid is None:
                         bad_line = n
                         continue
@@ -119,7 +123,7 @@ class ResultWriter:
         except OSError as e:
             self._fail(e)
         self.size += len(line)
-        self.done_ids.add(str(result["id"]))
+        self.done_ids.add(str(result[self.id_key]))
 
     def _fail(self, e: OSError):
         try:  # drop the partial line, if any: what was written before stays whole
@@ -151,18 +155,16 @@ class ResultWriter:
         self.close()
 
 
-ID_PREFIX = b'{"id": "'          # every line msinfer writes starts so (json.dumps of a result dict)
-
-
-def _result_id(raw: bytes) -> str | None:
+def _result_id(raw: bytes, key: str = "id") -> str | None:
     """The id of a whole result line, None for anything else (a crash's partial last line).
     A line as msinfer writes it (the id first, no escape in it, a closing brace) is known by its
     first bytes, with no JSON parse of the rest: a resume reads a million lines in about a second."""
     if not raw.endswith(b"\n"):
         return None
-    if raw.startswith(ID_PREFIX) and raw.endswith(b"}\n"):
-        end = raw.find(b'"', len(ID_PREFIX))
-        rid = raw[len(ID_PREFIX):end]
+    prefix = b'{"' + key.encode() + b'": "'      # every line msinfer writes starts so (json.dumps)
+    if raw.startswith(prefix) and raw.endswith(b"}\n"):
+        end = raw.find(b'"', len(prefix))
+        rid = raw[len(prefix):end]
         if end > 0 and b"\\" not in rid and raw.startswith(b'", ', end):
             try:
                 return rid.decode("utf-8")
@@ -172,7 +174,7 @@ def _result_id(raw: bytes) -> str | None:
         obj = json.loads(raw)
     except ValueError:  # also UnicodeDecodeError
         return None
-    return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
+    return str(obj[key]) if isinstance(obj, dict) and key in obj else None
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -1,0 +1,67 @@
+"""Result lines in the OpenAI Batch API's output format (`output.format: openai`):
+
+    {"custom_id": ..., "id": "batch_req_...", "response": {"status_code": 200, "request_id": ...,
+     "body": <a ChatCompletion or a Completion>}, "error": null}
+
+and, for a request that cannot be served (the record's fault), status_code 400 with an error
+body, as OpenAI writes them. `custom_id` comes first: the results file is resumed by it
+(launcher.writer). Ids are derived from the custom_id, so a re-run writes the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+CHAT_URL = "/v1/chat/completions"
+
+
+def _id(prefix: str, custom_id: str) -> str:
+    return f"{prefix}{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
+
+
+def _line(custom_id: str, status: int, body: dict) -> dict:
+    return {"custom_id": custom_id, "id": _id("batch_req_", custom_id),
+            "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body}, "error": None}
+
+
+def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text) -> dict:
+    """The output line of one msinfer result (launcher.writer's ok_result / error_result) for a
+    request to `url`; `top_logprobs`: the alternatives asked for (None: no log-probabilities);
+    `token_text(id)`: a token's text."""
+    custom_id = result["id"]
+    if result.get("error"):
+        return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
+                                                "param": None, "code": None}})
+    chat = url == CHAT_URL
+    usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
+             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+    text = result.get("output_text") or ""
+    logprobs = None
+    entries = result.get("logprobs") if top_logprobs is not None else None
+    if entries:
+        ids = result["output_token_ids"]
+        if chat:
+            logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
+                                                  [(token_text(a), v) for a, v in e["top"][:top_logprobs]])
+                                    for t, e in zip(ids, entries)], "refusal": None}
+        else:
+            texts = [token_text(t) for t in ids]
+            offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+            logprobs = {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
+                        "top_logprobs": [{token_text(a): v for a, v in e["top"][:top_logprobs]} for e in entries],
+                        "text_offset": offsets}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": logprobs, "finish_reason": result["finish_reason"]}
+        body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result["finish_reason"]}
+        body = {"id": _id("cmpl-", custom_id), "object": "text_completion"}
+    body.update(created=int(time.time()), model=model, choices=[choice], usage=usage)
+    return _line(custom_id, 200, body)
+
+
+def _chat_logprob(token: str, logprob: float, top: list) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))} for a, v in top]}

@@ -1,0 +1,116 @@
+"""OpenAI Batch API files: request lines in, output lines that the `openai` package's own types
+parse, a 400 line for a request msinfer cannot serve, resume by custom_id."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.inputs import parse_openai
+from launcher.openai_batch import openai_line
+from launcher.writer import error_result, ok_result
+
+CHAT = "/v1/chat/completions"
+
+
+def request(custom_id, body, url=CHAT, **extra):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra}
+
+
+def test_a_request_becomes_a_record_with_its_sampling():
+    rec = parse_openai(request("a", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                     "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                                     "stop": "\n", "logprobs": True, "top_logprobs": 2}), 1)
+    assert rec.error is None and rec.id == "a" and rec.openai == CHAT and rec.messages[0]["content"] == "hi"
+    assert rec.sampling == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"],
+                            "logprobs": 2}
+    assert rec.openai_logprobs == 2
+    text = parse_openai(request("b", {"prompt": "Once", "max_tokens": 4, "logprobs": 0}, "/v1/completions"), 2)
+    assert text.error is None and text.prompt == "Once" and text.sampling == {"max_new_tokens": 4, "logprobs": 1}
+    assert text.openai_logprobs == 0
+    ids = parse_openai(request("c", {"prompt": [5, 6, 7]}, "/v1/completions"), 3)
+    assert ids.error is None and ids.prompt_token_ids == [5, 6, 7]
+
+
+@pytest.mark.parametrize("line, message", [
+    (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/embeddings"),
+     "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+     "line 4: 'n' is 2: one completion per request is supported"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
+     "line 4: 'presence_penalty' is not supported by msinfer yet"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+     "line 4: 'response_format' is not supported by msinfer yet"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),
+     "line 4: unknown body key 'temprature'"),
+    (request("x", {"prompt": "hi"}), "line 4: the body of a /v1/chat/completions request needs 'messages'"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}),
+     "line 4: 'top_logprobs' must be an integer from 0 to 20"),
+])
+def test_a_request_msinfer_cannot_serve_is_that_requests_error(line, message):
+    rec = parse_openai(line, 4)
+    assert rec.id == "x" and rec.error == message
+
+
+def test_output_lines_parse_as_openai_types():
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    result = ok_result("q1", [11, 12], "Paris.", "stop", 9,
+                       {"logprobs": [{"logprob": -0.1, "top": [[11, -0.1], [13, -2.5]]},
+                                     {"logprob": -0.2, "top": [[12, -0.2], [14, -3.0]]}]})
+    line = openai_line(result, CHAT, 1, "SmolLM2", lambda t: f"<{t}>")
+    assert line["custom_id"] == "q1" and line["error"] is None and line["response"]["status_code"] == 200
+    chat = ChatCompletion.model_validate(line["response"]["body"])
+    assert chat.choices[0].message.content == "Paris." and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens == 9 and chat.usage.total_tokens == 11 and chat.model == "SmolLM2"
+    assert [c.token for c in chat.choices[0].logprobs.content] == ["<11>", "<12>"]
+    assert [[t.token for t in c.top_logprobs] for c in chat.choices[0].logprobs.content] == [["<11>"], ["<12>"]]
+    plain = Completion.model_validate(openai_line(result, "/v1/completions", None, "m", str)["response"]["body"])
+    assert plain.choices[0].text == "Paris." and plain.choices[0].logprobs is None
+    failed = openai_line(error_result("q2", "InvalidRecord", "line 2: bad"), CHAT, None, "m", str)
+    assert failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["message"] == "line 2: bad"
+    assert openai_line(result, CHAT, None, "m", str)["id"] == line["id"]       # the same id on a re-run
+
+
+def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ray_local):
+    """A job on an OpenAI Batch file (output.format auto -> openai), on stand-in workers with the
+    demo model's config and tokenizer: chat and completion requests answered in OpenAI's shapes,
+    the bad ones with status 400, each request once; a second run skips them all."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    from launcher.job import run_job
+    from launcher.simulate import StandIn
+    from launcher.spec import JobSpec
+    from scripts.make_demo_model import ensure_demo_model
+    lines = [request("chat-1", {"model": "x", "messages": [{"role": "user", "content": "What is 2+2?"}],
+                                "max_completion_tokens": 5}),
+             request("chat-2", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                "logprobs": True, "top_logprobs": 2}),
+             request("text-1", {"prompt": "Once upon a time", "max_tokens": 4}, "/v1/completions"),
+             request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 3}),
+             {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 256},
+                                   "sampling": {"max_new_tokens": 16},
+                                   "input": {"path": str(tmp_path / "batch.jsonl")},
+                                   "output": {"path": str(tmp_path / "out.jsonl")},
+                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 256}})
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert sorted(out) == sorted(x["custom_id"] for x in lines)
+    assert summary["records_done"] == 3 and summary["records_failed"] == 2
+    for cid, n in (("chat-1", 5), ("chat-2", 3)):
+        body = ChatCompletion.model_validate(out[cid]["response"]["body"])
+        assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
+        assert body.choices[0].finish_reason == "length" and body.choices[0].message.role == "assistant"
+    lp = ChatCompletion.model_validate(out["chat-2"]["response"]["body"]).choices[0].logprobs.content
+    assert len(lp) == 3 and all(len(c.top_logprobs) == 2 for c in lp)
+    text = Completion.model_validate(out["text-1"]["response"]["body"])
+    assert text.object == "text_completion" and text.usage.completion_tokens == 4 and text.choices[0].text
+    assert out["bad-n"]["response"]["status_code"] == 400 and "'n' is 3" in \
+        out["bad-n"]["response"]["body"]["error"]["message"]
+    assert out["bad-body"]["response"]["status_code"] == 400
+    again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert again["records_skipped"] == 5 and again["records_done"] == again["records_failed"] == 0

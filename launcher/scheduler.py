@@ -289,14 +289,20 @@ class Scheduler:
 
     def _schedule_decode(self, ahead: bool = False) -> list[tuple[Sequence, SeqStep]]:
         scheduled = []
+        room = self.block_manager.block_size
         i = 0
         while i < len(self.running) and len(scheduled) < self.max_batch_size:
             seq = self.running[i]
-            if seq.ends_in_flight:
+            pending = seq.num_pending
+            if seq.in_flight and seq.ends_in_flight:    # scoring's last chunk samples nothing: not pending
                 i += 1
                 continue
             # feeding the last token stores it at position num_tokens - 1 (pending tokens included)
-            total = seq.num_tokens + seq.num_pending
+            total = seq.num_tokens + pending
+            if len(seq.block_table) * room >= total:        # most decodes: their block has room
+                scheduled.append((seq, self._seq_step(seq, 1, pending)))
+                i += 1
+                continue
             while not self.block_manager.can_ensure(seq, total):
                 if ahead:                   # preempting would drop a cache a step in flight writes:
                     return scheduled        # the rest wait for that step's results
@@ -306,7 +312,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.ensure(seq, total)
-                scheduled.append((seq, self._seq_step(seq, 1)))
+                scheduled.append((seq, self._seq_step(seq, 1, pending)))
                 i += 1
         return scheduled
 
@@ -343,9 +349,10 @@ class Scheduler:
         self.rejected.append(seq)
         return True
 
-    def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
-        """The step feeding seq's next n tokens, recorded in seq.in_flight."""
-        pending = seq.num_pending
+    def _seq_step(self, seq: Sequence, n: int, pending: int | None = None) -> SeqStep:
+        """The step feeding seq's next n tokens, recorded in seq.in_flight; `pending`: its
+        num_pending, where the caller has it."""
+        pending = seq.num_pending if pending is None else pending
         start = seq.num_cached + seq.num_scheduled
         end = start + n
         if pending:                     # a decode of the token the step in flight samples
@@ -374,16 +381,16 @@ class Scheduler:
             n, _ = seq.in_flight.popleft()
             before = self.work(seq)
             seq.num_cached += n
-            self.load += self.work(seq) - before
             if seq.num_cached < seq.num_tokens:
+                self.load += self.work(seq) - before
                 continue                               # a prompt chunk short of the prompt's end
             if seq.is_scoring:                         # scored: nothing to generate
+                self.load += self.work(seq) - before
                 self.finish(seq, "scored")
                 finished.append(seq)
                 continue
             if token < 0:
                 raise ValueError(f"sequence {seq.seq_id}: no token sampled at the end of its prefill")
-            before = self.work(seq)
             seq.output_token_ids.append(token)
             self.load += self.work(seq) - before
             reason = self._stop_reason(seq, token)

@@ -76,7 +76,7 @@ def check_step(sched: Scheduler, steps: list[SeqStep], is_prefill: bool, seqs: l
             assert step.token_ids == [SAMPLED] and not is_prefill
         else:
             assert step.token_ids == seq.token_ids[start: start + n]
-        assert step.sample == (start + n == seq.num_tokens + pending)
+        assert step.sample == (start + n == seq.num_tokens + pending and not seq.is_scoring)
         assert step.num_generated == seq.num_completion_tokens + pending
         assert step.block_table == seq.block_table and step.block_table is not seq.block_table
         assert len(step.block_table) * bm.block_size >= step.num_cached + n
@@ -369,3 +369,25 @@ def test_abort_frees_blocks_and_postprocess_skips_aborted():
     assert b.finish_reason == "abort"
     finished, _, _ = drive(sched, [], model)
     assert finished == [a]
+
+
+def test_scoring_sequences_among_generating_ones_are_only_prefilled(ahead):
+    """A scoring sequence (its last tokens scored, nothing generated) runs its prompt in prefill
+    chunks beside generating sequences and finishes "scored" after its last chunk: no decode is
+    ever scheduled for it, also while that chunk is in flight (async: it samples nothing, so it has
+    no pending token, and must still be left out)."""
+    rng = random.Random(7)
+    sched, model = make_sched(max_batched_tokens=8)
+    gens = workload(rng, 6, 12, eos=())
+    scored = [Sequence([rng.randrange(1, VOCAB) for _ in range(n)], SamplingParams(max_new_tokens=4), key=f"s{n}")
+              for n in (5, 13, 21)]
+    for seq in scored:
+        seq.num_score_tokens = 3
+    finished, feeds, _ = drive(sched, gens + scored, model, per_step=2, ahead=ahead)
+    for seq in scored:
+        assert seq.finish_reason == "scored" and seq.output_token_ids == []
+        steps = feeds[seq.seq_id]
+        assert all(is_prefill for is_prefill, _ in steps), f"{seq.key}: fed a decode"
+        assert sum(len(s.token_ids) for _, s in steps) == len(seq.prompt_token_ids)
+    for seq in gens:
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling)[0]

@@ -196,12 +196,12 @@ OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 # body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
-OPENAI_IGNORED = ("model", "user", "stream", "n", "logprobs", "top_logprobs", "echo", "suffix", "metadata", "store")
+OPENAI_IGNORED = ("model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
                   "tools": None, "tool_choice": None, "best_of": 1, "min_p": 0, "repetition_penalty": 1,
-                  "top_k": None}
+                  "top_k": None, "echo": False, "suffix": None}
 
 
 def parse_openai(obj: dict, n: int) -> Record:

@@ -42,6 +42,8 @@ def test_a_request_becomes_a_record_with_its_sampling():
      "line 4: 'presence_penalty' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
      "line 4: 'response_format' is not supported by msinfer yet"),
+    (request("x", {"prompt": "hi", "echo": True}, "/v1/completions"),
+     "line 4: 'echo' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),
      "line 4: unknown body key 'temprature'"),
     (request("x", {"prompt": "hi"}), "line 4: the body of a /v1/chat/completions request needs 'messages'"),

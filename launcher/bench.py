@@ -247,7 +247,7 @@ class BenchReplica:
         import ray
 
         p = self.plan
-        threads = threads_per_worker(p.tp) if p.device == "cpu" or p.engine.emulate else 0
+        threads = threads_per_worker(p.tp) if p.engine.on_cpu else 0
         self.replica = Replica(self.starts, p.tp, p.device, threads_per_worker=threads)
         self.starts += 1
         try:
@@ -269,9 +269,7 @@ class BenchReplica:
 
     def _step(self, seqs, is_prefill: bool):
         import ray
-        ref = ray.put(seqs) if self.plan.tp > 1 else seqs
-        refs = [w.step.remote(ref, is_prefill) for w in self.replica.workers]
-        return ray.get(refs, timeout=self.plan.step_timeout_s)[0]
+        return ray.get(self.replica.submit(seqs, is_prefill), timeout=self.plan.step_timeout_s)[0]
 
     def generate(self, case: Case) -> Timing:
         import numpy as np

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from launcher.errors import InputError
+from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
 from launcher.spec import INPUT_SUFFIXES
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -192,7 +193,7 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
     return rec
 
 
-OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)
 # body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
@@ -212,7 +213,7 @@ def parse_openai(obj: dict, n: int) -> Record:
     if not isinstance(rid, str) or not rid.strip():
         return Record(id=str(n), line=n, error=f"{where}: 'custom_id' must be a non-empty string, got {rid!r:.40}")
     url, body = obj.get("url"), obj.get("body")
-    rec = Record(id=rid, line=n, openai=url if url in OPENAI_URLS else OPENAI_URLS[0])
+    rec = Record(id=rid, line=n, openai=url if url in OPENAI_URLS else CHAT_URL)
     if obj.get("method", "POST") != "POST":
         rec.error = f"{where}: method {obj.get('method')!r} is not POST"
     elif url not in OPENAI_URLS:
@@ -220,7 +221,7 @@ def parse_openai(obj: dict, n: int) -> Record:
     elif not isinstance(body, dict):
         rec.error = f"{where}: 'body' must be an object, got {_type(body)}"
     else:
-        rec.error = _fill_openai(rec, body, url == OPENAI_URLS[0])
+        rec.error = _fill_openai(rec, body, url == CHAT_URL)
         if rec.error:
             rec.error = f"{where}: {rec.error}"
     return rec

@@ -27,7 +27,7 @@ from worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from worker.lora import check_adapter
 from worker.positions import make_scheme
 from worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
-from worker.runner import EngineConfig, resolve_dtype
+from worker.runner import EngineConfig, resolve_dtype, shapes_problem
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -97,11 +97,9 @@ def verification_note(device: str, emulate: bool, ops: str) -> str:
 def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> None:
     """What the chosen operators need of the spec: block sizes and head sizes for Ascend's kernels,
     static shapes for the CPU kernels."""
-    fused = spec.model.ops == "auto"
-    if device == "cpu" and fused and spec.model.shapes == "dynamic":
-        raise LayoutError("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom "
-                          "operators in static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
-    if device == "ascend" and fused:
+    if problem := shapes_problem(device, spec.model.ops, spec.model.shapes):
+        raise LayoutError(problem)
+    if device == "ascend" and spec.model.ops == "auto":
         bs = spec.scheduler.block_size
         if bs % BLOCK_MULTIPLE:
             raise LayoutError(f"scheduler.block_size {bs}: Ascend's ReshapeAndCache and PagedAttention take blocks "
@@ -157,8 +155,7 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
     block = kv_block_bytes(m, tp, engine.block_size, dbytes)
     free = budget - weights - activations - RUNTIME_BYTES
     fits = max(0, free // block - 1)                        # one block is the scratch block
-    wanted = engine.num_blocks or engine.max_batch_size * -(-engine.max_model_len // engine.block_size)
-    blocks = min(fits, wanted) if not engine.num_blocks else wanted
+    blocks = engine.blocks() if engine.num_blocks else min(fits, engine.blocks())
     one_seq = -(-engine.max_model_len // engine.block_size)
     gib = 1024 ** 3
     if blocks > fits or fits < one_seq:
@@ -214,7 +211,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks)
     kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
-    if (device == "cpu" or emulate) and weights:
+    if engine.on_cpu and weights:
         import psutil
         ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
         need, have = ranks_here * (weight_bytes + kv), psutil.virtual_memory().total
@@ -388,10 +385,10 @@ class JobRun:
         log-probability alternatives it asked for."""
         if not self.openai:
             return None
-        from launcher.openai_batch import CHAT_URL
+        from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
         chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
                                             and self.tok is not None and self.tok.has_chat_template)
-        return rec.openai or (CHAT_URL if chat else "/v1/completions"), rec.openai_logprobs
+        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs
 
     def on_finish(self, seq: Sequence) -> None:
         request = getattr(seq, "request", None)
@@ -475,20 +472,19 @@ def make_controller(plan: Plan, simulate=None):
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
-    stand_ins = {}
-    if simulate is not None:
-        from launcher.simulate import StandInWorker
-        stand_ins = {"worker_cls": StandInWorker, "worker_options": {"timing": simulate}, "device": "cpu",
-                     "cpus_per_worker": STAND_IN_CPUS}
-    return Controller(ControllerConfig(**{
-        "engine_config": plan.engine, "tensor_parallel": tp, "data_parallel": dp, "device": plan.device,
-        "placement": spec.parallel.placement, "cpus_per_worker": spec.ray.num_cpus_per_worker, **stand_ins}, **dict(
-        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp)
-        if (plan.device == "cpu" or plan.engine.emulate) and simulate is None
-        else 0,   # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
+    cfg = dict(
+        engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
+        placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
+        # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
+        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.engine.on_cpu else 0,
         max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
-        startup_timeout_s=spec.fault.startup_timeout_s, async_scheduling=spec.scheduler.async_scheduling)))
+        startup_timeout_s=spec.fault.startup_timeout_s, async_scheduling=spec.scheduler.async_scheduling)
+    if simulate is not None:
+        from launcher.simulate import StandInWorker
+        cfg.update(worker_cls=StandInWorker, worker_options={"timing": simulate}, device="cpu",
+                   cpus_per_worker=STAND_IN_CPUS, threads_per_worker=0)
+    return Controller(ControllerConfig(**cfg))
 
 
 def start_controller(plan: Plan, simulate=None):

@@ -14,6 +14,7 @@ import hashlib
 import time
 
 CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
 
 
 def _id(prefix: str, custom_id: str) -> str:

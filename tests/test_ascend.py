@@ -15,6 +15,7 @@ from tests.checkpoints import VARIANTS
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import Recording
+from tests.test_scoring import hf_logprobs
 from worker.protocol import SeqStep
 from worker.runner import EngineConfig, ModelRunner
 
@@ -47,17 +48,6 @@ def test_greedy_tokens_and_logits_match_transformers(name, path_kind, checkpoint
             assert diff < LOGIT_ATOL, f"{name} {path_kind} prompt {i} step {step}: max |logit diff| {diff}"
 
 
-def hf_logprobs(checkpoint, name, tokens):
-    """transformers' float32 log p(tokens[j+1] | tokens[:j+1]) for every j."""
-    import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].double()
-    logp = torch.log_softmax(logits, -1)
-    return np.array([float(logp[j, tokens[j + 1]]) for j in range(len(tokens) - 1)])
-
-
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("float16", 2e-2)])
 @pytest.mark.parametrize("path_kind", list(PATHS))
 def test_scoring_log_probabilities_match_transformers(path_kind, dtype, atol, checkpoint):
@@ -68,7 +58,7 @@ def test_scoring_log_probabilities_match_transformers(path_kind, dtype, atol, ch
     runner = runner_for(checkpoint(name), path_kind, dtype=dtype)
     step = SeqStep(0, tokens, 0, list(range(8)), targets=tokens[1:] + [-1], sample=False)
     _, scores = runner.execute([step], True)
-    np.testing.assert_allclose(scores[0], hf_logprobs(checkpoint, name, tokens), atol=atol)
+    np.testing.assert_allclose(scores[0], hf_logprobs(checkpoint(name), tokens[:1], tokens[1:]), atol=atol)
 
 
 @pytest.mark.parametrize("path_kind", list(PATHS))

@@ -100,15 +100,10 @@ class Worker:
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
                 "dtype": self.runner.dtype}
 
-    def setup(self, engine_config, sched_host: str | None, sched_port: int | None) -> dict:
-        """Both start-up stages in one call."""
-        self.join(engine_config, sched_host, sched_port)
-        return self.load(engine_config)
-
-    def step(self, seqs: bytes | list[SeqStep], is_prefill: bool, index: int = -1) -> StepOutput | None:
+    def step(self, seqs: bytes, is_prefill: bool, index: int = -1) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
         async scheduling two steps are in flight and the actor has threads for both: each waits for
-        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step) or a list."""
+        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step)."""
         seqs = unpack_step(seqs)
         with self.turn:
             if index >= 0:

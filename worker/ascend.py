@@ -37,7 +37,7 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from worker.device import MASK_PENALTY
-from worker.ops import MsOps, packed_attention, paged_attention
+from worker.ops import MsOps, packed_attention, paged_attention, rms_norm
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 
@@ -213,10 +213,7 @@ class RmsNorm(nn.Cell):
         self.epsilon = epsilon
 
     def construct(self, x, gamma):
-        x32 = x.astype(ms.float32)
-        rstd = ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + self.epsilon)
-        y = (x32 * ops.broadcast_to(rstd, x32.shape)).astype(x.dtype)
-        return y * ops.broadcast_to(gamma, y.shape), rstd
+        return rms_norm(x, gamma, self.epsilon)
 
 
 class StandIns:

@@ -68,18 +68,24 @@ def kernel_library(name: str) -> str:
     return str(lib)
 
 
+def rms_norm(x, weight, eps: float):
+    """(x * rsqrt(mean(x^2) + eps) * weight, rsqrt(...)) in MindSpore primitives, in float32
+    whatever x's dtype."""
+    x32 = x.astype(ms.float32)
+    rstd = ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + eps)
+    y = (x32 * ops.broadcast_to(rstd, x32.shape)).astype(x.dtype)
+    return y * ops.broadcast_to(weight, y.shape), rstd
+
+
 class RmsNorm(nn.Cell):
-    """x * rsqrt(mean(x^2) + eps) * w in MindSpore primitives, in float32 whatever x's dtype."""
+    """`rms_norm` as a cell with its eps: (x, weight) -> normalized x."""
 
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
 
     def construct(self, x, weight):
-        x32 = x.astype(ms.float32)
-        var = ops.mean(x32 * x32, -1, keep_dims=True)
-        y = (x32 * ops.broadcast_to(ops.rsqrt(var + self.eps), x32.shape)).astype(x.dtype)
-        return y * ops.broadcast_to(weight, y.shape)
+        return rms_norm(x, weight, self.eps)[0]
 
 
 # The score of a position a token must not see. Finite, so that a padding token that sees nothing

@@ -61,5 +61,5 @@ def pack_step(seqs: list[SeqStep]) -> bytes:
     return pickle.dumps(seqs, protocol=5)
 
 
-def unpack_step(payload: bytes | list[SeqStep]) -> list[SeqStep]:
-    return pickle.loads(payload) if isinstance(payload, bytes) else payload
+def unpack_step(payload: bytes) -> list[SeqStep]:
+    return pickle.loads(payload)

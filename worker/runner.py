@@ -66,6 +66,11 @@ class EngineConfig:
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the workers compute on this machine's CPU (the CPU, or Ascend emulated)."""
+        return self.device == "cpu" or self.emulate
+
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False) -> str:
     """'auto' computes in float32 on the CPU (emulated Ascend included) and in the checkpoint's
@@ -81,6 +86,14 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = Fals
         raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
                          "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
     return name
+
+
+def shapes_problem(device: str, ops: str, shapes: str) -> str | None:
+    """Why model.shapes cannot be what it is with these operators, or None."""
+    if device == "cpu" and ops == "auto" and shapes == "dynamic":
+        return ("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom operators in "
+                "static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
+    return None
 
 
 class ModelRunner:
@@ -104,9 +117,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-ec.max_model_len // self.block_size)
         self.dev = select_ops(ec.device, ec.ops, threads, ec.emulate)
         self.dynamic = self.dev.dynamic_shapes if ec.shapes == "auto" else ec.shapes == "dynamic"
-        if self.dynamic and self.dev.fused_attention:
-            raise ValueError("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom "
-                             "operators in static shapes only); use model.shapes: buckets or model.ops: portable")
+        if problem := shapes_problem(ec.device, ec.ops, ec.shapes):
+            raise ValueError(problem)
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size)
         self.model.set_train(False)

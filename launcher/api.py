@@ -13,7 +13,7 @@ same dict as a line of the results file.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -55,12 +55,12 @@ class LLM:
         """prompts: text, chat messages (a list of {role, content}) or token ids, or whole records
         ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order."""
         defaults = sampling if isinstance(sampling, SamplingSpec) else SamplingSpec.model_validate(sampling or {})
-        plan = dataclasses.replace(self.plan, spec=self.plan.spec.model_copy(update={"sampling": defaults}))
+        self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
         records = [parse_record({**as_record(p), "id": i}, i + 1, "prompt") for i, p in enumerate(prompts)]
         results: dict[str, dict] = {}
-        job = JobRun(plan, self.controller, lambda r: results.__setitem__(r["id"], r), stream=stream,
-                     progress=False, status=False)
-        self.controller.run(job.sequences(records), job.on_step, job.on_finish)
+        printer = JobRun(self.plan, self.controller, None, progress=False, status=False)
+        self.controller.run(iter(records), lambda done, rec: results.__setitem__(rec.id, json.loads(done.line)),
+                            printer.on_stream if stream else None)
         return [results[str(i)] for i in range(len(prompts))]
 
     def shutdown(self) -> None:

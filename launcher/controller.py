@@ -1,24 +1,25 @@
-"""The controller loop: data-parallel replicas, one scheduler each, steps driven asynchronously.
+"""The driver's loop: data-parallel replicas, each with its engine (launcher.engine), fed records.
 
-    while work remains:
-        refill each replica's queue from the source, least outstanding work first (Scheduler.load)
-        for each replica with fewer than 2 steps in flight: steps = scheduler.schedule(); submit
-        wait for any replica's oldest step to finish; postprocess; hand finished sequences on
+    while records remain:
+        to each engine with no exchange in flight: as many records as it wants (its queue short
+            of two batches), in one `exchange` call
+        wait for any exchange to return; hand its results on (the results file); note its want
 
-Async scheduling (on unless `async_scheduling=False`): a replica's next step is scheduled and
-submitted while its current one runs (see launcher/scheduler.py), so that its workers go from one
-step to the next without waiting for the controller: the Ray round trip, the postprocessing and
-the scheduling of a step all happen while the one after it runs.
+The driver's work is per record: it reads a record, deals it, and writes its result line, which
+the engine has already formatted. Scheduling, steps, sampled tokens, stop strings and
+detokenizing happen in the engines, one per replica.
 
-A replica whose actor dies, or whose step outlives `step_timeout_s`, is torn down and restarted
-on a fresh scheduler port in the background while the others keep working; its unfinished
-sequences are re-queued from their prompts, on the healthy replicas at once where there are any.
-Past `max_restarts` the job stops (JobFailed), and everything already handed to the caller stays
-handed.
+A replica whose engine reports a failure (a worker died, a step outlived step_timeout_s), whose
+engine dies, or whose exchange outlives step_timeout_s, is torn down; the records it had been
+dealt and not finished go to the other replicas at once (or to itself once restarted, if it is
+the only one), and it restarts in the background on a fresh placement. Past `max_restarts` the
+job stops (JobFailed), and everything already handed to the caller stays handed.
 """
 
 from __future__ import annotations
 
+import itertools
+import pickle
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,70 +27,48 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
+from launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe
 from launcher.errors import UserError
+from launcher.inputs import Record
+from launcher.records import Done
 from launcher.replica import LaunchError, Replica
-from launcher.scheduler import Scheduler, Sequence
 
 
 class JobFailed(UserError):
     """Replicas failed more often than fault.max_replica_restarts allows."""
 
 
-STEP_KINDS = ("prefill", "decode")
-# per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
-# the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
-# which in the compiled network
-STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
-
-
 @dataclass
 class ControllerConfig:
     engine_config: object                  # worker.runner.EngineConfig
+    engine_setup: EngineSetup | None = None    # what each replica's engine needs
     tensor_parallel: int = 1
     data_parallel: int = 1
     device: str = "cpu"
     placement: str = "pack"
     cpus_per_worker: float = 1
     threads_per_worker: int = 0
-    max_batch_size: int = 32
-    max_batched_tokens: int = 512
     max_restarts: int = 3
     step_timeout_s: float = 600.0
     startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
-    async_scheduling: bool = True          # a replica's next step submitted while its current one runs
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
     worker_options: dict = field(default_factory=dict)
-
-    @property
-    def max_in_flight(self) -> int:
-        return 2 if self.async_scheduling else 1
-
-
-@dataclass
-class InFlight:
-    """A submitted step."""
-    refs: list                             # one per rank; refs[0] resolves to rank 0's StepOutput
-    seqs: list
-    is_prefill: bool
-    submitted: float
-    others: set                            # refs of ranks > 0 not yet seen to finish
 
 
 @dataclass
 class Slot:
-    """One data-parallel replica and its scheduler."""
+    """One data-parallel replica, its engine, and what the driver has dealt to it."""
     index: int
     replica: Replica
-    scheduler: Scheduler
-    in_flight: deque = field(default_factory=deque)   # InFlight steps, oldest first
-    last_result: float = 0.0                # when its last step's result came in
+    outstanding: dict = field(default_factory=dict)    # serial -> (serial, Record): dealt, no result yet
+    pending: object = None                 # its exchange in flight (an ObjectRef)
+    sent: float = 0.0                      # when that exchange was sent
+    want: int = 0                          # records it can take, as its last exchange said
     starting: Future | None = None
     restarts: int = 0
-    # kind -> figures in the order of STEP_FIGURES
-    step_s: dict = field(default_factory=lambda: {k: [0 if x == "steps" else 0.0 for x in STEP_FIGURES]
-                                                          for k in STEP_KINDS})
+    stats: dict | None = None              # its engine's figures, kept when its replica goes down
 
 
 @dataclass
@@ -99,21 +78,22 @@ class Controller:
     restarts: int = 0
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(8))
     restart_log: list[str] = field(default_factory=list)
-
-    def _new_scheduler(self) -> Scheduler:
-        ec = self.cfg.engine_config
-        return Scheduler(ec.blocks(), ec.block_size, self.cfg.max_batch_size, self.cfg.max_batched_tokens,
-                         ec.max_model_len)
+    serials: Iterator[int] = field(default_factory=itertools.count)
+    requeue: deque = field(default_factory=deque)      # (serial, Record) of failed replicas, dealt first
+    retired: list = field(default_factory=list)        # engine figures of replicas that went down
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
         extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
         return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
-                       startup_timeout_s=c.startup_timeout_s, **extra)
+                       startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, **extra)
+
+    def _first_want(self) -> int:
+        return 2 * self.cfg.engine_setup.spec.scheduler.max_batch_size
 
     def start(self) -> None:
-        """Starts every replica at once; returns when all ranks are ready."""
-        self.slots = [Slot(i, self._new_replica(i), self._new_scheduler()) for i in range(self.cfg.data_parallel)]
+        """Starts every replica and its engine at once; returns when all are ready."""
+        self.slots = [Slot(i, self._new_replica(i), want=self._first_want()) for i in range(self.cfg.data_parallel)]
         futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
         try:
             for f in futures:
@@ -122,16 +102,34 @@ class Controller:
             self.shutdown()
             raise launch_error(e) from None
 
+    def configure(self, spec, stream: bool = False) -> None:
+        """The spec new records are read with and whether text streams, on every engine (the
+        Python API's per-call sampling)."""
+        ray.get([s.replica.engine.configure.remote(spec, stream) for s in self.slots if s.replica.engine is not None])
+
+    def engine_stats(self) -> list[dict]:
+        """Each engine's figures (launcher.engine.Engine.stats), of the replicas up now and of
+        those that went down."""
+        live = [s for s in self.slots if s.replica.engine is not None and s.starting is None]
+        try:
+            got = ray.get([s.replica.engine.stats.remote() for s in live], timeout=30)
+        except Exception:                   # an engine that is down: its figures are lost, not the summary
+            got = []
+        return got + self.retired
+
     def step_stats(self) -> dict:
-        """Steps run and their seconds by kind: as the controller saw them (submit to result), of
-        which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); and the
-        graphs each replica's rank 0 compiled, with their first-call seconds."""
+        """Steps run and their seconds by kind: as the engines saw them (submit to result), of
+        which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); the
+        engines' CPU-seconds; and the graphs each replica's rank 0 compiled, with their
+        first-call seconds."""
         out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in STEP_KINDS for x in STEP_FIGURES}
-        out.update(graphs_compiled=0, compile_s=0.0)
-        for s in self.slots:
+        out.update(engine_cpu_s=0.0, graphs_compiled=0, compile_s=0.0)
+        for st in self.engine_stats():
             for kind in STEP_KINDS:
-                for x, v in zip(STEP_FIGURES, s.step_s[kind]):
+                for x, v in zip(STEP_FIGURES, st["steps"][kind]):
                     out[f"{kind}_{x}"] += v
+            out["engine_cpu_s"] += st["cpu_s"]
+        for s in self.slots:
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]
             except Exception:                # a replica that is down: its figures are lost, not the summary
@@ -145,116 +143,76 @@ class Controller:
         return [{"replica": s.index, **r} for s in self.slots for r in s.replica.ranks]
 
     # ---- the loop -------------------------------------------------------------------------------
-    def run(self, source: Iterator[Sequence], on_step: Callable[[list[Sequence]], None],
-            on_finish: Callable[[Sequence], None]) -> None:
-        """Pulls sequences from `source` lazily; `on_step(seqs)` after every step (stop strings,
-        streaming: it may call `finish`); `on_finish(seq)` once per sequence."""
+    def run(self, records: Iterator[Record], on_done: Callable[[Done, Record], None],
+            on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None) -> None:
+        """Deals `records` (read lazily) to the engines; `on_done(result, record)` once per
+        record, `on_stream(key, text)` for streamed text, `on_tick()` at least once a second."""
         exhausted = False
         while True:
-            exhausted = exhausted or self._refill(source)
             for slot in self.slots:
                 self._poll_restart(slot)
-                while (slot.starting is None and len(slot.in_flight) < self.cfg.max_in_flight
-                       and slot.scheduler.has_work() and self._submit(slot, on_finish)):
-                    pass
-            busy = [s for s in self.slots if s.in_flight]
-            if not busy:
-                if exhausted and not any(s.scheduler.has_work() or s.starting for s in self.slots):
+                if slot.starting is not None or slot.pending is not None:
+                    continue
+                chunk = []
+                while len(chunk) < slot.want:
+                    if self.requeue:
+                        chunk.append(self.requeue.popleft())
+                        continue
+                    rec = None if exhausted else next(records, None)
+                    if rec is None:
+                        exhausted = True
+                        break
+                    chunk.append((next(self.serials), rec))
+                if not chunk and not slot.outstanding:
+                    continue
+                slot.outstanding.update((c[0], c) for c in chunk)
+                more = not exhausted or bool(self.requeue)
+                slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
+                                                                  more)
+                slot.sent, slot.want = time.perf_counter(), 0
+            if on_tick is not None:
+                on_tick()
+            pending = {s.pending: s for s in self.slots if s.pending is not None}
+            if not pending:
+                if exhausted and not self.requeue and not any(s.starting for s in self.slots):
                     return
-                if any(s.starting for s in self.slots):
-                    time.sleep(0.05)
+                time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
-            self._wait(busy, on_step, on_finish)
+            ready, rest = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            if ready and rest:
+                more_ready, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                ready += more_ready
+            for ref in ready:
+                self._receive(pending[ref], ref, on_done, on_stream)
+            now = time.perf_counter()
+            for slot in pending.values():   # an engine that does not answer: wedged, or its node gone
+                if slot.pending is not None and now - slot.sent > self.cfg.step_timeout_s + 60:
+                    self._fail(slot, TimeoutError(f"its engine did not answer for {now - slot.sent:.0f}s"))
 
-    def _refill(self, source: Iterator[Sequence]) -> bool:
-        """Keeps about two batches queued per replica, giving each new sequence to the replica with
-        the least outstanding work. Returns True once the source is exhausted."""
-        target = 2 * self.cfg.max_batch_size
-        while True:
-            slot = min(self.slots, key=lambda s: (s.starting is not None, s.scheduler.load))
-            if slot.scheduler.num_waiting >= target:
-                return False
-            seq = next(source, None)
-            if seq is None:
-                return True
-            seq.t_added = time.perf_counter()
-            seq.t_first = None
-            slot.scheduler.add(seq)
-
-    def _submit(self, slot: Slot, on_finish) -> bool:
-        """Schedules and submits the replica's next step (ahead of the one in flight, if any);
-        False when there is none to submit now."""
-        steps, is_prefill, seqs = slot.scheduler.schedule(ahead=bool(slot.in_flight))
-        for seq in slot.scheduler.take_rejected():
-            on_finish(seq)
-        if not steps:
-            return False
-        refs = slot.replica.submit(steps, is_prefill)
-        slot.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
-        return True
-
-    def _wait(self, busy: list[Slot], on_step, on_finish) -> None:
-        by_ref = {s.in_flight[0].refs[0]: s for s in busy}
-        others = {r: (s, step) for s in busy for step in s.in_flight for r in step.others}
-        ready, _ = ray.wait(list(by_ref) + list(others), num_returns=1, timeout=1.0)
-        now = time.perf_counter()
-        for ref in ready:
-            if ref in others:               # a rank > 0 finished first: only an error matters here
-                slot, step = others[ref]
-                step.others.discard(ref)
-                try:
-                    ray.get(ref)
-                except RayError as e:          # a dead actor, a failed task, the node out of memory
-                    self._fail(slot, e)
-                continue
-            slot = by_ref[ref]
-            step = slot.in_flight[0]
-            seqs, is_prefill = step.seqs, step.is_prefill
-            try:
-                out = ray.get(step.refs, timeout=self.cfg.step_timeout_s)[0]
-            except RayError as e:              # also GetTimeoutError
-                self._fail(slot, e)
-                continue
-            slot.in_flight.popleft()
-            figures = slot.step_s["prefill" if is_prefill else "decode"]
-            done = time.perf_counter()
-            for i, v in enumerate((1, done - max(step.submitted, slot.last_result), out.worker_s, out.model_s)):
-                figures[i] += v
-            slot.last_result = done
-            # a sequence that finished while this step was in flight (async scheduling: it stopped in
-            # the step before) gets nothing from it
-            live = [not seq.is_finished for seq in seqs]
-            for seq, tok, ok in zip(seqs, out.token_ids, live):
-                if ok and tok >= 0 and seq.t_first is None:
-                    seq.t_first = now
-            for seq, lp, ok in zip(seqs, out.logprobs or (), live):
-                if ok and lp is not None:
-                    seq.logprobs = getattr(seq, "logprobs", []) + [lp]
-            for seq, scores, ok in zip(seqs, out.scores or (), live):
-                if ok and scores:           # a scoring chunk: log-probabilities of the continuation tokens it saw
-                    seq.continuation_logprobs = getattr(seq, "continuation_logprobs", []) + scores
-            finished = slot.scheduler.postprocess(seqs, out.token_ids)
-            seqs = [seq for seq, ok in zip(seqs, live) if ok]
-            on_step(seqs)
-            for seq in finished:
-                on_finish(seq)
-            for seq in seqs:                # finished by on_step (stop strings)
-                if seq.finish_reason == "stop" and seq not in finished and seq.is_finished:
-                    on_finish(seq)
-        for slot in busy:                   # a wedged step (a peer stuck in a collective)
-            if slot.in_flight and now - max(slot.in_flight[0].submitted, slot.last_result) > self.cfg.step_timeout_s:
-                self._fail(slot, TimeoutError(f"a step ran longer than fault.step_timeout_s="
-                                              f"{self.cfg.step_timeout_s:g}s"))
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        for slot in self.slots:
-            if seq in slot.scheduler.running or seq in slot.scheduler.waiting:
-                slot.scheduler.finish(seq, reason)
-                return
+    def _receive(self, slot: Slot, ref, on_done, on_stream) -> None:
+        slot.pending = None
+        try:
+            done, slot.want, streamed = pickle.loads(ray.get(ref))
+        except RayTaskError as e:
+            if isinstance(e.cause, UserError):      # a SystemicError: not this replica's fault
+                raise e.cause from None
+            self._fail(slot, e)
+            return
+        except RayError as e:                       # its engine died
+            self._fail(slot, e)
+            return
+        for d in done:
+            item = slot.outstanding.pop(d.serial, None)
+            if item is not None:
+                on_done(d, item[1])
+        if on_stream is not None:
+            for key, text in streamed:
+                on_stream(key, text)
 
     # ---- faults ---------------------------------------------------------------------------------
     def _fail(self, slot: Slot, error: Exception) -> None:
-        why = f"replica {slot.index} failed ({describe(error)})"
+        cause = getattr(error, "cause", None)
+        why = f"replica {slot.index} failed ({cause if isinstance(cause, EngineFailed) else describe(error)})"
         self.restart_log.append(why)
         if self.restarts >= self.cfg.max_restarts:
             raise JobFailed(f"{why}; restarting it would be restart {self.restarts + 1}, more than "
@@ -262,25 +220,18 @@ class Controller:
                             f"the results file: run the same job again to resume")
         self.restarts += 1
         slot.restarts += 1
-        old = slot.scheduler
-        unfinished = list(old.waiting) + list(old.running)
-        for step in slot.in_flight:
-            unfinished += [s for s in step.seqs if s not in unfinished and not s.is_finished]
-        slot.in_flight.clear()
+        # its records go to the healthy replicas at once, in input order, not after its restart;
+        # they are computed again from their prompts: its cache is gone
+        self.requeue.extendleft(sorted(slot.outstanding.values(), key=lambda c: c[0], reverse=True))
+        slot.outstanding.clear()
+        slot.pending = None
+        try:
+            self.retired.append(ray.get(slot.replica.engine.stats.remote(), timeout=5))
+        except Exception:
+            pass
         slot.replica.shutdown()
-        slot.scheduler = self._new_scheduler()
-        # its records go to the healthy replicas at once, least loaded first, not after its restart
-        healthy = [s for s in self.slots if s is not slot and s.starting is None]
-        for seq in unfinished:              # recompute from the prompt: the replica's cache is gone
-            fresh = Sequence(seq.prompt_token_ids, seq.sampling, seq.key, seq.eos_token_ids, seq.max_model_len)
-            fresh.t_added, fresh.t_first = getattr(seq, "t_added", time.perf_counter()), None
-            fresh.num_score_tokens = seq.num_score_tokens
-            if hasattr(seq, "request"):     # how its OpenAI Batch output line answers it (launcher.job)
-                fresh.request = seq.request
-            if hasattr(seq, "stop_matcher"):    # a new matcher: the old one has scanned the lost output
-                fresh.stop_matcher = seq.stop_matcher and type(seq.stop_matcher)(seq.stop_matcher.stop)
-            (min(healthy, key=lambda s: s.scheduler.load) if healthy else slot).scheduler.add(fresh)
         slot.replica = self._new_replica(slot.index)
+        slot.want = self._first_want()
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 
     def _poll_restart(self, slot: Slot) -> None:
@@ -296,15 +247,6 @@ class Controller:
         for slot in self.slots:
             slot.replica.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def describe(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)
-    if isinstance(e, RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {cause}"
-    if isinstance(e, RayActorError):
-        return "a worker process died"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def launch_error(e: BaseException) -> Exception:

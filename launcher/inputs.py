@@ -142,7 +142,8 @@ def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise InputError(f"input file {path}: reading .parquet needs pyarrow, which does not import here ({e})") from None
+        raise InputError(f"input file {path}: reading .parquet needs pyarrow, which does not import here "
+                         f"({e})") from None
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...

@@ -1,9 +1,10 @@
 """A batch job from spec to results file: `plan_job` checks everything before anything starts,
 `run_job` starts the replicas and streams one result per record to the output file.
 
-One record's path: input line -> Record (launcher.inputs) -> prompt ids (launcher.tokenizer) ->
-Sequence in a replica's scheduler (launcher.controller) -> steps on the workers -> finished
-Sequence -> result line (launcher.writer).
+One record's path: input line -> Record (launcher.inputs) -> dealt by the driver
+(launcher.controller) to a replica's engine (launcher.engine), where it becomes a Sequence
+(launcher.records, launcher.tokenizer) in that replica's scheduler -> steps on the workers ->
+its result line, formatted in the engine -> written by the driver (launcher.writer).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.errors import RecordError, SpecError, UserError
+from launcher.errors import SpecError, UserError
 from launcher.inputs import check_input, is_openai_batch, read_records
-from launcher.scheduler import Sequence
+from launcher.records import Done
 from launcher.spec import JobSpec
-from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
-from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, score_result,
-                             status_path, summary_path, write_json_atomic)
+from launcher.tokenizer import Tokenizer, load_tokenizer
+from launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
 from sharding.config import ModelConfig, ModelConfigError
 from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
 from worker.loader import CheckpointError, check_checkpoint, check_model_dir
@@ -267,169 +267,65 @@ def count_lines(path: str) -> int | None:
 
 
 class JobRun:
-    """One pass of records through a started controller: encoding, stop strings, streaming,
-    results to `sink` (the results file's writer, or a list), stats and the status file."""
+    """One pass of records through a started controller, on the driver's side: skipping records
+    already done, results to `sink` (the results file's writer), streamed text, stats, the
+    progress bar and the status file. What happens to a record in between is the engines'
+    (launcher.engine, launcher.records)."""
 
     def __init__(self, plan: Plan, controller, sink, done_ids=frozenset(), stream: bool = False,
                  progress: bool = True, status: bool = True):
-        self.plan, self.spec, self.tok = plan, plan.spec, plan.tokenizer
+        """sink(record_id, line): one result line, JSON without its newline."""
+        self.plan, self.spec = plan, plan.spec
         self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
         self.stats = Stats()
         self.t_gen: float | None = None
         self.t_first_result: float | None = None
-        self.stream, self.streamed, self.last_streamed = stream, {}, None
-        self.openai = plan.output_format == "openai"
+        self.stream, self.last_streamed = stream, None
         self.status_t = 0.0
+        self.tokens_done = 0
         self.bar = None
         if progress and status:
             from tqdm import tqdm
             self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
                             file=sys.stderr, desc="msinfer", disable=None)
 
-    @property
-    def model_name(self) -> str:
-        return os.path.basename(os.path.normpath(self.spec.model.path))
+    def run(self, records) -> None:
+        self.controller.run(self.new_records(records), self.on_done, self.on_stream if self.stream else None,
+                            self.on_tick)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id]) if self.tok is not None else str(token_id)
-
-    # ---- records in -----------------------------------------------------------------------------
-    def sequences(self, records):
-        spec, eos = self.spec, self.plan.model.eos_token_ids
-        if self.tok is not None and self.tok.eos_token_id is not None:
-            eos = tuple(dict.fromkeys([*eos, self.tok.eos_token_id]))
-        max_len = spec.model.max_model_len
+    def new_records(self, records):
+        """The records whose results are not in the results file yet."""
         for rec in records:
             if rec.id in self.done_ids:
                 self.stats.skipped += 1
                 self._tick()
                 continue
-            if rec.error:
-                self.emit(error_result(rec.id, "InvalidRecord", rec.error), request=self.request(rec))
-                continue
-            try:
-                sampling = spec.sampling.merge(rec.sampling, rec.id).to_params()
-                if self.tok is None:
-                    if rec.prompt_token_ids is None:
-                        raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
-                                          f"'prompt_token_ids'")
-                    ids = list(rec.prompt_token_ids)
-                else:
-                    ids = self.tok.encode_record(rec, spec.input.chat_template)
-                continuation = self.continuation(rec)
-                ids = ids + continuation
-                bad = [t for t in ids if not 0 <= t < self.plan.model.vocab_size]
-                if bad:
-                    raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.plan.model.vocab_size - 1})")
-                if continuation and len(ids) > max_len:
-                    raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
-                                      f"model.max_model_len is {max_len}")
-                if not continuation and len(ids) >= max_len:
-                    raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
-                                      f"is {max_len}, which must also leave room for generated tokens")
-            except RecordError as e:
-                self.emit(error_result(rec.id, "InvalidRecord", str(e)), request=self.request(rec))
-                continue
-            seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else eos, max_len)
-            if self.openai:
-                seq.request = self.request(rec)
-            seq.num_score_tokens = len(continuation)
-            seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
             if self.t_gen is None:
                 self.t_gen = time.perf_counter()
-            yield seq
+            yield rec
 
-    def continuation(self, rec) -> list[int]:
-        """The token ids a record asks to score: its continuation with task: score, else none."""
-        if rec.continuation is None and rec.continuation_token_ids is None:
-            return []
-        if self.spec.task != "score":
-            raise RecordError(f"record '{rec.id}': has a continuation to score, but the job's task is "
-                              f"'{self.spec.task}'; set task: score")
-        if self.tok is None and rec.continuation_token_ids is None:
-            raise RecordError(f"record '{rec.id}': the model has no tokenizer, so the continuation must be "
-                              f"given as 'continuation_token_ids'")
-        if self.tok is None:
-            return list(rec.continuation_token_ids)
-        return self.tok.encode_continuation(rec)
-
-    # ---- results out ----------------------------------------------------------------------------
-    def on_step(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            if seq.stop_matcher is not None and not seq.is_finished and seq.output_token_ids:
-                text = self.tok.decode(seq.text_token_ids)
-                cut = seq.stop_matcher.check(text)
-                if cut is not None:
-                    seq.cut_text = text[:cut]
-                    self.controller.finish(seq, "stop")
-            if self.stream and self.tok is not None:
-                self._stream(seq)
-        if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
-            self.write_status("running")
-
-    def _stream(self, seq: Sequence) -> None:
-        text = getattr(seq, "cut_text", None) or self.tok.decode(seq.text_token_ids)
-        done = self.streamed.get(seq.key, 0)
-        if len(text) > done and not text.endswith("\ufffd"):
-            if self.last_streamed != seq.key:
-                sys.stdout.write(f"\n[{seq.key}] ")
-                self.last_streamed = seq.key
-            sys.stdout.write(text[done:])
-            sys.stdout.flush()
-            self.streamed[seq.key] = len(text)
-
-    def request(self, rec) -> tuple[str, int | None] | None:
-        """How an OpenAI Batch line answers the record (output.format openai): the url it was
-        sent to (for a plain record: chat completions where a chat template applies) and the
-        log-probability alternatives it asked for."""
-        if not self.openai:
-            return None
-        from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
-        chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
-                                            and self.tok is not None and self.tok.has_chat_template)
-        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs
-
-    def on_finish(self, seq: Sequence) -> None:
-        request = getattr(seq, "request", None)
-        if seq.finish_reason in ("error", "abort"):
-            self.emit(error_result(seq.key, "InvalidRecord", seq.error or f"sequence {seq.finish_reason}"),
-                      request=request)
-            return
-        if seq.is_scoring:
-            n = seq.num_score_tokens
-            self.emit(score_result(seq.key, seq.prompt_token_ids[-n:], getattr(seq, "continuation_logprobs", []),
-                                   seq.num_prompt_tokens - n))
-            return
-        text = None
-        if self.tok is not None:
-            text = getattr(seq, "cut_text", None)
-            if text is None:
-                text = self.tok.decode(seq.text_token_ids)
-        extra = {}
-        if getattr(seq, "logprobs", None):
-            extra["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
-        result = ok_result(seq.key, seq.output_token_ids, text, seq.finish_reason, seq.num_prompt_tokens, extra)
-        ttft = seq.t_first - seq.t_added if getattr(seq, "t_first", None) else None
-        self.emit(result, ttft, request)
-
-    def emit(self, result: dict, ttft: float | None = None, request: tuple | None = None) -> None:
-        """One result to the sink; with output.format openai as an OpenAI Batch output line for
-        `request` (see `request`)."""
-        if request is not None:
-            from launcher.openai_batch import openai_line
-            self.sink(openai_line(result, *request, self.model_name, self.token_text))
-        else:
-            self.sink(result)
+    def on_done(self, done: Done, rec) -> None:
+        self.sink(rec.id, done.line)
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()
-        self.stats.add(result, ttft)
-        self._tick(result.get("completion_tokens") or 0)
+        self.stats.count(done.failed, done.prompt_tokens, done.completion_tokens, done.ttft_s)
+        self._tick(done.completion_tokens)
+
+    def on_stream(self, key: str, text: str) -> None:
+        if self.last_streamed != key:
+            sys.stdout.write(f"\n[{key}] ")
+            self.last_streamed = key
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def on_tick(self) -> None:
+        if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
+            self.write_status("running")
 
     def _tick(self, tokens: int = 0) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.tokens_done = getattr(self, "tokens_done", 0) + tokens
+            self.tokens_done += tokens
             el = self.bar.format_dict.get("elapsed") or 0
             if el > 0:
                 self.bar.set_postfix(tok_s=f"{self.tokens_done / el:.1f}", refresh=False)
@@ -465,29 +361,31 @@ class JobRun:
 STAND_IN_CPUS = 0.01           # Ray's share for a stand-in worker: placement needs some resource
 
 
-def make_controller(plan: Plan, simulate=None):
+def make_controller(plan: Plan, simulate=None, stream: bool = False):
     """The job's controller; with `simulate` (a launcher.simulate.StandIn), on stand-in workers
-    that ask Ray for a hundredth of a CPU each and no card."""
+    that ask Ray for a hundredth of a CPU each and no card. `stream`: the engines report text as
+    it grows."""
     from launcher.controller import Controller, ControllerConfig
+    from launcher.engine import EngineSetup
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
     cfg = dict(
-        engine_config=plan.engine, tensor_parallel=tp, data_parallel=dp, device=plan.device,
+        engine_config=plan.engine, engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream),
+        tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.engine.on_cpu else 0,
-        max_batch_size=spec.scheduler.max_batch_size, max_batched_tokens=spec.scheduler.max_batched_tokens,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
-        startup_timeout_s=spec.fault.startup_timeout_s, async_scheduling=spec.scheduler.async_scheduling)
+        startup_timeout_s=spec.fault.startup_timeout_s)
     if simulate is not None:
         from launcher.simulate import StandInWorker
-        cfg.update(worker_cls=StandInWorker, worker_options={"timing": simulate}, device="cpu",
+        cfg.update(worker_cls=simulate.worker_cls or StandInWorker, worker_options={"timing": simulate}, device="cpu",
                    cpus_per_worker=STAND_IN_CPUS, threads_per_worker=0)
     return Controller(ControllerConfig(**cfg))
 
 
-def start_controller(plan: Plan, simulate=None):
+def start_controller(plan: Plan, simulate=None, stream: bool = False):
     """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray)."""
     import ray
     from launcher.replica import init_ray
@@ -497,7 +395,7 @@ def start_controller(plan: Plan, simulate=None):
     workers = spec.parallel.tensor_parallel * spec.parallel.data_parallel
     init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
              npus=workers if plan.engine.emulate and simulate is None else 0)
-    controller = make_controller(plan, simulate)
+    controller = make_controller(plan, simulate, stream)
     try:
         controller.start()
     except BaseException:
@@ -519,16 +417,16 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     spec = plan.spec
     writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
                           "custom_id" if plan.output_format == "openai" else "id")
-    job = JobRun(plan, None, writer.write, writer.done_ids, stream, progress)
+    job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress)
     started_ray = False
     try:
         job.write_status("starting")
-        controller, started_ray = start_controller(plan, simulate)
+        controller, started_ray = start_controller(plan, simulate, stream)
         job.controller = controller
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
         cpu0 = time.process_time()
-        controller.run(job.sequences(read_records(spec.input.path)), job.on_step, job.on_finish)
+        job.run(read_records(spec.input.path))
         driver_cpu_s = time.process_time() - cpu0
         summary = job.summary(startup_s)
         if simulate is not None:

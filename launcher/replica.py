@@ -1,8 +1,9 @@
-"""Ray placement of tensor-parallel groups ("replicas") and the steps the controller drives.
+"""Ray placement of tensor-parallel groups ("replicas").
 
 One placement group per replica, one bundle per rank (`CPU` here, `NPU` + `CPU` on Ascend),
 packed on one node unless `placement: spread`. Each replica is its own MindSpore cluster: a
-scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Worker` per rank.
+scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Worker` per rank;
+for a job, also its engine (launcher.engine) on rank 0's bundle.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from launcher.engine import Engine, submit_step
 from worker.actor import CommScheduler, Worker
-from worker.protocol import pack_step
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -86,7 +87,9 @@ class Replica:
     startup_timeout_s: float = 900     # each start-up stage's deadline (fault.startup_timeout_s)
     worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
+    engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
     workers: list = field(default_factory=list)
+    engine: object = None               # the engine actor's handle
     scheduler: object = None
     pg: object = None
     ranks: list = field(default_factory=list)
@@ -114,6 +117,9 @@ class Replica:
         def on(bundle):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
+        if self.engine_setup is not None:   # its tokenizer loads while the workers start
+            self.engine = ray.remote(Engine).options(num_cpus=0, scheduling_strategy=on(0), max_concurrency=4) \
+                .remote(self.engine_setup, self.index)
         worker_cls = ray.remote(self.worker_cls)
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
         self.submitted = 0
@@ -133,6 +139,8 @@ class Replica:
         self._stage("device and communication init",
                     [w.join.remote(engine_config, host, port) for w in self.workers])
         self.setup_info = self._stage("load", [w.load.remote(engine_config) for w in self.workers])
+        if self.engine is not None:
+            self._stage("its engine's start", [self.engine.attach.remote(self.workers)])
         return self.ranks
 
     def _stage(self, stage: str, refs: list) -> list:
@@ -147,13 +155,10 @@ class Replica:
         return ray.get(refs)
 
     def submit(self, seqs, is_prefill: bool) -> list:
-        """Starts one step on every rank, after the steps submitted before it; element 0 resolves
-        to rank 0's StepOutput. The step goes as one pickle (worker.protocol.pack_step): Ray's own
-        serializer walks a list of dataclasses object by object, ~10x slower at 256 sequences."""
-        payload = pack_step(seqs)
-        ref = ray.put(payload) if self.tp_size > 1 else payload
+        """Starts one step on every rank (launcher.engine.submit_step), from the caller's process:
+        `msinfer bench` and the measuring scripts, which drive steps without an engine."""
         index, self.submitted = self.submitted, self.submitted + 1
-        return [w.step.remote(ref, is_prefill, index) for w in self.workers]
+        return submit_step(self.workers, seqs, is_prefill, index)
 
     def step(self, seqs, is_prefill: bool):
         return ray.get(self.submit(seqs, is_prefill))[0]
@@ -162,7 +167,7 @@ class Replica:
         return [r["pid"] for r in self.ranks]
 
     def shutdown(self) -> None:
-        for a in [*self.workers, self.scheduler]:
+        for a in [self.engine, *self.workers, self.scheduler]:
             if a is not None:
                 try:
                     ray.kill(a, no_restart=True)
@@ -173,7 +178,7 @@ class Replica:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
-        self.workers, self.scheduler, self.pg = [], None, None
+        self.workers, self.scheduler, self.pg, self.engine = [], None, None, None
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:

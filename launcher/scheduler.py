@@ -66,6 +66,15 @@ class Sequence:
         self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
         self.error: str | None = None
+        # what the engine around the scheduler keeps per sequence (launcher.engine, launcher.records)
+        self.serial = 0                                 # the driver's number for its record
+        self.request = None                             # how its OpenAI Batch line answers it, or None
+        self.stop_matcher = None                        # its stop strings (launcher.tokenizer.StopStringMatcher)
+        self.cut_text: str | None = None                # its output text, cut before the stop string it hit
+        self.logprobs: list = []                        # per generated token: (logprob, [(token, logprob)])
+        self.continuation_logprobs: list[float] = []    # scoring: per continuation token
+        self.t_added = 0.0                              # perf_counter when the engine received it
+        self.t_first: float | None = None               # perf_counter of its first token
 
     @property
     def num_prompt_tokens(self) -> int:

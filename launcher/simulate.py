@@ -1,14 +1,15 @@
 """`msinfer simulate job.yaml`: the job exactly as `msinfer run` runs it (spec, inputs, tokenizer
-and chat template, the dp x tp layout, scheduling, results, resume, status and summary), on
-stand-in workers that load no weights and take a given time per step. It measures what the
-driver and the Ray round trips cost at a scale this machine cannot run models at, and tells a
-user sizing a cluster whether one driver keeps their replicas busy.
+and chat template, the dp x tp layout, the engines and their scheduling, results, resume, status
+and summary), on stand-in workers that load no weights and take a given time per step. It
+measures what the driver, the engines and the Ray round trips cost at a scale this machine cannot
+run models at, and tells a user sizing a cluster whether one driver keeps their replicas busy.
 
 A stand-in step sleeps `step_ms` (plus `prefill_ms_per_token` per token a prefill feeds) and
-samples tokens drawn deterministically from the vocabulary by (sequence, token index), never an
-end-of-sequence token, so every record generates its max_new_tokens. The stand-ins are Ray
-actors like the workers (one per rank, in the replica's placement group, asking for no CPU), so
-the driver's side is exactly the real one.
+samples tokens drawn deterministically from the vocabulary by (the prompt's first 16 tokens, token
+index), never an end-of-sequence token: every record generates its max_new_tokens, and the same
+tokens on any replica, in any run. The stand-ins are Ray actors like the workers (one per rank,
+in the replica's placement group, asking for no CPU), so the driver and the engines are exactly
+the real ones.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ from worker.actor import Worker
 from worker.protocol import SAMPLED, SeqStep, StepOutput
 
 
+KEYS_KEPT = 100_000
+
+
 @dataclass(frozen=True)
 class StandIn:
-    """How long a stand-in step takes."""
+    """How long a stand-in step takes, and the stand-in rank's class (a subclass of
+    StandInWorker injects faults in tests)."""
     step_ms: float = 20.0
     prefill_ms_per_token: float = 0.0
+    worker_cls: type | None = None
+
+
+def prompt_key(prompt: list[int]) -> int:
+    return zlib.crc32(repr(list(prompt[:16])).encode())
 
 
 class StandInRunner:
@@ -40,12 +50,17 @@ class StandInRunner:
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
         self.load_s, self.load_stats, self.compile_s = 0.0, {"tensors": 0, "bytes": 0}, {}
         self.sampled: dict[int, int] = {}
+        self.keys: dict[int, int] = {}        # seq_id -> its prompt's first tokens, hashed
 
-    def token(self, seq_id: int, index: int) -> int:
-        t = zlib.crc32(f"{seq_id}:{index}".encode()) % self.vocab
+    def token(self, key: int, index: int) -> int:
+        t = zlib.crc32(f"{key}:{index}".encode()) % self.vocab
         while t in self.avoid:
             t = (t + 1) % self.vocab
         return t
+
+    def tokens(self, prompt: list[int], n: int) -> list[int]:
+        """The first n tokens a stand-in generates after `prompt`."""
+        return [self.token(prompt_key(prompt), i) for i in range(n)]
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
         t0 = time.perf_counter()
@@ -54,7 +69,11 @@ class StandInRunner:
         for s in seqs:
             if s.token_ids == [SAMPLED] and s.seq_id not in self.sampled:
                 raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-            tokens.append(self.token(s.seq_id, s.num_generated) if s.sample else -1)
+            if s.num_cached == 0:           # its first chunk: the prompt's first tokens name its draws
+                self.keys[s.seq_id] = prompt_key(s.token_ids)
+                if len(self.keys) > KEYS_KEPT:      # the oldest half: long finished
+                    self.keys = dict(list(self.keys.items())[KEYS_KEPT // 2:])
+            tokens.append(self.token(self.keys[s.seq_id], s.num_generated) if s.sample else -1)
             lps.append((0.0, [(tokens[-1], 0.0)] * s.sampling.logprobs) if s.sample and s.sampling.logprobs else None)
             scores.append([0.0 for t in s.targets if t >= 0] if s.targets else None)
         self.sampled = {s.seq_id: t for s, t in zip(seqs, tokens) if t >= 0}
@@ -91,8 +110,11 @@ class StandInWorker(Worker):
 
 
 def capacity(summary: dict, spec, timing: StandIn, driver_cpu_s: float, worker_cpu_s: float) -> dict:
-    """The simulation's figures: throughput against the stand-ins' ceiling, CPU by process role."""
+    """The simulation's figures: throughput against the stand-ins' ceiling, CPU by process role
+    (the driver, the engines: per step they ran, the stand-in workers)."""
     dp, tp = spec.parallel.data_parallel, spec.parallel.tensor_parallel
+    st = summary.get("steps") or {}
+    engine_cpu_s, steps = st.get("engine_cpu_s", 0.0), st.get("prefill_steps", 0) + st.get("decode_steps", 0)
     gen_s = summary.get("generation_s") or 0.0
     tokens, records = summary.get("completion_tokens") or 0, summary.get("records_done") or 0
     ceiling = dp * spec.scheduler.max_batch_size * 1e3 / timing.step_ms
@@ -106,5 +128,7 @@ def capacity(summary: dict, spec, timing: StandIn, driver_cpu_s: float, worker_c
         "driver_cpu_s": round(driver_cpu_s, 2),
         "driver_cpu_us_per_token": round(1e6 * driver_cpu_s / tokens, 2) if tokens else None,
         "driver_cpu_us_per_record": round(1e6 * driver_cpu_s / records, 1) if records else None,
+        "engine_cpu_s": round(engine_cpu_s, 2),
+        "engine_cpu_ms_per_step": round(1e3 * engine_cpu_s / steps, 3) if steps else None,
         "worker_cpu_s": round(worker_cpu_s, 2),
     }

@@ -108,9 +108,13 @@ class ResultWriter:
                               f"{e.strerror or e}") from None
 
     def write(self, result: dict):
+        self.write_line(str(result[self.id_key]), json.dumps(result, ensure_ascii=False))
+
+    def write_line(self, record_id: str, text: str):
+        """One result line already encoded as JSON (no newline), for the record `record_id`."""
         if self.fd is None:
             raise OutputError(f"results file {self.path} is closed; no more results can be written")
-        line = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        line = (text + "\n").encode("utf-8")
         data = memoryview(line)
         try:
             while data:  # a regular file takes the whole line in one write(); loop in case it did not
@@ -123,7 +127,7 @@ class ResultWriter:
         except OSError as e:
             self._fail(e)
         self.size += len(line)
-        self.done_ids.add(str(result[self.id_key]))
+        self.done_ids.add(record_id)
 
     def _fail(self, e: OSError):
         try:  # drop the partial line, if any: what was written before stays whole
@@ -230,13 +234,13 @@ class Stats:
     completion_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
 
-    def add(self, result: dict, ttft_s: float | None = None):
-        if result.get("error"):
+    def count(self, failed: bool, prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None):
+        if failed:
             self.failed += 1
             return
         self.done += 1
-        self.prompt_tokens += result.get("prompt_tokens") or 0
-        self.completion_tokens += result.get("completion_tokens") or 0
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
         if ttft_s is not None:
             self.ttft_s.append(ttft_s)
 

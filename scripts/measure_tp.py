@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from launcher.controller import Controller, ControllerConfig  # noqa: E402
+from launcher.inputs import Record  # noqa: E402
+from launcher.job import make_controller, plan_job  # noqa: E402
 from launcher.replica import Replica, init_ray  # noqa: E402
-from launcher.scheduler import Sequence  # noqa: E402
+from launcher.spec import JobSpec  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
-from worker.protocol import SamplingParams, SeqStep  # noqa: E402
+from worker.protocol import SeqStep  # noqa: E402
 from worker.runner import EngineConfig  # noqa: E402
 
 
@@ -61,19 +62,21 @@ def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
 
 def through_controller(path: Path, tp: int, batch: int, steps: int, rounds: int) -> list[dict]:
     """Decode figures per run of `batch` prompts (17-47 tokens) generating steps + 1 tokens each,
-    async scheduling off and on in turn, after a run that compiles."""
-    ec = EngineConfig(str(path), max_model_len=256, max_batch_size=batch)
-    c = Controller(ControllerConfig(ec, tensor_parallel=tp, threads_per_worker=max(1, 2 // tp),
-                                    max_batch_size=batch))
+    through a job's driver and engine, async scheduling off and on in turn, after a run that
+    compiles."""
+    spec = JobSpec.model_validate({
+        "model": {"path": str(path), "max_model_len": 256}, "parallel": {"tensor_parallel": tp},
+        "input": {"path": "unused.jsonl"}, "output": {"path": "unused.jsonl"},
+        "scheduler": {"max_batch_size": batch}, "sampling": {"max_new_tokens": steps + 1, "ignore_eos": True}})
+    c = make_controller(plan_job(spec, check_io=False))
     c.start()
     try:
         def run(async_scheduling: bool) -> dict:
-            c.cfg.async_scheduling = async_scheduling
+            c.configure(spec.model_copy(update={"scheduler": spec.scheduler.model_copy(
+                update={"async_scheduling": async_scheduling})}))
             before = c.step_stats()
-            seqs = [Sequence(list(range(100 + i, 117 + 2 * i)), SamplingParams(max_new_tokens=steps + 1,
-                                                                                ignore_eos=True))
-                    for i in range(batch)]
-            c.run(iter(seqs), lambda s: None, lambda s: None)
+            records = [Record(str(i), i, prompt_token_ids=list(range(100 + i, 117 + 2 * i))) for i in range(batch)]
+            c.run(iter(records), lambda done, rec: None)
             after = c.step_stats()
             n = after["decode_steps"] - before["decode_steps"]
             per = {k: (after[f"decode_{k}"] - before[f"decode_{k}"]) / n * 1e3 for k in ("s", "worker_s", "model_s")}

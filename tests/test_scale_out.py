@@ -23,11 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.controller import Controller, ControllerConfig, Slot
-from launcher.scheduler import Sequence
 from launcher.spec import load_spec
 from worker.device import DeviceChoice, select_device
-from worker.protocol import SamplingParams
 from worker.runner import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,81 +184,6 @@ def test_tp2_spread_spans_both_nodes_and_generates_what_tp1_generates(two_nodes,
     # MindSpore's scheduler listens on rank 0's node, and both ranks were pointed at it
     assert [r["ms_scheduler"].rsplit(":", 1)[0] for r in ranks] == [ranks[0]["node_ip"]] * 2
     assert {k: r["output_token_ids"] for k, r in results.items()} == {k: r["output_token_ids"] for k, r in tp1.items()}
-
-
-# ---- the controller spreads records by outstanding work (no Ray) ----------------------------------
-
-def controller_with_slots(n: int) -> Controller:
-    ec = EngineConfig("unused", max_model_len=128, max_batch_size=4, num_blocks=64, block_size=16)
-    c = Controller(ControllerConfig(engine_config=ec, data_parallel=n, max_batch_size=4, max_batched_tokens=64))
-    c.slots = [Slot(i, replica=None, scheduler=c._new_scheduler()) for i in range(n)]
-    return c
-
-
-def seqs(n: int, max_new_tokens: int = 10, prompt_len: int = 8):
-    return [Sequence(list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new_tokens), key=f"s{i}")
-            for i in range(n)]
-
-
-def queued(c: Controller) -> list[list[str]]:
-    return [[s.key for s in slot.scheduler.waiting] for slot in c.slots]
-
-
-def test_records_alternate_between_equally_busy_replicas():
-    c = controller_with_slots(2)
-    assert c._refill(iter(seqs(6))) is True
-    assert queued(c) == [["s0", "s2", "s4"], ["s1", "s3", "s5"]]
-
-
-def test_records_go_to_the_replica_with_less_outstanding_work():
-    c = controller_with_slots(2)
-    c.slots[0].scheduler.add(seqs(1, max_new_tokens=100)[0])           # replica 0 is busy for a while
-    c._refill(iter(seqs(4, max_new_tokens=10)))
-    assert [len(q) for q in queued(c)] == [1, 4]
-
-
-def test_a_restarting_replica_gets_no_records_while_another_has_room():
-    c = controller_with_slots(2)
-    c.slots[0].starting = object()                                      # a restart under way
-    assert c._refill(iter(seqs(20))) is False                           # replica 1 full: stop pulling
-    assert [len(q) for q in queued(c)] == [0, 2 * 4]
-
-
-def test_a_failed_replicas_records_move_to_the_healthy_replicas_at_once(monkeypatch):
-    """Its queued and running records are computed again from their prompts on the least loaded
-    healthy replica, without waiting for its restart; with no healthy replica they wait for it."""
-    import threading
-
-    class FakeReplica:
-        started = threading.Event()
-
-        def shutdown(self):
-            pass
-
-        def start(self, engine_config):
-            self.started.wait(10)
-
-    c = controller_with_slots(3)
-    monkeypatch.setattr(c, "_new_replica", lambda index: FakeReplica())
-    for slot in c.slots:
-        slot.replica = FakeReplica()
-    c.slots[1].scheduler.add(seqs(1, max_new_tokens=50)[0])            # replica 1 is the busier one
-    lost = seqs(3)
-    for seq in lost:
-        c.slots[0].scheduler.add(seq)
-    c._fail(c.slots[0], RuntimeError("a worker process died"))
-    assert queued(c)[0] == [] and queued(c)[2] == [s.key for s in lost]
-    assert c.slots[0].starting is not None and c.restart_log == ["replica 0 failed (RuntimeError: a worker "
-                                                                 "process died)"]
-    alone = controller_with_slots(1)
-    monkeypatch.setattr(alone, "_new_replica", lambda index: FakeReplica())
-    alone.slots[0].replica = FakeReplica()
-    alone.slots[0].scheduler.add(seqs(1)[0])
-    alone._fail(alone.slots[0], RuntimeError("x"))
-    assert queued(alone) == [["s0"]]
-    FakeReplica.started.set()
-    c.shutdown()
-    alone.shutdown()
 
 
 # ---- Ascend: one card per worker from Ray's NPU resource ------------------------------------------

@@ -72,16 +72,20 @@ def test_scheduler_scores_a_sequence_that_fills_max_model_len_and_rejects_a_long
 
 
 def job_sequences(path, task, records):
-    """JobRun's records -> Sequences, no workers: (sequences, results emitted for bad records)."""
+    """An engine's records -> Sequences (launcher.records), no workers: (sequences, results
+    for bad records)."""
     from launcher.inputs import parse_record
-    from launcher.job import JobRun, plan_job
+    from launcher.job import plan_job
+    from launcher.records import RecordCodec
     from launcher.spec import JobSpec
     spec = JobSpec.model_validate({"task": task, "model": {"path": str(path), "max_model_len": 32},
                                    "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
                                    "sampling": {"max_new_tokens": 4}})
-    results = []
-    job = JobRun(plan_job(spec, check_io=False), None, results.append, progress=False, status=False)
-    seqs = list(job.sequences(parse_record(r, n) for n, r in enumerate(records, 1)))
+    plan = plan_job(spec, check_io=False)
+    codec = RecordCodec(plan.spec, plan.model, plan.tokenizer)
+    out = [codec.sequence(parse_record(r, n), n) for n, r in enumerate(records, 1)]
+    seqs = [x for x in out if not isinstance(x, tuple)]
+    results = [json.loads(x.line) for x in out if isinstance(x, tuple)]
     return seqs, results
 
 

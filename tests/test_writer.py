@@ -183,8 +183,8 @@ def test_write_json_atomic(tmp_path, monkeypatch):
 def test_stats_summary():
     s = Stats(skipped=4)
     for i in range(1, 11):
-        s.add(ok_result(str(i), [1] * 10, None, "length", 5), ttft_s=i / 10)
-    s.add(error_result("x", "t", "m"))
+        s.count(False, 5, 10, ttft_s=i / 10)
+    s.count(True, 0, 0)
     out = s.summary(startup_s=2.0, generation_s=4.0)
     assert out["records_done"] == 10 and out["records_failed"] == 1 and out["records_skipped"] == 4
     assert out["prompt_tokens"] == 50 and out["completion_tokens"] == 100

@@ -1,0 +1,294 @@
+"""One replica's engine: a Ray actor beside the replica's rank 0 that does everything per step
+and per token, so that the driver (launcher.controller) only deals records and writes results.
+
+    driver ── exchange(records) ──> Engine ── step(...) ──> rank 0 .. rank tp-1
+           <── results, want ──────        <── sampled tokens
+
+An engine turns the records it is dealt into sequences (tokenizing them; launcher.records), keeps
+its replica's scheduler, runs the step loop with async scheduling (the next step scheduled and
+submitted while the current one runs, see launcher/scheduler.py), postprocesses every sampled
+token, matches stop strings and formats each finished record's result line. Its loop runs in a
+thread of its own; `exchange` hands it new records and returns what finished meanwhile, the
+number of records it can take (`want`), and streamed text.
+
+It is placed in the replica's placement group on rank 0's bundle, asking for no CPU of its own,
+in a process of its own (not inside rank 0's: its Python would share the GIL with the worker's
+step preparation and sampling). A worker that dies, a step that outlives fault.step_timeout_s or
+an error in the loop fails the engine: its next `exchange` raises EngineFailed, and the driver
+deals its unfinished records to the other replicas and restarts it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from launcher.records import Done, RecordCodec
+from launcher.scheduler import Scheduler
+from worker.protocol import pack_step
+
+STEP_KINDS = ("prefill", "decode")
+# per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
+# the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
+# which in the compiled network
+STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
+FLUSH_S = 0.1               # a finished result waits at most this long in the engine for others to join it
+EXCHANGE_WAIT_S = 1.0       # the longest an exchange waits for anything to report
+
+
+class EngineFailed(RuntimeError):
+    """The replica cannot go on (a worker died, a step timed out); the message says why."""
+
+
+@dataclass
+class EngineSetup:
+    """What every engine of a job needs, sent once when it starts."""
+    spec: object                    # launcher.spec.JobSpec
+    model: object                   # sharding.config.ModelConfig
+    engine_config: object           # worker.runner.EngineConfig: the cache's blocks, max_model_len
+    output_format: str = "msinfer"
+    stream: bool = False            # report the text of running sequences as it grows
+
+
+@dataclass
+class InFlight:
+    """A submitted step."""
+    refs: list                      # one per rank; refs[0] resolves to rank 0's StepOutput
+    seqs: list
+    is_prefill: bool
+    submitted: float
+    others: set                     # refs of ranks > 0 not yet seen to finish
+
+
+def submit_step(workers: list, seqs, is_prefill: bool, index: int) -> list:
+    """Starts one step on every rank, after the steps submitted before it (`index` orders them);
+    element 0 resolves to rank 0's StepOutput. The step goes as one pickle
+    (worker.protocol.pack_step): Ray's own serializer walks a list of dataclasses object by
+    object, ~10x slower at 256 sequences."""
+    payload = pack_step(seqs)
+    ref = ray.put(payload) if len(workers) > 1 else payload
+    return [w.step.remote(ref, is_prefill, index) for w in workers]
+
+
+def describe(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(e, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, RayActorError):
+        return "a worker process died"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class Engine:
+    def __init__(self, setup: EngineSetup, index: int):
+        from launcher.tokenizer import load_tokenizer
+
+        spec, ec = setup.spec, setup.engine_config
+        self.index, self.stream = index, setup.stream
+        tok = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+        self.codec = RecordCodec(spec, setup.model, tok, setup.output_format)
+        self.scheduler = Scheduler(ec.blocks(), ec.block_size, spec.scheduler.max_batch_size,
+                                   spec.scheduler.max_batched_tokens, ec.max_model_len)
+        self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
+        self.step_timeout_s = spec.fault.step_timeout_s
+        self.target = 2 * spec.scheduler.max_batch_size        # records kept queued: about two batches
+        self.cond = threading.Condition()
+        self.inbox: deque = deque()           # new sequences, for the loop to admit
+        self.outbox: list[Done] = []
+        self.outbox_t = 0.0                   # when the oldest result in the outbox came
+        self.streamed: dict = {}              # key -> characters of its text reported so far
+        self.stream_out: list = []            # (key, new text)
+        self.unfinished = 0                   # records received whose result has not been produced
+        self.failure: BaseException | None = None
+        self.closing = False
+        self.in_flight: deque[InFlight] = deque()
+        self.last_result = 0.0
+        self.step_s = {k: [0 if x == "steps" else 0.0 for x in STEP_FIGURES] for k in STEP_KINDS}
+        self.workers: list = []
+        self.submitted = 0
+        self.thread: threading.Thread | None = None
+        self.cpu0 = time.process_time()
+
+    # ---- the driver's calls ---------------------------------------------------------------------
+    def ready(self) -> bool:
+        return True
+
+    def attach(self, workers: list) -> None:
+        """Starts the loop on the replica's ranks (their actor handles, rank 0 first)."""
+        self.workers, self.submitted = list(workers), 0
+        self.cpu0 = time.process_time()
+        self.thread = threading.Thread(target=self._loop, name=f"engine-{self.index}", daemon=True)
+        self.thread.start()
+
+    def configure(self, spec, stream: bool = False) -> None:
+        """The job spec that new records are read with (its sampling, async scheduling), and
+        whether their text streams: the Python API's per-call options."""
+        self.codec.spec, self.stream = spec, stream
+        self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
+
+    def exchange(self, payload: bytes | None, more: bool) -> bytes:
+        """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
+        text) pickled, once there is something to report: results that waited FLUSH_S or make a
+        batch, room for half a queue of new records while the driver has `more`, nothing left to
+        do, or EXCHANGE_WAIT_S passed. A SystemicError while reading a record (a cause that is
+        not the record's) is raised to the driver, which stops the job."""
+        for serial, rec in pickle.loads(payload) if payload else ():
+            item = self.codec.sequence(rec, serial)
+            with self.cond:
+                self.unfinished += 1
+                if isinstance(item, Done):
+                    self._put(item)
+                else:
+                    self.inbox.append(item)
+                self.cond.notify_all()
+        deadline = time.perf_counter() + EXCHANGE_WAIT_S
+        with self.cond:
+            while True:
+                if self.failure is not None:
+                    raise EngineFailed(describe(self.failure))
+                now = time.perf_counter()
+                if self.outbox and (not self.unfinished or len(self.outbox) >= self.target // 2
+                                    or now - self.outbox_t >= FLUSH_S):
+                    break
+                if (more and self.want >= self.target // 2) or not self.unfinished or now >= deadline:
+                    break
+                if self.stream_out and now - self.outbox_t >= FLUSH_S:
+                    break
+                self.cond.wait(min(FLUSH_S, deadline - now))
+            out, self.outbox = self.outbox, []
+            streamed, self.stream_out = self.stream_out, []
+            self.outbox_t = time.perf_counter()
+            return pickle.dumps((out, self.want, streamed), protocol=5)
+
+    @property
+    def want(self) -> int:
+        return max(0, self.target - len(self.inbox) - self.scheduler.num_waiting)
+
+    def stats(self) -> dict:
+        """Steps by kind (STEP_FIGURES) and the engine's CPU-seconds since its loop started."""
+        return {"steps": {k: list(v) for k, v in self.step_s.items()}, "cpu_s": time.process_time() - self.cpu0}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _put(self, done: Done) -> None:
+        """With self.cond held."""
+        if not self.outbox:
+            self.outbox_t = time.perf_counter()
+        self.outbox.append(done)
+        self.unfinished -= 1
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    if self.closing:
+                        return
+                    new = list(self.inbox)
+                    self.inbox.clear()
+                for seq in new:
+                    self.scheduler.add(seq)
+                while (len(self.in_flight) < self.max_in_flight and self.scheduler.has_work()
+                       and self._submit()):
+                    pass
+                if not self.in_flight:
+                    with self.cond:
+                        if not self.inbox and not self.closing:
+                            self.cond.wait(0.05)
+                    continue
+                self._wait()
+        except BaseException as e:      # the replica cannot go on: the next exchange reports it
+            with self.cond:
+                self.failure = e
+                self.cond.notify_all()
+
+    def _submit(self) -> bool:
+        """Schedules and submits the next step (ahead of the one in flight, if any); False when
+        there is none to submit now."""
+        steps, is_prefill, seqs = self.scheduler.schedule(ahead=bool(self.in_flight))
+        rejected = self.scheduler.take_rejected()
+        if rejected:
+            self._finished(rejected)
+        if not steps:
+            return False
+        refs = submit_step(self.workers, steps, is_prefill, self.submitted)
+        self.submitted += 1
+        self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
+        return True
+
+    def _wait(self) -> None:
+        """Waits up to a second for the oldest step in flight; a rank > 0 that fails first fails
+        the engine at once (its peers may be stuck in a collective with it)."""
+        step = self.in_flight[0]
+        ready, _ = ray.wait([step.refs[0], *step.others], num_returns=1, timeout=1.0)
+        for ref in ready:
+            if ref in step.others:
+                step.others.discard(ref)
+                ray.get(ref)                # raises a dead actor's or a failed task's error
+                continue
+            out = ray.get(step.refs, timeout=self.step_timeout_s)[0]
+            self.in_flight.popleft()
+            done = time.perf_counter()
+            figures = self.step_s["prefill" if step.is_prefill else "decode"]
+            for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s)):
+                figures[i] += v
+            self.last_result = done
+            self._postprocess(step.seqs, out, done)
+            return
+        if time.perf_counter() - max(step.submitted, self.last_result) > self.step_timeout_s:
+            raise TimeoutError(f"a step ran longer than fault.step_timeout_s={self.step_timeout_s:g}s")
+
+    def _postprocess(self, seqs: list, out, now: float) -> None:
+        # a sequence that finished while this step was in flight (async scheduling: it stopped in
+        # the step before) gets nothing from it
+        live = [not seq.is_finished for seq in seqs]
+        for seq, tok, ok in zip(seqs, out.token_ids, live):
+            if ok and tok >= 0 and seq.t_first is None:
+                seq.t_first = now
+        for seq, lp, ok in zip(seqs, out.logprobs or (), live):
+            if ok and lp is not None:
+                seq.logprobs.append(lp)
+        for seq, scores, ok in zip(seqs, out.scores or (), live):
+            if ok and scores:               # a scoring chunk: log-probabilities of the continuation tokens it saw
+                seq.continuation_logprobs.extend(scores)
+        finished = self.scheduler.postprocess(seqs, out.token_ids)
+        live = [seq for seq, ok in zip(seqs, live) if ok]
+        for seq in live:
+            if self.codec.stop_string(seq):
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        if self.stream and self.codec.tok is not None:
+            self._stream(live)
+        self._finished(finished)
+
+    def _finished(self, seqs: list) -> None:
+        results = [self.codec.result(seq) for seq in seqs]
+        if not results:
+            return
+        with self.cond:
+            for done in results:
+                self._put(done)
+            self.cond.notify_all()
+
+    def _stream(self, seqs: list) -> None:
+        new = []
+        for seq in seqs:
+            text = self.codec.text(seq)
+            done = self.streamed.get(seq.key, 0)
+            if len(text) > done and not text.endswith("\ufffd"):
+                new.append((seq.key, text[done:]))
+                self.streamed[seq.key] = len(text)
+        if new:
+            with self.cond:
+                if not self.stream_out and not self.outbox:
+                    self.outbox_t = time.perf_counter()
+                self.stream_out.extend(new)

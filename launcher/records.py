@@ -1,0 +1,157 @@
+"""A record's way through an engine (launcher.engine): Record -> Sequence, stop strings and
+streamed text while it runs, finished Sequence -> its result line.
+
+Everything here is per record or per token and runs in the replica's engine, not in the driver.
+A result leaves as `Done`: the line already encoded as JSON, and the few figures the driver's
+summary counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import NamedTuple
+
+from launcher.errors import RecordError
+from launcher.inputs import Record
+from launcher.scheduler import Sequence
+from launcher.tokenizer import StopStringMatcher, Tokenizer
+from launcher.writer import error_result, ok_result, score_result
+
+
+class Done(NamedTuple):
+    """One record's result as it leaves an engine."""
+    serial: int                 # the driver's number for the record (launcher.controller)
+    line: str                   # the results file's line, JSON without the newline
+    failed: bool
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None        # from its arrival in the engine to its first token
+
+
+class RecordCodec:
+    """Records to sequences and finished sequences to result lines, for one job spec."""
+
+    def __init__(self, spec, model, tokenizer: Tokenizer | None, output_format: str = "msinfer"):
+        """spec: launcher.spec.JobSpec; model: sharding.config.ModelConfig."""
+        self.spec, self.tok = spec, tokenizer
+        self.vocab_size = model.vocab_size
+        eos = model.eos_token_ids
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
+        self.eos = tuple(eos)
+        self.openai = output_format == "openai"
+        self.model_name = os.path.basename(os.path.normpath(spec.model.path))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id]) if self.tok is not None else str(token_id)
+
+    # ---- records in -----------------------------------------------------------------------------
+    def sequence(self, rec: Record, serial: int) -> Sequence | Done:
+        """The record's sequence, or its error result. Raises SystemicError where the cause is
+        not the record (launcher.tokenizer)."""
+        spec = self.spec
+        max_len = spec.model.max_model_len
+        if rec.error:
+            return self.error(serial, rec, rec.error)
+        try:
+            sampling = spec.sampling.merge(rec.sampling, rec.id).to_params()
+            if self.tok is None:
+                if rec.prompt_token_ids is None:
+                    raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
+                                      f"'prompt_token_ids'")
+                ids = list(rec.prompt_token_ids)
+            else:
+                ids = self.tok.encode_record(rec, spec.input.chat_template)
+            continuation = self.continuation(rec)
+            ids = ids + continuation
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{self.vocab_size - 1})")
+            if continuation and len(ids) > max_len:
+                raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
+                                  f"model.max_model_len is {max_len}")
+            if not continuation and len(ids) >= max_len:
+                raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
+                                  f"is {max_len}, which must also leave room for generated tokens")
+        except RecordError as e:
+            return self.error(serial, rec, str(e))
+        seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else self.eos, max_len)
+        seq.serial = serial
+        seq.request = self.request(rec)
+        seq.num_score_tokens = len(continuation)
+        seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
+        seq.t_added, seq.t_first = time.perf_counter(), None
+        return seq
+
+    def continuation(self, rec: Record) -> list[int]:
+        """The token ids a record asks to score: its continuation with task: score, else none."""
+        if rec.continuation is None and rec.continuation_token_ids is None:
+            return []
+        if self.spec.task != "score":
+            raise RecordError(f"record '{rec.id}': has a continuation to score, but the job's task is "
+                              f"'{self.spec.task}'; set task: score")
+        if self.tok is None and rec.continuation_token_ids is None:
+            raise RecordError(f"record '{rec.id}': the model has no tokenizer, so the continuation must be "
+                              f"given as 'continuation_token_ids'")
+        if self.tok is None:
+            return list(rec.continuation_token_ids)
+        return self.tok.encode_continuation(rec)
+
+    def request(self, rec: Record) -> tuple[str, int | None] | None:
+        """How an OpenAI Batch line answers the record (output.format openai): the url it was
+        sent to (for a plain record: chat completions where a chat template applies) and the
+        log-probability alternatives it asked for. None with output.format msinfer."""
+        if not self.openai:
+            return None
+        from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
+        chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
+                                            and self.tok is not None and self.tok.has_chat_template)
+        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs
+
+    # ---- while it runs --------------------------------------------------------------------------
+    def stop_string(self, seq: Sequence) -> bool:
+        """Whether the sequence's output now holds one of its stop strings (its text is then cut
+        before it, in `seq.cut_text`)."""
+        if seq.stop_matcher is None or seq.is_finished or not seq.output_token_ids:
+            return False
+        text = self.tok.decode(seq.text_token_ids)
+        cut = seq.stop_matcher.check(text)
+        if cut is None:
+            return False
+        seq.cut_text = text[:cut]
+        return True
+
+    def text(self, seq: Sequence) -> str:
+        return seq.cut_text if seq.cut_text is not None else self.tok.decode(seq.text_token_ids)
+
+    # ---- results out ----------------------------------------------------------------------------
+    def result(self, seq: Sequence) -> Done:
+        if seq.finish_reason in ("error", "abort"):
+            return self._done(seq.serial, error_result(seq.key, "InvalidRecord",
+                                                       seq.error or f"sequence {seq.finish_reason}"), seq.request)
+        if seq.is_scoring:
+            n = seq.num_score_tokens
+            return self._done(seq.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
+                                                       seq.continuation_logprobs,
+                                                       seq.num_prompt_tokens - n))
+        text = self.text(seq) if self.tok is not None else None
+        extra = {}
+        if seq.logprobs:
+            extra["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
+        result = ok_result(seq.key, seq.output_token_ids, text, seq.finish_reason, seq.num_prompt_tokens, extra)
+        ttft = seq.t_first - seq.t_added if seq.t_first is not None else None
+        return self._done(seq.serial, result, seq.request, ttft)
+
+    def error(self, serial: int, rec: Record, message: str) -> Done:
+        return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec))
+
+    def _done(self, serial: int, result: dict, request=None, ttft: float | None = None) -> Done:
+        line = result
+        if request is not None:
+            from launcher.openai_batch import openai_line
+            line = openai_line(result, *request, self.model_name, self.token_text)
+        return Done(serial, json.dumps(line, ensure_ascii=False), bool(result.get("error")),
+                    result.get("prompt_tokens") or 0, result.get("completion_tokens") or 0, ttft)

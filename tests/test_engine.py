@@ -1,0 +1,173 @@
+"""The engines (launcher.engine) and the driver that deals them records (launcher.controller),
+on stand-in workers (launcher.simulate): tokens drawn by each prompt, so a record gets the same
+tokens on any replica, in any run, and results can be compared across runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import sys
+import time
+
+import pytest
+
+from launcher.inputs import parse_record
+from launcher.job import plan_job, run_job
+from launcher.simulate import StandIn, StandInWorker
+from launcher.spec import JobSpec
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from scripts.make_demo_model import ensure_demo_model
+    return ensure_demo_model()
+
+
+def job_spec(demo, tmp_path, records, **sections) -> JobSpec:
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = {"model": {"path": str(demo), "max_model_len": 128},
+            "input": {"path": str(tmp_path / "in.jsonl"), "chat_template": False},
+            "output": {"path": str(tmp_path / "out.jsonl")},
+            "sampling": {"max_new_tokens": 6, "ignore_eos": True},
+            "scheduler": {"max_batch_size": 4, "max_batched_tokens": 64}}
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return JobSpec.model_validate(spec)
+
+
+def results(path) -> dict[str, dict]:
+    lines = [json.loads(x) for x in open(path).read().splitlines()]
+    ids = [x["id"] for x in lines]
+    assert len(ids) == len(set(ids)), "a record was written twice"
+    return {x["id"]: x for x in lines}
+
+
+def exchange_until_done(engine, records, more=False) -> list:
+    """Deals `records` to an in-process engine and collects every result."""
+    done, payload = [], pickle.dumps(list(enumerate(records)))
+    t_end = time.monotonic() + 60
+    while len(done) < len(records) and time.monotonic() < t_end:
+        out, want, _ = pickle.loads(engine.exchange(payload, more))
+        payload = None
+        done += out
+        assert want >= 0
+    return done
+
+
+def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_without_async_scheduling(
+        demo, tmp_path, ray_local):
+    """The engine's loop on a stand-in rank: every record once, each with the tokens its
+    max_new_tokens asks for; async scheduling (the next step submitted while one runs) changes
+    no token; a bad record is its own error result and the others go on."""
+    from launcher.engine import Engine, EngineSetup
+    from launcher.replica import Replica
+
+    records = [{"id": f"r{i}", "prompt_token_ids": [10 + i] * (3 + i), "sampling": {"max_new_tokens": 2 + i % 5}}
+               for i in range(9)] + [{"id": "bad", "prompt_token_ids": [10**7]}]
+    got = {}
+    for async_scheduling in (True, False):
+        spec = job_spec(demo, tmp_path, records, scheduler={"async_scheduling": async_scheduling})
+        plan = plan_job(spec, weights=False)
+        replica = Replica(0, 1, worker_cls=StandInWorker, worker_options={"timing": StandIn(step_ms=2)},
+                          cpus_per_worker=0.01)
+        replica.start(plan.engine)
+        engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0)
+        try:
+            engine.attach(replica.workers)
+            done = exchange_until_done(engine, [parse_record(r, n) for n, r in enumerate(records, 1)])
+        finally:
+            engine.close()
+            replica.shutdown()
+        assert sorted(d.serial for d in done) == list(range(len(records)))
+        lines = {json.loads(d.line)["id"]: json.loads(d.line) for d in done}
+        for i in range(9):
+            assert lines[f"r{i}"]["completion_tokens"] == 2 + i % 5 and lines[f"r{i}"]["finish_reason"] == "length"
+        assert "outside the vocabulary" in lines["bad"]["error"]["message"]
+        assert engine.step_s["decode"][0] > 0
+        got[async_scheduling] = lines
+    assert got[True] == got[False]
+
+
+def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
+    """Stop strings are matched in the engine on the decoded text: the output is cut before the
+    first occurrence, finish_reason stop, and the record generates no further."""
+    from launcher.simulate import StandInRunner
+    from launcher.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(demo)
+    prompt = "Once upon a time"
+    spec = job_spec(demo, tmp_path, [])
+    text = tok.decode(StandInRunner(plan_job(spec, weights=False).engine, StandIn()).tokens(tok.encode(prompt), 24))
+    stop = text[len(text) // 2:].lstrip()[:3]
+    assert len(text) > 10 and stop.strip(), text
+    spec = job_spec(demo, tmp_path, [{"id": "s", "prompt": prompt, "sampling": {"max_new_tokens": 24, "stop": [stop]}}])
+    run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    cut = results(tmp_path / "out.jsonl")["s"]
+    assert cut["finish_reason"] == "stop" and cut["output_text"] == text[:text.find(stop)]
+    assert cut["completion_tokens"] < 24
+
+
+class DiesOnce(StandInWorker):
+    """A stand-in rank that kills its process at its fifth step, once per test (the first rank of
+    any replica to get there)."""
+    flag = ""
+
+    def step(self, payload, is_prefill, index):
+        if index == 4:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+                os._exit(1)
+            except FileExistsError:
+                pass
+        return super().step(payload, is_prefill, index)
+
+
+def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_written_once(
+        demo, tmp_path, ray_local):
+    """A rank dies mid-job at dp 2: its engine reports it, the driver deals its unfinished records
+    to the other replica at once and restarts it; every record is written exactly once, with the
+    same tokens as in a run without the failure."""
+    from ray import cloudpickle
+
+    from launcher.simulate import StandInRunner
+
+    records = [{"id": f"r{i}", "prompt_token_ids": [20 + i, 7, 8]} for i in range(24)]
+    spec = job_spec(demo, tmp_path, records, parallel={"data_parallel": 2})
+    runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
+    DiesOnce.flag = str(tmp_path / "died")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=2.0, worker_cls=DiesOnce))
+    assert os.path.exists(DiesOnce.flag)
+    assert summary["replica_restarts"] == 1
+    assert re.fullmatch(r"replica [01] failed \(a worker process died\)", *summary["restart_reasons"])
+    out = results(tmp_path / "out.jsonl")
+    assert {k: v["output_token_ids"] for k, v in out.items()} == {
+        r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
+
+
+def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
+    """A cause that is not the record's (SystemicError from the tokenizer) raised in an engine
+    stops the job with that error, instead of failing the replica over and over."""
+    import ray
+    from launcher.controller import Controller, ControllerConfig, Slot
+    from launcher.errors import SystemicError
+    from launcher.inputs import Record
+
+    @ray.remote
+    class Raises:
+        def exchange(self, payload, more):
+            raise SystemicError("the tokenizer cannot encode records: ImportError: jinja2")
+
+    class Stub:
+        engine = Raises.remote()
+
+        def shutdown(self):
+            pass
+
+    c = Controller(ControllerConfig(engine_config=None))
+    c.slots = [Slot(0, Stub(), want=1)]
+    with pytest.raises(SystemicError, match="jinja2"):
+        c.run(iter([Record("a", 1, prompt="x")]), lambda done, rec: None)
+    assert c.restarts == 0

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe
+from launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch, wait_any
 from launcher.errors import UserError
 from launcher.inputs import Record
 from launcher.records import Done
@@ -55,6 +55,7 @@ class ControllerConfig:
     startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
     worker_options: dict = field(default_factory=dict)
+    tokenizer: object = False              # the job's tokenizer, for an engine in this process (False: none)
 
 
 @dataclass
@@ -86,7 +87,8 @@ class Controller:
         c = self.cfg
         extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
         return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
-                       startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, **extra)
+                       startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, tokenizer=c.tokenizer,
+                       **extra)
 
     def _first_want(self) -> int:
         return 2 * self.cfg.engine_setup.spec.scheduler.max_batch_size
@@ -105,14 +107,15 @@ class Controller:
     def configure(self, spec, stream: bool = False) -> None:
         """The spec new records are read with and whether text streams, on every engine (the
         Python API's per-call sampling)."""
-        ray.get([s.replica.engine.configure.remote(spec, stream) for s in self.slots if s.replica.engine is not None])
+        for call in [s.replica.engine.configure.remote(spec, stream) for s in self.slots if s.replica.engine]:
+            fetch(call)
 
     def engine_stats(self) -> list[dict]:
         """Each engine's figures (launcher.engine.Engine.stats), of the replicas up now and of
         those that went down."""
         live = [s for s in self.slots if s.replica.engine is not None and s.starting is None]
         try:
-            got = ray.get([s.replica.engine.stats.remote() for s in live], timeout=30)
+            got = [fetch(call, 30) for call in [s.replica.engine.stats.remote() for s in live]]
         except Exception:                   # an engine that is down: its figures are lost, not the summary
             got = []
         return got + self.retired
@@ -178,11 +181,7 @@ class Controller:
                     return
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
-            ready, rest = ray.wait(list(pending), num_returns=1, timeout=1.0)
-            if ready and rest:
-                more_ready, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-                ready += more_ready
-            for ref in ready:
+            for ref in wait_any(list(pending), 1.0):
                 self._receive(pending[ref], ref, on_done, on_stream)
             now = time.perf_counter()
             for slot in pending.values():   # an engine that does not answer: wedged, or its node gone
@@ -192,13 +191,13 @@ class Controller:
     def _receive(self, slot: Slot, ref, on_done, on_stream) -> None:
         slot.pending = None
         try:
-            done, slot.want, streamed = pickle.loads(ray.get(ref))
+            done, slot.want, streamed = pickle.loads(fetch(ref))
         except RayTaskError as e:
             if isinstance(e.cause, UserError):      # a SystemicError: not this replica's fault
                 raise e.cause from None
             self._fail(slot, e)
             return
-        except RayError as e:                       # its engine died
+        except (RayError, EngineFailed) as e:       # its engine died, or failed (a local engine)
             self._fail(slot, e)
             return
         for d in done:
@@ -212,6 +211,8 @@ class Controller:
     # ---- faults ---------------------------------------------------------------------------------
     def _fail(self, slot: Slot, error: Exception) -> None:
         cause = getattr(error, "cause", None)
+        if isinstance(error, EngineFailed) and not isinstance(error, RayTaskError):    # a local engine's
+            cause = error
         why = f"replica {slot.index} failed ({cause if isinstance(cause, EngineFailed) else describe(error)})"
         self.restart_log.append(why)
         if self.restarts >= self.cfg.max_restarts:
@@ -226,7 +227,7 @@ class Controller:
         slot.outstanding.clear()
         slot.pending = None
         try:
-            self.retired.append(ray.get(slot.replica.engine.stats.remote(), timeout=5))
+            self.retired.append(fetch(slot.replica.engine.stats.remote(), 5))
         except Exception:
             pass
         slot.replica.shutdown()

@@ -24,6 +24,7 @@ import pickle
 import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass
 
 import ray
@@ -54,6 +55,7 @@ class EngineSetup:
     engine_config: object           # worker.runner.EngineConfig: the cache's blocks, max_model_len
     output_format: str = "msinfer"
     stream: bool = False            # report the text of running sequences as it grows
+    local: bool = False             # run the engine in the driver's process (LocalEngine)
 
 
 @dataclass
@@ -86,12 +88,15 @@ def describe(e: BaseException) -> str:
 
 
 class Engine:
-    def __init__(self, setup: EngineSetup, index: int):
+    def __init__(self, setup: EngineSetup, index: int, tokenizer=False):
+        """tokenizer: the job's (launcher.tokenizer.Tokenizer or None), where the caller has it
+        loaded already; False: load it here."""
         from launcher.tokenizer import load_tokenizer
 
         spec, ec = setup.spec, setup.engine_config
         self.index, self.stream = index, setup.stream
-        tok = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+        tok = tokenizer if tokenizer is not False else load_tokenizer(spec.model.tokenizer_path,
+                                                                      spec.model.trust_remote_code)
         self.codec = RecordCodec(spec, setup.model, tok, setup.output_format)
         self.scheduler = Scheduler(ec.blocks(), ec.block_size, spec.scheduler.max_batch_size,
                                    spec.scheduler.max_batched_tokens, ec.max_model_len)
@@ -292,3 +297,48 @@ class Engine:
                 if not self.stream_out and not self.outbox:
                     self.outbox_t = time.perf_counter()
                 self.stream_out.extend(new)
+
+
+class LocalEngine:
+    """An engine in the driver's process, with the calls of its Ray actor handle:
+    `engine.exchange.remote(...)` returns a Future (launcher.controller waits on either). Used
+    for one replica on an embedded Ray, where a process of its own would only add its start-up
+    (loading the tokenizer again) to the job's time to first result."""
+
+    def __init__(self, setup: EngineSetup, index: int, tokenizer=False):
+        self.engine = Engine(setup, index, tokenizer)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix=f"engine-{index}-calls")
+
+    def __getattr__(self, name: str):
+        method = getattr(self.engine, name)
+        pool = self.pool
+
+        class Call:
+            @staticmethod
+            def remote(*args):
+                return pool.submit(method, *args)
+        return Call
+
+    def kill(self) -> None:
+        self.engine.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fetch(pending, timeout: float | None = None):
+    """The result of an engine call: a Ray ObjectRef, or a LocalEngine's Future."""
+    if isinstance(pending, Future):
+        return pending.result(timeout)
+    return ray.get(pending, timeout=timeout)
+
+
+def wait_any(pending: list, timeout: float) -> list:
+    """Those of `pending` (all ObjectRefs, or all Futures) that are done, waiting up to
+    `timeout` for the first."""
+    if pending and isinstance(pending[0], Future):
+        done, _ = futures_wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        return list(done)
+    ready, rest = ray.wait(pending, num_returns=1, timeout=timeout)
+    if ready and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        ready += more
+    return ready

@@ -370,8 +370,11 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
+    # one replica on an embedded Ray: its engine in this process (launcher.engine.LocalEngine)
+    local = dp == 1 and not spec.ray.address
     cfg = dict(
-        engine_config=plan.engine, engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream),
+        engine_config=plan.engine, tokenizer=plan.tokenizer if local else False,
+        engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream, local),
         tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
@@ -425,15 +428,13 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         job.controller = controller
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
-        cpu0 = time.process_time()
+        if simulate is not None:
+            from launcher.simulate import capacity, cpu_seconds
+            cpu0 = cpu_seconds(controller)
         job.run(read_records(spec.input.path))
-        driver_cpu_s = time.process_time() - cpu0
         summary = job.summary(startup_s)
         if simulate is not None:
-            from launcher.simulate import capacity
-            worker_cpu_s = sum(st.get("cpu_s", 0.0) for st in ray.get(
-                [w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60))
-            summary["simulate"] = capacity(summary, spec, simulate, driver_cpu_s, worker_cpu_s)
+            summary["simulate"] = capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))
         if job.t_first_result is not None:
             summary["first_result_s"] = round(job.t_first_result - t_start, 3)
         write_json_atomic(summary_path(spec.output.path), summary)

@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.engine import Engine, submit_step
+from launcher.engine import Engine, LocalEngine, submit_step
 from worker.actor import CommScheduler, Worker
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -88,6 +88,7 @@ class Replica:
     worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
     engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
+    tokenizer: object = False           # a local engine's tokenizer, loaded already (False: load it)
     workers: list = field(default_factory=list)
     engine: object = None               # the engine actor's handle
     scheduler: object = None
@@ -117,7 +118,9 @@ class Replica:
         def on(bundle):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
-        if self.engine_setup is not None:   # its tokenizer loads while the workers start
+        if self.engine_setup is not None and self.engine_setup.local:
+            self.engine = LocalEngine(self.engine_setup, self.index, self.tokenizer)
+        elif self.engine_setup is not None:     # its tokenizer loads while the workers start
             self.engine = ray.remote(Engine).options(num_cpus=0, scheduling_strategy=on(0), max_concurrency=4) \
                 .remote(self.engine_setup, self.index)
         worker_cls = ray.remote(self.worker_cls)
@@ -139,7 +142,9 @@ class Replica:
         self._stage("device and communication init",
                     [w.join.remote(engine_config, host, port) for w in self.workers])
         self.setup_info = self._stage("load", [w.load.remote(engine_config) for w in self.workers])
-        if self.engine is not None:
+        if isinstance(self.engine, LocalEngine):
+            self.engine.engine.attach(self.workers)
+        elif self.engine is not None:
             self._stage("its engine's start", [self.engine.attach.remote(self.workers)])
         return self.ranks
 
@@ -167,6 +172,9 @@ class Replica:
         return [r["pid"] for r in self.ranks]
 
     def shutdown(self) -> None:
+        if isinstance(self.engine, LocalEngine):
+            self.engine.kill()
+            self.engine = None
         for a in [self.engine, *self.workers, self.scheduler]:
             if a is not None:
                 try:

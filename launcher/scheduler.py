@@ -201,21 +201,12 @@ class Scheduler:
         self.running: list[Sequence] = []              # in admission order
         self.rejected: list[Sequence] = []
         self.num_preemptions = 0
-        self.load = 0          # sum of `work` over waiting and running sequences, kept as they change
 
     # ---- queue --------------------------------------------------------------------------------
-    @staticmethod
-    def work(seq: Sequence) -> int:
-        """What a sequence still costs its replica, in tokens: those it may still generate, and
-        an eighth of those it still has to prefill. Records are dealt by the sum (`load`)."""
-        out = len(seq.output_token_ids)            # len() rather than the properties: once per token and more
-        return seq.sampling.max_new_tokens - out + max(0, len(seq.prompt_token_ids) + out - seq.num_cached) // 8
-
     def add(self, seq: Sequence) -> None:
         seq.max_model_len = min(seq.max_model_len or self.max_model_len, self.max_model_len)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self.load += self.work(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -243,7 +234,6 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.load -= self.work(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -332,9 +322,7 @@ class Scheduler:
         assert not seq.in_flight, "preempting a sequence a step in flight feeds"
         self.running.remove(seq)
         self.block_manager.free(seq)
-        self.load -= self.work(seq)
         seq.num_cached = 0
-        self.load += self.work(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
@@ -388,20 +376,16 @@ class Scheduler:
             if seq.is_finished:
                 continue
             n, _ = seq.in_flight.popleft()
-            before = self.work(seq)
             seq.num_cached += n
             if seq.num_cached < seq.num_tokens:
-                self.load += self.work(seq) - before
                 continue                               # a prompt chunk short of the prompt's end
             if seq.is_scoring:                         # scored: nothing to generate
-                self.load += self.work(seq) - before
                 self.finish(seq, "scored")
                 finished.append(seq)
                 continue
             if token < 0:
                 raise ValueError(f"sequence {seq.seq_id}: no token sampled at the end of its prefill")
             seq.output_token_ids.append(token)
-            self.load += self.work(seq) - before
             reason = self._stop_reason(seq, token)
             if reason:
                 self.finish(seq, reason)

@@ -109,12 +109,23 @@ class StandInWorker(Worker):
         return {**super().stats(), "cpu_s": time.process_time() - self.cpu0}       # since setup
 
 
-def capacity(summary: dict, spec, timing: StandIn, driver_cpu_s: float, worker_cpu_s: float) -> dict:
-    """The simulation's figures: throughput against the stand-ins' ceiling, CPU by process role
-    (the driver, the engines: per step they ran, the stand-in workers)."""
+def cpu_seconds(controller) -> dict:
+    """CPU-seconds so far by process role: this process (the driver), the engines, the
+    stand-in workers."""
+    import ray
+    workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
+    return {"driver": time.process_time(), "engines": sum(st["cpu_s"] for st in controller.engine_stats()),
+            "workers": sum(st.get("cpu_s", 0.0) for st in workers)}
+
+
+def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:
+    """The simulation's figures: throughput against the stand-ins' ceiling, and the CPU each
+    process role spent while records were served (`cpu_seconds` before and after): the driver,
+    the engines (also per step they ran), the stand-in workers."""
     dp, tp = spec.parallel.data_parallel, spec.parallel.tensor_parallel
     st = summary.get("steps") or {}
-    engine_cpu_s, steps = st.get("engine_cpu_s", 0.0), st.get("prefill_steps", 0) + st.get("decode_steps", 0)
+    steps = st.get("prefill_steps", 0) + st.get("decode_steps", 0)
+    driver_cpu_s, engine_cpu_s, worker_cpu_s = (cpu1[k] - cpu0[k] for k in ("driver", "engines", "workers"))
     gen_s = summary.get("generation_s") or 0.0
     tokens, records = summary.get("completion_tokens") or 0, summary.get("records_done") or 0
     ceiling = dp * spec.scheduler.max_batch_size * 1e3 / timing.step_ms

@@ -325,7 +325,7 @@ def run_case(engine: BenchReplica, case: Case, repeats: int) -> dict:
 
 
 def describe_failure(e: BaseException) -> str:
-    from launcher.controller import describe
+    from launcher.engine import describe
     from ray.exceptions import GetTimeoutError, RayActorError
 
     if isinstance(e, RayActorError):

@@ -115,7 +115,7 @@ class Controller:
         those that went down."""
         live = [s for s in self.slots if s.replica.engine is not None and s.starting is None]
         try:
-            got = [fetch(call, 30) for call in [s.replica.engine.stats.remote() for s in live]]
+            got = [fetch(call, 30) for call in [s.replica.engine.engine_stats.remote() for s in live]]
         except Exception:                   # an engine that is down: its figures are lost, not the summary
             got = []
         return got + self.retired
@@ -227,7 +227,7 @@ class Controller:
         slot.outstanding.clear()
         slot.pending = None
         try:
-            self.retired.append(fetch(slot.replica.engine.stats.remote(), 5))
+            self.retired.append(fetch(slot.replica.engine.engine_stats.remote(), 5))
         except Exception:
             pass
         slot.replica.shutdown()

@@ -3,7 +3,7 @@
 One placement group per replica, one bundle per rank (`CPU` here, `NPU` + `CPU` on Ascend),
 packed on one node unless `placement: spread`. Each replica is its own MindSpore cluster: a
 scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Worker` per rank;
-for a job, also its engine (launcher.engine) on rank 0's bundle.
+for a job, its engine (launcher.engine) runs in rank 0's process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.engine import Engine, LocalEngine, submit_step
+from launcher.engine import LocalEngine, engine_host, submit_step
 from worker.actor import CommScheduler, Worker
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -90,7 +90,7 @@ class Replica:
     engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
     tokenizer: object = False           # a local engine's tokenizer, loaded already (False: load it)
     workers: list = field(default_factory=list)
-    engine: object = None               # the engine actor's handle
+    engine: object = None               # its engine: rank 0's actor handle, or a LocalEngine
     scheduler: object = None
     pg: object = None
     ranks: list = field(default_factory=list)
@@ -118,18 +118,19 @@ class Replica:
         def on(bundle):
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
-        if self.engine_setup is not None and self.engine_setup.local:
+        local = self.engine_setup is not None and self.engine_setup.local
+        if local:
             self.engine = LocalEngine(self.engine_setup, self.index, self.tokenizer)
-        elif self.engine_setup is not None:     # its tokenizer loads while the workers start
-            self.engine = ray.remote(Engine).options(num_cpus=0, scheduling_strategy=on(0), max_concurrency=4) \
-                .remote(self.engine_setup, self.index)
-        worker_cls = ray.remote(self.worker_cls)
+        hosted = self.engine_setup is not None and not local       # the engine in rank 0's process
+        classes = [ray.remote(engine_host(self.worker_cls) if hosted and r == 0 else self.worker_cls)
+                   for r in range(self.tp_size)]
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
         self.submitted = 0
-        self.workers = [worker_cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
-                                           max_concurrency=3, **res)   # 2 steps in flight + a query
+        # 2 steps in flight + a query; rank 0 with an engine: an exchange, a query, a step from a peer's engine
+        self.workers = [cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
+                                    max_concurrency=4 if hosted and r == 0 else 3, **res)
                         .remote(r, self.tp_size, self.device, self.threads_per_worker, **self.worker_options)
-                        for r in range(self.tp_size)]
+                        for r, cls in enumerate(classes)]
         host = port = None
         if self.tp_size > 1 and self.worker_cls.communicates:
             self.scheduler = ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(0)) \
@@ -142,10 +143,12 @@ class Replica:
         self._stage("device and communication init",
                     [w.join.remote(engine_config, host, port) for w in self.workers])
         self.setup_info = self._stage("load", [w.load.remote(engine_config) for w in self.workers])
-        if isinstance(self.engine, LocalEngine):
+        if local:
             self.engine.engine.attach(self.workers)
-        elif self.engine is not None:
-            self._stage("its engine's start", [self.engine.attach.remote(self.workers)])
+        elif hosted:
+            self._stage("its engine's start", [self.workers[0].start_engine.remote(self.engine_setup, self.index,
+                                                                                    self.workers[1:])])
+            self.engine = self.workers[0]
         return self.ranks
 
     def _stage(self, stage: str, refs: list) -> list:
@@ -174,8 +177,7 @@ class Replica:
     def shutdown(self) -> None:
         if isinstance(self.engine, LocalEngine):
             self.engine.kill()
-            self.engine = None
-        for a in [self.engine, *self.workers, self.scheduler]:
+        for a in [*self.workers, self.scheduler]:
             if a is not None:
                 try:
                     ray.kill(a, no_restart=True)

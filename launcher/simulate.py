@@ -110,12 +110,21 @@ class StandInWorker(Worker):
 
 
 def cpu_seconds(controller) -> dict:
-    """CPU-seconds so far by process role: this process (the driver), the engines, the
-    stand-in workers."""
+    """CPU-seconds so far by role: the driver (this process, less an engine running in it), the
+    engines (their own threads), the stand-in workers (their processes, less the engines hosted
+    in rank 0's)."""
     import ray
+    from launcher.engine import LocalEngine
     workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
-    return {"driver": time.process_time(), "engines": sum(st["cpu_s"] for st in controller.engine_stats()),
-            "workers": sum(st.get("cpu_s", 0.0) for st in workers)}
+    engines = controller.engine_stats()
+    local = sum(fetch_cpu(s.replica.engine) for s in controller.slots if isinstance(s.replica.engine, LocalEngine))
+    engine_s = sum(st["cpu_s"] for st in engines)
+    return {"driver": time.process_time() - local, "engines": engine_s,
+            "workers": sum(st.get("cpu_s", 0.0) for st in workers) - (engine_s - local)}
+
+
+def fetch_cpu(engine) -> float:
+    return engine.engine.engine_stats()["cpu_s"]
 
 
 def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:

@@ -289,7 +289,7 @@ class Engine:
         finished = self.scheduler.postprocess(seqs, out.token_ids)
         live = [seq for seq, ok in zip(seqs, live) if ok]
         for seq in live:
-            if self.codec.stop_string(seq):
+            if seq.stop_matcher is not None and self.codec.stop_string(seq):
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
         if self.stream and self.codec.tok is not None:

@@ -62,6 +62,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached = 0
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
+        self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
+        self.num_pending = 0                            # tokens they sample
         self.finish_reason: str | None = None           # "stop" | "length" | "scored" | "error" | "abort"
         self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
@@ -88,15 +90,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens the steps in flight feed."""
-        return sum(n for n, _ in self.in_flight)
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens the steps in flight sample."""
-        return sum(samples for _, samples in self.in_flight)
 
     @property
     def ends_in_flight(self) -> bool:
@@ -299,7 +292,7 @@ class Scheduler:
             # feeding the last token stores it at position num_tokens - 1 (pending tokens included)
             total = seq.num_tokens + pending
             if len(seq.block_table) * room >= total:        # most decodes: their block has room
-                scheduled.append((seq, self._seq_step(seq, 1, pending)))
+                scheduled.append((seq, self._seq_step(seq, 1)))
                 i += 1
                 continue
             while not self.block_manager.can_ensure(seq, total):
@@ -311,7 +304,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.ensure(seq, total)
-                scheduled.append((seq, self._seq_step(seq, 1, pending)))
+                scheduled.append((seq, self._seq_step(seq, 1)))
                 i += 1
         return scheduled
 
@@ -346,10 +339,9 @@ class Scheduler:
         self.rejected.append(seq)
         return True
 
-    def _seq_step(self, seq: Sequence, n: int, pending: int | None = None) -> SeqStep:
-        """The step feeding seq's next n tokens, recorded in seq.in_flight; `pending`: its
-        num_pending, where the caller has it."""
-        pending = seq.num_pending if pending is None else pending
+    def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
+        """The step feeding seq's next n tokens, recorded in seq.in_flight."""
+        pending = seq.num_pending
         start = seq.num_cached + seq.num_scheduled
         end = start + n
         if pending:                     # a decode of the token the step in flight samples
@@ -360,6 +352,8 @@ class Scheduler:
             tokens = seq.token_ids[start:end]
         sample = end == seq.num_tokens + pending and not seq.is_scoring
         seq.in_flight.append((n, sample))
+        seq.num_scheduled += n
+        seq.num_pending += sample
         return SeqStep(seq_id=seq.seq_id, token_ids=tokens, num_cached=start, block_table=list(seq.block_table),
                        sampling=seq.sampling, num_generated=seq.num_completion_tokens + pending, sample=sample,
                        targets=seq.score_targets(start, end))
@@ -375,7 +369,9 @@ class Scheduler:
         for seq, token in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
-            n, _ = seq.in_flight.popleft()
+            n, sampled = seq.in_flight.popleft()
+            seq.num_scheduled -= n
+            seq.num_pending -= sampled
             seq.num_cached += n
             if seq.num_cached < seq.num_tokens:
                 continue                               # a prompt chunk short of the prompt's end

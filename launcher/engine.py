@@ -44,7 +44,6 @@ STEP_KINDS = ("prefill", "decode")
 # the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
 # which in the compiled network
 STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
-FLUSH_S = 0.1               # a finished result waits at most this long in the engine for others to join it
 EXCHANGE_WAIT_S = 1.0       # the longest an exchange waits for anything to report
 
 
@@ -61,6 +60,10 @@ class EngineSetup:
     output_format: str = "msinfer"
     stream: bool = False            # report the text of running sequences as it grows
     local: bool = False             # run the engine in the driver's process (LocalEngine)
+    # how long a finished result may wait in the engine for others to join it: each exchange
+    # costs the driver a Ray call (about 1 ms of its CPU on this machine), so results go in batches;
+    # a LocalEngine's exchange costs a thread hand-off, so its results go sooner
+    flush_s: float = 0.5
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Engine:
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.step_timeout_s = spec.fault.step_timeout_s
         self.target = 2 * spec.scheduler.max_batch_size        # records kept queued: about two batches
+        self.flush_s = setup.flush_s
         self.cond = threading.Condition()
         self.inbox: deque = deque()           # new sequences, for the loop to admit
         self.outbox: list[Done] = []
@@ -143,7 +147,7 @@ class Engine:
 
     def exchange(self, payload: bytes | None, more: bool) -> bytes:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
-        text) pickled, once there is something to report: results that waited FLUSH_S or make a
+        text) pickled, once there is something to report: results that waited flush_s or make a
         batch, room for half a queue of new records while the driver has `more`, nothing left to
         do, or EXCHANGE_WAIT_S passed. A SystemicError while reading a record (a cause that is
         not the record's) is raised to the driver, which stops the job."""
@@ -170,13 +174,13 @@ class Engine:
                     raise EngineFailed(describe(self.failure))
                 now = time.perf_counter()
                 if self.outbox and (not self.unfinished or len(self.outbox) >= self.target // 2
-                                    or now - self.outbox_t >= FLUSH_S):
+                                    or now - self.outbox_t >= self.flush_s):
                     break
                 if (more and self.want >= self.target // 2) or not self.unfinished or now >= deadline:
                     break
-                if self.stream_out and now - self.outbox_t >= FLUSH_S:
+                if self.stream_out and now - self.outbox_t >= self.flush_s:
                     break
-                self.cond.wait(min(FLUSH_S, deadline - now))
+                self.cond.wait(min(self.flush_s, deadline - now))
             out, self.outbox = self.outbox, []
             streamed, self.stream_out = self.stream_out, []
             self.outbox_t = time.perf_counter()

@@ -374,7 +374,8 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     local = dp == 1 and not spec.ray.address
     cfg = dict(
         engine_config=plan.engine, tokenizer=plan.tokenizer if local else False,
-        engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream, local),
+        engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream, local,
+                                 flush_s=0.05 if local else 0.5),
         tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster

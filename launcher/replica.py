@@ -142,12 +142,13 @@ class Replica:
                 r["ms_scheduler"] = f"{host}:{port}"
         self._stage("device and communication init",
                     [w.join.remote(engine_config, host, port) for w in self.workers])
-        self.setup_info = self._stage("load", [w.load.remote(engine_config) for w in self.workers])
+        loads = [w.load.remote(engine_config) for w in self.workers]
+        if hosted:      # its tokenizer loads while the weights do
+            loads.append(self.workers[0].start_engine.remote(self.engine_setup, self.index, self.workers[1:]))
+        self.setup_info = self._stage("load" + (" and its engine's start" if hosted else ""), loads)[:self.tp_size]
         if local:
             self.engine.engine.attach(self.workers)
         elif hosted:
-            self._stage("its engine's start", [self.workers[0].start_engine.remote(self.engine_setup, self.index,
-                                                                                    self.workers[1:])])
             self.engine = self.workers[0]
         return self.ranks
 

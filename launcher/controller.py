@@ -64,12 +64,11 @@ class Slot:
     index: int
     replica: Replica
     outstanding: dict = field(default_factory=dict)    # serial -> (serial, Record): dealt, no result yet
-    pending: object = None                 # its exchange in flight (an ObjectRef)
+    pending: object = None                 # its exchange in flight (an ObjectRef; a LocalEngine's Future)
     sent: float = 0.0                      # when that exchange was sent
     want: int = 0                          # records it can take, as its last exchange said
     starting: Future | None = None
     restarts: int = 0
-    stats: dict | None = None              # its engine's figures, kept when its replica goes down
 
 
 @dataclass

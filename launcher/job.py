@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.errors import SpecError, UserError
+from launcher.errors import SpecError, SystemicError, UserError
 from launcher.inputs import check_input, is_openai_batch, read_records
 from launcher.records import Done
 from launcher.spec import JobSpec
@@ -30,6 +30,7 @@ from worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulat
 from worker.runner import EngineConfig, resolve_dtype, shapes_problem
 
 DEFAULT_MAX_MODEL_LEN = 4096
+SAME_CAUSE_STOP = 100           # failed results, all alike and none succeeded before them: the job stops
 
 
 @dataclass
@@ -183,6 +184,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
     plans = plan_tensors(m, tp)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+    if tokenizer is not None and spec.input.chat_template:
+        tokenizer.check_chat_template()
     if check_io:
         check_input(spec.input.path)
         check_output(spec.output.path)
@@ -283,6 +286,7 @@ class JobRun:
         self.stream, self.last_streamed = stream, None
         self.status_t = 0.0
         self.tokens_done = 0
+        self.held: list | None = []           # failed results held back until one succeeds (`_hold`)
         self.bar = None
         if progress and status:
             from tqdm import tqdm
@@ -292,6 +296,7 @@ class JobRun:
     def run(self, records) -> None:
         self.controller.run(self.new_records(records), self.on_done, self.on_stream if self.stream else None,
                             self.on_tick)
+        self.flush_held()
 
     def new_records(self, records):
         """The records whose results are not in the results file yet."""
@@ -305,6 +310,37 @@ class JobRun:
             yield rec
 
     def on_done(self, done: Done, rec) -> None:
+        if self.held is not None:
+            self._hold(done, rec)
+            return
+        self._emit(done, rec)
+
+    def _hold(self, done: Done, rec) -> None:
+        """Until a record succeeds, failed ones are held back: when the first SAME_CAUSE_STOP
+        records of the run (in input order) all failed alike, the cause is not in the records (a
+        template the tokenizer cannot render, a vocabulary the inputs were not made for), and the
+        job stops without their error lines, so that a re-run after the fix computes them."""
+        if done.failed:
+            self.held.append((done, rec))
+            if len(self.held) < SAME_CAUSE_STOP:
+                return
+            causes = {d.cause for d, _ in self.held}
+            first = {d.serial for d, _ in self.held} >= set(range(SAME_CAUSE_STOP))
+            if first and len(causes) == 1:
+                raise SystemicError(
+                    f"the first {len(self.held)} records all failed alike (record '{self.held[0][1].id}' was the "
+                    f"first): {causes.pop()}. That is not one record's fault, so the job stops without writing "
+                    f"their error lines; fix the cause and run the job again")
+        self.flush_held()
+        if not done.failed:
+            self._emit(done, rec)
+
+    def flush_held(self) -> None:
+        held, self.held = self.held or [], None
+        for d, r in held:
+            self._emit(d, r)
+
+    def _emit(self, done: Done, rec) -> None:
         self.sink(rec.id, done.line)
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()

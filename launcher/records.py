@@ -28,6 +28,7 @@ class Done(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float | None        # from its arrival in the engine to its first token
+    cause: str | None = None    # a failed record's error message, its id left out: alike records' alike
 
 
 class RecordCodec:
@@ -153,5 +154,7 @@ class RecordCodec:
         if request is not None:
             from launcher.openai_batch import openai_line
             line = openai_line(result, *request, self.model_name, self.token_text)
-        return Done(serial, json.dumps(line, ensure_ascii=False), bool(result.get("error")),
-                    result.get("prompt_tokens") or 0, result.get("completion_tokens") or 0, ttft)
+        error = result.get("error")
+        cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
+        return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,
+                    result.get("completion_tokens") or 0, ttft, cause)

@@ -56,6 +56,22 @@ class Tokenizer:
             return _ids(text)
         return self.encode(text, add_special_tokens=False)
 
+    def check_chat_template(self) -> None:
+        """Renders the chat template once for a plain user message (`plan`, before any worker
+        starts): a template that cannot render fails here, not on every record."""
+        if not self.has_chat_template:
+            return
+        try:
+            self.apply_chat_template([{"role": "user", "content": "Hello"}])
+        except ImportError as e:
+            raise TokenizerError(f"the chat template in {self.path} cannot be rendered: {e}; "
+                                 + ("install jinja2 (pip install jinja2), " if "jinja" in str(e) else "")
+                                 + "or set input.chat_template: false to encode prompts as they are") from None
+        except Exception as e:  # a template that raises, or uses what transformers does not give it
+            raise TokenizerError(f"the chat template in {self.path} fails on a plain user message: "
+                                 f"{type(e).__name__}: {e}; fix the template (tokenizer_config.json or "
+                                 f"chat_template.jinja), or set input.chat_template: false") from None
+
     def encode_record(self, record: Record, chat_template: bool) -> list[int]:
         """Prompt token ids of a record: `prompt_token_ids` as given; `messages` through the chat
         template; `prompt` text through the chat template as one user message when `chat_template`

@@ -171,3 +171,24 @@ def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
     with pytest.raises(SystemicError, match="jinja2"):
         c.run(iter([Record("a", 1, prompt="x")]), lambda done, rec: None)
     assert c.restarts == 0
+
+
+def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo, tmp_path, ray_local):
+    """When the first 100 records all failed with one cause (here: inputs made for another
+    vocabulary), the job stops with that cause instead of writing an error line per record, and
+    writes none of them, so that a re-run computes them. One good record before them (its result
+    comes after theirs), and the failures are the records' own: written, and the job goes on."""
+    from launcher.errors import SystemicError
+    from launcher.job import SAME_CAUSE_STOP
+
+    bad = [{"id": f"b{i}", "prompt_token_ids": [1, 10**6]} for i in range(SAME_CAUSE_STOP + 20)]
+    spec = job_spec(demo, tmp_path, bad)
+    with pytest.raises(SystemicError, match=rf"the first {SAME_CAUSE_STOP} records all failed alike \(record 'b0' "
+                                            r"was the first\): a record: token id 1000000 is outside the vocabulary"):
+        run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert not (tmp_path / "out.jsonl").read_text()
+
+    spec = job_spec(demo, tmp_path, [{"id": "good", "prompt_token_ids": [1, 2, 3]}] + bad)
+    summary = run_job(spec, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
+    assert summary["records_done"] == 1 and summary["records_failed"] == len(bad)
+    assert len(results(tmp_path / "out.jsonl")) == len(bad) + 1

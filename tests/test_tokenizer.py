@@ -94,6 +94,27 @@ def test_a_failure_of_the_environment_stops_the_job_instead_of_failing_every_rec
     assert tok.encode_record(Record(id="k", line=2, prompt="hello world"), chat_template=False)   # no template used
 
 
+def test_plan_renders_the_chat_template_once_and_names_what_fails(tok, monkeypatch):
+    """`plan` renders the template for a plain user message before any worker starts: a missing
+    jinja2 or a template that raises is one error naming the tokenizer folder and the way out."""
+    from launcher.errors import TokenizerError
+
+    tok.check_chat_template()                                  # the test tokenizer's template renders
+
+    def no_jinja(*args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+    monkeypatch.setattr(tok.tok, "apply_chat_template", no_jinja)
+    with pytest.raises(TokenizerError, match=rf"the chat template in {tok.path} cannot be rendered: .*install "
+                                             rf"jinja2.*input.chat_template: false"):
+        tok.check_chat_template()
+
+    def raises(*args, **kwargs):
+        raise ValueError("Conversation roles must alternate")
+    monkeypatch.setattr(tok.tok, "apply_chat_template", raises)
+    with pytest.raises(TokenizerError, match=r"fails on a plain user message: ValueError: Conversation roles"):
+        tok.check_chat_template()
+
+
 def test_continuation(tok):
     assert tok.encode_continuation(Record(id="s", line=1, prompt="a", continuation="hello")) == \
         tok.encode("hello", add_special_tokens=False)

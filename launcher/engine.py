@@ -272,31 +272,31 @@ class Engine:
             for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s)):
                 figures[i] += v
             self.last_result = done
-            self._postprocess(step.seqs, out, done)
+            self._postprocess(step.seqs, out, done, step.is_prefill)
             return
         if time.perf_counter() - max(step.submitted, self.last_result) > self.step_timeout_s:
             raise TimeoutError(f"a step ran longer than fault.step_timeout_s={self.step_timeout_s:g}s")
 
-    def _postprocess(self, seqs: list, out, now: float) -> None:
+    def _postprocess(self, seqs: list, out, now: float, is_prefill: bool) -> None:
         # a sequence that finished while this step was in flight (async scheduling: it stopped in
         # the step before) gets nothing from it
-        live = [not seq.is_finished for seq in seqs]
-        for seq, tok, ok in zip(seqs, out.token_ids, live):
-            if ok and tok >= 0 and seq.t_first is None:
-                seq.t_first = now
-        for seq, lp, ok in zip(seqs, out.logprobs or (), live):
-            if ok and lp is not None:
+        live = [seq for seq in seqs if not seq.is_finished] if self.stream else None
+        if is_prefill:                      # a sequence's first token comes from a prefill
+            for seq, tok in zip(seqs, out.token_ids):
+                if tok >= 0 and seq.t_first is None and not seq.is_finished:
+                    seq.t_first = now
+        for seq, lp in zip(seqs, out.logprobs or ()):
+            if lp is not None and not seq.is_finished:
                 seq.logprobs.append(lp)
-        for seq, scores, ok in zip(seqs, out.scores or (), live):
-            if ok and scores:               # a scoring chunk: log-probabilities of the continuation tokens it saw
+        for seq, scores in zip(seqs, out.scores or ()):
+            if scores and not seq.is_finished:  # a scoring chunk: log-probabilities of the continuation tokens it saw
                 seq.continuation_logprobs.extend(scores)
         finished = self.scheduler.postprocess(seqs, out.token_ids)
-        live = [seq for seq, ok in zip(seqs, live) if ok]
-        for seq in live:
+        for seq in seqs:                    # stop_string skips the finished
             if seq.stop_matcher is not None and self.codec.stop_string(seq):
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
-        if self.stream and self.codec.tok is not None:
+        if live and self.codec.tok is not None:
             self._stream(live)
         self._finished(finished)
 

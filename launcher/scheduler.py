@@ -341,22 +341,23 @@ class Scheduler:
 
     def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
         """The step feeding seq's next n tokens, recorded in seq.in_flight."""
-        pending = seq.num_pending
+        # attributes rather than the properties: this runs for every sequence of every step
+        pending, scoring, generated = seq.num_pending, seq.num_score_tokens > 0, len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + generated
         start = seq.num_cached + seq.num_scheduled
         end = start + n
         if pending:                     # a decode of the token the step in flight samples
             tokens = [SAMPLED]
-        elif n == 1 and end == seq.num_tokens:
+        elif n == 1 and end == num_tokens:
             tokens = [seq.last_token]
         else:
             tokens = seq.token_ids[start:end]
-        sample = end == seq.num_tokens + pending and not seq.is_scoring
+        sample = end == num_tokens + pending and not scoring
         seq.in_flight.append((n, sample))
         seq.num_scheduled += n
         seq.num_pending += sample
-        return SeqStep(seq_id=seq.seq_id, token_ids=tokens, num_cached=start, block_table=list(seq.block_table),
-                       sampling=seq.sampling, num_generated=seq.num_completion_tokens + pending, sample=sample,
-                       targets=seq.score_targets(start, end))
+        return SeqStep(seq.seq_id, tokens, start, list(seq.block_table), seq.sampling, generated + pending, sample,
+                       seq.score_targets(start, end) if scoring else None)
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
@@ -366,16 +367,17 @@ class Scheduler:
         if len(seqs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(seqs)} sequences")
         finished = []
+        done = SequenceStatus.FINISHED
         for seq, token in zip(seqs, token_ids):
-            if seq.is_finished:
+            if seq.status is done:
                 continue
             n, sampled = seq.in_flight.popleft()
             seq.num_scheduled -= n
             seq.num_pending -= sampled
             seq.num_cached += n
-            if seq.num_cached < seq.num_tokens:
+            if seq.num_cached < len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 continue                               # a prompt chunk short of the prompt's end
-            if seq.is_scoring:                         # scored: nothing to generate
+            if seq.num_score_tokens:                   # scored: nothing to generate
                 self.finish(seq, "scored")
                 finished.append(seq)
                 continue
@@ -393,6 +395,7 @@ class Scheduler:
         if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.stop_token_id = token
             return "stop"
-        if seq.num_completion_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_model_len:
+        out = len(seq.output_token_ids)
+        if out >= p.max_new_tokens or len(seq.prompt_token_ids) + out >= seq.max_model_len:
             return "length"
         return None

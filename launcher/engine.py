@@ -130,9 +130,6 @@ class Engine:
         self.loop_cpu = self.exchange_cpu = 0.0
 
     # ---- the driver's calls ---------------------------------------------------------------------
-    def ready(self) -> bool:
-        return True
-
     def attach(self, workers: list) -> None:
         """Starts the loop on the replica's ranks (their actor handles, rank 0 first)."""
         self.workers, self.submitted = list(workers), 0
@@ -158,14 +155,17 @@ class Engine:
             self.exchange_cpu += time.thread_time() - cpu0
 
     def _exchange(self, payload: bytes | None, more: bool) -> bytes:
-        for serial, rec in pickle.loads(payload) if payload else ():
-            item = self.codec.sequence(rec, serial)
+        # every record of the call encoded before the loop sees any: admitted together, they
+        # share a prefill step instead of trickling into several
+        items = [self.codec.sequence(rec, serial) for serial, rec in (pickle.loads(payload) if payload else ())]
+        if items:
             with self.cond:
-                self.unfinished += 1
-                if isinstance(item, Done):
-                    self._put(item)
-                else:
-                    self.inbox.append(item)
+                for item in items:
+                    self.unfinished += 1
+                    if isinstance(item, Done):
+                        self._put(item)
+                    else:
+                        self.inbox.append(item)
                 self.cond.notify_all()
         deadline = time.perf_counter() + EXCHANGE_WAIT_S
         with self.cond:
@@ -304,6 +304,9 @@ class Engine:
         results = [self.codec.result(seq) for seq in seqs]
         if not results:
             return
+        if self.streamed:
+            for seq in seqs:
+                self.streamed.pop(seq.key, None)
         with self.cond:
             for done in results:
                 self._put(done)

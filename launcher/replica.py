@@ -126,7 +126,7 @@ class Replica:
                    for r in range(self.tp_size)]
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
         self.submitted = 0
-        # 2 steps in flight + a query; rank 0 with an engine: an exchange, a query, a step from a peer's engine
+        # 2 steps in flight + a query; rank 0 with an engine: an exchange and queries (its steps are local calls)
         self.workers = [cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
                                     max_concurrency=4 if hosted and r == 0 else 3, **res)
                         .remote(r, self.tp_size, self.device, self.threads_per_worker, **self.worker_options)

@@ -22,7 +22,7 @@ from worker.actor import Worker
 from worker.protocol import SAMPLED, SeqStep, StepOutput
 
 
-KEYS_KEPT = 100_000
+KEYS_KEPT = 100_000             # sequences whose prompt key a stand-in remembers
 
 
 @dataclass(frozen=True)
@@ -117,14 +117,11 @@ def cpu_seconds(controller) -> dict:
     from launcher.engine import LocalEngine
     workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
     engines = controller.engine_stats()
-    local = sum(fetch_cpu(s.replica.engine) for s in controller.slots if isinstance(s.replica.engine, LocalEngine))
+    local = sum(s.replica.engine.engine.engine_stats()["cpu_s"] for s in controller.slots
+                if isinstance(s.replica.engine, LocalEngine))
     engine_s = sum(st["cpu_s"] for st in engines)
     return {"driver": time.process_time() - local, "engines": engine_s,
             "workers": sum(st.get("cpu_s", 0.0) for st in workers) - (engine_s - local)}
-
-
-def fetch_cpu(engine) -> float:
-    return engine.engine.engine_stats()["cpu_s"]
 
 
 def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:

@@ -25,7 +25,6 @@ import pytest
 
 from launcher.spec import load_spec
 from worker.device import DeviceChoice, select_device
-from worker.runner import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

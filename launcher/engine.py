@@ -327,6 +327,17 @@ class Engine:
                 self.stream_out.extend(new)
 
 
+class PoolCall:
+    """An actor method's `.remote(*args)`, run on a thread pool of this process instead: the
+    answer is a Future (see `fetch`, `wait_any`)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fn):
+        self.pool, self.fn = pool, fn
+
+    def remote(self, *args) -> Future:
+        return self.pool.submit(self.fn, *args)
+
+
 class LocalEngine:
     """An engine in the driver's process, with the calls of its Ray actor handle:
     `engine.exchange.remote(...)` returns a Future (launcher.controller waits on either). Used
@@ -337,15 +348,8 @@ class LocalEngine:
         self.engine = Engine(setup, index, tokenizer)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix=f"engine-{index}-calls")
 
-    def __getattr__(self, name: str):
-        method = getattr(self.engine, name)
-        pool = self.pool
-
-        class Call:
-            @staticmethod
-            def remote(*args):
-                return pool.submit(method, *args)
-        return Call
+    def __getattr__(self, name: str) -> PoolCall:
+        return PoolCall(self.pool, getattr(self.engine, name))
 
     def kill(self) -> None:
         self.engine.close()
@@ -378,14 +382,7 @@ class LocalRank:
     Ray call: on this machine one costs the caller about 1 ms of CPU at a 256-sequence step."""
 
     def __init__(self, step_fn):
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rank0-steps")
-
-        class Step:
-            @staticmethod
-            def remote(*args):
-                return pool.submit(step_fn, *args)
-        self.step = Step
-        self.pool = pool
+        self.step = PoolCall(ThreadPoolExecutor(1, thread_name_prefix="rank0-steps"), step_fn)
 
 
 class EngineHost:

@@ -84,7 +84,7 @@ class RecordCodec:
         seq.request = self.request(rec)
         seq.num_score_tokens = len(continuation)
         seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
-        seq.t_added, seq.t_first = time.perf_counter(), None
+        seq.t_added = time.perf_counter()
         return seq
 
     def continuation(self, rec: Record) -> list[int]:

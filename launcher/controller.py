@@ -89,12 +89,10 @@ class Controller:
                        startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, tokenizer=c.tokenizer,
                        **extra)
 
-    def _first_want(self) -> int:
-        return 2 * self.cfg.engine_setup.spec.scheduler.max_batch_size
-
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""
-        self.slots = [Slot(i, self._new_replica(i), want=self._first_want()) for i in range(self.cfg.data_parallel)]
+        want = self.cfg.engine_setup.queue_target
+        self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
         futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
         try:
             for f in futures:
@@ -110,7 +108,7 @@ class Controller:
             fetch(call)
 
     def engine_stats(self) -> list[dict]:
-        """Each engine's figures (launcher.engine.Engine.stats), of the replicas up now and of
+        """Each engine's figures (launcher.engine.Engine.engine_stats), of the replicas up now and of
         those that went down."""
         live = [s for s in self.slots if s.replica.engine is not None and s.starting is None]
         try:
@@ -231,7 +229,7 @@ class Controller:
             pass
         slot.replica.shutdown()
         slot.replica = self._new_replica(slot.index)
-        slot.want = self._first_want()
+        slot.want = self.cfg.engine_setup.queue_target
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 
     def _poll_restart(self, slot: Slot) -> None:

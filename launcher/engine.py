@@ -65,6 +65,11 @@ class EngineSetup:
     # a LocalEngine's exchange costs a thread hand-off, so its results go sooner
     flush_s: float = 0.5
 
+    @property
+    def queue_target(self) -> int:
+        """Records an engine keeps queued: about two batches."""
+        return 2 * self.spec.scheduler.max_batch_size
+
 
 @dataclass
 class InFlight:
@@ -110,7 +115,7 @@ class Engine:
                                    spec.scheduler.max_batched_tokens, ec.max_model_len)
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.step_timeout_s = spec.fault.step_timeout_s
-        self.target = 2 * spec.scheduler.max_batch_size        # records kept queued: about two batches
+        self.target = setup.queue_target
         self.flush_s = setup.flush_s
         self.cond = threading.Condition()
         self.inbox: deque = deque()           # new sequences, for the loop to admit

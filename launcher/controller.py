@@ -120,15 +120,20 @@ class Controller:
     def step_stats(self) -> dict:
         """Steps run and their seconds by kind: as the engines saw them (submit to result), of
         which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); the
-        engines' CPU-seconds; and the graphs each replica's rank 0 compiled, with their
-        first-call seconds."""
+        engines' CPU-seconds; the prompt tokens admitted, of which found in the prefix cache, and
+        preemptions; and the graphs each replica's rank 0 compiled, with their first-call seconds."""
         out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in STEP_KINDS for x in STEP_FIGURES}
-        out.update(engine_cpu_s=0.0, graphs_compiled=0, compile_s=0.0)
+        out.update(engine_cpu_s=0.0, prompt_tokens=0, cached_prompt_tokens=0, preemptions=0, graphs_compiled=0,
+                   compile_s=0.0)
         for st in self.engine_stats():
             for kind in STEP_KINDS:
                 for x, v in zip(STEP_FIGURES, st["steps"][kind]):
                     out[f"{kind}_{x}"] += v
             out["engine_cpu_s"] += st["cpu_s"]
+            out["prompt_tokens"] += st["prompt_tokens"]
+            out["cached_prompt_tokens"] += st["cached_tokens"]
+            out["preemptions"] += st["preemptions"]
+        out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
         for s in self.slots:
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]

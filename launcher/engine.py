@@ -112,7 +112,8 @@ class Engine:
                                                                       spec.model.trust_remote_code)
         self.codec = RecordCodec(spec, setup.model, tok, setup.output_format)
         self.scheduler = Scheduler(ec.blocks(), ec.block_size, spec.scheduler.max_batch_size,
-                                   spec.scheduler.max_batched_tokens, ec.max_model_len)
+                                   spec.scheduler.max_batched_tokens, ec.max_model_len,
+                                   spec.scheduler.prefix_caching)
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.step_timeout_s = spec.fault.step_timeout_s
         self.target = setup.queue_target
@@ -162,7 +163,7 @@ class Engine:
     def _exchange(self, payload: bytes | None, more: bool) -> bytes:
         # every record of the call encoded before the loop sees any: admitted together, they
         # share a prefill step instead of trickling into several
-        items = [self.codec.sequence(rec, serial) for serial, rec in (pickle.loads(payload) if payload else ())]
+        items = [self.codec.sequences(rec, serial) for serial, rec in (pickle.loads(payload) if payload else ())]
         if items:
             with self.cond:
                 for item in items:
@@ -170,7 +171,7 @@ class Engine:
                     if isinstance(item, Done):
                         self._put(item)
                     else:
-                        self.inbox.append(item)
+                        self.inbox.extend(item)
                 self.cond.notify_all()
         deadline = time.perf_counter() + EXCHANGE_WAIT_S
         with self.cond:
@@ -196,9 +197,13 @@ class Engine:
         return max(0, self.target - len(self.inbox) - self.scheduler.num_waiting)
 
     def engine_stats(self) -> dict:
-        """Steps by kind (STEP_FIGURES) and the CPU-seconds of the engine's own threads (its loop
-        and its exchange calls; not the Ray threads of the process it lives in)."""
-        return {"steps": {k: list(v) for k, v in self.step_s.items()}, "cpu_s": self.loop_cpu + self.exchange_cpu}
+        """Steps by kind (STEP_FIGURES), the CPU-seconds of the engine's own threads (its loop and
+        its exchange calls; not the Ray threads of the process it lives in), the prompt tokens of
+        the sequences it admitted and how many of them it found in its prefix cache."""
+        sched = self.scheduler
+        return {"steps": {k: list(v) for k, v in self.step_s.items()}, "cpu_s": self.loop_cpu + self.exchange_cpu,
+                "prompt_tokens": sched.prompt_tokens, "cached_tokens": sched.cached_tokens,
+                "preemptions": sched.num_preemptions}
 
     def close(self) -> None:
         with self.cond:
@@ -306,12 +311,28 @@ class Engine:
         self._finished(finished)
 
     def _finished(self, seqs: list) -> None:
-        results = [self.codec.result(seq) for seq in seqs]
+        results = []
+        for seq in seqs:
+            samples = seq.samples
+            if samples is None:
+                results.append(self.codec.result(seq))
+            elif samples.closed:                # a sibling failed: the record's error is out already
+                continue
+            elif seq.finish_reason in ("error", "abort"):
+                samples.closed = True           # one error line for the record; its other samples stop
+                for sibling in samples.seqs:
+                    self.scheduler.finish(sibling, "abort")
+                results.append(self.codec.result(seq))
+            else:
+                samples.num_finished += 1
+                if samples.num_finished == len(samples.seqs):
+                    samples.closed = True
+                    results.append(self.codec.samples_result(samples))
         if not results:
             return
         if self.streamed:
             for seq in seqs:
-                self.streamed.pop(seq.key, None)
+                self.streamed.pop(stream_key(seq), None)
         with self.cond:
             for done in results:
                 self._put(done)
@@ -321,15 +342,22 @@ class Engine:
         new = []
         for seq in seqs:
             text = self.codec.text(seq)
-            done = self.streamed.get(seq.key, 0)
+            key = stream_key(seq)
+            done = self.streamed.get(key, 0)
             if len(text) > done and not text.endswith("\ufffd"):
-                new.append((seq.key, text[done:]))
-                self.streamed[seq.key] = len(text)
+                new.append((key, text[done:]))
+                self.streamed[key] = len(text)
         if new:
             with self.cond:
                 if not self.stream_out and not self.outbox:
                     self.outbox_t = time.perf_counter()
                 self.stream_out.extend(new)
+
+
+def stream_key(seq) -> str:
+    """What streamed text is reported under: the record's id, and the sample's index when the
+    record has n > 1 samples."""
+    return seq.key if seq.samples is None else f"{seq.key}[{seq.sampling.index}]"
 
 
 class PoolCall:

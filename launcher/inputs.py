@@ -197,8 +197,8 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
 OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)
 # body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                   "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
-OPENAI_IGNORED = ("model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store")
+                   "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
+OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "top_logprobs", "metadata", "store")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
@@ -250,8 +250,6 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL)]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
-    if body.get("n", 1) != 1:
-        return f"'n' is {body['n']!r}: one completion per request is supported"
     if body.get("stream"):
         return "'stream' is not available in a batch"
     sampling = {OPENAI_SAMPLING[k]: v for k, v in body.items() if k in OPENAI_SAMPLING and v is not None}

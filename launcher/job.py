@@ -62,7 +62,9 @@ class Plan:
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
             f"sequences   max_model_len {self.engine.max_model_len}, batch <= {s.scheduler.max_batch_size}, "
-            f"<= {s.scheduler.max_batched_tokens} tokens per step",
+            f"<= {s.scheduler.max_batched_tokens} tokens per step, prefix caching "
+            + ("on (a prompt starts after its longest run of cached KV blocks)" if s.scheduler.prefix_caching
+               else "off"),
             f"input       {s.input.path}" + ("" if self.tokenizer else "  (no tokenizer: prompt_token_ids only)"),
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",

@@ -26,22 +26,35 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
             "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body}, "error": None}
 
 
-def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text) -> dict:
-    """The output line of one msinfer result (launcher.writer's ok_result / error_result) for a
-    request to `url`; `top_logprobs`: the alternatives asked for (None: no log-probabilities);
-    `token_text(id)`: a token's text."""
+def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text, cached_tokens: int = 0) -> dict:
+    """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
+    samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
+    (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
+    tokens found in the prefix cache."""
     custom_id = result["id"]
     if result.get("error"):
         return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
                                                 "param": None, "code": None}})
     chat = url == CHAT_URL
     usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
-             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
-    text = result.get("output_text") or ""
+             "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    outputs = result.get("outputs") or [result]
+    choices = [_choice(i, out, chat, top_logprobs, token_text) for i, out in enumerate(outputs)]
+    if chat:
+        body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
+    else:
+        body = {"id": _id("cmpl-", custom_id), "object": "text_completion"}
+    body.update(created=int(time.time()), model=model, choices=choices, usage=usage)
+    return _line(custom_id, 200, body)
+
+
+def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text) -> dict:
+    text = out.get("output_text") or ""
     logprobs = None
-    entries = result.get("logprobs") if top_logprobs is not None else None
+    entries = out.get("logprobs") if top_logprobs is not None else None
     if entries:
-        ids = result["output_token_ids"]
+        ids = out["output_token_ids"]
         if chat:
             logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
                                                   [(token_text(a), v) for a, v in e["top"][:top_logprobs]])
@@ -53,14 +66,9 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
                         "top_logprobs": [{token_text(a): v for a, v in e["top"][:top_logprobs]} for e in entries],
                         "text_offset": offsets}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": logprobs, "finish_reason": result["finish_reason"]}
-        body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result["finish_reason"]}
-        body = {"id": _id("cmpl-", custom_id), "object": "text_completion"}
-    body.update(created=int(time.time()), model=model, choices=[choice], usage=usage)
-    return _line(custom_id, 200, body)
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": out["finish_reason"]}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
 
 
 def _chat_logprob(token: str, logprob: float, top: list) -> dict:

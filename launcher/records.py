@@ -8,6 +8,7 @@ summary counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -31,6 +32,16 @@ class Done(NamedTuple):
     cause: str | None = None    # a failed record's error message, its id left out: alike records' alike
 
 
+class Samples:
+    """The n sequences of a record with sampling.n > 1: they share its prompt (and, with prefix
+    caching, its prompt's KV blocks) and make one result line together."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+        self.num_finished = 0
+        self.closed = False                 # its result has been made (or its error reported)
+
+
 class RecordCodec:
     """Records to sequences and finished sequences to result lines, for one job spec."""
 
@@ -49,9 +60,9 @@ class RecordCodec:
         return self.tok.decode([token_id]) if self.tok is not None else str(token_id)
 
     # ---- records in -----------------------------------------------------------------------------
-    def sequence(self, rec: Record, serial: int) -> Sequence | Done:
-        """The record's sequence, or its error result. Raises SystemicError where the cause is
-        not the record (launcher.tokenizer)."""
+    def sequences(self, rec: Record, serial: int) -> list[Sequence] | Done:
+        """The record's sequences (one per sample, see Samples), or its error result. Raises
+        SystemicError where the cause is not the record (launcher.tokenizer)."""
         spec = self.spec
         max_len = spec.model.max_model_len
         if rec.error:
@@ -77,15 +88,25 @@ class RecordCodec:
             if not continuation and len(ids) >= max_len:
                 raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                   f"is {max_len}, which must also leave room for generated tokens")
+            if continuation and sampling.n > 1:
+                raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a scored record "
+                                  f"generates nothing; n applies to task: generate")
         except RecordError as e:
             return self.error(serial, rec, str(e))
-        seq = Sequence(ids, sampling, rec.id, () if sampling.ignore_eos else self.eos, max_len)
-        seq.serial = serial
-        seq.request = self.request(rec)
-        seq.num_score_tokens = len(continuation)
-        seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
-        seq.t_added = time.perf_counter()
-        return seq
+        request, now = self.request(rec), time.perf_counter()
+        seqs = []
+        for i in range(sampling.n):
+            params = dataclasses.replace(sampling, index=i) if i else sampling
+            seq = Sequence(ids, params, rec.id, () if sampling.ignore_eos else self.eos, max_len)
+            seq.serial, seq.request, seq.t_added = serial, request, now
+            seq.num_score_tokens = len(continuation)
+            seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
+            seqs.append(seq)
+        if len(seqs) > 1:
+            samples = Samples(seqs)
+            for seq in seqs:
+                seq.samples = samples
+        return seqs
 
     def continuation(self, rec: Record) -> list[int]:
         """The token ids a record asks to score: its continuation with task: score, else none."""
@@ -138,22 +159,43 @@ class RecordCodec:
             return self._done(seq.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
                                                        seq.continuation_logprobs,
                                                        seq.num_prompt_tokens - n))
-        text = self.text(seq) if self.tok is not None else None
-        extra = {}
-        if seq.logprobs:
-            extra["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
-        result = ok_result(seq.key, seq.output_token_ids, text, seq.finish_reason, seq.num_prompt_tokens, extra)
-        ttft = seq.t_first - seq.t_added if seq.t_first is not None else None
-        return self._done(seq.serial, result, seq.request, ttft)
+        result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
+                           seq.finish_reason, seq.num_prompt_tokens, self.logprobs(seq))
+        result["cached_tokens"] = seq.num_cached_tokens
+        return self._done(seq.serial, result, seq.request, self.ttft([seq]))
+
+    def samples_result(self, samples: Samples) -> Done:
+        """The one result of a record's n samples: `outputs`, one entry per sample in order."""
+        first = samples.seqs[0]
+        outputs = [{"index": i, **({"output_text": self.text(seq)} if self.tok is not None else {}),
+                    "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
+                    "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
+                   for i, seq in enumerate(samples.seqs)]
+        result = {"id": first.key, "outputs": outputs, "prompt_tokens": first.num_prompt_tokens,
+                  "completion_tokens": sum(o["completion_tokens"] for o in outputs), "error": None,
+                  "cached_tokens": max(seq.num_cached_tokens for seq in samples.seqs)}
+        return self._done(first.serial, result, first.request, self.ttft(samples.seqs))
+
+    @staticmethod
+    def logprobs(seq: Sequence) -> dict:
+        if not seq.logprobs:
+            return {}
+        return {"logprobs": [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]}
+
+    @staticmethod
+    def ttft(seqs: list[Sequence]) -> float | None:
+        firsts = [seq.t_first for seq in seqs if seq.t_first is not None]
+        return min(firsts) - seqs[0].t_added if firsts else None
 
     def error(self, serial: int, rec: Record, message: str) -> Done:
         return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec))
 
     def _done(self, serial: int, result: dict, request=None, ttft: float | None = None) -> Done:
+        cached = result.pop("cached_tokens", 0)
         line = result
         if request is not None:
             from launcher.openai_batch import openai_line
-            line = openai_line(result, *request, self.model_name, self.token_text)
+            line = openai_line(result, *request, self.model_name, self.token_text, cached)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,

@@ -61,6 +61,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0
+        self.block_keys: list = []                      # prefix caching: its full blocks' keys (BlockManager.keys)
+        self.num_registered = 0                         # blocks of block_table the cache knows (or holds elsewhere)
+        self.num_cached_tokens = 0                      # tokens found in the prefix cache when it was admitted
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
         self.num_pending = 0                            # tokens they sample
@@ -71,6 +74,7 @@ class Sequence:
         # what the engine around the scheduler keeps per sequence (launcher.engine, launcher.records)
         self.serial = 0                                 # the driver's number for its record
         self.request = None                             # how its OpenAI Batch line answers it, or None
+        self.samples = None                             # its record's n samples (launcher.records.Samples), n > 1
         self.stop_matcher = None                        # its stop strings (launcher.tokenizer.StopStringMatcher)
         self.cut_text: str | None = None                # its output text, cut before the stop string it hit
         self.logprobs: list = []                        # per generated token: (logprob, [(token, logprob)])
@@ -141,16 +145,31 @@ class Sequence:
 
 
 class BlockManager:
-    """Free-list allocator of KV-cache blocks 0..num_blocks-1; a sequence owns the blocks of its
-    block_table, token i living in block_table[i // block_size]."""
+    """KV-cache blocks 0..num_blocks-1. A sequence holds the blocks of its block_table, token i
+    in block_table[i // block_size].
 
-    def __init__(self, num_blocks: int, block_size: int):
+    With prefix caching, a full block is also known by its content: its key is (the hash of the
+    key of the block before it, its tokens), so equal keys mean equal tokens from the sequence's
+    start. A sequence being admitted starts on the longest run of its leading blocks the cache
+    holds (`acquire_cached`); a block counts its holders, and one that none holds any more stays
+    findable until an allocation needs it, least recently used first. Everything else that
+    shapes a block's K/V (weights and adapter, position scheme, dtype) is fixed per engine, and
+    an engine's cache starts empty, so the tokens are the whole key.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self.free_ids: deque[int] = deque(range(num_blocks))   # held by none, content unknown
+        self.evictable: dict[int, None] = {}        # held by none, cached; least recently used first
+        self.refs = [0] * num_blocks                # holders of each block
+        self.key_of: list = [None] * num_blocks     # a cached block's key
+        self.written_in = [0] * num_blocks          # the step that writes a cached block (Scheduler.step_no)
+        self.cached: dict = {}                      # key -> block
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_ids) + len(self.evictable)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -170,23 +189,93 @@ class BlockManager:
         need = self.missing(seq, n_tokens_total)
         if need > self.num_free:
             raise RuntimeError(f"sequence {seq.seq_id} needs {need} KV blocks, {self.num_free} free")
-        seq.block_table.extend(self.free_ids.popleft() for _ in range(need))
+        seq.block_table.extend(self._take() for _ in range(need))
+
+    def _take(self) -> int:
+        if self.free_ids:
+            b = self.free_ids.popleft()
+        else:                                       # evict the least recently used cached block
+            b = next(iter(self.evictable))
+            del self.evictable[b]
+            del self.cached[self.key_of[b]]
+            self.key_of[b] = None
+        self.refs[b] = 1
+        return b
 
     def free(self, seq: Sequence) -> None:
-        self.free_ids.extend(seq.block_table)
+        # the tail first: a sequence's last blocks are the least likely to be shared, so they go first
+        refs = self.refs
+        for b in reversed(seq.block_table):
+            refs[b] -= 1
+            if refs[b] == 0:
+                if self.key_of[b] is None:
+                    self.free_ids.append(b)
+                else:
+                    self.evictable[b] = None
         seq.block_table = []
+        seq.num_registered = 0
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def keys(self, seq: Sequence, n_blocks: int) -> list:
+        """The keys of seq's first n_blocks full blocks (of tokens it knows), computed once."""
+        keys, bs = seq.block_keys, self.block_size
+        if len(keys) < n_blocks:
+            tokens = seq.token_ids
+            parent = hash(keys[-1]) if keys else 0
+            for i in range(len(keys), min(n_blocks, len(tokens) // bs)):
+                keys.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                parent = hash(keys[-1])
+        return keys[:n_blocks]
+
+    def acquire_cached(self, seq: Sequence, max_blocks: int, step_no: int) -> int | None:
+        """Gives seq (holding no blocks) the cached blocks of its longest cached run of leading
+        full blocks, at most max_blocks; returns how many. None, taking nothing, when that run
+        holds a block the step being scheduled (step_no) writes: a sequence must not read what
+        another writes in the same step, so it waits for the next one."""
+        hits = []
+        for key in self.keys(seq, max_blocks):
+            b = self.cached.get(key)
+            if b is None:
+                break
+            if self.written_in[b] == step_no:
+                return None
+            hits.append(b)
+        for b in hits:
+            if self.refs[b] == 0:
+                del self.evictable[b]
+            self.refs[b] += 1
+        seq.block_table = hits
+        seq.num_registered = len(hits)
+        return len(hits)
+
+    def register(self, seq: Sequence, n_tokens: int, step_no: int) -> None:
+        """Makes seq's full blocks within its first n_tokens tokens (all of them known) findable,
+        written by step step_no (-1: written already). A block whose content another block holds
+        already stays private."""
+        n_blocks = n_tokens // self.block_size
+        if n_blocks <= seq.num_registered:
+            return
+        keys = self.keys(seq, n_blocks)
+        for i in range(seq.num_registered, len(keys)):
+            b, key = seq.block_table[i], keys[i]
+            if self.key_of[b] is None and key not in self.cached:
+                self.cached[key] = b
+                self.key_of[b] = key
+                self.written_in[b] = step_no
+        seq.num_registered = len(keys)
 
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch_size: int, max_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, prefix_caching: bool = False):
         if min(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len) < 1:
             raise ValueError("num_blocks, block_size, max_batch_size, max_batched_tokens and "
                              "max_model_len must all be >= 1")
         if max_batched_tokens < max_batch_size:
             raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be >= max_batch_size "
                              f"({max_batch_size}): a decode step feeds one token per sequence")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.prefix_caching = prefix_caching
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.max_model_len = min(max_model_len, num_blocks * block_size)
@@ -194,6 +283,9 @@ class Scheduler:
         self.running: list[Sequence] = []              # in admission order
         self.rejected: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_no = 0                               # counts schedule passes (BlockManager.written_in)
+        self.prompt_tokens = 0                         # tokens of sequences admitted (again, after a preemption)
+        self.cached_tokens = 0                         # of which found in the prefix cache, not prefilled
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -241,6 +333,7 @@ class Scheduler:
         the last waiting ones were rejected). With `ahead` (a step in flight: see the module's
         docstring), empty when nothing can be scheduled before that step's results."""
         while self.has_work():
+            self.step_no += 1
             progress = (self.num_preemptions, len(self.rejected))
             steps = self._schedule_prefill()
             if steps:
@@ -265,6 +358,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self._reject_if_impossible(seq):
                 continue
+            if self.prefix_caching and not seq.block_table and not seq.num_scheduled:
+                if not self._start_cached(seq):
+                    break
             start = seq.num_cached + seq.num_scheduled
             n = min(seq.num_tokens - start, budget)
             if not self.block_manager.can_ensure(seq, start + n):
@@ -277,6 +373,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.prompt_tokens += seq.num_tokens
+            self.cached_tokens += seq.num_cached_tokens
         return scheduled
 
     def _schedule_decode(self, ahead: bool = False) -> list[tuple[Sequence, SeqStep]]:
@@ -308,6 +406,19 @@ class Scheduler:
                 i += 1
         return scheduled
 
+    def _start_cached(self, seq: Sequence) -> bool:
+        """Starts seq, being admitted, after its longest run of cached blocks; False when it must
+        wait for the next step (see BlockManager.acquire_cached). At least one token is left to
+        feed, for the logits to sample from, and for a scoring sequence every token whose next
+        one is scored."""
+        bs = self.block_manager.block_size
+        feed_from = seq.num_tokens - seq.num_score_tokens - 1
+        hits = self.block_manager.acquire_cached(seq, feed_from // bs, self.step_no)
+        if hits is None:
+            return False
+        seq.num_cached = seq.num_cached_tokens = hits * bs
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style: drop the cache of seq and queue it to re-prefill prompt + output.
         It goes to the head of the queue, behind a prompt whose chunked prefill is under way (that
@@ -315,7 +426,7 @@ class Scheduler:
         assert not seq.in_flight, "preempting a sequence a step in flight feeds"
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_cached = 0
+        seq.num_cached = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
@@ -353,6 +464,8 @@ class Scheduler:
         else:
             tokens = seq.token_ids[start:end]
         sample = end == num_tokens + pending and not scoring
+        if self.prefix_caching and not pending:
+            self.block_manager.register(seq, end, self.step_no)
         seq.in_flight.append((n, sample))
         seq.num_scheduled += n
         seq.num_pending += sample
@@ -368,6 +481,7 @@ class Scheduler:
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(seqs)} sequences")
         finished = []
         done = SequenceStatus.FINISHED
+        caching, block_size = self.prefix_caching, self.block_manager.block_size
         for seq, token in zip(seqs, token_ids):
             if seq.status is done:
                 continue
@@ -375,6 +489,8 @@ class Scheduler:
             seq.num_scheduled -= n
             seq.num_pending -= sampled
             seq.num_cached += n
+            if caching and seq.num_cached >= (seq.num_registered + 1) * block_size:
+                self.block_manager.register(seq, seq.num_cached, -1)      # a decode filled a block
             if seq.num_cached < len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 continue                               # a prompt chunk short of the prompt's end
             if seq.num_score_tokens:                   # scored: nothing to generate

@@ -23,6 +23,7 @@ from worker.protocol import SAMPLED, SeqStep, StepOutput
 
 
 KEYS_KEPT = 100_000             # sequences whose prompt key a stand-in remembers
+KEY_TOKENS = 16                 # a prompt's first tokens that pick a stand-in's draws
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class StandIn:
 
 
 def prompt_key(prompt: list[int]) -> int:
-    return zlib.crc32(repr(list(prompt[:16])).encode())
+    return zlib.crc32(repr(list(prompt[:KEY_TOKENS])).encode())
 
 
 class StandInRunner:
@@ -48,6 +49,10 @@ class StandInRunner:
         self.avoid = set(cfg.eos_token_ids or ())
         self.timing = timing
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
+        self.block_size = engine_config.block_size
+        # the first KEY_TOKENS positions' tokens by cache slot: a sequence that starts after cached
+        # blocks (prefix caching) finds its prompt's first tokens there
+        self.first_tokens: dict[int, int] = {}
         self.load_s, self.load_stats, self.compile_s = 0.0, {"tensors": 0, "bytes": 0}, {}
         self.sampled: dict[int, int] = {}
         self.keys: dict[int, int] = {}        # seq_id -> its prompt's first tokens, hashed
@@ -62,6 +67,16 @@ class StandInRunner:
         """The first n tokens a stand-in generates after `prompt`."""
         return [self.token(prompt_key(prompt), i) for i in range(n)]
 
+    def first(self, s: SeqStep) -> list[int]:
+        """The first KEY_TOKENS tokens of a sequence at its first step: from the cache slots
+        where it starts after cached tokens, then from what it feeds (which is kept for others)."""
+        bs, table = self.block_size, s.block_table
+        cached = [self.first_tokens.get(table[p // bs] * bs + p % bs, -1) for p in range(min(s.num_cached, KEY_TOKENS))]
+        for p in range(s.num_cached, KEY_TOKENS):
+            if p - s.num_cached < len(s.token_ids):
+                self.first_tokens[table[p // bs] * bs + p % bs] = s.token_ids[p - s.num_cached]
+        return cached + s.token_ids[:KEY_TOKENS - len(cached)]
+
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
         t0 = time.perf_counter()
         fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
@@ -69,8 +84,8 @@ class StandInRunner:
         for s in seqs:
             if s.token_ids == [SAMPLED] and s.seq_id not in self.sampled:
                 raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-            if s.num_cached == 0:           # its first chunk: the prompt's first tokens name its draws
-                self.keys[s.seq_id] = prompt_key(s.token_ids)
+            if s.seq_id not in self.keys:   # its first chunk: the prompt's first tokens name its draws
+                self.keys[s.seq_id] = prompt_key(self.first(s))
                 if len(self.keys) > KEYS_KEPT:      # the oldest half: long finished
                     self.keys = dict(list(self.keys.items())[KEYS_KEPT // 2:])
             tokens.append(self.token(self.keys[s.seq_id], s.num_generated) if s.sample else -1)

@@ -111,6 +111,7 @@ class InputSpec(Section):
 
 
 class SamplingSpec(Section):
+    n: int = Field(1, ge=1)                     # samples per record, from one prefill of its prompt
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -146,8 +147,10 @@ class SchedulerSpec(Section):
     max_batched_tokens: int = Field(512, ge=1)
     block_size: int = Field(16, ge=1)
     kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len
-    # schedule and submit each step while the one before it runs (launcher/controller.py)
+    # schedule and submit each step while the one before it runs (launcher/engine.py)
     async_scheduling: bool = True
+    # a new sequence starts after the KV blocks of its longest cached prefix (launcher/scheduler.py)
+    prefix_caching: bool = True
 
 
 class OutputSpec(Section):

@@ -175,3 +175,22 @@ def test_plan_job_checks_the_adapter_before_workers_start(adapter, checkpoint, t
                                                        config={"target_modules": ["c_attn"]}))
     with pytest.raises(AdapterError, match="'c_attn'"):
         plan_job(JobSpec.model_validate(spec))
+
+
+def test_prompts_found_in_the_prefix_cache_give_the_adapters_tokens(adapter, checkpoint):
+    """The engine's cache holds K/V of the merged weights: each prompt a second time starts after
+    its cached blocks and gives the same tokens."""
+    from launcher.job import plan_job
+    from launcher.spec import JobSpec
+    from tests.test_prefix_cache import run
+    adapter_dir, expected = adapter
+    spec = JobSpec.model_validate({
+        "model": {"path": str(checkpoint(NAME)), "max_model_len": 64, "lora": {"path": str(adapter_dir)}},
+        "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+        "sampling": {"max_new_tokens": N_NEW, "ignore_eos": True},
+        "scheduler": {"max_batch_size": 4, "block_size": 4}})
+    records = [{"id": f"{k}{i}", "prompt_token_ids": p} for k in "ab" for i, p in enumerate(PROMPTS)]
+    lines, engine = run(plan_job(spec, check_io=False), records)
+    for k in "ab":
+        assert [lines[f"{k}{i}"]["output_token_ids"] for i in range(len(PROMPTS))] == expected
+    assert engine.engine_stats()["cached_tokens"] == 4 + 0 + 16      # the full blocks of each prompt

@@ -36,8 +36,8 @@ def test_a_request_becomes_a_record_with_its_sampling():
 @pytest.mark.parametrize("line, message", [
     (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/embeddings"),
      "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),
-    (request("x", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
-     "line 4: 'n' is 2: one completion per request is supported"),
+    (request("x", {"prompt": "hi", "best_of": 3}, "/v1/completions"),
+     "line 4: 'best_of' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
      "line 4: 'presence_penalty' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
@@ -91,7 +91,8 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
              request("chat-2", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
                                 "logprobs": True, "top_logprobs": 2}),
              request("text-1", {"prompt": "Once upon a time", "max_tokens": 4}, "/v1/completions"),
-             request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 3}),
+             request("two", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2}),
+             request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 256},
@@ -102,7 +103,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 3 and summary["records_failed"] == 2
+    assert summary["records_done"] == 4 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -111,8 +112,11 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert len(lp) == 3 and all(len(c.top_logprobs) == 2 for c in lp)
     text = Completion.model_validate(out["text-1"]["response"]["body"])
     assert text.object == "text_completion" and text.usage.completion_tokens == 4 and text.choices[0].text
-    assert out["bad-n"]["response"]["status_code"] == 400 and "'n' is 3" in \
-        out["bad-n"]["response"]["body"]["error"]["message"]
+    two = ChatCompletion.model_validate(out["two"]["response"]["body"])
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 4
+    assert all(c.finish_reason == "length" and c.message.content for c in two.choices)
+    assert out["bad-n"]["response"]["status_code"] == 400
+    assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["records_skipped"] == 5 and again["records_done"] == again["records_failed"] == 0
+    assert again["records_skipped"] == 6 and again["records_done"] == again["records_failed"] == 0

@@ -82,12 +82,19 @@ def check_step(sched: Scheduler, steps: list[SeqStep], is_prefill: bool, seqs: l
         assert len(step.block_table) * bm.block_size >= step.num_cached + n
         if not is_prefill:
             assert n == 1 and step.sample
-    # block accounting: every block is free or owned by exactly one live sequence
+        # a step writes only blocks its sequence alone holds
+        written = {step.block_table[p // bm.block_size] for p in range(start, start + n)}
+        assert all(bm.refs[b] == 1 for b in written), f"sequence {seq.seq_id} writes a shared block"
+    # block accounting: every block is free, or held by as many live sequences as it counts
     holders = sched.running + [s for s in sched.waiting if s.block_table]
     owned = [b for s in holders for b in s.block_table]
-    assert len(owned) == len(set(owned)) and set(owned).isdisjoint(bm.free_ids)
-    assert len(owned) + bm.num_free == bm.num_blocks
+    assert all(len(s.block_table) == len(set(s.block_table)) for s in holders)
+    assert set(owned).isdisjoint(bm.free_ids) and set(owned).isdisjoint(bm.evictable)
+    assert len(set(owned)) + bm.num_free == bm.num_blocks
+    assert all(bm.refs[b] == owned.count(b) for b in set(owned))
     assert all(0 <= b < bm.num_blocks for b in owned)
+    if not sched.prefix_caching:
+        assert len(owned) == len(set(owned)) and not bm.cached
     # at most one prompt is part-way through its prefill, and it heads the queue
     partial = [s for s in sched.waiting if s.block_table]
     assert not partial or partial == [sched.waiting[0]]
@@ -134,8 +141,9 @@ def drive(sched: Scheduler, seqs: list[Sequence], model: FakeModel, per_step: in
     return finished, feeds, admitted
 
 
-def make_sched(num_blocks=64, block_size=4, max_batch_size=4, max_batched_tokens=16, max_model_len=128):
-    return Scheduler(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len), \
+def make_sched(num_blocks=64, block_size=4, max_batch_size=4, max_batched_tokens=16, max_model_len=128,
+               prefix_caching=False):
+    return Scheduler(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len, prefix_caching), \
         FakeModel(num_blocks, block_size)
 
 
@@ -155,6 +163,11 @@ def workload(rng: random.Random, n: int, max_prompt: int, eos=(0,)) -> list[Sequ
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
 def ahead(request) -> bool:
+    return request.param
+
+
+@pytest.fixture(params=[False, True], ids=["no-cache", "prefix-cache"])
+def caching(request) -> bool:
     return request.param
 
 
@@ -237,10 +250,10 @@ def test_preempted_sequence_recomputes_prompt_and_output_in_chunks():
     assert redo[-1].num_generated == len(fed) - 4
 
 
-def test_preemption_gives_the_same_tokens_as_an_ample_cache(ahead):
+def test_preemption_gives_the_same_tokens_as_an_ample_cache(ahead, caching):
     def run(num_blocks):
         sched, model = make_sched(num_blocks=num_blocks, block_size=4, max_batch_size=6,
-                                  max_batched_tokens=16, max_model_len=48)
+                                  max_batched_tokens=16, max_model_len=48, prefix_caching=caching)
         seqs = workload(random.Random(1), 40, max_prompt=30)
         finished, _, _ = drive(sched, seqs, model, per_step=3, ahead=ahead)
         return sched, {s.key: (s.output_token_ids, s.finish_reason) for s in finished}
@@ -252,10 +265,10 @@ def test_preemption_gives_the_same_tokens_as_an_ample_cache(ahead):
 
 
 # ---- a long mixed stream ---------------------------------------------------------------------------
-def test_mixed_stream_every_sequence_finishes_once_in_fifo_admission_order(ahead):
+def test_mixed_stream_every_sequence_finishes_once_in_fifo_admission_order(ahead, caching):
     rng = random.Random(0)
     sched, model = make_sched(num_blocks=24, block_size=4, max_batch_size=5, max_batched_tokens=24,
-                              max_model_len=64)
+                              max_model_len=64, prefix_caching=caching)
     seqs = workload(rng, 80, max_prompt=60)
     seqs += [Sequence([1] * 64, key="too long"), Sequence([2] * 63, key="just fits")]
     rng.shuffle(seqs)
@@ -369,13 +382,13 @@ def test_abort_frees_blocks_and_postprocess_skips_aborted():
     assert finished == [a]
 
 
-def test_scoring_sequences_among_generating_ones_are_only_prefilled(ahead):
+def test_scoring_sequences_among_generating_ones_are_only_prefilled(ahead, caching):
     """A scoring sequence (its last tokens scored, nothing generated) runs its prompt in prefill
     chunks beside generating sequences and finishes "scored" after its last chunk: no decode is
     ever scheduled for it, also while that chunk is in flight (async: it samples nothing, so it has
     no pending token, and must still be left out)."""
     rng = random.Random(7)
-    sched, model = make_sched(max_batched_tokens=8)
+    sched, model = make_sched(max_batched_tokens=8, prefix_caching=caching)
     gens = workload(rng, 6, 12, eos=())
     scored = [Sequence([rng.randrange(1, VOCAB) for _ in range(n)], SamplingParams(max_new_tokens=4), key=f"s{n}")
               for n in (5, 13, 21)]
@@ -386,6 +399,102 @@ def test_scoring_sequences_among_generating_ones_are_only_prefilled(ahead):
         assert seq.finish_reason == "scored" and seq.output_token_ids == []
         steps = feeds[seq.seq_id]
         assert all(is_prefill for is_prefill, _ in steps), f"{seq.key}: fed a decode"
-        assert sum(len(s.token_ids) for _, s in steps) == len(seq.prompt_token_ids)
+        assert sum(len(s.token_ids) for _, s in steps) == len(seq.prompt_token_ids) - seq.num_cached_tokens
     for seq in gens:
         assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling)[0]
+
+
+# ---- prefix caching ------------------------------------------------------------------------------------
+def shared_prefix_workload(rng: random.Random, n: int, prefixes: int = 3, prefix_len: int = 13) -> list[Sequence]:
+    """Prompts that start with one of a few shared prefixes (some of them repeated whole)."""
+    heads = [[rng.randrange(1, VOCAB) for _ in range(prefix_len)] for _ in range(prefixes)]
+    seqs = []
+    for i in range(n):
+        tail = [rng.randrange(1, VOCAB) for _ in range(rng.choice([0, 1, 3, 9]))]
+        seqs.append(Sequence(rng.choice(heads) + tail, SamplingParams(max_new_tokens=rng.randint(1, 12)),
+                             key=i, eos_token_ids=(0,)))
+    return seqs
+
+
+def fed_tokens(feeds) -> int:
+    return sum(len(s.token_ids) for steps in feeds.values() for _, s in steps)
+
+
+@pytest.mark.parametrize("num_blocks", [200, 16], ids=["ample", "tight"])
+def test_prefix_caching_gives_the_tokens_of_no_caching_and_prefills_less(ahead, num_blocks):
+    def run(caching):
+        sched, model = make_sched(num_blocks=num_blocks, block_size=4, max_batch_size=6, max_batched_tokens=16,
+                                  max_model_len=48, prefix_caching=caching)
+        seqs = shared_prefix_workload(random.Random(3), 40)
+        finished, feeds, _ = drive(sched, seqs, model, per_step=4, ahead=ahead)
+        return sched, fed_tokens(feeds), {s.key: (s.output_token_ids, s.finish_reason) for s in finished}
+
+    plain, plain_fed, plain_out = run(False)
+    cached, cached_fed, cached_out = run(True)
+    assert cached_out == plain_out and len(plain_out) == 40
+    assert plain.cached_tokens == 0 and cached.cached_tokens > 0
+    if num_blocks == 16:            # preemptions differ between the runs, and re-prefills with them
+        assert cached.num_preemptions > 0 and cached_fed < plain_fed
+    else:
+        assert plain_fed - cached_fed == cached.cached_tokens
+
+
+def test_a_second_sequence_starts_on_the_first_ones_blocks_a_step_later_and_only_before_they_differ(ahead):
+    sched, model = make_sched(block_size=4, max_batched_tokens=64, prefix_caching=True)
+    prompt = list(range(1, 19))                          # 18 tokens: 4 full blocks and 2 tokens
+    same, differs = Sequence(prompt), Sequence(prompt[:9] + [40] + prompt[10:])
+    first = Sequence(prompt)
+    finished, feeds, _ = drive(sched, [first, same, differs], model, ahead=ahead)
+    # `same` waited for the step that writes `first`'s blocks instead of reading them in it
+    (p0, s0), = feeds[first.seq_id][:1]
+    (p1, s1), = feeds[same.seq_id][:1]
+    assert p0 and p1 and s0.num_cached == 0 and s1.num_cached == 16 and s1.token_ids == prompt[16:]
+    assert s1.block_table[:4] == s0.block_table[:4]
+    # `differs` changes token 9 (block 2): blocks 0 and 1 are shared, block 2 is not
+    (_, s2), = feeds[differs.seq_id][:1]
+    assert s2.num_cached == 8 and s2.block_table[:2] == s0.block_table[:2] and s2.block_table[2] != s0.block_table[2]
+    for seq in (first, same, differs):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, max_model_len=128)[0]
+
+
+def test_a_prompt_found_whole_in_the_cache_still_feeds_its_last_token():
+    sched, model = make_sched(block_size=4, prefix_caching=True)
+    prompt = list(range(1, 13))                          # exactly 3 blocks
+    a, b = Sequence(prompt), Sequence(prompt)
+    drive(sched, [a], model)
+    _, feeds, _ = drive(sched, [b], model)
+    (_, step), = feeds[b.seq_id][:1]
+    assert step.num_cached == 8 and step.token_ids == prompt[8:] and step.sample
+    assert b.output_token_ids == a.output_token_ids
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_least_recently_used_first():
+    sched, model = make_sched(num_blocks=8, block_size=4, prefix_caching=True)
+    bm = sched.block_manager
+    p1, p2, p3 = [1] * 8 + [5], [2] * 8 + [5], [3] * 16 + [5]
+    drive(sched, [Sequence(p1, SamplingParams(max_new_tokens=1))], model)
+    drive(sched, [Sequence(p2, SamplingParams(max_new_tokens=1))], model)
+    assert len(bm.cached) == 4 and bm.num_free == 8          # both prompts' 2 full blocks, held by none
+    drive(sched, [Sequence(p1, SamplingParams(max_new_tokens=1))], model)    # p1 used again: now the newest
+    assert sched.cached_tokens == 8
+    # p3 needs 5 blocks: the 4 never cached go first, then p2's last full block (p2 is the least
+    # recently used, and a sequence's blocks are let go of from its end); p1's stay
+    drive(sched, [Sequence(p3, SamplingParams(max_new_tokens=1))], model)
+    _, feeds, _ = drive(sched, [s1 := Sequence(p1), s2 := Sequence(p2)], model)
+    assert feeds[s2.seq_id][0][1].num_cached == 4 and feeds[s1.seq_id][0][1].num_cached == 8
+    for seq in (s1, s2):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, max_model_len=32)[0]
+
+
+def test_a_scored_continuation_reuses_its_prompts_blocks_and_scores_every_token():
+    sched, model = make_sched(block_size=4, prefix_caching=True)
+    prompt = list(range(1, 14))
+    gen = Sequence(prompt, SamplingParams(max_new_tokens=2))
+    scored = Sequence(prompt + [7, 8, 9])
+    scored.num_score_tokens = 3
+    _, feeds, _ = drive(sched, [gen], model)
+    _, feeds, _ = drive(sched, [scored], model)
+    steps = [s for _, s in feeds[scored.seq_id]]
+    assert steps[0].num_cached == 12 and scored.num_cached_tokens == 12
+    targets = [t for s in steps for t in s.targets if t >= 0]
+    assert targets == [7, 8, 9] and scored.finish_reason == "scored"

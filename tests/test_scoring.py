@@ -83,8 +83,8 @@ def job_sequences(path, task, records):
                                    "sampling": {"max_new_tokens": 4}})
     plan = plan_job(spec, check_io=False)
     codec = RecordCodec(plan.spec, plan.model, plan.tokenizer)
-    out = [codec.sequence(parse_record(r, n), n) for n, r in enumerate(records, 1)]
-    seqs = [x for x in out if not isinstance(x, tuple)]
+    out = [codec.sequences(parse_record(r, n), n) for n, r in enumerate(records, 1)]
+    seqs = [seq for x in out if not isinstance(x, tuple) for seq in x]
     results = [json.loads(x.line) for x in out if isinstance(x, tuple)]
     return seqs, results
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingParams:
+    n: int = 1                        # samples of the record (launcher.records; the workers see one sequence each)
+    index: int = 0                    # which of them: with the seed, picks the random stream
     max_new_tokens: int = 256
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0

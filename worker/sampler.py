@@ -1,7 +1,8 @@
 """Token sampling on the host (numpy): greedy, temperature, top-k, top-p.
 
-Each sequence draws from its own stream, `default_rng([seed, num_generated])`, so a seeded record
-samples the same tokens whatever else shares its batch, and again after a replica restart.
+Each sequence draws from its own stream, `default_rng([seed, num_generated])` (sample i > 0 of a
+record with n samples: `[seed, num_generated, i]`), so a seeded record samples the same tokens
+whatever else shares its batch, and again after a replica restart.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def sample_row(logits: np.ndarray, p: SamplingParams, num_generated: int) -> int
     x = filter_logits(logits, p)
     probs = np.exp(x - x.max())
     probs /= probs.sum()
-    rng = np.random.default_rng([p.seed & 0xFFFFFFFF, num_generated])
+    rng = np.random.default_rng([p.seed & 0xFFFFFFFF, num_generated] + ([p.index] if p.index else []))
     return int(rng.choice(probs.shape[-1], p=probs))
 
 

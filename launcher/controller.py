@@ -133,7 +133,7 @@ class Controller:
             out["prompt_tokens"] += st["prompt_tokens"]
             out["cached_prompt_tokens"] += st["cached_tokens"]
             out["preemptions"] += st["preemptions"]
-        out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
+        out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / max(1, out["prompt_tokens"])
         for s in self.slots:
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]

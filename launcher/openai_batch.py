@@ -26,7 +26,8 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
             "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body}, "error": None}
 
 
-def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text, cached_tokens: int = 0) -> dict:
+def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
+                cached_tokens: int = 0) -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt

@@ -6,7 +6,15 @@
         wait for any exchange to return; hand its results on (the results file); note its want
 
 The driver's work is per record: it reads a record, deals it, and writes its result line, which
-the engine has already formatted. Scheduling, steps, sampled tokens, stop strings and
+the engine has already formatted.
+
+Records whose prompts begin alike go to the same replica, where prefix caching finds the blocks
+of their common beginning (`scheduler.route_by_prefix`, with prefix caching): a record read
+while dealing to one engine but belonging to another (by a hash of its prompt's first
+ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token ids) is held for that one,
+unless that one already has a queue's worth held (or is restarting); then it goes to the engine
+being dealt to. A group of records too large for one replica thus overflows to the others,
+which cache the prefix too, and load stays balanced. Scheduling, steps, sampled tokens, stop strings and
 detokenizing happen in the engines, one per replica.
 
 A replica whose engine reports a failure (a worker died, a step outlived step_timeout_s), whose
@@ -34,6 +42,28 @@ from launcher.errors import UserError
 from launcher.inputs import Record
 from launcher.records import Done
 from launcher.replica import LaunchError, Replica
+
+
+ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
+ROUTE_PREFIX_TOKENS = 48
+
+
+def route_key(rec: Record) -> int | None:
+    """A hash of the record's prompt's beginning (None: it has no prompt)."""
+    if rec.prompt_token_ids is not None and rec.messages is None and rec.prompt is None:
+        return hash(tuple(rec.prompt_token_ids[:ROUTE_PREFIX_TOKENS]))
+    if rec.messages is not None and isinstance(rec.messages, list):
+        parts, size = [], 0
+        for m in rec.messages:
+            part = f"{m.get('role')}\0{m.get('content')}\0" if isinstance(m, dict) else str(m)
+            parts.append(part)
+            size += len(part)
+            if size >= ROUTE_PREFIX_CHARS:
+                break
+        return hash("".join(parts)[:ROUTE_PREFIX_CHARS])
+    if isinstance(rec.prompt, str):
+        return hash(rec.prompt[:ROUTE_PREFIX_CHARS])
+    return None
 
 
 class JobFailed(UserError):
@@ -69,6 +99,7 @@ class Slot:
     want: int = 0                          # records it can take, as its last exchange said
     starting: Future | None = None
     restarts: int = 0
+    held: deque = field(default_factory=deque)         # (serial, Record) read while dealing to another, for it
 
 
 @dataclass
@@ -153,6 +184,9 @@ class Controller:
         """Deals `records` (read lazily) to the engines; `on_done(result, record)` once per
         record, `on_stream(key, text)` for streamed text, `on_tick()` at least once a second."""
         exhausted = False
+        setup = self.cfg.engine_setup
+        route = (len(self.slots) > 1 and setup.spec.scheduler.prefix_caching and setup.spec.scheduler.route_by_prefix)
+        hold = setup.queue_target
         while True:
             for slot in self.slots:
                 self._poll_restart(slot)
@@ -163,15 +197,25 @@ class Controller:
                     if self.requeue:
                         chunk.append(self.requeue.popleft())
                         continue
+                    if slot.held:
+                        chunk.append(slot.held.popleft())
+                        continue
                     rec = None if exhausted else next(records, None)
                     if rec is None:
                         exhausted = True
                         break
-                    chunk.append((next(self.serials), rec))
-                if not chunk and not slot.outstanding:
+                    item = (next(self.serials), rec)
+                    if route:
+                        key = route_key(rec)
+                        to = self.slots[key % len(self.slots)] if key is not None else slot
+                        if to is not slot and to.starting is None and len(to.held) < hold:
+                            to.held.append(item)
+                            continue
+                    chunk.append(item)
+                if not chunk and not slot.outstanding and not slot.held:
                     continue
                 slot.outstanding.update((c[0], c) for c in chunk)
-                more = not exhausted or bool(self.requeue)
+                more = not exhausted or bool(self.requeue) or bool(slot.held)
                 slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
                                                                   more)
                 slot.sent, slot.want = time.perf_counter(), 0
@@ -179,7 +223,7 @@ class Controller:
                 on_tick()
             pending = {s.pending: s for s in self.slots if s.pending is not None}
             if not pending:
-                if exhausted and not self.requeue and not any(s.starting for s in self.slots):
+                if exhausted and not self.requeue and not any(s.starting or s.held for s in self.slots):
                     return
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
@@ -225,8 +269,9 @@ class Controller:
         slot.restarts += 1
         # its records go to the healthy replicas at once, in input order, not after its restart;
         # they are computed again from their prompts: its cache is gone
-        self.requeue.extendleft(sorted(slot.outstanding.values(), key=lambda c: c[0], reverse=True))
+        self.requeue.extendleft(sorted([*slot.outstanding.values(), *slot.held], key=lambda c: c[0], reverse=True))
         slot.outstanding.clear()
+        slot.held.clear()
         slot.pending = None
         try:
             self.retired.append(fetch(slot.replica.engine.engine_stats.remote(), 5))

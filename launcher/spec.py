@@ -151,6 +151,9 @@ class SchedulerSpec(Section):
     async_scheduling: bool = True
     # a new sequence starts after the KV blocks of its longest cached prefix (launcher/scheduler.py)
     prefix_caching: bool = True
+    # with prefix caching and data_parallel > 1: records whose prompts begin alike go to one replica
+    # while it has room (launcher/controller.py)
+    route_by_prefix: bool = True
 
 
 class OutputSpec(Section):

@@ -192,3 +192,41 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
     summary = run_job(spec, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
     assert summary["records_done"] == 1 and summary["records_failed"] == len(bad)
     assert len(results(tmp_path / "out.jsonl")) == len(bad) + 1
+
+
+def test_records_whose_prompts_begin_alike_go_to_the_same_replica(demo, tmp_path, ray_local):
+    """At dp 2 with prefix caching, records are dealt by a hash of their prompt's beginning (while
+    the replica it names has room), so each group's prefix is computed on one replica once; with
+    scheduler.route_by_prefix off they go by load alone (here: all to the first replica, whose
+    queue holds them all)."""
+    from launcher.controller import route_key
+    from launcher.inputs import Record
+    from launcher.job import start_controller
+
+    groups, g = {0: [], 1: []}, 0
+    while min(len(v) for v in groups.values()) < 2:     # two groups for each replica
+        prefix = [100 + 7 * g + j for j in range(60)]
+        key = route_key(Record("x", 1, prompt_token_ids=prefix))
+        if len(groups[key % 2]) < 2:
+            groups[key % 2].append(prefix)
+        g += 1
+    prefixes = groups[0] + groups[1]
+    records = [Record(f"r{i}", i + 1, prompt_token_ids=prefixes[i % 4] + [i + 1, 2, 3]) for i in range(12)]
+    for route in (True, False):
+        spec = job_spec(demo, tmp_path, [], parallel={"data_parallel": 2},
+                        scheduler={"max_batch_size": 8, "route_by_prefix": route})
+        controller, _ = start_controller(plan_job(spec, weights=False), StandIn(step_ms=2.0))
+        try:
+            done = []
+            controller.run(iter(records), lambda d, rec: done.append(rec.id))
+            stats = controller.engine_stats()
+        finally:
+            controller.shutdown()
+        assert sorted(done) == sorted(r.id for r in records)
+        admitted = [st["prompt_tokens"] for st in stats]
+        if route:
+            assert admitted == [6 * 63, 6 * 63]
+        else:
+            assert admitted == [12 * 63, 0]
+        # two of each group's three records start after its first one's 3 full blocks
+        assert sum(st["cached_tokens"] for st in stats) == 8 * 48

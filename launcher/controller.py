@@ -185,8 +185,9 @@ class Controller:
         record, `on_stream(key, text)` for streamed text, `on_tick()` at least once a second."""
         exhausted = False
         setup = self.cfg.engine_setup
-        route = (len(self.slots) > 1 and setup.spec.scheduler.prefix_caching and setup.spec.scheduler.route_by_prefix)
-        hold = setup.queue_target
+        route = (setup is not None and len(self.slots) > 1 and setup.spec.scheduler.prefix_caching
+                 and setup.spec.scheduler.route_by_prefix)
+        hold = setup.queue_target if route else 0
         while True:
             for slot in self.slots:
                 self._poll_restart(slot)

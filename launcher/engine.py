@@ -81,12 +81,13 @@ class InFlight:
     others: set                     # refs of ranks > 0 not yet seen to finish
 
 
-def submit_step(workers: list, seqs, is_prefill: bool, index: int) -> list:
+def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: list[int] = ()) -> list:
     """Starts one step on every rank, after the steps submitted before it (`index` orders them);
     element 0 resolves to rank 0's StepOutput. The step goes as one pickle
     (worker.protocol.pack_step): Ray's own serializer walks a list of dataclasses object by
-    object, ~10x slower at 256 sequences."""
-    payload = pack_step(seqs)
+    object, ~10x slower at 256 sequences. `released`: sequences finished since the step before,
+    whose sampling history the ranks drop."""
+    payload = pack_step(seqs, released)
     ref = ray.put(payload) if sum(not isinstance(w, LocalRank) for w in workers) > 1 else payload
     return [w.step.remote(payload if isinstance(w, LocalRank) else ref, is_prefill, index) for w in workers]
 
@@ -252,7 +253,7 @@ class Engine:
             self._finished(rejected)
         if not steps:
             return False
-        refs = submit_step(self.workers, steps, is_prefill, self.submitted)
+        refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
         self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
         return True

@@ -197,13 +197,18 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
 OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)
 # body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                   "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
+                   "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "logit_bias": "logit_bias",
+                   # vLLM's extra sampling parameters, which its OpenAI server takes in the body too
+                   "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
+                   "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
+                   "bad_words": "bad_words", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
 OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "top_logprobs", "metadata", "store")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
-OPENAI_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
-                  "tools": None, "tool_choice": None, "best_of": 1, "min_p": 0, "repetition_penalty": 1,
-                  "top_k": None, "echo": False, "suffix": None}
+OPENAI_NEUTRAL = {"response_format": None, "tools": None, "tool_choice": None, "best_of": 1, "echo": False,
+                  "suffix": None}
 
 
 def parse_openai(obj: dict, n: int) -> Record:
@@ -255,6 +260,8 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     sampling = {OPENAI_SAMPLING[k]: v for k, v in body.items() if k in OPENAI_SAMPLING and v is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    if sampling.get("top_k") == -1:            # vLLM's "no top-k"
+        sampling["top_k"] = 0
     logprobs = body.get("logprobs")
     if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
         rec.openai_logprobs = body.get("top_logprobs") or 0

@@ -18,6 +18,7 @@ from launcher.errors import RecordError
 from launcher.inputs import Record
 from launcher.scheduler import Sequence
 from launcher.tokenizer import StopStringMatcher, Tokenizer
+from worker.protocol import SamplingParams
 from launcher.writer import error_result, ok_result, score_result
 
 
@@ -68,7 +69,7 @@ class RecordCodec:
         if rec.error:
             return self.error(serial, rec, rec.error)
         try:
-            sampling = spec.sampling.merge(rec.sampling, rec.id).to_params()
+            sampling = self.complete(spec.sampling.merge(rec.sampling, rec.id).to_params(), rec)
             if self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
@@ -108,6 +109,34 @@ class RecordCodec:
                 seq.samples = samples
         return seqs
 
+    def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:
+        """A record's sampling with what the workers need from the tokenizer and the model: its
+        bad words' token ids, the token ids min_tokens holds back; its token ids checked against
+        the vocabulary."""
+        where = f"record '{rec.id}': sampling"
+        for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        extra = {}
+        if p.bad_words:
+            if self.tok is None:
+                raise RecordError(f"{where}.bad_words: the model has no tokenizer to encode them with")
+            extra["bad_words_ids"] = tuple(ids for word in p.bad_words for ids in self.word_ids(word))
+        if p.min_tokens:
+            extra["min_tokens_ban"] = tuple(dict.fromkeys([*(() if p.ignore_eos else self.eos), *p.stop_token_ids]))
+        return dataclasses.replace(p, **extra) if extra else p
+
+    def word_ids(self, word: str) -> list[tuple[int, ...]]:
+        """A bad word's token ids as vLLM finds them: the word as it is, and with a space before
+        it where that encodes to another first token and as many tokens."""
+        plain = tuple(self.tok.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(self.tok.encode(" " + word.lstrip(), add_special_tokens=False))
+        out = [plain] if plain else []
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+        return out
+
     def continuation(self, rec: Record) -> list[int]:
         """The token ids a record asks to score: its continuation with task: score, else none."""
         if rec.continuation is None and rec.continuation_token_ids is None:
@@ -136,8 +165,9 @@ class RecordCodec:
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
         """Whether the sequence's output now holds one of its stop strings (its text is then cut
-        before it, in `seq.cut_text`)."""
-        if seq.stop_matcher is None or seq.is_finished or not seq.output_token_ids:
+        before it, in `seq.cut_text`); not before min_tokens tokens."""
+        out = len(seq.output_token_ids)
+        if seq.stop_matcher is None or seq.is_finished or not out or out < seq.sampling.min_tokens:
             return False
         text = self.tok.decode(seq.text_token_ids)
         cut = seq.stop_matcher.check(text)

@@ -64,6 +64,7 @@ class Sequence:
         self.block_keys: list = []                      # prefix caching: its full blocks' keys (BlockManager.keys)
         self.num_registered = 0                         # blocks of block_table the cache knows (or holds elsewhere)
         self.num_cached_tokens = 0                      # tokens found in the prefix cache when it was admitted
+        self.history_sent = False                       # its workers hold its sampling history (SeqStep.history)
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
         self.num_pending = 0                            # tokens they sample
@@ -283,6 +284,7 @@ class Scheduler:
         self.running: list[Sequence] = []              # in admission order
         self.rejected: list[Sequence] = []
         self.num_preemptions = 0
+        self.released: list[int] = []                 # finished sequences whose history the workers keep
         self.step_no = 0                               # counts schedule passes (BlockManager.written_in)
         self.prompt_tokens = 0                         # tokens of sequences admitted (again, after a preemption)
         self.cached_tokens = 0                         # of which found in the prefix cache, not prefilled
@@ -304,6 +306,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def take_released(self) -> list[int]:
+        """Ids of the sequences finished since the last call whose sampling history the workers
+        keep (SeqStep.history), for the next step to release."""
+        released, self.released = self.released, []
+        return released
+
     def take_rejected(self) -> list[Sequence]:
         """Sequences finished with "error" by schedule() because they can never fit; seq.error
         says why."""
@@ -322,6 +330,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.history_sent:
+            self.released.append(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")
@@ -427,6 +437,9 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_cached = seq.num_cached_tokens = 0
+        if seq.history_sent:                         # its next admission sends it again
+            self.released.append(seq.seq_id)
+            seq.history_sent = False
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
@@ -469,8 +482,12 @@ class Scheduler:
         seq.in_flight.append((n, sample))
         seq.num_scheduled += n
         seq.num_pending += sample
-        return SeqStep(seq.seq_id, tokens, start, list(seq.block_table), seq.sampling, generated + pending, sample,
+        step = SeqStep(seq.seq_id, tokens, start, list(seq.block_table), seq.sampling, generated + pending, sample,
                        seq.score_targets(start, end) if scoring else None)
+        if not seq.history_sent and seq.sampling.looks_back:
+            step.history = (seq.prompt_token_ids, list(seq.output_token_ids))
+            seq.history_sent = True
+        return step
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:

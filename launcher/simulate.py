@@ -77,7 +77,7 @@ class StandInRunner:
                 self.first_tokens[table[p // bs] * bs + p % bs] = s.token_ids[p - s.num_cached]
         return cached + s.token_ids[:KEY_TOKENS - len(cached)]
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
         t0 = time.perf_counter()
         fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
         tokens, lps, scores = [], [], []

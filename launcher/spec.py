@@ -111,16 +111,43 @@ class InputSpec(Section):
 
 
 class SamplingSpec(Section):
+    """vLLM's sampling parameters, with its names and meanings (worker/sampler.py)."""
     n: int = Field(1, ge=1)                     # samples per record, from one prefill of its prompt
     max_new_tokens: int = Field(256, ge=1)
+    min_tokens: int = Field(0, ge=0)            # no end-of-sequence or stop before this many tokens
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = {}
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] = []
     stop: list[Annotated[str, Field(min_length=1)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        # JSON (and OpenAI's logit_bias) writes token ids as string keys
+        if isinstance(value, dict):
+            try:
+                return {int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k: v
+                        for k, v in value.items()}
+            except ValueError:
+                return value
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> SamplingSpec:
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})")
+        return self
 
     def merge(self, overrides: dict | None, record_id: str | None = None) -> SamplingSpec:
         """These defaults with one record's `sampling` overrides, validated like the spec."""
@@ -137,7 +164,9 @@ class SamplingSpec(Section):
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**{**self.model_dump(), "stop": tuple(self.stop),
-                                 "stop_token_ids": tuple(self.stop_token_ids)})
+                                 "stop_token_ids": tuple(self.stop_token_ids), "bad_words": tuple(self.bad_words),
+                                 "logit_bias": tuple(sorted(self.logit_bias.items())),
+                                 "allowed_token_ids": tuple(self.allowed_token_ids or ())})
 
 
 class SchedulerSpec(Section):

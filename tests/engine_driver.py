@@ -1,6 +1,11 @@
-"""Drives a ModelRunner (or a Replica) step by step the way the controller does, for tests."""
+"""Drives a ModelRunner (or a Replica) step by step the way the controller does, for tests;
+and runs records through a whole engine (launcher.engine) on ranks in this process."""
 
 from __future__ import annotations
+
+import json
+import pickle
+import time
 
 from worker.protocol import SAMPLED, SamplingParams, SeqStep
 
@@ -43,3 +48,39 @@ class Driver:
         for _ in range(n - 1):
             self.decode(list(prompts))
         return {s: self.seqs[s]["gen"][:n] for s in prompts}
+
+
+def in_process_rank(engine_config):
+    """Rank 0 of a tp 1 group in this process: its runner, called as the worker actor calls it."""
+    from launcher.engine import LocalRank
+    from worker.protocol import unpack_step
+    from worker.runner import ModelRunner
+    runner = ModelRunner(engine_config)
+
+    def step(payload, is_prefill, index):
+        seqs, released = unpack_step(payload)
+        return runner.step(seqs, is_prefill, released=released)
+    rank = LocalRank(step)
+    rank.runner = runner
+    return rank
+
+
+def run_engine(plan, records, workers=None) -> tuple:
+    """Deals records to an engine on `workers` (default: a rank in this process) in one exchange;
+    returns the result lines by id and the engine."""
+    from launcher.engine import Engine, EngineSetup
+    from launcher.inputs import parse_record
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
+    engine.attach(workers or [in_process_rank(plan.engine)])
+    done, payload = [], pickle.dumps([(i, parse_record(r, i + 1)) for i, r in enumerate(records)])
+    t_end = time.monotonic() + 120
+    try:
+        while len(done) < len(records) and time.monotonic() < t_end:
+            out, _, _ = pickle.loads(engine.exchange(payload, False))
+            payload = None
+            done += out
+    finally:
+        engine.close()
+    lines = [json.loads(d.line) for d in done]
+    assert len(lines) == len(records) and not [x for x in lines if x["error"]]
+    return {x["id"]: x for x in lines}, engine

@@ -182,7 +182,7 @@ def test_prompts_found_in_the_prefix_cache_give_the_adapters_tokens(adapter, che
     its cached blocks and gives the same tokens."""
     from launcher.job import plan_job
     from launcher.spec import JobSpec
-    from tests.test_prefix_cache import run
+    from tests.engine_driver import run_engine as run
     adapter_dir, expected = adapter
     spec = JobSpec.model_validate({
         "model": {"path": str(checkpoint(NAME)), "max_model_len": 64, "lora": {"path": str(adapter_dir)}},

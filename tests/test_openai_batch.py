@@ -31,6 +31,15 @@ def test_a_request_becomes_a_record_with_its_sampling():
     assert text.openai_logprobs == 0
     ids = parse_openai(request("c", {"prompt": [5, 6, 7]}, "/v1/completions"), 3)
     assert ids.error is None and ids.prompt_token_ids == [5, 6, 7]
+    tuned = parse_openai(request("d", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                       "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                                       "logit_bias": {"50256": -100}, "top_k": -1, "min_p": 0.1,
+                                       "repetition_penalty": 1.1, "min_tokens": 3}), 4)
+    assert tuned.error is None and tuned.sampling == {
+        "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"50256": -100}, "top_k": 0,
+        "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 3}
+    from launcher.spec import SamplingSpec
+    assert SamplingSpec().merge(tuned.sampling, "d").to_params().logit_bias == ((50256, -100.0),)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -38,8 +47,8 @@ def test_a_request_becomes_a_record_with_its_sampling():
      "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),
     (request("x", {"prompt": "hi", "best_of": 3}, "/v1/completions"),
      "line 4: 'best_of' is not supported by msinfer yet"),
-    (request("x", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
-     "line 4: 'presence_penalty' is not supported by msinfer yet"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+     "line 4: 'tools' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
      "line 4: 'response_format' is not supported by msinfer yet"),
     (request("x", {"prompt": "hi", "echo": True}, "/v1/completions"),

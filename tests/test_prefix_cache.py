@@ -5,16 +5,13 @@ The cache's bookkeeping itself is tested against a fake model in tests/test_sche
 
 from __future__ import annotations
 
-import json
-import pickle
-import time
-
 import pytest
 
-from launcher.engine import Engine, EngineSetup, LocalRank
+from launcher.engine import Engine, EngineSetup
 from launcher.inputs import parse_record
 from launcher.job import plan_job
 from launcher.spec import JobSpec
+from tests.engine_driver import run_engine as run
 
 N_NEW = 6
 NAME = "qwen3_qknorm_odd_head_dim"
@@ -28,34 +25,6 @@ def spec_for(path, **scheduler) -> JobSpec:
         "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
         "sampling": {"max_new_tokens": N_NEW, "ignore_eos": True},
         "scheduler": {"max_batch_size": 4, "max_batched_tokens": 24, "block_size": 4, **scheduler}})
-
-
-def in_process_rank(engine_config):
-    """Rank 0 of a tp 1 group in this process (the worker class the actors run)."""
-    from worker.actor import Worker
-    w = Worker(0, 1, "cpu")
-    w.join(engine_config, None, None)
-    w.load(engine_config)
-    return LocalRank(w.step)
-
-
-def run(plan, records, workers=None) -> tuple[dict, Engine]:
-    """Deals records to an engine on `workers` (default: a rank in this process) in one exchange;
-    returns the result lines by id and the engine."""
-    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
-    engine.attach(workers or [in_process_rank(plan.engine)])
-    done, payload = [], pickle.dumps([(i, parse_record(r, i + 1)) for i, r in enumerate(records)])
-    t_end = time.monotonic() + 120
-    try:
-        while len(done) < len(records) and time.monotonic() < t_end:
-            out, _, _ = pickle.loads(engine.exchange(payload, False))
-            payload = None
-            done += out
-    finally:
-        engine.close()
-    lines = [json.loads(d.line) for d in done]
-    assert len(lines) == len(records) and not [x for x in lines if x["error"]]
-    return {x["id"]: x for x in lines}, engine
 
 
 def shared_prefix_records() -> list[dict]:

@@ -104,13 +104,13 @@ class Worker:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
         async scheduling two steps are in flight and the actor has threads for both: each waits for
         the one before it. `seqs` as launcher.replica sends them (protocol.pack_step)."""
-        seqs = unpack_step(seqs)
+        seqs, released = unpack_step(seqs)
         with self.turn:
             if index >= 0:
                 self.turn.wait_for(lambda: self.next_index == index)
             try:
                 # every rank samples (the same tokens: the logits are whole on each) for SAMPLED
-                out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0)
+                out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0, released=released)
             finally:
                 if index >= 0:
                     self.next_index = index + 1

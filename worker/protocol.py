@@ -19,11 +19,37 @@ class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0 = whole vocabulary
+    min_p: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()        # stop strings (matched by the controller on decoded text)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-k log-probabilities per generated token (0: none)
+    min_tokens: int = 0               # no end-of-sequence or stop (token or string) before this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()            # () = every token
+    bad_words: tuple[str, ...] = ()
+    # filled in by the engine (launcher.records): the bad words' token ids, and the token ids that
+    # min_tokens holds back (the end-of-sequence ones and stop_token_ids)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens_ban: tuple[int, ...] = ()
+
+    # derived once (the sampler reads them for every sequence of every step): whether sampling
+    # reads the sequence's earlier tokens (worker.sampler.History), and whether the logits change
+    # before sampling (worker.sampler.process)
+    looks_back: bool = field(init=False, repr=False, compare=False)
+    processes: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        looks_back = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                      or self.repetition_penalty != 1.0 or any(len(w) > 1 for w in self.bad_words_ids))
+        object.__setattr__(self, "looks_back", looks_back)
+        object.__setattr__(self, "processes", bool(
+            looks_back or self.allowed_token_ids or self.bad_words_ids or self.logit_bias
+            or (self.min_tokens and self.min_tokens_ban) or self.min_p > 0.0))
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +72,9 @@ class SeqStep:
     sample: bool = True               # False for a prefill chunk that is not the prompt's last
     # scoring: per token of token_ids, the next token whose log-probability to return (-1: none)
     targets: list[int] | None = None
+    # with the first step of each admission of a sequence whose sampling looks back: its prompt
+    # and its output so far (the worker keeps them, and appends what it samples, until released)
+    history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -57,11 +86,11 @@ class StepOutput:
     model_s: float = 0.0              # of which in the compiled network (to its logits in numpy)
 
 
-def pack_step(seqs: list[SeqStep]) -> bytes:
-    """A step's SeqSteps as they cross the wire: one pickle (protocol 5), from and to msinfer's
-    own processes only."""
-    return pickle.dumps(seqs, protocol=5)
+def pack_step(seqs: list[SeqStep], released: list[int] = ()) -> bytes:
+    """A step's SeqSteps as they cross the wire, and the ids of finished sequences whose history
+    the workers may drop: one pickle (protocol 5), from and to msinfer's own processes only."""
+    return pickle.dumps((seqs, list(released)), protocol=5)
 
 
-def unpack_step(payload: bytes) -> list[SeqStep]:
+def unpack_step(payload: bytes) -> tuple[list[SeqStep], list[int]]:
     return pickle.loads(payload)

@@ -142,6 +142,7 @@ class ModelRunner:
         self.model_s = 0.0                                   # seconds in compiled calls, all steps
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
+        self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
 
     def compiled(self, fn, kind: str):
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count
@@ -357,23 +358,32 @@ class ModelRunner:
             at += n or 0
         return logits[: len(seqs)], scores
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True) -> StepOutput:
+    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
         """Runs the step and samples. Every rank of a group samples the same tokens (the logits are
-        gathered whole on each) and keeps them for the next step's SAMPLED inputs."""
+        gathered whole on each) and keeps them for the next step's SAMPLED inputs, and in the
+        histories of sequences whose sampling looks back (until `released`)."""
         t0, model0 = time.perf_counter(), self.model_s
+        for seq_id in released:
+            self.histories.pop(seq_id, None)
         for s in seqs:
             if s.token_ids == [SAMPLED]:
                 if s.seq_id not in self.sampled:
                     raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
                 s.token_ids = [self.sampled[s.seq_id]]
+            if s.history is not None:
+                self.histories[s.seq_id] = sampler.History(*s.history)
         logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
         rows = logits if len(todo) == len(seqs) else logits[todo]       # no copy when all sample
+        hist = [self.histories.get(seqs[i].seq_id) for i in todo] if self.histories else None
         picked = sampler.sample(rows, [seqs[i].sampling for i in todo],
-                                [seqs[i].num_generated for i in todo]) if todo else []
+                                [seqs[i].num_generated for i in todo], hist) if todo else []
         for i, t in zip(todo, picked):
             chosen[i] = t
+        for h, t in zip(hist or (), picked):
+            if h is not None:
+                h.out.append(t)
         self.sampled = {seqs[i].seq_id: t for i, t in zip(todo, picked)}
         lps = None
         if logprobs and any(seqs[i].sampling.logprobs for i in todo):

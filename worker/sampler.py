@@ -1,8 +1,20 @@
-"""Token sampling on the host (numpy): greedy, temperature, top-k, top-p.
+"""Token sampling on the host (numpy), with vLLM's sampling parameters.
+
+A row's logits go through, in vLLM's order: allowed_token_ids (everything else masked),
+bad_words (a word's last token masked where the tokens before it end the output), min_tokens
+(the end-of-sequence and stop token ids masked until that many tokens are out), logit_bias, and
+the penalties: repetition (a logit of a token in the prompt or the output divided by it when
+positive, multiplied when negative), frequency (minus the penalty times the token's count in
+the output) and presence (minus the penalty once for a token in the output). Greedy takes the
+argmax of that; otherwise temperature, min_p (tokens below min_p times the most likely one's
+probability dropped), top-k and top-p, and a draw.
 
 Each sequence draws from its own stream, `default_rng([seed, num_generated])` (sample i > 0 of a
 record with n samples: `[seed, num_generated, i]`), so a seeded record samples the same tokens
 whatever else shares its batch, and again after a replica restart.
+
+Log-probabilities (`top_logprobs`) are those of the model's own distribution, before any of the
+above, as vLLM returns them by default.
 """
 
 from __future__ import annotations
@@ -12,17 +24,63 @@ import numpy as np
 from worker.protocol import SamplingParams
 
 
+class History:
+    """What a sequence's penalties and bad words look back at, kept by the worker between steps:
+    its prompt's distinct tokens and its output tokens (the ones sampled here appended)."""
+
+    __slots__ = ("prompt", "out")
+
+    def __init__(self, prompt: list[int], out: list[int]):
+        self.prompt = np.unique(np.asarray(prompt, np.int64))
+        self.out = list(out)
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature-scaled logits of one row with everything outside top-k / top-p set to -inf."""
-    x = logits.astype(np.float64) / p.temperature
+def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: History | None) -> np.ndarray:
+    """One row's logits (float64, a copy) after allowed_token_ids, bad_words, min_tokens,
+    logit_bias and the penalties."""
+    x = logits.astype(np.float64)
+    if p.allowed_token_ids:
+        keep = np.asarray(p.allowed_token_ids, np.int64)
+        kept = x[keep]
+        x[:] = -np.inf
+        x[keep] = kept
+    if p.bad_words_ids:
+        out = hist.out if hist is not None else []
+        for word in p.bad_words_ids:
+            k = len(word) - 1
+            if k == 0 or (len(out) >= k and tuple(out[-k:]) == tuple(word[:-1])):
+                x[word[-1]] = -np.inf
+    if num_generated < p.min_tokens and p.min_tokens_ban:
+        x[list(p.min_tokens_ban)] = -np.inf
+    if p.logit_bias:
+        ids = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
+        x[ids] += np.fromiter((b for _, b in p.logit_bias), np.float64, len(p.logit_bias))
+    if hist is not None:
+        if p.repetition_penalty != 1.0:
+            ids = np.union1d(hist.prompt, np.asarray(hist.out, np.int64))
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if hist.out and (p.frequency_penalty or p.presence_penalty):
+            ids, counts = np.unique(np.asarray(hist.out, np.int64), return_counts=True)
+            x[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return x
+
+
+def filter_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Temperature-scaled logits of one row with everything outside min_p, top-k and top-p set
+    to -inf (x: float64, changed in place)."""
+    x /= p.temperature
+    if p.min_p > 0.0:
+        # probabilities relative to the most likely token's: p_i / p_max = exp(x_i - x_max)
+        x[np.exp(x - x.max()) < p.min_p] = -np.inf
     if 0 < p.top_k < x.shape[-1]:
         kth = np.partition(x, -p.top_k)[-p.top_k]
-        x = np.where(x < kth, -np.inf, x)
+        x[x < kth] = -np.inf
     if p.top_p < 1.0:
         order = np.argsort(-x, kind="stable")
         probs = np.exp(x[order] - x[order[0]])
@@ -33,20 +91,23 @@ def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return x
 
 
-def sample_row(logits: np.ndarray, p: SamplingParams, num_generated: int) -> int:
+def sample_row(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: History | None = None) -> int:
+    x = process(logits, p, num_generated, hist) if p.processes else logits.astype(np.float64)
     if p.greedy:
-        return int(np.argmax(logits))
-    x = filter_logits(logits, p)
+        return int(np.argmax(x))
+    x = filter_logits(x, p)
     probs = np.exp(x - x.max())
     probs /= probs.sum()
     rng = np.random.default_rng([p.seed & 0xFFFFFFFF, num_generated] + ([p.index] if p.index else []))
     return int(rng.choice(probs.shape[-1], p=probs))
 
 
-def sample(logits: np.ndarray, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
-    if all(p.greedy for p in params):
+def sample(logits: np.ndarray, params: list[SamplingParams], num_generated: list[int],
+           histories: list[History | None] | None = None) -> list[int]:
+    if all(p.greedy and not p.processes for p in params):
         return [int(t) for t in np.argmax(logits, -1)]
-    return [sample_row(row, p, n) for row, p, n in zip(logits, params, num_generated)]
+    histories = histories or [None] * len(params)
+    return [sample_row(row, p, n, h) for row, p, n, h in zip(logits, params, num_generated, histories)]
 
 
 def top_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list:

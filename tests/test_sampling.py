@@ -1,0 +1,124 @@
+"""vLLM's sampling parameters through a whole engine on the real network: the penalties' history
+kept by the worker across steps, async scheduling and preemption; min_tokens holding back stops;
+bad words encoded as vLLM encodes them. The reference is a greedy loop over transformers' logits
+processed by worker.sampler.process, whose formulas tests/test_sampler.py checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from launcher.job import plan_job
+from launcher.spec import JobSpec
+from tests.engine_driver import run_engine
+from worker import sampler
+
+NAME = "llama_gqa_tied"
+EOS = 2
+
+
+def spec_for(path, max_new_tokens=8, **scheduler) -> JobSpec:
+    return JobSpec.model_validate({
+        "model": {"path": str(path), "max_model_len": 64},
+        "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+        "sampling": {"max_new_tokens": max_new_tokens},
+        "scheduler": {"max_batch_size": 4, "max_batched_tokens": 16, "block_size": 4, **scheduler}})
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """reference(prompt, params) -> greedy tokens over transformers' logits, processed as the
+    sampler does, stopping as the scheduler does."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32).eval()
+
+    def run(prompt, p):
+        out = []
+        while len(out) < p.max_new_tokens:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out])).logits[0, -1].numpy()
+            hist = sampler.History(prompt, out) if p.looks_back else None
+            t = int(np.argmax(sampler.process(logits, p, len(out), hist)))
+            out.append(t)
+            if (t == EOS and not p.ignore_eos) or t in p.stop_token_ids:
+                break
+        return out
+    return run
+
+
+RECORDS = [
+    {"id": "long", "prompt_token_ids": list(range(40, 70)),
+     "sampling": {"ignore_eos": True, "frequency_penalty": -1.0, "max_new_tokens": 20}},
+    {"id": "plain", "prompt_token_ids": [5, 17, 33, 9, 100, 7], "sampling": {"ignore_eos": True}},
+    {"id": "penalties", "prompt_token_ids": [5, 17, 33, 9, 100, 7],
+     "sampling": {"ignore_eos": True, "repetition_penalty": 1.8, "frequency_penalty": 1.2, "presence_penalty": 0.7}},
+    {"id": "bias", "prompt_token_ids": [44, 3, 8, 8],
+     "sampling": {"ignore_eos": True, "logit_bias": {"77": 4.0, "78": 3.5}, "presence_penalty": 2.0}},
+    {"id": "allowed", "prompt_token_ids": [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+     "sampling": {"ignore_eos": True, "allowed_token_ids": [30, 31, 32, 33], "repetition_penalty": 3.0}},
+]
+
+
+@pytest.mark.parametrize("kv_cache_blocks", [None, 16], ids=["ample", "tight"])
+def test_penalties_bias_and_allowed_tokens_give_the_reference_tokens(kv_cache_blocks, checkpoint, reference):
+    """Five records with different parameters in one batch, async scheduling; (tight) a cache
+    that preempts them, so that histories are sent again on re-admission and released."""
+    plan = plan_job(spec_for(checkpoint(NAME), kv_cache_blocks=kv_cache_blocks), check_io=False)
+    lines, engine = run_engine(plan, RECORDS)
+    for rec in RECORDS:
+        p = plan.spec.sampling.merge(rec["sampling"]).to_params()
+        assert lines[rec["id"]]["output_token_ids"] == reference(rec["prompt_token_ids"], p), rec["id"]
+    assert set(lines["allowed"]["output_token_ids"]) <= {30, 31, 32, 33}
+    assert lines["penalties"]["output_token_ids"] != lines["plain"]["output_token_ids"]
+    if kv_cache_blocks:
+        assert engine.engine_stats()["preemptions"] > 0
+    # the rank keeps the histories of the sequences whose release no later step has carried, only
+    assert set(engine.workers[0].runner.histories) <= set(engine.scheduler.released)
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_until_then(checkpoint, reference):
+    path = checkpoint(NAME)
+    plan = plan_job(spec_for(path, max_new_tokens=12), check_io=False)
+    prompt = [44, 3]
+    free = reference(prompt, plan.spec.sampling.merge({"ignore_eos": True}).to_params())
+    stop = free[1]                                           # greedy would stop at its second token
+    records = [{"id": "early", "prompt_token_ids": prompt, "sampling": {"stop_token_ids": [stop]}},
+               {"id": "held", "prompt_token_ids": prompt, "sampling": {"stop_token_ids": [stop], "min_tokens": 5}}]
+    lines, _ = run_engine(plan, records)
+    assert lines["early"]["output_token_ids"] == free[:2] and lines["early"]["finish_reason"] == "stop"
+    held = lines["held"]["output_token_ids"]
+    p = plan.spec.sampling.merge({"stop_token_ids": [stop], "min_tokens": 5}).to_params()
+    p = plan_codec(plan).complete(p, _rec("held"))
+    assert p.min_tokens_ban == (EOS, stop)
+    assert held == reference(prompt, p) and len(held) >= 5 and stop not in held[:4]
+
+
+def plan_codec(plan):
+    from launcher.records import RecordCodec
+    return RecordCodec(plan.spec, plan.model, plan.tokenizer)
+
+
+def _rec(rid):
+    from launcher.inputs import Record
+    return Record(rid, 1, prompt_token_ids=[1])
+
+
+def test_bad_words_are_encoded_as_vllm_does_and_need_a_tokenizer(checkpoint):
+    from launcher.errors import RecordError
+    from scripts.make_demo_model import ensure_demo_model
+    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 512},
+                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
+    plan = plan_job(spec, check_io=False, weights=False)
+    codec = plan_codec(plan)
+    tok = plan.tokenizer
+    p = codec.complete(spec.sampling.merge({"bad_words": ["Paris", " London Bridge"]}).to_params(), _rec("b"))
+    want = [tuple(tok.encode("Paris", add_special_tokens=False)), tuple(tok.encode(" Paris", add_special_tokens=False)),
+            tuple(tok.encode("London Bridge", add_special_tokens=False)),
+            tuple(tok.encode(" London Bridge", add_special_tokens=False))]
+    assert p.bad_words_ids == tuple(want) and len(want[2]) > 1 and p.looks_back
+    bare = plan_codec(plan_job(spec_for(checkpoint(NAME)), check_io=False))
+    with pytest.raises(RecordError, match="record 'b': sampling.bad_words: the model has no tokenizer"):
+        bare.complete(spec.sampling.merge({"bad_words": ["x"]}).to_params(), _rec("b"))
+    with pytest.raises(RecordError, match=r"record 'b': sampling.logit_bias: token id 300 is outside the vocabulary"):
+        bare.complete(spec.sampling.merge({"logit_bias": {"300": 1}}).to_params(), _rec("b"))

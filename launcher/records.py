@@ -117,7 +117,8 @@ class RecordCodec:
         for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+                raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{self.vocab_size - 1})")
         extra = {}
         if p.bad_words:
             if self.tok is None:

@@ -204,11 +204,10 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
                    "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
                    "bad_words": "bad_words", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
-OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "top_logprobs", "metadata", "store")
+OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
-OPENAI_NEUTRAL = {"response_format": None, "tools": None, "tool_choice": None, "best_of": 1, "echo": False,
-                  "suffix": None}
+OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None}
 
 
 def parse_openai(obj: dict, n: int) -> Record:
@@ -262,6 +261,12 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         sampling["stop"] = [sampling["stop"]]
     if sampling.get("top_k") == -1:            # vLLM's "no top-k"
         sampling["top_k"] = 0
+    if body.get("response_format") is not None:
+        structured = _response_format(body["response_format"])
+        if isinstance(structured, str):
+            return structured
+        if structured:
+            sampling["structured_outputs"] = structured
     logprobs = body.get("logprobs")
     if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
         rec.openai_logprobs = body.get("top_logprobs") or 0
@@ -274,6 +279,22 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
     rec.sampling = sampling
     return None
+
+
+def _response_format(rf) -> dict | str | None:
+    """OpenAI's response_format as sampling.structured_outputs (None: plain text), or the
+    request's error."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = rf.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            return "'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': {...}}"
+        return {"json": schema["schema"]}
+    return f"'response_format' type {kind!r} is not one of text, json_object, json_schema"
 
 
 def _fill(rec: Record, obj: dict) -> str | None:

@@ -206,7 +206,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle, ops=spec.model.ops, shapes=spec.model.shapes,
-                          emulate=emulate)
+                          emulate=emulate, tokenizer_path=spec.model.tokenizer_path,
+                          trust_remote_code=spec.model.trust_remote_code)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
@@ -225,6 +226,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
                 f"{ranks_here} worker(s) need {need / 1024**3:.1f} GiB for weights and KV cache, this machine has "
                 f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                 f"scheduler.max_batch_size or model.max_model_len")
+    check_structured(spec.sampling, tokenizer)
     notes.append(verification_note(device, emulate, spec.model.ops))
     output_format = spec.output.format
     if output_format == "auto":
@@ -233,6 +235,22 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
     return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format)
+
+
+def check_structured(sampling, tokenizer) -> None:
+    """The job's default structured output (sampling.structured_outputs), read once before any
+    worker starts; a record's own is checked where it is read (launcher.records)."""
+    if sampling.structured_outputs is None:
+        return
+    if tokenizer is None:
+        raise SpecError("sampling.structured_outputs: the model has no tokenizer to build token masks with")
+    from llguidance import LLMatcher
+    try:
+        error = LLMatcher.validate_grammar(sampling.to_params().structured, None)
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise SpecError(f"sampling.structured_outputs: {error.strip()}")
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:

@@ -69,7 +69,12 @@ class RecordCodec:
         if rec.error:
             return self.error(serial, rec, rec.error)
         try:
-            sampling = self.complete(spec.sampling.merge(rec.sampling, rec.id).to_params(), rec)
+            merged = spec.sampling.merge(rec.sampling, rec.id)
+            try:
+                params = merged.to_params()
+            except ValueError as e:         # a structured output that llguidance cannot read
+                raise RecordError(f"record '{rec.id}': sampling.structured_outputs: {e}") from None
+            sampling = self.complete(params, rec)
             if self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
@@ -120,6 +125,13 @@ class RecordCodec:
                 raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary "
                                   f"(0..{self.vocab_size - 1})")
         extra = {}
+        if p.structured:
+            from llguidance import LLMatcher
+            if self.tok is None:
+                raise RecordError(f"{where}.structured_outputs: the model has no tokenizer to build token masks with")
+            error = LLMatcher.validate_grammar(p.structured, None)
+            if error:
+                raise RecordError(f"{where}.structured_outputs: {error.strip()}")
         if p.bad_words:
             if self.tok is None:
                 raise RecordError(f"{where}.bad_words: the model has no tokenizer to encode them with")

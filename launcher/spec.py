@@ -110,6 +110,42 @@ class InputSpec(Section):
         return path
 
 
+class StructuredSpec(Section):
+    """Structured outputs, with vLLM's names: exactly one of them."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+    json_schema: dict | str | None = Field(None, alias="json")     # a JSON schema, or its text
+    json_object: bool = False                                   # any JSON object
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None                                  # a Lark or GBNF grammar
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredSpec:
+        given = [k for k, v in (("json", self.json_schema), ("json_object", self.json_object or None),
+                                ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("expected exactly one of json, json_object, regex, choice, grammar"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        return self
+
+    def grammar_text(self) -> str:
+        """The constraint as an llguidance grammar (worker/sampler.py applies it)."""
+        import json
+
+        import llguidance
+        if self.json_schema is not None:
+            schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            return llguidance.grammar_from("json", schema)
+        if self.json_object:
+            return llguidance.grammar_from("json", '{"type": "object"}')
+        if self.regex is not None:
+            return llguidance.grammar_from("regex", self.regex)
+        if self.choice is not None:
+            return llguidance.grammar_from("choice", self.choice)
+        return llguidance.grammar_from("grammar", self.grammar)
+
+
 class SamplingSpec(Section):
     """vLLM's sampling parameters, with its names and meanings (worker/sampler.py)."""
     n: int = Field(1, ge=1)                     # samples per record, from one prefill of its prompt
@@ -126,6 +162,7 @@ class SamplingSpec(Section):
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = {}
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] = []
+    structured_outputs: StructuredSpec | None = None
     stop: list[Annotated[str, Field(min_length=1)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
@@ -163,7 +200,9 @@ class SamplingSpec(Section):
             raise RecordError(f"{where}: " + "; ".join(problems)) from None
 
     def to_params(self) -> SamplingParams:
-        return SamplingParams(**{**self.model_dump(), "stop": tuple(self.stop),
+        structured = self.structured_outputs.grammar_text() if self.structured_outputs else ""
+        return SamplingParams(**{**self.model_dump(exclude={"structured_outputs"}), "structured": structured,
+                                 "stop": tuple(self.stop),
                                  "stop_token_ids": tuple(self.stop_token_ids), "bad_words": tuple(self.bad_words),
                                  "logit_bias": tuple(sorted(self.logit_bias.items())),
                                  "allowed_token_ids": tuple(self.allowed_token_ids or ())})
@@ -425,7 +464,7 @@ def _keys_at(root: type[BaseModel], loc: tuple) -> list[str]:
         model = _model_in(field.annotation) if field else None
         if model is None:
             return []
-    return list(model.model_fields)
+    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def _model_in(tp) -> type[BaseModel] | None:

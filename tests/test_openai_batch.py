@@ -40,6 +40,13 @@ def test_a_request_becomes_a_record_with_its_sampling():
         "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 3}
     from launcher.spec import SamplingSpec
     assert SamplingSpec().merge(tuned.sampling, "d").to_params().logit_bias == ((50256, -100.0),)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    shaped = parse_openai(request("e", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}}), 5)
+    assert shaped.error is None and shaped.sampling == {"structured_outputs": {"json": schema}}
+    obj = parse_openai(request("f", {"messages": [{"role": "user", "content": "hi"}],
+                                     "response_format": {"type": "json_object"}}), 6)
+    assert obj.sampling == {"structured_outputs": {"json_object": True}}
 
 
 @pytest.mark.parametrize("line, message", [
@@ -49,8 +56,8 @@ def test_a_request_becomes_a_record_with_its_sampling():
      "line 4: 'best_of' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
      "line 4: 'tools' is not supported by msinfer yet"),
-    (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
-     "line 4: 'response_format' is not supported by msinfer yet"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
+     "line 4: 'response_format' type 'xml' is not one of text, json_object, json_schema"),
     (request("x", {"prompt": "hi", "echo": True}, "/v1/completions"),
      "line 4: 'echo' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),

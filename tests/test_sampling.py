@@ -122,3 +122,44 @@ def test_bad_words_are_encoded_as_vllm_does_and_need_a_tokenizer(checkpoint):
         bare.complete(spec.sampling.merge({"bad_words": ["x"]}).to_params(), _rec("b"))
     with pytest.raises(RecordError, match=r"record 'b': sampling.logit_bias: token id 300 is outside the vocabulary"):
         bare.complete(spec.sampling.merge({"logit_bias": {"300": 1}}).to_params(), _rec("b"))
+
+
+def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
+    """The real demo model, greedy, chat template: each output is what its constraint allows,
+    complete (it ends on end-of-sequence when the grammar is done); an invalid schema fails
+    only its record, naming it."""
+    import json
+    import re
+    from scripts.make_demo_model import ensure_demo_model
+    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 256},
+                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+                                   "sampling": {"max_new_tokens": 48},
+                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 256}})
+    plan = plan_job(spec, check_io=False)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Rome"]},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    records = [
+        {"id": "json", "messages": question, "sampling": {"structured_outputs": {"json": schema}}},
+        {"id": "regex", "prompt": "Write a time of day.",
+         "sampling": {"structured_outputs": {"regex": "[0-2][0-9]:[0-5][0-9]"}}},
+        {"id": "choice", "messages": [{"role": "user", "content": "Is Paris in France?"}],
+         "sampling": {"structured_outputs": {"choice": ["yes", "no"]}}},
+        {"id": "grammar", "prompt": "Say something.", "sampling": {"structured_outputs": {
+            "grammar": 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'}}},
+    ]
+    lines, _ = run_engine(plan, records)
+    out = {k: v["output_text"] for k, v in lines.items()}
+    assert all(v["finish_reason"] == "stop" for v in lines.values()), lines
+    answer = json.loads(out["json"])
+    assert set(answer) == {"city", "is_capital"} and answer["city"] in ("Paris", "Lyon", "Rome")
+    assert isinstance(answer["is_capital"], bool)
+    assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", out["regex"])
+    assert out["choice"] in ("yes", "no")
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", out["grammar"])
+
+    from launcher.inputs import parse_record
+    bad = plan_codec(plan).sequences(parse_record({"id": "bad", "prompt": "x", "sampling": {
+        "structured_outputs": {"json": {"type": "bogus"}}}}, 1), 0)
+    assert bad.failed and "record 'bad': sampling.structured_outputs: Invalid type: bogus" in bad.line

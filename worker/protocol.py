@@ -32,6 +32,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()            # () = every token
     bad_words: tuple[str, ...] = ()
+    structured: str = ""              # structured outputs: an llguidance grammar (launcher.spec.StructuredSpec)
     # filled in by the engine (launcher.records): the bad words' token ids, and the token ids that
     # min_tokens holds back (the end-of-sequence ones and stop_token_ids)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
@@ -44,8 +45,8 @@ class SamplingParams:
     processes: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        looks_back = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                      or self.repetition_penalty != 1.0 or any(len(w) > 1 for w in self.bad_words_ids))
+        looks_back = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                      or any(len(w) > 1 for w in self.bad_words_ids) or bool(self.structured))
         object.__setattr__(self, "looks_back", looks_back)
         object.__setattr__(self, "processes", bool(
             looks_back or self.allowed_token_ids or self.bad_words_ids or self.logit_bias

@@ -62,6 +62,8 @@ class EngineConfig:
     ops: str = "auto"                  # "auto": the device's fastest operators; "portable": MindSpore primitives
     shapes: str = "auto"               # "dynamic" | "buckets" | "auto": the operators' choice (MsOps.dynamic_shapes)
     emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
+    tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
+    trust_remote_code: bool = False
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
@@ -143,6 +145,7 @@ class ModelRunner:
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
         self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
+        self.grammar_tokenizer = None                        # llguidance's, loaded for the first grammar
 
     def compiled(self, fn, kind: str):
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count
@@ -358,6 +361,18 @@ class ModelRunner:
             at += n or 0
         return logits[: len(seqs)], scores
 
+    def grammar(self, text: str):
+        """A matcher of a structured-output grammar (llguidance), over the model's tokenizer,
+        which this rank loads the first time a sequence asks for one."""
+        import llguidance
+        if self.grammar_tokenizer is None:
+            import llguidance.hf
+            import transformers
+            tok = transformers.AutoTokenizer.from_pretrained(self.ec.tokenizer_path or self.ec.model_dir,
+                                                             trust_remote_code=self.ec.trust_remote_code)
+            self.grammar_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.cfg.vocab_size)
+        return llguidance.LLMatcher(self.grammar_tokenizer, text, log_level=0)
+
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
         """Runs the step and samples. Every rank of a group samples the same tokens (the logits are
         gathered whole on each) and keeps them for the next step's SAMPLED inputs, and in the
@@ -371,7 +386,8 @@ class ModelRunner:
                     raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
                 s.token_ids = [self.sampled[s.seq_id]]
             if s.history is not None:
-                self.histories[s.seq_id] = sampler.History(*s.history)
+                matcher = self.grammar(s.sampling.structured) if s.sampling.structured else None
+                self.histories[s.seq_id] = sampler.History(*s.history, matcher)
         logits, scores = self.execute(seqs, is_prefill)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         chosen = [-1] * len(seqs)
@@ -383,7 +399,7 @@ class ModelRunner:
             chosen[i] = t
         for h, t in zip(hist or (), picked):
             if h is not None:
-                h.out.append(t)
+                h.add(t)
         self.sampled = {seqs[i].seq_id: t for i, t in zip(todo, picked)}
         lps = None
         if logprobs and any(seqs[i].sampling.logprobs for i in todo):

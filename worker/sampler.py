@@ -1,6 +1,7 @@
 """Token sampling on the host (numpy), with vLLM's sampling parameters.
 
-A row's logits go through, in vLLM's order: allowed_token_ids (everything else masked),
+A row's logits go through, in vLLM's order: the structured-output grammar's token mask
+(llguidance, from the tokens so far), allowed_token_ids (everything else masked),
 bad_words (a word's last token masked where the tokens before it end the output), min_tokens
 (the end-of-sequence and stop token ids masked until that many tokens are out), logit_bias, and
 the penalties: repetition (a logit of a token in the prompt or the output divided by it when
@@ -25,14 +26,34 @@ from worker.protocol import SamplingParams
 
 
 class History:
-    """What a sequence's penalties and bad words look back at, kept by the worker between steps:
-    its prompt's distinct tokens and its output tokens (the ones sampled here appended)."""
+    """What a sequence's penalties, bad words and grammar look back at, kept by the worker
+    between steps: its prompt's distinct tokens, its output tokens, and its grammar's matcher
+    (llguidance.LLMatcher) fed those tokens. `add` takes each token sampled here."""
 
-    __slots__ = ("prompt", "out")
+    __slots__ = ("prompt", "out", "matcher")
 
-    def __init__(self, prompt: list[int], out: list[int]):
+    def __init__(self, prompt: list[int], out: list[int], matcher=None):
         self.prompt = np.unique(np.asarray(prompt, np.int64))
         self.out = list(out)
+        self.matcher = matcher
+        if matcher is not None and out:
+            matcher.consume_tokens(list(out))
+
+    def add(self, token: int) -> None:
+        self.out.append(token)
+        if self.matcher is not None and not self.matcher.is_error():
+            self.matcher.consume_token(token)
+
+    def allowed(self, vocab: int) -> np.ndarray | None:
+        """The tokens the grammar allows next, as a bool mask over the vocabulary (None: no
+        grammar, or a matcher in error, which then constrains nothing)."""
+        if self.matcher is None or self.matcher.is_error():
+            return None
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        mask = np.zeros(vocab, bool)
+        n = min(vocab, len(bits))
+        mask[:n] = bits[:n].astype(bool)
+        return mask
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -44,6 +65,10 @@ def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: His
     """One row's logits (float64, a copy) after allowed_token_ids, bad_words, min_tokens,
     logit_bias and the penalties."""
     x = logits.astype(np.float64)
+    if hist is not None and hist.matcher is not None:
+        allowed = hist.allowed(len(x))
+        if allowed is not None:
+            x[~allowed] = -np.inf
     if p.allowed_token_ids:
         keep = np.asarray(p.allowed_token_ids, np.int64)
         kept = x[keep]

@@ -473,7 +473,13 @@ def _model_in(tp) -> type[BaseModel] | None:
     return next((m for m in map(_model_in, get_args(tp)) if m), None)
 
 
+# the names other tools give msinfer's keys (vLLM's and OpenAI's max_tokens), suggested first
+SYNONYMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+
+
 def _suggest(key: str, valid: list[str]) -> str:
+    if SYNONYMS.get(key) in valid:
+        return f"did you mean '{SYNONYMS[key]}'?"
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
     if close:
         return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"

@@ -233,35 +233,6 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
     assert status["state"] == "done" and status["workers"][0]["pid"] > 0
 
 
-def test_async_scheduling_gives_the_same_results_when_sequences_stop(cli, model, tmp_path):
-    """Async scheduling decodes a sequence once more before the controller sees it stop; that token
-    must not reach the results: the same tokens, finish reasons and log-probabilities as without it,
-    one line per record."""
-    job = Job(tmp_path / "free", model, records(6), sampling={"max_new_tokens": 12, "logprobs": 1})
-    assert cli.run("run", job.spec_path, "--no-progress").returncode == 0
-    free = {r["id"]: r["output_token_ids"] for r in job.results()}
-    stop = sorted({out[3] for out in free.values()})[:2]      # a token most generations reach early
-    runs = {}
-    for mode in ("true", "false"):
-        job = Job(tmp_path / mode, model, records(6), sampling={"max_new_tokens": 12, "logprobs": 1,
-                                                                 "stop_token_ids": stop})
-        p = cli.run("run", job.spec_path, "--no-progress", "--set", f"scheduler.async_scheduling={mode}")
-        assert p.returncode == 0, p.stderr
-        assert sorted(job.ids()) == sorted(free)               # each record exactly once
-        runs[mode] = {r["id"]: r for r in job.results()}
-    stopped = 0
-    for rid, out in free.items():
-        cut = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))
-        stopped += cut < len(out)
-        for mode, results in runs.items():
-            r = results[rid]
-            assert r["output_token_ids"] == out[:cut], (mode, rid)
-            assert r["finish_reason"] == ("stop" if out[cut - 1] in stop else "length")
-            assert len(r["logprobs"]) == cut
-        assert runs["true"][rid]["logprobs"] == runs["false"][rid]["logprobs"]
-    assert stopped >= 2
-
-
 def test_plan_prints_the_layout_and_starts_nothing(cli, model, tmp_path):
     job = Job(tmp_path, model, records(2))
     env = no_ray()

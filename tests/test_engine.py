@@ -1,6 +1,7 @@
 """The engines (launcher.engine) and the driver that deals them records (launcher.controller),
 on stand-in workers (launcher.simulate): tokens drawn by each prompt, so a record gets the same
-tokens on any replica, in any run, and results can be compared across runs."""
+tokens on any replica, in any run, and results can be compared across runs; and, where tokens
+must come from a model, an engine on a rank of the real network in this process."""
 
 from __future__ import annotations
 
@@ -230,3 +231,35 @@ def test_records_whose_prompts_begin_alike_go_to_the_same_replica(demo, tmp_path
             assert admitted == [12 * 63, 0]
         # two of each group's three records start after its first one's 3 full blocks
         assert sum(st["cached_tokens"] for st in stats) == 8 * 48
+
+
+def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint):
+    """Async scheduling decodes a sequence once more before the engine sees it stop; that token
+    must not reach the results: the same tokens, finish reasons and log-probabilities as without
+    it, one result per record (the real network, a small test checkpoint)."""
+    from tests.engine_driver import run_engine
+    path = checkpoint("llama_gqa_tied")
+    records = [{"id": f"r{i:02d}", "prompt_token_ids": [5 + i, 17, 33, 9][:2 + i % 3]} for i in range(6)]
+
+    def run(async_scheduling, **sampling):
+        spec = JobSpec.model_validate({
+            "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+            "output": {"path": "out.jsonl"},
+            "sampling": {"max_new_tokens": 12, "logprobs": 1, "ignore_eos": True, **sampling},
+            "scheduler": {"max_batch_size": 2, "async_scheduling": async_scheduling}})
+        return run_engine(plan_job(spec, check_io=False), records)[0]
+
+    free = {rid: r["output_token_ids"] for rid, r in run(True).items()}
+    stop = sorted({out[3] for out in free.values()})[:2]      # a token most generations reach early
+    runs = {mode: run(mode, stop_token_ids=stop) for mode in (True, False)}
+    stopped = 0
+    for rid, out in free.items():
+        cut = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))
+        stopped += cut < len(out)
+        for mode, results in runs.items():
+            r = results[rid]
+            assert r["output_token_ids"] == out[:cut], (mode, rid)
+            assert r["finish_reason"] == ("stop" if out[cut - 1] in stop else "length")
+            assert len(r["logprobs"]) == cut
+        assert runs[True][rid]["logprobs"] == runs[False][rid]["logprobs"]
+    assert stopped >= 2

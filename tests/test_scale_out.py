@@ -14,11 +14,13 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -283,35 +285,105 @@ def test_node_script_needs_ray(tmp_path):
     assert r.returncode == 2 and "'ray' not found on PATH" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-STAND_INS = {
-    # srun: drop srun's own options (this script passes them as --key=value), run the command here
-    "srun": '#!/usr/bin/env bash\nwhile [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n',
-    "scontrol": '#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] || exit 1\ntr , "\\n" <<<"$3"\n',
-}
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def test_slurm_script_runs_a_job_end_to_end(job_dir, dp2_run, tmp_path):
-    """One node: the head's srun step starts Ray, waits for the node, runs the job, stops Ray."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in STAND_INS.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+SLURM_CONF = """\
+ClusterName=msinfer-test
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+NodeName={host} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def apt_install(*packages: str) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:                   # a fresh machine may have no package lists yet
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=900)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, f"apt-get install {' '.join(packages)} failed:\n{r.stderr[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A real one-node Slurm on this machine: Debian's slurm-wlm and munge (installed with apt-get
+    when missing), munged, and a slurmctld and slurmd of this test's own (a private config, state
+    folder and ports), stopped afterwards. Needs root, as installing and the daemons do."""
+    import psutil
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("a real Slurm is installed with apt-get and run as root; this is not a root Debian machine")
+    if not all(shutil.which(x) for x in ("sbatch", "slurmctld", "slurmd", "munged")):
+        apt_install("slurm-wlm", "munge")
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode != 0:
+        for d in ("/run/munge", "/var/log/munge", "/var/lib/munge", "/etc/munge"):
+            os.makedirs(d, exist_ok=True)
+            shutil.chown(d, "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, capture_output=True)
+    d = short_tmp("slurm")
+    os.makedirs(f"{d}/state")
+    os.makedirs(f"{d}/spool")
+    host = socket.gethostname().split(".")[0]
+    conf = f"{d}/slurm.conf"
+    with open(conf, "w") as f:
+        f.write(SLURM_CONF.format(host=host, dir=d, ctld_port=free_port(), d_port=free_port(), cpus=os.cpu_count(),
+                                  mem_mb=int(psutil.virtual_memory().total / 2**20 * 0.8)))
+    env = {**os.environ, "SLURM_CONF": conf}
+    try:
+        for daemon in ("slurmctld", "slurmd"):
+            subprocess.run([daemon], env=env, check=True, capture_output=True, timeout=60)
+        wait = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True,
+                                           timeout=30).stdout:
+            assert time.monotonic() < wait, open(f"{d}/slurmctld.log").read()[-2000:]
+            time.sleep(0.25)
+        yield {"SLURM_CONF": conf}
+    finally:
+        for daemon in ("slurmd", "slurmctld"):
+            try:
+                os.kill(int(open(f"{d}/{daemon}.pid").read()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sbatch_runs_the_slurm_script_to_a_finished_results_file(slurm, job_dir, dp2_run, tmp_path):
+    """`sbatch scripts/msinfer.slurm job.yaml` on a real one-node Slurm: the head's srun step
+    starts Ray, runs the job to its last line, and stops Ray."""
     ray_tmp = short_tmp("mss")
     try:
-        env = slurm_env(tmp_path, PATH=f"{bin_dir}:{BIN}:/usr/bin:/bin", TMPDIR=ray_tmp,
-                        MSINFER_CACHE=str(tmp_path / "cache"))
         out = tmp_path / "slurm.jsonl"
-        r = run_script(SLURM_SH, "--port", free_port(), job_dir / "job.yaml", "--overwrite", "--no-progress",
-                       "--set", f"output.path={out}", "--set", "ray.num_cpus_per_worker=1",
-                       env=env, cwd=tmp_path, timeout=240)
-        assert r.returncode == 0, r.stderr[-3000:]
+        env = clean_env(PATH=f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", TMPDIR=ray_tmp, MSINFER_NODE_SCRIPT=NODE_SH,
+                        MSINFER_CACHE=str(tmp_path / "cache"), **slurm)
+        log = tmp_path / "slurm-%j.out"
+        r = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={tmp_path}", f"--output={log}", "--export=ALL",
+                            SLURM_SH, "--port", str(free_port()), str(job_dir / "job.yaml"), "--overwrite",
+                            "--no-progress", "--set", f"output.path={out}", "--set", "ray.num_cpus_per_worker=1"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+        assert r.returncode == 0, r.stderr + logs[-3000:]
         results = read_results(out)
         assert {k: r["output_token_ids"] for k, r in results.items()} == \
             {k: r["output_token_ids"] for k, r in dp2_run[0].items()}
@@ -319,7 +391,7 @@ def test_slurm_script_runs_a_job_end_to_end(job_dir, dp2_run, tmp_path):
         head_ip = subprocess.run(["bash", NODE_SH, "--print-ip"], capture_output=True, text=True).stdout.strip()
         assert summary["spec"]["ray"]["address"].startswith(head_ip + ":")
         assert [r["node_ip"] for r in summary["replicas"]] == [head_ip]
-        assert "stopping the Ray node" in r.stderr
+        assert "stopping the Ray node" in logs and "msinfer.slurm: done (exit status 0)" in logs
         assert not processes_under(ray_tmp), "Ray processes outlived the Slurm job"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -112,6 +112,7 @@ class RecordCodec:
             samples = Samples(seqs)
             for seq in seqs:
                 seq.samples = samples
+                seq.prefix_wait = seq is not seqs[0]    # the prompt is prefilled once, by the first
         return seqs
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:

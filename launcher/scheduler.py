@@ -65,6 +65,7 @@ class Sequence:
         self.num_registered = 0                         # blocks of block_table the cache knows (or holds elsewhere)
         self.num_cached_tokens = 0                      # tokens found in the prefix cache when it was admitted
         self.history_sent = False                       # its workers hold its sampling history (SeqStep.history)
+        self.prefix_wait = False                        # waits for any of its prefix a step being built writes
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
         self.num_pending = 0                            # tokens they sample
@@ -228,19 +229,24 @@ class BlockManager:
                 parent = hash(keys[-1])
         return keys[:n_blocks]
 
-    def acquire_cached(self, seq: Sequence, max_blocks: int, step_no: int) -> int | None:
+    def acquire_cached(self, seq: Sequence, max_blocks: int, step_no: int, wait_blocks: int) -> int | None:
         """Gives seq (holding no blocks) the cached blocks of its longest cached run of leading
-        full blocks, at most max_blocks; returns how many. None, taking nothing, when that run
-        holds a block the step being scheduled (step_no) writes: a sequence must not read what
-        another writes in the same step, so it waits for the next one."""
-        hits = []
+        full blocks, at most max_blocks; returns how many. A sequence must not read what another
+        writes in the same step: the run stops before the first block the step being scheduled
+        (step_no) writes, and when at least wait_blocks of the run are such blocks, seq takes
+        nothing and None is returned, for it to wait for the next step instead."""
+        hits, usable = [], None
         for key in self.keys(seq, max_blocks):
             b = self.cached.get(key)
             if b is None:
                 break
-            if self.written_in[b] == step_no:
-                return None
+            if usable is None and self.written_in[b] == step_no:
+                usable = len(hits)
             hits.append(b)
+        if usable is not None:
+            if len(hits) - usable >= wait_blocks:
+                return None
+            hits = hits[:usable]
         for b in hits:
             if self.refs[b] == 0:
                 del self.evictable[b]
@@ -286,6 +292,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.released: list[int] = []                 # finished sequences whose history the workers keep
         self.step_no = 0                               # counts schedule passes (BlockManager.written_in)
+        # a sequence waits a step for blocks the step being built writes when they hold this many
+        # of its tokens; fewer, it computes them again: at most an eighth of a step's budget
+        self.wait_tokens = max(block_size, max_batched_tokens // 8)
         self.prompt_tokens = 0                         # tokens of sequences admitted (again, after a preemption)
         self.cached_tokens = 0                         # of which found in the prefix cache, not prefilled
 
@@ -418,12 +427,15 @@ class Scheduler:
 
     def _start_cached(self, seq: Sequence) -> bool:
         """Starts seq, being admitted, after its longest run of cached blocks; False when it must
-        wait for the next step (see BlockManager.acquire_cached). At least one token is left to
-        feed, for the logits to sample from, and for a scoring sequence every token whose next
-        one is scored."""
+        wait for the next step (see BlockManager.acquire_cached): when the step being built writes
+        at least wait_tokens of its prefix (any of it, for a sequence with `prefix_wait`). Fewer,
+        it computes them again in this step rather than wait a step for them. At least one token
+        is left to feed, for the logits to sample from, and for a scoring sequence every token
+        whose next one is scored."""
         bs = self.block_manager.block_size
         feed_from = seq.num_tokens - seq.num_score_tokens - 1
-        hits = self.block_manager.acquire_cached(seq, feed_from // bs, self.step_no)
+        wait = 1 if seq.prefix_wait else -(-self.wait_tokens // bs)
+        hits = self.block_manager.acquire_cached(seq, feed_from // bs, self.step_no, wait)
         if hits is None:
             return False
         seq.num_cached = seq.num_cached_tokens = hits * bs

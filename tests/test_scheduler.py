@@ -498,3 +498,20 @@ def test_a_scored_continuation_reuses_its_prompts_blocks_and_scores_every_token(
     assert steps[0].num_cached == 12 and scored.num_cached_tokens == 12
     targets = [t for s in steps for t in s.targets if t >= 0]
     assert targets == [7, 8, 9] and scored.finish_reason == "scored"
+
+
+def test_a_short_prefix_the_step_writes_is_computed_again_rather_than_waited_for(ahead):
+    """Budget 64: a sequence waits a step only for 8 or more tokens (an eighth of the budget) that
+    the step being built writes; 4 it computes again beside their writer. A sample of a record
+    (prefix_wait) waits for any."""
+    sched, model = make_sched(block_size=4, max_batched_tokens=64, prefix_caching=True)
+    assert sched.wait_tokens == 8
+    first, second = Sequence([1, 2, 3, 4, 9, 9]), Sequence([1, 2, 3, 4, 7, 7])
+    sibling = Sequence([1, 2, 3, 4, 9, 9])
+    sibling.prefix_wait = True
+    _, feeds, _ = drive(sched, [first, second, sibling], model, ahead=ahead)
+    assert feeds[first.seq_id][0][1].block_table[0] != feeds[second.seq_id][0][1].block_table[0]
+    assert feeds[second.seq_id][0][1].num_cached == 0                     # in the first step, from scratch
+    assert feeds[sibling.seq_id][0][1].num_cached == 4                    # the step after, on first's block
+    for seq in (first, second, sibling):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, max_model_len=128)[0]

@@ -300,8 +300,8 @@ class Engine:
             if lp is not None and not seq.is_finished:
                 seq.logprobs.append(lp)
         for seq, scores in zip(seqs, out.scores or ()):
-            if scores and not seq.is_finished:  # a scoring chunk: log-probabilities of the continuation tokens it saw
-                seq.continuation_logprobs.extend(scores)
+            if scores and not seq.is_finished:  # log-probabilities of the continuation (or prompt) tokens it saw
+                (seq.continuation_logprobs if seq.is_scoring else seq.prompt_logprobs).extend(scores)
         finished = self.scheduler.postprocess(seqs, out.token_ids)
         for seq in seqs:                    # stop_string skips the finished
             if seq.stop_matcher is not None and self.codec.stop_string(seq):

@@ -203,8 +203,9 @@ class RecordCodec:
             return self._done(seq.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
                                                        seq.continuation_logprobs,
                                                        seq.num_prompt_tokens - n))
+        extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
         result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
-                           seq.finish_reason, seq.num_prompt_tokens, self.logprobs(seq))
+                           seq.finish_reason, seq.num_prompt_tokens, extra)
         result["cached_tokens"] = seq.num_cached_tokens
         return self._done(seq.serial, result, seq.request, self.ttft([seq]))
 
@@ -216,8 +217,8 @@ class RecordCodec:
                     "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
                    for i, seq in enumerate(samples.seqs)]
         result = {"id": first.key, "outputs": outputs, "prompt_tokens": first.num_prompt_tokens,
-                  "completion_tokens": sum(o["completion_tokens"] for o in outputs), "error": None,
-                  "cached_tokens": max(seq.num_cached_tokens for seq in samples.seqs)}
+                  "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
+                  "error": None, "cached_tokens": max(seq.num_cached_tokens for seq in samples.seqs)}
         return self._done(first.serial, result, first.request, self.ttft(samples.seqs))
 
     @staticmethod
@@ -225,6 +226,14 @@ class RecordCodec:
         if not seq.logprobs:
             return {}
         return {"logprobs": [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]}
+
+    @staticmethod
+    def prompt_logprobs(seq: Sequence) -> dict:
+        """As vLLM gives them: per prompt token, its log-probability given the ones before it
+        (None for the first). A preempted sequence computes them again: the first are kept."""
+        if seq.sampling.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": [None, *seq.prompt_logprobs[:seq.num_prompt_tokens - 1]]}
 
     @staticmethod
     def ttft(seqs: list[Sequence]) -> float | None:

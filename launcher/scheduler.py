@@ -81,6 +81,7 @@ class Sequence:
         self.cut_text: str | None = None                # its output text, cut before the stop string it hit
         self.logprobs: list = []                        # per generated token: (logprob, [(token, logprob)])
         self.continuation_logprobs: list[float] = []    # scoring: per continuation token
+        self.prompt_logprobs: list[float] = []          # sampling.prompt_logprobs: per prompt token after the first
         self.t_added = 0.0                              # perf_counter when the engine received it
         self.t_first: float | None = None               # perf_counter of its first token
 
@@ -131,11 +132,16 @@ class Sequence:
 
     def score_targets(self, start: int, end: int) -> list[int] | None:
         """For tokens start..end-1 fed by a prefill step: the next token whose log-probability to
-        return where that token is one of the scored ones, else -1 (None: not a scoring sequence)."""
-        if not self.is_scoring:
+        return where that token is one of the scored ones (a scoring sequence's continuation, or
+        the prompt of one asking for prompt_logprobs), else -1. None: nothing to return there."""
+        if self.is_scoring:
+            first, last = self.num_tokens - self.num_score_tokens, self.num_tokens
+        elif self.sampling.prompt_logprobs is not None and start < self.num_prompt_tokens - 1:
+            first, last = 1, self.num_prompt_tokens
+        else:
             return None
-        first, toks = self.num_tokens - self.num_score_tokens, self.token_ids
-        return [toks[j + 1] if first <= j + 1 < len(toks) else -1 for j in range(start, end)]
+        toks = self.token_ids
+        return [toks[j + 1] if first <= j + 1 < last else -1 for j in range(start, end)]
 
     @property
     def is_finished(self) -> bool:
@@ -433,7 +439,8 @@ class Scheduler:
         is left to feed, for the logits to sample from, and for a scoring sequence every token
         whose next one is scored."""
         bs = self.block_manager.block_size
-        feed_from = seq.num_tokens - seq.num_score_tokens - 1
+        # prompt_logprobs: every prompt token is fed, for the log-probability of the one after it
+        feed_from = 0 if seq.sampling.prompt_logprobs is not None else seq.num_tokens - seq.num_score_tokens - 1
         wait = 1 if seq.prefix_wait else -(-self.wait_tokens // bs)
         hits = self.block_manager.acquire_cached(seq, feed_from // bs, self.step_no, wait)
         if hits is None:
@@ -478,7 +485,9 @@ class Scheduler:
     def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
         """The step feeding seq's next n tokens, recorded in seq.in_flight."""
         # attributes rather than the properties: this runs for every sequence of every step
-        pending, scoring, generated = seq.num_pending, seq.num_score_tokens > 0, len(seq.output_token_ids)
+        pending, generated = seq.num_pending, len(seq.output_token_ids)
+        scoring = seq.num_score_tokens > 0
+        targets = seq.num_score_tokens > 0 or seq.sampling.prompt_logprobs is not None
         num_tokens = len(seq.prompt_token_ids) + generated
         start = seq.num_cached + seq.num_scheduled
         end = start + n
@@ -495,7 +504,7 @@ class Scheduler:
         seq.num_scheduled += n
         seq.num_pending += sample
         step = SeqStep(seq.seq_id, tokens, start, list(seq.block_table), seq.sampling, generated + pending, sample,
-                       seq.score_targets(start, end) if scoring else None)
+                       seq.score_targets(start, end) if targets else None)
         if not seq.history_sent and seq.sampling.looks_back:
             step.history = (seq.prompt_token_ids, list(seq.output_token_ids))
             seq.history_sent = True

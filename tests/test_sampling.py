@@ -163,3 +163,28 @@ def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
     bad = plan_codec(plan).sequences(parse_record({"id": "bad", "prompt": "x", "sampling": {
         "structured_outputs": {"json": {"type": "bogus"}}}}, 1), 0)
     assert bad.failed and "record 'bad': sampling.structured_outputs: Invalid type: bogus" in bad.line
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation_goes_on(checkpoint, reference):
+    """prompt_logprobs: 0 on a 30-token prompt prefilled in chunks of 16: per prompt token its
+    log-probability given the ones before it (None first), within 1e-4 of transformers' float32,
+    and the record still generates its greedy tokens; asking for alternatives is the record's error."""
+    import torch
+    import transformers
+    from launcher.errors import RecordError
+    path = checkpoint(NAME)
+    plan = plan_job(spec_for(path, max_new_tokens=3), check_io=False)
+    prompt = [(11 * i + 5) % 250 + 3 for i in range(30)]
+    lines, _ = run_engine(plan, [{"id": "p", "prompt_token_ids": prompt,
+                                  "sampling": {"prompt_logprobs": 0, "ignore_eos": True}}])
+    got = lines["p"]["prompt_logprobs"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    want = [lp[j, prompt[j + 1]] for j in range(len(prompt) - 1)]
+    assert got[0] is None and len(got) == len(prompt)
+    np.testing.assert_allclose(got[1:], want, atol=1e-4)
+    p = plan.spec.sampling.merge({"ignore_eos": True}).to_params()
+    assert lines["p"]["output_token_ids"] == reference(prompt, p)
+    with pytest.raises(RecordError, match=r"sampling.prompt_logprobs: .*only 0 is served"):
+        plan.spec.sampling.merge({"prompt_logprobs": 2}, "p")

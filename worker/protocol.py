@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-k log-probabilities per generated token (0: none)
+    prompt_logprobs: int | None = None  # 0: the log-probability of each prompt token (the scheduler's targets)
     min_tokens: int = 0               # no end-of-sequence or stop (token or string) before this many tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -100,3 +100,22 @@ def test_draws_follow_the_penalized_distribution_and_stay_seeded():
     assert np.abs(got - want).max() < 4 * np.sqrt(want * (1 - want) / len(draws)).max() + 1e-3
     again = [sampler.sample_row(logits, dataclasses.replace(p, seed=s), 3, hist) for s in range(50)]
     assert again == draws[:50].tolist()
+
+
+def test_top_p_keeps_the_set_a_full_sort_keeps_ties_included():
+    """The candidate search (worker.sampler.top_p_mask) against sorting the whole row."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n = int(rng.choice([7, 300, 5000]))
+        x = rng.normal(0, float(rng.choice([0.3, 1.0, 4.0])), n)
+        if trial % 3 == 0:
+            x = np.round(x, 1)                                  # many ties
+        top_p = float(rng.choice([0.05, 0.5, 0.9, 0.999]))
+        order = np.argsort(-x, kind="stable")
+        probs = np.exp(x[order] - x[order[0]])
+        probs /= probs.sum()
+        want = np.zeros(n, bool)
+        want[order[np.cumsum(probs) - probs < top_p]] = True
+        got = x.copy()
+        sampler.top_p_mask(got, top_p)
+        assert np.array_equal(np.isfinite(got), want), trial

@@ -14,8 +14,10 @@ while dealing to one engine but belonging to another (by a hash of its prompt's 
 ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token ids) is held for that one,
 unless that one already has a queue's worth held (or is restarting); then it goes to the engine
 being dealt to. A group of records too large for one replica thus overflows to the others,
-which cache the prefix too, and load stays balanced. Scheduling, steps, sampled tokens, stop strings and
-detokenizing happen in the engines, one per replica.
+which cache the prefix too, and load stays balanced.
+
+Scheduling, steps, sampled tokens, stop strings and detokenizing happen in the engines, one per
+replica.
 
 A replica whose engine reports a failure (a worker died, a step outlived step_timeout_s), whose
 engine dies, or whose exchange outlives step_timeout_s, is torn down; the records it had been

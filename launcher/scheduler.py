@@ -498,8 +498,8 @@ class Scheduler:
         else:
             tokens = seq.token_ids[start:end]
         sample = end == num_tokens + pending and not scoring
-        if self.prefix_caching and not pending:
-            self.block_manager.register(seq, end, self.step_no)
+        if self.prefix_caching and not pending and end >= (seq.num_registered + 1) * self.block_manager.block_size:
+            self.block_manager.register(seq, end, self.step_no)             # it fills a block
         seq.in_flight.append((n, sample))
         seq.num_scheduled += n
         seq.num_pending += sample

@@ -18,8 +18,8 @@ from launcher.errors import RecordError
 from launcher.inputs import Record
 from launcher.scheduler import Sequence
 from launcher.tokenizer import StopStringMatcher, Tokenizer
-from worker.protocol import SamplingParams
 from launcher.writer import error_result, ok_result, score_result
+from worker.protocol import SamplingParams
 
 
 class Done(NamedTuple):

@@ -9,12 +9,13 @@ The driver's work is per record: it reads a record, deals it, and writes its res
 the engine has already formatted.
 
 Records whose prompts begin alike go to the same replica, where prefix caching finds the blocks
-of their common beginning (`scheduler.route_by_prefix`, with prefix caching): a record read
-while dealing to one engine but belonging to another (by a hash of its prompt's first
-ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token ids) is held for that one,
-unless that one already has a queue's worth held (or is restarting); then it goes to the engine
-being dealt to. A group of records too large for one replica thus overflows to the others,
-which cache the prefix too, and load stays balanced.
+of their common beginning (`scheduler.route_by_prefix`, with prefix caching). A record's
+beginning (its prompt's first ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token
+ids) is hashed; the first record with a beginning goes to the engine being dealt to, and is
+remembered; a later one read while dealing to another engine is held for that one, unless it
+already has a queue's worth held (or is restarting): then it goes to the engine being dealt to,
+which caches the prefix too. Records that share no beginning are dealt by load alone, and a
+group too large for one replica overflows to the others.
 
 Scheduling, steps, sampled tokens, stop strings and detokenizing happen in the engines, one per
 replica.
@@ -48,6 +49,7 @@ from launcher.replica import LaunchError, Replica
 
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
 ROUTE_PREFIX_TOKENS = 48
+ROUTE_KEYS_KEPT = 100_000      # beginnings remembered, the oldest forgotten first
 
 
 def route_key(rec: Record) -> int | None:
@@ -113,6 +115,7 @@ class Controller:
     restart_log: list[str] = field(default_factory=list)
     serials: Iterator[int] = field(default_factory=itertools.count)
     requeue: deque = field(default_factory=deque)      # (serial, Record) of failed replicas, dealt first
+    route_to: dict = field(default_factory=dict)       # a prompt beginning's hash -> the slot of its first record
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
 
     def _new_replica(self, index: int) -> Replica:
@@ -208,12 +211,8 @@ class Controller:
                         exhausted = True
                         break
                     item = (next(self.serials), rec)
-                    if route:
-                        key = route_key(rec)
-                        to = self.slots[key % len(self.slots)] if key is not None else slot
-                        if to is not slot and to.starting is None and len(to.held) < hold:
-                            to.held.append(item)
-                            continue
+                    if route and self._hold(item, slot, hold):
+                        continue
                     chunk.append(item)
                 if not chunk and not slot.outstanding and not slot.held:
                     continue
@@ -236,6 +235,24 @@ class Controller:
             for slot in pending.values():   # an engine that does not answer: wedged, or its node gone
                 if slot.pending is not None and now - slot.sent > self.cfg.step_timeout_s + 60:
                     self._fail(slot, TimeoutError(f"its engine did not answer for {now - slot.sent:.0f}s"))
+
+    def _hold(self, item: tuple, slot: Slot, hold: int) -> bool:
+        """Whether the record, read while dealing to `slot`, is held for the slot that got the
+        first record beginning as it does (see the module's docstring)."""
+        key = route_key(item[1])
+        if key is None:
+            return False
+        index = self.route_to.get(key)
+        if index is None:
+            if len(self.route_to) >= ROUTE_KEYS_KEPT:
+                del self.route_to[next(iter(self.route_to))]
+            self.route_to[key] = slot.index
+            return False
+        to = self.slots[index]
+        if to is slot or to.starting is not None or len(to.held) >= hold:
+            return False
+        to.held.append(item)
+        return True
 
     def _receive(self, slot: Slot, ref, on_done, on_stream) -> None:
         slot.pending = None

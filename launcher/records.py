@@ -55,6 +55,7 @@ class RecordCodec:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
         self.eos = tuple(eos)
         self.openai = output_format == "openai"
+        self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
         self.model_name = os.path.basename(os.path.normpath(spec.model.path))
 
     def token_text(self, token_id: int) -> str:
@@ -70,11 +71,16 @@ class RecordCodec:
             return self.error(serial, rec, rec.error)
         try:
             merged = spec.sampling.merge(rec.sampling, rec.id)
-            try:
-                params = merged.to_params()
-            except ValueError as e:         # a structured output that llguidance cannot read
-                raise RecordError(f"record '{rec.id}': sampling.structured_outputs: {e}") from None
-            sampling = self.complete(params, rec)
+            if merged is self.defaults[0]:  # no overrides: one SamplingParams for all (a step's
+                sampling = self.defaults[1]     # pickle then holds it once)
+            else:
+                try:
+                    params = merged.to_params()
+                except ValueError as e:     # a structured output that llguidance cannot read
+                    raise RecordError(f"record '{rec.id}': sampling.structured_outputs: {e}") from None
+                sampling = self.complete(params, rec)
+                if merged is spec.sampling:
+                    self.defaults = (merged, sampling)
             if self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "

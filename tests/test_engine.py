@@ -195,24 +195,18 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
     assert len(results(tmp_path / "out.jsonl")) == len(bad) + 1
 
 
-def test_records_whose_prompts_begin_alike_go_to_the_same_replica(demo, tmp_path, ray_local):
-    """At dp 2 with prefix caching, records are dealt by a hash of their prompt's beginning (while
-    the replica it names has room), so each group's prefix is computed on one replica once; with
-    scheduler.route_by_prefix off they go by load alone (here: all to the first replica, whose
-    queue holds them all)."""
-    from launcher.controller import route_key
+def test_records_whose_prompts_begin_alike_go_to_the_replica_of_the_first(demo, tmp_path, ray_local):
+    """At dp 2 with prefix caching, a record goes to the replica that got the first record
+    beginning as it does, while that one has room: 4 groups of 6 records, a queue of 16 records
+    per replica; the first replica is dealt first and takes the first 16 (every group), so the last
+    8 are held for it, and each group's prefix is computed once. By load alone
+    (scheduler.route_by_prefix: false) the second replica takes the last 8 and computes the 4
+    prefixes again."""
     from launcher.inputs import Record
     from launcher.job import start_controller
 
-    groups, g = {0: [], 1: []}, 0
-    while min(len(v) for v in groups.values()) < 2:     # two groups for each replica
-        prefix = [100 + 7 * g + j for j in range(60)]
-        key = route_key(Record("x", 1, prompt_token_ids=prefix))
-        if len(groups[key % 2]) < 2:
-            groups[key % 2].append(prefix)
-        g += 1
-    prefixes = groups[0] + groups[1]
-    records = [Record(f"r{i}", i + 1, prompt_token_ids=prefixes[i % 4] + [i + 1, 2, 3]) for i in range(12)]
+    prefixes = [[100 + 7 * g + j for j in range(60)] for g in range(4)]
+    records = [Record(f"r{i}", i + 1, prompt_token_ids=prefixes[i % 4] + [i + 1, 2, 3]) for i in range(24)]
     for route in (True, False):
         spec = job_spec(demo, tmp_path, [], parallel={"data_parallel": 2},
                         scheduler={"max_batch_size": 8, "route_by_prefix": route})
@@ -225,12 +219,11 @@ def test_records_whose_prompts_begin_alike_go_to_the_same_replica(demo, tmp_path
             controller.shutdown()
         assert sorted(done) == sorted(r.id for r in records)
         admitted = [st["prompt_tokens"] for st in stats]
-        if route:
-            assert admitted == [6 * 63, 6 * 63]
-        else:
-            assert admitted == [12 * 63, 0]
-        # two of each group's three records start after its first one's 3 full blocks
-        assert sum(st["cached_tokens"] for st in stats) == 8 * 48
+        cached = sum(st["cached_tokens"] for st in stats)
+        if route:       # the 5 later records of each group start after its first one's 3 full blocks
+            assert admitted == [24 * 63, 0] and cached == 4 * 5 * 48
+        else:           # the second replica's first record of each group computes its prefix again
+            assert admitted == [16 * 63, 8 * 63] and cached == (4 * 3 + 4 * 1) * 48
 
 
 def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint):

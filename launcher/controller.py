@@ -11,11 +11,11 @@ the engine has already formatted.
 Records whose prompts begin alike go to the same replica, where prefix caching finds the blocks
 of their common beginning (`scheduler.route_by_prefix`, with prefix caching). A record's
 beginning (its prompt's first ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token
-ids) is hashed; the first record with a beginning goes to the engine being dealt to, and is
-remembered; a later one read while dealing to another engine is held for that one, unless it
-already has a queue's worth held (or is restarting): then it goes to the engine being dealt to,
-which caches the prefix too. Records that share no beginning are dealt by load alone, and a
-group too large for one replica overflows to the others.
+ids; a shorter prompt is dealt by load) is hashed; the first record with a beginning goes to the
+engine being dealt to, and is remembered; a later one read while dealing to another engine is
+held for that one, unless it already has a queue's worth held (or is restarting): then it goes
+to the engine being dealt to, which caches the prefix too. Records that share no beginning are
+dealt by load alone, and a group too large for one replica overflows to the others.
 
 Scheduling, steps, sampled tokens, stop strings and detokenizing happen in the engines, one per
 replica.
@@ -53,8 +53,12 @@ ROUTE_KEYS_KEPT = 100_000      # beginnings remembered, the oldest forgotten fir
 
 
 def route_key(rec: Record) -> int | None:
-    """A hash of the record's prompt's beginning (None: it has no prompt)."""
+    """A hash of the record's prompt's beginning. None for a prompt no longer than that beginning
+    (dealt by load: holding short prompts for a replica costs more than the few blocks they could
+    share; measured with `msinfer simulate` at dp 16) or no prompt."""
     if rec.prompt_token_ids is not None and rec.messages is None and rec.prompt is None:
+        if len(rec.prompt_token_ids) <= ROUTE_PREFIX_TOKENS:
+            return None
         return hash(tuple(rec.prompt_token_ids[:ROUTE_PREFIX_TOKENS]))
     if rec.messages is not None and isinstance(rec.messages, list):
         parts, size = [], 0
@@ -62,10 +66,10 @@ def route_key(rec: Record) -> int | None:
             part = f"{m.get('role')}\0{m.get('content')}\0" if isinstance(m, dict) else str(m)
             parts.append(part)
             size += len(part)
-            if size >= ROUTE_PREFIX_CHARS:
-                break
-        return hash("".join(parts)[:ROUTE_PREFIX_CHARS])
-    if isinstance(rec.prompt, str):
+            if size > ROUTE_PREFIX_CHARS:
+                return hash("".join(parts)[:ROUTE_PREFIX_CHARS])
+        return None
+    if isinstance(rec.prompt, str) and len(rec.prompt) > ROUTE_PREFIX_CHARS:
         return hash(rec.prompt[:ROUTE_PREFIX_CHARS])
     return None
 

@@ -11,11 +11,12 @@ the engine has already formatted.
 Records whose prompts begin alike go to the same replica, where prefix caching finds the blocks
 of their common beginning (`scheduler.route_by_prefix`, with prefix caching). A record's
 beginning (its prompt's first ROUTE_PREFIX_CHARS characters, or first ROUTE_PREFIX_TOKENS token
-ids; a shorter prompt is dealt by load) is hashed; the first record with a beginning goes to the
-engine being dealt to, and is remembered; a later one read while dealing to another engine is
-held for that one, unless it already has a queue's worth held (or is restarting): then it goes
-to the engine being dealt to, which caches the prefix too. Records that share no beginning are
-dealt by load alone, and a group too large for one replica overflows to the others.
+ids; a shorter prompt is dealt by load) is hashed, and the hash names its replica. The first
+record with a beginning goes to the engine being dealt to (a beginning seen once is dealt by
+load, so records that share none are never held back); a later one is held for its replica,
+unless that one already has a queue's worth held (or is restarting): then it goes to the engine
+being dealt to, which caches the prefix too. A group too large for one replica overflows to the
+others.
 
 Scheduling, steps, sampled tokens, stop strings and detokenizing happen in the engines, one per
 replica.
@@ -119,7 +120,7 @@ class Controller:
     restart_log: list[str] = field(default_factory=list)
     serials: Iterator[int] = field(default_factory=itertools.count)
     requeue: deque = field(default_factory=deque)      # (serial, Record) of failed replicas, dealt first
-    route_to: dict = field(default_factory=dict)       # a prompt beginning's hash -> the slot of its first record
+    seen: dict = field(default_factory=dict)           # hashes of the prompt beginnings seen, oldest first
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
 
     def _new_replica(self, index: int) -> Replica:
@@ -241,18 +242,17 @@ class Controller:
                     self._fail(slot, TimeoutError(f"its engine did not answer for {now - slot.sent:.0f}s"))
 
     def _hold(self, item: tuple, slot: Slot, hold: int) -> bool:
-        """Whether the record, read while dealing to `slot`, is held for the slot that got the
-        first record beginning as it does (see the module's docstring)."""
+        """Whether the record, read while dealing to `slot`, is held for the replica its prompt's
+        beginning names (see the module's docstring)."""
         key = route_key(item[1])
         if key is None:
             return False
-        index = self.route_to.get(key)
-        if index is None:
-            if len(self.route_to) >= ROUTE_KEYS_KEPT:
-                del self.route_to[next(iter(self.route_to))]
-            self.route_to[key] = slot.index
+        if key not in self.seen:
+            if len(self.seen) >= ROUTE_KEYS_KEPT:
+                del self.seen[next(iter(self.seen))]
+            self.seen[key] = None
             return False
-        to = self.slots[index]
+        to = self.slots[key % len(self.slots)]
         if to is slot or to.starting is not None or len(to.held) >= hold:
             return False
         to.held.append(item)

@@ -195,17 +195,23 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
     assert len(results(tmp_path / "out.jsonl")) == len(bad) + 1
 
 
-def test_records_whose_prompts_begin_alike_go_to_the_replica_of_the_first(demo, tmp_path, ray_local):
-    """At dp 2 with prefix caching, a record goes to the replica that got the first record
-    beginning as it does, while that one has room: 4 groups of 6 records, a queue of 16 records
-    per replica; the first replica is dealt first and takes the first 16 (every group), so the last
-    8 are held for it, and each group's prefix is computed once. By load alone
-    (scheduler.route_by_prefix: false) the second replica takes the last 8 and computes the 4
-    prefixes again."""
+def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):
+    """At dp 2 with prefix caching: 4 groups of 6 records (two groups named to each replica by
+    the hash of their beginning), a queue of 16 records per replica. The first record of each
+    group goes by load (to the first replica, dealt first); the others to the group's replica. By
+    load alone (scheduler.route_by_prefix: false) the second replica gets the last 8 records."""
+    from launcher.controller import route_key
     from launcher.inputs import Record
     from launcher.job import start_controller
 
-    prefixes = [[100 + 7 * g + j for j in range(60)] for g in range(4)]
+    groups, g = {0: [], 1: []}, 0
+    while min(len(v) for v in groups.values()) < 2:     # two groups for each replica
+        prefix = [100 + 7 * g + j for j in range(60)]
+        key = route_key(Record("x", 1, prompt_token_ids=prefix + [1, 2, 3]))
+        if len(groups[key % 2]) < 2:
+            groups[key % 2].append(prefix)
+        g += 1
+    prefixes = groups[0] + groups[1]                     # groups 0, 1 -> replica 0; 2, 3 -> replica 1
     records = [Record(f"r{i}", i + 1, prompt_token_ids=prefixes[i % 4] + [i + 1, 2, 3]) for i in range(24)]
     for route in (True, False):
         spec = job_spec(demo, tmp_path, [], parallel={"data_parallel": 2},
@@ -218,12 +224,13 @@ def test_records_whose_prompts_begin_alike_go_to_the_replica_of_the_first(demo, 
         finally:
             controller.shutdown()
         assert sorted(done) == sorted(r.id for r in records)
-        admitted = [st["prompt_tokens"] for st in stats]
-        cached = sum(st["cached_tokens"] for st in stats)
-        if route:       # the 5 later records of each group start after its first one's 3 full blocks
-            assert admitted == [24 * 63, 0] and cached == 4 * 5 * 48
-        else:           # the second replica's first record of each group computes its prefix again
-            assert admitted == [16 * 63, 8 * 63] and cached == (4 * 3 + 4 * 1) * 48
+        admitted = [st["prompt_tokens"] // 63 for st in stats]
+        cached = sum(st["cached_tokens"] for st in stats) // 48
+        if route:       # replica 0: every group's first record and groups 0, 1; replica 1: groups 2, 3
+            assert admitted == [4 + 2 * 5, 2 * 5]
+            assert cached == 2 * 5 + 2 * 4          # replica 1 computes groups 2 and 3 once more
+        else:           # replica 1 takes the last 8 and computes every group's prefix once more
+            assert admitted == [16, 8] and cached == 4 * 3 + 4 * 1
 
 
 def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint):

@@ -188,7 +188,7 @@ def test_prompts_found_in_the_prefix_cache_give_the_adapters_tokens(adapter, che
         "model": {"path": str(checkpoint(NAME)), "max_model_len": 64, "lora": {"path": str(adapter_dir)}},
         "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
         "sampling": {"max_new_tokens": N_NEW, "ignore_eos": True},
-        "scheduler": {"max_batch_size": 4, "block_size": 4}})
+        "scheduler": {"max_batch_size": 4, "block_size": 4, "max_batched_tokens": 32}})   # waits for 1 block
     records = [{"id": f"{k}{i}", "prompt_token_ids": p} for k in "ab" for i, p in enumerate(PROMPTS)]
     lines, engine = run(plan_job(spec, check_io=False), records)
     for k in "ab":

@@ -65,6 +65,19 @@ def in_process_rank(engine_config):
     return rank
 
 
+def exchange_until_done(engine, records, more=False, timeout=60) -> list:
+    """Deals `records` to an in-process engine (launcher.engine.Engine) in one exchange and
+    collects every result (launcher.records.Done)."""
+    done, payload = [], pickle.dumps(list(enumerate(records)))
+    t_end = time.monotonic() + timeout
+    while len(done) < len(records) and time.monotonic() < t_end:
+        out, want, _ = pickle.loads(engine.exchange(payload, more))
+        payload = None
+        done += out
+        assert want >= 0
+    return done
+
+
 def run_engine(plan, records, workers=None) -> tuple:
     """Deals records to an engine on `workers` (default: a rank in this process) in one exchange;
     returns the result lines by id and the engine."""
@@ -72,13 +85,8 @@ def run_engine(plan, records, workers=None) -> tuple:
     from launcher.inputs import parse_record
     engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
     engine.attach(workers or [in_process_rank(plan.engine)])
-    done, payload = [], pickle.dumps([(i, parse_record(r, i + 1)) for i, r in enumerate(records)])
-    t_end = time.monotonic() + 120
     try:
-        while len(done) < len(records) and time.monotonic() < t_end:
-            out, _, _ = pickle.loads(engine.exchange(payload, False))
-            payload = None
-            done += out
+        done = exchange_until_done(engine, [parse_record(r, i + 1) for i, r in enumerate(records)], timeout=120)
     finally:
         engine.close()
     lines = [json.loads(d.line) for d in done]

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import sys
-import time
 
 import pytest
 
@@ -18,6 +16,7 @@ from launcher.inputs import parse_record
 from launcher.job import plan_job, run_job
 from launcher.simulate import StandIn, StandInWorker
 from launcher.spec import JobSpec
+from tests.engine_driver import exchange_until_done
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +42,6 @@ def results(path) -> dict[str, dict]:
     ids = [x["id"] for x in lines]
     assert len(ids) == len(set(ids)), "a record was written twice"
     return {x["id"]: x for x in lines}
-
-
-def exchange_until_done(engine, records, more=False) -> list:
-    """Deals `records` to an in-process engine and collects every result."""
-    done, payload = [], pickle.dumps(list(enumerate(records)))
-    t_end = time.monotonic() + 60
-    while len(done) < len(records) and time.monotonic() < t_end:
-        out, want, _ = pickle.loads(engine.exchange(payload, more))
-        payload = None
-        done += out
-        assert want >= 0
-    return done
 
 
 def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_without_async_scheduling(

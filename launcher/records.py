@@ -212,8 +212,7 @@ class RecordCodec:
         extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
         result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
                            seq.finish_reason, seq.num_prompt_tokens, extra)
-        result["cached_tokens"] = seq.num_cached_tokens
-        return self._done(seq.serial, result, seq.request, self.ttft([seq]))
+        return self._done(seq.serial, result, seq.request, self.ttft([seq]), seq.num_cached_tokens)
 
     def samples_result(self, samples: Samples) -> Done:
         """The one result of a record's n samples: `outputs`, one entry per sample in order."""
@@ -224,8 +223,9 @@ class RecordCodec:
                    for i, seq in enumerate(samples.seqs)]
         result = {"id": first.key, "outputs": outputs, "prompt_tokens": first.num_prompt_tokens,
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
-                  "error": None, "cached_tokens": max(seq.num_cached_tokens for seq in samples.seqs)}
-        return self._done(first.serial, result, first.request, self.ttft(samples.seqs))
+                  "error": None}
+        return self._done(first.serial, result, first.request, self.ttft(samples.seqs),
+                          max(seq.num_cached_tokens for seq in samples.seqs))
 
     @staticmethod
     def logprobs(seq: Sequence) -> dict:
@@ -249,8 +249,8 @@ class RecordCodec:
     def error(self, serial: int, rec: Record, message: str) -> Done:
         return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec))
 
-    def _done(self, serial: int, result: dict, request=None, ttft: float | None = None) -> Done:
-        cached = result.pop("cached_tokens", 0)
+    def _done(self, serial: int, result: dict, request=None, ttft: float | None = None, cached: int = 0) -> Done:
+        """`cached`: prompt tokens found in the prefix cache (an OpenAI line's usage reports them)."""
         line = result
         if request is not None:
             from launcher.openai_batch import openai_line

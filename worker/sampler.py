@@ -62,8 +62,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: History | None) -> np.ndarray:
-    """One row's logits (float64, a copy) after allowed_token_ids, bad_words, min_tokens,
-    logit_bias and the penalties."""
+    """One row's logits (float64, a copy) after the grammar's mask, allowed_token_ids,
+    bad_words, min_tokens, logit_bias and the penalties."""
     x = logits.astype(np.float64)
     if hist is not None and hist.matcher is not None:
         allowed = hist.allowed(len(x))

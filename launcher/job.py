@@ -22,7 +22,7 @@ from launcher.spec import JobSpec
 from launcher.tokenizer import Tokenizer, load_tokenizer
 from launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
 from sharding.config import ModelConfig, ModelConfigError
-from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
+from sharding.layout import LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors, valid_tp_sizes
 from worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from worker.lora import check_adapter
 from worker.positions import make_scheme
@@ -69,18 +69,42 @@ class Plan:
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
-        lines.append("layout      " + layout_summary(m, tp))
+        lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
+        if m.is_moe:
+            lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
+                                                          2 if self.engine.dtype in ("float16", "bfloat16") else 4))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
 
 
-def layout_summary(m: ModelConfig, tp: int) -> str:
+def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
     if tp == 1:
         return "tp 1: every rank holds every tensor whole"
     kv = "split" if m.num_kv_heads % tp == 0 else f"replicated on {tp // m.num_kv_heads} ranks each"
-    return (f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}, mlp {m.intermediate_size}/{tp} "
-            f"columns, vocab rows {m.vocab_size}/{tp}, norms replicated")
+    mlp = f"mlp {m.intermediate_size}/{tp} columns"
+    if m.is_moe:
+        mlp = (f"experts {m.num_experts}/{tp} whole per rank" if ep else
+               f"every expert's {m.moe_intermediate_size} columns /{tp}") + ", router replicated"
+    return (f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}, {mlp}, vocab rows {m.vocab_size}/{tp}, "
+            f"norms replicated")
+
+
+def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int) -> str:
+    """Per-rank bytes of the experts and of the rest in both layouts, and the sizes each allows."""
+    gib = 1024 ** 3
+    parts = []
+    for layout, flag in (("sliced", False), ("expert parallel", True)):
+        if divisors_problem(m, tp, flag):
+            sizes = ", ".join(map(str, valid_tp_sizes(m, ep=flag)))
+            parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
+            continue
+        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True)
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False)
+        chosen = " (chosen)" if flag == ep else ""
+        parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
+    return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
+            f"{m.num_experts_per_tok}; " + "; ".join(parts))
 
 
 def verification_note(device: str, emulate: bool, ops: str) -> str:
@@ -181,9 +205,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
-    tp = spec.parallel.tensor_parallel
-    check_tp(m, tp)
-    plans = plan_tensors(m, tp)
+    tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
+    check_tp(m, tp, ep)
+    plans = plan_tensors(m, tp, ep)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
     if tokenizer is not None and spec.input.chat_template:
@@ -207,11 +231,11 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle, ops=spec.model.ops, shapes=spec.model.shapes,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path,
-                          trust_remote_code=spec.model.trust_remote_code)
+                          trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
-    weight_bytes = bytes_per_rank(m, tp, dbytes)
+    weight_bytes = bytes_per_rank(m, tp, dbytes, ep)
     card = None
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)

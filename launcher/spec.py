@@ -93,6 +93,7 @@ class ParallelSpec(Section):
     data_parallel: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "ascend"] = "auto"
     placement: Literal["pack", "spread"] = "pack"
+    expert_parallel: bool = False        # a mixture of experts: whole experts per rank instead of slices of each
     device_memory_gb: float | None = Field(None, gt=0)   # an accelerator card's memory; None: 64 on Ascend
     memory_fraction: float = Field(0.9, gt=0, le=1)       # of it for weights, KV cache, activations, runtime
 

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
 
 
@@ -47,6 +49,20 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: dict = field(default_factory=dict)
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE); num_experts = 0 for a dense model. A sparse
+    # layer routes each token to num_experts_per_tok of num_experts MLPs of moe_intermediate_size
+    # (weights: the top-k of the router's softmax, renormalized with norm_topk_prob), plus, with
+    # shared_expert_size > 0, a shared MLP that every token passes, scaled by sigmoid(its gate).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    shared_expert_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -80,11 +96,13 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(d.get("attention_bias", default_qkv_bias))
+        num_layers = int(need("num_hidden_layers"))
+        moe = cls._moe_fields(d, family, num_layers, source, need) if family.endswith("_moe") else {}
         return cls(
             architecture=arch, family=family,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")), num_heads=heads,
+            num_layers=num_layers, num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
@@ -95,7 +113,25 @@ class ModelConfig:
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos,
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} if rope_type != "default" else {},
+            **moe,
         )
+
+    @staticmethod
+    def _moe_fields(d: dict, family: str, num_layers: int, source: str, need) -> dict:
+        """The mixture-of-experts keys, as transformers reads them: layer i is sparse unless it is
+        in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step."""
+        # transformers 5 writes num_experts as num_local_experts
+        experts = int(d.get("num_experts") or d.get("num_local_experts") or need("num_experts"))
+        top_k = int(need("num_experts_per_tok"))
+        if not 0 < top_k <= experts:
+            raise ModelConfigError(f"{source}: num_experts_per_tok={top_k} must be between 1 and "
+                                   f"num_experts={experts}")
+        step = int(d.get("decoder_sparse_step") or 1)
+        dense = set(d.get("mlp_only_layers") or [])
+        shared = int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(d.get("norm_topk_prob")),
+                    moe_intermediate_size=int(need("moe_intermediate_size")), shared_expert_size=shared,
+                    sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -136,6 +172,9 @@ class ModelConfig:
             is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
             inv = np.where(is_mid, mid, scaled)
         return inv.astype(np.float32)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

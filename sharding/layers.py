@@ -101,12 +101,14 @@ class ColumnParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """Y = sum_r X_r A_r + b: rank r holds input columns A_r; partial products are all-reduced,
-    and the bias is added once, after the reduce (adding it on every rank would count it tp times)."""
+    and the bias is added once, after the reduce (adding it on every rank would count it tp times).
+    reduce=False: the caller sums the partial products (one all-reduce for several layers)."""
     tp_dim = 1
 
-    def __init__(self, in_size, out_size, bias, tp, dtype, linear=None):
+    def __init__(self, in_size, out_size, bias, tp, dtype, linear=None, reduce: bool = True):
         super().__init__(in_size // tp.size, out_size, bias, tp, dtype, linear)
-        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+        assert reduce or not bias, "a bias is added after the reduce"
+        self.all_reduce = ops.AllReduce() if tp.size > 1 and reduce else None
 
     def construct(self, x):
         y = self.matmul(x, self.weight)
@@ -153,6 +155,68 @@ class QKVParallelLinear(LinearBase):
         expected = (self.total[shard_id] * D,) + tuple(param.shape[1:])
         check_shape(name, src, expected)
         copy_into(param, read_shard(src, 0, first_head * D, size), slice(offset, offset + size))
+
+
+class FusedExperts(nn.Cell):
+    """The experts of a sparse layer that this rank holds (`TPInfo.experts`: all of them sliced,
+    or whole ones, expert parallel), stacked: w13 [E, 2I, H] (each expert's gate rows, then its
+    up rows) and w2 [E, H, I]. (x [N, H], ids [N, k] int32, weights [N, k]) -> this rank's part of
+    sum_j weights[n, j] * down(silu(gate x) * up x) of expert ids[n, j]: experts held elsewhere add
+    nothing, and sliced experts give partial sums over I, so the caller all-reduces the parts.
+    `op` is the device's grouped kernel (tokens grouped by expert, each expert's weights read
+    once for its tokens); without one every held expert runs on every token, weighted zero where
+    not routed (portable: any device, E/k times the routed work)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, op=None, glu_group: int = 0):
+        super().__init__()
+        self.tp, self.hidden, self.full = tp, cfg.hidden_size, cfg.moe_intermediate_size
+        self.first, self.count, self.inter = tp.experts(cfg)
+        self.w13 = new_param((self.count, 2 * self.inter, self.hidden), dtype, "w13")
+        self.w2 = new_param((self.count, self.hidden, self.inter), dtype, "w2")
+        # gate and up interleaved in the kernel's packing (dev.pack_experts) where I allows
+        self.glu = op is not None and glu_group > 0 and self.inter % glu_group == 0
+        self.op = op() if op else None
+        self.meta = Tensor(np.array([self.first, int(self.glu)], np.int32))
+        self.host: dict[str, list] = {}      # parameter name -> [its data as the loader fills it, tensors in]
+        if self.op is None:
+            self.batch_matmul = ops.BatchMatMul(transpose_b=True)
+            self.expert_ids = Tensor(np.arange(self.first, self.first + self.count, dtype=np.int32))
+
+    def weight_loader(self, param, src, name, shard_id):
+        """shard_id (e, part): local expert e's gate (0), up (1) or down (2) projection. The
+        experts' tensors are many and small, so each parameter is gathered on the host and copied
+        to the device once, when its last expert has arrived."""
+        e, part = shard_id
+        sliced = not self.tp.expert_parallel
+        start = self.tp.rank * self.inter
+        if param.name not in self.host:
+            self.host[param.name] = [np.zeros(param.shape, np.float32), 0]
+        entry = self.host[param.name]
+        buf = entry[0]
+        if part < 2:
+            check_shape(name, src, (self.full, self.hidden))
+            rows = read_shard(src, 0 if sliced else None, start, self.inter)
+            buf[e, part * self.inter:(part + 1) * self.inter] = rows
+        else:
+            check_shape(name, src, (self.hidden, self.full))
+            buf[e] = read_shard(src, 1 if sliced else None, start, self.inter)
+        entry[1] += 1
+        if entry[1] == (2 if part < 2 else 1) * self.count:
+            copy_into(param, self.host.pop(param.name)[0])
+
+    def construct(self, x, ids, weights):
+        if self.op is not None:
+            return self.op(x, ids, weights, self.w13, self.w2, self.meta)
+        n, e = x.shape[0], self.count
+        # dense routing weights [E, N]: weights[n, j] where ids[n, j] is local expert e
+        hit = ops.equal(ops.broadcast_to(ids.expand_dims(-1), ids.shape + (e,)),
+                        ops.broadcast_to(self.expert_ids, ids.shape + (e,))).astype(weights.dtype)
+        dense = (hit * ops.broadcast_to(weights.expand_dims(-1), hit.shape)).sum(1).transpose(1, 0)
+        xs = ops.broadcast_to(x.expand_dims(0), (e, n, self.hidden))
+        h = self.batch_matmul(xs, self.w13)                                     # [E, N, 2I]
+        h = ops.silu(h[:, :, :self.inter]) * h[:, :, self.inter:]
+        y = self.batch_matmul(h, self.w2)                                        # [E, N, H]
+        return (y * ops.broadcast_to(dense.expand_dims(-1), y.shape)).sum(0)
 
 
 class VocabParallelEmbedding(nn.Cell):

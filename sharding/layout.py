@@ -6,6 +6,14 @@ layers in `sharding.layers` to slice each tensor as it streams from disk.
     column-parallel   W [out, in] split on dim 0 (q/k/v, gate/up, vocab rows of embedding / lm_head)
     row-parallel      W [out, in] split on dim 1 (o_proj, down_proj), output all-reduced
     replicated        norms, and K/V heads when tp_size exceeds num_kv_heads
+
+A mixture-of-experts layer takes one of two layouts (`parallel.expert_parallel`):
+    sliced            every rank holds a 1/tp slice of every expert, split as a dense MLP is
+    expert parallel   rank r holds experts [r E/tp, (r + 1) E/tp) whole
+Either way the rank computes its part of the layer for every token of the step (the activations
+are the same on every rank of a tensor-parallel group, so a token needs no sending to reach the
+rank of its experts) and one all-reduce sums the parts. The router and a shared expert's gate
+are replicated; a shared expert is sliced like a dense MLP.
 """
 
 from __future__ import annotations
@@ -24,32 +32,51 @@ class TPInfo:
     """This rank's place in its tensor-parallel group; set once per worker."""
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False    # a MoE layer's experts whole on each rank, not sliced
+
+    def experts(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        """(first expert, how many, intermediate size of each) that this rank holds of a sparse layer."""
+        if self.expert_parallel:
+            per = cfg.num_experts // self.size
+            return self.rank * per, per, cfg.moe_intermediate_size
+        return 0, cfg.num_experts, cfg.moe_intermediate_size // self.size
 
 
-def divisors_problem(cfg: ModelConfig, tp: int) -> list[str]:
+def divisors_problem(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by {tp}")
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {tp}")
-    if cfg.intermediate_size % tp:
+    if len(cfg.sparse_layers) < cfg.num_layers and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}")
+    if cfg.is_moe and ep and cfg.num_experts % tp:
+        problems.append(f"num_experts={cfg.num_experts} is not divisible by {tp} (expert parallel)")
+    if cfg.is_moe and not ep and cfg.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by {tp} (experts "
+                        f"sliced)")
+    if cfg.shared_expert_size % tp:
+        problems.append(f"shared_expert_intermediate_size={cfg.shared_expert_size} is not divisible by {tp}")
     return problems
 
 
-def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    return [t for t in range(1, limit + 1) if not divisors_problem(cfg, t)]
+def valid_tp_sizes(cfg: ModelConfig, limit: int = 64, ep: bool = False) -> list[int]:
+    return [t for t in range(1, limit + 1) if not divisors_problem(cfg, t, ep)]
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
+def check_tp(cfg: ModelConfig, tp: int, ep: bool = False) -> None:
     if tp < 1:
         raise LayoutError(f"parallel.tensor_parallel must be >= 1, got {tp}")
-    problems = divisors_problem(cfg, tp)
+    if ep and not cfg.is_moe:
+        raise LayoutError(f"parallel.expert_parallel is set, but {cfg.architecture} has no experts; leave it out")
+    problems = divisors_problem(cfg, tp, ep)
     if problems:
+        other = "" if not cfg.is_moe else (
+            f"; with parallel.expert_parallel: {not ep}: {', '.join(map(str, valid_tp_sizes(cfg, ep=not ep)))}")
         raise LayoutError(
             f"parallel.tensor_parallel={tp} does not fit {cfg.architecture}: {'; '.join(problems)}. "
-            f"Sizes that work: {', '.join(map(str, valid_tp_sizes(cfg)))}")
+            f"Sizes that work: {', '.join(map(str, valid_tp_sizes(cfg, ep=ep)))}{other}")
 
 
 def vocab_shard(vocab_size: int, tp: TPInfo) -> tuple[int, int, int]:
@@ -77,10 +104,12 @@ class TensorPlan:
     rank_shape: tuple[int, ...]
 
 
-def plan_tensors(cfg: ModelConfig, tp_size: int) -> list[TensorPlan]:
-    """Every tensor a rank loads, with its split dim and rank-0 shape (all ranks hold equal sizes)."""
-    check_tp(cfg, tp_size)
-    t0 = TPInfo(0, tp_size)
+def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False) -> list[TensorPlan]:
+    """Every tensor of the checkpoint a rank may load, with its split dim and rank-0 shape (all
+    ranks hold equal sizes). Expert parallel: an expert's tensors are whole on the rank that holds
+    it, and rank 0's shape of another rank's expert is empty."""
+    check_tp(cfg, tp_size, ep)
+    t0 = TPInfo(0, tp_size, ep)
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_out = cfg.num_heads * D
     kv_lo, kv_hi = kv_head_range(cfg, t0)
@@ -106,13 +135,10 @@ def plan_tensors(cfg: ModelConfig, tp_size: int) -> list[TensorPlan]:
         if cfg.qk_norm:
             add(p + "self_attn.q_norm.weight", (D,), None, (D,))
             add(p + "self_attn.k_norm.weight", (D,), None, (D,))
-        for name in ("gate_proj", "up_proj"):
-            add(p + f"mlp.{name}.weight", (I, H), 0, (I // tp_size, H))
-            if cfg.mlp_bias:
-                add(p + f"mlp.{name}.bias", (I,), 0, (I // tp_size,))
-        add(p + "mlp.down_proj.weight", (H, I), 1, (H, I // tp_size))
-        if cfg.mlp_bias:
-            add(p + "mlp.down_proj.bias", (H,), None, (H,))
+        if cfg.is_sparse(i):
+            add_experts(plans, cfg, t0, p + "mlp.")
+        else:
+            add_mlp(plans, cfg, p + "mlp.", I, tp_size)
         add(p + "input_layernorm.weight", (H,), None, (H,))
         add(p + "post_attention_layernorm.weight", (H,), None, (H,))
     add("model.norm.weight", (H,), None, (H,))
@@ -121,9 +147,42 @@ def plan_tensors(cfg: ModelConfig, tp_size: int) -> list[TensorPlan]:
     return plans
 
 
-def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4) -> int:
+def add_mlp(plans: list[TensorPlan], cfg: ModelConfig, p: str, I: int, tp_size: int) -> None:
+    """A dense MLP's tensors under prefix p: gate and up column-parallel, down row-parallel."""
+    H = cfg.hidden_size
+    for name in ("gate_proj", "up_proj"):
+        plans.append(TensorPlan(p + f"{name}.weight", (I, H), 0, (I // tp_size, H)))
+        if cfg.mlp_bias:
+            plans.append(TensorPlan(p + f"{name}.bias", (I,), 0, (I // tp_size,)))
+    plans.append(TensorPlan(p + "down_proj.weight", (H, I), 1, (H, I // tp_size)))
+    if cfg.mlp_bias:
+        plans.append(TensorPlan(p + "down_proj.bias", (H,), None, (H,)))
+
+
+def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -> None:
+    """A sparse layer's tensors under prefix p (`mlp.`): router, experts, shared expert and its gate."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    plans.append(TensorPlan(p + "gate.weight", (cfg.num_experts, H), None, (cfg.num_experts, H)))
+    first, count, rank_i = t0.experts(cfg)
+    for e in range(cfg.num_experts):
+        held = first <= e < first + count
+        dim = None if t0.expert_parallel else 0
+        for name in ("gate_proj", "up_proj"):
+            plans.append(TensorPlan(p + f"experts.{e}.{name}.weight", (I, H), dim, (rank_i if held else 0, H)))
+        plans.append(TensorPlan(p + f"experts.{e}.down_proj.weight", (H, I), None if dim is None else 1,
+                                (H, rank_i if held else 0)))
+    if cfg.shared_expert_size:
+        add_mlp(plans, cfg, p + "shared_expert.", cfg.shared_expert_size, t0.size)
+        plans.append(TensorPlan(p + "shared_expert_gate.weight", (1, H), None, (1, H)))
+
+
+def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
+                   experts: bool | None = None) -> int:
+    """Bytes of the weights one rank holds; experts True / False: only the experts' / all but them."""
     total = 0
-    for p in plan_tensors(cfg, tp_size):
+    for p in plan_tensors(cfg, tp_size, ep):
+        if experts is not None and (".experts." in p.name) != experts:
+            continue
         n = 1
         for s in p.rank_shape:
             n *= s

@@ -16,6 +16,15 @@ VARIANTS = {
     # saved in bfloat16, as most checkpoints are: its matmuls run on bfloat16 tiles where the CPU has AMX
     "llama_gqa_tied_bfloat16": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                                     tie_word_embeddings=True)),
+    # mixtures of experts: top 2 of 8 renormalized, the second layer dense; top 4 of 6 as they
+    # come, a shared expert, tied embeddings, an expert size (24) the grouped kernel runs unfused
+    "qwen3_moe_top2_dense_layer": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                                          moe_intermediate_size=32, mlp_only_layers=[1])),
+    "qwen2_moe_top4_shared_tied": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                          num_experts=6, num_experts_per_tok=4, norm_topk_prob=False,
+                                                          moe_intermediate_size=24, shared_expert_intermediate_size=96,
+                                                          tie_word_embeddings=True)),
 }
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)

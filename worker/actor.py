@@ -88,6 +88,7 @@ class Worker:
         t0 = time.perf_counter()
         import mindspore as ms
         from worker.runner import ModelRunner
+        self.tp = TPInfo(self.tp.rank, self.tp.size, engine_config.expert_parallel)
         self.runner = ModelRunner(engine_config, self.tp, self.threads)
         card = {}
         if self.device.target == "Ascend" and not engine_config.emulate:     # as the card reports it

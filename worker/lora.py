@@ -149,11 +149,19 @@ class LoraAdapter:
                 linear = sorted(n for n in short if n.endswith("_proj") or n == "lm_head")
                 raise AdapterError(f"{self.path / CONFIG_FILE}: target module '{missing[0]}' is not a module of "
                                    f"the base model (its linear modules: {', '.join(linear)})")
+        self.refuse_experts()
         for name, lm in self.modules.items():
             if name not in base_shapes:
                 raise AdapterError(f"{self.weights}: target module '{lm.module}' is not in the base model "
                                    f"(no tensor '{name}'); was the adapter trained on another model?")
             check_shapes(lm, base_shapes[name])
+
+    def refuse_experts(self) -> None:
+        for name, lm in self.modules.items():
+            if ".mlp.experts." in name:
+                raise AdapterError(f"{self.weights}: target module '{lm.module}' is a routed expert of a mixture "
+                                   f"of experts; msinfer merges adapters into dense modules only (attention, "
+                                   f"dense MLPs, shared experts, the router)")
 
     def source(self, name: str, src):
         """The checkpoint source of tensor `name`, merged with this adapter if it targets it."""
@@ -196,6 +204,7 @@ class _LoaderTable:
 
     def named_loaders(self) -> dict:
         table = self.model.named_loaders()
+        self.adapter.refuse_experts()
         for name, lm in self.adapter.modules.items():
             if name not in table:
                 raise AdapterError(f"{self.adapter.weights}: target module '{lm.module}' is not in the base model "

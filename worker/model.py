@@ -1,4 +1,4 @@
-"""The decoder network (Llama / Qwen2 / Qwen3) over a paged KV cache, in MindSpore.
+"""The decoder network (Llama / Qwen2 / Qwen3, and their mixtures of experts) over a paged KV cache, in MindSpore.
 
 One `forward` serves every step: it writes the new tokens' K/V rows into the cache at their
 slots, then each token attends over the first positions of its own sequence (read through the
@@ -16,8 +16,8 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from sharding.config import ModelConfig
-from sharding.layers import (LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                             RowParallelLinear, VocabParallelEmbedding, new_param)
+from sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                             ReplicatedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding, new_param)
 from sharding.layout import TPInfo
 from worker.ops import GLU_GROUP
 
@@ -67,35 +67,105 @@ class Attention(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev):
+    """down(silu(gate x) * up x), sliced over its intermediate size I; reduce=False leaves the
+    all-reduce of down's partial sums to the caller."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, intermediate: int = 0, reduce: bool = True):
         super().__init__()
         self.dev = dev
-        I = cfg.intermediate_size
+        I = intermediate or cfg.intermediate_size
         # silu(gate) * up computed by the projection itself where the device has such a kernel
         glu = dev.glu_linear_op is not None and not cfg.mlp_bias and (I // tp.size) % GLU_GROUP == 0
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [I, I], cfg.mlp_bias, tp, dtype,
                                                        dev.glu_linear_op if glu else dev.linear_op)
         self.gate_up_proj.glu = glu                 # its weight is packed for it (dev.pack_weight)
-        self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op)
+        self.down_proj = RowParallelLinear(I, cfg.hidden_size, cfg.mlp_bias, tp, dtype, dev.linear_op, reduce)
 
     def construct(self, x):
         h = self.gate_up_proj(x)
         return self.down_proj(h if self.gate_up_proj.glu else self.dev.silu_mul(h))
 
+    def loaders(self, p: str, table: dict) -> None:
+        """Its checkpoint tensors under prefix p (e.g. model.layers.0.mlp.) into `table`."""
+        for j, name in enumerate(("gate_proj", "up_proj")):
+            table[p + f"{name}.weight"] = (self.gate_up_proj, self.gate_up_proj.weight, j)
+            if self.gate_up_proj.bias is not None:
+                table[p + f"{name}.bias"] = (self.gate_up_proj, self.gate_up_proj.bias, j)
+        table[p + "down_proj.weight"] = (self.down_proj, self.down_proj.weight, None)
+        if self.down_proj.bias is not None:
+            table[p + "down_proj.bias"] = (self.down_proj, self.down_proj.bias, None)
 
-class DecoderLayer(nn.Cell):
-    # Compiled once and reused for every layer: a 30-layer step compiles in ~2/3 of the time.
-    @ms.lazy_inline(policy="front")
-    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
+
+class SparseMoeBlock(nn.Cell):
+    """A mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE): the router's softmax in float32, its
+    top k (renormalized with norm_topk_prob) weighting k experts per token, plus a shared expert
+    scaled by sigmoid(shared_expert_gate x) where the model has one. The router runs on every rank
+    (the activations are replicated); each rank adds up its experts' part, and one all-reduce
+    sums the parts of the routed and the shared experts (sharding.layout)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev):
         super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, dtype, dev.linear_op)
+        self.experts = FusedExperts(cfg, tp, dtype, dev.moe_op, GLU_GROUP)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_size:
+            self.shared_expert = MLP(cfg, tp, dtype, dev, cfg.shared_expert_size, reduce=False)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, tp, dtype, dev.linear_op)
+        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+
+    def construct(self, x):
+        probs = ops.softmax(self.gate(x).astype(ms.float32), -1)
+        weights, ids = ops.topk(probs, self.top_k)
+        if self.norm_topk:
+            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
+        y = self.experts(x, ids.astype(ms.int32), weights.astype(x.dtype))
+        if self.shared_expert is not None:
+            scale = ops.sigmoid(self.shared_expert_gate(x))
+            y = y + ops.broadcast_to(scale, y.shape) * self.shared_expert(x)
+        return y if self.all_reduce is None else self.all_reduce(y)
+
+    def loaders(self, p: str, table: dict) -> None:
+        table[p + "gate.weight"] = (self.gate, self.gate.weight, None)
+        ex = self.experts
+        for e in range(ex.count):
+            q = f"{p}experts.{ex.first + e}."
+            table[q + "gate_proj.weight"] = (ex, ex.w13, (e, 0))
+            table[q + "up_proj.weight"] = (ex, ex.w13, (e, 1))
+            table[q + "down_proj.weight"] = (ex, ex.w2, (e, 2))
+        if self.shared_expert is not None:
+            self.shared_expert.loaders(p + "shared_expert.", table)
+            table[p + "shared_expert_gate.weight"] = (self.shared_expert_gate, self.shared_expert_gate.weight, None)
+
+
+class LayerBase(nn.Cell):
+    def build(self, cfg, tp, dtype, dev, num_blocks, block_size, mlp):
         self.self_attn = Attention(cfg, tp, dtype, dev, num_blocks, block_size)
-        self.mlp = MLP(cfg, tp, dtype, dev)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
 
     def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
         x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, ctx, prefill)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(LayerBase):
+    # Compiled once and reused for every layer: a 30-layer step compiles in ~2/3 of the time.
+    @ms.lazy_inline(policy="front")
+    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
+        super().__init__()
+        self.build(cfg, tp, dtype, dev, num_blocks, block_size, MLP(cfg, tp, dtype, dev))
+
+
+class SparseDecoderLayer(LayerBase):
+    """A layer whose MLP is a mixture of experts: a class of its own, so that one compiled graph
+    serves the sparse layers and another the dense ones."""
+
+    @ms.lazy_inline(policy="front")
+    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
+        super().__init__()
+        self.build(cfg, tp, dtype, dev, num_blocks, block_size, SparseMoeBlock(cfg, tp, dtype, dev))
 
 
 # The inputs of every compiled step, in order (see CausalLM). The names are the graph's input
@@ -131,8 +201,8 @@ class CausalLM(nn.Cell):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
-        self.layers = nn.CellList([DecoderLayer(cfg, tp, dtype, dev, num_blocks, block_size)
-                                   for _ in range(cfg.num_layers)])
+        self.layers = nn.CellList([(SparseDecoderLayer if cfg.is_sparse(i) else DecoderLayer)(
+            cfg, tp, dtype, dev, num_blocks, block_size) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
@@ -190,6 +260,13 @@ class CausalLM(nn.Cell):
             return
         done: dict[str, Parameter] = {}
         for _, cell in self.cells_and_names():
+            if isinstance(cell, FusedExperts) and cell.op is not None:
+                for attr, glu in (("w13", cell.glu), ("w2", False)):
+                    w = getattr(cell, attr)
+                    if w.name not in self.packed:
+                        data, self.packed[w.name] = self.dev.pack_experts(w.asnumpy(), glu)
+                        setattr(cell, attr, Parameter(Tensor(data), name=w.name, requires_grad=False))
+                continue
             w = getattr(cell, "weight", None)
             if not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
                 continue
@@ -221,13 +298,7 @@ class CausalLM(nn.Cell):
             if attn.q_norm is not None:
                 table[p + "self_attn.q_norm.weight"] = (attn.q_norm, attn.q_norm.weight, None)
                 table[p + "self_attn.k_norm.weight"] = (attn.k_norm, attn.k_norm.weight, None)
-            for j, name in enumerate(("gate_proj", "up_proj")):
-                table[p + f"mlp.{name}.weight"] = (mlp.gate_up_proj, mlp.gate_up_proj.weight, j)
-                if mlp.gate_up_proj.bias is not None:
-                    table[p + f"mlp.{name}.bias"] = (mlp.gate_up_proj, mlp.gate_up_proj.bias, j)
-            table[p + "mlp.down_proj.weight"] = (mlp.down_proj, mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                table[p + "mlp.down_proj.bias"] = (mlp.down_proj, mlp.down_proj.bias, None)
+            mlp.loaders(p + "mlp.", table)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 cell = getattr(layer, norm)
                 table[p + f"{norm}.weight"] = (cell, cell.weight, None)

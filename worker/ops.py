@@ -163,6 +163,7 @@ class MsOps:
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
     linear_op = embed_op = pack_weight = None
     glu_linear_op = None      # gate/up projection and silu-mul in one (CpuOps)
+    moe_op = pack_experts = None   # a sparse layer's experts grouped by routing (CpuOps; else sharding.layers)
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
     dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
     paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)
@@ -280,6 +281,21 @@ class CpuOps(MsOps):
         I a multiple of GLU_GROUP: the MLP's gate/up projection and its activation in one pass,
         with no [M, 2I] intermediate."""
         return _custom("LinearGlu", lambda x, w: [x[0], w[0] // 2])
+
+    @staticmethod
+    def moe_op():
+        """(x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] packed by
+        `pack_experts`, meta (first expert held, glu) [2] int32) -> [N, H]: each held expert's
+        tokens gathered and passed through its weights once (sharding.layers.FusedExperts)."""
+        return _custom("MoeExperts", lambda x, *_: x)
+
+    @classmethod
+    def pack_experts(cls, w: np.ndarray, glu: bool = False):
+        """Stacked expert weights [E, N, K] -> each expert packed as `pack` (`pack_glu`) packs a
+        weight, and the unpack. Panels of the weight's dtype only: the grouped kernel has no tiles."""
+        pack, unpack = (cls.pack_glu, cls.unpack_glu) if glu else (cls.pack, cls.unpack)
+        return (np.stack([pack(e) for e in w]) if len(w) else w,
+                lambda t: np.stack([unpack(e) for e in t]) if len(t) else t)
 
     @staticmethod
     def embed_op():

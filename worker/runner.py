@@ -64,6 +64,7 @@ class EngineConfig:
     emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
     tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
     trust_remote_code: bool = False
+    expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)

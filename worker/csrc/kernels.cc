@@ -11,6 +11,7 @@
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
+//   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
 //
@@ -955,6 +956,70 @@ void embed(const T* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t
   });
 }
 
+// ---- Mixture of experts --------------------------------------------------------------------
+// out [N, H] = sum over j < k of wts[n][j] * expert ids[n][j] (x[n]), over the E experts held
+// here (ids first .. first + E - 1; any other id adds nothing). Expert e: y = down(silu(gate x) *
+// up x) with w13[e] [2I, H] (LinearGlu panels of gate and up, or with !glu Linear panels of the
+// gate rows then the up rows) and w2[e] [H, I] (Linear panels). The (token, expert) pairs are
+// grouped by expert and each expert's rows gathered, so an expert's weights pass once for all its
+// tokens and a step costs what its routed tokens cost. Zero rows of x (a step's padding) are not
+// routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
+template <typename T>
+void moe(const T* x, const int32_t* ids, const T* wts, const T* w13, const T* w2, T* out, int64_t N, int64_t K,
+         int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+  std::vector<int64_t> start(E + 1, 0), pos(N * K, -1);
+  auto local = [&](int64_t n, int64_t j) { return static_cast<int64_t>(ids[n * K + j]) - first; };
+  std::vector<char> live(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const T* r = x + n * H;
+    live[n] = std::any_of(r, r + H, [](T v) { return v != T(0); });
+    if (!live[n]) continue;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = local(n, j);
+      if (e >= 0 && e < E) ++start[e + 1];
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int64_t R = start[E];
+  std::vector<int64_t> token(R), fill(start.begin(), start.end() - 1);
+  for (int64_t n = 0; n < N; ++n) {
+    if (!live[n]) continue;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = local(n, j);
+      if (e < 0 || e >= E) continue;
+      pos[n * K + j] = fill[e];
+      token[fill[e]++] = n;
+    }
+  }
+  std::vector<T> xs(R * H), hs(R * I), ys(R * H), gu(glu ? 0 : R * 2 * I);
+  parallel_for(R, 16, [&](int64_t r) { std::copy(x + token[r] * H, x + (token[r] + 1) * H, xs.data() + r * H); });
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = start[e], m = start[e + 1] - s;
+    if (m == 0) continue;
+    const T* wg = w13 + e * 2 * I * H;
+    if (glu) {
+      linear_rows<T, true>(xs.data() + s * H, wg, hs.data() + s * I, m, H, 2 * I);
+    } else {
+      linear_rows<T, false>(xs.data() + s * H, wg, gu.data() + s * 2 * I, m, H, 2 * I);
+      silu_mul(gu.data() + s * 2 * I, hs.data() + s * I, m, I);
+    }
+    linear_rows<T, false>(hs.data() + s * I, w2 + e * H * I, ys.data() + s * H, m, I, H);
+  }
+  parallel_for(N, 16, [&](int64_t n) {
+    T* o = out + n * H;
+    std::vector<float> acc(H, 0.f);
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = pos[n * K + j];
+      if (r < 0) continue;
+      const float w = static_cast<float>(wts[n * K + j]);
+      const T* y = ys.data() + r * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) acc[h] += w * static_cast<float>(y[h]);
+    }
+    for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(acc[h]);
+  });
+}
+
 int64_t numel(int nd, const int64_t* shape) {
   int64_t n = 1;
   for (int i = 0; i < nd; ++i) n *= shape[i];
@@ -1043,6 +1108,27 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
     const T* w = static_cast<const T*>(params[1]);
     linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<T*>(params[2]), M, K, N,
                    [&](const T* xs, T* ys, int64_t L) { linear_rows<T, Glu>(xs, w, ys, L, K, N); });
+  });
+  return 0;
+}
+
+// x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] (panels, see moe),
+// meta [2] int32 (first expert held, glu) -> [N, H]
+extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3 || ndims[4] != 3) return 1;
+  const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[3][0], I = shapes[4][2];
+  const int32_t* meta = static_cast<const int32_t*>(params[5]);
+  const bool glu = meta[1] != 0;
+  if (shapes[1][0] != N || shapes[2][0] != N || shapes[2][1] != K || shapes[3][1] != 2 * I || shapes[3][2] != H ||
+      shapes[4][0] != E || shapes[4][1] != H || (glu && (2 * I) % kPanel) || std::strcmp(dtypes[1], "int32") ||
+      std::strcmp(dtypes[0], dtypes[3]) || std::strcmp(dtypes[0], dtypes[4]) || std::strcmp(dtypes[0], dtypes[2]))
+    return 2;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    auto in = [&](int i) { return static_cast<const T*>(params[i]); };
+    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), in(3), in(4), static_cast<T*>(params[6]), N, K, H,
+           E, I, meta[0], glu);
   });
   return 0;
 }

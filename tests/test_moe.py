@@ -1,0 +1,133 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE): transformers' greedy tokens at tp 2 and 4 in both
+expert layouts, with chunked prefill, each rank holding exactly its slices or its experts; what
+plan says of the layouts and what it refuses. (tp 1 on every device path: test_parity and
+test_ascend run every checkpoint of tests/checkpoints.py, these included.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from sharding.config import ModelConfig
+from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
+from tests.conftest import PROMPTS
+from tests.engine_driver import Driver
+from worker.protocol import SeqStep
+from worker.runner import EngineConfig
+
+N_NEW = 8
+QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalized; layer 1 dense
+QWEN2 = "qwen2_moe_top4_shared_tied"        # 6 experts of 24, top 4, a shared expert of 96
+
+
+@pytest.mark.parametrize("name,tp,ep", [(QWEN3, 2, True), (QWEN3, 4, False), (QWEN2, 2, False), (QWEN2, 2, True)])
+def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(name, tp, ep, checkpoint, hf_greedy,
+                                                                               ray_local):
+    """Mixed-length prompts decoded together (async scheduling's SAMPLED feeds), then a prompt
+    prefilled in two chunks, the second after its cached first: transformers' tokens at every
+    step. Each rank holds exactly the rows, columns or whole experts its layout gives it."""
+    from launcher.replica import Replica, wait_gone
+    path = checkpoint(name)
+    r = Replica(0, tp)
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, expert_parallel=ep))
+    try:
+        d = Driver(r, feed_sampled=True)
+        out = d.generate(dict(enumerate(PROMPTS)), N_NEW)
+        for i, prompt in enumerate(PROMPTS):
+            assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} tp {tp} ep {ep} prompt {i}"
+        long = PROMPTS[2]
+        first = r.step([SeqStep(3, long[:9], 0, d.table(3), sample=False)], True)
+        assert first.token_ids == [-1]
+        second = r.step([SeqStep(3, long[9:], 9, d.table(3))], True)
+        assert second.token_ids == hf_greedy(name, long, N_NEW)[0][:1]
+        check_ranks_hold_their_experts(r, path, tp, ep)
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+
+
+def check_ranks_hold_their_experts(replica, path, tp, ep):
+    import ray
+    full = load_file(str(path / "model.safetensors"))
+    cfg = ModelConfig.from_dir(path)
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    for rank, p in enumerate(ray.get([w.loaded_params.remote() for w in replica.workers])):
+        layer = "model.layers.0.mlp."
+        held = range(rank * E // tp, (rank + 1) * E // tp) if ep else range(E)
+        cols = slice(None) if ep else slice(rank * I // tp, (rank + 1) * I // tp)
+        w13 = np.stack([np.concatenate([full[f"{layer}experts.{e}.gate_proj.weight"][cols],
+                                        full[f"{layer}experts.{e}.up_proj.weight"][cols]]) for e in held])
+        w2 = np.stack([full[f"{layer}experts.{e}.down_proj.weight"][:, cols] for e in held])
+        np.testing.assert_array_equal(p["layers.0.mlp.experts.w13"], w13)
+        np.testing.assert_array_equal(p["layers.0.mlp.experts.w2"], w2)
+        np.testing.assert_array_equal(p["layers.0.mlp.gate.weight"], full[f"{layer}gate.weight"])   # replicated
+        if cfg.shared_expert_size:                                  # sliced like a dense MLP in both layouts
+            S = cfg.shared_expert_size // tp
+            down = full[f"{layer}shared_expert.down_proj.weight"][:, rank * S:(rank + 1) * S]
+            np.testing.assert_array_equal(p["layers.0.mlp.shared_expert.down_proj.weight"], down)
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def test_both_layouts_hold_the_same_bytes_differently_and_refuse_sizes_that_do_not_divide():
+    """Qwen3-30B-A3B at tp 8: every expert's 768 columns split 8 ways, or 16 whole experts per
+    rank; the same bytes per rank either way, only the layouts' divisors differ."""
+    m = ModelConfig.from_dict(QWEN3_30B_A3B)
+    assert m.sparse_layers == tuple(range(48)) and m.num_experts == 128 and m.norm_topk_prob
+    experts_total = 48 * 128 * 3 * 2048 * 768 * 2                 # bfloat16
+    for ep in (False, True):
+        assert bytes_per_rank(m, 8, 2, ep, experts=True) == experts_total // 8
+    assert bytes_per_rank(m, 8, 2, False, experts=False) == bytes_per_rank(m, 8, 2, True, experts=False)
+    plans = {p.name: p for p in plan_tensors(m, 8, ep=True)}
+    assert plans["model.layers.0.mlp.experts.15.down_proj.weight"].rank_shape == (2048, 768)     # rank 0's
+    assert plans["model.layers.0.mlp.experts.16.down_proj.weight"].rank_shape == (2048, 0)       # rank 1's
+    assert plans["model.layers.0.mlp.experts.16.gate_proj.weight"].full_shape == (768, 2048)
+    sliced = {p.name: p for p in plan_tensors(m, 8)}
+    assert sliced["model.layers.0.mlp.experts.16.gate_proj.weight"].rank_shape == (96, 2048)
+    with pytest.raises(LayoutError, match=r"num_experts=128 is not divisible by 3 \(expert parallel\)"):
+        check_tp(m, 3, ep=True)
+    with pytest.raises(LayoutError, match="moe_intermediate_size=768 is not divisible by 5"):
+        check_tp(m, 5)
+    dense = ModelConfig.from_dict({**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(LayoutError, match="has no experts"):
+        check_tp(dense, 2, ep=True)
+
+
+def test_plan_describes_the_experts_of_both_layouts(checkpoint, tmp_path):
+    from launcher.job import plan_job
+    from launcher.spec import load_spec
+    spec = tmp_path / "job.yaml"
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6]}) + "\n")
+    spec.write_text(f"model: {{path: {checkpoint(QWEN2)}}}\ninput: {{path: {tmp_path / 'in.jsonl'}}}\n"
+                    f"output: {{path: {tmp_path / 'out.jsonl'}}}\nparallel: {{tensor_parallel: 2, expert_parallel: "
+                    f"true}}\n")
+    plan = plan_job(load_spec(str(spec)))
+    assert plan.engine.expert_parallel
+    text = plan.describe()
+    assert "experts 6/2 whole per rank" in text
+    line = next(x for x in text.splitlines() if x.startswith("experts"))
+    assert "6 per sparse layer (2 of 2), top 4" in line and "expert parallel (chosen)" in line and "sliced:" in line
+
+
+def test_an_adapter_on_routed_experts_is_refused_by_name(checkpoint, tmp_path):
+    from safetensors.numpy import save_file
+    from worker.lora import AdapterError, check_adapter
+    module = "model.layers.0.mlp.experts.3.gate_proj"
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "target_modules": ["gate_proj"],
+                                                              "peft_type": "LORA"}))
+    save_file({f"base_model.model.{module}.lora_A.weight": np.zeros((2, 64), np.float32),
+               f"base_model.model.{module}.lora_B.weight": np.zeros((24, 2), np.float32)},
+              str(tmp_path / "adapter_model.safetensors"))
+    path = checkpoint(QWEN2)
+    with pytest.raises(AdapterError, match=f"'{module}' is a routed expert"):
+        check_adapter(str(tmp_path), 1.0, plan_tensors(ModelConfig.from_dir(path), 1))

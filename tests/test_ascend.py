@@ -7,6 +7,7 @@ each step kind once with dynamic shapes."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -33,11 +34,17 @@ def runner_for(path, path_kind: str, **extra) -> ModelRunner:
     return _RUNNERS[key]
 
 
-@pytest.mark.parametrize("path_kind", list(PATHS))
-@pytest.mark.parametrize("name", [v for v in VARIANTS if not v.endswith("_bfloat16")])
+# The Ascend path on every checkpoint but the Qwen2-MoE one (test_moe runs it at tp 2 on this
+# path); the portable operators, which the Ascend stand-ins share but for attention, norms and
+# the experts, on one dense checkpoint of each attention kind and the MoE one.
+CASES = [(v, "ascend-emulated") for v in VARIANTS if not v.endswith("_bfloat16") and v != "qwen2_moe_top4_shared_tied"]
+CASES += [(v, "portable") for v in ("llama_gqa_tied", "qwen3_qknorm_odd_head_dim", "qwen2_moe_top4_shared_tied")]
+
+
+@pytest.mark.parametrize("name,path_kind", CASES)
 def test_greedy_tokens_and_logits_match_transformers(name, path_kind, checkpoint, hf_greedy):
-    """GQA, MQA, q/k/v and MLP biases, q/k norms with head_dim 24, tied embeddings; prefill (all
-    prompts at once, nothing cached) and decode steps."""
+    """GQA, MQA, q/k/v and MLP biases, q/k norms with head_dim 24, tied embeddings, mixtures of
+    experts; prefill (all prompts at once, nothing cached) and decode steps."""
     rec = Recording(runner_for(checkpoint(name), path_kind))
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     for i, prompt in enumerate(PROMPTS):
@@ -134,12 +141,12 @@ def test_the_stand_ins_take_the_installed_primitives_signatures():
     parameters, with its defaults: code that runs with the stand-ins calls the real kernels the
     same way."""
     from mindspore.ops import auto_generate
-    from worker.ascend import KERNELS, StandIns
+    from worker.ascend import KERNELS, MOE_KERNELS, StandIns
 
     def params(fn):
         return [(p.name, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
 
-    for name in KERNELS:
+    for name in KERNELS + MOE_KERNELS:
         real, stand_in = getattr(auto_generate, name), getattr(StandIns, name)
         assert params(stand_in.__init__) == params(real.__init__), name
         assert params(stand_in.construct) == params(real.__call__), name
@@ -195,6 +202,75 @@ def test_every_kernel_call_passes_arguments_the_installed_primitives_accept(chec
             assert args["actual_seq_qlen"].dtype == ms.int32 and args["attn_mask"].shape == (128, 128)
 
 
+def test_a_mixture_of_experts_calls_its_kernels_as_vllm_mindspore_does(checkpoint, hf_greedy, monkeypatch):
+    """The routed experts of a sparse layer on the emulated Ascend path, recorded eagerly through a
+    prefill and a decode: each call binds to the installed primitive's signature; expert ids are
+    int32, group_list int64 counts of the experts held, weights [E, in, out]; the unpermute's
+    probs are in the activation's dtype. Expert parallel at tp 1 holds every expert."""
+    import mindspore as ms
+    from mindspore.ops import auto_generate
+    import worker.ascend as ascend
+    calls = []
+
+    def recording(name):
+        base, real = getattr(ascend.StandIns, name), getattr(auto_generate, name)
+
+        class Recorder(base):
+            def construct(self, *args, **kwargs):
+                bound = inspect.signature(real.__call__).bind(None, *args, **kwargs)
+                calls.append((name, {k: v for k, v in bound.arguments.items() if k != "self"}))
+                return super().construct(*args, **kwargs)
+        return Recorder
+
+    kernels = type("Recording", (ascend.StandIns,), {name: recording(name) for name in ascend.MOE_KERNELS})
+    monkeypatch.setattr(ascend.EmulatedAscendOps, "kernels", kernels)
+    name = "qwen2_moe_top4_shared_tied"
+    runner = ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8, device="ascend",
+                                      emulate=True, graph_mode=False, expert_parallel=True))
+    out = Driver(runner).generate({0: PROMPTS[0], 1: PROMPTS[1]}, N_NEW)
+    assert out == {i: hf_greedy(name, PROMPTS[i], N_NEW)[0] for i in (0, 1)}
+    assert {n for n, _ in calls} == set(ascend.MOE_KERNELS)
+    for kernel, args in calls:
+        if kernel == "MoeGatingTopKSoftmax":
+            assert args["k"] == 4 and args["x"].shape[1] == 6
+        if kernel == "MoeInitRoutingV2":
+            assert args["expert_idx"].dtype == ms.int32 and args["expert_num"] == 7 and args["drop_pad_mode"] == 0
+        if kernel == "GroupedMatmulV4":
+            assert args["group_list"].dtype == ms.int64 and args["group_list"].shape == (6,)
+            assert args["weight"][0].shape in ((6, 64, 48), (6, 24, 64))          # [E, in, out]
+            assert (args["split_item"], args["group_type"], args["group_list_type"]) == (3, 0, 1)
+        if kernel == "MoeTokenUnpermute":
+            assert args["probs"].dtype == args["permuted_tokens"].dtype == ms.float32
+
+
+@pytest.mark.parametrize("kernel", ["MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4",
+                                    "MoeTokenUnpermute"])
+def test_the_installed_moe_primitives_compile_as_called_and_fail_only_at_kernel_selection(kernel, checkpoint,
+                                                                                         monkeypatch):
+    """The real MoE primitives (every kernel before `kernel` stood in) go through MindSpore's graph
+    compiler as msinfer calls them and stop only where the CPU has no kernel; the error names the
+    kernel and what it was given."""
+    from mindspore.ops import auto_generate
+    import worker.ascend as ascend
+    from worker.ascend import KernelError
+    chain = ascend.MOE_KERNELS
+    mixed = type("Mixed", (ascend.StandIns,), {k: getattr(auto_generate, k) for k in chain[chain.index(kernel):]})
+    monkeypatch.setattr(ascend.AscendOps, "kernels", mixed)
+    runner = ModelRunner(EngineConfig(str(checkpoint("qwen3_moe_top2_dense_layer")), max_model_len=128,
+                                      max_batch_size=8, device="ascend", dtype="float16"))
+    with pytest.raises(KernelError) as failed:
+        Driver(runner).prefill({0: PROMPTS[0]})
+    message, cause = str(failed.value), str(failed.value.__cause__)
+    assert re.search(rf"Unsupported op \[(Inner)?{kernel}\] on CPU", cause)
+    assert f"the Ascend kernel {kernel} failed" in message and "model.ops: portable" in message
+    first = {"MoeGatingTopKSoftmax": "x [6, 8] float16, finished None, k 2",
+             "MoeInitRoutingV2": "x [6, 64] float16, expert_idx [6, 2] int32, expert_num 9",
+             "GroupedMatmulV4": "x [[12, 64 or 32]] float16, weight [[8, 64, 64] or [8, 32, 64]] float16, "
+                                "group_list [8] int64",
+             "MoeTokenUnpermute": "permuted_tokens [12, 64] float16, sorted_indices [12] int32, probs [6, 2]"}[kernel]
+    assert f"msinfer gave it {first}" in message
+
+
 @pytest.mark.parametrize("kernel,standing_in", [("ReshapeAndCache", ()),
                                                 ("FlashAttentionScore", ("ReshapeAndCache",)),
                                                 ("PagedAttention", ("ReshapeAndCache", "FlashAttentionScore"))])
@@ -240,20 +316,19 @@ def test_kernel_failures_elsewhere_stay_as_they_are():
     assert kernel_error(RuntimeError("out of memory"), {}, "decode", None, (1, 1), "float16", 16) is None
 
 
-@pytest.mark.parametrize("name", ["llama_mqa", "qwen3_qknorm_odd_head_dim"])
-def test_tp2_on_the_emulated_ascend_path_and_portable_ops(name, checkpoint, hf_greedy, ray_local):
+def test_tp2_on_the_emulated_ascend_path(checkpoint, hf_greedy, ray_local):
     """Ranks on Ray's (emulated) NPUs: each worker gets its card through ASCEND_RT_VISIBLE_DEVICES as
-    on a node; MQA replicates the single KV head on both ranks. The same model with portable ops."""
+    on a node; MQA replicates the single KV head on both ranks. (The portable operators share this
+    path's embedding and collectives; test_moe runs a tp 2 mixture of experts on it too.)"""
     from launcher.replica import Replica, wait_gone
-    path_kind = "ascend-emulated" if name == "llama_mqa" else "portable"
-    r = Replica(0, 2, device="ascend" if path_kind == "ascend-emulated" else "cpu")
+    name = "llama_mqa"
+    r = Replica(0, 2, device="ascend")
     try:
-        r.start(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=4, **PATHS[path_kind]))
+        r.start(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=4, **PATHS["ascend-emulated"]))
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
-        if path_kind == "ascend-emulated":
-            assert [info["device"] for info in r.ranks] == ["ascend:0", "ascend:0"]
+        assert [info["device"] for info in r.ranks] == ["ascend:0", "ascend:0"]
     finally:
         pids = r.pids()
         r.shutdown()

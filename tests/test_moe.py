@@ -23,16 +23,20 @@ QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalize
 QWEN2 = "qwen2_moe_top4_shared_tied"        # 6 experts of 24, top 4, a shared expert of 96
 
 
-@pytest.mark.parametrize("name,tp,ep", [(QWEN3, 2, True), (QWEN3, 4, False), (QWEN2, 2, False), (QWEN2, 2, True)])
-def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(name, tp, ep, checkpoint, hf_greedy,
-                                                                               ray_local):
+@pytest.mark.parametrize("name,tp,ep,device", [(QWEN3, 2, True, "cpu"), (QWEN3, 4, False, "cpu"),
+                                               (QWEN2, 2, True, "ascend")])
+def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(name, tp, ep, device, checkpoint,
+                                                                               hf_greedy, ray_local):
     """Mixed-length prompts decoded together (async scheduling's SAMPLED feeds), then a prompt
     prefilled in two chunks, the second after its cached first: transformers' tokens at every
-    step. Each rank holds exactly the rows, columns or whole experts its layout gives it."""
+    step, on the CPU kernels and on the emulated Ascend kernels (whose grouped matmuls leave out
+    the pairs of experts another rank holds). Each rank holds exactly the rows, columns or whole
+    experts its layout gives it."""
     from launcher.replica import Replica, wait_gone
     path = checkpoint(name)
-    r = Replica(0, tp)
-    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, expert_parallel=ep))
+    r = Replica(0, tp, device=device)
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, expert_parallel=ep, device=device,
+                         emulate=device == "ascend"))
     try:
         d = Driver(r, feed_sampled=True)
         out = d.generate(dict(enumerate(PROMPTS)), N_NEW)

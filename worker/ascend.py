@@ -10,6 +10,10 @@ on cards (../shared/ASCEND.md has the sources):
     PagedAttention       every other step (decode, a prefill chunk after cached tokens), with
                          q_seq_lens and an additive causal mask for chunks
     RmsNorm              every norm
+    MoeGatingTopKSoftmax a sparse layer's router: softmax over the experts, then the top k
+    MoeInitRoutingV2     the (token, expert) pairs sorted by expert, the tokens' rows gathered
+    GroupedMatmulV4      each expert's rows times its weights [E, in, out] (gate/up, then down)
+    MoeTokenUnpermute    each token's k rows back, weighted and summed
 
 Rotary runs in MindSpore primitives on the card (MsOps.rotary): msinfer's position schemes give
 each token its own cos/sin rows, and ApplyRotaryPosEmb's contract for per-token tables (vllm-
@@ -40,6 +44,7 @@ from worker.device import MASK_PENALTY
 from worker.ops import MsOps, packed_attention, paged_attention, rms_norm
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
+MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")
 
 
 def flash_mask(dtype) -> Tensor:
@@ -104,6 +109,60 @@ class AscendAttention(nn.Cell):
                                     context_lens=batch_valid_length, attn_mask=attn_mask, q_seq_lens=q_seq_lens)
 
 
+class AscendRouter(nn.Cell):
+    """MoeGatingTopKSoftmax(x, finished=None, k) -> (y, expert_idx, row_idx): the softmax over all
+    experts, then its top k, largest first and not renormalized (vllm-mindspore fused_moe.py
+    fused_topk, L103-104; docs/ascend.md has the sources)."""
+
+    def __init__(self, kernels, k: int):
+        super().__init__()
+        self.gating, self.k = kernels.MoeGatingTopKSoftmax(), k
+
+    def construct(self, logits):
+        weights, ids, _ = self.gating(logits, None, self.k)
+        return weights.astype(ms.float32), ids
+
+
+class AscendExperts(nn.Cell):
+    """(x [N, H], ids [N, k] int32, weights [N, k], w13 [E, H, 2I], w2 [E, I, H] (AscendOps.pack_experts:
+    [in, out], as vllm-mindspore's fused_moe/layer.py L91-102 stores them), meta [first expert held,
+    -]) -> [N, H], the sequence of vllm-mindspore's FusedExperts (fused_moe.py L217-354):
+    MoeInitRoutingV2 sorts the (token, expert) pairs by expert, dropless, and counts each expert's
+    rows (flag 2); GroupedMatmulV4 (split_item 3, group_type 0, group_list_type 1: counts, int64)
+    runs each expert's rows through gate|up, then silu(gate) * up, then down; MoeTokenUnpermute
+    weights each token's k rows and sums them. Pairs whose expert another rank holds (expert
+    parallel) sort after every held expert's rows, as expert E, and the grouped matmuls leave
+    those rows out (group_list counts E experts): their rows are zeroed (nan_to_num, as
+    vllm-mindspore's TP_MIX_EP path, L327-328 and L359-398) and weighted 0."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.init_routing = kernels.MoeInitRoutingV2()
+        self.grouped_matmul = kernels.GroupedMatmulV4()
+        self.unpermute = kernels.MoeTokenUnpermute()
+
+    def construct(self, x, ids, weights, w13, w2, meta):
+        E = w13.shape[0]
+        local = ids - meta[0]
+        held = ops.logical_and(local >= 0, local < E)
+        local = ops.select(held, local, ops.full_like(local, E))
+        weights = ops.select(held, weights, ops.zeros_like(weights))
+        rows, unsort, counts, _ = self.init_routing(x, local, active_num=0, expert_capacity=0, expert_num=E + 1,
+                                                    drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=2,
+                                                    expert_tokens_before_capacity_flag=True)
+        group_list = counts[:E].astype(ms.int64)
+        h = self.matmul(rows, w13, group_list)
+        inter = w13.shape[2] // 2
+        h = ops.silu(h[:, :inter]) * h[:, inter:]
+        y = ops.nan_to_num(self.matmul(h, w2, group_list), 0.0, 0.0, 0.0)
+        return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
+                              restore_shape=None)
+
+    def matmul(self, x, w, group_list):
+        return self.grouped_matmul([x], [w], None, None, None, None, None, None, group_list, split_item=3,
+                                   group_type=0, group_list_type=1)[0]
+
+
 class AscendOps(MsOps):
     """The fused Ascend kernels (module docstring); MsOps for the rest."""
     name = "ascend"
@@ -126,6 +185,20 @@ class AscendOps(MsOps):
     @classmethod
     def attention(cls, heads, kv_heads, head_dim, block_size, dtype):
         return AscendAttention(cls.kernels, heads, kv_heads, head_dim, block_size, dtype)
+
+    @classmethod
+    def moe_router(cls, k):
+        return AscendRouter(cls.kernels, k)
+
+    @classmethod
+    def moe_op(cls):
+        return AscendExperts(cls.kernels)
+
+    @staticmethod
+    def pack_experts(w: np.ndarray, glu: bool = False):
+        """Stacked expert weights [E, out, in] (Hugging Face's [out, in] per expert) -> [E, in, out],
+        the layout GroupedMatmulV4 multiplies without a transpose; and the unpack."""
+        return np.ascontiguousarray(w.swapaxes(1, 2)), lambda t: np.ascontiguousarray(t.swapaxes(1, 2))
 
 
 # ---- stand-ins: the documented semantics in portable primitives, for emulation on the CPU -------
@@ -216,12 +289,105 @@ class RmsNorm(nn.Cell):
         return rms_norm(x, gamma, self.epsilon)
 
 
+class MoeGatingTopKSoftmax(nn.Cell):
+    """Stand-in: (x [N, E], finished=None, k) -> (the top k of softmax(x) in float32, in x's dtype,
+    largest first, not renormalized; their experts int32; row_idx[n, j] = j * N + n)."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, x, finished=None, k=1):
+        if finished is not None:
+            raise NotImplementedError("the MoeGatingTopKSoftmax stand-in emulates finished=None only")
+        y, ids = ops.topk(ops.softmax(x.astype(ms.float32), -1), k)
+        n = x.shape[0]
+        row_idx = ops.arange(n * k, dtype=ms.int32).reshape(k, n).transpose(1, 0)
+        return y.astype(x.dtype), ids.astype(ms.int32), row_idx
+
+
+class MoeInitRoutingV2(nn.Cell):
+    """Stand-in, dropless (drop_pad_mode 0, active_num 0): the pairs (n, j) of expert_idx [N, K]
+    sorted by expert, stably (pair n * K + j); expanded_x [N K, H] = x[n] of each sorted pair;
+    expanded_row_idx [N K] = where each pair went (pair -> row); then each expert's row count
+    (flag 2) or their running sums (flag 1), [expert_num] int32; a fourth output of zeros."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
+                  expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag):
+        if drop_pad_mode != 0 or active_num != 0 or expert_tokens_count_or_cumsum_flag not in (1, 2):
+            raise NotImplementedError("the MoeInitRoutingV2 stand-in emulates dropless routing with counts only")
+        k = expert_idx.shape[1]
+        flat = expert_idx.reshape(-1)
+        m = flat.shape[0]
+        pair = ops.arange(m, dtype=ms.int32)
+        _, order = ops.sort((flat * m + pair).astype(ms.float32))        # stable: ties by pair
+        order = order.astype(ms.int32)
+        _, row_of_pair = ops.sort(order.astype(ms.float32))
+        experts = ops.arange(expert_num, dtype=ms.int32)
+        counts = ops.equal(ops.broadcast_to(flat.reshape(-1, 1), (m, expert_num)),
+                           ops.broadcast_to(experts.reshape(1, -1), (m, expert_num))).astype(ms.int32).sum(0)
+        if expert_tokens_count_or_cumsum_flag == 1:
+            counts = ops.cumsum(counts, 0)
+        return (ops.gather(x, order // k, 0), row_of_pair.astype(ms.int32), counts.astype(ms.int32),
+                ops.zeros((expert_num,), ms.int32))
+
+
+class GroupedMatmulV4(nn.Cell):
+    """Stand-in for split_item 3, group_type 0: x [[M, in]] with its rows grouped in order,
+    weight [[E, in, out]]; group_list [E] int64 holds each group's rows (group_list_type 1) or
+    their running sums (0). Row r of group e gives x[r] @ weight[e]; rows past the groups give
+    zeros here (the kernel leaves them unwritten). Returns [[M, out]]."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                  pre_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+                  activation_quant_offset=None, split_item=0, group_type=-1, group_list_type=0, act_type=0,
+                  output_dtype=None):
+        if split_item != 3 or group_type != 0 or bias is not None or scale is not None or act_type != 0:
+            raise NotImplementedError("the GroupedMatmulV4 stand-in emulates split_item 3, group_type 0, no bias, "
+                                      "scale or activation only")
+        x, w = x[0], weight[0]
+        E, M = w.shape[0], x.shape[0]
+        ends = group_list.astype(ms.int32)
+        if group_list_type == 1:
+            ends = ops.cumsum(ends, 0)
+        row = ops.arange(M, dtype=ms.int32)
+        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= row.reshape(M, 1)).astype(ms.int32).sum(1)
+        every = ops.BatchMatMul()(ops.broadcast_to(x.expand_dims(0), (E,) + x.shape), w)      # [E, M, out]
+        pick = ops.equal(ops.broadcast_to(group.reshape(1, M), (E, M)),
+                         ops.broadcast_to(ops.arange(E, dtype=ms.int32).reshape(E, 1), (E, M))).astype(x.dtype)
+        return [(every * ops.broadcast_to(pick.expand_dims(-1), every.shape)).sum(0)]
+
+
+class MoeTokenUnpermute(nn.Cell):
+    """Stand-in: out[n] = sum_j permuted_tokens[sorted_indices[n * K + j]] * probs[n, j], for
+    probs [N, K] (padded_mode False, restore_shape None)."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+        if probs is None or padded_mode or restore_shape is not None:
+            raise NotImplementedError("the MoeTokenUnpermute stand-in emulates probs given, padded_mode False only")
+        n, k = probs.shape
+        rows = ops.gather(permuted_tokens, sorted_indices, 0).reshape(n, k, -1)
+        return (rows * ops.broadcast_to(probs.astype(rows.dtype).expand_dims(-1), rows.shape)).sum(1)
+
+
 class StandIns:
     """The stand-ins, under the names of mindspore.ops.auto_generate."""
     ReshapeAndCache = ReshapeAndCache
     FlashAttentionScore = FlashAttentionScore
     PagedAttention = PagedAttention
     RmsNorm = RmsNorm
+    MoeGatingTopKSoftmax = MoeGatingTopKSoftmax
+    MoeInitRoutingV2 = MoeInitRoutingV2
+    GroupedMatmulV4 = GroupedMatmulV4
+    MoeTokenUnpermute = MoeTokenUnpermute
 
 
 class EmulatedAscendOps(AscendOps):
@@ -235,12 +401,13 @@ class KernelError(RuntimeError):
 
 
 def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple[int, int], dtype: str,
-                 block_size: int) -> KernelError | None:
+                 block_size: int, experts: tuple[int, int] | None = None) -> KernelError | None:
     """The KernelError for a step's failure where MindSpore's message names one of the fused
     kernels (None otherwise): the kernel, the shapes and dtypes msinfer gave it in this step,
-    and `model.ops: portable`."""
+    and `model.ops: portable`. experts: (experts held, intermediate size of each) on this rank."""
     text = str(error)
-    found = {m.start(): k for k in KERNELS for m in [re.search(rf"\b{k}\b", text)] if m}
+    # (MoeTokenUnpermute runs as the primitive InnerMoeTokenUnpermute)
+    found = {m.start(): k for k in KERNELS + MOE_KERNELS for m in [re.search(rf"(?:\b|Inner){k}\b", text)] if m}
     if not found:
         return None
     kernel = found[min(found)]                   # the first named: MindSpore names the failing node first
@@ -249,7 +416,7 @@ def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple
     T = inputs["input_ids"].shape[0]
     B, W = inputs["block_tables"].shape
     cache = f"[blocks, {block_size}, {KV}, {D}] {dtype}"
-    given = {
+    given: dict = {
         "ReshapeAndCache": f"key [{T}, {KV * D}] {dtype}, value [{T}, {KV * D}] {dtype}, key_cache and value_cache "
                            f"{cache}, slot_mapping [{T}] int32",
         "FlashAttentionScore": f"query [{T}, {H * D}] {dtype}, key and value [{T}, {KV * D}] {dtype}, attn_mask "
@@ -258,9 +425,20 @@ def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple
                           f"int32, context_lens and q_seq_lens [{B}] int32, attn_mask "
                           f"{list(inputs['attn_mask'].shape)} {dtype}",
         "RmsNorm": f"x [{T}, hidden or {D}] {dtype}, gamma {dtype}",
-    }[kernel]
+    }
+    if experts is not None:
+        E, I, k, Hd = *experts, cfg.num_experts_per_tok, cfg.hidden_size
+        given.update({
+            "MoeGatingTopKSoftmax": f"x [{T}, {cfg.num_experts}] {dtype}, finished None, k {k}",
+            "MoeInitRoutingV2": f"x [{T}, {Hd}] {dtype}, expert_idx [{T}, {k}] int32, expert_num {E + 1}, dropless, "
+                                f"counts (flag 2)",
+            "GroupedMatmulV4": f"x [[{T * k}, {Hd} or {I}]] {dtype}, weight [[{E}, {Hd}, {2 * I}] or [{E}, {I}, {Hd}]] "
+                               f"{dtype}, group_list [{E}] int64 counts, split_item 3, group_type 0",
+            "MoeTokenUnpermute": f"permuted_tokens [{T * k}, {Hd}] {dtype}, sorted_indices [{T * k}] int32, probs "
+                                 f"[{T}, {k}] {dtype}"})
+    inputs_given = given.get(kernel, "its inputs")
     said = next((line.strip() for line in text.splitlines()
                  if re.search(r"[A-Za-z]", line) and not line.lstrip().startswith("- ")), text)
-    return KernelError(f"the Ascend kernel {kernel} failed in a {kind} step; msinfer gave it {given}. "
+    return KernelError(f"the Ascend kernel {kernel} failed in a {kind} step; msinfer gave it {inputs_given}. "
                        f"MindSpore said: {said[:400]} Set model.ops: portable in the job spec to run this model in "
                        f"portable MindSpore operators instead of the fused kernels.")

@@ -105,7 +105,8 @@ class SparseMoeBlock(nn.Cell):
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev):
         super().__init__()
-        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.norm_topk = cfg.norm_topk_prob
+        self.route = dev.moe_router(cfg.num_experts_per_tok)
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, dtype, dev.linear_op)
         self.experts = FusedExperts(cfg, tp, dtype, dev.moe_op, GLU_GROUP)
         self.shared_expert = self.shared_expert_gate = None
@@ -115,11 +116,10 @@ class SparseMoeBlock(nn.Cell):
         self.all_reduce = ops.AllReduce() if tp.size > 1 else None
 
     def construct(self, x):
-        probs = ops.softmax(self.gate(x).astype(ms.float32), -1)
-        weights, ids = ops.topk(probs, self.top_k)
+        weights, ids = self.route(self.gate(x))
         if self.norm_topk:
             weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
-        y = self.experts(x, ids.astype(ms.int32), weights.astype(x.dtype))
+        y = self.experts(x, ids, weights.astype(x.dtype))
         if self.shared_expert is not None:
             scale = ops.sigmoid(self.shared_expert_gate(x))
             y = y + ops.broadcast_to(scale, y.shape) * self.shared_expert(x)
@@ -253,22 +253,21 @@ class CausalLM(nn.Cell):
 
     def pack_weights(self) -> None:
         """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),
-        once all are loaded; the layers were built with the device's ops, which read that order.
+        and the experts' stacked weights into theirs (`dev.pack_experts`), once all are loaded;
+        the layers were built with the device's ops, which read that order.
         A weight may change its dtype (bfloat16 tiles are int16), so it becomes a new Parameter of
         the same name, set on every cell that holds it (a tied LM head shares the embedding's)."""
-        if self.dev.pack_weight is None:
-            return
         done: dict[str, Parameter] = {}
         for _, cell in self.cells_and_names():
-            if isinstance(cell, FusedExperts) and cell.op is not None:
-                for attr, glu in (("w13", cell.glu), ("w2", False)):
+            if isinstance(cell, FusedExperts):
+                for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts else ():
                     w = getattr(cell, attr)
                     if w.name not in self.packed:
                         data, self.packed[w.name] = self.dev.pack_experts(w.asnumpy(), glu)
                         setattr(cell, attr, Parameter(Tensor(data), name=w.name, requires_grad=False))
                 continue
             w = getattr(cell, "weight", None)
-            if not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
+            if self.dev.pack_weight is None or not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
                 continue
             if w.name not in done:
                 if w.name in self.packed:        # by an earlier call

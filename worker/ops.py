@@ -163,7 +163,9 @@ class MsOps:
     # Weights as Hugging Face stores them, MindSpore's MatMul (transpose_b) and Gather.
     linear_op = embed_op = pack_weight = None
     glu_linear_op = None      # gate/up projection and silu-mul in one (CpuOps)
-    moe_op = pack_experts = None   # a sparse layer's experts grouped by routing (CpuOps; else sharding.layers)
+    # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
+    # without: every expert on every token, sharding.layers.FusedExperts)
+    moe_op = pack_experts = None
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
     dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
     paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)
@@ -213,6 +215,22 @@ class MsOps:
         """A cell (q [N, H, D], k and v [N, KV, D] (rotated), k_cache, v_cache, ctx, prefill) -> [N, H, D]
         that writes the new K/V rows and attends; ctx is CausalLM's step context."""
         return PortableAttention(heads, kv_heads, head_dim, block_size, dtype)
+
+    @staticmethod
+    def moe_router(k: int):
+        """A cell (router logits [N, E]) -> (the top k of their softmax [N, k] float32, largest
+        first, not renormalized; their experts [N, k] int32), as transformers routes."""
+        return TopKRouter(k)
+
+
+class TopKRouter(nn.Cell):
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def construct(self, logits):
+        weights, ids = ops.topk(ops.softmax(logits.astype(ms.float32), -1), self.k)
+        return weights, ids.astype(ms.int32)
 
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them

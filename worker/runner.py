@@ -307,8 +307,10 @@ class ModelRunner:
             return error
         from worker.ascend import kernel_error
         attn = self.model.layers[0].self_attn
+        held = next(((layer.mlp.experts.count, layer.mlp.experts.inter) for layer in self.model.layers
+                     if hasattr(layer.mlp, "experts")), None)
         return kernel_error(error, inputs, kind, self.cfg, (attn.heads, attn.kv_heads), self.dtype,
-                            self.block_size) or error
+                            self.block_size, held) or error
 
     def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
         """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and

@@ -1,0 +1,92 @@
+"""A routed mixture-of-experts layer against a dense MLP with the same active parameters, on the
+CPU kernels, in one process: one Qwen3-30B-A3B layer (hidden 2048, 128 experts of 768, top 8)
+and an MLP of 8 x 768 = 6144, at a decode step of 16 tokens and a prefill of 256, the two sides
+alternating round by round. Random weights (float32); the router's weights are random too, so
+tokens spread over the experts about evenly. With --portable also the portable operators'
+experts (every expert on every token), at 16 tokens only.
+
+    python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("GLOG_v", "3")
+
+import numpy as np  # noqa: E402
+
+from sharding.config import ModelConfig  # noqa: E402
+from sharding.layout import TPInfo  # noqa: E402
+
+LAYER = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+         "moe_intermediate_size": 768, "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 1,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
+
+
+def build(cfg: ModelConfig, dev, sparse: bool, rng):
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from worker.model import MLP, SparseMoeBlock
+    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev) if sparse else MLP(cfg, TPInfo(), ms.float32, dev)
+    cell.set_train(False)
+    for _, sub in cell.cells_and_names():
+        for attr in ("weight", "w13", "w2"):
+            p = getattr(sub, attr, None)
+            if not isinstance(p, Parameter) or attr == "weight" and not hasattr(sub, "matmul"):
+                continue
+            w = (rng.standard_normal(p.shape, np.float32) / np.sqrt(p.shape[-1])).astype(np.float32)
+            if dev.pack_weight is not None:
+                if attr == "weight":
+                    w, _ = dev.pack_weight(w, getattr(sub, "glu", False))
+                else:
+                    w, _ = dev.pack_experts(w, sub.glu and attr == "w13")
+            setattr(sub, attr, Parameter(Tensor(w), name=p.name, requires_grad=False))
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--portable", action="store_true")
+    args = ap.parse_args()
+    import mindspore as ms
+    from mindspore import Tensor
+    from worker.ops import CpuOps, MsOps, load_kernels
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    load_kernels()
+    cfg = ModelConfig.from_dict({**LAYER, "num_experts": args.experts})
+    rng = np.random.default_rng(0)
+    sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng)}
+    if args.portable:
+        sides["portable experts"] = build(cfg, MsOps, True, rng)
+    inputs = {n: Tensor(rng.standard_normal((n, cfg.hidden_size), np.float32)) for n in (16, 256)}
+    cases = [(s, n) for s in sides for n in inputs if not (s == "portable experts" and n > 16)]
+    for s, n in cases:                                       # compile each shape first
+        sides[s](inputs[n]).asnumpy()
+    times = {c: [] for c in cases}
+    for rnd in range(args.rounds):
+        for s, n in (cases if rnd % 2 == 0 else cases[::-1]):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                sides[s](inputs[n]).asnumpy()
+            times[(s, n)].append((time.perf_counter() - t0) / args.steps * 1e3)
+    active = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    print(f"{args.experts} experts of {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}; dense MLP "
+          f"{cfg.intermediate_size}; active parameters per token {active / 1e6:.1f} M on both sides")
+    for (s, n), ts in times.items():
+        print(f"{s:17s} {n:4d} tokens: ms per call " + " ".join(f"{t:.2f}" for t in ts)
+              + f"  median {statistics.median(ts):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -152,8 +152,8 @@ stop_node() {
     if [[ -z $ray_pid ]] || ! kill -0 "$ray_pid" 2>/dev/null; then return 0; fi
     say "stopping the Ray node on $node_ip"
     kill -TERM "$ray_pid" 2>/dev/null || true
-    local waited=0
-    while kill -0 "$ray_pid" 2>/dev/null && (( waited < 60 )); do sleep 1; waited=$((waited + 1)); done
+    local ticks=0                      # of 0.2 s
+    while kill -0 "$ray_pid" 2>/dev/null && (( ticks < 300 )); do sleep 0.2; ticks=$((ticks + 1)); done
     if kill -0 "$ray_pid" 2>/dev/null; then
         kill -KILL "$ray_pid" 2>/dev/null || true
         say "warning: the Ray node did not stop within 60 s; some of its processes may remain (see $log)"
@@ -194,7 +194,7 @@ say "starting a Ray $role node on $node_ip$([[ $mode == join ]] && echo " (head 
 "$ray_cmd" "${start_args[@]}" >"$log" 2>&1 </dev/null &
 ray_pid=$!
 
-waited=0
+ticks=0                                # of 0.2 s
 until grep -q "Ray runtime started" "$log" 2>/dev/null; do
     if ! kill -0 "$ray_pid" 2>/dev/null; then
         wait "$ray_pid" 2>/dev/null || true
@@ -202,11 +202,11 @@ until grep -q "Ray runtime started" "$log" 2>/dev/null; do
         tail -n 15 "$log" >&2 || true
         die "the Ray $role node did not start (last lines of $log above)"
     fi
-    if (( waited >= timeout )); then
+    if (( ticks >= timeout * 5 )); then
         tail -n 5 "$log" >&2 || true
         die "the Ray $role node was not up after ${timeout} s$([[ $mode == join ]] && echo "; is a head listening at $join_addr?")"
     fi
-    sleep 1; waited=$((waited + 1))
+    sleep 0.2; ticks=$((ticks + 1))
 done
 say "ready: Ray $role node on $node_ip, cluster address $address"
 if [[ $mode == head && -z $spec ]]; then
@@ -232,7 +232,7 @@ address, want, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 end = time.monotonic() + timeout
 while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < want and time.monotonic() < end:
-    time.sleep(1)
+    time.sleep(0.25)
 print(f"{alive} node(s) alive", file=sys.stderr)
 sys.exit(0 if alive >= want else 1)
 PY

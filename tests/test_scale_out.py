@@ -312,6 +312,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
+# sbatch --wait polls the job every 2 s, then 8, then 32, unless MinJobAge / 3 caps the sleep
+# below 8: a 20-second job would otherwise be seen done after 42 s
+MinJobAge=6
 NodeName={host} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """

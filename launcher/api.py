@@ -1,6 +1,6 @@
 """The Python API, for notebooks and scripts:
 
-    from launcher.api import LLM, run_job
+    from msinfer.launcher.api import LLM, run_job
     llm = LLM("~/models/Qwen3-0.6B", tensor_parallel=2)
     results = llm.generate(["What is the capital of France?"], {"max_new_tokens": 32})
     llm.shutdown()
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from launcher.errors import SpecError
-from launcher.inputs import parse_record
-from launcher.job import JobRun, plan_job, run_job as _run_job, start_controller
-from launcher.spec import JobSpec, SamplingSpec, load_spec
+from msinfer.launcher.errors import SpecError
+from msinfer.launcher.inputs import parse_record
+from msinfer.launcher.job import JobRun, plan_job, run_job as _run_job, start_controller
+from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec
 
 
 def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] = (), **kwargs) -> dict:

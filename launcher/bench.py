@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import OutputError, UserError
+from msinfer.launcher.errors import OutputError, UserError
 
 CSV_NAME, JSON_NAME, PNG_NAME = "bench.csv", "bench.json", "bench.png"
 COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", "compile_s", "graphs_compiled",
@@ -151,11 +151,11 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
-    from sharding.config import ModelConfig
-    from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
-    from worker.loader import CheckpointError, check_checkpoint
-    from worker.device import ascend_emulated, resolve_device
-    from worker.runner import EngineConfig, resolve_dtype
+    from msinfer.sharding.config import ModelConfig
+    from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
+    from msinfer.worker.loader import CheckpointError, check_checkpoint
+    from msinfer.worker.device import ascend_emulated, resolve_device
+    from msinfer.worker.runner import EngineConfig, resolve_dtype
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
     input_lens = parse_sizes(args.input_len, "--input-len")
@@ -241,9 +241,9 @@ class BenchReplica:
         self.start_error: str | None = None
 
     def start(self) -> None:
-        from launcher.controller import launch_error
-        from launcher.job import threads_per_worker
-        from launcher.replica import Replica
+        from msinfer.launcher.controller import launch_error
+        from msinfer.launcher.job import threads_per_worker
+        from msinfer.launcher.replica import Replica
         import ray
 
         p = self.plan
@@ -273,7 +273,7 @@ class BenchReplica:
 
     def generate(self, case: Case) -> Timing:
         import numpy as np
-        from worker.protocol import SamplingParams, SeqStep
+        from msinfer.worker.protocol import SamplingParams, SeqStep
 
         B, n_in, n_out = case.batch_size, case.input_len, case.output_len
         rng = np.random.default_rng([self.plan.seed, B, n_in])
@@ -325,7 +325,7 @@ def run_case(engine: BenchReplica, case: Case, repeats: int) -> dict:
 
 
 def describe_failure(e: BaseException) -> str:
-    from launcher.engine import describe
+    from msinfer.launcher.engine import describe
     from ray.exceptions import GetTimeoutError, RayActorError
 
     if isinstance(e, RayActorError):
@@ -369,7 +369,7 @@ class BenchRun:
 
     def write(self) -> None:
         d = self.plan.out_dir
-        from launcher.writer import write_json_atomic
+        from msinfer.launcher.writer import write_json_atomic
         try:
             write_json_atomic(d / JSON_NAME, {"bench": self.meta, "cases": self.rows})
             fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{CSV_NAME}.", suffix=".tmp")
@@ -438,7 +438,7 @@ def bench_meta(plan: BenchPlan) -> dict:
 
 def run_bench(args) -> int:
     import ray
-    from launcher.replica import init_ray
+    from msinfer.launcher.replica import init_ray
 
     plan = plan_bench(args)
     run = BenchRun(plan, meta=bench_meta(plan))
@@ -495,7 +495,7 @@ def run_bench(args) -> int:
     print(format_table(run.rows))
     written = [plan.out_dir / CSV_NAME, plan.out_dir / JSON_NAME] + ([] if note else [plan.out_dir / PNG_NAME])
     print("written: " + ", ".join(map(str, written)) + (f"\nnote: {note}" if note else ""))
-    from launcher.cli import EXIT_JOB_FAILED
+    from msinfer.launcher.cli import EXIT_JOB_FAILED
     return 0 if any(r["status"] == "ok" for r in run.rows) else EXIT_JOB_FAILED
 
 

@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--step-ms", type=float, default=20.0, help="a stand-in step's milliseconds (default 20)")
             c.add_argument("--prefill-ms-per-token", type=float, default=0.0,
                            help="and milliseconds per token a prefill step feeds (default 0)")
-    from launcher.bench import add_bench_parser
+    from msinfer.launcher.bench import add_bench_parser
     add_bench_parser(sub)
     return p
 
@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from launcher.controller import JobFailed
-    from launcher.errors import SpecError
-    from launcher.job import USER_ERRORS, plan_job, run_job
-    from launcher.replica import LaunchError, StartupTimeout
-    from launcher.spec import load_spec
+    from msinfer.launcher.controller import JobFailed
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import USER_ERRORS, plan_job, run_job
+    from msinfer.launcher.replica import LaunchError, StartupTimeout
+    from msinfer.launcher.spec import load_spec
 
     try:
         if args.command == "bench":
-            from launcher.bench import run_bench
+            from msinfer.launcher.bench import run_bench
             return run_bench(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "plan":
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         simulate = None
         if args.command == "simulate":
-            from launcher.simulate import StandIn
+            from msinfer.launcher.simulate import StandIn
             if args.step_ms <= 0 or args.prefill_ms_per_token < 0:
                 raise SpecError(f"--step-ms must be > 0 and --prefill-ms-per-token >= 0, got {args.step_ms:g} "
                                 f"and {args.prefill_ms_per_token:g}")

@@ -41,11 +41,11 @@ from typing import Callable, Iterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch, wait_any
-from launcher.errors import UserError
-from launcher.inputs import Record
-from launcher.records import Done
-from launcher.replica import LaunchError, Replica
+from msinfer.launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch, wait_any
+from msinfer.launcher.errors import UserError
+from msinfer.launcher.inputs import Record
+from msinfer.launcher.records import Done
+from msinfer.launcher.replica import LaunchError, Replica
 
 
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from launcher.records import Done, RecordCodec
-from launcher.scheduler import Scheduler
-from worker.protocol import pack_step
+from msinfer.launcher.records import Done, RecordCodec
+from msinfer.launcher.scheduler import Scheduler
+from msinfer.worker.protocol import pack_step
 
 STEP_KINDS = ("prefill", "decode")
 # per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
@@ -105,7 +105,7 @@ class Engine:
     def __init__(self, setup: EngineSetup, index: int, tokenizer=False):
         """tokenizer: the job's (launcher.tokenizer.Tokenizer or None), where the caller has it
         loaded already; False: load it here."""
-        from launcher.tokenizer import load_tokenizer
+        from msinfer.launcher.tokenizer import load_tokenizer
 
         spec, ec = setup.spec, setup.engine_config
         self.index, self.stream = index, setup.stream

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from launcher.errors import InputError
-from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
-from launcher.spec import INPUT_SUFFIXES
+from msinfer.launcher.errors import InputError
+from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
+from msinfer.launcher.spec import INPUT_SUFFIXES
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids")

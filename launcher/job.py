@@ -15,19 +15,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.errors import SpecError, SystemicError, UserError
-from launcher.inputs import check_input, is_openai_batch, read_records
-from launcher.records import Done
-from launcher.spec import JobSpec
-from launcher.tokenizer import Tokenizer, load_tokenizer
-from launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
-from sharding.config import ModelConfig, ModelConfigError
-from sharding.layout import LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors, valid_tp_sizes
-from worker.loader import CheckpointError, check_checkpoint, check_model_dir
-from worker.lora import check_adapter
-from worker.positions import make_scheme
-from worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
-from worker.runner import EngineConfig, resolve_dtype, shapes_problem
+from msinfer.launcher.errors import SpecError, SystemicError, UserError
+from msinfer.launcher.inputs import check_input, is_openai_batch, read_records
+from msinfer.launcher.records import Done
+from msinfer.launcher.spec import JobSpec
+from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
+from msinfer.launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
+from msinfer.sharding.config import ModelConfig, ModelConfigError
+from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors, valid_tp_sizes
+from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
+from msinfer.worker.lora import check_adapter
+from msinfer.worker.positions import make_scheme
+from msinfer.worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
+from msinfer.worker.runner import EngineConfig, resolve_dtype, shapes_problem
 
 DEFAULT_MAX_MODEL_LEN = 4096
 SAME_CAUSE_STOP = 100           # failed results, all alike and none succeeded before them: the job stops
@@ -445,8 +445,8 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     """The job's controller; with `simulate` (a launcher.simulate.StandIn), on stand-in workers
     that ask Ray for a hundredth of a CPU each and no card. `stream`: the engines report text as
     it grows."""
-    from launcher.controller import Controller, ControllerConfig
-    from launcher.engine import EngineSetup
+    from msinfer.launcher.controller import Controller, ControllerConfig
+    from msinfer.launcher.engine import EngineSetup
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
@@ -463,7 +463,7 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
         startup_timeout_s=spec.fault.startup_timeout_s)
     if simulate is not None:
-        from launcher.simulate import StandInWorker
+        from msinfer.launcher.simulate import StandInWorker
         cfg.update(worker_cls=simulate.worker_cls or StandInWorker, worker_options={"timing": simulate}, device="cpu",
                    cpus_per_worker=STAND_IN_CPUS, threads_per_worker=0)
     return Controller(ControllerConfig(**cfg))
@@ -472,7 +472,7 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
 def start_controller(plan: Plan, simulate=None, stream: bool = False):
     """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray)."""
     import ray
-    from launcher.replica import init_ray
+    from msinfer.launcher.replica import init_ray
 
     spec = plan.spec
     started_ray = not ray.is_initialized()
@@ -510,7 +510,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
         if simulate is not None:
-            from launcher.simulate import capacity, cpu_seconds
+            from msinfer.launcher.simulate import capacity, cpu_seconds
             cpu0 = cpu_seconds(controller)
         job.run(read_records(spec.input.path))
         summary = job.summary(startup_s)

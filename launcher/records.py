@@ -14,12 +14,12 @@ import os
 import time
 from typing import NamedTuple
 
-from launcher.errors import RecordError
-from launcher.inputs import Record
-from launcher.scheduler import Sequence
-from launcher.tokenizer import StopStringMatcher, Tokenizer
-from launcher.writer import error_result, ok_result, score_result
-from worker.protocol import SamplingParams
+from msinfer.launcher.errors import RecordError
+from msinfer.launcher.inputs import Record
+from msinfer.launcher.scheduler import Sequence
+from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer
+from msinfer.launcher.writer import error_result, ok_result, score_result
+from msinfer.worker.protocol import SamplingParams
 
 
 class Done(NamedTuple):
@@ -177,7 +177,7 @@ class RecordCodec:
         log-probability alternatives it asked for. None with output.format msinfer."""
         if not self.openai:
             return None
-        from launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
+        from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
         chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
                                             and self.tok is not None and self.tok.has_chat_template)
         return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs
@@ -253,7 +253,7 @@ class RecordCodec:
         """`cached`: prompt tokens found in the prefix cache (an OpenAI line's usage reports them)."""
         line = result
         if request is not None:
-            from launcher.openai_batch import openai_line
+            from msinfer.launcher.openai_batch import openai_line
             line = openai_line(result, *request, self.model_name, self.token_text, cached)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None

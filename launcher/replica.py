@@ -18,8 +18,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.engine import LocalEngine, engine_host, submit_step
-from worker.actor import CommScheduler, Worker
+from msinfer.launcher.engine import LocalEngine, engine_host, submit_step
+from msinfer.worker.actor import CommScheduler, Worker
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -37,7 +37,7 @@ import enum
 import itertools
 from collections import deque
 
-from worker.protocol import SAMPLED, SamplingParams, SeqStep
+from msinfer.worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 
 class SequenceStatus(enum.Enum):

@@ -18,8 +18,8 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from worker.actor import Worker
-from worker.protocol import SAMPLED, SeqStep, StepOutput
+from msinfer.worker.actor import Worker
+from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
 
 
 KEYS_KEPT = 100_000             # sequences whose prompt key a stand-in remembers
@@ -43,7 +43,7 @@ class StandInRunner:
     """ModelRunner's `step` without a model (see the module docstring)."""
 
     def __init__(self, engine_config, timing: StandIn):
-        from sharding.config import ModelConfig
+        from msinfer.sharding.config import ModelConfig
         cfg = ModelConfig.from_dir(engine_config.model_dir)
         self.vocab = cfg.vocab_size
         self.avoid = set(cfg.eos_token_ids or ())
@@ -129,7 +129,7 @@ def cpu_seconds(controller) -> dict:
     engines (their own threads), the stand-in workers (their processes, less the engines hosted
     in rank 0's)."""
     import ray
-    from launcher.engine import LocalEngine
+    from msinfer.launcher.engine import LocalEngine
     workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
     engines = controller.engine_stats()
     local = sum(s.replica.engine.engine.engine_stats()["cpu_s"] for s in controller.slots

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Callable, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from launcher.errors import RecordError, SpecError
-from worker.protocol import SamplingParams
+from msinfer.launcher.errors import RecordError, SpecError
+from msinfer.worker.protocol import SamplingParams
 
 INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 PATH_KEYS = ("model.path", "model.tokenizer", "model.lora.path", "input.path", "output.path")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from launcher.errors import RecordError, SystemicError, TokenizerError
-from launcher.inputs import Record
+from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
+from msinfer.launcher.inputs import Record
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
                    "vocab.json", "vocab.txt", "merges.txt")

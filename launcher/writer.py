@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import OutputError
+from msinfer.launcher.errors import OutputError
 
 
 def status_path(output: str | Path) -> Path:

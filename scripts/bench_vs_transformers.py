@@ -84,7 +84,7 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
         "output": {"path": str(out)},
     }
     (work / "job.yaml").write_text(json.dumps(spec))          # JSON is YAML
-    cmd = [sys.executable, "-m", "launcher.cli", "run", str(work / "job.yaml"), "--overwrite", "--no-progress"]
+    cmd = [sys.executable, "-m", "msinfer.launcher.cli", "run", str(work / "job.yaml"), "--overwrite", "--no-progress"]
     for o in overrides:
         cmd += ["--set", o]
     t0 = time.perf_counter()

@@ -22,8 +22,8 @@ os.environ.setdefault("GLOG_v", "3")
 
 import numpy as np  # noqa: E402
 
-from sharding.config import ModelConfig  # noqa: E402
-from sharding.layout import TPInfo  # noqa: E402
+from msinfer.sharding.config import ModelConfig  # noqa: E402
+from msinfer.sharding.layout import TPInfo  # noqa: E402
 
 LAYER = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
          "moe_intermediate_size": 768, "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 1,
@@ -33,7 +33,7 @@ LAYER = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "interme
 def build(cfg: ModelConfig, dev, sparse: bool, rng):
     import mindspore as ms
     from mindspore import Parameter, Tensor
-    from worker.model import MLP, SparseMoeBlock
+    from msinfer.worker.model import MLP, SparseMoeBlock
     cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev) if sparse else MLP(cfg, TPInfo(), ms.float32, dev)
     cell.set_train(False)
     for _, sub in cell.cells_and_names():
@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     import mindspore as ms
     from mindspore import Tensor
-    from worker.ops import CpuOps, MsOps, load_kernels
+    from msinfer.worker.ops import CpuOps, MsOps, load_kernels
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     load_kernels()

@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("GLOG_v", "3")
 
-from worker.protocol import SeqStep  # noqa: E402
-from worker.runner import EngineConfig, ModelRunner  # noqa: E402
+from msinfer.worker.protocol import SeqStep  # noqa: E402
+from msinfer.worker.runner import EngineConfig, ModelRunner  # noqa: E402
 
 
 def main() -> None:

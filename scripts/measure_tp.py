@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from launcher.inputs import Record  # noqa: E402
-from launcher.job import make_controller, plan_job  # noqa: E402
-from launcher.replica import Replica, init_ray  # noqa: E402
-from launcher.spec import JobSpec  # noqa: E402
+from msinfer.launcher.inputs import Record  # noqa: E402
+from msinfer.launcher.job import make_controller, plan_job  # noqa: E402
+from msinfer.launcher.replica import Replica, init_ray  # noqa: E402
+from msinfer.launcher.spec import JobSpec  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
-from worker.protocol import SeqStep  # noqa: E402
-from worker.runner import EngineConfig  # noqa: E402
+from msinfer.worker.protocol import SeqStep  # noqa: E402
+from msinfer.worker.runner import EngineConfig  # noqa: E402
 
 
 def measure(path: Path, tp: int, batch: int, steps: int) -> dict:

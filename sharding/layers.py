@@ -16,8 +16,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from sharding.config import ModelConfig
-from sharding.layout import TPInfo, kv_head_range, vocab_shard
+from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.layout import TPInfo, kv_head_range, vocab_shard
 
 
 class ShapeMismatch(ValueError):

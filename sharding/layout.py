@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sharding.config import ModelConfig
+from msinfer.sharding.config import ModelConfig
 
 
 class LayoutError(ValueError):

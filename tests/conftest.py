@@ -55,7 +55,7 @@ def hf_greedy(checkpoint):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    from launcher.replica import init_ray
+    from msinfer.launcher.replica import init_ray
     import ray
     init_ray(None, 4, npus=4)        # emulated Ascend cards for tests of that path (tests/test_ascend.py)
     yield ray

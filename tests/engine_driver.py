@@ -7,7 +7,7 @@ import json
 import pickle
 import time
 
-from worker.protocol import SAMPLED, SamplingParams, SeqStep
+from msinfer.worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 
 class Driver:
@@ -52,9 +52,9 @@ class Driver:
 
 def in_process_rank(engine_config):
     """Rank 0 of a tp 1 group in this process: its runner, called as the worker actor calls it."""
-    from launcher.engine import LocalRank
-    from worker.protocol import unpack_step
-    from worker.runner import ModelRunner
+    from msinfer.launcher.engine import LocalRank
+    from msinfer.worker.protocol import unpack_step
+    from msinfer.worker.runner import ModelRunner
     runner = ModelRunner(engine_config)
 
     def step(payload, is_prefill, index):
@@ -81,8 +81,8 @@ def exchange_until_done(engine, records, more=False, timeout=60) -> list:
 def run_engine(plan, records, workers=None) -> tuple:
     """Deals records to an engine on `workers` (default: a rank in this process) in one exchange;
     returns the result lines by id and the engine."""
-    from launcher.engine import Engine, EngineSetup
-    from launcher.inputs import parse_record
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from msinfer.launcher.inputs import parse_record
     engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
     engine.attach(workers or [in_process_rank(plan.engine)])
     try:

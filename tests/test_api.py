@@ -1,7 +1,7 @@
 """The Python API: an LLM object keeps its workers across generate() calls and returns results in
 prompt order, the same tokens transformers gives."""
 
-from launcher.api import LLM
+from msinfer.launcher.api import LLM
 from tests.conftest import PROMPTS
 
 

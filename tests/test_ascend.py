@@ -17,8 +17,8 @@ from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import Recording
 from tests.test_scoring import hf_logprobs
-from worker.protocol import SeqStep
-from worker.runner import EngineConfig, ModelRunner
+from msinfer.worker.protocol import SeqStep
+from msinfer.worker.runner import EngineConfig, ModelRunner
 
 N_NEW = 8
 LOGIT_ATOL = 2e-4
@@ -141,7 +141,7 @@ def test_the_stand_ins_take_the_installed_primitives_signatures():
     parameters, with its defaults: code that runs with the stand-ins calls the real kernels the
     same way."""
     from mindspore.ops import auto_generate
-    from worker.ascend import KERNELS, MOE_KERNELS, StandIns
+    from msinfer.worker.ascend import KERNELS, MOE_KERNELS, StandIns
 
     def params(fn):
         return [(p.name, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
@@ -158,7 +158,7 @@ def test_every_kernel_call_passes_arguments_the_installed_primitives_accept(chec
     caches are the layer's Parameters in [blocks, block_size, KV, D]."""
     import mindspore as ms
     from mindspore.ops import auto_generate
-    import worker.ascend as ascend
+    import msinfer.worker.ascend as ascend
     calls = []
 
     def recording(name):
@@ -209,7 +209,7 @@ def test_a_mixture_of_experts_calls_its_kernels_as_vllm_mindspore_does(checkpoin
     probs are in the activation's dtype. Expert parallel at tp 1 holds every expert."""
     import mindspore as ms
     from mindspore.ops import auto_generate
-    import worker.ascend as ascend
+    import msinfer.worker.ascend as ascend
     calls = []
 
     def recording(name):
@@ -251,8 +251,8 @@ def test_the_installed_moe_primitives_compile_as_called_and_fail_only_at_kernel_
     compiler as msinfer calls them and stop only where the CPU has no kernel; the error names the
     kernel and what it was given."""
     from mindspore.ops import auto_generate
-    import worker.ascend as ascend
-    from worker.ascend import KernelError
+    import msinfer.worker.ascend as ascend
+    from msinfer.worker.ascend import KernelError
     chain = ascend.MOE_KERNELS
     mixed = type("Mixed", (ascend.StandIns,), {k: getattr(auto_generate, k) for k in chain[chain.index(kernel):]})
     monkeypatch.setattr(ascend.AscendOps, "kernels", mixed)
@@ -282,8 +282,8 @@ def test_the_installed_primitives_compile_as_called_and_fail_only_at_kernel_sele
     their names (batch_valid_length, q_seq_lens, slot_mapping); the error a user sees names the
     kernel, what it was given, and model.ops: portable."""
     from mindspore.ops import auto_generate
-    import worker.ascend as ascend
-    from worker.ascend import KernelError
+    import msinfer.worker.ascend as ascend
+    from msinfer.worker.ascend import KernelError
 
     class Mixed:
         RmsNorm = ascend.StandIns.RmsNorm       # the first kernel of every layer: stood in to reach the others
@@ -312,7 +312,7 @@ def test_the_installed_primitives_compile_as_called_and_fail_only_at_kernel_sele
 
 
 def test_kernel_failures_elsewhere_stay_as_they_are():
-    from worker.ascend import kernel_error
+    from msinfer.worker.ascend import kernel_error
     assert kernel_error(RuntimeError("out of memory"), {}, "decode", None, (1, 1), "float16", 16) is None
 
 
@@ -320,7 +320,7 @@ def test_tp2_on_the_emulated_ascend_path(checkpoint, hf_greedy, ray_local):
     """Ranks on Ray's (emulated) NPUs: each worker gets its card through ASCEND_RT_VISIBLE_DEVICES as
     on a node; MQA replicates the single KV head on both ranks. (The portable operators share this
     path's embedding and collectives; test_moe runs a tp 2 mixture of experts on it too.)"""
-    from launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, wait_gone
     name = "llama_mqa"
     r = Replica(0, 2, device="ascend")
     try:
@@ -342,7 +342,7 @@ QWEN3_14B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidd
 
 
 def ascend_spec(model_dir, tmp_path, **sections):
-    from launcher.spec import JobSpec
+    from msinfer.launcher.spec import JobSpec
     spec = {"model": {"path": str(model_dir), "max_model_len": 8192}, "input": {"path": str(tmp_path / "in.jsonl")},
             "output": {"path": str(tmp_path / "out.jsonl")},
             "parallel": {"tensor_parallel": 8, "device": "ascend"},
@@ -356,10 +356,10 @@ def test_the_card_plan_sizes_the_kv_cache_from_the_cards_memory_and_refuses_what
     """Qwen3-14B (the example Ascend config): at tp 8 on 64 GB cards the cache holds what 64
     sequences of 8192 tokens need; on one 32 GB card the bfloat16 weights alone do not fit."""
     import json
-    from launcher.job import card_plan
-    from sharding.config import ModelConfig
-    from sharding.layout import bytes_per_rank
-    from sharding.layout import LayoutError
+    from msinfer.launcher.job import card_plan
+    from msinfer.sharding.config import ModelConfig
+    from msinfer.sharding.layout import bytes_per_rank
+    from msinfer.sharding.layout import LayoutError
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
     m = ModelConfig.from_dir(str(tmp_path))
     engine = EngineConfig(str(tmp_path), max_model_len=8192, max_batch_size=64, block_size=128, device="ascend")
@@ -379,8 +379,8 @@ def test_the_card_plan_sizes_the_kv_cache_from_the_cards_memory_and_refuses_what
 
 def test_plan_on_the_emulated_ascend_path_checks_block_size_and_says_how_it_is_verified(
         checkpoint, tmp_path, monkeypatch):
-    from launcher.job import plan_job
-    from sharding.layout import LayoutError
+    from msinfer.launcher.job import plan_job
+    from msinfer.sharding.layout import LayoutError
     monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
     path = checkpoint("llama_gqa_tied")
     sections = dict(model={"max_model_len": 128}, parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 8},
@@ -406,7 +406,7 @@ def test_a_job_runs_on_the_emulated_ascend_path_like_on_a_card(checkpoint, hf_gr
     """run_job with parallel.device ascend and MSINFER_ASCEND_EMULATE=1: Ray places the worker on an
     (emulated) NPU, the step graphs are the Ascend path's, and the results are transformers'."""
     import json
-    from launcher.job import run_job
+    from msinfer.launcher.job import run_job
     monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
     name = "qwen2_qkv_bias"
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": p}) + "\n"

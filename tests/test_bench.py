@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from launcher import bench
-from launcher.bench import BenchError, make_cases, parse_sizes
-from launcher.cli import main
+from msinfer.launcher import bench
+from msinfer.launcher.bench import BenchError, make_cases, parse_sizes
+from msinfer.launcher.cli import main
 
 
 @pytest.mark.parametrize("text, expected", [("4", [4]), ("1,2,4", [1, 2, 4]), ("[1,2,4]", [1, 2, 4]),

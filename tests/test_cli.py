@@ -93,7 +93,7 @@ def _json(path: Path) -> dict | None:
 
 def msinfer_command() -> list[str]:
     script = Path(sys.executable).with_name("msinfer")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "launcher.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "msinfer.launcher.cli"]
 
 
 class Cli:

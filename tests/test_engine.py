@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from launcher.inputs import parse_record
-from launcher.job import plan_job, run_job
-from launcher.simulate import StandIn, StandInWorker
-from launcher.spec import JobSpec
+from msinfer.launcher.inputs import parse_record
+from msinfer.launcher.job import plan_job, run_job
+from msinfer.launcher.simulate import StandIn, StandInWorker
+from msinfer.launcher.spec import JobSpec
 from tests.engine_driver import exchange_until_done
 
 
@@ -49,8 +49,8 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
     """The engine's loop on a stand-in rank: every record once, each with the tokens its
     max_new_tokens asks for; async scheduling (the next step submitted while one runs) changes
     no token; a bad record is its own error result and the others go on."""
-    from launcher.engine import Engine, EngineSetup
-    from launcher.replica import Replica
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from msinfer.launcher.replica import Replica
 
     records = [{"id": f"r{i}", "prompt_token_ids": [10 + i] * (3 + i), "sampling": {"max_new_tokens": 2 + i % 5}}
                for i in range(9)] + [{"id": "bad", "prompt_token_ids": [10**7]}]
@@ -81,8 +81,8 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
 def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
     """Stop strings are matched in the engine on the decoded text: the output is cut before the
     first occurrence, finish_reason stop, and the record generates no further."""
-    from launcher.simulate import StandInRunner
-    from launcher.tokenizer import load_tokenizer
+    from msinfer.launcher.simulate import StandInRunner
+    from msinfer.launcher.tokenizer import load_tokenizer
 
     tok = load_tokenizer(demo)
     prompt = "Once upon a time"
@@ -119,7 +119,7 @@ def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_writ
     same tokens as in a run without the failure."""
     from ray import cloudpickle
 
-    from launcher.simulate import StandInRunner
+    from msinfer.launcher.simulate import StandInRunner
 
     records = [{"id": f"r{i}", "prompt_token_ids": [20 + i, 7, 8]} for i in range(24)]
     spec = job_spec(demo, tmp_path, records, parallel={"data_parallel": 2})
@@ -139,9 +139,9 @@ def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
     """A cause that is not the record's (SystemicError from the tokenizer) raised in an engine
     stops the job with that error, instead of failing the replica over and over."""
     import ray
-    from launcher.controller import Controller, ControllerConfig, Slot
-    from launcher.errors import SystemicError
-    from launcher.inputs import Record
+    from msinfer.launcher.controller import Controller, ControllerConfig, Slot
+    from msinfer.launcher.errors import SystemicError
+    from msinfer.launcher.inputs import Record
 
     @ray.remote
     class Raises:
@@ -166,8 +166,8 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
     vocabulary), the job stops with that cause instead of writing an error line per record, and
     writes none of them, so that a re-run computes them. One good record before them (its result
     comes after theirs), and the failures are the records' own: written, and the job goes on."""
-    from launcher.errors import SystemicError
-    from launcher.job import SAME_CAUSE_STOP
+    from msinfer.launcher.errors import SystemicError
+    from msinfer.launcher.job import SAME_CAUSE_STOP
 
     bad = [{"id": f"b{i}", "prompt_token_ids": [1, 10**6]} for i in range(SAME_CAUSE_STOP + 20)]
     spec = job_spec(demo, tmp_path, bad)
@@ -187,9 +187,9 @@ def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_nam
     the hash of their beginning), a queue of 16 records per replica. The first record of each
     group goes by load (to the first replica, dealt first); the others to the group's replica. By
     load alone (scheduler.route_by_prefix: false) the second replica gets the last 8 records."""
-    from launcher.controller import route_key
-    from launcher.inputs import Record
-    from launcher.job import start_controller
+    from msinfer.launcher.controller import route_key
+    from msinfer.launcher.inputs import Record
+    from msinfer.launcher.job import start_controller
 
     groups, g = {0: [], 1: []}, 0
     while min(len(v) for v in groups.values()) < 2:     # two groups for each replica

@@ -21,11 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.errors import UserError
-from launcher.job import plan_job
-from launcher.replica import wait_gone
-from launcher.spec import load_spec
-from launcher.writer import ResultWriter
+from msinfer.launcher.errors import UserError
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.replica import wait_gone
+from msinfer.launcher.spec import load_spec
+from msinfer.launcher.writer import ResultWriter
 from tests.test_cli import (Job, assert_ray_never_started, cli, line_count, model, no_ray, records,  # noqa: F401
                             said, wait_for)
 
@@ -366,7 +366,7 @@ def test_pickle_weights_are_refused_unless_allowed(cli, model, tmp_path):
     import numpy as np
     import torch
     from safetensors.numpy import load_file
-    from worker.loader import open_weights
+    from msinfer.worker.loader import open_weights
     pickled = broken_copy(model, tmp_path)
     tensors = load_file(pickled / "model.safetensors")
     (pickled / "model.safetensors").unlink()
@@ -399,7 +399,7 @@ def test_remote_code_does_not_run_without_trust_remote_code(cli, model, tmp_path
 
 def test_trust_remote_code_reaches_transformers(monkeypatch, tmp_path):
     import transformers
-    from launcher.tokenizer import load_tokenizer
+    from msinfer.launcher.tokenizer import load_tokenizer
     seen = []
 
     def from_pretrained(path, **kw):
@@ -416,7 +416,7 @@ def test_trust_remote_code_reaches_transformers(monkeypatch, tmp_path):
 
 def test_ray_dashboard_is_off_unless_asked_for_and_then_on_localhost(monkeypatch):
     import ray
-    from launcher import replica
+    from msinfer.launcher import replica
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
@@ -428,8 +428,8 @@ def test_ray_dashboard_is_off_unless_asked_for_and_then_on_localhost(monkeypatch
 
 def test_mindspore_scheduler_listens_on_the_node_address_not_every_interface(monkeypatch):
     import ray
-    from worker import actor
-    from worker.device import cluster_env
+    from msinfer.worker import actor
+    from msinfer.worker.device import cluster_env
     started = []
     monkeypatch.setattr(actor, "start_scheduler_thread", lambda host, port, world: started.append((host, port)))
     host, port = actor.CommScheduler(2).start()
@@ -446,9 +446,9 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
     StartupTimeout naming replica, rank and stage, and its processes are gone."""
     import sys
     from ray import cloudpickle
-    from launcher.replica import Replica, StartupTimeout
-    from launcher.simulate import StandInWorker
-    from worker.runner import EngineConfig
+    from msinfer.launcher.replica import Replica, StartupTimeout
+    from msinfer.launcher.simulate import StandInWorker
+    from msinfer.worker.runner import EngineConfig
 
     class NeverJoins(StandInWorker):
         def join(self, engine_config, sched_host=None, sched_port=None):

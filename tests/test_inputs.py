@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from launcher.errors import InputError
-from launcher.inputs import Record, check_input, read_records
+from msinfer.launcher.errors import InputError
+from msinfer.launcher.inputs import Record, check_input, read_records
 
 
 def jsonl(tmp_path, lines, name="in.jsonl"):
@@ -86,7 +86,7 @@ def test_parquet_in_row_batches(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import launcher.inputs as inputs
+    import msinfer.launcher.inputs as inputs
 
     monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 2)
     table = pa.table({

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from worker.ops import CpuOps, load_kernels
+from msinfer.worker.ops import CpuOps, load_kernels
 
 
 @pytest.fixture(scope="module")

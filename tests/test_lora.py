@@ -13,8 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
-from worker.lora import AdapterError, LoraAdapter, check_adapter
-from worker.runner import EngineConfig, ModelRunner
+from msinfer.worker.lora import AdapterError, LoraAdapter, check_adapter
+from msinfer.worker.runner import EngineConfig, ModelRunner
 
 NAME = "qwen2_qkv_bias"            # fused q/k/v with biases, GQA: every shard id and both split dims
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,7 +71,7 @@ def test_tp1_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, c
 def test_tp2_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, checkpoint, ray_local):
     """Each rank merges only its slice: its rows of B for q/k/v and gate/up, its columns of A for
     o_proj and down_proj."""
-    from launcher.replica import Replica
+    from msinfer.launcher.replica import Replica
     adapter_dir, expected = adapter
     r = Replica(0, 2)
     try:
@@ -115,8 +115,8 @@ def edited_adapter(src, dst, config=None, tensors=None):
 
 
 def test_adapter_for_a_module_the_model_lacks_fails_naming_it(adapter, checkpoint, tmp_path):
-    from sharding.config import ModelConfig
-    from sharding.layout import plan_tensors
+    from msinfer.sharding.config import ModelConfig
+    from msinfer.sharding.layout import plan_tensors
     adapter_dir, _ = adapter
     plans = plan_tensors(ModelConfig.from_dir(checkpoint(NAME)), 2)
     assert check_adapter(str(adapter_dir), 1.0, plans) == 2 * len(TARGETS)
@@ -136,8 +136,8 @@ def test_adapter_for_a_module_the_model_lacks_fails_naming_it(adapter, checkpoin
 
 
 def test_shape_mismatch_fails_naming_the_module_before_and_while_loading(adapter, checkpoint, tmp_path):
-    from sharding.config import ModelConfig
-    from sharding.layout import plan_tensors
+    from msinfer.sharding.config import ModelConfig
+    from msinfer.sharding.layout import plan_tensors
     adapter_dir, _ = adapter
 
     def shrink(t):
@@ -161,8 +161,8 @@ def test_unsupported_adapters_are_refused_with_the_reason(adapter, tmp_path):
 
 
 def test_plan_job_checks_the_adapter_before_workers_start(adapter, checkpoint, tmp_path):
-    from launcher.job import plan_job
-    from launcher.spec import JobSpec
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
     adapter_dir, _ = adapter
     (tmp_path / "in.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
     spec = {"model": {"path": str(checkpoint(NAME)), "max_model_len": 64, "lora": {"path": str(adapter_dir),
@@ -180,8 +180,8 @@ def test_plan_job_checks_the_adapter_before_workers_start(adapter, checkpoint, t
 def test_prompts_found_in_the_prefix_cache_give_the_adapters_tokens(adapter, checkpoint):
     """The engine's cache holds K/V of the merged weights: each prompt a second time starts after
     its cached blocks and gives the same tokens."""
-    from launcher.job import plan_job
-    from launcher.spec import JobSpec
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
     from tests.engine_driver import run_engine as run
     adapter_dir, expected = adapter
     spec = JobSpec.model_validate({

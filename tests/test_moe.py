@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from sharding.config import ModelConfig
-from sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
+from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
-from worker.protocol import SeqStep
-from worker.runner import EngineConfig
+from msinfer.worker.protocol import SeqStep
+from msinfer.worker.runner import EngineConfig
 
 N_NEW = 8
 QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalized; layer 1 dense
@@ -32,7 +32,7 @@ def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(n
     step, on the CPU kernels and on the emulated Ascend kernels (whose grouped matmuls leave out
     the pairs of experts another rank holds). Each rank holds exactly the rows, columns or whole
     experts its layout gives it."""
-    from launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, wait_gone
     path = checkpoint(name)
     r = Replica(0, tp, device=device)
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, expert_parallel=ep, device=device,
@@ -108,8 +108,8 @@ def test_both_layouts_hold_the_same_bytes_differently_and_refuse_sizes_that_do_n
 
 
 def test_plan_describes_the_experts_of_both_layouts(checkpoint, tmp_path):
-    from launcher.job import plan_job
-    from launcher.spec import load_spec
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import load_spec
     spec = tmp_path / "job.yaml"
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6]}) + "\n")
     spec.write_text(f"model: {{path: {checkpoint(QWEN2)}}}\ninput: {{path: {tmp_path / 'in.jsonl'}}}\n"
@@ -125,7 +125,7 @@ def test_plan_describes_the_experts_of_both_layouts(checkpoint, tmp_path):
 
 def test_an_adapter_on_routed_experts_is_refused_by_name(checkpoint, tmp_path):
     from safetensors.numpy import save_file
-    from worker.lora import AdapterError, check_adapter
+    from msinfer.worker.lora import AdapterError, check_adapter
     module = "model.layers.0.mlp.experts.3.gate_proj"
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "target_modules": ["gate_proj"],
                                                               "peft_type": "LORA"}))

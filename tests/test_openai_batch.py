@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from launcher.inputs import parse_openai
-from launcher.openai_batch import openai_line
-from launcher.writer import error_result, ok_result
+from msinfer.launcher.inputs import parse_openai
+from msinfer.launcher.openai_batch import openai_line
+from msinfer.launcher.writer import error_result, ok_result
 
 CHAT = "/v1/chat/completions"
 
@@ -38,7 +38,7 @@ def test_a_request_becomes_a_record_with_its_sampling():
     assert tuned.error is None and tuned.sampling == {
         "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"50256": -100}, "top_k": 0,
         "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 3}
-    from launcher.spec import SamplingSpec
+    from msinfer.launcher.spec import SamplingSpec
     assert SamplingSpec().merge(tuned.sampling, "d").to_params().logit_bias == ((50256, -100.0),)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     shaped = parse_openai(request("e", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
@@ -98,9 +98,9 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     the bad ones with status 400, each request once; a second run skips them all."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
-    from launcher.job import run_job
-    from launcher.simulate import StandIn
-    from launcher.spec import JobSpec
+    from msinfer.launcher.job import run_job
+    from msinfer.launcher.simulate import StandIn
+    from msinfer.launcher.spec import JobSpec
     from scripts.make_demo_model import ensure_demo_model
     lines = [request("chat-1", {"model": "x", "messages": [{"role": "user", "content": "What is 2+2?"}],
                                 "max_completion_tokens": 5}),

@@ -9,9 +9,9 @@ import pytest
 from tests.checkpoints import VARIANTS
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
-from worker.model import STEP_INPUTS
-from worker.protocol import SamplingParams, StepOutput
-from worker.runner import EngineConfig, ModelRunner
+from msinfer.worker.model import STEP_INPUTS
+from msinfer.worker.protocol import SamplingParams, StepOutput
+from msinfer.worker.runner import EngineConfig, ModelRunner
 
 LOGIT_ATOL = 2e-4   # float32 on both sides; observed differences are ~1e-5
 N_NEW = 8
@@ -55,7 +55,7 @@ def test_a_bfloat16_checkpoint_runs_on_amx_tiles_and_gives_the_tokens_of_float32
     parameters): every matmul and the tied embedding. The parity test above holds them to
     transformers' logits; without tiles the same tokens come out of float32 panels."""
     import mindspore as ms
-    from worker.ops import CpuOps, load_kernels
+    from msinfer.worker.ops import CpuOps, load_kernels
     name = "llama_gqa_tied_bfloat16"
     tiled = runner_for(checkpoint(name))
     if not CpuOps.amx:
@@ -96,7 +96,7 @@ def test_prefill_decode_and_scoring_alternate_in_any_order(checkpoint, hf_greedy
 
 
 def d_steps_for_scoring(driver, sid, prompt):
-    from worker.protocol import SeqStep
+    from msinfer.worker.protocol import SeqStep
     return [SeqStep(sid, list(prompt), 0, driver.table(sid), sample=False)]
 
 
@@ -121,8 +121,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(checkpoint
 def test_a_prefill_too_large_for_one_packed_step_runs_split_and_gives_the_same_logits(checkpoint, monkeypatch):
     """More prompt tokens than one packed prefill takes (PREFILL_SPLIT_TOKENS): the runner splits
     the step by whole sequences, and each sequence's logits equal a prefill of it alone."""
-    import worker.runner as runner_module
-    from worker.protocol import SeqStep
+    import msinfer.worker.runner as runner_module
+    from msinfer.worker.protocol import SeqStep
     runner = runner_for(checkpoint("llama_gqa_tied"))
     rng = np.random.default_rng(0)
     steps = [SeqStep(i, [int(t) for t in rng.integers(0, 100, n)], 0, list(range(8 * i, 8 * i + 8)))
@@ -144,8 +144,8 @@ def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_pai
     """Ski rental over graph shapes: a step whose own bucket is not compiled runs in the next
     larger compiled one (same logits), until the padding paid that way reaches
     PAD_TOKENS_BEFORE_COMPILE tokens; a shape more than twice too large is never used."""
-    import worker.runner as runner_module
-    from worker.protocol import SeqStep
+    import msinfer.worker.runner as runner_module
+    from msinfer.worker.protocol import SeqStep
     monkeypatch.setattr(runner_module, "PAD_TOKENS_BEFORE_COMPILE", 100)
     runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied")), max_model_len=128, max_batch_size=8))
     rng = np.random.default_rng(1)
@@ -182,7 +182,7 @@ def test_float16_on_the_cpu_gives_transformers_greedy_tokens(checkpoint, hf_gree
 
 
 def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, monkeypatch):
-    import worker.ops as dev_ops
+    import msinfer.worker.ops as dev_ops
     monkeypatch.setenv("MSINFER_CACHE", str(tmp_path))           # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(dev_ops.shutil, "which", lambda name: None)
@@ -198,7 +198,7 @@ def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(c
     """The step's packed inputs for a prefill chunk and a decode side by side: each token's position,
     cache slot (through its own block table), sequence and context length; the logits row of each
     sequence is its last token's. A block table too short for the tokens is refused by name."""
-    from worker.protocol import SeqStep
+    from msinfer.worker.protocol import SeqStep
     runner = runner_for(checkpoint("llama_gqa_tied"))
     bs = runner.block_size
     steps = [SeqStep(7, [11, 12, 13], bs - 1, [4, 9]), SeqStep(8, [14], 2 * bs + 5, [1, 2, 6])]

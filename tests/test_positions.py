@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sharding.config import ModelConfig
+from msinfer.sharding.config import ModelConfig
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import LOGIT_ATOL, Recording, runner_for
-from worker.positions import Rope2DPositions, RopePositions, make_scheme
-from worker.protocol import SeqStep
-from worker.runner import EngineConfig, ModelRunner
+from msinfer.worker.positions import Rope2DPositions, RopePositions, make_scheme
+from msinfer.worker.protocol import SeqStep
+from msinfer.worker.runner import EngineConfig, ModelRunner
 
 NAME = "llama_gqa_tied"        # head_dim 16: 8 rotary frequency pairs
 RATIO = 0.25
@@ -63,9 +63,9 @@ def test_make_scheme_names_the_problem():
 
 
 def test_the_spec_chooses_the_scheme_and_plan_carries_it_to_the_engine(checkpoint, tmp_path):
-    from launcher.errors import SpecError
-    from launcher.job import plan_job
-    from launcher.spec import load_spec
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import load_spec
     job = tmp_path / "job.yaml"
     job.write_text(f"model:\n  path: {checkpoint(NAME)}\n  positions: {{scheme: rope2d, ratio: {RATIO}}}\n"
                    f"input: {{path: in.jsonl}}\noutput: {{path: out.jsonl}}\n")
@@ -140,7 +140,7 @@ def test_rope2d_decoded_step_by_step_equals_one_prefill_of_the_same_tokens(check
     runner, out, logits = rope2d_run(checkpoint(NAME), RATIO)
     prompt = PROMPTS[0]
     tokens = prompt + out[0][:-1]
-    from worker.model import STEP_INPUTS
+    from msinfer.worker.model import STEP_INPUTS
     inputs, _ = runner.prepare([SeqStep(7, tokens, 0, list(range(56, 64)))], True)
     inputs["out_index"] = ms.Tensor(np.arange(len(tokens), dtype=np.int32))    # one sequence: row j is position j
     once = runner.step_fn(*(inputs[name] for name in STEP_INPUTS)).asnumpy()

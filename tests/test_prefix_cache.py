@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.engine import Engine, EngineSetup
-from launcher.inputs import parse_record
-from launcher.job import plan_job
-from launcher.spec import JobSpec
+from msinfer.launcher.engine import Engine, EngineSetup
+from msinfer.launcher.inputs import parse_record
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.spec import JobSpec
 from tests.engine_driver import run_engine as run
 
 N_NEW = 6
@@ -57,7 +57,7 @@ def test_with_prefix_caching_off_every_prompt_token_is_prefilled(checkpoint, hf_
 
 
 def test_tp2_ranks_read_the_blocks_they_share_from_their_own_shards(checkpoint, hf_greedy, ray_local):
-    from launcher.replica import Replica
+    from msinfer.launcher.replica import Replica
     path = checkpoint(NAME)
     plan = plan_job(spec_for(path), check_io=False)
     replica = Replica(0, 2)

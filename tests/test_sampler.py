@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from worker import sampler
-from worker.protocol import SamplingParams
+from msinfer.worker import sampler
+from msinfer.worker.protocol import SamplingParams
 
 V = 40
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from launcher.job import plan_job
-from launcher.spec import JobSpec
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.spec import JobSpec
 from tests.engine_driver import run_engine
-from worker import sampler
+from msinfer.worker import sampler
 
 NAME = "llama_gqa_tied"
 EOS = 2
@@ -95,17 +95,17 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_then(checkpoint, refere
 
 
 def plan_codec(plan):
-    from launcher.records import RecordCodec
+    from msinfer.launcher.records import RecordCodec
     return RecordCodec(plan.spec, plan.model, plan.tokenizer)
 
 
 def _rec(rid):
-    from launcher.inputs import Record
+    from msinfer.launcher.inputs import Record
     return Record(rid, 1, prompt_token_ids=[1])
 
 
 def test_bad_words_are_encoded_as_vllm_does_and_need_a_tokenizer(checkpoint):
-    from launcher.errors import RecordError
+    from msinfer.launcher.errors import RecordError
     from scripts.make_demo_model import ensure_demo_model
     spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 512},
                                    "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
@@ -159,7 +159,7 @@ def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
     assert out["choice"] in ("yes", "no")
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", out["grammar"])
 
-    from launcher.inputs import parse_record
+    from msinfer.launcher.inputs import parse_record
     bad = plan_codec(plan).sequences(parse_record({"id": "bad", "prompt": "x", "sampling": {
         "structured_outputs": {"json": {"type": "bogus"}}}}, 1), 0)
     assert bad.failed and "record 'bad': sampling.structured_outputs: Invalid type: bogus" in bad.line
@@ -171,7 +171,7 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation
     and the record still generates its greedy tokens; asking for alternatives is the record's error."""
     import torch
     import transformers
-    from launcher.errors import RecordError
+    from msinfer.launcher.errors import RecordError
     path = checkpoint(NAME)
     plan = plan_job(spec_for(path, max_new_tokens=3), check_io=False)
     prompt = [(11 * i + 5) % 250 + 3 for i in range(30)]

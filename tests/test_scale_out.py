@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.spec import load_spec
-from worker.device import DeviceChoice, select_device
+from msinfer.launcher.spec import load_spec
+from msinfer.worker.device import DeviceChoice, select_device
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -228,7 +228,7 @@ def test_two_replicas_on_one_node_get_different_cards_with_noset():
     ("127.0.0.1:{closed}", "no Ray head answers there"),
 ])
 def test_joining_a_cluster_where_no_head_listens_fails_fast(address, message):
-    from launcher.replica import LaunchError, check_reachable
+    from msinfer.launcher.replica import LaunchError, check_reachable
     with pytest.raises(LaunchError, match=message):
         check_reachable(address.format(closed=free_port()), timeout_s=2)
     check_reachable("auto")             # Ray's own lookup: nothing to probe
@@ -407,9 +407,9 @@ def test_simulate_runs_the_job_on_stand_ins_writes_every_record_once_and_resumes
     max_new_tokens (the stand-ins never sample eos), each exactly once; a second run resumes and
     skips them all; the summary measures throughput against the stand-ins' ceiling."""
     import json
-    from launcher.job import run_job
-    from launcher.simulate import StandIn
-    from launcher.spec import JobSpec
+    from msinfer.launcher.job import run_job
+    from msinfer.launcher.simulate import StandIn
+    from msinfer.launcher.spec import JobSpec
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
                                                for i in range(40)))
     spec = JobSpec.model_validate({

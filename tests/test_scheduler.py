@@ -16,8 +16,8 @@ from collections import defaultdict, deque
 
 import pytest
 
-from launcher.scheduler import BlockManager, Scheduler, Sequence, SequenceStatus
-from worker.protocol import SAMPLED, SamplingParams, SeqStep
+from msinfer.launcher.scheduler import BlockManager, Scheduler, Sequence, SequenceStatus
+from msinfer.worker.protocol import SAMPLED, SamplingParams, SeqStep
 
 VOCAB = 50
 

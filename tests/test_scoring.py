@@ -10,10 +10,10 @@ import json
 
 import numpy as np
 
-from launcher.scheduler import Scheduler, Sequence
+from msinfer.launcher.scheduler import Scheduler, Sequence
 from tests.conftest import PROMPTS
 from tests.test_parity import runner_for
-from worker.protocol import SamplingParams
+from msinfer.worker.protocol import SamplingParams
 
 LOGPROB_ATOL = 1e-4        # float32 on both sides; observed differences are ~1e-5
 N_NEW = 8
@@ -74,10 +74,10 @@ def test_scheduler_scores_a_sequence_that_fills_max_model_len_and_rejects_a_long
 def job_sequences(path, task, records):
     """An engine's records -> Sequences (launcher.records), no workers: (sequences, results
     for bad records)."""
-    from launcher.inputs import parse_record
-    from launcher.job import plan_job
-    from launcher.records import RecordCodec
-    from launcher.spec import JobSpec
+    from msinfer.launcher.inputs import parse_record
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
     spec = JobSpec.model_validate({"task": task, "model": {"path": str(path), "max_model_len": 32},
                                    "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
                                    "sampling": {"max_new_tokens": 4}})
@@ -153,8 +153,8 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
                                                                               tmp_path, monkeypatch):
     """task: score through run_job: records with a continuation are scored, one without is generated
     (with logprobs), and a continuation that does not fit is an error line."""
-    from launcher.job import run_job
-    from launcher.spec import JobSpec
+    from msinfer.launcher.job import run_job
+    from msinfer.launcher.spec import JobSpec
 
     monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))     # graphs compiled here stay here
     name = "qwen2_qkv_bias"

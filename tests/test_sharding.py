@@ -12,10 +12,10 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from sharding.config import ModelConfig
-from sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                              QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
-from sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
+from msinfer.sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
 
 ms.set_device("CPU")
 rng = np.random.default_rng(0)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import RecordError, SpecError, UserError
-from launcher.spec import JobSpec, SamplingSpec, load_spec
-from worker.protocol import SamplingParams
+from msinfer.launcher.errors import RecordError, SpecError, UserError
+from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec
+from msinfer.worker.protocol import SamplingParams
 
 MINIMAL = """\
 model:

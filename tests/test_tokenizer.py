@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from launcher.errors import RecordError, TokenizerError
-from launcher.inputs import Record
-from launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
+from msinfer.launcher.errors import RecordError, TokenizerError
+from msinfer.launcher.inputs import Record
+from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
 
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
             "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
@@ -82,7 +82,7 @@ def test_a_failure_of_the_environment_stops_the_job_instead_of_failing_every_rec
     """transformers' chat templates need jinja2, which it does not install: without it every chat
     record would fail alike. That is not the record's fault: SystemicError (the job stops, exit
     2) with what to install, not an error line per record."""
-    from launcher.errors import SystemicError
+    from msinfer.launcher.errors import SystemicError
 
     def no_jinja(*args, **kwargs):
         raise ImportError("apply_chat_template requires jinja2 to be installed.")
@@ -97,7 +97,7 @@ def test_a_failure_of_the_environment_stops_the_job_instead_of_failing_every_rec
 def test_plan_renders_the_chat_template_once_and_names_what_fails(tok, monkeypatch):
     """`plan` renders the template for a plain user message before any worker starts: a missing
     jinja2 or a template that raises is one error naming the tokenizer folder and the way out."""
-    from launcher.errors import TokenizerError
+    from msinfer.launcher.errors import TokenizerError
 
     tok.check_chat_template()                                  # the test tokenizer's template renders
 

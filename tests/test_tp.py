@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from launcher.replica import Replica, wait_gone
+from msinfer.launcher.replica import Replica, wait_gone
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
-from worker.runner import EngineConfig
+from msinfer.worker.runner import EngineConfig
 
 N_NEW = 8
 
@@ -66,7 +66,7 @@ def check_rank_holds_exactly_its_slices(replica, path):
 def count_tiles(worker) -> tuple[bool, int]:
     """Whether the rank's CPU gives it AMX tiles, and how many of its parameters are tiles (int16)."""
     import mindspore as ms
-    from worker.ops import CpuOps
+    from msinfer.worker.ops import CpuOps
     return CpuOps.amx, sum(p.dtype == ms.int16 for p in worker.runner.model.get_parameters())
 
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from launcher.errors import OutputError
-from launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path, summary_path,
+from msinfer.launcher.errors import OutputError
+from msinfer.launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path, summary_path,
                              write_json_atomic)
 
 
@@ -55,7 +55,7 @@ def test_each_result_reaches_the_file_at_once_and_disk_syncs_are_grouped(tmp_pat
     """Group commit: every line is in the file as soon as it is written (a second reader sees it:
     a crash of msinfer loses nothing), while fsync runs at most once per fsync_interval_s and at
     close; with an interval of 0, once per line."""
-    import launcher.writer as writer_module
+    import msinfer.launcher.writer as writer_module
     syncs = []
     monkeypatch.setattr(writer_module.os, "fsync", lambda fd: syncs.append(fd))
     path = tmp_path / "out.jsonl"

@@ -16,9 +16,9 @@ import resource
 import threading
 import time
 
-from sharding.layout import TPInfo
-from worker.device import free_port, init_communication, select_device, start_scheduler_thread
-from worker.protocol import SeqStep, StepOutput, unpack_step
+from msinfer.sharding.layout import TPInfo
+from msinfer.worker.device import free_port, init_communication, select_device, start_scheduler_thread
+from msinfer.worker.protocol import SeqStep, StepOutput, unpack_step
 
 
 def peak_rss_bytes() -> int:
@@ -87,7 +87,7 @@ class Worker:
         """Start-up stage 2: the network, this rank's shard of the checkpoint, the KV cache."""
         t0 = time.perf_counter()
         import mindspore as ms
-        from worker.runner import ModelRunner
+        from msinfer.worker.runner import ModelRunner
         self.tp = TPInfo(self.tp.rank, self.tp.size, engine_config.expert_parallel)
         self.runner = ModelRunner(engine_config, self.tp, self.threads)
         card = {}
@@ -124,7 +124,7 @@ class Worker:
         import mindspore as ms
         import numpy as np
         from mindspore import Tensor
-        from worker.ops import bfloat16_bits
+        from msinfer.worker.ops import bfloat16_bits
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
         for p in self.runner.model.get_parameters():

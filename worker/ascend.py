@@ -40,8 +40,8 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops import auto_generate
 import numpy as np
 
-from worker.device import MASK_PENALTY
-from worker.ops import MsOps, packed_attention, paged_attention, rms_norm
+from msinfer.worker.device import MASK_PENALTY
+from msinfer.worker.ops import MsOps, packed_attention, paged_attention, rms_norm
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")

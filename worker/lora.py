@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 with numpy (bf16 adapters)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from worker.loader import CheckpointError
+from msinfer.worker.loader import CheckpointError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

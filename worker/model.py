@@ -15,11 +15,11 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
-from sharding.config import ModelConfig
-from sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              ReplicatedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding, new_param)
-from sharding.layout import TPInfo
-from worker.ops import GLU_GROUP
+from msinfer.sharding.layout import TPInfo
+from msinfer.worker.ops import GLU_GROUP
 
 
 class Attention(nn.Cell):

@@ -435,7 +435,7 @@ def select_ops(device: str, ops_choice: str = "auto", threads: int = 0, emulate:
     if ops_choice == "portable":
         return MsOps
     if device == "ascend":
-        from worker.ascend import AscendOps, EmulatedAscendOps
+        from msinfer.worker.ascend import AscendOps, EmulatedAscendOps
         return EmulatedAscendOps if emulate else AscendOps
     load_kernels(threads)
     return CpuOps

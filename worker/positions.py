@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sharding.config import ModelConfig
+from msinfer.sharding.config import ModelConfig
 
 
 class RopePositions:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sharding.config import ModelConfig
-from sharding.layout import TPInfo
-from worker.protocol import SAMPLED, SeqStep, StepOutput
-from worker.positions import make_scheme
-from worker import sampler
-from worker.device import MASK_PENALTY
+from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.layout import TPInfo
+from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
+from msinfer.worker.positions import make_scheme
+from msinfer.worker import sampler
+from msinfer.worker.device import MASK_PENALTY
 
 DTYPES = {"float32", "float16", "bfloat16"}
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
@@ -103,10 +103,10 @@ class ModelRunner:
     def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo(), threads: int = 0):
         """threads: of the CPU kernels (worker.ops), as many as the worker gives MindSpore (0: all cores)."""
         import mindspore as ms
-        from worker.model import CausalLM
-        from worker.ops import select_ops
-        from worker.loader import load_checkpoint
-        from worker.lora import with_lora
+        from msinfer.worker.model import CausalLM
+        from msinfer.worker.ops import select_ops
+        from msinfer.worker.loader import load_checkpoint
+        from msinfer.worker.lora import with_lora
 
         self.ms = ms
         self.ec, self.tp = ec, tp
@@ -160,7 +160,7 @@ class ModelRunner:
         own = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         own.__qualname__ = f.__qualname__
         graph = ms.jit(types.MethodType(own, fn.__self__), **self.dev.jit_options)
-        from worker.model import SCORE_INPUTS, STEP_INPUTS
+        from msinfer.worker.model import SCORE_INPUTS, STEP_INPUTS
         i32 = ms.int32
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], i32),
                 "attn_mask": ([None, None], getattr(ms, self.dtype))}
@@ -277,7 +277,7 @@ class ModelRunner:
         """Runs a compiled step of `kind` and copies its outputs to numpy; the first call of each
         graph (its compile) is timed in compile_s: by kind with dynamic shapes, by kind and shape
         with static ones."""
-        from worker.model import STEP_INPUTS
+        from msinfer.worker.model import STEP_INPUTS
         shape = (inputs["input_ids"].shape[0], inputs["out_index"].shape[0])
         fn = self.fns[kind]
         graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + tuple(
@@ -305,7 +305,7 @@ class ModelRunner:
         that names it (worker.ascend.kernel_error); anything else stays as it was."""
         if self.ec.device != "ascend" or self.ec.ops == "portable":
             return error
-        from worker.ascend import kernel_error
+        from msinfer.worker.ascend import kernel_error
         attn = self.model.layers[0].self_attn
         held = next(((layer.mlp.experts.count, layer.mlp.experts.inter) for layer in self.model.layers
                      if hasattr(layer.mlp, "experts")), None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.protocol import SamplingParams
+from msinfer.worker.protocol import SamplingParams
 
 
 class History:

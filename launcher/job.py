@@ -22,7 +22,8 @@ from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
 from msinfer.sharding.config import ModelConfig, ModelConfigError
-from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors, valid_tp_sizes
+from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
+                                    valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from msinfer.worker.lora import check_adapter
 from msinfer.worker.positions import make_scheme

@@ -41,9 +41,6 @@ class Tokenizer:
         self.eos_token_id: int | None = self.tok.eos_token_id
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
 
-    def __len__(self) -> int:
-        return len(self.tok)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return _ids(self.tok.encode(text, add_special_tokens=add_special_tokens))
 

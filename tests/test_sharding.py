@@ -14,7 +14,7 @@ from mindspore import Tensor
 
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                             QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
+                                     QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
 from msinfer.sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
 
 ms.set_device("CPU")

@@ -43,7 +43,7 @@ def tok(tok_dir):
 
 def test_loads_local_folder(tok):
     assert isinstance(tok, Tokenizer) and tok.has_chat_template
-    assert tok.eos_token_id == 2 and len(tok) >= 256
+    assert tok.eos_token_id == 2
 
 
 def test_prompt_with_and_without_chat_template(tok):

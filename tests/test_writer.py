@@ -5,8 +5,8 @@ import os
 import pytest
 
 from msinfer.launcher.errors import OutputError
-from msinfer.launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path, summary_path,
-                             write_json_atomic)
+from msinfer.launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path,
+                                     summary_path, write_json_atomic)
 
 
 def lines(path):

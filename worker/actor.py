@@ -18,7 +18,7 @@ import time
 
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import free_port, init_communication, select_device, start_scheduler_thread
-from msinfer.worker.protocol import SeqStep, StepOutput, unpack_step
+from msinfer.worker.protocol import StepOutput, unpack_step
 
 
 def peak_rss_bytes() -> int:
@@ -44,9 +44,6 @@ class CommScheduler:
         port = free_port(host)
         self.thread = start_scheduler_thread(host, port, self.world)
         return host, port
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class Worker:
@@ -135,11 +132,6 @@ class Worker:
                 p.set_data(Tensor(values, dtype=p.dtype))
                 filled += p.nbytes
         return filled
-
-    def forward(self, seqs: list[SeqStep], is_prefill: bool):
-        """Raw last-token logits (rank 0) for tests and scoring."""
-        logits = self.runner.forward(seqs, is_prefill)
-        return logits if self.tp.rank == 0 else None
 
     def loaded_params(self) -> dict:
         """name -> numpy value of every parameter this rank holds (tests check the slices)."""

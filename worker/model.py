@@ -16,8 +16,9 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from msinfer.sharding.config import ModelConfig
-from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                             ReplicatedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding, new_param)
+from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead,
+                                     QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
+                                     VocabParallelEmbedding, new_param)
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.ops import GLU_GROUP
 

@@ -62,6 +62,30 @@ def ray_local():
     ray.shutdown()
 
 
+# Test tiers, by what a test starts (`pytest -m unit` runs only the first):
+#   unit         this process's Python and small MindSpore cells or kernels, no network built
+#   integration  networks built and compiled in this process against transformers, Ray actors
+#   slow         other processes: the msinfer command, Ray clusters, Slurm, the real demo model
+# They run in that order (Ray-backed tests last within a tier), so the quick tiers fail fast.
+UNIT = {"test_spec", "test_scheduler", "test_writer", "test_inputs", "test_tokenizer", "test_sampler",
+        "test_sharding", "test_kernels"}
+SLOW = {"test_cli", "test_faults", "test_scale_out", "test_real_model"}
+TIERS = ("unit", "integration", "slow")
+
+
+def tier(item) -> str:
+    name = item.path.stem
+    if name in SLOW:
+        return "slow"
+    return "unit" if name in UNIT and "ray_local" not in getattr(item, "fixturenames", ()) else "integration"
+
+
+def pytest_configure(config):
+    for name in TIERS:
+        config.addinivalue_line("markers", f"{name}: a test of the {name} tier (tests/conftest.py)")
+
+
 def pytest_collection_modifyitems(items):
-    # Ray-backed tests last, so the pure-Python tiers fail fast.
-    items.sort(key=lambda it: 1 if "ray_local" in getattr(it, "fixturenames", ()) else 0)
+    for item in items:
+        item.add_marker(tier(item))
+    items.sort(key=lambda it: (TIERS.index(tier(it)), "ray_local" in getattr(it, "fixturenames", ())))

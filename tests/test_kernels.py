@@ -2,7 +2,8 @@
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
 (padding), the gate/up projection with its activation, lookups with out-of-range indices, and
 paged attention with head sizes of 24 to 128, float16, and a step that mixes a prefill chunk,
-decode tokens and padding; and the bfloat16 weights in AMX tiles (where the CPU has AMX)."""
+decode tokens and padding; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
+tiles (where the CPU has AMX)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,38 @@ def test_linear_over_packed_weights_equals_x_w_transposed(kernels, M, K, N, dtyp
     np.testing.assert_array_equal(kernels.unpack(kernels.pack(w)), w)
     y = kernels.linear_op()(Tensor(x), Tensor(kernels.pack(w))).asnumpy()
     ref = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+@pytest.mark.parametrize("inter,first,glu", [(32, 0, True), (24, 0, False), (32, 3, True)],
+                         ids=["fused-gate-up", "unfused", "experts-3-to-6-held"])
+def test_grouped_experts_sum_each_tokens_routed_experts_weighted(kernels, inter, first, glu, dtype, tol):
+    """MoeExperts: 21 tokens (two of them padding) x top 3 of 8 experts, against numpy. Held
+    experts first..first+E-1 only (expert parallel): a token's other experts add nothing."""
+    rng = np.random.default_rng(inter + first)
+    N, H, K, E_all = 21, 40, 3, 8
+    E = E_all if first == 0 else 4
+    x = rng.standard_normal((N, H)).astype(dtype)
+    x[-2:] = 0
+    ids = np.stack([rng.choice(E_all, K, replace=False) for _ in range(N)]).astype(np.int32)
+    weights = rng.random((N, K)).astype(dtype)
+    w13 = (rng.standard_normal((E, 2 * inter, H)) * 0.2).astype(dtype)
+    w2 = (rng.standard_normal((E, H, inter)) * 0.2).astype(dtype)
+    packed13, unpack13 = kernels.pack_experts(w13, glu)
+    packed2, unpack2 = kernels.pack_experts(w2)
+    np.testing.assert_array_equal(unpack13(packed13), w13)
+    y = kernels.moe_op()(Tensor(x), Tensor(ids), Tensor(weights), Tensor(packed13), Tensor(packed2),
+                         Tensor(np.array([first, int(glu)], np.int32))).asnumpy()
+    ref = np.zeros((N, H))
+    for n in range(N):
+        for j in range(K):
+            e = ids[n, j] - first
+            if 0 <= e < E:
+                h = w13[e].astype(np.float64) @ x[n].astype(np.float64)
+                act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
+                ref[n] += float(weights[n, j]) * (w2[e].astype(np.float64) @ act)
+    assert not y[-2:].any()
     np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
 
 

@@ -60,7 +60,8 @@ def main() -> None:
     args = ap.parse_args()
     import mindspore as ms
     from mindspore import Tensor
-    from msinfer.worker.ops import CpuOps, MsOps, load_kernels
+    from msinfer.worker.cpu import CpuOps, load_kernels
+    from msinfer.worker.ops import MsOps
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     load_kernels()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from msinfer.worker.ops import CpuOps, load_kernels
+from msinfer.worker.cpu import CpuOps, load_kernels
 
 
 @pytest.fixture(scope="module")

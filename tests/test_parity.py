@@ -55,7 +55,7 @@ def test_a_bfloat16_checkpoint_runs_on_amx_tiles_and_gives_the_tokens_of_float32
     parameters): every matmul and the tied embedding. The parity test above holds them to
     transformers' logits; without tiles the same tokens come out of float32 panels."""
     import mindspore as ms
-    from msinfer.worker.ops import CpuOps, load_kernels
+    from msinfer.worker.cpu import CpuOps, load_kernels
     name = "llama_gqa_tied_bfloat16"
     tiled = runner_for(checkpoint(name))
     if not CpuOps.amx:
@@ -182,7 +182,7 @@ def test_float16_on_the_cpu_gives_transformers_greedy_tokens(checkpoint, hf_gree
 
 
 def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, monkeypatch):
-    import msinfer.worker.ops as dev_ops
+    import msinfer.worker.cpu as dev_ops
     monkeypatch.setenv("MSINFER_CACHE", str(tmp_path))           # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(dev_ops.shutil, "which", lambda name: None)

@@ -66,7 +66,7 @@ def check_rank_holds_exactly_its_slices(replica, path):
 def count_tiles(worker) -> tuple[bool, int]:
     """Whether the rank's CPU gives it AMX tiles, and how many of its parameters are tiles (int16)."""
     import mindspore as ms
-    from msinfer.worker.ops import CpuOps
+    from msinfer.worker.cpu import CpuOps
     return CpuOps.amx, sum(p.dtype == ms.int16 for p in worker.runner.model.get_parameters())
 
 

@@ -121,7 +121,7 @@ class Worker:
         import mindspore as ms
         import numpy as np
         from mindspore import Tensor
-        from msinfer.worker.ops import bfloat16_bits
+        from msinfer.worker.cpu import bfloat16_bits
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
         for p in self.runner.model.get_parameters():

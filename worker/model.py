@@ -20,7 +20,7 @@ from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParal
                                      QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
                                      VocabParallelEmbedding, new_param)
 from msinfer.sharding.layout import TPInfo
-from msinfer.worker.ops import GLU_GROUP
+from msinfer.worker.cpu import GLU_GROUP
 
 
 class Attention(nn.Cell):

@@ -101,7 +101,7 @@ def shapes_problem(device: str, ops: str, shapes: str) -> str | None:
 
 class ModelRunner:
     def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo(), threads: int = 0):
-        """threads: of the CPU kernels (worker.ops), as many as the worker gives MindSpore (0: all cores)."""
+        """threads: of the CPU kernels (worker.cpu), as many as the worker gives MindSpore (0: all cores)."""
         import mindspore as ms
         from msinfer.worker.model import CausalLM
         from msinfer.worker.ops import select_ops

@@ -1,5 +1,5 @@
 // The CPU kernels of msinfer's network, MindSpore AOT custom operators (mindspore.ops.Custom,
-// func_type="aot"), built on first use by worker/ops.py. Each takes float32 or float16 and
+// func_type="aot"), built on first use by worker/cpu.py. Each takes float32 or float16 and
 // computes in float32:
 //   PagedAttention  rotary embedding, the new K/V rows into the cache, then softmax(q K^T /
 //                   sqrt(D)) V over each token's context, read through the block tables straight
@@ -620,7 +620,7 @@ void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
 }
 
 // ---- Linear: y [M, N] = x [M, K] w^T ------------------------------------------------------
-// w keeps its [N, K] shape but is stored panel-major (worker/ops.py CpuOps.pack): the columns
+// w keeps its [N, K] shape but is stored panel-major (worker/cpu.py CpuOps.pack): the columns
 // p*32 .. p*32+31 of y come from panel p, K rows of 32 weights ([K][width] for a last, narrower
 // panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
 // over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.

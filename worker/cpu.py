@@ -1,0 +1,255 @@
+"""The CPU kernels of msinfer (worker/csrc/kernels.cc) as the device seam `CpuOps`: MindSpore AOT
+custom operators compiled with the machine's C++ compiler on first use and cached
+(`kernel_library`), one call where MindSpore's CPU backend runs 5-10 small kernels, attention
+with no gathered copy of K/V and no mask, and the weights reordered once loaded into the panels
+and bfloat16 tiles the kernels read (`CpuOps.pack_weight`, `pack_experts`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+import platform
+import shutil
+import subprocess
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+import numpy as np
+
+from msinfer.worker.ops import MsOps
+
+CSRC = Path(__file__).with_name("csrc")
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-shared",
+            "-fPIC", "-pthread")
+PANEL = 32     # kernels.cc kPanel: the column panels of a packed weight
+GLU_GROUP = PANEL // 2      # outputs per panel of LinearGlu
+TILE = 32      # kernels.cc amx_rows: N and K of a weight in bfloat16 tiles are multiples of this
+
+
+def kernel_library(name: str) -> str:
+    """Path of csrc/<name>.cc built as a shared library for this machine. Built once per source,
+    flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels, by one
+    process at a time (a file lock; the others then find it built)."""
+    src = CSRC / f"{name}.cc"
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError(f"msinfer's CPU kernels ({src}) need a C++ compiler: install g++ or set CXX")
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    key = hashlib.sha256(src.read_bytes() + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
+    root = Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernels"
+    lib = root / f"{name}-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return str(lib)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:       # the ranks of a node build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            run = subprocess.run([cxx, *CXXFLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"building {src} with {cxx} failed:\n{run.stderr[-2000:]}")
+            os.replace(tmp, lib)
+    return str(lib)
+
+
+# The kernels' library and primitives, set by `load_kernels` before any network that uses them
+# is built.
+_LIBRARY = _RMS_NORM = _SILU_MUL = _ROWS = None
+
+
+class CpuRmsNorm(nn.Cell):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x, weight):
+        return _RMS_NORM(x, weight, self.eps)
+
+
+class CpuOps(MsOps):
+    """MsOps with the kernels of worker/csrc/kernels.cc (see its header) in place of the
+    elementwise chains, attention, every matmul and the embedding lookup (over packed weights).
+    MindSpore 2.10 runs custom operators in static shapes only ("The pointer[value] is null" at the
+    first call of a dynamic-shape graph), so steps run in power-of-two buckets (worker/runner.py)."""
+    name = "cpu"
+    # Padding rows embed to zeros, every kernel keeps a zero row zero (attention gives zeros for a
+    # token that sees nothing) and `linear` skips zero rows: a padded step costs its real tokens.
+    # (A layer with a bias makes them non-zero from there on; they are then computed, as before.)
+    pad_id = -1
+    dynamic_shapes = False
+
+    @staticmethod
+    def cache_shape(num_blocks, block_size, kv_heads, head_dim):
+        return (num_blocks * block_size * kv_heads, head_dim)   # row (slot * KV + head), the same bytes
+
+    @staticmethod
+    def rms_norm_op(eps):
+        return CpuRmsNorm(eps)
+
+    @staticmethod
+    def rope_tables(cos, sin, heads):
+        return cos, sin                       # the kernel reads [N, D/2] for every head
+
+    @staticmethod
+    def rows(x, index):
+        return _ROWS(x, index)                # -1 gives a zero row, which `linear` then skips
+
+    @staticmethod
+    def silu_mul(gate_up):
+        return _SILU_MUL(gate_up)
+
+    fused_attention = True
+
+    @staticmethod
+    def attention_op(q_size: int):
+        """(qkv [N, (H + 2 KV) D], q_norm [D], k_norm [D], (eps, qk norm?) [2], cos, sin, k_cache,
+        v_cache, slots, block_tables, token_seq, token_len, meta) -> [N, H D]: q/k norm, rotary,
+        cache write and attention in one kernel (kernels.cc), straight from the qkv projection."""
+        return _custom("PagedAttention", lambda qkv, *_: [qkv[0], q_size])
+
+    @staticmethod
+    def linear_op():
+        """(x [M, K], w [N, K] packed) -> x w^T [M, N]."""
+        return _custom("Linear", lambda x, w: [x[0], w[0]])
+
+    @staticmethod
+    def glu_linear_op():
+        """(x [M, K], w [2I, K] packed by `pack_glu`) -> silu(x gate^T) * (x up^T) [M, I], for
+        I a multiple of GLU_GROUP: the MLP's gate/up projection and its activation in one pass,
+        with no [M, 2I] intermediate."""
+        return _custom("LinearGlu", lambda x, w: [x[0], w[0] // 2])
+
+    @staticmethod
+    def moe_op():
+        """(x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] packed by
+        `pack_experts`, meta (first expert held, glu) [2] int32) -> [N, H]: each held expert's
+        tokens gathered and passed through its weights once (sharding.layers.FusedExperts)."""
+        return _custom("MoeExperts", lambda x, *_: x)
+
+    @classmethod
+    def pack_experts(cls, w: np.ndarray, glu: bool = False):
+        """Stacked expert weights [E, N, K] -> each expert packed as `pack` (`pack_glu`) packs a
+        weight, and the unpack. Panels of the weight's dtype only: the grouped kernel has no tiles."""
+        pack, unpack = (cls.pack_glu, cls.unpack_glu) if glu else (cls.pack, cls.unpack)
+        return (np.stack([pack(e) for e in w]) if len(w) else w,
+                lambda t: np.stack([unpack(e) for e in t]) if len(t) else t)
+
+    @staticmethod
+    def embed_op():
+        """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V); float32 from a
+        table in bfloat16 tiles."""
+        return _custom("Embed", lambda w, ids: [ids[0], w[1]],
+                       lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
+
+    # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by
+    # load_kernels; MSINFER_AMX=0 turns it off.
+    amx = False
+
+    @classmethod
+    def pack_weight(cls, w: np.ndarray, glu: bool = False):
+        """A loaded weight [N, K] in the order the kernels read -> (packed array, its unpack).
+        A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint's, unless an adapter
+        was merged into it), with N and K multiples of 32, goes to bfloat16 AMX tiles where the CPU
+        has them (int16, half the bytes; products still at float32 accuracy); any other to panels
+        of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a time."""
+        N, K = w.shape
+        if cls.amx and w.dtype == np.float32 and N % TILE == 0 and K % TILE == 0 and is_bfloat16(w):
+            if glu:
+                return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
+            return cls.pack_tiles(w), cls.unpack_tiles
+        return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
+
+    @staticmethod
+    def pack_tiles(w: np.ndarray) -> np.ndarray:
+        """w [N, K] float32 holding bfloat16 values -> int16 [N, K]: bfloat16 tiles [N/16][K/32][16][32],
+        tile (n, k) holding, for k-pair i and column c of 16n..16n+15, w[c][32k + 2i], w[c][32k + 2i + 1]."""
+        N, K = w.shape
+        tiles = bfloat16_bits(w).reshape(N // 16, 16, K // 32, 16, 2).transpose(0, 2, 3, 1, 4)
+        return np.ascontiguousarray(tiles).reshape(N, K).view(np.int16)
+
+    @staticmethod
+    def unpack_tiles(t: np.ndarray) -> np.ndarray:
+        """The inverse of `pack_tiles`."""
+        N, K = t.shape
+        bits = t.view(np.uint16).reshape(N // 16, K // 32, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(N, K)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    @staticmethod
+    def pack(w: np.ndarray) -> np.ndarray:
+        """w [N, K] -> the same shape in the kernels' order: panels of 32 rows (columns of the
+        product), each stored K-major ([K][32]; the last panel [K][N mod 32])."""
+        N, K = w.shape
+        full = N // PANEL * PANEL
+        head = w[:full].reshape(N // PANEL, PANEL, K).transpose(0, 2, 1)
+        return np.concatenate((head.reshape(-1), w[full:].T.reshape(-1))).reshape(N, K)
+
+    @staticmethod
+    def unpack(w: np.ndarray) -> np.ndarray:
+        """The inverse of `pack`."""
+        N, K = w.shape
+        full = N // PANEL * PANEL
+        flat = w.reshape(-1)
+        head = flat[:full * K].reshape(N // PANEL, K, PANEL).transpose(0, 2, 1).reshape(full, K)
+        return np.concatenate((head, flat[full * K:].reshape(K, N - full).T))
+
+    @classmethod
+    def pack_glu(cls, w: np.ndarray) -> np.ndarray:
+        """w [2I, K] (gate rows, then up rows) -> `pack` of `interleave_glu(w)`: each panel of 32
+        holds the gate and up columns of 16 outputs."""
+        return cls.pack(cls.interleave_glu(w))
+
+    @classmethod
+    def unpack_glu(cls, w: np.ndarray) -> np.ndarray:
+        """The inverse of `pack_glu`."""
+        return cls.deinterleave_glu(cls.unpack(w))
+
+    @staticmethod
+    def interleave_glu(w: np.ndarray) -> np.ndarray:
+        """w [2I, K] (gate rows, then up rows) -> its rows GLU_GROUP at a time: 16 gate, 16 up, ..."""
+        I, K = w.shape[0] // 2, w.shape[1]
+        pairs = np.stack((w[:I].reshape(I // GLU_GROUP, GLU_GROUP, K), w[I:].reshape(I // GLU_GROUP, GLU_GROUP, K)), 1)
+        return pairs.reshape(2 * I, K)
+
+    @staticmethod
+    def deinterleave_glu(w: np.ndarray) -> np.ndarray:
+        """The inverse of `interleave_glu`."""
+        I, K = w.shape[0] // 2, w.shape[1]
+        pairs = w.reshape(I // GLU_GROUP, 2, GLU_GROUP, K)
+        return np.concatenate((pairs[:, 0].reshape(I, K), pairs[:, 1].reshape(I, K)))
+
+
+def bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits (uint16) of float32 values, truncated: exact for values that are bfloat16."""
+    return (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def is_bfloat16(w: np.ndarray) -> bool:
+    """Whether every value of a float32 array is a bfloat16 value (its low 16 bits zero)."""
+    bits = np.ascontiguousarray(w).view(np.uint16).reshape(-1, 2)
+    return not bits[:, 0].any()          # little-endian: the low half of each float32 comes first
+
+
+def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
+    """Kernel `func` of the library as a MindSpore operator; its output has the first input's
+    dtype unless out_dtype says otherwise."""
+    return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+
+def load_kernels(threads: int = 0) -> None:
+    """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
+    included (0: every core), as many as the worker gives MindSpore."""
+    global _LIBRARY, _RMS_NORM, _SILU_MUL, _ROWS
+    _LIBRARY = kernel_library("kernels")
+    lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
+    lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
+    CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
+    _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
+    _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
+    _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])

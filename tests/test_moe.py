@@ -135,3 +135,25 @@ def test_an_adapter_on_routed_experts_is_refused_by_name(checkpoint, tmp_path):
     path = checkpoint(QWEN2)
     with pytest.raises(AdapterError, match=f"'{module}' is a routed expert"):
         check_adapter(str(tmp_path), 1.0, plan_tensors(ModelConfig.from_dir(path), 1))
+
+
+def test_an_adapter_on_the_attention_of_a_mixture_of_experts_merges_as_peft_merges_it(checkpoint, tmp_path):
+    """LoRA on q, v and o of Qwen2-MoE (dense modules beside the experts and the shared expert):
+    the tokens of PEFT's merged model."""
+    import peft
+    import torch
+    import transformers
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint(QWEN2)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                                                      init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    merged = model.merge_and_unload().eval()
+    with torch.no_grad():
+        ref = {i: merged.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(p):].tolist() for i, p in enumerate(PROMPTS)}
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8,
+                                      lora_path=str(tmp_path / "adapter")))
+    assert Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW) == ref

@@ -31,9 +31,9 @@ TILE = 32      # kernels.cc amx_rows: N and K of a weight in bfloat16 tiles are 
 
 
 def kernel_library(name: str) -> str:
-    """Path of csrc/<name>.cc built as a shared library for this machine. Built once per source,
-    flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels, by one
-    process at a time (a file lock; the others then find it built)."""
+    """Path of csrc/<name>.cc built as a shared library for this machine. Built once per version of
+    the sources (the .cc and its headers), flags and CPU (-march=native), into $MSINFER_CACHE or
+    ~/.cache/msinfer/kernels, by one process at a time (a file lock; the others then find it built)."""
     src = CSRC / f"{name}.cc"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -42,7 +42,8 @@ def kernel_library(name: str) -> str:
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             cpu = next((line for line in f if line.startswith("flags")), "")
-    key = hashlib.sha256(src.read_bytes() + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
+    sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))     # the .cc and the headers it includes
+    key = hashlib.sha256(sources + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
     root = Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernels"
     lib = root / f"{name}-{key.hexdigest()[:16]}.so"
     if lib.exists():

@@ -1,0 +1,314 @@
+// Paged attention (the PagedAttention kernel): rotary, the cache write, and each token's attention
+// over its sequence's cached K/V, read through the block tables.
+
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+// Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
+// sum_d qt[g][d] k_j[d], eight keys at a time: per d, GC query loads and eight key broadcasts
+// feed 8 GC FMAs (24 accumulators for GC = 3).
+template <typename T, int GC>
+void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v16* s, int64_t ld) {
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    v16 acc[GC][8] = {};
+    const T* const* k = krow + j;
+    for (int64_t d = 0; d < D; ++d) {
+      v16 q[GC];
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) q[g] = qt[g * D + d];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const float kv = static_cast<float>(k[t][d]);
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) acc[g][t] += q[g] * kv;
+      }
+    }
+    for (int g = 0; g < GC; ++g)
+      for (int t = 0; t < 8; ++t) s[g * ld + j + t] = acc[g][t];
+  }
+  for (; j < len; ++j) {
+    v16 acc[GC] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float kv = static_cast<float>(krow[j][d]);
+      for (int g = 0; g < GC; ++g) acc[g] += qt[g * D + d] * kv;
+    }
+    for (int g = 0; g < GC; ++g) s[g * ld + j] = acc[g];
+  }
+}
+
+// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over 16 C consecutive values of
+// D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per key, C V
+// loads and R broadcasts feed R C FMAs (28 accumulators for R = 7, C = 4). p is zero past a
+// token's own keys, so the tokens share one loop over the longest of their lengths.
+template <typename T, int R, int C>
+void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
+             int64_t lda) {
+  v16 acc[R][C] = {};
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = krow[j] + voff;
+    v16 vv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) vv[c] = loadv(v + 16 * c);
+    const float* pj = reinterpret_cast<const float*>(p + j) + i0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float w = pj[r];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] += w * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) storev(a + r * lda + 16 * c, acc[r][c]);
+}
+
+template <typename T>
+struct PagedAttention {
+  static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
+
+  const T *q, *kc, *vc;               // q: the rotated queries, in `out` (see write())
+  const int32_t *tables, *rows, *lens;
+  T* out;
+  int64_t N, H, D, KV, MB, bs, G;
+  float scale;
+
+  // Each token's rotated K (normed first if qn) and its V into the cache at its slot, its
+  // rotated q into `out`.
+  static void write(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
+                    const int32_t* slots, T* out, int64_t N, int64_t H, int64_t KV, int64_t D) {
+    parallel_for(N, 16, [&](int64_t n) {
+      const T* c = cos + n * D / 2;
+      const T* s = sin + n * D / 2;
+      const T* q = qkv + n * (H + 2 * KV) * D;
+      const T* k = q + H * D;
+      const T* v = k + KV * D;
+      T* qo = out + n * H * D;
+      const int64_t row = static_cast<int64_t>(slots[n]) * KV * D;
+      T* ko = kc + row;
+      if (qn) {
+        for (int64_t h = 0; h < H; ++h) norm_row(q + h * D, qn, eps, qo + h * D, D);
+        for (int64_t h = 0; h < KV; ++h) norm_row(k + h * D, kn, eps, ko + h * D, D);
+        q = qo;
+        k = ko;
+      }
+      rotate(q, H, D, c, s, qo);
+      rotate(k, KV, D, c, s, ko);
+      std::copy(v, v + KV * D, vc + row);
+    });
+  }
+
+  // Cache rows (K; V at the same offset) of positions 0..len-1 of token n's sequence, KV head h.
+  void key_rows(int64_t n, int64_t h, int64_t len, std::vector<const T*>& krow) const {
+    const int32_t* table = tables + static_cast<int64_t>(rows[n]) * MB;
+    krow.resize(len);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t slot = static_cast<int64_t>(table[j / bs]) * bs + j % bs;
+      krow[j] = kc + (slot * KV + h) * D;
+    }
+  }
+
+  // One token (a decode step's), all its H query heads over its `len` positions. The KV heads
+  // of a position are one contiguous [KV][D] row block, so K and V are each read in one pass.
+  void one(int64_t n) const {
+    thread_local std::vector<float> qv, acc, s;
+    thread_local std::vector<const T*> krow;
+    T* o = out + n * H * D;
+    const int64_t len = lens[n];
+    if (len <= 0) {
+      std::fill(o, o + H * D, T(0));
+      return;
+    }
+    qv.resize(H * D);
+    acc.assign(H * D, 0.f);
+    s.resize(H * len);
+    for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
+    key_rows(n, 0, len, krow);
+    const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(T));
+    const std::ptrdiff_t voff = vc - kc;
+    for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {   // the loops below prefetch 16 ahead
+      prefetch(krow[t], block_bytes);
+      prefetch(krow[t] + voff, block_bytes);
+    }
+    int64_t j = 0;
+    if (D % 16 == 0) {            // 16 positions at a time: 16 dot products, summed lane-wise
+      for (; j + 16 <= len; j += 16) {
+        for (int64_t hq = 0; hq < H; ++hq) {
+          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
+            prefetch(krow[j + t], block_bytes);      // the next 16 positions, a share per head
+          const float* qh = qv.data() + hq * D;
+          const int64_t off = hq / G * D;
+          v16 acc[16] = {};
+          for (int64_t d = 0; d < D; d += 16) {
+            const v16 qd = loadv(qh + d);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) acc[t] += qd * loadv(krow[j + t] + off + d);
+          }
+          storev(s.data() + hq * len + j, sum16(acc));
+        }
+      }
+    }
+    for (; j < len; ++j) {
+      const T* k = krow[j];
+      if (j + kAhead < len) prefetch(krow[j + kAhead], block_bytes);
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float* qh = qv.data() + hq * D;
+        const T* kh = k + hq / G * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
+        s[hq * len + j] = dot;
+      }
+    }
+    softmax_rows(s.data(), H, len);
+    j = 0;
+    if (D % 16 == 0) {            // 16 positions at a time, each head's sums held in registers
+      for (; j + 16 <= len; j += 16)
+        for (int64_t hq = 0; hq < H; ++hq) {
+          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
+            prefetch(krow[j + t] + voff, block_bytes);
+          const float* p = s.data() + hq * len + j;
+          const int64_t off = voff + hq / G * D;
+          float* a = acc.data() + hq * D;
+          for (int64_t d = 0; d < D; d += 16) {
+            v16 e = loadv(a + d), f = {};
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t += 2) {
+              e += p[t] * loadv(krow[j + t] + off + d);
+              f += p[t + 1] * loadv(krow[j + t + 1] + off + d);
+            }
+            storev(a + d, e + f);
+          }
+        }
+    }
+    for (; j < len; ++j) {
+      const T* v = krow[j] + voff;
+      if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, block_bytes);
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float w = s[hq * len + j];
+        const T* vh = v + hq / G * D;
+        float* a = acc.data() + hq * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(vh[d]);
+      }
+    }
+    for (int64_t i = 0; i < H * D; ++i) o[i] = static_cast<T>(acc[i]);
+  }
+
+  // count (<= QT) consecutive tokens n0.. of one sequence at consecutive positions (a prefill
+  // chunk), KV head h: each K row is read once for all of them, and the scores accumulate
+  // across the tokens (16 lanes of one vector) rather than along D, so no horizontal sums.
+  void tile(int64_t n0, int64_t count, int64_t h) const {
+    thread_local std::vector<v16> qt, s;            // qt [g][d], s [g][j]: 16 tokens a vector
+    thread_local std::vector<const T*> krow;
+    const int64_t len = lens[n0 + count - 1];        // the last token sees the most
+    static_assert(QT == 16, "a tile's tokens are the 16 lanes of a vector");
+    int64_t tok_len[QT];
+    v16i lane_len;
+    for (int64_t i = 0; i < QT; ++i) lane_len[i] = static_cast<int32_t>(tok_len[i] = i < count ? lens[n0 + i] : 0);
+    qt.assign(G * D, v16{});
+    for (int64_t i = 0; i < count; ++i) {            // each token's query rows, read in order
+      const T* qi = q + ((n0 + i) * H + h * G) * D;
+      for (int64_t e = 0; e < G * D; ++e) qt[e][i] = static_cast<float>(qi[e]) * scale;
+    }
+    key_rows(n0, h, len, krow);
+    s.resize(G * len);
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const v16* qg = qt.data() + g0 * D;
+      v16* sg = s.data() + g0 * len;
+      with_count<3>(std::min<int64_t>(3, G - g0),
+                    [&](auto gc) { tile_scores<T, gc>(qg, D, krow.data(), len, sg, len); });
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      v16* sg = s.data() + g * len;
+      // softmax of each token (lane) over its own keys j < tok_len[i], 16 lanes a vector
+      v16 m = v16{} - 3.0e38f, sum = {};
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const v16i seen = (v16i{} + static_cast<int32_t>(jj)) < lane_len;
+        m = seen ? (sg[jj] > m ? sg[jj] : m) : m;
+      }
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const v16i seen = (v16i{} + static_cast<int32_t>(jj)) < lane_len;
+        alignas(64) float e[QT];
+        storev(e, seen ? sg[jj] - m : v16{});   // unseen lanes: exp(0), not an overflow (slow path)
+#pragma omp simd simdlen(16)   // one 16-lane expf: two 8-lane halves would stall the load below
+        for (int64_t i = 0; i < QT; ++i) e[i] = expf(e[i]);
+        sg[jj] = seen ? loadv(e) : v16{};
+        sum += sg[jj];
+      }
+      const v16 inv = sum > 0.f ? 1.f / sum : v16{};
+      for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
+    }
+    // P V in groups of up to 7 tokens: 64 values of D at a time held in registers, the last
+    // D mod 16 (an odd head size) one value at a time
+    const std::ptrdiff_t voff = vc - kc;
+    const int64_t D16 = D / 16 * 16, groups = (count + 6) / 7;
+    thread_local std::vector<float> a;
+    a.resize(7 * D);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i0 = 0, k = 0; k < groups; ++k) {
+        const int64_t r = count / groups + (k < count % groups), n = tok_len[i0 + r - 1];
+        const v16* p = s.data() + g * len;
+        for (int64_t c = 0; c < D16; c += 64)
+          with_count<7>(r, [&](auto rows) {
+            with_count<4>(std::min<int64_t>(4, (D16 - c) / 16), [&](auto vecs) {
+              tile_pv<T, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
+            });
+          });
+        for (int64_t t = 0; t < r; ++t)
+          for (int64_t e = D16; e < D; ++e) {
+            float sum = 0.f;
+            for (int64_t j = 0; j < tok_len[i0 + t]; ++j) sum += p[j][i0 + t] * static_cast<float>(krow[j][voff + e]);
+            a[t * D + e] = sum;
+          }
+        for (int64_t t = 0; t < r; ++t) {
+          T* o = out + ((n0 + i0 + t) * H + h * G + g) * D;
+          for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[t * D + e]);
+        }
+        i0 += r;
+      }
+  }
+
+  void run() const {
+    // Work items: runs of 4 to QT consecutive tokens of one sequence at consecutive positions
+    // (prefill tiles), one item per KV head, and single tokens, one item for all heads.
+    // The longest items go first (their cost, positions read times query heads), so that the
+    // threads finish together: in index order a long sequence's item could come last.
+    struct Item {
+      int64_t n0, count, h, cost;
+    };
+    std::vector<Item> items;
+    for (int64_t n = 0, end; n < N; n = end) {
+      for (end = n + 1; end < N && end - n < QT && lens[end] > 1 && rows[end] == rows[n] &&
+                        lens[end] == lens[end - 1] + 1;)
+        ++end;
+      if (end - n >= 4 && lens[n] > 0) {
+        for (int64_t h = 0; h < KV; ++h) items.push_back({n, end - n, h, lens[end - 1] * (end - n) * G});
+      } else {
+        for (int64_t i = n; i < end; ++i) items.push_back({i, 1, -1, lens[i] * H});
+      }
+    }
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t i) {
+      const Item& it = items[i];
+      if (it.h >= 0) {
+        tile(it.n0, it.count, it.h);
+      } else {
+        one(it.n0);
+      }
+    });
+  }
+};
+
+template <typename T>
+void attend(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
+            const int32_t* slots, const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N,
+            int64_t H, int64_t D, int64_t KV, int64_t MB, int64_t bs) {
+  PagedAttention<T>::write(qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, N, H, KV, D);
+  PagedAttention<T>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
+                    1.0f / std::sqrt(static_cast<float>(D))}.run();
+}
+
+}  // namespace

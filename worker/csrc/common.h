@@ -1,0 +1,282 @@
+// What every kernel of kernels.cc shares: the thread pool (parallel_for), 16-lane vectors, and the
+// row-wise pieces (RMSNorm, rotary, softmax, silu * up).
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MSINFER_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+// glibc's vector expf (libmvec), which math.h declares only under -ffast-math; with this the
+// exp loops below vectorize.
+#pragma omp declare simd notinbranch
+extern "C" float expf(float);
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// fn(i) for i in [0, n) on `threads` threads, the caller's among them. Helpers are started on
+// first need and kept. A call never waits for a helper to wake (in a virtual machine that takes
+// ~140 us, more than most kernels): items are claimed from one atomic word that also names the
+// call, so a helper that wakes late finds them all taken, and the caller waits only for items
+// in progress. After its last item a helper spins kSpin before sleeping, so that the next call,
+// a few microseconds later in the same step, finds it awake.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool pool;
+    return pool;
+  }
+
+  void run(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
+    std::lock_guard<std::mutex> call(call_);
+    const int helpers = static_cast<int>(std::min<int64_t>(threads, n)) - 1;
+    if (helpers <= 0 || n > kMaxItems) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    while (static_cast<int>(workers_.size()) < helpers) {
+      const int id = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+    task_ = &fn;
+    done_.store(0, std::memory_order_relaxed);
+    wanted_.store(helpers, std::memory_order_relaxed);
+    const uint64_t gen = (next_.load(std::memory_order_relaxed) >> kGenShift) + 1;
+    // Sequentially consistent, like the helper's sleeping_ increment and its check of next_
+    // before it sleeps: with release/acquire this load may be done before the store is seen,
+    // and a helper going to sleep just then would miss the call (and sleep until the next).
+    next_.store(gen << kGenShift | static_cast<uint64_t>(n) << kCountShift);
+    if (sleeping_.load()) {
+      std::lock_guard<std::mutex> lock(m_);
+      wake_.notify_all();
+    }
+    const int64_t mine = work(gen);
+    while (done_.load(std::memory_order_acquire) != n - mine) cpu_relax();
+  }
+
+  ~Pool() {
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      wake_.notify_all();
+    }
+    for (auto& t : workers_) t.join();
+  }
+
+ private:
+  // next_: generation (bits 40-63) | item count (20-39) | next item (0-19)
+  static constexpr int kGenShift = 40, kCountShift = 20;
+  static constexpr int64_t kMaxItems = (1 << 20) - 1;
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+
+  // Claims and runs items of generation gen until none is left; returns how many it ran.
+  int64_t work(uint64_t gen) {
+    int64_t ran = 0;
+    uint64_t v = next_.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t i = static_cast<int64_t>(v & kMaxItems), n = static_cast<int64_t>(v >> kCountShift & kMaxItems);
+      if ((v >> kGenShift) != gen || i >= n) return ran;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*task_)(i);
+      ++ran;
+      v = next_.load(std::memory_order_acquire);
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      while (gen == seen && !stop_.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until) {
+        cpu_relax();
+        gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      }
+      if (gen == seen) {
+        std::unique_lock<std::mutex> lock(m_);
+        sleeping_.fetch_add(1);
+        wake_.wait(lock, [&] { return stop_.load() || (next_.load() >> kGenShift) != seen; });
+        sleeping_.fetch_sub(1);
+        gen = next_.load(std::memory_order_acquire) >> kGenShift;
+      }
+      if (stop_.load()) return;
+      seen = gen;
+      if (id >= wanted_.load(std::memory_order_relaxed)) continue;
+      const int64_t ran = work(gen);
+      if (ran) done_.fetch_add(ran, std::memory_order_release);
+    }
+  }
+
+  std::mutex call_, m_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t)>* task_ = nullptr;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> wanted_{0}, sleeping_{0};
+  std::atomic<bool> stop_{false};
+};
+
+int g_threads = 1;
+
+// fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
+// calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a
+// time: a claim is an atomic add on a line both cores write, ~0.1 us, as long as a row of RmsNorm.
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
+  const int threads = static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain)));
+  if (grain <= 1) return Pool::get().run(n, threads, fn);
+  Pool::get().run((n + grain - 1) / grain, threads, [&](int64_t c) {
+    for (int64_t i = c * grain; i < std::min(n, (c + 1) * grain); ++i) fn(i);
+  });
+}
+
+// Softmax over each of `rows` score rows of length len (row r at s + r * len), in place.
+inline void softmax_rows(float* s, int64_t rows, int64_t len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * len;
+    float m = sr[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 1; j < len; ++j) m = sr[j] > m ? sr[j] : m;   // (std::max stays scalar: 4 cycles a score)
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      sr[j] = expf(sr[j] - m);
+      sum += sr[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) sr[j] *= inv;
+  }
+}
+
+// A decode token's K/V rows are scattered over the cache (one per position, KV heads apart), too
+// irregular for the hardware prefetcher: ask for the row kAhead positions on. Into L2 (locality
+// 1): the fill buffers of L1 are few, and a batch-64 decode layer's attention took ~1.11 ms this
+// way against ~1.22 ms into L1.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
+}
+
+typedef float v16 __attribute__((vector_size(64)));   // 16 float lanes (GCC vector extension)
+
+typedef _Float16 h16 __attribute__((vector_size(32)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint32_t v16u32u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint16_t v16u16u __attribute__((vector_size(32), aligned(2)));
+
+inline v16 loadv(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
+inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline void storev(_Float16* p, v16 x) { *reinterpret_cast<h16u*>(p) = __builtin_convertvector(x, h16); }
+
+// Lane i of the result is the sum of the lanes of x[i]: four rounds of pairwise shuffles and
+// adds (15 of each) instead of 16 horizontal sums.
+inline v16 sum16(const v16* x) {
+  static constexpr v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  static constexpr v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  static constexpr v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  static constexpr v16i hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  static constexpr v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  static constexpr v16i hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  static constexpr v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  static constexpr v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
+  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
+// x * rsqrt(mean(x^2) + eps) * w over one row of H, rounded to T before the weight as Hugging
+// Face does. o may be x.
+template <typename T>
+inline void norm_row(const T* x, const T* w, float eps, T* o, int64_t H) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i)
+    o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * inv)));
+}
+
+// Rotary embedding (rotate_half, the Hugging Face layout) of `heads` rows of D at x into o, with
+// one token's tables c, s [D/2]; rounded to T as MindSpore's elementwise chain does.
+template <typename T>
+inline void rotate(const T* x, int64_t heads, int64_t D, const T* c, const T* s, T* o) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h, x += D, o += D) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+      o[i] = static_cast<T>(x1 * ci - x2 * si);
+      o[i + half] = static_cast<T>(x2 * ci + x1 * si);
+    }
+  }
+}
+
+// f(std::integral_constant<int, n>{}) for a run-time n in [1, Max]: a count of rows, heads or
+// vectors becomes the compile-time size of a kernel's register block.
+template <int Max, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) return f(std::integral_constant<int, Max>{});
+    with_count<Max - 1>(n, f);
+  }
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* w, float eps, T* out, int64_t rows, int64_t H) {
+  parallel_for(rows, 64, [&](int64_t r) { norm_row(x + r * H, w, eps, out + r * H, H); });
+}
+
+// silu(g) * u, with silu's result in T before the product, as the network computes it
+template <typename T>
+inline T silu_times(T g, T u) {
+  const float a = static_cast<float>(g);
+  return static_cast<T>(static_cast<float>(static_cast<T>(a / (1.f + expf(-a)))) * static_cast<float>(u));
+}
+
+template <typename T>
+void silu_mul(const T* x, T* out, int64_t N, int64_t I) {
+  parallel_for(N, 16, [&](int64_t n) {
+    const T* g = x + n * 2 * I;
+    const T* u = g + I;
+    T* o = out + n * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = silu_times(g[i], u[i]);
+  });
+}
+
+}  // namespace

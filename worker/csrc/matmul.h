@@ -1,0 +1,347 @@
+// Matmuls over packed weights: float32/float16 column panels, bfloat16 AMX tiles, the embedding
+// lookups over the same tables, and the rows-by-index gather.
+
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+// ---- Linear: y [M, N] = x [M, K] w^T ------------------------------------------------------
+// w keeps its [N, K] shape but is stored panel-major (worker/cpu.py CpuOps.pack): the columns
+// p*32 .. p*32+31 of y come from panel p, K rows of 32 weights ([K][width] for a last, narrower
+// panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
+// over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.
+// Rows are taken kRowBlock at a time so that their x stays in cache while every panel passes.
+constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
+
+// c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
+// the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
+// the hardware prefetcher alone leaves the FMAs waiting on them. When several row groups read
+// the panel (`cached`: it was asked for during the previous panel's groups and is in L2), it
+// is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
+// coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
+// Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
+// percent slower.
+template <typename T, int R, bool Glu = false>
+__attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc,
+                                     const char* pf, int64_t pf_step, bool cached) {
+  v16 c0[R], c1[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) c0[i] = c1[i] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const T* bk = b + k * kPanel;
+    __builtin_prefetch(pf + k * pf_step);
+    if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
+      __builtin_prefetch(bk + 16 * kPanel);
+      __builtin_prefetch(bk + 16 * kPanel + 16);
+    }
+    const v16 b0 = loadv(bk), b1 = loadv(bk + 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const float s = static_cast<float>(a[i * lda + k]);
+      c0[i] += s * b0;
+      c1[i] += s * b1;
+    }
+  }
+  if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
+    for (int i = 0; i < R; ++i) {
+      alignas(64) float g[16], u[16];
+      storev(g, c0[i]);
+      storev(u, c1[i]);
+      T* o = c + i * ldc;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) o[j] = silu_times(static_cast<T>(g[j]), static_cast<T>(u[j]));
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      storev(c + i * ldc, c0[i]);
+      storev(c + i * ldc + 16, c1[i]);
+    }
+  }
+}
+
+// Work items are runs of about kRun panels over one block of rows, taken run by run: the threads
+// work on the same panels at once, each on its own rows, so a panel comes from memory once and
+// the other thread finds it in L3 (+4% at 512 rows against block by block). While a panel's row
+// groups are computed, the next panel of the run is prefetched, a share per group; the run's
+// first panel is prefetched ahead of its own first group.
+constexpr int64_t kRun = 8;
+
+// Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
+// silu(gate) * up, computed as each tile leaves the registers.
+template <typename T, bool Glu = false>
+void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;       // of y, per panel
+  const int64_t ldy = Glu ? N / 2 : N;
+  const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  // The panels are split into runs of near-equal length, as many as the threads can share evenly
+  // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
+  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
+  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
+  parallel_for(blocks * runs, 1, [&](int64_t item) {
+    const int64_t m0 = item % blocks * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
+    const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
+    const int64_t groups = (m1 - m0 + kRows - 1) / kRows;
+    const int64_t share = (panel_bytes + groups - 1) / groups;
+    for (int64_t p = p0; p < std::min(p1, full); ++p) {
+      const T* b = w + p * kPanel * K;
+      const char* next = reinterpret_cast<const char*>(b + kPanel * K);
+      for (int64_t m = m0, g = 0; m < m1; ++g) {
+        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
+        const char* pf = next + g * share;
+        int64_t step = (share + K - 1) / K;
+        if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
+        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
+        with_count<kRows>(r, [&](auto rows) {
+          micro<T, rows, Glu>(x + m * K, K, b, K, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1);
+        });
+        m += r;
+      }
+    }
+    if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
+    // the last, narrower panel: padded to 32 columns, computed into a scratch tile
+    const int64_t col = full * kPanel, width = N - col;
+    const T* b = w + col * K;
+    thread_local std::vector<T> pad, tile;
+    pad.assign(K * kPanel, T(0));
+    for (int64_t k = 0; k < K; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
+    tile.resize(kRows * kPanel);
+    for (int64_t m = m0; m < m1; m += kRows) {
+      const int64_t r = std::min(kRows, m1 - m);
+      with_count<kRows>(r, [&](auto rows) {
+        micro<T, rows>(x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0,
+                       false);
+      });
+      for (int64_t i = 0; i < r; ++i)
+        std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
+    }
+  });
+}
+
+// ---- Linear over bfloat16 weights, in AMX tiles ---------------------------------------------
+// Most checkpoints store their weights in bfloat16, so a float32 network holds weights whose
+// last 16 bits are zero. For such a weight (CpuOps.pack_weight checks), x w^T is computed with
+// Intel AMX at the float32 result: each row of x is split into three bfloat16 parts, hi + mid +
+// lo == x exactly (hi = x truncated to bfloat16, mid = the rest truncated, lo = what remains,
+// at most 8 significant bits); every product of a part and a weight is exact in float32 (8 x 8
+// significant bits), and TDPBF16PS sums them in float32. The result differs from a float32
+// matmul only in the order of its float32 additions (3K terms instead of K). Three bfloat16
+// passes on the tile unit take about half the time of one float32 pass on the vector units, and
+// the weight is half the bytes.
+//   w is stored as int16 [N, K], tiles [N/16][K/32][16][32]: tile (n, k) holds columns 16n..16n+15
+// and k-pairs of 32k..32k+31, row i = (w[c][32k + 2i], w[c][32k + 2i + 1]) for each column c
+// (the layout TDPBF16PS reads its second operand in). N and K are multiples of 32.
+constexpr int64_t kTileBf16 = 16 * 32;      // elements of one tile
+
+inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+#ifdef MSINFER_AMX
+// The process may use the tile registers once the kernel grants it (Linux 5.16 on).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {                          // palette 1, eight tiles of 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// x [M, K] -> a[p][Mp/16][K/32][16][32], p = hi, mid, lo; rows M..Mp-1 zeros.
+void split_bf16(const float* x, int64_t M, int64_t K, int64_t Mp, uint16_t* a) {
+  const int64_t KB = K / 32, part = Mp * K;
+  parallel_for(Mp, 16, [&](int64_t m) {
+    uint16_t* t = a + m / 16 * KB * kTileBf16 + m % 16 * 32;
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(x + m * K);
+    for (int64_t kb = 0; kb < KB; ++kb, t += kTileBf16, r += 32) {
+      if (m >= M) {
+        for (int p = 0; p < 3; ++p) std::fill(t + p * part, t + p * part + 32, uint16_t(0));
+        continue;
+      }
+      for (int i = 0; i < 32; i += 16) {
+        const v16u32 u = *reinterpret_cast<const v16u32u*>(r + i), hi = u & 0xffff0000u;
+        const v16 rest = reinterpret_cast<const v16&>(u) - reinterpret_cast<const v16&>(hi);     // exact
+        const v16u32 mid = reinterpret_cast<const v16u32&>(rest) & 0xffff0000u;
+        const v16 lo = rest - reinterpret_cast<const v16&>(mid);                                // exact
+        *reinterpret_cast<v16u16u*>(t + i) = __builtin_convertvector(hi >> 16, v16u16);
+        *reinterpret_cast<v16u16u*>(t + part + i) = __builtin_convertvector(mid >> 16, v16u16);
+        *reinterpret_cast<v16u16u*>(t + 2 * part + i) =
+            __builtin_convertvector(reinterpret_cast<const v16u32&>(lo) >> 16, v16u16);
+      }
+    }
+  });
+}
+
+constexpr int64_t kAheadTiles = 4;
+
+// Rows m..m+16*Two-1 of x (split, at a) times column tiles b0, b1: into tiles 0, 1 (and 2, 3).
+// Per k-tile the two weight tiles are loaded once for the three parts of both row tiles.
+template <bool Two>
+inline void amx_block(const uint16_t* a, int64_t part, const uint16_t* b0, const uint16_t* b1, int64_t KB) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    if (kb + kAheadTiles < KB)      // the weights come from memory for the first rows (and in a decode)
+      for (int64_t line = 0; line < kTileBf16; line += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + (kb + kAheadTiles) * kTileBf16 + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b1 + (kb + kAheadTiles) * kTileBf16 + line), _MM_HINT_T0);
+      }
+    _tile_loadd(4, b0 + kb * kTileBf16, 64);
+    _tile_loadd(5, b1 + kb * kTileBf16, 64);
+    for (int p = 0; p < 3; ++p) {
+      const uint16_t* ap = a + p * part + kb * kTileBf16;
+      _tile_loadd(6, ap, 64);
+      _tile_dpbf16ps(0, 6, 4);
+      _tile_dpbf16ps(1, 6, 5);
+      if (Two) {
+        _tile_loadd(7, ap + KB * kTileBf16, 64);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_dpbf16ps(3, 7, 5);
+      }
+    }
+  }
+}
+
+// y = x w^T for rows 0..M-1 (Glu: silu of the even column tiles times the odd ones, w packed
+// with 16 gate and 16 up columns per pair of tiles). A work item is one pair of column tiles
+// over one chunk of rows: the pair's weights stay in L1 while the chunk's rows pass.
+template <bool Glu>
+void amx_rows(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t Mp = (M + 15) / 16 * 16, KB = K / 32, part = Mp * K, ldy = Glu ? N / 2 : N;
+  static thread_local std::vector<uint16_t> split;
+  split.resize(3 * part);
+  const uint16_t* a = split.data();
+  split_bf16(x, M, K, Mp, split.data());
+  // Rows are taken in chunks whose split parts (6 bytes an element) fit in L2 with room to spare,
+  // all column pairs of a chunk before the next: the weights pass once a chunk, x's parts stay.
+  const int64_t chunk = std::max<int64_t>(32, (1 << 20) / (6 * K) / 32 * 32), pairs = N / 32;
+  parallel_for((Mp + chunk - 1) / chunk * pairs, 1, [&](int64_t item) {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float tile[4][16 * 16];
+    const int64_t c = item % pairs, m0 = item / pairs * chunk;
+    const uint16_t* b0 = w + 2 * c * KB * kTileBf16;
+    const uint16_t* b1 = b0 + KB * kTileBf16;
+    for (int64_t m = m0; m < std::min(Mp, m0 + chunk); m += 32) {
+      const bool two = m + 16 < Mp;
+      const uint16_t* am = a + m / 16 * KB * kTileBf16;
+      if (two) {
+        amx_block<true>(am, part, b0, b1, KB);
+      } else {
+        amx_block<false>(am, part, b0, b1, KB);
+      }
+      const int64_t rows = std::min<int64_t>(M - m, two ? 32 : 16);
+      if (!Glu && rows == 32) {                  // whole tiles straight into y
+        float* o = y + m * ldy + 32 * c;
+        _tile_stored(0, o, ldy * 4);
+        _tile_stored(1, o + 16, ldy * 4);
+        _tile_stored(2, o + 16 * ldy, ldy * 4);
+        _tile_stored(3, o + 16 * ldy + 16, ldy * 4);
+        continue;
+      }
+      _tile_stored(0, tile[0], 64);
+      _tile_stored(1, tile[1], 64);
+      if (two) {
+        _tile_stored(2, tile[2], 64);
+        _tile_stored(3, tile[3], 64);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = tile[r / 16 * 2] + r % 16 * 16;
+        const float* u = tile[r / 16 * 2 + 1] + r % 16 * 16;
+        if (Glu) {
+          float* o = y + (m + r) * ldy + 16 * c;
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) o[j] = silu_times(g[j], u[j]);
+        } else {
+          float* o = y + (m + r) * ldy + 32 * c;
+          std::copy(g, g + 16, o);
+          std::copy(u, u + 16, o + 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Rows ids[n] of an embedding table in bfloat16 tiles (see above), as float32.
+void embed_bf16(const uint16_t* w, const int32_t* ids, float* out, int64_t N, int64_t V, int64_t H) {
+  const int64_t KB = H / 32;
+  parallel_for(N, 64, [&](int64_t n) {
+    float* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, 0.f);
+      return;
+    }
+    const uint16_t* b = w + id / 16 * KB * kTileBf16 + id % 16 * 2;
+    for (int64_t k = 0; k < H; ++k) o[k] = bf16_value(b[k / 32 * kTileBf16 + k % 32 / 2 * 32 + k % 2]);
+  });
+}
+
+// y = x w^T. Rows of x that are all zeros give zero rows and are not computed: the padding rows
+// of a step (worker/runner.py pads with a token id whose embedding is zeros, and the operators
+// of bias-free layers keep such rows zero) and of its logits (CpuOps.rows). Trailing zero rows,
+// the usual case, are left off in place; zero rows among others are gathered out.
+template <typename T, bool Glu, typename Rows>
+void linear(const T* x, T* y, int64_t M, int64_t K, int64_t N, Rows&& rows_fn) {
+  const int64_t W = Glu ? N / 2 : N;            // columns of y
+  std::vector<int64_t> live;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* r = x + m * K;
+    if (std::any_of(r, r + K, [](T v) { return v != T(0); })) live.push_back(m);
+  }
+  const int64_t L = static_cast<int64_t>(live.size());
+  if (L == 0 || live.back() == L - 1) {            // rows 0..L-1 live, the rest zeros
+    if (L) rows_fn(x, y, L);
+    std::fill(y + L * W, y + M * W, T(0));
+    return;
+  }
+  std::vector<T> xs(L * K), ys(L * W);
+  for (int64_t i = 0; i < L; ++i) std::copy(x + live[i] * K, x + (live[i] + 1) * K, xs.data() + i * K);
+  rows_fn(xs.data(), ys.data(), L);
+  std::fill(y, y + M * W, T(0));
+  for (int64_t i = 0; i < L; ++i) std::copy(ys.data() + i * W, ys.data() + (i + 1) * W, y + live[i] * W);
+}
+
+// Rows idx[m] of x [N, H]; indices outside [0, N) give zeros.
+template <typename T>
+void rows_of(const T* x, const int32_t* idx, T* out, int64_t N, int64_t M, int64_t H) {
+  for (int64_t m = 0; m < M; ++m) {
+    if (idx[m] < 0 || idx[m] >= N) {
+      std::fill(out + m * H, out + (m + 1) * H, T(0));
+    } else {
+      std::copy(x + idx[m] * H, x + (idx[m] + 1) * H, out + m * H);
+    }
+  }
+}
+
+// Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight);
+// ids outside [0, V) (another rank's vocabulary) give zeros.
+template <typename T>
+void embed(const T* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
+  parallel_for(N, 64, [&](int64_t n) {
+    T* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, T(0));
+      return;
+    }
+    const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
+    const T* b = w + col * H + (id - col);
+    for (int64_t k = 0; k < H; ++k) o[k] = b[k * width];
+  });
+}
+
+}  // namespace

@@ -172,30 +172,49 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
     """The KV cache a card holds after weights, the largest step's activations and the runtime's
     share, within parallel.memory_fraction of its memory: as many blocks as fit, at most what
     max_batch_size sequences of max_model_len need (or scheduler.kv_cache_blocks, which must fit).
-    Refuses a layout that leaves no room for one sequence of max_model_len."""
+    Refuses a layout that leaves no room for one sequence of max_model_len, naming the smallest
+    tensor_parallel that leaves it."""
     p, tp = spec.parallel, spec.parallel.tensor_parallel
     memory = int((p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3)
-    budget = int(p.memory_fraction * memory)
-    tokens, rows = spec.scheduler.max_batched_tokens, spec.scheduler.max_batch_size
-    per_token = (4 * m.hidden_size + 2 * m.intermediate_size // tp
-                 + (m.num_heads + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim // tp) * dbytes
-    activations = tokens * per_token + 3 * rows * m.vocab_size * 4    # float32 logits, gathered whole
-    block = kv_block_bytes(m, tp, engine.block_size, dbytes)
-    free = budget - weights - activations - RUNTIME_BYTES
-    fits = max(0, free // block - 1)                        # one block is the scratch block
+    activations, block, fits = card_room(spec, m, engine, tp, weights, dbytes)
     blocks = engine.blocks() if engine.num_blocks else min(fits, engine.blocks())
     one_seq = -(-engine.max_model_len // engine.block_size)
     gib = 1024 ** 3
     if blocks > fits or fits < one_seq:
+        need = blocks if engine.num_blocks else one_seq
+        larger = (t for t in valid_tp_sizes(m, ep=p.expert_parallel) if t > tp)
+        fit = next(((t, w) for t in larger for w in [bytes_per_rank(m, t, dbytes, p.expert_parallel)]
+                    if card_room(spec, m, engine, t, w, dbytes)[2] >= need), None)
         raise LayoutError(
             f"the layout does not fit a {memory / gib:.3g} GiB card at memory_fraction {p.memory_fraction:g}: weights "
             f"{weights / gib:.2f} GiB + activations {activations / gib:.2f} + runtime {RUNTIME_BYTES / gib:.2f} leave "
             f"room for {fits} KV blocks of {engine.block_size} tokens, and "
             + (f"scheduler.kv_cache_blocks asks for {blocks}" if blocks > fits else
                f"one sequence of max_model_len {engine.max_model_len} needs {one_seq}")
-            + "; raise parallel.tensor_parallel, or lower model.max_model_len or scheduler.max_batched_tokens")
+            + (f"; parallel.tensor_parallel {fit[0]} fits ({fit[1] / gib:.2f} GiB of weights a card)" if fit else
+               "; no larger parallel.tensor_parallel fits")
+            + ", or lower model.max_model_len or scheduler.max_batched_tokens")
     return CardPlan(memory, p.device_memory_gb is None, p.memory_fraction, weights, activations, RUNTIME_BYTES,
                     (blocks + 1) * block, blocks)
+
+
+def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weights: int,
+              dbytes: int) -> tuple[int, int, int]:
+    """(activation bytes of the largest step, bytes of a KV block, KV blocks that fit) on one card of
+    a tensor-parallel group of tp holding `weights`. A sparse layer's activations are its k routed
+    copies of each token and their intermediate rows (the grouped matmuls' buffers)."""
+    p = spec.parallel
+    budget = int(p.memory_fraction * (p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3)
+    tokens, rows = spec.scheduler.max_batched_tokens, spec.scheduler.max_batch_size
+    mlp = 2 * m.intermediate_size // tp
+    if m.is_moe:
+        inter = m.moe_intermediate_size // (1 if p.expert_parallel else tp)
+        mlp = max(mlp if len(m.sparse_layers) < m.num_layers else 0,
+                  m.num_experts_per_tok * (2 * m.hidden_size + 2 * inter))
+    per_token = (4 * m.hidden_size + mlp + (m.num_heads + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim // tp) * dbytes
+    activations = tokens * per_token + 3 * rows * m.vocab_size * 4    # float32 logits, gathered whole
+    block = kv_block_bytes(m, tp, engine.block_size, dbytes)
+    return activations, block, max(0, (budget - weights - activations - RUNTIME_BYTES) // block - 1)  # - scratch
 
 
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan:

@@ -107,6 +107,24 @@ def test_both_layouts_hold_the_same_bytes_differently_and_refuse_sizes_that_do_n
         check_tp(dense, 2, ep=True)
 
 
+def test_a_card_too_small_for_the_experts_is_refused_naming_the_tensor_parallel_that_fits(tmp_path):
+    """Qwen3-30B-A3B in bfloat16 on 64 GB cards: 56.9 GiB of weights leave one card no room for a
+    sequence; the plan names tp 2 (28.45 GiB a card), and sizes the cache of tp 8 in both layouts
+    alike (the same bytes per rank)."""
+    from msinfer.launcher.job import card_plan
+    from tests.test_ascend import ascend_spec
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    m = ModelConfig.from_dir(str(tmp_path))
+    engine = EngineConfig(str(tmp_path), max_model_len=8192, max_batch_size=64, block_size=128, device="ascend")
+    one = ascend_spec(tmp_path, tmp_path, parallel={"tensor_parallel": 1})
+    with pytest.raises(LayoutError, match=r"weights 56.87 GiB .*parallel.tensor_parallel 2 fits \(28.45 GiB of "
+                                          r"weights a card\)"):
+        card_plan(one, m, engine, bytes_per_rank(m, 1, 2), 2)
+    blocks = [card_plan(ascend_spec(tmp_path, tmp_path, parallel={"expert_parallel": ep}), m, engine,
+                        bytes_per_rank(m, 8, 2, ep), 2).blocks for ep in (False, True)]
+    assert blocks[0] == blocks[1] == 64 * 8192 // 128
+
+
 def test_plan_describes_the_experts_of_both_layouts(checkpoint, tmp_path):
     from msinfer.launcher.job import plan_job
     from msinfer.launcher.spec import load_spec

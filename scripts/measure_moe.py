@@ -1,9 +1,10 @@
 """A routed mixture-of-experts layer against a dense MLP with the same active parameters, on the
 CPU kernels, in one process: one Qwen3-30B-A3B layer (hidden 2048, 128 experts of 768, top 8)
 and an MLP of 8 x 768 = 6144, at a decode step of 16 tokens and a prefill of 256, the two sides
-alternating round by round. Random weights (float32); the router's weights are random too, so
-tokens spread over the experts about evenly. With --portable also the portable operators'
-experts (every expert on every token), at 16 tokens only.
+alternating round by round. Random weights, float32 and rounded to bfloat16 values (as a bfloat16
+checkpoint's are; they go to AMX tiles where the CPU has them); the router's weights are random
+too, so tokens spread over the experts about evenly. With --portable also the portable
+operators' experts (every expert on every token), at 16 tokens only.
 
     python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable]
 """
@@ -30,9 +31,10 @@ LAYER = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "interme
          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
 
 
-def build(cfg: ModelConfig, dev, sparse: bool, rng):
+def build(cfg: ModelConfig, dev, sparse: bool, rng, bfloat16: bool = False):
     import mindspore as ms
     from mindspore import Parameter, Tensor
+    from msinfer.worker.cpu import bfloat16_bits
     from msinfer.worker.model import MLP, SparseMoeBlock
     cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev) if sparse else MLP(cfg, TPInfo(), ms.float32, dev)
     cell.set_train(False)
@@ -42,6 +44,8 @@ def build(cfg: ModelConfig, dev, sparse: bool, rng):
             if not isinstance(p, Parameter) or attr == "weight" and not hasattr(sub, "matmul"):
                 continue
             w = (rng.standard_normal(p.shape, np.float32) / np.sqrt(p.shape[-1])).astype(np.float32)
+            if bfloat16:
+                w = (bfloat16_bits(w).astype(np.uint32) << 16).view(np.float32)
             if dev.pack_weight is not None:
                 if attr == "weight":
                     w, _ = dev.pack_weight(w, getattr(sub, "glu", False))
@@ -67,7 +71,9 @@ def main() -> None:
     load_kernels()
     cfg = ModelConfig.from_dict({**LAYER, "num_experts": args.experts})
     rng = np.random.default_rng(0)
-    sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng)}
+    sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng),
+             "routed bfloat16": build(cfg, CpuOps, True, rng, True),
+             "dense bfloat16": build(cfg, CpuOps, False, rng, True)}
     if args.portable:
         sides["portable experts"] = build(cfg, MsOps, True, rng)
     inputs = {n: Tensor(rng.standard_normal((n, cfg.hidden_size), np.float32)) for n in (16, 256)}

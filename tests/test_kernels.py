@@ -64,6 +64,34 @@ def test_grouped_experts_sum_each_tokens_routed_experts_weighted(kernels, inter,
     np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
 
 
+def test_grouped_experts_over_bfloat16_tiles_give_their_float32_panels_result(kernels):
+    """Experts of a bfloat16 checkpoint (every value a bfloat16) go to AMX tiles where the CPU has
+    them, the gate/up projection fused; the result is the float32 panels' to float32 accuracy."""
+    from msinfer.worker.cpu import bfloat16_bits
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU: bfloat16 experts stay in float32 panels")
+    rng = np.random.default_rng(5)
+    N, H, I, E, K = 19, 64, 32, 6, 2
+
+    def bf16(a):
+        return (bfloat16_bits(a.astype(np.float32)).astype(np.uint32) << 16).view(np.float32)
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+    weights = rng.random((N, K)).astype(np.float32)
+    w13, w2 = bf16(rng.standard_normal((E, 2 * I, H)) * 0.2), bf16(rng.standard_normal((E, H, I)) * 0.2)
+    meta = Tensor(np.array([0, 1], np.int32))
+    tiles13, unpack13 = kernels.pack_experts(w13, True)
+    tiles2, unpack2 = kernels.pack_experts(w2)
+    assert tiles13.dtype == tiles2.dtype == np.int16                  # half the bytes of float32
+    np.testing.assert_array_equal(unpack13(tiles13), w13)
+    np.testing.assert_array_equal(unpack2(tiles2), w2)
+    args = (Tensor(x), Tensor(ids), Tensor(weights))
+    y = kernels.moe_op()(*args, Tensor(tiles13), Tensor(tiles2), meta).asnumpy()
+    panels = kernels.moe_op()(*args, Tensor(np.stack([kernels.pack_glu(e) for e in w13])),
+                              Tensor(np.stack([kernels.pack(e) for e in w2])), meta).asnumpy()
+    np.testing.assert_allclose(y, panels, atol=2e-6 * np.abs(panels).max(), rtol=0)
+
+
 @pytest.mark.parametrize("zero", [[1, 4, 5], [3, 4, 5], [0, 1, 2, 3, 4, 5]], ids=["among", "trailing", "all"])
 def test_zero_rows_give_zero_rows_and_the_others_are_unchanged(kernels, zero):
     """Zero rows (a step's padding, its padded logit rows) are skipped: trailing ones in place,

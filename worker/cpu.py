@@ -136,11 +136,18 @@ class CpuOps(MsOps):
 
     @classmethod
     def pack_experts(cls, w: np.ndarray, glu: bool = False):
-        """Stacked expert weights [E, N, K] -> each expert packed as `pack` (`pack_glu`) packs a
-        weight, and the unpack. Panels of the weight's dtype only: the grouped kernel has no tiles."""
-        pack, unpack = (cls.pack_glu, cls.unpack_glu) if glu else (cls.pack, cls.unpack)
-        return (np.stack([pack(e) for e in w]) if len(w) else w,
-                lambda t: np.stack([unpack(e) for e in t]) if len(t) else t)
+        """Stacked expert weights [E, N, K] -> every expert packed as `pack_weight` packs a weight,
+        all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
+        and the unpack."""
+        if not len(w):
+            return w, lambda t: t
+        _, N, K = w.shape
+        if cls.amx and w.dtype == np.float32 and N % TILE == 0 and K % TILE == 0 and is_bfloat16(w):
+            packed = [cls.pack_weight(e, glu) for e in w]          # each expert's values are bfloat16: tiles
+        else:
+            packed = [(cls.pack_glu(e), cls.unpack_glu) if glu else (cls.pack(e), cls.unpack) for e in w]
+        unpack = packed[0][1]
+        return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
 
     @staticmethod
     def embed_op():

@@ -142,23 +142,34 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
   return 0;
 }
 
-// x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] (panels, see moe),
-// meta [2] int32 (first expert held, glu) -> [N, H]
+// x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] (panels of x's dtype, or
+// int16: bfloat16 tiles with x float32; see moe), meta [2] int32 (first expert held, glu) -> [N, H]
 extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                           void* extra) {
   if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3 || ndims[4] != 3) return 1;
   const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[3][0], I = shapes[4][2];
   const int32_t* meta = static_cast<const int32_t*>(params[5]);
   const bool glu = meta[1] != 0;
+  const bool tiles13 = std::strcmp(dtypes[3], "int16") == 0, tiles2 = std::strcmp(dtypes[4], "int16") == 0;
   if (shapes[1][0] != N || shapes[2][0] != N || shapes[2][1] != K || shapes[3][1] != 2 * I || shapes[3][2] != H ||
       shapes[4][0] != E || shapes[4][1] != H || (glu && (2 * I) % kPanel) || std::strcmp(dtypes[1], "int32") ||
-      std::strcmp(dtypes[0], dtypes[3]) || std::strcmp(dtypes[0], dtypes[4]) || std::strcmp(dtypes[0], dtypes[2]))
+      (!tiles13 && std::strcmp(dtypes[0], dtypes[3])) || (!tiles2 && std::strcmp(dtypes[0], dtypes[4])) ||
+      std::strcmp(dtypes[0], dtypes[2]))
     return 2;
+  if (tiles13 || tiles2) {          // bfloat16 tiles: float32 activations, dimensions of whole tiles, AMX
+#ifdef MSINFER_AMX
+    if (std::strcmp(dtypes[0], "float32") || H % 32 || (tiles13 && (2 * I) % 32) || (tiles2 && I % 32) ||
+        !amx_permitted())
+      return 2;
+#else
+    return 2;
+#endif
+  }
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<const T*>(params[i]); };
-    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), in(3), in(4), static_cast<T*>(params[6]), N, K, H,
-           E, I, meta[0], glu);
+    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), params[3], tiles13, params[4], tiles2,
+           static_cast<T*>(params[6]), N, K, H, E, I, meta[0], glu);
   });
   return 0;
 }

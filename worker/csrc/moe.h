@@ -14,9 +14,21 @@ namespace {
 // grouped by expert and each expert's rows gathered, so an expert's weights pass once for all its
 // tokens and a step costs what its routed tokens cost. Zero rows of x (a step's padding) are not
 // routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
+// Either weight may instead be bfloat16 AMX tiles (`tiles13`, `tiles2`; T float32, see amx_rows),
+// the gate and up columns of w13 then interleaved as LinearGlu's tiles are.
+template <typename T, bool Glu>
+void project(const T* x, const void* w, bool tiles, T* y, int64_t m, int64_t K, int64_t N) {
+#ifdef MSINFER_AMX
+  if constexpr (std::is_same_v<T, float>) {
+    if (tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
+  }
+#endif
+  linear_rows<T, Glu>(x, static_cast<const T*>(w), y, m, K, N);
+}
+
 template <typename T>
-void moe(const T* x, const int32_t* ids, const T* wts, const T* w13, const T* w2, T* out, int64_t N, int64_t K,
-         int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, bool tiles13, const void* w2, bool tiles2,
+         T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
   std::vector<int64_t> start(E + 1, 0), pos(N * K, -1);
   auto local = [&](int64_t n, int64_t j) { return static_cast<int64_t>(ids[n * K + j]) - first; };
   std::vector<char> live(N);
@@ -46,14 +58,15 @@ void moe(const T* x, const int32_t* ids, const T* wts, const T* w13, const T* w2
   for (int64_t e = 0; e < E; ++e) {
     const int64_t s = start[e], m = start[e + 1] - s;
     if (m == 0) continue;
-    const T* wg = w13 + e * 2 * I * H;
+    const char* wg = static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T));
+    const char* wd = static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T));
     if (glu) {
-      linear_rows<T, true>(xs.data() + s * H, wg, hs.data() + s * I, m, H, 2 * I);
+      project<T, true>(xs.data() + s * H, wg, tiles13, hs.data() + s * I, m, H, 2 * I);
     } else {
-      linear_rows<T, false>(xs.data() + s * H, wg, gu.data() + s * 2 * I, m, H, 2 * I);
+      project<T, false>(xs.data() + s * H, wg, tiles13, gu.data() + s * 2 * I, m, H, 2 * I);
       silu_mul(gu.data() + s * 2 * I, hs.data() + s * I, m, I);
     }
-    linear_rows<T, false>(hs.data() + s * I, w2 + e * H * I, ys.data() + s * H, m, I, H);
+    project<T, false>(hs.data() + s * I, wd, tiles2, ys.data() + s * H, m, I, H);
   }
   parallel_for(N, 16, [&](int64_t n) {
     T* o = out + n * H;

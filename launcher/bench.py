@@ -61,6 +61,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--input-len", default="128", metavar="LIST", help="prompt tokens per sequence (default 128)")
     b.add_argument("--output-len", default="128", metavar="LIST", help="generated tokens per sequence (default 128)")
     b.add_argument("--tensor-parallel", "--tp", default="1", metavar="N", help="workers per replica (default 1)")
+    b.add_argument("--expert-parallel", action="store_true",
+                   help="a mixture of experts: whole experts per rank instead of a slice of each (parallel."
+                        "expert_parallel)")
     b.add_argument("--skip-load", action="store_true",
                    help="random weights of the model's shapes instead of the checkpoint (needs only config.json)")
     b.add_argument("--device", default="auto", choices=("auto", "cpu", "ascend"))
@@ -168,12 +171,14 @@ def plan_bench(args) -> BenchPlan:
     m = ModelConfig.from_dir(args.model)
     max_len = m.max_position_embeddings if args.max_model_len is None else \
         parse_one(args.max_model_len, "--max-model-len", minimum=2)
+    ep = bool(args.expert_parallel)
     try:
-        check_tp(m, tp)
+        check_tp(m, tp, ep)
     except LayoutError as e:
-        raise BenchError(str(e).replace("parallel.tensor_parallel", "--tensor-parallel")) from None
+        raise BenchError(str(e).replace("parallel.tensor_parallel", "--tensor-parallel")
+                         .replace("parallel.expert_parallel", "--expert-parallel")) from None
     try:
-        ckpt_bytes = 0 if args.skip_load else check_checkpoint(args.model, plan_tensors(m, tp))
+        ckpt_bytes = 0 if args.skip_load else check_checkpoint(args.model, plan_tensors(m, tp, ep))
     except CheckpointError as e:
         raise CheckpointError(f"{e} (--skip-load runs on random weights with config.json alone)") from None
     device = resolve_device(args.device)
@@ -184,7 +189,7 @@ def plan_bench(args) -> BenchPlan:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
-    weights = bytes_per_rank(m, tp, dbytes)
+    weights = bytes_per_rank(m, tp, dbytes, ep)
     kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads          # of the KV cache one rank holds
     budget = None
     if (device == "cpu" or emulate) and not args.ray_address:
@@ -205,7 +210,7 @@ def plan_bench(args) -> BenchPlan:
         model_dir=str(args.model), dtype=dtype, device=device,
         max_model_len=max(c.seq_len for c in runnable), max_batch_size=max(c.batch_size for c in runnable),
         num_blocks=max(c.batch_size * -(-c.seq_len // block_size) for c in runnable), block_size=block_size,
-        random_weights=bool(args.skip_load), ops=args.ops, emulate=emulate)
+        random_weights=bool(args.skip_load), ops=args.ops, emulate=emulate, expert_parallel=ep)
     out_dir = Path(args.output)
     check_out_dir(out_dir)
     return BenchPlan(str(args.model), m, tp, device, dtype, max_len, cases, rejected, engine, weights,
@@ -418,7 +423,8 @@ def bench_meta(plan: BenchPlan) -> dict:
         "shape": {"layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
                   "head_dim": m.head_dim, "vocab": m.vocab_size},
         "weights": "random (--skip-load)" if plan.skip_load else "checkpoint",
-        "tensor_parallel": plan.tp, "device": plan.device, "dtype": plan.dtype, "max_model_len": plan.max_model_len,
+        "tensor_parallel": plan.tp, "expert_parallel": plan.engine.expert_parallel, "device": plan.device,
+        "dtype": plan.dtype, "max_model_len": plan.max_model_len,
         "engine": dataclasses.asdict(plan.engine), "repeats": plan.repeats,
         "seed": plan.seed, "weight_bytes_per_rank": plan.weight_bytes_per_rank,
         "checkpoint_bytes": plan.checkpoint_bytes,
@@ -444,7 +450,8 @@ def run_bench(args) -> int:
     run = BenchRun(plan, meta=bench_meta(plan))
     runnable = [c for c in plan.cases if c not in plan.rejected]
     print(f"msinfer bench: {len(plan.cases)} case(s), {len(runnable)} runnable, {plan.model.architecture} "
-          f"tp {plan.tp} on {plan.device}{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
+          f"tp {plan.tp}{' (experts whole per rank)' if plan.engine.expert_parallel else ''} on {plan.device}"
+          f"{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
           f"{'random weights' if plan.skip_load else 'checkpoint weights'}) -> {plan.out_dir}", file=sys.stderr)
     started_ray = not ray.is_initialized()
     engine = BenchReplica(plan)

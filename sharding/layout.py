@@ -73,7 +73,8 @@ def check_tp(cfg: ModelConfig, tp: int, ep: bool = False) -> None:
     problems = divisors_problem(cfg, tp, ep)
     if problems:
         other = "" if not cfg.is_moe else (
-            f"; with parallel.expert_parallel: {not ep}: {', '.join(map(str, valid_tp_sizes(cfg, ep=not ep)))}")
+            f"; with {'experts sliced' if ep else 'whole experts per rank'} (parallel.expert_parallel: "
+            f"{str(not ep).lower()}): {', '.join(map(str, valid_tp_sizes(cfg, ep=not ep)))}")
         raise LayoutError(
             f"parallel.tensor_parallel={tp} does not fit {cfg.architecture}: {'; '.join(problems)}. "
             f"Sizes that work: {', '.join(map(str, valid_tp_sizes(cfg, ep=ep)))}{other}")

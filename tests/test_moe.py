@@ -175,3 +175,13 @@ def test_an_adapter_on_the_attention_of_a_mixture_of_experts_merges_as_peft_merg
     runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8,
                                       lora_path=str(tmp_path / "adapter")))
     assert Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW) == ref
+
+
+def test_bench_takes_either_layout_and_names_its_flag_when_it_does_not_fit(checkpoint, tmp_path, capsys):
+    from msinfer.launcher.cli import main
+    code = main(["bench", "--model", str(checkpoint(QWEN3)), "--tp", "3", "--expert-parallel",
+                 "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "num_experts=8 is not divisible by 3 (expert parallel)" in " ".join(err.split())
+    assert "(--expert-parallel: false): 1, 2, 4" in " ".join(err.split())

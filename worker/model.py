@@ -89,12 +89,16 @@ class MLP(nn.Cell):
     def loaders(self, p: str, table: dict) -> None:
         """Its checkpoint tensors under prefix p (e.g. model.layers.0.mlp.) into `table`."""
         for j, name in enumerate(("gate_proj", "up_proj")):
-            table[p + f"{name}.weight"] = (self.gate_up_proj, self.gate_up_proj.weight, j)
-            if self.gate_up_proj.bias is not None:
-                table[p + f"{name}.bias"] = (self.gate_up_proj, self.gate_up_proj.bias, j)
-        table[p + "down_proj.weight"] = (self.down_proj, self.down_proj.weight, None)
-        if self.down_proj.bias is not None:
-            table[p + "down_proj.bias"] = (self.down_proj, self.down_proj.bias, None)
+            add_linear(table, p + name, self.gate_up_proj, j)
+        add_linear(table, p + "down_proj", self.down_proj)
+
+
+def add_linear(table: dict, name: str, layer, shard_id=None) -> None:
+    """Checkpoint tensors <name>.weight, and <name>.bias where the layer has a bias, -> `layer`'s
+    loaders (the loader table of CausalLM.named_loaders)."""
+    table[name + ".weight"] = (layer, layer.weight, shard_id)
+    if layer.bias is not None:
+        table[name + ".bias"] = (layer, layer.bias, shard_id)
 
 
 class SparseMoeBlock(nn.Cell):
@@ -127,7 +131,7 @@ class SparseMoeBlock(nn.Cell):
         return y if self.all_reduce is None else self.all_reduce(y)
 
     def loaders(self, p: str, table: dict) -> None:
-        table[p + "gate.weight"] = (self.gate, self.gate.weight, None)
+        add_linear(table, p + "gate", self.gate)
         ex = self.experts
         for e in range(ex.count):
             q = f"{p}experts.{ex.first + e}."
@@ -136,7 +140,7 @@ class SparseMoeBlock(nn.Cell):
             table[q + "down_proj.weight"] = (ex, ex.w2, (e, 2))
         if self.shared_expert is not None:
             self.shared_expert.loaders(p + "shared_expert.", table)
-            table[p + "shared_expert_gate.weight"] = (self.shared_expert_gate, self.shared_expert_gate.weight, None)
+            add_linear(table, p + "shared_expert_gate", self.shared_expert_gate)
 
 
 class LayerBase(nn.Cell):
@@ -289,12 +293,8 @@ class CausalLM(nn.Cell):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for s in ("q", "k", "v"):
-                table[p + f"self_attn.{s}_proj.weight"] = (attn.qkv_proj, attn.qkv_proj.weight, s)
-                if attn.qkv_proj.bias is not None:
-                    table[p + f"self_attn.{s}_proj.bias"] = (attn.qkv_proj, attn.qkv_proj.bias, s)
-            table[p + "self_attn.o_proj.weight"] = (attn.o_proj, attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                table[p + "self_attn.o_proj.bias"] = (attn.o_proj, attn.o_proj.bias, None)
+                add_linear(table, p + f"self_attn.{s}_proj", attn.qkv_proj, s)
+            add_linear(table, p + "self_attn.o_proj", attn.o_proj)
             if attn.q_norm is not None:
                 table[p + "self_attn.q_norm.weight"] = (attn.q_norm, attn.q_norm.weight, None)
                 table[p + "self_attn.k_norm.weight"] = (attn.k_norm, attn.k_norm.weight, None)

@@ -43,7 +43,6 @@ CSV_NAME, JSON_NAME, PNG_NAME = "bench.csv", "bench.json", "bench.png"
 COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", "compile_s", "graphs_compiled",
            "prefill_ms", "ttft_ms", "decode_ms_per_step", "decode_tok_s", "e2e_s", "e2e_tok_s", "peak_mem_mib",
            "peak_mem_mib_per_rank", "error")
-MEMORY_FRACTION = 0.8          # of the machine's RAM that weights + KV cache of all local ranks may take
 
 
 class BenchError(UserError):
@@ -154,6 +153,7 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
+    from msinfer.launcher.job import host_memory_problem
     from msinfer.sharding.config import ModelConfig
     from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
     from msinfer.worker.loader import CheckpointError, check_checkpoint
@@ -191,19 +191,14 @@ def plan_bench(args) -> BenchPlan:
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
     weights = bytes_per_rank(m, tp, dbytes, ep)
     kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads          # of the KV cache one rank holds
-    budget = None
-    if (device == "cpu" or emulate) and not args.ray_address:
-        import psutil
-        budget = MEMORY_FRACTION * psutil.virtual_memory().total
+    on_host = (device == "cpu" or emulate) and not args.ray_address
     rejected: dict[Case, str] = {}
     for c in cases:
         if c.seq_len > max_len:
             rejected[c] = (f"input_len + output_len = {c.seq_len} exceeds the max model len {max_len} "
                            f"({'--max-model-len' if args.max_model_len else 'max_position_embeddings'})")
-        elif budget is not None and tp * (weights + kv_share * c.kv_bytes) > budget:
-            rejected[c] = (f"does not fit in memory: {tp} rank(s) x (weights {weights / 2**30:.2f} GiB + KV cache "
-                           f"{kv_share * c.kv_bytes / 2**30:.2f} GiB) exceeds {MEMORY_FRACTION:.0%} of this "
-                           f"machine's {budget / MEMORY_FRACTION / 2**30:.1f} GiB")
+        elif on_host and (problem := host_memory_problem(tp, weights, int(kv_share * c.kv_bytes))):
+            rejected[c] = f"does not fit in memory: {problem}"
     runnable = [c for c in cases if c not in rejected] or cases[:1]   # size the engine for something
     block_size = 16
     engine = EngineConfig(

@@ -139,6 +139,22 @@ def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> N
                          f"portable runs the model without them")
 
 
+HOST_MEMORY_FRACTION = 0.8     # of this machine's memory that the weights and KV caches of its workers may take
+
+
+def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
+    """Why `ranks` workers computing on this machine's CPU, each holding `weights` bytes of weights
+    and `kv` bytes of KV cache, do not fit in HOST_MEMORY_FRACTION of its memory (None if they do).
+    `plan` and `bench` both ask it."""
+    import psutil
+    have, gib = psutil.virtual_memory().total, 1024 ** 3
+    if ranks * (weights + kv) <= HOST_MEMORY_FRACTION * have:
+        return None
+    return (f"{ranks} worker(s) x (weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB) = "
+            f"{ranks * (weights + kv) / gib:.1f} GiB is more than {HOST_MEMORY_FRACTION:.0%} of this machine's "
+            f"{have / gib:.1f} GiB")
+
+
 def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int) -> int:
     """K and V of every layer for one cache block, on one rank."""
     return 2 * m.num_layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
@@ -262,14 +278,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
         engine = dataclasses.replace(engine, num_blocks=card.blocks)
     kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
     if engine.on_cpu and weights:
-        import psutil
         ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
-        need, have = ranks_here * (weight_bytes + kv), psutil.virtual_memory().total
-        if need > 0.8 * have:
-            raise LayoutError(
-                f"{ranks_here} worker(s) need {need / 1024**3:.1f} GiB for weights and KV cache, this machine has "
-                f"{have / 1024**3:.1f} GiB; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
-                f"scheduler.max_batch_size or model.max_model_len")
+        if problem := host_memory_problem(ranks_here, weight_bytes, kv):
+            raise LayoutError(f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
+                              f"scheduler.max_batch_size or model.max_model_len")
     check_structured(spec.sampling, tokenizer)
     notes.append(verification_note(device, emulate, spec.model.ops))
     output_format = spec.output.format

@@ -85,3 +85,30 @@ def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_
     assert doc["bench"]["weights"].startswith("random") and len(doc["bench"]["replica_starts"]) == 2
     if importlib.util.find_spec("matplotlib"):
         assert (out / "bench.png").stat().st_size > 0
+
+
+def test_plan_and_bench_refuse_alike_what_this_machine_cannot_hold(checkpoint, tmp_path):
+    """One memory plan for both: `plan` refuses a KV cache the machine's memory cannot hold, and
+    `bench` records the case that needs one, each with the same account of it."""
+    import psutil
+    from msinfer.launcher.bench import plan_bench
+    from msinfer.launcher.cli import _parser
+    from msinfer.launcher.job import host_memory_problem, plan_job
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.sharding.layout import LayoutError
+    have = psutil.virtual_memory().total
+    assert host_memory_problem(2, 1000, 1000) is None
+    assert "4 worker(s) x (weights" in host_memory_problem(4, have // 8, have // 8)
+    path = str(checkpoint("llama_gqa_tied"))               # 8 KiB of K/V a block of 16 tokens
+    spec = JobSpec.model_validate({"model": {"path": path, "max_model_len": 512}, "input": {"path": "in.jsonl"},
+                                   "output": {"path": "out.jsonl"}, "scheduler": {"kv_cache_blocks": have // 8192}})
+    with pytest.raises(LayoutError, match=r"1 worker\(s\) x \(weights 0.00 GiB \+ KV cache [0-9.]+ GiB\) = [0-9.]+ GiB "
+                                          r"is more than 80% of this machine's .* lower scheduler.kv_cache_blocks"):
+        plan_job(spec, check_io=False)
+    batch = have // (384 * 512) + 1                        # 512 bytes of K/V a token: more than the machine
+    args = _parser().parse_args(["bench", "--model", path, "--batch-size", f"1,{batch}", "--input-len", "256",
+                                 "--output-len", "128", "--output", str(tmp_path / "out")])
+    plan = plan_bench(args)
+    huge = next(c for c in plan.cases if c.batch_size == batch)
+    assert list(plan.rejected) == [huge]
+    assert plan.rejected[huge].startswith("does not fit in memory: 1 worker(s) x (weights 0.00 GiB + KV cache ")

@@ -497,7 +497,7 @@ def run_bench(args) -> int:
     print(format_table(run.rows))
     written = [plan.out_dir / CSV_NAME, plan.out_dir / JSON_NAME] + ([] if note else [plan.out_dir / PNG_NAME])
     print("written: " + ", ".join(map(str, written)) + (f"\nnote: {note}" if note else ""))
-    from msinfer.launcher.cli import EXIT_JOB_FAILED
+    from msinfer.launcher.errors import EXIT_JOB_FAILED
     return 0 if any(r["status"] == "ok" for r in run.rows) else EXIT_JOB_FAILED
 
 

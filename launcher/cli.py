@@ -13,9 +13,7 @@ import sys
 import textwrap
 import time
 
-EXIT_USER_ERROR = 2
-EXIT_JOB_FAILED = 3
-EXIT_INTERRUPTED = 130
+from msinfer.launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_USER_ERROR
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,5 +1,11 @@
 """User errors: each message is one paragraph that names the file, line or key and what was
-expected. The CLI catches `UserError` and prints the message without a traceback."""
+expected. The CLI catches `UserError` and prints the message without a traceback.
+
+The command's exit codes (launcher.cli; README "Exit codes"):"""
+
+EXIT_USER_ERROR = 2       # a bad spec, model, input, output or launch; records failing for a cause not theirs
+EXIT_JOB_FAILED = 3       # replicas failed more often than allowed, or a start-up stage outlived its timeout
+EXIT_INTERRUPTED = 130    # Ctrl-C; what finished is in the results file
 
 
 class UserError(Exception):

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from msinfer.launcher.errors import OutputError, UserError
+from msinfer.launcher.errors import EXIT_JOB_FAILED, OutputError, UserError
 
 CSV_NAME, JSON_NAME, PNG_NAME = "bench.csv", "bench.json", "bench.png"
 COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", "compile_s", "graphs_compiled",
@@ -497,7 +497,6 @@ def run_bench(args) -> int:
     print(format_table(run.rows))
     written = [plan.out_dir / CSV_NAME, plan.out_dir / JSON_NAME] + ([] if note else [plan.out_dir / PNG_NAME])
     print("written: " + ", ".join(map(str, written)) + (f"\nnote: {note}" if note else ""))
-    from msinfer.launcher.errors import EXIT_JOB_FAILED
     return 0 if any(r["status"] == "ok" for r in run.rows) else EXIT_JOB_FAILED
 
 

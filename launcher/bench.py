@@ -157,8 +157,8 @@ def plan_bench(args) -> BenchPlan:
     from msinfer.sharding.config import ModelConfig
     from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
     from msinfer.worker.loader import CheckpointError, check_checkpoint
-    from msinfer.worker.device import ascend_emulated, resolve_device
-    from msinfer.worker.runner import EngineConfig, resolve_dtype
+    from msinfer.sharding.config import ascend_emulated, resolve_device
+    from msinfer.sharding.config import EngineConfig, resolve_dtype
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
     input_lens = parse_sizes(args.input_len, "--input-len")

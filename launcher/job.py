@@ -27,8 +27,8 @@ from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divi
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from msinfer.worker.lora import check_adapter
 from msinfer.worker.positions import make_scheme
-from msinfer.worker.device import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
-from msinfer.worker.runner import EngineConfig, resolve_dtype, shapes_problem
+from msinfer.sharding.config import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
+from msinfer.sharding.config import EngineConfig, resolve_dtype, shapes_problem
 
 DEFAULT_MAX_MODEL_LEN = 4096
 SAME_CAUSE_STOP = 100           # failed results, all alike and none succeeded before them: the job stops

@@ -48,7 +48,8 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 def engine_side(path: Path, new_tokens: int, max_batch_size: int):
     """A runner, and run(prompts) -> (prefill s, decode s, tokens per prompt) on it."""
     from msinfer.worker.protocol import SeqStep
-    from msinfer.worker.runner import EngineConfig, ModelRunner
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
 
     max_len = PROMPT_LEN + new_tokens
     runner = ModelRunner(EngineConfig(str(path), dtype="float32", max_model_len=max_len,

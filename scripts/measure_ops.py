@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("GLOG_v", "3")
 
 from msinfer.worker.protocol import SeqStep  # noqa: E402
-from msinfer.worker.runner import EngineConfig, ModelRunner  # noqa: E402
+from msinfer.sharding.config import EngineConfig  # noqa: E402
+from msinfer.worker.runner import ModelRunner  # noqa: E402
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from msinfer.launcher.replica import Replica, init_ray  # noqa: E402
 from msinfer.launcher.spec import JobSpec  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
 from msinfer.worker.protocol import SeqStep  # noqa: E402
-from msinfer.worker.runner import EngineConfig  # noqa: E402
+from msinfer.sharding.config import EngineConfig  # noqa: E402
 
 
 def measure(path: Path, tp: int, batch: int, steps: int) -> dict:

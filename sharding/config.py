@@ -1,4 +1,7 @@
-"""The model facts msinfer needs, read once from a Hugging Face `config.json`.
+"""The configuration the driver and the workers share: the model facts msinfer needs, read once
+from a Hugging Face `config.json` (`ModelConfig`); the engine's settings (`EngineConfig`); and the
+choices both sides must make alike: the compute dtype, the device, and what Ascend's fused kernels
+need of a layout.
 
 Plain Python (no MindSpore, no Ray): the launcher reads it to plan the layout before any worker
 starts, and each worker reads it to build its network.
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,3 +182,84 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+# ---- the device and the engine ----------------------------------------------------------------
+
+# What Ascend's fused kernels need (worker/ascend.py), here where the launcher can read it
+# without importing MindSpore.
+EMULATE_ENV = "MSINFER_ASCEND_EMULATE"     # 1: device "ascend" runs on the CPU, its kernels stood in
+BLOCK_MULTIPLE = 16            # vllm-mindspore ms_attn.py: "Block size must be a multiple of 16."
+HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)      # vllm-mindspore ms_attn.py: what its kernels run
+MASK_PENALTY = -10000.0        # vllm-mindspore attention_mask.py: the additive mask of float16 and bfloat16
+
+
+def ascend_emulated(env: dict | None = None) -> bool:
+    return (os.environ if env is None else env).get(EMULATE_ENV, "") not in ("", "0")
+
+
+def resolve_device(device: str, env: dict | None = None) -> str:
+    """parallel.device auto: Ascend where the process sees the CANN toolkit or cards, else the CPU."""
+    env = os.environ if env is None else env
+    if device in ("auto", ""):
+        return "ascend" if env.get("ASCEND_RT_VISIBLE_DEVICES") or env.get("ASCEND_HOME_PATH") else "cpu"
+    return device
+
+
+DTYPES = {"float32", "float16", "bfloat16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"             # compute dtype of the network
+    device: str = "cpu"
+    max_model_len: int = 2048
+    max_batch_size: int = 32
+    num_blocks: int = 0                # 0: enough for max_batch_size sequences of max_model_len
+    block_size: int = 16
+    graph_mode: bool = True            # False: PyNative, for debugging
+    position_scheme: str = "rope"
+    position_options: dict = field(default_factory=dict)   # the scheme's options, e.g. {"ratio": 0.25}
+    lora_path: str | None = None       # a PEFT adapter merged into the weights as they load
+    lora_scale: float = 1.0            # times the adapter's own alpha / r
+    allow_pickle: bool = False
+    random_weights: bool = False       # read no checkpoint (msinfer bench --skip-load; Worker.fill_random)
+    ops: str = "auto"                  # "auto": the device's fastest operators; "portable": MindSpore primitives
+    shapes: str = "auto"               # "dynamic" | "buckets" | "auto": the operators' choice (MsOps.dynamic_shapes)
+    emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
+    tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
+    trust_remote_code: bool = False
+    expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced
+
+    def blocks(self) -> int:
+        return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the workers compute on this machine's CPU (the CPU, or Ascend emulated)."""
+        return self.device == "cpu" or self.emulate
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False) -> str:
+    """'auto' computes in float32 on the CPU (emulated Ascend included) and in the checkpoint's
+    dtype on Ascend. MindSpore's CPU kernels have no bfloat16 (Gather and the collectives refuse
+    it), so it is refused there."""
+    on_cpu = device == "cpu" or emulate
+    if name == "auto":
+        return "float32" if on_cpu else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
+    if name == "bfloat16" and on_cpu:
+        where = "the emulated Ascend path (it runs on the CPU)" if emulate else "the CPU"
+        raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
+                         "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
+    return name
+
+
+def shapes_problem(device: str, ops: str, shapes: str) -> str | None:
+    """Why model.shapes cannot be what it is with these operators, or None."""
+    if device == "cpu" and ops == "auto" and shapes == "dynamic":
+        return ("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom operators in "
+                "static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
+    return None

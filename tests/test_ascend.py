@@ -18,7 +18,8 @@ from tests.engine_driver import Driver
 from tests.test_parity import Recording
 from tests.test_scoring import hf_logprobs
 from msinfer.worker.protocol import SeqStep
-from msinfer.worker.runner import EngineConfig, ModelRunner
+from msinfer.sharding.config import EngineConfig
+from msinfer.worker.runner import ModelRunner
 
 N_NEW = 8
 LOGIT_ATOL = 2e-4

@@ -448,7 +448,7 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
     from ray import cloudpickle
     from msinfer.launcher.replica import Replica, StartupTimeout
     from msinfer.launcher.simulate import StandInWorker
-    from msinfer.worker.runner import EngineConfig
+    from msinfer.sharding.config import EngineConfig
 
     class NeverJoins(StandInWorker):
         def join(self, engine_config, sched_host=None, sched_port=None):

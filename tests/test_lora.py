@@ -14,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from msinfer.worker.lora import AdapterError, LoraAdapter, check_adapter
-from msinfer.worker.runner import EngineConfig, ModelRunner
+from msinfer.sharding.config import EngineConfig
+from msinfer.worker.runner import ModelRunner
 
 NAME = "qwen2_qkv_bias"            # fused q/k/v with biases, GQA: every shard id and both split dims
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

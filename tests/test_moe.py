@@ -16,7 +16,7 @@ from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from msinfer.worker.protocol import SeqStep
-from msinfer.worker.runner import EngineConfig
+from msinfer.sharding.config import EngineConfig
 
 N_NEW = 8
 QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalized; layer 1 dense

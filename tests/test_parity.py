@@ -11,7 +11,8 @@ from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from msinfer.worker.model import STEP_INPUTS
 from msinfer.worker.protocol import SamplingParams, StepOutput
-from msinfer.worker.runner import EngineConfig, ModelRunner
+from msinfer.sharding.config import EngineConfig
+from msinfer.worker.runner import ModelRunner
 
 LOGIT_ATOL = 2e-4   # float32 on both sides; observed differences are ~1e-5
 N_NEW = 8

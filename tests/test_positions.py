@@ -18,7 +18,8 @@ from tests.engine_driver import Driver
 from tests.test_parity import LOGIT_ATOL, Recording, runner_for
 from msinfer.worker.positions import Rope2DPositions, RopePositions, make_scheme
 from msinfer.worker.protocol import SeqStep
-from msinfer.worker.runner import EngineConfig, ModelRunner
+from msinfer.sharding.config import EngineConfig
+from msinfer.worker.runner import ModelRunner
 
 NAME = "llama_gqa_tied"        # head_dim 16: 8 rotary frequency pairs
 RATIO = 0.25

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
 from msinfer.worker.protocol import SamplingParams, SeqStep  # noqa: E402
-from msinfer.worker.runner import EngineConfig, ModelRunner  # noqa: E402
+from msinfer.sharding.config import EngineConfig  # noqa: E402
+from msinfer.worker.runner import ModelRunner  # noqa: E402
 
 NEW_TOKENS = 32
 MAX_MODEL_LEN = 128          # longest prompt (<= 64 tokens) + 32 new tokens fits 8 blocks of 16

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from msinfer.launcher.replica import Replica, wait_gone
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
-from msinfer.worker.runner import EngineConfig
+from msinfer.sharding.config import EngineConfig
 
 N_NEW = 8
 

@@ -40,7 +40,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops import auto_generate
 import numpy as np
 
-from msinfer.worker.device import MASK_PENALTY
+from msinfer.sharding.config import MASK_PENALTY
 from msinfer.worker.ops import MsOps, packed_attention, paged_attention, rms_norm
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")

@@ -19,25 +19,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-
-# What Ascend's fused kernels need (worker/ascend.py), here where the launcher can read it
-# without importing MindSpore.
-EMULATE_ENV = "MSINFER_ASCEND_EMULATE"     # 1: device "ascend" runs on the CPU, its kernels stood in
-BLOCK_MULTIPLE = 16            # vllm-mindspore ms_attn.py: "Block size must be a multiple of 16."
-HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)      # vllm-mindspore ms_attn.py: what its kernels run
-MASK_PENALTY = -10000.0        # vllm-mindspore attention_mask.py: the additive mask of float16 and bfloat16
-
-
-def ascend_emulated(env: dict | None = None) -> bool:
-    return (os.environ if env is None else env).get(EMULATE_ENV, "") not in ("", "0")
-
-
-def resolve_device(device: str, env: dict | None = None) -> str:
-    """parallel.device auto: Ascend where the process sees the CANN toolkit or cards, else the CPU."""
-    env = os.environ if env is None else env
-    if device in ("auto", ""):
-        return "ascend" if env.get("ASCEND_RT_VISIBLE_DEVICES") or env.get("ASCEND_HOME_PATH") else "cpu"
-    return device
+from msinfer.sharding.config import resolve_device
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import time
 import types
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, resolve_dtype, shapes_problem
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
-from msinfer.worker.device import MASK_PENALTY
 
-DTYPES = {"float32", "float16", "bfloat16"}
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 # A step may run in an already compiled larger shape, padded, until the padding it has cost that way
 # adds up to this many tokens; then its own shape is compiled (see ModelRunner.shape). On this CPU a
@@ -41,62 +38,6 @@ def bucket(n: int, minimum: int = 1) -> int:
 def shape_key(inputs: dict) -> str:
     """The graph shape of a step's inputs (see ModelRunner.prepare)."""
     return f"N={inputs['input_ids'].shape[0]} M={inputs['out_index'].shape[0]}"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str
-    dtype: str = "float32"             # compute dtype of the network
-    device: str = "cpu"
-    max_model_len: int = 2048
-    max_batch_size: int = 32
-    num_blocks: int = 0                # 0: enough for max_batch_size sequences of max_model_len
-    block_size: int = 16
-    graph_mode: bool = True            # False: PyNative, for debugging
-    position_scheme: str = "rope"
-    position_options: dict = field(default_factory=dict)   # the scheme's options, e.g. {"ratio": 0.25}
-    lora_path: str | None = None       # a PEFT adapter merged into the weights as they load
-    lora_scale: float = 1.0            # times the adapter's own alpha / r
-    allow_pickle: bool = False
-    random_weights: bool = False       # read no checkpoint (msinfer bench --skip-load; Worker.fill_random)
-    ops: str = "auto"                  # "auto": the device's fastest operators; "portable": MindSpore primitives
-    shapes: str = "auto"               # "dynamic" | "buckets" | "auto": the operators' choice (MsOps.dynamic_shapes)
-    emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
-    tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
-    trust_remote_code: bool = False
-    expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced
-
-    def blocks(self) -> int:
-        return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)
-
-    @property
-    def on_cpu(self) -> bool:
-        """Whether the workers compute on this machine's CPU (the CPU, or Ascend emulated)."""
-        return self.device == "cpu" or self.emulate
-
-
-def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False) -> str:
-    """'auto' computes in float32 on the CPU (emulated Ascend included) and in the checkpoint's
-    dtype on Ascend. MindSpore's CPU kernels have no bfloat16 (Gather and the collectives refuse
-    it), so it is refused there."""
-    on_cpu = device == "cpu" or emulate
-    if name == "auto":
-        return "float32" if on_cpu else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
-    if name not in DTYPES:
-        raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
-    if name == "bfloat16" and on_cpu:
-        where = "the emulated Ascend path (it runs on the CPU)" if emulate else "the CPU"
-        raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
-                         "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
-    return name
-
-
-def shapes_problem(device: str, ops: str, shapes: str) -> str | None:
-    """Why model.shapes cannot be what it is with these operators, or None."""
-    if device == "cpu" and ops == "auto" and shapes == "dynamic":
-        return ("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom operators in "
-                "static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
-    return None
 
 
 class ModelRunner:

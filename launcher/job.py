@@ -21,14 +21,13 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
-from msinfer.sharding.config import ModelConfig, ModelConfigError
+from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
+                                    ModelConfigError, ascend_emulated, resolve_device, resolve_dtype, shapes_problem)
 from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from msinfer.worker.lora import check_adapter
 from msinfer.worker.positions import make_scheme
-from msinfer.sharding.config import BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, ascend_emulated, resolve_device
-from msinfer.sharding.config import EngineConfig, resolve_dtype, shapes_problem
 
 DEFAULT_MAX_MODEL_LEN = 4096
 SAME_CAUSE_STOP = 100           # failed results, all alike and none succeeded before them: the job stops

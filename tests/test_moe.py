@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.config import EngineConfig, ModelConfig
 from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from msinfer.worker.protocol import SeqStep
-from msinfer.sharding.config import EngineConfig
 
 N_NEW = 8
 QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalized; layer 1 dense

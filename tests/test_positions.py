@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.config import EngineConfig, ModelConfig
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import LOGIT_ATOL, Recording, runner_for
 from msinfer.worker.positions import Rope2DPositions, RopePositions, make_scheme
 from msinfer.worker.protocol import SeqStep
-from msinfer.sharding.config import EngineConfig
 from msinfer.worker.runner import ModelRunner
 
 NAME = "llama_gqa_tied"        # head_dim 16: 8 rotary frequency pairs

@@ -165,9 +165,9 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     plans.append(TensorPlan(p + "gate.weight", (cfg.num_experts, H), None, (cfg.num_experts, H)))
     first, count, rank_i = t0.experts(cfg)
+    dim = None if t0.expert_parallel else 0          # gate/up rows sliced; down's columns (dim 1)
     for e in range(cfg.num_experts):
         held = first <= e < first + count
-        dim = None if t0.expert_parallel else 0
         for name in ("gate_proj", "up_proj"):
             plans.append(TensorPlan(p + f"experts.{e}.{name}.weight", (I, H), dim, (rank_i if held else 0, H)))
         plans.append(TensorPlan(p + f"experts.{e}.down_proj.weight", (H, I), None if dim is None else 1,

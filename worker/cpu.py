@@ -141,8 +141,7 @@ class CpuOps(MsOps):
         and the unpack."""
         if not len(w):
             return w, lambda t: t
-        _, N, K = w.shape
-        if cls.amx and w.dtype == np.float32 and N % TILE == 0 and K % TILE == 0 and is_bfloat16(w):
+        if cls.takes_tiles(w):
             packed = [cls.pack_weight(e, glu) for e in w]          # each expert's values are bfloat16: tiles
         else:
             packed = [(cls.pack_glu(e), cls.unpack_glu) if glu else (cls.pack(e), cls.unpack) for e in w]
@@ -167,12 +166,18 @@ class CpuOps(MsOps):
         was merged into it), with N and K multiples of 32, goes to bfloat16 AMX tiles where the CPU
         has them (int16, half the bytes; products still at float32 accuracy); any other to panels
         of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a time."""
-        N, K = w.shape
-        if cls.amx and w.dtype == np.float32 and N % TILE == 0 and K % TILE == 0 and is_bfloat16(w):
+        if cls.takes_tiles(w):
             if glu:
                 return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
             return cls.pack_tiles(w), cls.unpack_tiles
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
+
+    @classmethod
+    def takes_tiles(cls, w: np.ndarray) -> bool:
+        """Whether weights [..., N, K] go to bfloat16 tiles: every value a bfloat16 in float32, N and
+        K multiples of TILE, and a CPU with AMX."""
+        return (cls.amx and w.dtype == np.float32 and w.shape[-2] % TILE == 0 and w.shape[-1] % TILE == 0
+                and is_bfloat16(w))
 
     @staticmethod
     def pack_tiles(w: np.ndarray) -> np.ndarray:

@@ -115,6 +115,16 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
   return 0;
 }
 
+// Whether a weight [N, K] in bfloat16 tiles (int16) can multiply activations of x_dtype here: x
+// float32, N and K whole tiles, and a CPU and kernel that grant AMX.
+static bool tiles_usable(const char* x_dtype, int64_t N, int64_t K) {
+#ifdef MSINFER_AMX
+  return std::strcmp(x_dtype, "float32") == 0 && K % 32 == 0 && N % 32 == 0 && amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y. w is float32 or float16
 // in panels, or int16: bfloat16 in AMX tiles (x float32).
 template <bool Glu>
@@ -123,8 +133,8 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
     return 1;
   const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
   if (std::strcmp(dtypes[1], "int16") == 0) {
+    if (!tiles_usable(dtypes[0], N, K)) return 2;
 #ifdef MSINFER_AMX
-    if (std::strcmp(dtypes[0], "float32") != 0 || K % 32 || N % 32 || !amx_permitted()) return 2;
     const uint16_t* w = static_cast<const uint16_t*>(params[1]);
     linear<float, Glu>(static_cast<const float*>(params[0]), static_cast<float*>(params[2]), M, K, N,
                        [&](const float* xs, float* ys, int64_t L) { amx_rows<Glu>(xs, w, ys, L, K, N); });
@@ -156,15 +166,7 @@ extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shape
       (!tiles13 && std::strcmp(dtypes[0], dtypes[3])) || (!tiles2 && std::strcmp(dtypes[0], dtypes[4])) ||
       std::strcmp(dtypes[0], dtypes[2]))
     return 2;
-  if (tiles13 || tiles2) {          // bfloat16 tiles: float32 activations, dimensions of whole tiles, AMX
-#ifdef MSINFER_AMX
-    if (std::strcmp(dtypes[0], "float32") || H % 32 || (tiles13 && (2 * I) % 32) || (tiles2 && I % 32) ||
-        !amx_permitted())
-      return 2;
-#else
-    return 2;
-#endif
-  }
+  if ((tiles13 && !tiles_usable(dtypes[0], 2 * I, H)) || (tiles2 && !tiles_usable(dtypes[0], H, I))) return 2;
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<const T*>(params[i]); };

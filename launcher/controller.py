@@ -41,7 +41,8 @@ from typing import Callable, Iterator
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from msinfer.launcher.engine import STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch, wait_any
+from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch,
+                                     wait_any)
 from msinfer.launcher.errors import UserError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done
@@ -160,10 +161,11 @@ class Controller:
 
     def step_stats(self) -> dict:
         """Steps run and their seconds by kind: as the engines saw them (submit to result), of
-        which rank 0 spent in the step and in the compiled network (`{kind}_model_s`); the
+        which rank 0 spent in the step and on the device (`{kind}_model_s`), the sequences they
+        carried (`{kind}_seqs`) and the bytes rank 0 copied from the device (`{kind}_host_bytes`); the
         engines' CPU-seconds; the prompt tokens admitted, of which found in the prefix cache, and
         preemptions; and the graphs each replica's rank 0 compiled, with their first-call seconds."""
-        out = {f"{k}_{x}": 0 if x == "steps" else 0.0 for k in STEP_KINDS for x in STEP_FIGURES}
+        out = {f"{k}_{x}": 0 if x in COUNTS else 0.0 for k in STEP_KINDS for x in STEP_FIGURES}
         out.update(engine_cpu_s=0.0, prompt_tokens=0, cached_prompt_tokens=0, preemptions=0, graphs_compiled=0,
                    compile_s=0.0)
         for st in self.engine_stats():
@@ -175,6 +177,7 @@ class Controller:
             out["cached_prompt_tokens"] += st["cached_tokens"]
             out["preemptions"] += st["preemptions"]
         out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / max(1, out["prompt_tokens"])
+        out["host_bytes"] = sum(out[f"{kind}_host_bytes"] for kind in STEP_KINDS)
         for s in self.slots:
             try:
                 compiled = ray.get(s.replica.workers[0].stats.remote(), timeout=30)["compile_s"]

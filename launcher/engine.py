@@ -42,8 +42,10 @@ from msinfer.worker.protocol import pack_step
 STEP_KINDS = ("prefill", "decode")
 # per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
 # the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
-# which in the compiled network
-STEP_FIGURES = ("steps", "s", "worker_s", "model_s")
+# which on the device (network and sampler); the sequences the steps carried, and the bytes rank 0
+# copied from the device in them
+STEP_FIGURES = ("steps", "s", "worker_s", "model_s", "seqs", "host_bytes")
+COUNTS = ("steps", "seqs", "host_bytes")
 EXCHANGE_WAIT_S = 1.0       # the longest an exchange waits for anything to report
 
 
@@ -130,7 +132,7 @@ class Engine:
         self.closing = False
         self.in_flight: deque[InFlight] = deque()
         self.last_result = 0.0
-        self.step_s = {k: [0 if x == "steps" else 0.0 for x in STEP_FIGURES] for k in STEP_KINDS}
+        self.step_s = {k: [0 if x in COUNTS else 0.0 for x in STEP_FIGURES] for k in STEP_KINDS}
         self.workers: list = []
         self.submitted = 0
         self.thread: threading.Thread | None = None
@@ -280,7 +282,8 @@ class Engine:
             self.in_flight.popleft()
             done = time.perf_counter()
             figures = self.step_s["prefill" if step.is_prefill else "decode"]
-            for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s)):
+            for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s,
+                                   len(step.seqs), out.host_bytes)):
                 figures[i] += v
             self.last_result = done
             self._postprocess(step.seqs, out, done, step.is_prefill)

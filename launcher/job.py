@@ -227,7 +227,9 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
         mlp = max(mlp if len(m.sparse_layers) < m.num_layers else 0,
                   m.num_experts_per_tok * (2 * m.hidden_size + 2 * inter))
     per_token = (4 * m.hidden_size + mlp + (m.num_heads + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim // tp) * dbytes
-    activations = tokens * per_token + 3 * rows * m.vocab_size * 4    # float32 logits, gathered whole
+    # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
+    # whole rows gathered once for a step whose sampling changes its logits on the host
+    activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
     block = kv_block_bytes(m, tp, engine.block_size, dbytes)
     return activations, block, max(0, (budget - weights - activations - RUNTIME_BYTES) // block - 1)  # - scratch
 

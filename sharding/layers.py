@@ -252,7 +252,8 @@ class VocabParallelEmbedding(nn.Cell):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocab rows; the shards are gathered to the full vocab (padding cut)."""
+    """Logits of this rank's vocabulary rows, [N, per]: no gather (the sampler works shard by
+    shard, worker.device_sampler); a padded shard's extra columns hold zeros."""
 
     def __init__(self, vocab_size, hidden, tp, dtype, tied: VocabParallelEmbedding | None = None, linear=None):
         super().__init__(vocab_size, hidden, tp, dtype)
@@ -260,16 +261,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied is not None:
             self.weight = tied.weight
         self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
-        self.all_gather = ops.AllGather() if tp.size > 1 else None
 
     def construct(self, x):
-        logits = self.matmul(x, self.weight)                     # [N, V/tp]
-        if self.all_gather is None:
-            return logits
-        parts = self.all_gather(logits)                          # [tp*N, V/tp], rank-major
-        n = x.shape[0]
-        parts = parts.reshape(self.tp.size, n, -1).transpose(1, 0, 2).reshape(n, -1)
-        return parts[:, : self.vocab_size]
+        return self.matmul(x, self.weight)
 
 
 class RMSNorm(nn.Cell):

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from msinfer.launcher.engine import STEP_FIGURES
 from msinfer.launcher.inputs import parse_record
 from msinfer.launcher.job import plan_job, run_job
 from msinfer.launcher.simulate import StandIn, StandInWorker
@@ -234,11 +235,20 @@ def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint)
             "output": {"path": "out.jsonl"},
             "sampling": {"max_new_tokens": 12, "logprobs": 1, "ignore_eos": True, **sampling},
             "scheduler": {"max_batch_size": 2, "async_scheduling": async_scheduling}})
-        return run_engine(plan_job(spec, check_io=False), records)[0]
+        return run_engine(plan_job(spec, check_io=False), records)
 
-    free = {rid: r["output_token_ids"] for rid, r in run(True).items()}
+    def bytes_per_decode(engine) -> float:
+        """Bytes copied from the device per sequence of a decode step (engine.step_s: STEP_FIGURES)."""
+        figures = dict(zip(STEP_FIGURES, engine.step_s["decode"]))
+        return figures["host_bytes"] / figures["seqs"]
+
+    lines, engine = run(True)
+    free = {rid: r["output_token_ids"] for rid, r in lines.items()}
+    # sampled on the device: the token, its log-probability and the top k's (value and id) leave it
+    assert bytes_per_decode(engine) == 4 + 4 + 8 * 1
+    assert bytes_per_decode(run(True, logprobs=3)[1]) == 4 + 4 + 8 * 3
     stop = sorted({out[3] for out in free.values()})[:2]      # a token most generations reach early
-    runs = {mode: run(mode, stop_token_ids=stop) for mode in (True, False)}
+    runs = {mode: run(mode, stop_token_ids=stop)[0] for mode in (True, False)}
     stopped = 0
     for rid, out in free.items():
         cut = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))

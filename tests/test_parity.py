@@ -113,7 +113,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(checkpoint
     runner = runner_for(checkpoint("llama_mqa"))
     s = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234)
     alone = Driver(runner).generate({0: PROMPTS[0]}, 6, s)[0]
-    batched = Driver(runner).generate({0: PROMPTS[0], 1: PROMPTS[2]}, 6, s)[0]
+    others = {i: [(7 * i + j) % 200 + 3 for j in range(3 + i)] for i in range(1, 16)}
+    batched = Driver(runner, blocks_per_seq=2).generate({0: PROMPTS[0], **others}, 6, s)[0]     # a batch of 16
     other_seed = Driver(runner).generate({0: PROMPTS[0]}, 6, SamplingParams(temperature=1.0, seed=99))[0]
     assert alone == batched
     assert alone != other_seed
@@ -130,9 +131,8 @@ def test_a_prefill_too_large_for_one_packed_step_runs_split_and_gives_the_same_l
              for i, n in enumerate((20, 40, 30))]
     alone = [runner.execute([s], True)[0][0] for s in steps]
     monkeypatch.setattr(runner_module, "PREFILL_SPLIT_TOKENS", 64)   # 90 tokens: run as 20+40, then 30
-    forward, calls = runner.forward, []
-    monkeypatch.setattr(runner, "forward",
-                        lambda seqs, is_prefill: calls.append(len(seqs)) or forward(seqs, is_prefill))
+    network, calls = runner.network, []
+    monkeypatch.setattr(runner, "network", lambda seqs, *a: calls.append(len(seqs)) or network(seqs, *a))
     together, scores = runner.execute(steps, True)
     assert calls == [2, 1]
     assert together.shape[0] == 3 and scores is None

@@ -10,7 +10,9 @@ from safetensors.numpy import load_file
 from msinfer.launcher.replica import Replica, wait_gone
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
+from tests.test_parity import runner_for
 from msinfer.sharding.config import EngineConfig
+from msinfer.worker.protocol import SamplingParams
 
 N_NEW = 8
 
@@ -38,6 +40,10 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
                 assert tiles == (2 * 4 + 1 if amx else 0)
         if name == "llama_mqa":
             check_rank_holds_exactly_its_slices(r, checkpoint(name))
+            # seeded sampling on the vocabulary shards: the tokens of tp 1, in a batch or alone
+            s = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7)
+            sampled = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW, s)
+            assert sampled[1] == Driver(runner_for(checkpoint(name))).generate({1: PROMPTS[1]}, N_NEW, s)[1]
     finally:
         pids = r.pids()
         r.shutdown()

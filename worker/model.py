@@ -177,7 +177,7 @@ class SparseDecoderLayer(LayerBase):
 # names: Ascend's kernels read `batch_valid_length` and `q_seq_lens` by name (worker/ascend.py).
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "batch_valid_length", "q_seq_lens",
                "token_seq", "token_len", "attn_mask", "out_index")
-SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
+SCORE_INPUTS = STEP_INPUTS + ("score_index",)
 
 
 class CausalLM(nn.Cell):
@@ -199,7 +199,8 @@ class CausalLM(nn.Cell):
     (nothing of any sequence cached: attention among the step's own tokens) and `decode` (any
     other step, chunks after cached tokens included: attention through the block tables).
     The attention scale is 1/sqrt(head_dim), as in every supported family.
-    Returns logits [M, vocab] in float32 (all ranks hold the full vocab after the gather)."""
+    Returns this rank's vocabulary shard of the logits, [M, per] float32 (sharding.layout.vocab_shard):
+    they stay on the device for the sampler (worker.device_sampler), which gathers no row of them."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, freq_matrix: np.ndarray,
                  block_size: int = 16):
@@ -245,16 +246,12 @@ class CausalLM(nn.Cell):
     construct = decode
 
     def score(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-              token_len, attn_mask, out_index, score_index, targets):
-        """A prefill (of the decode kind: its sequences may have cached tokens) that also scores:
-        returns (logits [M, vocab] at out_index, as `decode` returns them; log p(targets[i] | the
-        tokens up to row score_index[i]) [S], float32). The log-softmax and the pick run in the
-        graph, so a scoring step hands back S floats, not S x vocab logits."""
-        m = out_index.shape[0]
-        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
-        logp = ops.log_softmax(logits[m:], -1)
-        return logits[:m], ops.gather_elements(logp, 1, targets.reshape(-1, 1)).reshape(-1)
+              token_len, attn_mask, out_index, score_index):
+        """A prefill (of the decode kind: its sequences may have cached tokens) that also returns the
+        logits of the rows a scoring asks about: [M + S, per], rows out_index then score_index
+        (the log-probabilities of their targets are the device sampler's `score`)."""
+        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                            token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
 
     def pack_weights(self) -> None:
         """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),

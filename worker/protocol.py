@@ -41,7 +41,7 @@ class SamplingParams:
 
     # derived once (the sampler reads them for every sequence of every step): whether sampling
     # reads the sequence's earlier tokens (worker.sampler.History), and whether the logits change
-    # before sampling (worker.sampler.process)
+    # before sampling (worker.sampler.process, on the host; other sequences sample on the device)
     looks_back: bool = field(init=False, repr=False, compare=False)
     processes: bool = field(init=False, repr=False, compare=False)
 
@@ -51,7 +51,7 @@ class SamplingParams:
         object.__setattr__(self, "looks_back", looks_back)
         object.__setattr__(self, "processes", bool(
             looks_back or self.allowed_token_ids or self.bad_words_ids or self.logit_bias
-            or (self.min_tokens and self.min_tokens_ban) or self.min_p > 0.0))
+            or (self.min_tokens and self.min_tokens_ban)))
 
     @property
     def greedy(self) -> bool:
@@ -85,7 +85,8 @@ class StepOutput:
     logprobs: list | None = None      # per SeqStep: (chosen logprob, [(token, logprob), ...]) or None
     scores: list | None = None        # per SeqStep: log-probabilities of its targets >= 0, or None
     worker_s: float = 0.0             # the step on rank 0, from its call to its return
-    model_s: float = 0.0              # of which in the compiled network (to its logits in numpy)
+    model_s: float = 0.0              # of which on the device: the network and the sampler, to their outputs in numpy
+    host_bytes: int = 0               # copied from the device to the host in the step, on rank 0
 
 
 def pack_step(seqs: list[SeqStep], released: list[int] = ()) -> bytes:

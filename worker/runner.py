@@ -20,12 +20,14 @@ from msinfer.sharding.layout import TPInfo
 from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
+from msinfer.worker.device_sampler import CANDIDATES, uniforms
 
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 # A step may run in an already compiled larger shape, padded, until the padding it has cost that way
 # adds up to this many tokens; then its own shape is compiled (see ModelRunner.shape). On this CPU a
 # compile of the demo model costs about as much as 1500-2000 tokens of steps.
 PAD_TOKENS_BEFORE_COMPILE = 1536
+SAMPLER_FNS: dict[tuple, object] = {}    # see ModelRunner.sampler_fn
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -83,30 +85,69 @@ class ModelRunner:
         self.compile_s: dict[str, float] = {}
         self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes the step graphs have run
         self.compiled_graphs: set[tuple] = set()             # (kind, and shapes when static) of each graph run
-        self.model_s = 0.0                                   # seconds in compiled calls, all steps
+        self.model_s = 0.0                                   # seconds on the device, all steps (see step)
+        self.synced = 0.0                                    # when the last copy to the host ended
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
         self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
         self.grammar_tokenizer = None                        # llguidance's, loaded for the first grammar
+        self.host_bytes = 0                                  # copied from the device, all steps
 
     def compiled(self, fn, kind: str):
-        """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count
-        (mindspore.enable_dynamic: each input's dims of variable size declared None, by name)."""
-        ms = self.ms
+        """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count."""
         if not self.dynamic:
-            return ms.jit(fn, **self.dev.jit_options)
+            return self.ms.jit(fn, **self.dev.jit_options)
+        from msinfer.worker.model import SCORE_INPUTS, STEP_INPUTS
+        ms = self.ms
+        dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
+                "attn_mask": ([None, None], getattr(ms, self.dtype))}
+        return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32))
+                                       for n in (SCORE_INPUTS if kind == "score" else STEP_INPUTS)})
+
+    def dynamic_graph(self, fn, specs: dict):
+        """Method `fn` compiled once for inputs of variable size (mindspore.enable_dynamic: each
+        input's variable dims declared None, by name; specs: name -> (shape, dtype))."""
+        ms = self.ms
         # enable_dynamic keeps its shapes on the function object, which a bound method shares with
-        # every instance: each runner gets a function of its own (same code, so the same input names)
+        # every instance: each gets a function of its own (same code, so the same input names)
         f = fn.__func__
         own = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         own.__qualname__ = f.__qualname__
         graph = ms.jit(types.MethodType(own, fn.__self__), **self.dev.jit_options)
-        from msinfer.worker.model import SCORE_INPUTS, STEP_INPUTS
-        i32 = ms.int32
-        dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], i32),
-                "attn_mask": ([None, None], getattr(ms, self.dtype))}
-        specs = {n: dims.get(n, ([None], i32)) for n in (SCORE_INPUTS if kind == "score" else STEP_INPUTS)}
         return ms.enable_dynamic(**{n: ms.Tensor(shape=shp, dtype=dt) for n, (shp, dt) in specs.items()})(graph)
+
+    def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0):
+        """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled
+        once per (name, C, K) for any number of rows, and shared by the runners of a process
+        that have the same vocabulary shard (a compile of `sample` takes over a second)."""
+        key = (name, candidates, logprobs, self.cfg.vocab_size, self.tp.rank, self.tp.size, self.ec.graph_mode,
+               tuple(sorted(self.dev.jit_options.items())))
+        if key not in SAMPLER_FNS:
+            from msinfer.worker.device_sampler import VocabSampler
+            fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs), name)
+            if self.ec.graph_mode:
+                ms = self.ms
+                rows = ([None], ms.float32)
+                specs = {"logits": ([None, fn.__self__.per], ms.float32)}
+                if name == "score":
+                    specs["targets"] = ([None], ms.int32)
+                elif name == "sample":
+                    specs.update(temperature=rows, top_k=([None], ms.int32), top_p=rows, min_p=rows, u=rows)
+                fn = self.dynamic_graph(fn, specs)
+            SAMPLER_FNS[key] = fn
+        return SAMPLER_FNS[key]
+
+    def to_host(self, out, rows: int | None = None):
+        """A step's outputs (a tensor or a tuple of them) as numpy, counted in host_bytes; `rows`:
+        only their first rows leave the device (the rest pads a static shape)."""
+        many = isinstance(out, tuple)
+        out = out if many else (out,)
+        if rows is not None and out[0].shape[0] > rows:
+            out = tuple(o[:rows] for o in out)
+        out = tuple(o.asnumpy() for o in out)
+        self.synced = time.perf_counter()
+        self.host_bytes += sum(o.nbytes for o in out)
+        return out if many else out[0]
 
     # ---- inputs -------------------------------------------------------------------------------
     def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True) -> tuple[int, int]:
@@ -207,17 +248,19 @@ class ModelRunner:
         return "prefill" if is_prefill and all(s.num_cached == 0 for s in seqs) else "decode"
 
     # ---- steps ----------------------------------------------------------------------------------
-    def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
-        """Runs one step; returns the last-token logits [len(seqs), vocab] as float32."""
+    def network(self, seqs: list[SeqStep], is_prefill: bool, score: bool = True):
+        """Runs the network of one step: (this rank's vocabulary shard of the last-token logits,
+        [M, per], left on the device; per sequence, the log-probabilities of its targets when any
+        sequence of a prefill scores (and `score`), else None)."""
+        if score and is_prefill and any(s.targets for s in seqs):
+            return self.forward_scores(seqs)
         kind = self.kind(seqs, is_prefill)
         inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill")
-        logits = self._call(kind, inputs)
-        return logits[: len(seqs)]
+        return self._call(kind, inputs), None
 
     def _call(self, kind: str, inputs: dict, *extra):
-        """Runs a compiled step of `kind` and copies its outputs to numpy; the first call of each
-        graph (its compile) is timed in compile_s: by kind with dynamic shapes, by kind and shape
-        with static ones."""
+        """Runs a compiled step of `kind`; the first call of each graph (its compile) is timed in
+        compile_s: by kind with dynamic shapes, by kind and shape with static ones."""
         from msinfer.worker.model import STEP_INPUTS
         shape = (inputs["input_ids"].shape[0], inputs["out_index"].shape[0])
         fn = self.fns[kind]
@@ -228,15 +271,12 @@ class ModelRunner:
             self.model.phase = self.dev.phases[kind]
         try:
             out = fn(*(inputs[name] for name in STEP_INPUTS), *extra)
-            out = tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
         except RuntimeError as e:
             raise self.kernel_error(e, inputs, kind) from e
-        seconds = time.perf_counter() - t0
-        self.model_s += seconds
         if graph not in self.compiled_graphs:
             self.compiled_graphs.add(graph)
             self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
-                f" S={extra[0].shape[0]}" if extra else "")] = seconds
+                f" S={extra[0].shape[0]}" if extra else "")] = time.perf_counter() - t0
         if kind != "score":
             self.graphs.add(shape)
         return out
@@ -253,32 +293,42 @@ class ModelRunner:
         return kernel_error(error, inputs, kind, self.cfg, (attn.heads, attn.kv_heads), self.dtype,
                             self.block_size, held) or error
 
-    def execute(self, seqs: list[SeqStep], is_prefill: bool) -> tuple[np.ndarray, list | None]:
-        """One step, as every rank of a group runs it: the last-token logits [len(seqs), vocab], and
-        the log-probabilities of each sequence's targets when any sequence of a prefill scores.
-        A prefill of more than PREFILL_SPLIT_TOKENS runs as several, by whole sequences: a static
-        graph holds every intermediate of its step (about 1 MB a token for the demo model), and
-        each token bucket is one more graph to compile."""
-        if is_prefill and len(seqs) > 1 and sum(len(s.token_ids) for s in seqs) > PREFILL_SPLIT_TOKENS:
-            groups, size = [[]], 0
-            for s in seqs:
-                if groups[-1] and size + len(s.token_ids) > PREFILL_SPLIT_TOKENS:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(s)
-                size += len(s.token_ids)
-            parts = [self.execute(g, True) for g in groups]
-            scores = None if all(p[1] is None for p in parts) else \
-                [x for g, p in zip(groups, parts) for x in (p[1] or [None] * len(g))]
-            return np.concatenate([p[0] for p in parts]), scores
-        if is_prefill and any(s.targets for s in seqs):
-            return self.forward_scores(seqs)
-        return self.forward(seqs, is_prefill), None
+    def parts(self, seqs: list[SeqStep], is_prefill: bool) -> list[list[SeqStep]]:
+        """The step as it runs: a prefill of more than PREFILL_SPLIT_TOKENS as several, by whole
+        sequences (a static graph holds every intermediate of its step, about 1 MB a token for the
+        demo model, and each token bucket is one more graph to compile)."""
+        if not is_prefill or len(seqs) < 2 or sum(len(s.token_ids) for s in seqs) <= PREFILL_SPLIT_TOKENS:
+            return [seqs]
+        groups, size = [[]], 0
+        for s in seqs:
+            if groups[-1] and size + len(s.token_ids) > PREFILL_SPLIT_TOKENS:
+                groups.append([])
+                size = 0
+            groups[-1].append(s)
+            size += len(s.token_ids)
+        return groups
 
-    def forward_scores(self, seqs: list[SeqStep]) -> tuple[np.ndarray, list]:
+    def execute(self, seqs: list[SeqStep], is_prefill: bool, score: bool = True) -> tuple[np.ndarray, list | None]:
+        """One step's whole last-token logits [len(seqs), vocab] float32, gathered from the
+        vocabulary shards, and the log-probabilities of each sequence's targets when any scores:
+        what the network computes, for tests and measurements (a job's steps sample on the
+        device and copy no logits, see `step`)."""
+        logits, scores = [], []
+        for part in self.parts(seqs, is_prefill):
+            out, part_scores = self.network(part, is_prefill, score)
+            logits.append(self.to_host(self.sampler_fn("full")(out), len(part)))
+            scores += part_scores or [None] * len(part)
+        return np.concatenate(logits), None if all(x is None for x in scores) else scores
+
+    def forward(self, seqs: list[SeqStep], is_prefill: bool) -> np.ndarray:
+        """One step's whole last-token logits [len(seqs), vocab] (see execute), nothing scored."""
+        return self.execute(seqs, is_prefill, score=False)[0]
+
+    def forward_scores(self, seqs: list[SeqStep]):
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
-        j with targets[j] >= 0 (None for a sequence without targets). The scored rows are padded
-        to a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
+        j with targets[j] >= 0 (None for a sequence without targets); the last-token logits stay on
+        the device, as `network` leaves them. The scored rows are padded to a bucket of 16 so that
+        scoring adds few compiled shapes (static shapes)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
@@ -297,13 +347,14 @@ class ModelRunner:
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
         i32 = self.ms.int32
-        logits, logp = self._call("score", inputs, self.ms.Tensor(score_index, i32),
-                                  self.ms.Tensor(score_targets, i32))
+        logits = self._call("score", inputs, self.ms.Tensor(score_index, i32))
+        m = inputs["out_index"].shape[0]
+        logp = self.to_host(self.sampler_fn("score")(logits[m:], self.ms.Tensor(score_targets, i32)), len(rows) or None)
         scores, at = [], 0
         for n in counts:
             scores.append(None if n is None else [float(x) for x in logp[at: at + n]])
             at += n or 0
-        return logits[: len(seqs)], scores
+        return logits[:m], scores
 
     def grammar(self, text: str):
         """A matcher of a structured-output grammar (llguidance), over the model's tokenizer,
@@ -317,11 +368,57 @@ class ModelRunner:
             self.grammar_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.cfg.vocab_size)
         return llguidance.LLMatcher(self.grammar_tokenizer, text, log_level=0)
 
+    def sample(self, seqs: list[SeqStep], logits, logprobs: bool) -> tuple[list[int], list]:
+        """The step's tokens (-1 where a sequence does not sample) and per sequence its
+        (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
+        or None. On the device (worker.device_sampler), whose variant every rank picks alike from
+        the sequences; unless a sequence's sampling changes its logits first (penalties, biases,
+        token masks, a grammar): then the step's whole logits go to the host, worker.sampler.
+        `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
+        chosen, lps = [-1] * len(seqs), [None] * len(seqs)
+        todo = [i for i, s in enumerate(seqs) if s.sample]
+        if not todo:
+            return chosen, lps
+        params = [seqs[i].sampling for i in todo]
+        u = uniforms(np.array([p.seed for p in params], np.int64), np.array([seqs[i].num_generated for i in todo]),
+                     np.array([p.index for p in params]))
+        k = max(p.logprobs for p in params)
+        if any(p.processes for p in params):
+            rows = self.to_host(self.sampler_fn("full")(logits), len(seqs))[todo]
+            hist = [self.histories.get(seqs[i].seq_id) for i in todo] if self.histories else None
+            picked = sampler.sample(rows, params, [seqs[i].num_generated for i in todo], u, hist)
+            for j, (i, p) in enumerate(zip(todo, params)):
+                if logprobs and p.logprobs:
+                    lps[i] = sampler.top_logprobs(rows[j: j + 1], [picked[j]], p.logprobs)[0]
+        elif k == 0 and all(p.greedy for p in params):
+            picked = self.to_host(self.sampler_fn("greedy")(logits), len(seqs))[todo].tolist()
+        else:
+            M = logits.shape[0]
+            temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
+                                               np.zeros(M, np.float32), np.zeros(M, np.float32))
+            top_k = np.zeros(M, np.int32)
+            for i, p, x in zip(todo, params, u):
+                temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = p.temperature, p.top_k, p.top_p, p.min_p, x
+            widest = int(top_k.max())
+            C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
+            T_ = self.ms.Tensor
+            out = self.to_host(self.sampler_fn("sample", C, k)(logits, T_(temperature), T_(top_k), T_(top_p),
+                                                               T_(min_p), T_(draw)), len(seqs))
+            picked = (out[0] if k else out)[todo].tolist()
+            for i, p in zip(todo, params):
+                if logprobs and p.logprobs:
+                    lps[i] = (float(out[1][i]), [(int(t), float(x)) for t, x in
+                                                  zip(out[3][i, : p.logprobs], out[2][i, : p.logprobs])])
+        for i, t in zip(todo, picked):
+            chosen[i] = t
+        return chosen, lps
+
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
-        """Runs the step and samples. Every rank of a group samples the same tokens (the logits are
-        gathered whole on each) and keeps them for the next step's SAMPLED inputs, and in the
-        histories of sequences whose sampling looks back (until `released`)."""
-        t0, model0 = time.perf_counter(), self.model_s
+        """Runs the step and samples. Every rank of a group samples the same tokens (the device
+        sampler's collectives give each the same figures) and keeps them for the next step's
+        SAMPLED inputs, and in the histories of sequences whose sampling looks back (until
+        `released`)."""
+        t0, bytes0 = time.perf_counter(), self.host_bytes
         for seq_id in released:
             self.histories.pop(seq_id, None)
         for s in seqs:
@@ -332,23 +429,20 @@ class ModelRunner:
             if s.history is not None:
                 matcher = self.grammar(s.sampling.structured) if s.sampling.structured else None
                 self.histories[s.seq_id] = sampler.History(*s.history, matcher)
-        logits, scores = self.execute(seqs, is_prefill)
-        todo = [i for i, s in enumerate(seqs) if s.sample]
-        chosen = [-1] * len(seqs)
-        rows = logits if len(todo) == len(seqs) else logits[todo]       # no copy when all sample
-        hist = [self.histories.get(seqs[i].seq_id) for i in todo] if self.histories else None
-        picked = sampler.sample(rows, [seqs[i].sampling for i in todo],
-                                [seqs[i].num_generated for i in todo], hist) if todo else []
-        for i, t in zip(todo, picked):
-            chosen[i] = t
-        for h, t in zip(hist or (), picked):
-            if h is not None:
+        chosen, lps, scores, model_s = [], [], [], 0.0
+        for part in self.parts(seqs, is_prefill):
+            t1 = time.perf_counter()
+            logits, part_scores = self.network(part, is_prefill)
+            tokens, part_lps = self.sample(part, logits, logprobs)
+            model_s += self.synced - t1          # the network and the device sampler, to their last copy
+            chosen += tokens
+            lps += part_lps
+            scores += part_scores or [None] * len(part)
+        self.sampled = {s.seq_id: t for s, t in zip(seqs, chosen) if s.sample}
+        for s, t in zip(seqs, chosen):
+            if s.sample and (h := self.histories.get(s.seq_id)) is not None:
                 h.add(t)
-        self.sampled = {seqs[i].seq_id: t for i, t in zip(todo, picked)}
-        lps = None
-        if logprobs and any(seqs[i].sampling.logprobs for i in todo):
-            lps = [None] * len(seqs)
-            for i, t in zip(todo, picked):
-                if seqs[i].sampling.logprobs:
-                    lps[i] = sampler.top_logprobs(logits[i: i + 1], [t], seqs[i].sampling.logprobs)[0]
-        return StepOutput(chosen, lps, scores, time.perf_counter() - t0, self.model_s - model0)
+        self.model_s += model_s
+        return StepOutput(chosen, lps if any(x is not None for x in lps) else None,
+                          None if all(x is None for x in scores) else scores, time.perf_counter() - t0, model_s,
+                          self.host_bytes - bytes0)

@@ -1,4 +1,5 @@
-"""Token sampling on the host (numpy), with vLLM's sampling parameters.
+"""Token sampling on the host (numpy), for the sequences whose logits change before sampling;
+every other sequence samples on the device (worker.device_sampler), and the draw is the same here.
 
 A row's logits go through, in vLLM's order: the structured-output grammar's token mask
 (llguidance, from the tokens so far), allowed_token_ids (everything else masked),
@@ -10,8 +11,9 @@ the output) and presence (minus the penalty once for a token in the output). Gre
 argmax of that; otherwise temperature, min_p (tokens below min_p times the most likely one's
 probability dropped), top-k and top-p, and a draw.
 
-Each sequence draws from its own stream, `default_rng([seed, num_generated])` (sample i > 0 of a
-record with n samples: `[seed, num_generated, i]`), so a seeded record samples the same tokens
+The draw takes the sequence's uniform u of this step (worker.device_sampler.uniforms, from its
+seed, its count of generated tokens and its sample index) through the inverse CDF of the kept
+tokens in token-id order, as the device sampler does: a seeded record samples the same tokens
 whatever else shares its batch, and again after a replica restart.
 
 Log-probabilities (`top_logprobs`) are those of the model's own distribution, before any of the
@@ -133,23 +135,26 @@ def top_p_mask(x: np.ndarray, top_p: float) -> None:
     x[~keep] = -np.inf
 
 
-def sample_row(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: History | None = None) -> int:
+def draw(weights: np.ndarray, u: float) -> int:
+    """The token whose range of the cumulative weights (token-id order) holds u x their total."""
+    cum = np.cumsum(weights)
+    j = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return j if j < len(cum) and weights[j] > 0 else int(np.flatnonzero(weights)[-1])
+
+
+def sample_row(logits: np.ndarray, p: SamplingParams, num_generated: int, u: float, hist: History | None = None) -> int:
     x = process(logits, p, num_generated, hist) if p.processes else logits.astype(np.float64)
     if p.greedy:
         return int(np.argmax(x))
     x = filter_logits(x, p)
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    rng = np.random.default_rng([p.seed & 0xFFFFFFFF, num_generated] + ([p.index] if p.index else []))
-    return int(rng.choice(probs.shape[-1], p=probs))
+    return draw(np.exp(x - x.max()), u)
 
 
-def sample(logits: np.ndarray, params: list[SamplingParams], num_generated: list[int],
+def sample(logits: np.ndarray, params: list[SamplingParams], num_generated: list[int], u,
            histories: list[History | None] | None = None) -> list[int]:
-    if all(p.greedy and not p.processes for p in params):
-        return [int(t) for t in np.argmax(logits, -1)]
+    """Per row: its token, from its logits after `process` and the filters, and its uniform u."""
     histories = histories or [None] * len(params)
-    return [sample_row(row, p, n, h) for row, p, n, h in zip(logits, params, num_generated, histories)]
+    return [sample_row(row, p, n, x, h) for row, p, n, x, h in zip(logits, params, num_generated, u, histories)]
 
 
 def top_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list:

@@ -1,0 +1,133 @@
+"""The device sampler (worker/device_sampler.py) on vocabulary shards, compiled as a worker runs it,
+with the tp ranks simulated in one process (R shards, the collectives a transpose and a sum):
+the same tokens at tp 1, 2 and 3, the whole-row answers (argmax, log-softmax), and draws that follow
+the distribution the filters define."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from msinfer.sharding.layout import TPInfo
+from msinfer.worker import sampler
+from msinfer.worker.device_sampler import VocabSampler, uniforms
+from msinfer.worker.protocol import SamplingParams
+
+pytestmark = pytest.mark.unit
+V = 103                     # no tp of 2 or 3 divides it: the last shard is padded
+
+
+def shards(logits: np.ndarray, tp: int) -> ms.Tensor:
+    """[M, V] -> [tp, M, per], as the ranks' LM heads hold them (padding columns zero)."""
+    per = -(-V // tp)
+    out = np.zeros((tp, logits.shape[0], per), np.float32)
+    for r in range(tp):
+        part = logits[:, r * per: (r + 1) * per]
+        out[r, :, : part.shape[1]] = part
+    return ms.Tensor(out)
+
+
+_COMPILED = {}
+
+
+def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0):
+    key = (tp, fn, candidates, logprobs)
+    if key not in _COMPILED:
+        _COMPILED[key] = ms.jit(getattr(VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True), fn))
+    out = _COMPILED[key](shards(logits, tp), *(ms.Tensor(a) for a in args))
+    return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def draw_args(params: list[SamplingParams], seeds) -> tuple:
+    """The per-row arrays of `sample`, as ModelRunner.sample builds them."""
+    f32 = np.float32
+    return (np.array([p.temperature for p in params], f32), np.array([p.top_k for p in params], np.int32),
+            np.array([p.top_p for p in params], f32), np.array([p.min_p for p in params], f32),
+            uniforms(np.asarray(seeds), np.zeros(len(params)), np.zeros(len(params))).astype(f32))
+
+
+def test_greedy_full_rows_and_scores_are_those_of_the_whole_vocabulary_at_any_tp():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (6, V)).astype(np.float32)
+    logits[0, [10, 60, 90]] = 9.0                    # a tie across shards: the lowest id wins, as argmax
+    logits[1, 102] = 9.0                             # the last token, next to the padding columns
+    targets = np.array([3, 50, 102, 0, 60, 99], np.int32)
+    want_lp = log_softmax(logits)[np.arange(6), targets]
+    for tp in (1, 2, 3):
+        assert run(tp, "greedy", logits).tolist() == logits.argmax(-1).tolist() and logits.argmax(-1)[0] == 10
+        np.testing.assert_array_equal(run(tp, "full", logits), logits)
+        np.testing.assert_allclose(run(tp, "score", logits, targets), want_lp, atol=1e-5)
+
+
+ROWS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.5, top_k=20, top_p=0.6, min_p=0.02)]
+
+
+def test_tokens_and_logprobs_are_the_same_at_any_tp():
+    rng = np.random.default_rng(1)
+    n = 240
+    logits = rng.normal(0, 2, (n, V)).astype(np.float32)
+    params = [ROWS[i % len(ROWS)] for i in range(n)]
+    args = draw_args(params, np.arange(n))
+    got = {tp: run(tp, "sample", logits, *args, logprobs=3) for tp in (1, 2, 3)}
+    for tp in (2, 3):
+        np.testing.assert_array_equal(got[tp][0], got[1][0])
+        np.testing.assert_array_equal(got[tp][3], got[1][3])
+    tokens, chosen, top, ids = got[1]
+    lp = log_softmax(logits)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    np.testing.assert_array_equal(tokens[greedy], logits[greedy].argmax(-1))
+    np.testing.assert_allclose(chosen, lp[np.arange(n), tokens], atol=1e-5)
+    np.testing.assert_array_equal(ids, np.argsort(-lp, -1, kind="stable")[:, :3])
+    np.testing.assert_allclose(top, np.take_along_axis(lp, ids, -1), atol=1e-5)
+
+
+def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():
+    """Many draws of one row (one uniform each) per kind of sampling: the frequencies of the
+    filtered, temperature-scaled softmax (worker.sampler.filter_logits, which sorts nothing away)
+    within 4 standard errors, and the host sampler's token for every uniform (a sequence may move
+    between the two)."""
+    row = np.random.default_rng(2).normal(0, 1.5, V).astype(np.float32)
+    n = 4000
+    params = [p for p in ROWS[1:] for _ in range(n)]
+    args = draw_args(params, np.arange(len(params)))
+    tokens = run(2, "sample", np.repeat(row[None], len(params), 0), *args)
+    for k, p in enumerate(ROWS[1:]):
+        got = tokens[k * n: (k + 1) * n]
+        x = sampler.filter_logits(row.astype(np.float64), p)
+        want = np.exp(x - x.max())
+        want /= want.sum()
+        freq = np.bincount(got, minlength=V) / n
+        assert np.all(freq[want == 0] == 0), p
+        assert np.abs(freq - want).max() < 4 * np.sqrt(want * (1 - want) / n).max() + 1e-3, p
+        host = [sampler.sample_row(row, p, 0, float(u)) for u in args[4][k * n: (k + 1) * n]]
+        assert host == got.tolist(), p
+
+
+def test_top_p_beyond_the_candidates_keeps_the_candidates():
+    """A flat distribution whose C candidates hold less than top_p: the kept set is those C
+    tokens (the documented difference from sorting the whole row), drawn by their weights."""
+    row = np.linspace(0.0, 0.3, V).astype(np.float32)      # the 8 largest hold under 10%
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    n = 2000
+    tokens = run(1, "sample", np.repeat(row[None], n, 0), *draw_args([p] * n, np.arange(n)), candidates=8)
+    assert set(tokens.tolist()) == set(range(V - 8, V))
+
+
+def test_uniforms_are_uniform_and_differ_by_seed_token_and_sample():
+    seeds = np.repeat(np.arange(100), 100)
+    counters = np.tile(np.arange(100), 100)
+    u = uniforms(seeds, counters, np.zeros(10000))
+    assert ((0 <= u) & (u < 1)).all() and len(np.unique(u)) == 10000
+    counts = np.bincount((u * 10).astype(int), minlength=10)
+    assert np.abs(counts - 1000).max() < 4 * np.sqrt(1000 * 0.9)
+    assert uniforms(np.array([5]), np.array([3]), np.array([1]))[0] != uniforms(np.array([5]), np.array([3]),
+                                                                               np.array([0]))[0]
+    np.testing.assert_array_equal(uniforms(seeds, counters, np.zeros(10000)), u)

@@ -1,0 +1,197 @@
+"""Sampling on the device, vocabulary-parallel: each rank holds the logits of its own vocabulary
+shard and reduces them to a few figures per sequence; only those cross ranks, never a row of
+logits, and only the sampled tokens (and the log-probabilities asked for) go to the host.
+
+A step's logits [M, per] (this rank's `per` vocabulary columns, sharding.layout.vocab_shard)
+go through one of these compiled functions (ModelRunner.sample_on_device):
+- `greedy`: each rank's (max, argmax) per row; one all-gather; the first rank with the largest
+  max wins, so a tie goes to the lowest token id, as numpy's argmax does on the whole row.
+- `sample`: temperature, min_p, top-k and top-p (vLLM's order), greedy rows among them, and the
+  log-probabilities. Four collectives per step:
+  1. all-gather of each rank's max, argmax, sum of exp(x - max) (the log-softmax normalizer)
+     and its C largest logits with their ids; every rank then holds the global C largest
+     (`candidates`), the same on every rank and at every tp.
+  2. The filters as one threshold on the temperature-scaled logits: top-k keeps the k-th
+     candidate and above (exact: C >= k); min_p keeps x/T >= max/T + log(min_p); top-p walks
+     the candidates, most likely first, until their mass reaches top_p of what min_p and top-k
+     keep (whose total is the second all-gather: each rank's sum under that threshold).
+  3. The draw: one uniform u per sequence (from the host, `uniforms`), an inverse CDF in token-id
+     order over the kept tokens' weights exp((x - max)/T): the third all-gather (each rank's sum
+     of kept weights) names the rank whose range holds u x total, that rank finds the token in
+     its shard by a cumulative sum, and an all-reduce (zeros from the other ranks) gives every
+     rank the token and its logit. The token for a given u is the same at any tp and in any
+     batch, up to float32 rounding of the sums near a boundary.
+  Top-p differs from sorting the whole distribution in one case: when the C candidates hold less
+  than top_p of the mass (after min_p and top-k), the kept set is those C tokens, a subset of the
+  exact one; the distribution then differs by at most 1 - (their mass / the exact set's mass)
+  in total variation. With C = 64 that needs a distribution flatter than top-p users sample from.
+- `score`: log p(target) per row, from each rank's max, normalizer part and the target's logit
+  where the rank holds it (one all-gather).
+- `full`: the whole logits, gathered (a row whose sampling reads them on the host, worker.sampler).
+
+Each function works on R local shards [R, M, per] at once: R = 1 in a worker (the other shards
+are on the other ranks, reached by the collectives), R = tp with `simulate_ranks`, where the
+"collectives" are a transpose and a sum over R: the same code, at any tp, in one process (tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from msinfer.sharding.layout import TPInfo, vocab_shard
+
+CANDIDATES = 64               # per row, for top-k, top-p and top_logprobs (more when a top_k asks for more)
+OFF = -1e30                   # a threshold that keeps everything; the logit of a vocabulary padding column
+
+
+def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per sequence for its draw of this step, from (seed, tokens generated
+    so far, sample index) alone: SplitMix64's finalizer over the three, so a seeded record draws
+    the same tokens whatever shares its batch, at any tp and after a replica restart."""
+    with np.errstate(over="ignore"):
+        x = (seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             ^ counters.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+             ^ indices.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            x = (x ^ (x >> np.uint64(shift))) * np.uint64(mult)
+        x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class VocabSampler(nn.Cell):
+    """The functions above over this rank's vocabulary shard; `candidates` (C) and `logprobs` (K,
+    the top_logprobs returned per row, 0: none) fix one compiled variant of `sample`."""
+
+    def __init__(self, vocab: int, tp: TPInfo, candidates: int = CANDIDATES, logprobs: int = 0,
+                 simulate_ranks: bool = False):
+        super().__init__()
+        start, _, per = vocab_shard(vocab, tp)
+        R = tp.size if simulate_ranks else 1
+        self.vocab, self.per, self.tp_size, self.R = vocab, per, tp.size, R
+        self.C = min(max(candidates, logprobs, 1), per)
+        self.K = logprobs
+        starts = np.arange(R) * per if simulate_ranks else np.array([start])
+        self.starts = Tensor(starts.reshape(R, 1).astype(np.float32))
+        self.rank_ids = Tensor((np.arange(R) if simulate_ranks else np.array([tp.rank])).reshape(R, 1).astype(np.int32))
+        columns = starts[:, None] + np.arange(per)[None]
+        self.padding = Tensor(np.where(columns < vocab, 0, OFF).reshape(R, 1, per).astype(np.float32))
+        self.all_gather = self.all_reduce = None
+        if tp.size > 1 and not simulate_ranks:
+            self.all_gather, self.all_reduce = ops.AllGather(), ops.AllReduce()
+
+    # ---- the two collectives, over [R, M, k] ----------------------------------------------------
+    def gather(self, x):
+        """[R, M, k] from each rank -> [M, tp, k], every rank's, the same on every rank."""
+        if self.all_gather is None:
+            return x.transpose(1, 0, 2)
+        k = x.shape[-1]
+        return self.all_gather(x[0]).reshape(self.tp_size, -1, k).transpose(1, 0, 2)
+
+    def reduce(self, x):
+        """[R, M, k] -> [M, k], summed over every rank."""
+        if self.all_reduce is None:
+            return x.sum(0)
+        return self.all_reduce(x[0])
+
+    def local(self, logits):
+        """The network's [M, per] (or [R, M, per] simulated) with padding columns at OFF."""
+        if self.R == 1 and logits.ndim == 2:
+            logits = logits.expand_dims(0)
+        return logits + self.padding
+
+    # ---- the functions ------------------------------------------------------------------------
+    def greedy(self, logits):
+        """-> token ids [M] int32."""
+        x = self.local(logits)
+        pack = ops.stack((ops.amax(x, -1), ops.argmax(x, -1).astype(ms.float32) + self.starts), -1)
+        g = self.gather(pack)                                                   # [M, tp, 2]
+        best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)
+        return ops.gather_elements(g[:, :, 1], 1, best).squeeze(-1).astype(ms.int32)
+
+    def full(self, logits):
+        """-> the whole logits [M, vocab]."""
+        x = self.local(logits)
+        g = self.gather(x)                                                      # [M, tp, per]
+        return g.reshape(g.shape[0], -1)[:, : self.vocab]
+
+    def score(self, logits, targets):
+        """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
+        x = self.local(logits)
+        m = ops.amax(x, -1)
+        s = ops.exp(x - m.expand_dims(-1)).sum(-1)
+        at = targets.expand_dims(0) - self.starts.astype(ms.int32)               # [R, S]
+        inside = ops.logical_and(at >= 0, at < self.per)
+        at = ops.clip_by_value(at, 0, self.per - 1)
+        own = ops.gather_elements(x, 2, at.expand_dims(-1)).squeeze(-1) * inside.astype(ms.float32)
+        g = self.gather(ops.stack((m, s, own), -1))                             # [S, tp, 3]
+        top = ops.amax(g[:, :, 0], -1)
+        log_z = top + ops.log((g[:, :, 1] * ops.exp(g[:, :, 0] - top.expand_dims(-1))).sum(-1))
+        return g[:, :, 2].sum(-1) - log_z
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, u):
+        """Per row [M]: temperature (0: greedy) float32, top_k (0: off) int32, top_p (1: off),
+        min_p (0: off), u in [0, 1) float32 -> token ids [M] int32, and with K > 0 also the
+        chosen token's log-probability [M], the K most likely tokens' [M, K] and their ids [M, K]
+        (the model's own distribution: log-softmax of the logits, before any of the filters)."""
+        C = self.C
+        f32 = ms.float32
+        x = self.local(logits)                                                   # [R, M, per]
+        top, ids = ops.topk(x, C)                                                # sorted, largest first
+        m = top[:, :, 0]
+        s = ops.exp(x - m.expand_dims(-1)).sum(-1)
+        arg = ids[:, :, 0].astype(f32) + self.starts
+        cand_ids = ids.astype(f32) + self.starts.expand_dims(-1)
+        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, cand_ids), -1))   # [M, tp, 3 + 2C]
+        maxes = g[:, :, 0]
+        g_max = ops.amax(maxes, -1)                                                    # [M]
+        winner = ops.argmax(maxes, -1).expand_dims(-1)
+        greedy_token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
+        log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
+        v, pos = ops.topk(g[:, :, 3: 3 + C].reshape(-1, self.tp_size * C), C)   # the global top C
+        v_ids = ops.gather_elements(g[:, :, 3 + C:].reshape(-1, self.tp_size * C), 1, pos)
+
+        greedy = temperature <= 0
+        t = ops.select(greedy, ops.ones_like(temperature), temperature).expand_dims(-1)    # [M, 1]
+        y = (v - g_max.expand_dims(-1)) / t                                      # scaled, 0 for the largest
+        kth = ops.gather_elements(y, 1, (ops.clip_by_value(top_k, 1, C) - 1).expand_dims(-1)).squeeze(-1)
+        off = ops.full_like(g_max, OFF)
+        tau = ops.maximum(ops.select(top_k > 0, kth, off),
+                          ops.select(min_p > 0, ops.log(ops.maximum(min_p, ops.full_like(min_p, 1e-30))), off))
+        xs = (x - g_max.reshape(1, -1, 1)) / t.expand_dims(0)                    # [R, M, per]
+        e = ops.exp(xs)
+        kept_mass = self.gather((e * (xs >= tau.reshape(1, -1, 1)).astype(f32)).sum(-1).expand_dims(-1)).sum((1, 2))
+        wc = ops.exp(y) * (y >= tau.expand_dims(-1)).astype(f32)
+        before = ops.cumsum(wc, 1) - wc
+        keep = ops.logical_and(before < (top_p * kept_mass).expand_dims(-1), wc > 0)
+        tau_p = ops.amin(ops.select(keep, y, ops.full_like(y, -OFF)), -1)
+        tau = ops.select(top_p < 1, ops.maximum(tau, tau_p), tau)
+
+        w = e * (xs >= tau.reshape(1, -1, 1)).astype(f32)                       # kept weights, [R, M, per]
+        per_rank = self.gather(w.sum(-1).expand_dims(-1)).squeeze(-1)           # [M, tp]
+        cum = ops.cumsum(per_rank, 1)
+        target = u * cum[:, -1]
+        owner = self.first_or_last(cum > target.expand_dims(-1), per_rank > 0, 1)       # [M]
+        start = ops.gather_elements(cum - per_rank, 1, owner.expand_dims(-1)).squeeze(-1)
+        j = self.first_or_last(ops.cumsum(w, 2) > (target - start).reshape(1, -1, 1), w > 0, 2)   # [R, M]
+        mine = (owner.expand_dims(0) == self.rank_ids).astype(f32)
+        logit = ops.gather_elements(x, 2, j.expand_dims(-1)).squeeze(-1)
+        drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, logit * mine), -1))   # [M, 2]
+        token = ops.select(greedy, greedy_token, drawn[:, 0] - 1).astype(ms.int32)
+        if self.K == 0:
+            return token
+        chosen = ops.select(greedy, g_max, drawn[:, 1]) - log_z
+        return token, chosen, v[:, : self.K] - log_z.expand_dims(-1), v_ids[:, : self.K].astype(ms.int32)
+
+    def first_or_last(self, hit, present, axis: int):
+        """Along `axis`: the first position where `hit`, or, where none is (float rounding of a
+        target at the very end), the last position where `present`."""
+        n = hit.shape[axis]
+        shape = [1] * hit.ndim
+        shape[axis] = n
+        positions = ops.arange(n, dtype=ms.int32).reshape(tuple(shape))
+        first = ops.argmax(hit.astype(ms.int32), axis)
+        last = ops.argmax(ops.select(present, ops.broadcast_to(positions, hit.shape),
+                                     ops.full_like(hit, -1, dtype=ms.int32)), axis)
+        return ops.select(hit.any(axis), first, last).astype(ms.int32)

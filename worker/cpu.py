@@ -155,6 +155,8 @@ class CpuOps(MsOps):
         return _custom("Embed", lambda w, ids: [ids[0], w[1]],
                        lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
 
+    sampler_kernels = None      # set by load_kernels: SamplerKernels
+
     # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by
     # load_kernels; MSINFER_AMX=0 turns it off.
     amx = False
@@ -249,6 +251,28 @@ def is_bfloat16(w: np.ndarray) -> bool:
     return not bits[:, 0].any()          # little-endian: the low half of each float32 comes first
 
 
+class SamplerKernels:
+    """The device sampler's passes over vocabulary shards (worker.device_sampler.VocabSampler:
+    stats, kept, draw) as the kernels of csrc/sampling.h: x [R M, per] float32 (R shards' rows),
+    meta [R, 2] int32 (each shard's real columns, and whether `stats` sums), parameters per row
+    of a shard."""
+
+    @staticmethod
+    def stats(C: int):
+        """(x, meta) -> [R M, 3 + 2C]: max, its column, sum exp(x - max), the C largest, their columns."""
+        return _custom("SampleStats", lambda x, meta: [x[0], 3 + 2 * C])
+
+    @staticmethod
+    def kept():
+        """(x, (g, t, tau) [M, 3], meta) -> [R M]: the sum of the kept weights."""
+        return _custom("KeptMass", lambda x, *_: [x[0]])
+
+    @staticmethod
+    def draw():
+        """(x, (g, t, tau) [M, 3], target [R M], meta) -> [R M, 2]: the drawn column, x there."""
+        return _custom("DrawColumn", lambda x, *_: [x[0], 2])
+
+
 def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
     """Kernel `func` of the library as a MindSpore operator; its output has the first input's
     dtype unless out_dtype says otherwise."""
@@ -263,6 +287,7 @@ def load_kernels(threads: int = 0) -> None:
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
+    CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
     _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])

@@ -62,10 +62,12 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np
 
 class VocabSampler(nn.Cell):
     """The functions above over this rank's vocabulary shard; `candidates` (C) and `logprobs` (K,
-    the top_logprobs returned per row, 0: none) fix one compiled variant of `sample`."""
+    the top_logprobs returned per row, 0: none) fix one compiled variant of `sample`. The passes
+    over whole rows (`stats`, `kept`, `draw`) are MindSpore primitives, or the device's own
+    kernels (`kernels`: worker.cpu.SamplerKernels), which compute the same figures."""
 
     def __init__(self, vocab: int, tp: TPInfo, candidates: int = CANDIDATES, logprobs: int = 0,
-                 simulate_ranks: bool = False):
+                 simulate_ranks: bool = False, kernels=None):
         super().__init__()
         start, _, per = vocab_shard(vocab, tp)
         R = tp.size if simulate_ranks else 1
@@ -76,7 +78,15 @@ class VocabSampler(nn.Cell):
         self.starts = Tensor(starts.reshape(R, 1).astype(np.float32))
         self.rank_ids = Tensor((np.arange(R) if simulate_ranks else np.array([tp.rank])).reshape(R, 1).astype(np.int32))
         columns = starts[:, None] + np.arange(per)[None]
+        self.padded = bool((columns >= vocab).any())
         self.padding = Tensor(np.where(columns < vocab, 0, OFF).reshape(R, 1, per).astype(np.float32))
+        self.kernels = kernels
+        if kernels is not None:
+            self.stats_ops = {c: kernels.stats(c) for c in {1, self.C}}
+            self.kept_op, self.draw_op = kernels.kept(), kernels.draw()
+            real = np.clip(vocab - starts, 0, per).astype(np.int32)            # real columns of each shard
+            self.meta_sum = Tensor(np.stack((real, np.ones(R, np.int32)), -1))
+            self.meta = Tensor(np.stack((real, np.zeros(R, np.int32)), -1))
         self.all_gather = self.all_reduce = None
         if tp.size > 1 and not simulate_ranks:
             self.all_gather, self.all_reduce = ops.AllGather(), ops.AllReduce()
@@ -99,14 +109,62 @@ class VocabSampler(nn.Cell):
         """The network's [M, per] (or [R, M, per] simulated) with padding columns at OFF."""
         if self.R == 1 and logits.ndim == 2:
             logits = logits.expand_dims(0)
-        return logits + self.padding
+        return logits + self.padding if self.padded else logits
+
+    # ---- the passes over whole rows -------------------------------------------------------------
+    def stats(self, x, C: int, with_sum: bool):
+        """Per row of each shard, [R, M]: the max, its column (the first), sum exp(x - max) (only
+        `with_sum`); and with C > 0 the C largest [R, M, C] with their columns. Columns as float32,
+        with the shard's offset. x: the network's logits (`local` for the primitives)."""
+        if self.kernels is not None:
+            n = max(C, 1)
+            out = self.stats_ops[n](self.rows(x), self.meta_sum if with_sum else self.meta).reshape(self.R, -1, 3 + 2 * n)
+            m, arg, s, top, ids = out[:, :, 0], out[:, :, 1], out[:, :, 2], out[:, :, 3: 3 + n], out[:, :, 3 + n:]
+        else:
+            x = self.local(x)
+            m = ops.amax(x, -1)
+            arg = ops.argmax(x, -1).astype(ms.float32)
+            s = ops.exp(x - ops.broadcast_to(m.expand_dims(-1), x.shape)).sum(-1) if with_sum else m
+            top, ids = ops.topk(x, C) if C else (m, m)
+            ids = ids.astype(ms.float32)
+        return m, arg + self.starts, s, top, (ids + self.starts.expand_dims(-1)) if C else ids
+
+    def rows(self, logits):
+        """The network's [M, per] as it is (R = 1), or [R, M, per] as [R M, per]: the kernels' rows."""
+        return logits if logits.ndim == 2 else logits.reshape(-1, self.per)
+
+    def scaled(self, x, g, t):
+        """(x - g) / t over [R, M, per], with g and t per row [M]."""
+        return (x - ops.broadcast_to(g.reshape(1, -1, 1), x.shape)) / ops.broadcast_to(t.reshape(1, -1, 1), x.shape)
+
+    def kept_weights(self, x, g, t, tau):
+        xs = self.scaled(x, g, t)
+        return ops.exp(xs) * (xs >= ops.broadcast_to(tau.reshape(1, -1, 1), x.shape)).astype(ms.float32)
+
+    def kept(self, x, g, t, tau):
+        """Per row [R, M]: the sum of exp((x - g) / t) where (x - g) / t >= tau (g, t, tau per row [M])."""
+        if self.kernels is not None:
+            return self.kept_op(self.rows(x), ops.stack((g, t, tau), -1), self.meta).reshape(self.R, -1)
+        return self.kept_weights(self.local(x), g, t, tau).sum(-1)
+
+    def draw(self, x, g, t, tau, target):
+        """Per row [R, M]: the first column where the running sum of the kept weights (see `kept`)
+        exceeds target [R, M] (or the last with a positive weight), int32 in the shard; x there."""
+        if self.kernels is not None:
+            out = self.draw_op(self.rows(x), ops.stack((g, t, tau), -1), target.reshape(-1), self.meta)
+            out = out.reshape(self.R, -1, 2)
+            return out[:, :, 0].astype(ms.int32), out[:, :, 1]
+        x = self.local(x)
+        w = self.kept_weights(x, g, t, tau)
+        hit = ops.cumsum(w, 2) > ops.broadcast_to(target.expand_dims(-1), w.shape)
+        j = self.first_or_last(hit, w > 0, 2)
+        return j, ops.gather_elements(x, 2, j.expand_dims(-1)).squeeze(-1)
 
     # ---- the functions ------------------------------------------------------------------------
     def greedy(self, logits):
         """-> token ids [M] int32."""
-        x = self.local(logits)
-        pack = ops.stack((ops.amax(x, -1), ops.argmax(x, -1).astype(ms.float32) + self.starts), -1)
-        g = self.gather(pack)                                                   # [M, tp, 2]
+        m, arg, _, _, _ = self.stats(logits, 0, False)
+        g = self.gather(ops.stack((m, arg), -1))                                # [M, tp, 2]
         best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)
         return ops.gather_elements(g[:, :, 1], 1, best).squeeze(-1).astype(ms.int32)
 
@@ -118,9 +176,8 @@ class VocabSampler(nn.Cell):
 
     def score(self, logits, targets):
         """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
+        m, _, s, _, _ = self.stats(logits, 0, True)
         x = self.local(logits)
-        m = ops.amax(x, -1)
-        s = ops.exp(x - m.expand_dims(-1)).sum(-1)
         at = targets.expand_dims(0) - self.starts.astype(ms.int32)               # [R, S]
         inside = ops.logical_and(at >= 0, at < self.per)
         at = ops.clip_by_value(at, 0, self.per - 1)
@@ -137,15 +194,11 @@ class VocabSampler(nn.Cell):
         (the model's own distribution: log-softmax of the logits, before any of the filters)."""
         C = self.C
         f32 = ms.float32
-        x = self.local(logits)                                                   # [R, M, per]
-        top, ids = ops.topk(x, C)                                                # sorted, largest first
-        m = top[:, :, 0]
-        s = ops.exp(x - m.expand_dims(-1)).sum(-1)
-        arg = ids[:, :, 0].astype(f32) + self.starts
-        cand_ids = ids.astype(f32) + self.starts.expand_dims(-1)
-        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, cand_ids), -1))   # [M, tp, 3 + 2C]
+        x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
+        m, arg, s, top, top_ids = self.stats(x, C, True)
+        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, top_ids), -1))   # [M, tp, 3 + 2C]
         maxes = g[:, :, 0]
-        g_max = ops.amax(maxes, -1)                                                    # [M]
+        g_max = ops.amax(maxes, -1)                                              # [M]
         winner = ops.argmax(maxes, -1).expand_dims(-1)
         greedy_token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
         log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
@@ -153,30 +206,26 @@ class VocabSampler(nn.Cell):
         v_ids = ops.gather_elements(g[:, :, 3 + C:].reshape(-1, self.tp_size * C), 1, pos)
 
         greedy = temperature <= 0
-        t = ops.select(greedy, ops.ones_like(temperature), temperature).expand_dims(-1)    # [M, 1]
-        y = (v - g_max.expand_dims(-1)) / t                                      # scaled, 0 for the largest
+        t = ops.select(greedy, ops.ones_like(temperature), temperature)         # [M]
+        y = (v - g_max.expand_dims(-1)) / t.expand_dims(-1)                      # scaled, 0 for the largest
         kth = ops.gather_elements(y, 1, (ops.clip_by_value(top_k, 1, C) - 1).expand_dims(-1)).squeeze(-1)
         off = ops.full_like(g_max, OFF)
         tau = ops.maximum(ops.select(top_k > 0, kth, off),
                           ops.select(min_p > 0, ops.log(ops.maximum(min_p, ops.full_like(min_p, 1e-30))), off))
-        xs = (x - g_max.reshape(1, -1, 1)) / t.expand_dims(0)                    # [R, M, per]
-        e = ops.exp(xs)
-        kept_mass = self.gather((e * (xs >= tau.reshape(1, -1, 1)).astype(f32)).sum(-1).expand_dims(-1)).sum((1, 2))
+        kept_mass = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).sum((1, 2))
         wc = ops.exp(y) * (y >= tau.expand_dims(-1)).astype(f32)
         before = ops.cumsum(wc, 1) - wc
         keep = ops.logical_and(before < (top_p * kept_mass).expand_dims(-1), wc > 0)
         tau_p = ops.amin(ops.select(keep, y, ops.full_like(y, -OFF)), -1)
         tau = ops.select(top_p < 1, ops.maximum(tau, tau_p), tau)
 
-        w = e * (xs >= tau.reshape(1, -1, 1)).astype(f32)                       # kept weights, [R, M, per]
-        per_rank = self.gather(w.sum(-1).expand_dims(-1)).squeeze(-1)           # [M, tp]
+        per_rank = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).squeeze(-1)   # [M, tp]
         cum = ops.cumsum(per_rank, 1)
         target = u * cum[:, -1]
         owner = self.first_or_last(cum > target.expand_dims(-1), per_rank > 0, 1)       # [M]
         start = ops.gather_elements(cum - per_rank, 1, owner.expand_dims(-1)).squeeze(-1)
-        j = self.first_or_last(ops.cumsum(w, 2) > (target - start).reshape(1, -1, 1), w > 0, 2)   # [R, M]
+        j, logit = self.draw(x, g_max, t, tau, ops.broadcast_to((target - start).expand_dims(0), (self.R, -1)))
         mine = (owner.expand_dims(0) == self.rank_ids).astype(f32)
-        logit = ops.gather_elements(x, 2, j.expand_dims(-1)).squeeze(-1)
         drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, logit * mine), -1))   # [M, 2]
         token = ops.select(greedy, greedy_token, drawn[:, 0] - 1).astype(ms.int32)
         if self.K == 0:

@@ -118,6 +118,9 @@ class MsOps:
     # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
+    # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
+    # MindSpore primitives, worker.device_sampler)
+    sampler_kernels = None
     pad_id = 0          # the token id of a step's padding rows (worker/runner.py): any valid id
     dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
     paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)

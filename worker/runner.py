@@ -118,14 +118,17 @@ class ModelRunner:
 
     def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0):
         """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled
-        once per (name, C, K) for any number of rows, and shared by the runners of a process
+        once per (name, C, K) for any number of rows (per row count with the CPU kernels), and shared by the runners of a process
         that have the same vocabulary shard (a compile of `sample` takes over a second)."""
         key = (name, candidates, logprobs, self.cfg.vocab_size, self.tp.rank, self.tp.size, self.ec.graph_mode,
-               tuple(sorted(self.dev.jit_options.items())))
+               self.dev.name, tuple(sorted(self.dev.jit_options.items())))
         if key not in SAMPLER_FNS:
             from msinfer.worker.device_sampler import VocabSampler
-            fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs), name)
-            if self.ec.graph_mode:
+            kernels = self.dev.sampler_kernels
+            fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs, kernels=kernels), name)
+            if self.ec.graph_mode and kernels is not None:     # custom operators: static shapes (worker.cpu)
+                fn = self.ms.jit(fn, **self.dev.jit_options)
+            elif self.ec.graph_mode:
                 ms = self.ms
                 rows = ([None], ms.float32)
                 specs = {"logits": ([None, fn.__self__.per], ms.float32)}

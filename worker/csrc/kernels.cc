@@ -12,6 +12,7 @@
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
+//   SampleStats, KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
 //
@@ -41,12 +42,13 @@
 // is read once per token and KV head.
 //
 // This file holds the entry points; the kernels are in common.h (thread pool, vectors, row-wise
-// pieces), attention.h, matmul.h (panels, AMX tiles, lookups) and moe.h.
+// pieces), attention.h, matmul.h (panels, AMX tiles, lookups), moe.h and sampling.h.
 
 #include "attention.h"
 #include "common.h"
 #include "matmul.h"
 #include "moe.h"
+#include "sampling.h"
 
 namespace {
 
@@ -216,6 +218,49 @@ extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, con
     rows_of(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), static_cast<T*>(params[2]),
             shapes[0][0], shapes[1][0], shapes[0][1]);
   });
+  return 0;
+}
+
+// x [Q, P] float32, meta [R, 2] int32 (real columns of each shard, with_sum) -> [Q, 3 + 2C] (sample_stats)
+extern "C" int SampleStats(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                           void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || (shapes[2][1] - 3) % 2 || shapes[2][1] < 5 ||
+      shapes[0][0] % shapes[1][0])
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[1]);
+  std::vector<int32_t> cols(shapes[1][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  sample_stats(static_cast<const float*>(params[0]), cols.data(), static_cast<float*>(params[2]), shapes[0][0],
+               shapes[1][0], shapes[0][1], (shapes[2][1] - 3) / 2, meta[1] != 0);
+  return 0;
+}
+
+// x [Q, P] float32, prm [M, 3], meta [R, 2] -> [Q] (kept_mass)
+extern "C" int KeptMass(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                        void* extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 3 || ndims[2] != 2 ||
+      shapes[0][0] != shapes[1][0] * shapes[2][0])
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[2]);
+  std::vector<int32_t> cols(shapes[2][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  kept_mass(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), cols.data(),
+            static_cast<float*>(params[3]), shapes[0][0], shapes[2][0], shapes[0][1]);
+  return 0;
+}
+
+// x [Q, P] float32, prm [M, 3], target [Q], meta [R, 2] -> [Q, 2] (draw_column)
+extern "C" int DrawColumn(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 3 || ndims[2] != 1 || ndims[3] != 2 ||
+      shapes[0][0] != shapes[1][0] * shapes[3][0] || shapes[2][0] != shapes[0][0])
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[3]);
+  std::vector<int32_t> cols(shapes[3][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  draw_column(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
+              static_cast<const float*>(params[2]), cols.data(), static_cast<float*>(params[4]), shapes[0][0],
+              shapes[3][0], shapes[0][1]);
   return 0;
 }
 

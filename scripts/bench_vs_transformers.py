@@ -14,8 +14,8 @@ make exactly the same number of tokens.
   --hf-batch (64 = all prompts in one call). Its figure is new tokens / total generate time.
   Loading the model is not counted.
 
-The sides run in turn, msinfer first; with --rounds N they alternate N times and each keeps its
-best round, so that both meet the same machine load.
+The sides run in turn, msinfer first; with --rounds N they alternate N times, so that both meet
+the same machine load, and every round is printed with each side's median round.
 
     python scripts/bench_vs_transformers.py [--prompts 64] [--new-tokens 64] [--hf-batch 64,16]
 """
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=64, help="msinfer scheduler.max_batch_size (default 64)")
     ap.add_argument("--max-batched-tokens", type=int, default=512,
                     help="msinfer scheduler.max_batched_tokens (default 512)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times; keep each best")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times (median reported)")
     ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="passed on to msinfer run, e.g. scheduler.async_scheduling=false")
@@ -153,23 +153,21 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     load_before = os.getloadavg()[0]
 
-    ms_best, hf_best = None, {}
+    ms_runs, hf_runs = [], {}
     with tempfile.TemporaryDirectory(prefix="msinfer-vs-hf-") as work:
         for _ in range(args.rounds):
-            s = run_msinfer(path, prompts, args.new_tokens, args.max_batch_size, args.max_batched_tokens, Path(work),
-                            args.set)
-            if ms_best is None or s["generation_s"] < ms_best["generation_s"]:
-                ms_best = s
+            ms_runs.append(run_msinfer(path, prompts, args.new_tokens, args.max_batch_size, args.max_batched_tokens,
+                                       Path(work), args.set))
             for b in ([] if model is None else hf_batches):
-                r = run_transformers(model, prompts, args.new_tokens, b, pad_id)
-                if b not in hf_best or r[0] < hf_best[b][0]:
-                    hf_best[b] = r
+                hf_runs.setdefault(b, []).append(run_transformers(model, prompts, args.new_tokens, b, pad_id))
+    ms_best = median_run(ms_runs, lambda s: s["generation_s"])
+    hf_best = {b: median_run(runs, lambda r: r[0]) for b, runs in hf_runs.items()}
 
     import mindspore
     nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
     lengths = sorted(map(len, prompts))
     print(f"\nworkload  {path.name} (float32), {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
-          f"({sum(lengths)} in all), {args.new_tokens} new tokens each, greedy, eos ignored; best of {args.rounds}")
+          f"({sum(lengths)} in all), {args.new_tokens} new tokens each, greedy, eos ignored; median of {args.rounds}")
     print(f"versions  mindspore {mindspore.__version__}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, python {sys.version.split()[0]}")
     print(f"machine   nproc {nproc}, threads per side {args.threads}, load average "
@@ -181,7 +179,8 @@ def main() -> None:
     first = ms_best.get('first_result_s', float('nan'))
     print(f"  start-up {ms_best['startup_s']:.1f} s, first result after {first:.1f} s "
           f"from start, generation {ms_best['generation_s']:.1f} s, whole command {ms_best['wall_s']:.1f} s")
-    print(f"  {ms_tok} tokens / generation_s = {ms_rate:.1f} tok/s")
+    print(f"  {ms_tok} tokens / generation_s = {ms_rate:.1f} tok/s (rounds: "
+          + ", ".join(f"{r['completion_tokens'] / r['generation_s']:.1f}" for r in ms_runs) + ")")
     st = ms_best.get("steps") or {}
     if st:
         print(f"  {st['prefill_steps']} prefill steps {st['prefill_s']:.1f} s, {st['decode_steps']} decode steps "
@@ -190,13 +189,19 @@ def main() -> None:
             print(f"    {key}: first call {secs:.1f} s")
         for kind in ("prefill", "decode"):
             if st.get(f"{kind}_s"):
-                print(f"  {kind}: {st[f'{kind}_model_s']:.1f} s in the network, {st[f'{kind}_worker_s']:.1f} s in "
+                print(f"  {kind}: {st[f'{kind}_model_s']:.1f} s on the device, {st[f'{kind}_worker_s']:.1f} s in "
                       f"the worker's step, {st[f'{kind}_s']:.1f} s as the controller saw them: "
-                      f"{1 - st[f'{kind}_model_s'] / st[f'{kind}_s']:.0%} outside the network")
+                      f"{1 - st[f'{kind}_model_s'] / st[f'{kind}_s']:.0%} outside it")
     for b, (secs, made, tokens) in sorted(hf_best.items()):
         same = sum(tokens[k] == ms_best["token_ids"].get(k) for k in tokens)
-        print(f"transformers generate, batch {b}: {made} tokens in {secs:.1f} s = {made / secs:.1f} tok/s; "
-              f"msinfer is {ms_rate / (made / secs):.2f}x; same tokens for {same}/{len(tokens)} prompts")
+        print(f"transformers generate, batch {b}: {made} tokens in {secs:.1f} s = {made / secs:.1f} tok/s (rounds: "
+              + ", ".join(f"{m / t:.1f}" for t, m, _ in hf_runs[b]) + f"); msinfer is {ms_rate / (made / secs):.2f}x; "
+              f"same tokens for {same}/{len(tokens)} prompts")
+
+
+def median_run(runs: list, seconds):
+    """The run whose time is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=seconds)[(len(runs) - 1) // 2]
 
 
 if __name__ == "__main__":

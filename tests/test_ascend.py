@@ -17,7 +17,7 @@ from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import Recording
 from tests.test_scoring import hf_logprobs
-from msinfer.worker.protocol import SeqStep
+from msinfer.worker.protocol import SamplingParams, SeqStep
 from msinfer.sharding.config import EngineConfig
 from msinfer.worker.runner import ModelRunner
 
@@ -118,9 +118,9 @@ def test_lora_on_the_emulated_ascend_path_gives_transformers_tokens(checkpoint, 
 
 def test_each_step_kind_compiles_once_whatever_the_token_counts(checkpoint):
     """Dynamic shapes: prefills and decodes of many different token and sequence counts, scoring
-    and chunks in between, and MindSpore compiles one graph per step kind and one per device
-    sampler function used (greedy, full logits, score), each once (its own count of the graphs it
-    built, mindspore.graph.api.ms_compile_cache)."""
+    and chunks in between, and MindSpore compiles one graph per step kind and one for the device
+    sampler's whole logits, each once (its own count of the graphs it built,
+    mindspore.graph.api.ms_compile_cache)."""
     from mindspore.graph import api
     import msinfer.worker.runner as runner_module
     runner_module.SAMPLER_FNS.clear()           # compiled by an earlier test's runner of this vocabulary
@@ -136,8 +136,23 @@ def test_each_step_kind_compiles_once_whatever_the_token_counts(checkpoint):
             d.decode()
     runner.execute([SeqStep(9, [5, 6, 7, 8], 0, d.table(7), targets=[6, 7, 8, -1], sample=False)], True)
     runner.execute([SeqStep(9, [5, 6, 7, 8, 9], 0, d.table(7), targets=[6, 7, 8, 9, -1], sample=False)], True)
-    assert len(api.ms_compile_cache) - before == 3 + 3
+    assert len(api.ms_compile_cache) - before == 3 + 1
     assert set(runner.compile_s) == {"prefill", "decode", "score"}
+
+
+def test_a_step_copies_to_the_host_only_its_tokens_and_the_log_probabilities_asked_for(checkpoint):
+    """Sampling on the device, dynamic shapes (no padding rows): a greedy or sampled decode copies
+    4 bytes a sequence (its token), one with logprobs k also the token's log-probability and the
+    top k's values and ids."""
+    d = Driver(runner_for(checkpoint("llama_gqa_tied"), "ascend-emulated"))
+    d.prefill({0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2]})
+    assert d.decode().host_bytes == 4 * 3
+    for sid, seq in d.seqs.items():
+        seq["sampling"] = SamplingParams(temperature=0.8, top_p=0.9, seed=sid)
+    assert d.decode().host_bytes == 4 * 3
+    d.seqs[1]["sampling"] = SamplingParams(temperature=0.8, seed=1, logprobs=2)
+    out = d.decode()
+    assert out.host_bytes == (4 + 4 + 8 * 2) * 3 and len(out.logprobs[1][1]) == 2 and out.logprobs[0] is None
 
 
 def test_the_stand_ins_take_the_installed_primitives_signatures():

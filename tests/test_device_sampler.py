@@ -1,8 +1,8 @@
 """The device sampler (worker/device_sampler.py) on vocabulary shards, compiled as a worker runs it,
 with MindSpore's primitives and with the CPU kernels, the tp ranks simulated in one process (R
-shards, the collectives a transpose and a sum):
-the same tokens at tp 1, 2 and 3 (a padded last shard), the whole-row answers (argmax, log-softmax), and draws that follow
-the distribution the filters define."""
+shards, the collectives a transpose and a sum): the same tokens at tp 1 and 3 (a padded last
+shard) and 2, the whole-row answers (argmax, log-softmax), and draws that follow the
+distribution the filters define."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_pai
     padded = runner.forward([short], True)
     assert runner.graphs == {(128, 8)} and runner.pad_debt == {(64, 8): 64}
     inputs = runner.prepare([short], True, reuse=False)[0]
-    own = runner.step_fn(*(inputs[name] for name in STEP_INPUTS)).asnumpy()[:1]
+    own = runner.step_fn(*(inputs[name] for name in STEP_INPUTS))[0].asnumpy()[:1]
     assert np.abs(padded - own).max() < 1e-5
     runner.forward([prompt(2, 40)], True)                  # 64 + 64 padded tokens >= 100: compiles 64
     assert runner.graphs == {(128, 8), (64, 8)}

@@ -143,7 +143,7 @@ def test_rope2d_decoded_step_by_step_equals_one_prefill_of_the_same_tokens(check
     from msinfer.worker.model import STEP_INPUTS
     inputs, _ = runner.prepare([SeqStep(7, tokens, 0, list(range(56, 64)))], True)
     inputs["out_index"] = ms.Tensor(np.arange(len(tokens), dtype=np.int32))    # one sequence: row j is position j
-    once = runner.step_fn(*(inputs[name] for name in STEP_INPUTS)).asnumpy()
+    once = runner.step_fn(*(inputs[name] for name in STEP_INPUTS))[0].asnumpy()
     for step in range(N_NEW):
         diff = np.abs(once[len(prompt) - 1 + step] - logits[step][0]).max()
         assert diff < 1e-4, f"step {step}: max |logit diff| {diff}"

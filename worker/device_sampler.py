@@ -3,9 +3,13 @@ shard and reduces them to a few figures per sequence; only those cross ranks, ne
 logits, and only the sampled tokens (and the log-probabilities asked for) go to the host.
 
 A step's logits [M, per] (this rank's `per` vocabulary columns, sharding.layout.vocab_shard)
-go through one of these compiled functions (ModelRunner.sample_on_device):
-- `greedy`: each rank's (max, argmax) per row; one all-gather; the first rank with the largest
-  max wins, so a tie goes to the lowest token id, as numpy's argmax does on the whole row.
+go through these functions (ModelRunner.sample):
+- `greedy`, inside the network's own graph (worker.model), so that a greedy step runs one graph:
+  each rank's (max, argmax) per row; one all-gather; the first rank with the largest max wins,
+  so a tie goes to the lowest token id, as numpy's argmax does on the whole row.
+- `score`, inside the scoring step's graph: log p(target) per row, from each rank's max,
+  normalizer part and the target's logit where the rank holds it (one all-gather).
+The others are compiled graphs of their own, run on the network's output where a step needs them:
 - `sample`: temperature, min_p, top-k and top-p (vLLM's order), greedy rows among them, and the
   log-probabilities. Four collectives per step:
   1. all-gather of each rank's max, argmax, sum of exp(x - max) (the log-softmax normalizer)
@@ -25,8 +29,6 @@ go through one of these compiled functions (ModelRunner.sample_on_device):
   than top_p of the mass (after min_p and top-k), the kept set is those C tokens, a subset of the
   exact one; the distribution then differs by at most 1 - (their mass / the exact set's mass)
   in total variation. With C = 64 that needs a distribution flatter than top-p users sample from.
-- `score`: log p(target) per row, from each rank's max, normalizer part and the target's logit
-  where the rank holds it (one all-gather).
 - `full`: the whole logits, gathered (a row whose sampling reads them on the host, worker.sampler).
 
 Each function works on R local shards [R, M, per] at once: R = 1 in a worker (the other shards
@@ -118,7 +120,8 @@ class VocabSampler(nn.Cell):
         with the shard's offset. x: the network's logits (`local` for the primitives)."""
         if self.kernels is not None:
             n = max(C, 1)
-            out = self.stats_ops[n](self.rows(x), self.meta_sum if with_sum else self.meta).reshape(self.R, -1, 3 + 2 * n)
+            out = self.stats_ops[n](self.rows(x), self.meta_sum if with_sum else self.meta)
+            out = out.reshape(self.R, -1, 3 + 2 * n)
             m, arg, s, top, ids = out[:, :, 0], out[:, :, 1], out[:, :, 2], out[:, :, 3: 3 + n], out[:, :, 3 + n:]
         else:
             x = self.local(x)
@@ -163,6 +166,10 @@ class VocabSampler(nn.Cell):
     # ---- the functions ------------------------------------------------------------------------
     def greedy(self, logits):
         """-> token ids [M] int32."""
+        if self.tp_size == 1 and self.kernels is not None:    # the fewest operators: in every step's graph
+            return self.stats_ops[1](self.rows(logits), self.meta)[:, 1].astype(ms.int32)
+        if self.tp_size == 1:
+            return ops.argmax(self.rows(logits), -1).astype(ms.int32)
         m, arg, _, _, _ = self.stats(logits, 0, False)
         g = self.gather(ops.stack((m, arg), -1))                                # [M, tp, 2]
         best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)

@@ -21,6 +21,7 @@ from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParal
                                      VocabParallelEmbedding, new_param)
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.cpu import GLU_GROUP
+from msinfer.worker.device_sampler import VocabSampler
 
 
 class Attention(nn.Cell):
@@ -177,7 +178,7 @@ class SparseDecoderLayer(LayerBase):
 # names: Ascend's kernels read `batch_valid_length` and `q_seq_lens` by name (worker/ascend.py).
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "batch_valid_length", "q_seq_lens",
                "token_seq", "token_len", "attn_mask", "out_index")
-SCORE_INPUTS = STEP_INPUTS + ("score_index",)
+SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
 
 
 class CausalLM(nn.Cell):
@@ -199,8 +200,10 @@ class CausalLM(nn.Cell):
     (nothing of any sequence cached: attention among the step's own tokens) and `decode` (any
     other step, chunks after cached tokens included: attention through the block tables).
     The attention scale is 1/sqrt(head_dim), as in every supported family.
-    Returns this rank's vocabulary shard of the logits, [M, per] float32 (sharding.layout.vocab_shard):
-    they stay on the device for the sampler (worker.device_sampler), which gathers no row of them."""
+    `forward` gives this rank's vocabulary shard of the logits, [M, per] float32
+    (sharding.layout.vocab_shard); the step functions return them, to stay on the device for the
+    sampler (worker.device_sampler), which gathers no row of them, with each row's greedy token
+    [M] int32 computed in the same graph (a greedy step needs no other)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, freq_matrix: np.ndarray,
                  block_size: int = 16):
@@ -212,6 +215,7 @@ class CausalLM(nn.Cell):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
+        self.sampler = VocabSampler(cfg.vocab_size, tp, kernels=dev.sampler_kernels)     # its greedy pick
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
@@ -235,23 +239,29 @@ class CausalLM(nn.Cell):
 
     def prefill(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                 token_len, attn_mask, out_index):
-        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                            token_seq, token_len, attn_mask, out_index, True)
+        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                              token_seq, token_len, attn_mask, out_index, True)
+        return logits, self.sampler.greedy(logits)
 
     def decode(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                token_len, attn_mask, out_index):
-        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                            token_seq, token_len, attn_mask, out_index, False)
+        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                              token_seq, token_len, attn_mask, out_index, False)
+        return logits, self.sampler.greedy(logits)
 
     construct = decode
 
     def score(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-              token_len, attn_mask, out_index, score_index):
-        """A prefill (of the decode kind: its sequences may have cached tokens) that also returns the
-        logits of the rows a scoring asks about: [M + S, per], rows out_index then score_index
-        (the log-probabilities of their targets are the device sampler's `score`)."""
-        return self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                            token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
+              token_len, attn_mask, out_index, score_index, targets):
+        """A prefill (of the decode kind: its sequences may have cached tokens) that also scores:
+        returns (logits [M, per] at out_index and their greedy tokens, as `decode` returns them;
+        log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The log-softmax and
+        the pick run in the graph, shard by shard (the sampler's `score`), so a scoring step hands
+        back S floats, not S x vocab logits."""
+        m = out_index.shape[0]
+        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
+        return logits[:m], self.sampler.greedy(logits[:m]), self.sampler.score(logits[m:], targets)
 
     def pack_weights(self) -> None:
         """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),

@@ -87,6 +87,7 @@ class ModelRunner:
         self.compiled_graphs: set[tuple] = set()             # (kind, and shapes when static) of each graph run
         self.model_s = 0.0                                   # seconds on the device, all steps (see step)
         self.synced = 0.0                                    # when the last copy to the host ended
+        self.last_call: tuple = ({}, "decode")               # the inputs and kind of the last network call
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
         self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
@@ -117,9 +118,10 @@ class ModelRunner:
         return ms.enable_dynamic(**{n: ms.Tensor(shape=shp, dtype=dt) for n, (shp, dt) in specs.items()})(graph)
 
     def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0):
-        """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled
-        once per (name, C, K) for any number of rows (per row count with the CPU kernels), and shared by the runners of a process
-        that have the same vocabulary shard (a compile of `sample` takes over a second)."""
+        """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled once
+        per (name, C, K) for any number of rows (per row count with the CPU kernels, whose custom
+        operators take static shapes), and shared by the runners of a process that have the same
+        vocabulary shard (a compile of `sample` takes over a second)."""
         key = (name, candidates, logprobs, self.cfg.vocab_size, self.tp.rank, self.tp.size, self.ec.graph_mode,
                self.dev.name, tuple(sorted(self.dev.jit_options.items())))
         if key not in SAMPLER_FNS:
@@ -132,24 +134,25 @@ class ModelRunner:
                 ms = self.ms
                 rows = ([None], ms.float32)
                 specs = {"logits": ([None, fn.__self__.per], ms.float32)}
-                if name == "score":
-                    specs["targets"] = ([None], ms.int32)
-                elif name == "sample":
+                if name == "sample":
                     specs.update(temperature=rows, top_k=([None], ms.int32), top_p=rows, min_p=rows, u=rows)
                 fn = self.dynamic_graph(fn, specs)
             SAMPLER_FNS[key] = fn
         return SAMPLER_FNS[key]
 
     def to_host(self, out, rows: int | None = None):
-        """A step's outputs (a tensor or a tuple of them) as numpy, counted in host_bytes; `rows`:
-        only their first rows leave the device (the rest pads a static shape)."""
+        """A step's outputs (a tensor or a tuple of them) as numpy, counted in host_bytes, cut to
+        their first `rows` rows on the host: the rows that pad a static shape are copied too (a
+        few bytes each; slicing them off on the device costs more than it saves)."""
         many = isinstance(out, tuple)
         out = out if many else (out,)
-        if rows is not None and out[0].shape[0] > rows:
-            out = tuple(o[:rows] for o in out)
-        out = tuple(o.asnumpy() for o in out)
+        try:
+            out = tuple(o.asnumpy() for o in out)
+        except RuntimeError as e:          # a device runs the graphs asynchronously: a kernel's failure shows here
+            raise self.kernel_error(e, *self.last_call) from e
         self.synced = time.perf_counter()
         self.host_bytes += sum(o.nbytes for o in out)
+        out = tuple(o[:rows] for o in out) if rows is not None else out
         return out if many else out[0]
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -253,13 +256,14 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------------------
     def network(self, seqs: list[SeqStep], is_prefill: bool, score: bool = True):
         """Runs the network of one step: (this rank's vocabulary shard of the last-token logits,
-        [M, per], left on the device; per sequence, the log-probabilities of its targets when any
-        sequence of a prefill scores (and `score`), else None)."""
+        [M, per], and each row's greedy token [M], both left on the device; per sequence, the
+        log-probabilities of its targets when any sequence of a prefill scores (and `score`),
+        else None)."""
         if score and is_prefill and any(s.targets for s in seqs):
             return self.forward_scores(seqs)
         kind = self.kind(seqs, is_prefill)
         inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill")
-        return self._call(kind, inputs), None
+        return *self._call(kind, inputs), None
 
     def _call(self, kind: str, inputs: dict, *extra):
         """Runs a compiled step of `kind`; the first call of each graph (its compile) is timed in
@@ -272,6 +276,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.dev.phases:
             self.model.phase = self.dev.phases[kind]
+        self.last_call = (inputs, kind)
         try:
             out = fn(*(inputs[name] for name in STEP_INPUTS), *extra)
         except RuntimeError as e:
@@ -318,7 +323,7 @@ class ModelRunner:
         device and copy no logits, see `step`)."""
         logits, scores = [], []
         for part in self.parts(seqs, is_prefill):
-            out, part_scores = self.network(part, is_prefill, score)
+            out, _, part_scores = self.network(part, is_prefill, score)
             logits.append(self.to_host(self.sampler_fn("full")(out), len(part)))
             scores += part_scores or [None] * len(part)
         return np.concatenate(logits), None if all(x is None for x in scores) else scores
@@ -329,8 +334,8 @@ class ModelRunner:
 
     def forward_scores(self, seqs: list[SeqStep]):
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
-        j with targets[j] >= 0 (None for a sequence without targets); the last-token logits stay on
-        the device, as `network` leaves them. The scored rows are padded to a bucket of 16 so that
+        j with targets[j] >= 0 (None for a sequence without targets); the last-token logits and
+        greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to a bucket of 16 so that
         scoring adds few compiled shapes (static shapes)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
@@ -350,14 +355,14 @@ class ModelRunner:
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
         i32 = self.ms.int32
-        logits = self._call("score", inputs, self.ms.Tensor(score_index, i32))
-        m = inputs["out_index"].shape[0]
-        logp = self.to_host(self.sampler_fn("score")(logits[m:], self.ms.Tensor(score_targets, i32)), len(rows) or None)
+        logits, greedy, logp = self._call("score", inputs, self.ms.Tensor(score_index, i32),
+                                          self.ms.Tensor(score_targets, i32))
+        logp = self.to_host(logp, len(rows))
         scores, at = [], 0
         for n in counts:
             scores.append(None if n is None else [float(x) for x in logp[at: at + n]])
             at += n or 0
-        return logits[:m], scores
+        return logits, greedy, scores
 
     def grammar(self, text: str):
         """A matcher of a structured-output grammar (llguidance), over the model's tokenizer,
@@ -371,12 +376,14 @@ class ModelRunner:
             self.grammar_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.cfg.vocab_size)
         return llguidance.LLMatcher(self.grammar_tokenizer, text, log_level=0)
 
-    def sample(self, seqs: list[SeqStep], logits, logprobs: bool) -> tuple[list[int], list]:
+    def sample(self, seqs: list[SeqStep], logits, greedy, logprobs: bool) -> tuple[list[int], list]:
         """The step's tokens (-1 where a sequence does not sample) and per sequence its
         (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
-        or None. On the device (worker.device_sampler), whose variant every rank picks alike from
-        the sequences; unless a sequence's sampling changes its logits first (penalties, biases,
-        token masks, a grammar): then the step's whole logits go to the host, worker.sampler.
+        or None. On the device (worker.device_sampler): the network's greedy tokens when every
+        sequence is greedy without logprobs, else its `sample` function, whose variant every rank
+        picks alike from the sequences; unless a sequence's sampling changes its logits first
+        (penalties, biases, token masks, a grammar): then the step's whole logits go to the host,
+        worker.sampler.
         `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
         chosen, lps = [-1] * len(seqs), [None] * len(seqs)
         todo = [i for i, s in enumerate(seqs) if s.sample]
@@ -394,7 +401,7 @@ class ModelRunner:
                 if logprobs and p.logprobs:
                     lps[i] = sampler.top_logprobs(rows[j: j + 1], [picked[j]], p.logprobs)[0]
         elif k == 0 and all(p.greedy for p in params):
-            picked = self.to_host(self.sampler_fn("greedy")(logits), len(seqs))[todo].tolist()
+            picked = self.to_host(greedy, len(seqs))[todo].tolist()
         else:
             M = logits.shape[0]
             temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
@@ -435,8 +442,8 @@ class ModelRunner:
         chosen, lps, scores, model_s = [], [], [], 0.0
         for part in self.parts(seqs, is_prefill):
             t1 = time.perf_counter()
-            logits, part_scores = self.network(part, is_prefill)
-            tokens, part_lps = self.sample(part, logits, logprobs)
+            logits, greedy, part_scores = self.network(part, is_prefill)
+            tokens, part_lps = self.sample(part, logits, greedy, logprobs)
             model_s += self.synced - t1          # the network and the device sampler, to their last copy
             chosen += tokens
             lps += part_lps

@@ -32,14 +32,16 @@ def shards(logits: np.ndarray, tp: int) -> ms.Tensor:
 _COMPILED = {}
 
 
-@pytest.fixture(params=["primitives", "cpu kernels"])
-def kernels(request):
-    """The passes over whole rows as MindSpore primitives (portable, Ascend) or the CPU kernels."""
-    if request.param == "primitives":
-        return None
+def cpu_kernels():
     from msinfer.worker.cpu import SamplerKernels, load_kernels
     load_kernels()
     return SamplerKernels
+
+
+@pytest.fixture(params=["primitives", "cpu kernels"])
+def kernels(request):
+    """The passes over whole rows as MindSpore primitives (portable, Ascend) or the CPU kernels."""
+    return None if request.param == "primitives" else cpu_kernels()
 
 
 def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0, kernels=None):
@@ -83,34 +85,47 @@ ROWS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temper
         SamplingParams(temperature=0.5, top_k=20, top_p=0.6, min_p=0.02)]
 
 
-def test_tokens_and_logprobs_are_the_same_at_any_tp(kernels):
+def test_tokens_and_logprobs_are_the_same_at_any_tp_and_on_either_path():
+    """240 rows of every kind of sampling: the same tokens and top ids at tp 1 and 3 with the CPU
+    kernels (at tp 1 one kernel call, SampleRows) and with the primitives; greedy tokens and
+    log-probabilities those of the whole rows, also from `greedy_logprobs`."""
     rng = np.random.default_rng(1)
     n = 240
     logits = rng.normal(0, 2, (n, V)).astype(np.float32)
     params = [ROWS[i % len(ROWS)] for i in range(n)]
     args = draw_args(params, np.arange(n))
-    got = {tp: run(tp, "sample", logits, *args, logprobs=3, kernels=kernels) for tp in (1, 3)}
-    np.testing.assert_array_equal(got[3][0], got[1][0])
-    np.testing.assert_array_equal(got[3][3], got[1][3])
-    tokens, chosen, top, ids = got[1]
+    kernels = cpu_kernels()
+    got = {(tp, k): run(tp, "sample", logits, *args, logprobs=3, kernels=k) for tp in (1, 3) for k in (None, kernels)}
+    tokens, chosen, top, ids = got[1, kernels]
+    for other in got.values():
+        np.testing.assert_array_equal(other[0], tokens)
+        np.testing.assert_array_equal(other[3], ids)
+        np.testing.assert_allclose(other[1], chosen, atol=1e-5)
     lp = log_softmax(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     np.testing.assert_array_equal(tokens[greedy], logits[greedy].argmax(-1))
     np.testing.assert_allclose(chosen, lp[np.arange(n), tokens], atol=1e-5)
     np.testing.assert_array_equal(ids, np.argsort(-lp, -1, kind="stable")[:, :3])
     np.testing.assert_allclose(top, np.take_along_axis(lp, ids, -1), atol=1e-5)
+    for tp, k in ((1, kernels), (3, None)):
+        g_tokens, g_chosen, g_top, g_ids = run(tp, "greedy_logprobs", logits, candidates=3, logprobs=3, kernels=k)
+        np.testing.assert_array_equal(g_tokens, logits.argmax(-1))
+        np.testing.assert_allclose(g_chosen, lp.max(-1), atol=1e-5)
+        np.testing.assert_array_equal(g_ids, ids)
+        np.testing.assert_allclose(g_top, top, atol=1e-5)
 
 
-def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers(kernels):
-    """Many draws of one row (one uniform each) per kind of sampling: the frequencies of the
-    filtered, temperature-scaled softmax (worker.sampler.filter_logits, which sorts nothing away)
-    within 4 standard errors, and the host sampler's token for every uniform (a sequence may move
-    between the two)."""
+def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():
+    """Many draws of one row (one uniform each) per kind of sampling, at tp 2 with the CPU kernels
+    (the primitives draw the same tokens, above): the frequencies of the filtered,
+    temperature-scaled softmax (worker.sampler.filter_logits, which sorts nothing away) within 4
+    standard errors, and the host sampler's token for every uniform (a sequence may move between
+    the two)."""
     row = np.random.default_rng(2).normal(0, 1.5, V).astype(np.float32)
     n = 4000
     params = [p for p in ROWS[1:] for _ in range(n)]
     args = draw_args(params, np.arange(len(params)))
-    tokens = run(2, "sample", np.repeat(row[None], len(params), 0), *args, kernels=kernels)
+    tokens = run(2, "sample", np.repeat(row[None], len(params), 0), *args, kernels=cpu_kernels())
     for k, p in enumerate(ROWS[1:]):
         got = tokens[k * n: (k + 1) * n]
         x = sampler.filter_logits(row.astype(np.float64), p)

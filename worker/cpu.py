@@ -272,6 +272,13 @@ class SamplerKernels:
         """(x, (g, t, tau) [M, 3], target [R M], meta) -> [R M, 2]: the drawn column, x there."""
         return _custom("DrawColumn", lambda x, *_: [x[0], 2])
 
+    @staticmethod
+    def sample(K: int):
+        """(x [M, vocab], (temperature, top_k, top_p, min_p, u) [M, 5], (real columns, C) [1, 2]
+        int32) -> [M, 2 + 2K]: the token, its log-probability, the K most likely tokens'
+        log-probabilities and their ids; the whole of VocabSampler.sample at tp 1."""
+        return _custom("SampleRows", lambda x, *_: [x[0], 2 + 2 * K])
+
 
 def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
     """Kernel `func` of the library as a MindSpore operator; its output has the first input's

@@ -10,6 +10,8 @@ go through these functions (ModelRunner.sample):
 - `score`, inside the scoring step's graph: log p(target) per row, from each rank's max,
   normalizer part and the target's logit where the rank holds it (one all-gather).
 The others are compiled graphs of their own, run on the network's output where a step needs them:
+- `greedy_logprobs`, when every row is greedy but asks for log-probabilities: each rank's max,
+  normalizer part and K largest, one all-gather.
 - `sample`: temperature, min_p, top-k and top-p (vLLM's order), greedy rows among them, and the
   log-probabilities. Four collectives per step:
   1. all-gather of each rank's max, argmax, sum of exp(x - max) (the log-softmax normalizer)
@@ -25,6 +27,8 @@ The others are compiled graphs of their own, run on the network's output where a
      its shard by a cumulative sum, and an all-reduce (zeros from the other ranks) gives every
      rank the token and its logit. The token for a given u is the same at any tp and in any
      batch, up to float32 rounding of the sums near a boundary.
+  With the CPU kernels at tp 1, all of it is one kernel call (SampleRows, csrc/sampling.h), in
+  the same float32 steps.
   Top-p differs from sorting the whole distribution in one case: when the C candidates hold less
   than top_p of the mass (after min_p and top-k), the kept set is those C tokens, a subset of the
   exact one; the distribution then differs by at most 1 - (their mass / the exact set's mass)
@@ -89,6 +93,9 @@ class VocabSampler(nn.Cell):
             real = np.clip(vocab - starts, 0, per).astype(np.int32)            # real columns of each shard
             self.meta_sum = Tensor(np.stack((real, np.ones(R, np.int32)), -1))
             self.meta = Tensor(np.stack((real, np.zeros(R, np.int32)), -1))
+            if tp.size == 1:
+                self.sample_op = kernels.sample(self.K)
+                self.meta_c = Tensor(np.array([[vocab, self.C]], np.int32))
         self.all_gather = self.all_reduce = None
         if tp.size > 1 and not simulate_ranks:
             self.all_gather, self.all_reduce = ops.AllGather(), ops.AllReduce()
@@ -194,6 +201,30 @@ class VocabSampler(nn.Cell):
         log_z = top + ops.log((g[:, :, 1] * ops.exp(g[:, :, 0] - top.expand_dims(-1))).sum(-1))
         return g[:, :, 2].sum(-1) - log_z
 
+    def candidates(self, x, C: int):
+        """Per row over the whole vocabulary: the largest logit [M], its token (float32), the
+        log-softmax normalizer log Z [M] and the C largest logits [M, C] with their tokens
+        (float32), the same on every rank."""
+        m, arg, s, top, top_ids = self.stats(x, C, True)
+        if self.tp_size == 1:            # one shard: its figures are the global ones, its candidates sorted
+            return m[0], arg[0], m[0] + ops.log(s[0]), top[0], top_ids[0]
+        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, top_ids), -1))   # [M, tp, 3 + 2C]
+        maxes = g[:, :, 0]
+        g_max = ops.amax(maxes, -1)
+        winner = ops.argmax(maxes, -1).expand_dims(-1)
+        token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
+        log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
+        v, pos = ops.topk(g[:, :, 3: 3 + C].reshape(-1, self.tp_size * C), C)   # the global top C
+        return g_max, token, log_z, v, ops.gather_elements(g[:, :, 3 + C:].reshape(-1, self.tp_size * C), 1, pos)
+
+    def greedy_logprobs(self, logits):
+        """`sample`'s answer (K > 0) when every row is greedy, from one pass over the rows: the
+        greedy tokens, their log-probabilities and the K most likely tokens' with their ids."""
+        g_max, token, log_z, v, v_ids = self.candidates(logits, self.C)
+        K = self.K
+        return (token.astype(ms.int32), g_max - log_z, v[:, :K] - log_z.expand_dims(-1),
+                v_ids[:, :K].astype(ms.int32))
+
     def sample(self, logits, temperature, top_k, top_p, min_p, u):
         """Per row [M]: temperature (0: greedy) float32, top_k (0: off) int32, top_p (1: off),
         min_p (0: off), u in [0, 1) float32 -> token ids [M] int32, and with K > 0 also the
@@ -201,16 +232,15 @@ class VocabSampler(nn.Cell):
         (the model's own distribution: log-softmax of the logits, before any of the filters)."""
         C = self.C
         f32 = ms.float32
+        if self.tp_size == 1 and self.kernels is not None:       # all of it in one kernel call
+            prm = ops.stack((temperature, top_k.astype(f32), top_p, min_p, u), -1)
+            out = self.sample_op(self.rows(logits), prm, self.meta_c)
+            token = out[:, 0].astype(ms.int32)
+            if self.K == 0:
+                return token
+            return token, out[:, 1], out[:, 2: 2 + self.K], out[:, 2 + self.K:].astype(ms.int32)
         x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
-        m, arg, s, top, top_ids = self.stats(x, C, True)
-        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, top_ids), -1))   # [M, tp, 3 + 2C]
-        maxes = g[:, :, 0]
-        g_max = ops.amax(maxes, -1)                                              # [M]
-        winner = ops.argmax(maxes, -1).expand_dims(-1)
-        greedy_token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
-        log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
-        v, pos = ops.topk(g[:, :, 3: 3 + C].reshape(-1, self.tp_size * C), C)   # the global top C
-        v_ids = ops.gather_elements(g[:, :, 3 + C:].reshape(-1, self.tp_size * C), 1, pos)
+        g_max, greedy_token, log_z, v, v_ids = self.candidates(x, C)
 
         greedy = temperature <= 0
         t = ops.select(greedy, ops.ones_like(temperature), temperature)         # [M]
@@ -226,14 +256,19 @@ class VocabSampler(nn.Cell):
         tau_p = ops.amin(ops.select(keep, y, ops.full_like(y, -OFF)), -1)
         tau = ops.select(top_p < 1, ops.maximum(tau, tau_p), tau)
 
-        per_rank = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).squeeze(-1)   # [M, tp]
-        cum = ops.cumsum(per_rank, 1)
-        target = u * cum[:, -1]
-        owner = self.first_or_last(cum > target.expand_dims(-1), per_rank > 0, 1)       # [M]
-        start = ops.gather_elements(cum - per_rank, 1, owner.expand_dims(-1)).squeeze(-1)
-        j, logit = self.draw(x, g_max, t, tau, ops.broadcast_to((target - start).expand_dims(0), (self.R, -1)))
-        mine = (owner.expand_dims(0) == self.rank_ids).astype(f32)
-        drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, logit * mine), -1))   # [M, 2]
+        if self.tp_size == 1:
+            target = u * self.kept(x, g_max, t, tau)                             # [1, M]
+            j, logit = self.draw(x, g_max, t, tau, target)
+            drawn = ops.stack((j[0].astype(f32) + 1, logit[0]), -1)
+        else:
+            per_rank = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).squeeze(-1)   # [M, tp]
+            cum = ops.cumsum(per_rank, 1)
+            target = u * cum[:, -1]
+            owner = self.first_or_last(cum > target.expand_dims(-1), per_rank > 0, 1)   # [M]
+            start = ops.gather_elements(cum - per_rank, 1, owner.expand_dims(-1)).squeeze(-1)
+            j, logit = self.draw(x, g_max, t, tau, ops.broadcast_to((target - start).expand_dims(0), (self.R, -1)))
+            mine = (owner.expand_dims(0) == self.rank_ids).astype(f32)
+            drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, logit * mine), -1))   # [M, 2]
         token = ops.select(greedy, greedy_token, drawn[:, 0] - 1).astype(ms.int32)
         if self.K == 0:
             return token

@@ -380,8 +380,8 @@ class ModelRunner:
         """The step's tokens (-1 where a sequence does not sample) and per sequence its
         (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
         or None. On the device (worker.device_sampler): the network's greedy tokens when every
-        sequence is greedy without logprobs, else its `sample` function, whose variant every rank
-        picks alike from the sequences; unless a sequence's sampling changes its logits first
+        sequence is greedy without logprobs, its `greedy_logprobs` when every one is greedy, else
+        its `sample` function, whose variant every rank picks alike from the sequences; unless a sequence's sampling changes its logits first
         (penalties, biases, token masks, a grammar): then the step's whole logits go to the host,
         worker.sampler.
         `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
@@ -403,18 +403,23 @@ class ModelRunner:
         elif k == 0 and all(p.greedy for p in params):
             picked = self.to_host(greedy, len(seqs))[todo].tolist()
         else:
-            M = logits.shape[0]
-            temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
-                                               np.zeros(M, np.float32), np.zeros(M, np.float32))
-            top_k = np.zeros(M, np.int32)
-            for i, p, x in zip(todo, params, u):
-                temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = p.temperature, p.top_k, p.top_p, p.min_p, x
-            widest = int(top_k.max())
-            C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
-            T_ = self.ms.Tensor
-            out = self.to_host(self.sampler_fn("sample", C, k)(logits, T_(temperature), T_(top_k), T_(top_p),
-                                                               T_(min_p), T_(draw)), len(seqs))
-            picked = (out[0] if k else out)[todo].tolist()
+            if all(p.greedy for p in params):
+                out = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(logits), len(seqs))
+            else:
+                M = logits.shape[0]
+                temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
+                                                   np.zeros(M, np.float32), np.zeros(M, np.float32))
+                top_k = np.zeros(M, np.int32)
+                for i, p, x in zip(todo, params, u):
+                    temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = (p.temperature, p.top_k, p.top_p,
+                                                                             p.min_p, x)
+                widest = int(top_k.max())
+                C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
+                T_ = self.ms.Tensor
+                out = self.to_host(self.sampler_fn("sample", C, k)(logits, T_(temperature), T_(top_k), T_(top_p),
+                                                                   T_(min_p), T_(draw)), len(seqs))
+            out = out if k else (out,)         # tokens, and with k: chosen, top log-probabilities, their ids
+            picked = out[0][todo].tolist()
             for i, p in zip(todo, params):
                 if logprobs and p.logprobs:
                     lps[i] = (float(out[1][i]), [(int(t), float(x)) for t, x in

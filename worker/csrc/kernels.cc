@@ -13,6 +13,7 @@
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
 //   SampleStats, KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
+//   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
 //
@@ -261,6 +262,20 @@ extern "C" int DrawColumn(int nparam, void** params, int* ndims, int64_t** shape
   draw_column(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
               static_cast<const float*>(params[2]), cols.data(), static_cast<float*>(params[4]), shapes[0][0],
               shapes[3][0], shapes[0][1]);
+  return 0;
+}
+
+// x [M, P] float32, prm [M, 5], meta [1, 2] = (real columns, C) -> [M, 2 + 2K] (sample_rows)
+extern "C" int SampleRows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 5 || shapes[1][0] != shapes[0][0] ||
+      ndims[2] != 2 || shapes[2][0] != 1 || ndims[3] != 2 || shapes[3][0] != shapes[0][0] || shapes[3][1] % 2)
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[2]);
+  const int64_t n = std::min<int64_t>(meta[0], shapes[0][1]), C = meta[1], K = (shapes[3][1] - 2) / 2;
+  if (C < 1 || C > n || K > C) return 1;
+  sample_rows(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), n,
+              static_cast<float*>(params[3]), shapes[0][0], shapes[0][1], C, K);
   return 0;
 }
 

@@ -6,7 +6,8 @@ For each batch size B: B prompts of 32 tokens are prefilled, then `--steps` deco
 ModelRunner.step is recorded, with the part the step reports on the device (StepOutput.model_s:
 the network, the sampler, their copies to numpy) and the bytes it copied to the host. One JSON
 line per (batch, sampling) with the median step, the median device part and the bytes per step.
-"sampled" is temperature 0.8, top_p 0.95, top_k 50, a seed per sequence.
+"greedy_logprobs" is greedy with `logprobs: 5`; "sampled" is temperature 0.8, top_p 0.95,
+top_k 50, a seed per sequence.
 
 To compare two versions of msinfer, run this script under each (e.g. PYTHONPATH pointing at a
 package tree of the other), alternating, and compare the medians.
@@ -49,6 +50,7 @@ def main() -> None:
                          threads=args.threads)
     blocks = -(-max_len // runner.block_size)
     modes = {"greedy": lambda i: SamplingParams(),
+             "greedy_logprobs": lambda i: SamplingParams(logprobs=5),
              "sampled": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i)}
     for b in args.batches:
         for mode, params in modes.items():

@@ -53,6 +53,12 @@ def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logpr
     return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
 
 
+def split(out, K: int = 3):
+    """`sample`'s (tokens, figures) -> tokens, chosen log-probabilities, top-K ones, their ids."""
+    tokens, figures = out
+    return tokens, figures[:, 0], figures[:, 1: 1 + K], figures[:, 1 + K:].astype(np.int32)
+
+
 def log_softmax(x):
     x = x.astype(np.float64)
     return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
@@ -95,7 +101,8 @@ def test_tokens_and_logprobs_are_the_same_at_any_tp_and_on_either_path():
     params = [ROWS[i % len(ROWS)] for i in range(n)]
     args = draw_args(params, np.arange(n))
     kernels = cpu_kernels()
-    got = {(tp, k): run(tp, "sample", logits, *args, logprobs=3, kernels=k) for tp in (1, 3) for k in (None, kernels)}
+    got = {(tp, k): split(run(tp, "sample", logits, *args, logprobs=3, kernels=k))
+           for tp in (1, 3) for k in (None, kernels)}
     tokens, chosen, top, ids = got[1, kernels]
     for other in got.values():
         np.testing.assert_array_equal(other[0], tokens)
@@ -108,7 +115,8 @@ def test_tokens_and_logprobs_are_the_same_at_any_tp_and_on_either_path():
     np.testing.assert_array_equal(ids, np.argsort(-lp, -1, kind="stable")[:, :3])
     np.testing.assert_allclose(top, np.take_along_axis(lp, ids, -1), atol=1e-5)
     for tp, k in ((1, kernels), (3, None)):
-        g_tokens, g_chosen, g_top, g_ids = run(tp, "greedy_logprobs", logits, candidates=3, logprobs=3, kernels=k)
+        g_tokens, g_chosen, g_top, g_ids = split(run(tp, "greedy_logprobs", logits, candidates=3, logprobs=3,
+                                                     kernels=k))
         np.testing.assert_array_equal(g_tokens, logits.argmax(-1))
         np.testing.assert_allclose(g_chosen, lp.max(-1), atol=1e-5)
         np.testing.assert_array_equal(g_ids, ids)

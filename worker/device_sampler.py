@@ -219,26 +219,22 @@ class VocabSampler(nn.Cell):
 
     def greedy_logprobs(self, logits):
         """`sample`'s answer (K > 0) when every row is greedy, from one pass over the rows: the
-        greedy tokens, their log-probabilities and the K most likely tokens' with their ids."""
+        greedy tokens [M] int32 and `figures`."""
+        if self.tp_size == 1 and self.kernels is not None:       # SampleRows, every row at temperature 0
+            return self.fused(logits, ops.zeros((logits.shape[-2], 5), ms.float32))
         g_max, token, log_z, v, v_ids = self.candidates(logits, self.C)
         K = self.K
-        return (token.astype(ms.int32), g_max - log_z, v[:, :K] - log_z.expand_dims(-1),
-                v_ids[:, :K].astype(ms.int32))
+        return token.astype(ms.int32), self.figures(g_max - log_z, v[:, :K] - log_z.expand_dims(-1), v_ids[:, :K])
 
     def sample(self, logits, temperature, top_k, top_p, min_p, u):
         """Per row [M]: temperature (0: greedy) float32, top_k (0: off) int32, top_p (1: off),
-        min_p (0: off), u in [0, 1) float32 -> token ids [M] int32, and with K > 0 also the
-        chosen token's log-probability [M], the K most likely tokens' [M, K] and their ids [M, K]
+        min_p (0: off), u in [0, 1) float32 -> token ids [M] int32, and with K > 0 also their
+        `figures`: the chosen token's log-probability, the K most likely tokens' and their ids
         (the model's own distribution: log-softmax of the logits, before any of the filters)."""
         C = self.C
         f32 = ms.float32
         if self.tp_size == 1 and self.kernels is not None:       # all of it in one kernel call
-            prm = ops.stack((temperature, top_k.astype(f32), top_p, min_p, u), -1)
-            out = self.sample_op(self.rows(logits), prm, self.meta_c)
-            token = out[:, 0].astype(ms.int32)
-            if self.K == 0:
-                return token
-            return token, out[:, 1], out[:, 2: 2 + self.K], out[:, 2 + self.K:].astype(ms.int32)
+            return self.fused(logits, ops.stack((temperature, top_k.astype(f32), top_p, min_p, u), -1))
         x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
         g_max, greedy_token, log_z, v, v_ids = self.candidates(x, C)
 
@@ -273,7 +269,24 @@ class VocabSampler(nn.Cell):
         if self.K == 0:
             return token
         chosen = ops.select(greedy, g_max, drawn[:, 1]) - log_z
-        return token, chosen, v[:, : self.K] - log_z.expand_dims(-1), v_ids[:, : self.K].astype(ms.int32)
+        return token, self.figures(chosen, v[:, : self.K] - log_z.expand_dims(-1), v_ids[:, : self.K])
+
+    def fused(self, logits, prm):
+        """`sample` at tp 1 with the CPU kernels: one call of SampleRows (csrc/sampling.h), which
+        takes the per-row parameters as prm [M, 5] and computes the same float32 steps. The
+        out [M, 2 + 2K] is the token and `figures`."""
+        out = self.sample_op(self.rows(logits), prm, self.meta_c)
+        token = out[:, 0].astype(ms.int32)
+        if self.K == 0:
+            return token
+        return token, out[:, 1:]
+
+    @staticmethod
+    def figures(chosen, top, ids):
+        """The log-probabilities of a step as one output [M, 1 + 2K] float32: the chosen token's,
+        the K most likely tokens', their ids (exact in float32). Outputs are few on purpose: on
+        the CPU each sliced output costs more than its bytes (a step with four took 3-5 ms more)."""
+        return ops.concat((chosen.expand_dims(-1), top, ids.astype(ms.float32)), -1)
 
     def first_or_last(self, hit, present, axis: int):
         """Along `axis`: the first position where `hit`, or, where none is (float rounding of a

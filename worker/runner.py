@@ -418,12 +418,12 @@ class ModelRunner:
                 T_ = self.ms.Tensor
                 out = self.to_host(self.sampler_fn("sample", C, k)(logits, T_(temperature), T_(top_k), T_(top_p),
                                                                    T_(min_p), T_(draw)), len(seqs))
-            out = out if k else (out,)         # tokens, and with k: chosen, top log-probabilities, their ids
-            picked = out[0][todo].tolist()
+            tokens, figures = out if k else (out, None)     # figures: chosen, top-k log-probabilities, their ids
+            picked = tokens[todo].tolist()
             for i, p in zip(todo, params):
                 if logprobs and p.logprobs:
-                    lps[i] = (float(out[1][i]), [(int(t), float(x)) for t, x in
-                                                  zip(out[3][i, : p.logprobs], out[2][i, : p.logprobs])])
+                    top, ids = figures[i, 1: 1 + p.logprobs], figures[i, 1 + k: 1 + k + p.logprobs]
+                    lps[i] = (float(figures[i, 0]), [(int(t), float(x)) for t, x in zip(ids, top)])
         for i, t in zip(todo, picked):
             chosen[i] = t
         return chosen, lps

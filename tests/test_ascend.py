@@ -84,7 +84,8 @@ def test_chunked_prefill_joining_decodes_gives_the_cpu_kernels_logits(path_kind,
         d = Driver(runner)
         d.prefill({0: PROMPTS[0], 1: PROMPTS[1]})
         first = runner.step([SeqStep(2, long_prompt[:10], 0, d.table(2), sample=False)], True)   # chunk 1
-        assert first.token_ids == [-1]
+        assert first.token_ids == [-1] and first.host_bytes == 0      # nothing sampled: nothing copied
+        assert 0 < first.model_s <= first.worker_s                      # the device's time, waited for
         mixed = [SeqStep(2, long_prompt[10:], 10, d.table(2))] + [
             SeqStep(s, [d.seqs[s]["gen"][-1]], len(d.seqs[s]["prompt"]), d.table(s), num_generated=1) for s in (0, 1)]
         logits[kind] = runner.forward(mixed, True)

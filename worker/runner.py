@@ -335,8 +335,8 @@ class ModelRunner:
     def forward_scores(self, seqs: list[SeqStep]):
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
         j with targets[j] >= 0 (None for a sequence without targets); the last-token logits and
-        greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to a bucket of 16 so that
-        scoring adds few compiled shapes (static shapes)."""
+        greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to
+        a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
@@ -381,9 +381,9 @@ class ModelRunner:
         (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
         or None. On the device (worker.device_sampler): the network's greedy tokens when every
         sequence is greedy without logprobs, its `greedy_logprobs` when every one is greedy, else
-        its `sample` function, whose variant every rank picks alike from the sequences; unless a sequence's sampling changes its logits first
-        (penalties, biases, token masks, a grammar): then the step's whole logits go to the host,
-        worker.sampler.
+        its `sample` function, whose variant every rank picks alike from the sequences; unless a
+        sequence's sampling changes its logits first (penalties, biases, token masks, a grammar):
+        then the step's whole logits go to the host, worker.sampler.
         `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
         chosen, lps = [-1] * len(seqs), [None] * len(seqs)
         todo = [i for i, s in enumerate(seqs) if s.sample]
@@ -449,6 +449,9 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits, greedy, part_scores = self.network(part, is_prefill)
             tokens, part_lps = self.sample(part, logits, greedy, logprobs)
+            if self.synced < t1:                 # nothing copied (no sequence samples or scores): wait for it
+                self.ms.runtime.synchronize()
+                self.synced = time.perf_counter()
             model_s += self.synced - t1          # the network and the device sampler, to their last copy
             chosen += tokens
             lps += part_lps

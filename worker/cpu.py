@@ -254,9 +254,8 @@ def is_bfloat16(w: np.ndarray) -> bool:
 class SamplerKernels:
     """The device sampler's passes over vocabulary shards (worker.device_sampler.VocabSampler:
     stats, kept, draw; and all of `sample` in one, at tp 1) as the kernels of csrc/sampling.h:
-    x [R M, per] float32 (R shards' rows),
-    meta [R, 2] int32 (each shard's real columns, and whether `stats` sums), parameters per row
-    of a shard."""
+    x [R M, per] float32 (R shards' rows), meta [R, 2] int32 (each shard's real columns, and
+    whether `stats` sums), parameters per row of a shard."""
 
     @staticmethod
     def stats(C: int):

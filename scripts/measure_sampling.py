@@ -7,7 +7,8 @@ ModelRunner.step is recorded, with the part the step reports on the device (Step
 the network, the sampler, their copies to numpy) and the bytes it copied to the host. One JSON
 line per (batch, sampling) with the median step, the median device part and the bytes per step.
 "greedy_logprobs" is greedy with `logprobs: 5`; "sampled" is temperature 0.8, top_p 0.95,
-top_k 50, a seed per sequence.
+top_k 50, a seed per sequence; "temperature" is temperature 0.8 alone (a draw over the whole
+vocabulary).
 
 To compare two versions of msinfer, run this script under each (e.g. PYTHONPATH pointing at a
 package tree of the other), alternating, and compare the medians.
@@ -51,7 +52,8 @@ def main() -> None:
     blocks = -(-max_len // runner.block_size)
     modes = {"greedy": lambda i: SamplingParams(),
              "greedy_logprobs": lambda i: SamplingParams(logprobs=5),
-             "sampled": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i)}
+             "sampled": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i),
+             "temperature": lambda i: SamplingParams(temperature=0.8, seed=i)}
     for b in args.batches:
         for mode, params in modes.items():
             tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(b)]

@@ -6,6 +6,8 @@ distribution the filters define."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -44,10 +46,12 @@ def kernels(request):
     return None if request.param == "primitives" else cpu_kernels()
 
 
-def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0, kernels=None):
-    key = (tp, fn, candidates, logprobs, kernels)
+def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0, kernels=None,
+        passes=(True, True)):
+    key = (tp, fn, candidates, logprobs, kernels, passes)
     if key not in _COMPILED:
-        cell = VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True, kernels=kernels)
+        cell = VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True, kernels=kernels,
+                            mass_pass=passes[0], draw_pass=passes[1])
         _COMPILED[key] = ms.jit(getattr(cell, fn))
     out = _COMPILED[key](shards(logits, tp), *(ms.Tensor(a) for a in args))
     return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
@@ -121,6 +125,27 @@ def test_tokens_and_logprobs_are_the_same_at_any_tp_and_on_either_path():
         np.testing.assert_allclose(g_chosen, lp.max(-1), atol=1e-5)
         np.testing.assert_array_equal(g_ids, ids)
         np.testing.assert_allclose(g_top, top, atol=1e-5)
+
+
+def test_a_rows_token_does_not_depend_on_the_passes_its_step_runs():
+    """The host compiles `sample` without the pass over the rows for min_p alone, or without the
+    draw over the whole vocabulary, when no row of the step needs it: the rows that do not need
+    them draw the same tokens in either variant, at tp 1 and 3, on either path."""
+    rng = np.random.default_rng(3)
+    n = 60
+    logits = rng.normal(0, 2, (n, V)).astype(np.float32)
+    kinds = {(False, False): [ROWS[0], ROWS[2], ROWS[3], ROWS[5]],      # greedy, top_k, top_p, all of them
+             (False, True): [ROWS[1], ROWS[2], ROWS[3]],                 # temperature alone: the whole vocabulary
+             (True, False): [dataclasses.replace(ROWS[4], top_p=0.9), ROWS[3]]}   # min_p alone, with top_p
+    for passes, kinds_ in kinds.items():
+        params = [kinds_[i % len(kinds_)] for i in range(n)]
+        args = draw_args(params, np.arange(n) + 7)
+        for tp in (1, 3):
+            for k in (None, cpu_kernels()):
+                want = split(run(tp, "sample", logits, *args, logprobs=3, kernels=k))
+                got = split(run(tp, "sample", logits, *args, logprobs=3, kernels=k, passes=passes))
+                np.testing.assert_array_equal(got[0], want[0])
+                np.testing.assert_allclose(got[1], want[1], atol=1e-6)
 
 
 def test_draws_follow_the_filtered_softmax_and_equal_the_host_samplers():

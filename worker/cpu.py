@@ -258,9 +258,12 @@ class SamplerKernels:
     whether `stats` sums), parameters per row of a shard."""
 
     @staticmethod
-    def stats(C: int):
-        """(x, meta) -> [R M, 3 + 2C]: max, its column, sum exp(x - max), the C largest, their columns."""
-        return _custom("SampleStats", lambda x, meta: [x[0], 3 + 2 * C])
+    def stats(C: int, temperature: bool = False):
+        """(x, [t [M]], meta) -> [R M, 4 + 2C]: max, its column, sum exp(x - max), sum
+        exp((x - max) / t) (with `temperature`, where t > 0), the C largest, their columns."""
+        if temperature:
+            return _custom("SampleStatsT", lambda x, *_: [x[0], 4 + 2 * C])
+        return _custom("SampleStats", lambda x, meta: [x[0], 4 + 2 * C])
 
     @staticmethod
     def kept():
@@ -271,6 +274,14 @@ class SamplerKernels:
     def draw():
         """(x, (g, t, tau) [M, 3], target [R M], meta) -> [R M, 2]: the drawn column, x there."""
         return _custom("DrawColumn", lambda x, *_: [x[0], 2])
+
+    @staticmethod
+    def merge(K: int):
+        """(every rank's stats [tp M, 4 + 2C], (temperature, top_k, top_p, min_p, u) [M, 5], every
+        rank's kept sum under log(min_p) [tp M], the ranks' first columns [tp]) -> [M, 2 + 2K + 5]:
+        the token (-1: drawn from a shard), its log-probability, the K most likely tokens'
+        and their ids, and (owner rank, target, g, t, tau) of a draw from a shard."""
+        return _custom("SampleMerge", lambda st, prm, *_: [prm[0], 2 + 2 * K + 5])
 
     @staticmethod
     def sample(K: int):

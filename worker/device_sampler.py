@@ -13,22 +13,27 @@ The others are compiled graphs of their own, run on the network's output where a
 - `greedy_logprobs`, when every row is greedy but asks for log-probabilities: each rank's max,
   normalizer part and K largest, one all-gather.
 - `sample`: temperature, min_p, top-k and top-p (vLLM's order), greedy rows among them, and the
-  log-probabilities. Four collectives per step:
-  1. all-gather of each rank's max, argmax, sum of exp(x - max) (the log-softmax normalizer)
-     and its C largest logits with their ids; every rank then holds the global C largest
-     (`candidates`), the same on every rank and at every tp.
-  2. The filters as one threshold on the temperature-scaled logits: top-k keeps the k-th
-     candidate and above (exact: C >= k); min_p keeps x/T >= max/T + log(min_p); top-p walks
-     the candidates, most likely first, until their mass reaches top_p of what min_p and top-k
-     keep (whose total is the second all-gather: each rank's sum under that threshold).
-  3. The draw: one uniform u per sequence (from the host, `uniforms`), an inverse CDF in token-id
-     order over the kept tokens' weights exp((x - max)/T): the third all-gather (each rank's sum
-     of kept weights) names the rank whose range holds u x total, that rank finds the token in
-     its shard by a cumulative sum, and an all-reduce (zeros from the other ranks) gives every
-     rank the token and its logit. The token for a given u is the same at any tp and in any
-     batch, up to float32 rounding of the sums near a boundary.
-  With the CPU kernels at tp 1, all of it is one kernel call (SampleRows, csrc/sampling.h), in
-  the same float32 steps.
+  log-probabilities, per row (temperature T, y = (x - max) / T):
+  1. One all-gather of each rank's max, argmax, sum of exp(x - max) (the log-softmax normalizer),
+     sum of exp((x - max) / T) and its C largest logits with their ids: every rank then holds
+     the global C largest (the candidates), the same on every rank and at every tp.
+  2. With top_k or top_p on, the kept tokens are among the candidates: those at or above top_k's
+     k-th y and log(min_p); top_p then keeps them, most likely first, while the mass before them
+     is under top_p of the mass min_p and top_k keep (that of the kept candidates with top_k; of
+     the whole vocabulary otherwise: the ranks' sums of exp(y), or with min_p a pass over the
+     rows and a second all-gather). The draw is the inverse CDF of one uniform u per sequence
+     (from the host, `uniforms`) over them in token-id order, on every rank alike: nothing more
+     crosses ranks. top_k is exact (a token tied with the k-th beyond the candidates aside).
+  3. With neither, the draw is over the whole vocabulary (above log(min_p)): the ranks' sums, in
+     rank order, name the rank whose range holds u x their total; that rank finds the token by
+     a running sum over its shard, and an all-reduce (zeros from the other ranks) gives every
+     rank the token and its logit.
+  So a step takes one collective when its sampled rows all use top_k or top_p (without min_p
+  alone), two when some draw over the whole vocabulary, three with min_p alone; the host picks
+  that variant from the rows (`mass_pass`, `draw_pass`), and a row's token does not depend on it.
+  The token for a given u is the same at any tp and in any batch, up to float32 rounding of the
+  sums near a boundary. With the CPU kernels, everything after the gather is one kernel call
+  (SampleMerge), and at tp 1 all of it (SampleRows): csrc/sampling.h, in the same float32 steps.
   Top-p differs from sorting the whole distribution in one case: when the C candidates hold less
   than top_p of the mass (after min_p and top-k), the kept set is those C tokens, a subset of the
   exact one; the distribution then differs by at most 1 - (their mass / the exact set's mass)
@@ -73,13 +78,14 @@ class VocabSampler(nn.Cell):
     kernels (`kernels`: worker.cpu.SamplerKernels), which compute the same figures."""
 
     def __init__(self, vocab: int, tp: TPInfo, candidates: int = CANDIDATES, logprobs: int = 0,
-                 simulate_ranks: bool = False, kernels=None):
+                 simulate_ranks: bool = False, kernels=None, mass_pass: bool = False, draw_pass: bool = False):
         super().__init__()
         start, _, per = vocab_shard(vocab, tp)
         R = tp.size if simulate_ranks else 1
         self.vocab, self.per, self.tp_size, self.R = vocab, per, tp.size, R
         self.C = min(max(candidates, logprobs, 1), per)
         self.K = logprobs
+        self.mass_pass, self.draw_pass = mass_pass, draw_pass
         starts = np.arange(R) * per if simulate_ranks else np.array([start])
         self.starts = Tensor(starts.reshape(R, 1).astype(np.float32))
         self.rank_ids = Tensor((np.arange(R) if simulate_ranks else np.array([tp.rank])).reshape(R, 1).astype(np.int32))
@@ -89,7 +95,9 @@ class VocabSampler(nn.Cell):
         self.kernels = kernels
         if kernels is not None:
             self.stats_ops = {c: kernels.stats(c) for c in {1, self.C}}
-            self.kept_op, self.draw_op = kernels.kept(), kernels.draw()
+            self.stats_t_op = kernels.stats(self.C, temperature=True)
+            self.kept_op, self.draw_op, self.merge_op = kernels.kept(), kernels.draw(), kernels.merge(self.K)
+            self.all_starts = Tensor((np.arange(tp.size) * per).astype(np.float32))
             real = np.clip(vocab - starts, 0, per).astype(np.int32)            # real columns of each shard
             self.meta_sum = Tensor(np.stack((real, np.ones(R, np.int32)), -1))
             self.meta = Tensor(np.stack((real, np.zeros(R, np.int32)), -1))
@@ -108,6 +116,10 @@ class VocabSampler(nn.Cell):
         k = x.shape[-1]
         return self.all_gather(x[0]).reshape(self.tp_size, -1, k).transpose(1, 0, 2)
 
+    def gather_rows(self, x):
+        """[R M, ...] from each rank -> [tp M, ...], rank after rank (the kernels' layout)."""
+        return x if self.all_gather is None else self.all_gather(x)
+
     def reduce(self, x):
         """[R, M, k] -> [M, k], summed over every rank."""
         if self.all_reduce is None:
@@ -121,23 +133,31 @@ class VocabSampler(nn.Cell):
         return logits + self.padding if self.padded else logits
 
     # ---- the passes over whole rows -------------------------------------------------------------
-    def stats(self, x, C: int, with_sum: bool):
+    def stats(self, x, C: int, with_sum: bool, t=None):
         """Per row of each shard, [R, M]: the max, its column (the first), sum exp(x - max) (only
-        `with_sum`); and with C > 0 the C largest [R, M, C] with their columns. Columns as float32,
-        with the shard's offset. x: the network's logits (`local` for the primitives)."""
+        `with_sum`), sum exp((x - max) / t) (with t [M] per row; else the max again); and with
+        C > 0 the C largest [R, M, C] with their columns. Columns as float32, with the shard's
+        offset. x: the network's logits (`local` for the primitives)."""
         if self.kernels is not None:
             n = max(C, 1)
-            out = self.stats_ops[n](self.rows(x), self.meta_sum if with_sum else self.meta)
-            out = out.reshape(self.R, -1, 3 + 2 * n)
-            m, arg, s, top, ids = out[:, :, 0], out[:, :, 1], out[:, :, 2], out[:, :, 3: 3 + n], out[:, :, 3 + n:]
+            meta = self.meta_sum if with_sum else self.meta
+            if t is None:
+                out = self.stats_ops[n](self.rows(x), meta)
+            else:
+                out = self.stats_t_op(self.rows(x), t, meta)
+            out = out.reshape(self.R, -1, 4 + 2 * n)
+            m, arg, s, s_t = out[:, :, 0], out[:, :, 1], out[:, :, 2], out[:, :, 3]
+            top, ids = out[:, :, 4: 4 + n], out[:, :, 4 + n:]
         else:
             x = self.local(x)
             m = ops.amax(x, -1)
             arg = ops.argmax(x, -1).astype(ms.float32)
-            s = ops.exp(x - ops.broadcast_to(m.expand_dims(-1), x.shape)).sum(-1) if with_sum else m
+            d = x - ops.broadcast_to(m.expand_dims(-1), x.shape)
+            s = ops.exp(d).sum(-1) if with_sum else m
+            s_t = ops.exp(d / ops.broadcast_to(t.reshape(1, -1, 1), x.shape)).sum(-1) if t is not None else m
             top, ids = ops.topk(x, C) if C else (m, m)
             ids = ids.astype(ms.float32)
-        return m, arg + self.starts, s, top, (ids + self.starts.expand_dims(-1)) if C else ids
+        return m, arg + self.starts, s, s_t, top, (ids + self.starts.expand_dims(-1)) if C else ids
 
     def rows(self, logits):
         """The network's [M, per] as it is (R = 1), or [R, M, per] as [R M, per]: the kernels' rows."""
@@ -177,7 +197,7 @@ class VocabSampler(nn.Cell):
             return self.stats_ops[1](self.rows(logits), self.meta)[:, 1].astype(ms.int32)
         if self.tp_size == 1:
             return ops.argmax(self.rows(logits), -1).astype(ms.int32)
-        m, arg, _, _, _ = self.stats(logits, 0, False)
+        m, arg, _, _, _, _ = self.stats(logits, 0, False)
         g = self.gather(ops.stack((m, arg), -1))                                # [M, tp, 2]
         best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)
         return ops.gather_elements(g[:, :, 1], 1, best).squeeze(-1).astype(ms.int32)
@@ -190,7 +210,7 @@ class VocabSampler(nn.Cell):
 
     def score(self, logits, targets):
         """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
-        m, _, s, _, _ = self.stats(logits, 0, True)
+        m, _, s, _, _, _ = self.stats(logits, 0, True)
         x = self.local(logits)
         at = targets.expand_dims(0) - self.starts.astype(ms.int32)               # [R, S]
         inside = ops.logical_and(at >= 0, at < self.per)
@@ -201,28 +221,30 @@ class VocabSampler(nn.Cell):
         log_z = top + ops.log((g[:, :, 1] * ops.exp(g[:, :, 0] - top.expand_dims(-1))).sum(-1))
         return g[:, :, 2].sum(-1) - log_z
 
-    def candidates(self, x, C: int):
+    def candidates(self, x, C: int, t=None):
         """Per row over the whole vocabulary: the largest logit [M], its token (float32), the
         log-softmax normalizer log Z [M] and the C largest logits [M, C] with their tokens
-        (float32), the same on every rank."""
-        m, arg, s, top, top_ids = self.stats(x, C, True)
+        (float32), the same on every rank; and each rank's max and sum exp((x - max) / t)
+        [M, tp] (`stats`)."""
+        m, arg, s, s_t, top, top_ids = self.stats(x, C, True, t)
         if self.tp_size == 1:            # one shard: its figures are the global ones, its candidates sorted
-            return m[0], arg[0], m[0] + ops.log(s[0]), top[0], top_ids[0]
-        g = self.gather(ops.concat((ops.stack((m, arg, s), -1), top, top_ids), -1))   # [M, tp, 3 + 2C]
+            return m[0], arg[0], m[0] + ops.log(s[0]), top[0], top_ids[0], m.transpose(1, 0), s_t.transpose(1, 0)
+        g = self.gather(ops.concat((ops.stack((m, arg, s, s_t), -1), top, top_ids), -1))   # [M, tp, 4 + 2C]
         maxes = g[:, :, 0]
         g_max = ops.amax(maxes, -1)
         winner = ops.argmax(maxes, -1).expand_dims(-1)
         token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
         log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
-        v, pos = ops.topk(g[:, :, 3: 3 + C].reshape(-1, self.tp_size * C), C)   # the global top C
-        return g_max, token, log_z, v, ops.gather_elements(g[:, :, 3 + C:].reshape(-1, self.tp_size * C), 1, pos)
+        v, pos = ops.topk(g[:, :, 4: 4 + C].reshape(-1, self.tp_size * C), C)   # the global top C
+        v_ids = ops.gather_elements(g[:, :, 4 + C:].reshape(-1, self.tp_size * C), 1, pos)
+        return g_max, token, log_z, v, v_ids, maxes, g[:, :, 3]
 
     def greedy_logprobs(self, logits):
         """`sample`'s answer (K > 0) when every row is greedy, from one pass over the rows: the
         greedy tokens [M] int32 and `figures`."""
         if self.tp_size == 1 and self.kernels is not None:       # SampleRows, every row at temperature 0
             return self.fused(logits, ops.zeros((logits.shape[-2], 5), ms.float32))
-        g_max, token, log_z, v, v_ids = self.candidates(logits, self.C)
+        g_max, token, log_z, v, v_ids, _, _ = self.candidates(logits, self.C)
         K = self.K
         return token.astype(ms.int32), self.figures(g_max - log_z, v[:, :K] - log_z.expand_dims(-1), v_ids[:, :K])
 
@@ -231,45 +253,86 @@ class VocabSampler(nn.Cell):
         min_p (0: off), u in [0, 1) float32 -> token ids [M] int32, and with K > 0 also their
         `figures`: the chosen token's log-probability, the K most likely tokens' and their ids
         (the model's own distribution: log-softmax of the logits, before any of the filters)."""
-        C = self.C
         f32 = ms.float32
+        prm = ops.stack((temperature, top_k.astype(f32), top_p, min_p, u), -1)
         if self.tp_size == 1 and self.kernels is not None:       # all of it in one kernel call
-            return self.fused(logits, ops.stack((temperature, top_k.astype(f32), top_p, min_p, u), -1))
-        x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
-        g_max, greedy_token, log_z, v, v_ids = self.candidates(x, C)
-
+            return self.fused(logits, prm)
         greedy = temperature <= 0
         t = ops.select(greedy, ops.ones_like(temperature), temperature)         # [M]
-        y = (v - g_max.expand_dims(-1)) / t.expand_dims(-1)                      # scaled, 0 for the largest
-        kth = ops.gather_elements(y, 1, (ops.clip_by_value(top_k, 1, C) - 1).expand_dims(-1)).squeeze(-1)
-        off = ops.full_like(g_max, OFF)
-        tau = ops.maximum(ops.select(top_k > 0, kth, off),
-                          ops.select(min_p > 0, ops.log(ops.maximum(min_p, ops.full_like(min_p, 1e-30))), off))
-        kept_mass = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).sum((1, 2))
-        wc = ops.exp(y) * (y >= tau.expand_dims(-1)).astype(f32)
-        before = ops.cumsum(wc, 1) - wc
-        keep = ops.logical_and(before < (top_p * kept_mass).expand_dims(-1), wc > 0)
-        tau_p = ops.amin(ops.select(keep, y, ops.full_like(y, -OFF)), -1)
-        tau = ops.select(top_p < 1, ops.maximum(tau, tau_p), tau)
+        off = ops.full_like(temperature, OFF)
+        tau_min_p = ops.select(min_p > 0, ops.log(ops.maximum(min_p, ops.full_like(min_p, 1e-30))), off)
+        if self.kernels is not None:
+            return self.merged(logits, prm, t, tau_min_p)
+        x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
+        g_max, greedy_token, log_z, v, v_ids, maxes, s_t = self.candidates(x, self.C, t)
+        part = s_t * ops.exp((maxes - g_max.expand_dims(-1)) / t.expand_dims(-1))   # [M, tp]: each rank's kept sum
+        if self.mass_pass:
+            kept = self.gather(self.kept(x, g_max, t, tau_min_p).expand_dims(-1)).squeeze(-1)
+            part = ops.select(ops.broadcast_to((min_p > 0).expand_dims(-1), part.shape), kept, part)
+        total = part.sum(-1)
 
-        if self.tp_size == 1:
-            target = u * self.kept(x, g_max, t, tau)                             # [1, M]
-            j, logit = self.draw(x, g_max, t, tau, target)
-            drawn = ops.stack((j[0].astype(f32) + 1, logit[0]), -1)
-        else:
-            per_rank = self.gather(self.kept(x, g_max, t, tau).expand_dims(-1)).squeeze(-1)   # [M, tp]
-            cum = ops.cumsum(per_rank, 1)
-            target = u * cum[:, -1]
-            owner = self.first_or_last(cum > target.expand_dims(-1), per_rank > 0, 1)   # [M]
-            start = ops.gather_elements(cum - per_rank, 1, owner.expand_dims(-1)).squeeze(-1)
-            j, logit = self.draw(x, g_max, t, tau, ops.broadcast_to((target - start).expand_dims(0), (self.R, -1)))
+        # top_k or top_p: the candidates
+        y = (v - g_max.expand_dims(-1)) / t.expand_dims(-1)                      # scaled, 0 for the largest
+        kth = ops.gather_elements(y, 1, (ops.clip_by_value(top_k, 1, self.C) - 1).expand_dims(-1)).squeeze(-1)
+        tau = ops.maximum(ops.select(top_k > 0, kth, off), tau_min_p)
+        wc = ops.exp(y) * (y >= tau.expand_dims(-1)).astype(f32)
+        limit = top_p * ops.select(top_k > 0, wc.sum(-1), total)
+        before = ops.cumsum(wc, 1) - wc
+        drop = ops.logical_and((top_p < 1).expand_dims(-1), before >= limit.expand_dims(-1))
+        wc = ops.select(drop, ops.zeros_like(wc), wc)
+        ids_sorted, order = ops.sort(v_ids, -1)                                 # token-id order
+        w = ops.gather_elements(wc, 1, order)
+        cum = ops.cumsum(w, 1)
+        at = self.first_or_last(cum > (u * cum[:, -1]).expand_dims(-1), w > 0, 1).expand_dims(-1)
+        pick = ops.gather_elements(order, 1, at)
+        token = ops.gather_elements(v_ids, 1, pick).squeeze(-1)
+        logit = ops.gather_elements(v, 1, pick).squeeze(-1)
+
+        if self.draw_pass:               # neither: the whole vocabulary
+            cum = ops.cumsum(part, 1)
+            target = u * total
+            owner = self.first_or_last(cum > target.expand_dims(-1), part > 0, 1)   # [M]
+            start = ops.gather_elements(cum - part, 1, owner.expand_dims(-1)).squeeze(-1)
+            j, x_j = self.draw(x, g_max, t, tau_min_p, ops.broadcast_to((target - start).expand_dims(0), (self.R, -1)))
             mine = (owner.expand_dims(0) == self.rank_ids).astype(f32)
-            drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, logit * mine), -1))   # [M, 2]
-        token = ops.select(greedy, greedy_token, drawn[:, 0] - 1).astype(ms.int32)
+            drawn = self.reduce(ops.stack(((j.astype(f32) + self.starts + 1) * mine, x_j * mine), -1))   # [M, 2]
+            whole = ops.logical_and(top_k <= 0, top_p >= 1)
+            token = ops.select(whole, drawn[:, 0] - 1, token)
+            logit = ops.select(whole, drawn[:, 1], logit)
+        token = ops.select(greedy, greedy_token, token).astype(ms.int32)
         if self.K == 0:
             return token
-        chosen = ops.select(greedy, g_max, drawn[:, 1]) - log_z
+        chosen = ops.select(greedy, g_max, logit) - log_z
         return token, self.figures(chosen, v[:, : self.K] - log_z.expand_dims(-1), v_ids[:, : self.K])
+
+    def merged(self, logits, prm, t, tau_min_p):
+        """`sample` with the CPU kernels at tp > 1 (or simulated): the ranks' stats gathered, the
+        rest one SampleMerge call on every rank; a draw over the whole vocabulary on the rank
+        that owns it (`draw_pass`), summed to every rank."""
+        temperature = prm[:, 0]
+        st = self.gather_rows(self.stats_t_op(self.rows(logits), ops.relu(temperature), self.meta_sum))
+        M = prm.shape[0]
+        if self.mass_pass:
+            g_max = ops.amax(st[:, 0].reshape(self.tp_size, M), 0)
+            kept = self.gather_rows(self.kept(logits, g_max, t, tau_min_p).reshape(-1))
+        else:
+            kept = ops.zeros((self.tp_size * M,), ms.float32)
+        out = self.merge_op(st, prm, kept, self.all_starts)                    # [M, 2 + 2K + 5]
+        token, chosen = out[:, 0], out[:, 1]
+        if self.draw_pass:
+            d = out[:, 2 + 2 * self.K:]
+            owner = d[:, 0].astype(ms.int32)
+            target = ops.broadcast_to(d[:, 1].expand_dims(0), (self.R, -1))
+            j, x_j = self.draw(logits, d[:, 2], d[:, 3], d[:, 4], target)
+            mine = (owner.expand_dims(0) == self.rank_ids).astype(ms.float32)
+            drawn = self.reduce(ops.stack(((j.astype(ms.float32) + self.starts) * mine, x_j * mine), -1))
+            pending = token < 0
+            token = ops.select(pending, drawn[:, 0], token)
+            chosen = ops.select(pending, chosen + drawn[:, 1], chosen)
+        token = token.astype(ms.int32)
+        if self.K == 0:
+            return token
+        return token, ops.concat((chosen.expand_dims(-1), out[:, 2: 2 + 2 * self.K]), -1)
 
     def fused(self, logits, prm):
         """`sample` at tp 1 with the CPU kernels: one call of SampleRows (csrc/sampling.h), which

@@ -117,17 +117,19 @@ class ModelRunner:
         graph = ms.jit(types.MethodType(own, fn.__self__), **self.dev.jit_options)
         return ms.enable_dynamic(**{n: ms.Tensor(shape=shp, dtype=dt) for n, (shp, dt) in specs.items()})(graph)
 
-    def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0):
+    def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0, passes=(False, False)):
         """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled once
-        per (name, C, K) for any number of rows (per row count with the CPU kernels, whose custom
-        operators take static shapes), and shared by the runners of a process that have the same
-        vocabulary shard (a compile of `sample` takes over a second)."""
-        key = (name, candidates, logprobs, self.cfg.vocab_size, self.tp.rank, self.tp.size, self.ec.graph_mode,
-               self.dev.name, tuple(sorted(self.dev.jit_options.items())))
+        per (name, C, K, its passes: mass_pass, draw_pass) for any number of rows (per row count
+        with the CPU kernels, whose custom operators take static shapes), and shared by the
+        runners of a process that have the same vocabulary shard (a compile of `sample` as
+        MindSpore's operators takes over a second)."""
+        key = (name, candidates, logprobs, passes, self.cfg.vocab_size, self.tp.rank, self.tp.size,
+               self.ec.graph_mode, self.dev.name, tuple(sorted(self.dev.jit_options.items())))
         if key not in SAMPLER_FNS:
             from msinfer.worker.device_sampler import VocabSampler
             kernels = self.dev.sampler_kernels
-            fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs, kernels=kernels), name)
+            fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs, kernels=kernels,
+                                      mass_pass=passes[0], draw_pass=passes[1]), name)
             if self.ec.graph_mode and kernels is not None:     # custom operators: static shapes (worker.cpu)
                 fn = self.ms.jit(fn, **self.dev.jit_options)
             elif self.ec.graph_mode:
@@ -415,9 +417,12 @@ class ModelRunner:
                                                                              p.min_p, x)
                 widest = int(top_k.max())
                 C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
+                drawn = [p for p in params if not p.greedy and p.top_k == 0]   # kept tokens beyond the candidates
+                passes = (False, False) if self.tp.size == 1 and self.dev.sampler_kernels is not None else (
+                    any(p.min_p > 0 for p in drawn), any(p.top_p >= 1 for p in drawn))
                 T_ = self.ms.Tensor
-                out = self.to_host(self.sampler_fn("sample", C, k)(logits, T_(temperature), T_(top_k), T_(top_p),
-                                                                   T_(min_p), T_(draw)), len(seqs))
+                out = self.to_host(self.sampler_fn("sample", C, k, passes)(
+                    logits, T_(temperature), T_(top_k), T_(top_p), T_(min_p), T_(draw)), len(seqs))
             tokens, figures = out if k else (out, None)     # figures: chosen, top-k log-probabilities, their ids
             picked = tokens[todo].tolist()
             for i, p in zip(todo, params):

@@ -12,7 +12,8 @@
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
-//   SampleStats, KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
+//   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
+//   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
@@ -222,17 +223,45 @@ extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
-// x [Q, P] float32, meta [R, 2] int32 (real columns of each shard, with_sum) -> [Q, 3 + 2C] (sample_stats)
+// x [Q, P] float32, (t [M]: SampleStatsT), meta [R, 2] int32 (real columns of each shard, with_sum)
+// -> [Q, 4 + 2C] (sample_stats)
+static int sample_stats_call(void** params, int64_t** shapes, const float* t, int meta_at) {
+  const int32_t* meta = static_cast<const int32_t*>(params[meta_at]);
+  std::vector<int32_t> cols(shapes[meta_at][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  sample_stats(static_cast<const float*>(params[0]), t, cols.data(), static_cast<float*>(params[meta_at + 1]),
+               shapes[0][0], shapes[meta_at][0], shapes[0][1], (shapes[meta_at + 1][1] - 4) / 2, meta[1] != 0);
+  return 0;
+}
+
 extern "C" int SampleStats(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                            void* extra) {
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || (shapes[2][1] - 3) % 2 || shapes[2][1] < 5 ||
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || shapes[2][1] % 2 || shapes[2][1] < 6 ||
       shapes[0][0] % shapes[1][0])
     return 1;
-  const int32_t* meta = static_cast<const int32_t*>(params[1]);
-  std::vector<int32_t> cols(shapes[1][0]);
-  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
-  sample_stats(static_cast<const float*>(params[0]), cols.data(), static_cast<float*>(params[2]), shapes[0][0],
-               shapes[1][0], shapes[0][1], (shapes[2][1] - 3) / 2, meta[1] != 0);
+  return sample_stats_call(params, shapes, nullptr, 1);
+}
+
+extern "C" int SampleStatsT(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 2 || ndims[3] != 2 || shapes[3][1] % 2 ||
+      shapes[3][1] < 6 || shapes[0][0] != shapes[1][0] * shapes[2][0])
+    return 1;
+  return sample_stats_call(params, shapes, static_cast<const float*>(params[1]), 2);
+}
+
+// st [tp M, 4 + 2C], prm [M, 5], kept [tp M], starts [tp] -> [M, 2 + 2K + 5] (sample_merge)
+extern "C" int SampleMerge(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                           void* extra) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 5 || ndims[2] != 1 || ndims[3] != 1 ||
+      ndims[4] != 2 || shapes[4][0] != shapes[1][0] || shapes[0][0] != shapes[1][0] * shapes[3][0] ||
+      shapes[2][0] != shapes[0][0] || shapes[0][1] % 2 || shapes[0][1] < 6 || (shapes[4][1] - 7) % 2)
+    return 1;
+  const int64_t C = (shapes[0][1] - 4) / 2, K = (shapes[4][1] - 7) / 2;
+  if (K < 0 || K > C) return 1;
+  sample_merge(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
+               static_cast<const float*>(params[2]), static_cast<const float*>(params[3]),
+               static_cast<float*>(params[4]), shapes[1][0], shapes[3][0], C, K);
   return 0;
 }
 

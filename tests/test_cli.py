@@ -1,8 +1,8 @@
 """Tier 3: the CLI as a user runs it -- `msinfer run job.yaml` in a subprocess, a results file out.
 
-Every job here shares one small checkpoint and one engine shape (max_model_len, batch size), so
-MindSpore's graph cache (MSINFER_CACHE, one folder for the test session) compiles each step shape
-once. The helpers (`cli`, `Job`) are shared with tests/test_faults.py.
+Every job here shares one small checkpoint and one engine shape (max_model_len, batch size), and
+one MSINFER_CACHE for the test session, with the kernel library the session built. The helpers
+(`cli`, `Job`) are shared with tests/test_faults.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import cache_with_kernels
 
 MODEL = "llama_gqa_tied"   # 4 heads, 2 KV heads, intermediate 128: tensor parallel 1, 2 or 4
 ENGINE = {"model": {"max_model_len": 64}, "scheduler": {"max_batch_size": 2}}  # one graph cache for all jobs
@@ -116,7 +118,7 @@ class Cli:
 @pytest.fixture(scope="session")
 def cli(tmp_path_factory) -> Cli:
     base = tmp_path_factory.getbasetemp()
-    return Cli({**os.environ, "MSINFER_CACHE": str(base / "msinfer-cache"), "GLOG_v": "3",
+    return Cli({**os.environ, "MSINFER_CACHE": cache_with_kernels(base / "msinfer-cache"), "GLOG_v": "3",
                 "HF_MODULES_CACHE": str(base / "hf-modules"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
 
 

@@ -27,6 +27,7 @@ import pytest
 
 from msinfer.launcher.spec import load_spec
 from msinfer.worker.device import DeviceChoice, select_device
+from tests.conftest import cache_with_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,7 +143,8 @@ def run_job(job_dir: Path, name: str, *sets: str, address: str | None = None, ti
     if address:
         args += ["--set", f"ray.address={address}"]
     r = subprocess.run(args, cwd=job_dir, capture_output=True, text=True, timeout=timeout,
-                       env=clean_env(MSINFER_CACHE=str(job_dir / f"cache-{name}"), RAY_AUTH_MODE="token"))
+                       env=clean_env(MSINFER_CACHE=cache_with_kernels(job_dir / f"cache-{name}"),
+                                     RAY_AUTH_MODE="token"))
     assert r.returncode == 0, f"msinfer run failed ({r.returncode}):\n{r.stderr[-3000:]}"
     return read_results(out), json.loads(Path(f"{out}.summary.json").read_text())
 
@@ -379,7 +381,7 @@ def test_sbatch_runs_the_slurm_script_to_a_finished_results_file(slurm, job_dir,
     try:
         out = tmp_path / "slurm.jsonl"
         env = clean_env(PATH=f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", TMPDIR=ray_tmp, MSINFER_NODE_SCRIPT=NODE_SH,
-                        MSINFER_CACHE=str(tmp_path / "cache"), **slurm)
+                        MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"), **slurm)
         log = tmp_path / "slurm-%j.out"
         r = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={tmp_path}", f"--output={log}", "--export=ALL",
                             SLURM_SH, "--port", str(free_port()), str(job_dir / "job.yaml"), "--overwrite",

@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 from msinfer.launcher.scheduler import Scheduler, Sequence
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, cache_with_kernels
 from tests.test_parity import runner_for
 from msinfer.worker.protocol import SamplingParams
 
@@ -156,7 +156,7 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
     from msinfer.launcher.job import run_job
     from msinfer.launcher.spec import JobSpec
 
-    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))     # graphs compiled here stay here
+    monkeypatch.setenv("MSINFER_CACHE", cache_with_kernels(tmp_path / "cache"))
     name = "qwen2_qkv_bias"
     path = checkpoint(name)
     records = [{"id": "s0", "prompt_token_ids": PROMPTS[0], "continuation_token_ids": CONTINUATIONS[0]},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.checkpoints import VARIANTS, build_checkpoint  # noqa: E402
+from tests.checkpoints import build_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100, 7], [44, 3], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 
@@ -100,3 +101,40 @@ def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(tier(item))
     items.sort(key=lambda it: (TIERS.index(tier(it)), "ray_local" in getattr(it, "fixturenames", ())))
+
+
+# ---- the command line, as a user runs it (tests/test_cli.py, tests/test_faults.py) ------------------
+
+def msinfer_command() -> list[str]:
+    script = Path(sys.executable).with_name("msinfer")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "msinfer.launcher.cli"]
+
+
+class Cli:
+    def __init__(self, env: dict):
+        self.env = env
+
+    def run(self, *args, timeout: float = 180, env: dict | None = None, prefix: tuple = (),
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+        p = subprocess.run([*prefix, *msinfer_command(), *map(str, args)], capture_output=True, text=True,
+                           env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
+        assert "Traceback" not in p.stderr, p.stderr
+        return p
+
+    def start(self, *args, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([*msinfer_command(), *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**self.env, **(env or {})},
+                                start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def cli(tmp_path_factory) -> Cli:
+    base = tmp_path_factory.getbasetemp()
+    return Cli({**os.environ, "MSINFER_CACHE": cache_with_kernels(base / "msinfer-cache"), "GLOG_v": "3",
+                "HF_MODULES_CACHE": str(base / "hf-modules"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="session")
+def model(checkpoint) -> Path:
+    """The CLI tests' checkpoint: 4 heads, 2 KV heads, intermediate 128 (tensor parallel 1, 2 or 4)."""
+    return checkpoint("llama_gqa_tied")

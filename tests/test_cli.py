@@ -1,8 +1,8 @@
 """Tier 3: the CLI as a user runs it -- `msinfer run job.yaml` in a subprocess, a results file out.
 
-Every job here shares one small checkpoint and one engine shape (max_model_len, batch size), and
-one MSINFER_CACHE for the test session, with the kernel library the session built. The helpers
-(`cli`, `Job`) are shared with tests/test_faults.py.
+Every job here shares one small checkpoint (the `model` fixture) and one engine shape
+(max_model_len, batch size); `cli` (tests/conftest.py) runs the command with one MSINFER_CACHE for
+the test session. `Job` and the helpers are shared with tests/test_faults.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,10 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import cache_with_kernels
 
-MODEL = "llama_gqa_tied"   # 4 heads, 2 KV heads, intermediate 128: tensor parallel 1, 2 or 4
-ENGINE = {"model": {"max_model_len": 64}, "scheduler": {"max_batch_size": 2}}  # one graph cache for all jobs
+ENGINE = {"model": {"max_model_len": 64}, "scheduler": {"max_batch_size": 2}}  # one engine shape for all jobs
 
 
 def prompt(i: int) -> list[int]:
@@ -91,40 +88,6 @@ def _json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
         return None
-
-
-def msinfer_command() -> list[str]:
-    script = Path(sys.executable).with_name("msinfer")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "msinfer.launcher.cli"]
-
-
-class Cli:
-    def __init__(self, env: dict):
-        self.env = env
-
-    def run(self, *args, timeout: float = 180, env: dict | None = None, prefix: tuple = (),
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
-        p = subprocess.run([*prefix, *msinfer_command(), *map(str, args)], capture_output=True, text=True,
-                           env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
-        assert "Traceback" not in p.stderr, p.stderr
-        return p
-
-    def start(self, *args, env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([*msinfer_command(), *map(str, args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**self.env, **(env or {})},
-                                start_new_session=True)
-
-
-@pytest.fixture(scope="session")
-def cli(tmp_path_factory) -> Cli:
-    base = tmp_path_factory.getbasetemp()
-    return Cli({**os.environ, "MSINFER_CACHE": cache_with_kernels(base / "msinfer-cache"), "GLOG_v": "3",
-                "HF_MODULES_CACHE": str(base / "hf-modules"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-
-
-@pytest.fixture(scope="session")
-def model(checkpoint) -> Path:
-    return checkpoint(MODEL)
 
 
 def said(p: subprocess.CompletedProcess | str) -> str:

@@ -26,8 +26,7 @@ from msinfer.launcher.job import plan_job
 from msinfer.launcher.replica import wait_gone
 from msinfer.launcher.spec import load_spec
 from msinfer.launcher.writer import ResultWriter
-from tests.test_cli import (Job, assert_ray_never_started, cli, line_count, model, no_ray, records,  # noqa: F401
-                            said, wait_for)
+from tests.test_cli import Job, assert_ray_never_started, line_count, no_ray, records, said, wait_for
 
 
 def running(job: Job, workers: int) -> dict | None:
@@ -146,8 +145,8 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     assert waited >= 5, f"the job stopped {waited:.1f}s after the worker did, before the step timeout"
     msg = said(err)
     assert "Traceback" not in err
-    assert ("replica 0 failed (TimeoutError: a step ran longer than fault.step_timeout_s=6s); restarting it would be restart 1, "
-            "more than fault.max_replica_restarts=0") in msg
+    assert ("replica 0 failed (TimeoutError: a step ran longer than fault.step_timeout_s=6s); "
+            "restarting it would be restart 1, more than fault.max_replica_restarts=0") in msg
     assert "Every finished record is in the results file: run the same job again to resume" in msg
     kept = whole_lines(job.output)
     assert 1 <= len(kept) < n and len({r["id"] for r in kept}) == len(kept)

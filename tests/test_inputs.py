@@ -48,7 +48,8 @@ BAD = [
     (b'{"id": "e", "prompt": "  "}', "line 5: 'prompt' is empty"),
     (b'{"id": "n", "prompt": 42}', "line 6: 'prompt' must be a string, got int 42"),
     (b'{"id": "m", "messages": [{"role": "user"}]}', "line 7: messages[0] needs a 'content' string"),
-    (b'{"id": "p", "prompt_token_ids": [1, -2]}', "line 8: 'prompt_token_ids' must hold non-negative integers, found -2"),
+    (b'{"id": "p", "prompt_token_ids": [1, -2]}',
+     "line 8: 'prompt_token_ids' must hold non-negative integers, found -2"),
     (b'{"id": "q", "prompt_token_ids": [1, null]}', "line 9: 'prompt_token_ids' must hold non-negative integers"),
     (b'{"id": "b", "prompt": "a", "messages": []}', "line 10: has both 'prompt' and 'messages'"),
     (b'{"id": "s", "prompt": "a", "sampling": [1]}', "line 11: 'sampling' must be an object"),
@@ -121,8 +122,9 @@ def test_parquet_messages_column(tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "m.parquet"
-    pq.write_table(pa.table({"id": [1, 2], "messages": [[{"role": "user", "content": "hi"}],
-                                                        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]]}), path)
+    messages = [[{"role": "user", "content": "hi"}],
+                [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]]
+    pq.write_table(pa.table({"id": [1, 2], "messages": messages}), path)
     a, b = read_records(path)
     assert a.id == "1" and a.messages == [{"role": "user", "content": "hi"}] and b.messages[1]["content"] == "q"
 
@@ -146,7 +148,8 @@ def test_bad_parquet_file_raises(tmp_path):
         check_input(bad)
     nocol = tmp_path / "nocol.parquet"
     pq.write_table(pa.table({"text": ["a"]}), nocol)
-    with pytest.raises(InputError, match="has no column 'prompt', 'messages', 'prompt_token_ids'; its columns are text"):
+    with pytest.raises(InputError,
+                       match="has no column 'prompt', 'messages', 'prompt_token_ids'; its columns are text"):
         check_input(nocol)
 
 

@@ -128,7 +128,8 @@ def test_cross_field_checks(tmp_path):
 def test_max_model_len_resolved_later_is_checked_again(tmp_path):
     spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  max_new_tokens: 300\n"))
     assert spec.with_max_model_len(512).model.max_model_len == 512
-    with pytest.raises(SpecError, match=r"sampling.max_new_tokens \(300\) must be less than model.max_model_len \(256\)"):
+    with pytest.raises(SpecError,
+                       match=r"sampling.max_new_tokens \(300\) must be less than model.max_model_len \(256\)"):
         spec.with_max_model_len(256)
 
 

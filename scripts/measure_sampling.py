@@ -8,7 +8,8 @@ the network, the sampler, their copies to numpy) and the bytes it copied to the 
 line per (batch, sampling) with the median step, the median device part and the bytes per step.
 "greedy_logprobs" is greedy with `logprobs: 5`; "sampled" is temperature 0.8, top_p 0.95,
 top_k 50, a seed per sequence; "temperature" is temperature 0.8 alone (a draw over the whole
-vocabulary).
+vocabulary); "penalized" is "sampled" with repetition_penalty 1.1 and frequency_penalty 0.2
+(logits changed before sampling).
 
 To compare two versions of msinfer, run this script under each (e.g. PYTHONPATH pointing at a
 package tree of the other), alternating, and compare the medians.
@@ -53,12 +54,15 @@ def main() -> None:
     modes = {"greedy": lambda i: SamplingParams(),
              "greedy_logprobs": lambda i: SamplingParams(logprobs=5),
              "sampled": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i),
-             "temperature": lambda i: SamplingParams(temperature=0.8, seed=i)}
+             "temperature": lambda i: SamplingParams(temperature=0.8, seed=i),
+             "penalized": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i,
+                                                   repetition_penalty=1.1, frequency_penalty=0.2)}
     for b in args.batches:
         for mode, params in modes.items():
             tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(b)]
             prompts = [[(17 * i + 31 * j) % 5000 + 100 for j in range(PROMPT_LEN)] for i in range(b)]
-            out = runner.step([SeqStep(i, p, 0, tables[i], params(i)) for i, p in enumerate(prompts)], True)
+            out = runner.step([SeqStep(i, p, 0, tables[i], params(i), history=(p, []) if params(i).looks_back else None)
+                               for i, p in enumerate(prompts)], True)
             last = list(out.token_ids)
             steps, device, copied = [], [], []
             for k in range(2 * args.steps):        # the first half warms up (compiles), the second is timed

@@ -144,7 +144,8 @@ def test_each_step_kind_compiles_once_whatever_the_token_counts(checkpoint):
 def test_a_step_copies_to_the_host_only_its_tokens_and_the_log_probabilities_asked_for(checkpoint):
     """Sampling on the device, dynamic shapes (no padding rows): a greedy or sampled decode copies
     4 bytes a sequence (its token), one with logprobs k also the token's log-probability and the
-    top k's values and ids."""
+    top k's values and ids; one whose logits a bias or a token mask changes, no more than that
+    and the tokens and their scores once more."""
     d = Driver(runner_for(checkpoint("llama_gqa_tied"), "ascend-emulated"))
     d.prefill({0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2]})
     assert d.decode().host_bytes == 4 * 3
@@ -154,6 +155,13 @@ def test_a_step_copies_to_the_host_only_its_tokens_and_the_log_probabilities_ask
     d.seqs[1]["sampling"] = SamplingParams(temperature=0.8, seed=1, logprobs=2)
     out = d.decode()
     assert out.host_bytes == (4 + 4 + 8 * 2) * 3 and len(out.logprobs[1][1]) == 2 and out.logprobs[0] is None
+    # logits changed on the device first (a bias, a token mask): still no logits copied; the
+    # log-probabilities are the model's own, so the tokens drawn and their scores come out too
+    d.seqs[0]["sampling"] = SamplingParams(logit_bias=((7, 50.0),))
+    d.seqs[1]["sampling"] = SamplingParams(temperature=0.8, seed=1, allowed_token_ids=(3, 4), logprobs=2)
+    out = d.decode()
+    assert out.token_ids[0] == 7 and out.token_ids[1] in (3, 4)
+    assert out.logprobs[1][0] < 0 and out.host_bytes <= (4 + 4 + 8 * 2) * 3 + 2 * 4 * 3
 
 
 def test_the_stand_ins_take_the_installed_primitives_signatures():

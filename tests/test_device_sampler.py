@@ -14,7 +14,7 @@ import pytest
 
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker import sampler
-from msinfer.worker.device_sampler import VocabSampler, uniforms
+from msinfer.worker.device_sampler import VocabSampler, process_inputs, uniforms
 from msinfer.worker.protocol import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -47,11 +47,11 @@ def kernels(request):
 
 
 def run(tp: int, fn: str, logits: np.ndarray, *args, candidates: int = 64, logprobs: int = 0, kernels=None,
-        passes=(True, True)):
-    key = (tp, fn, candidates, logprobs, kernels, passes)
+        passes=(True, True), masked=False):
+    key = (tp, fn, candidates, logprobs, kernels, passes, masked)
     if key not in _COMPILED:
         cell = VocabSampler(V, TPInfo(0, tp), candidates, logprobs, simulate_ranks=True, kernels=kernels,
-                            mass_pass=passes[0], draw_pass=passes[1])
+                            mass_pass=passes[0], draw_pass=passes[1], masked=masked)
         _COMPILED[key] = ms.jit(getattr(cell, fn))
     out = _COMPILED[key](shards(logits, tp), *(ms.Tensor(a) for a in args))
     return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
@@ -192,3 +192,52 @@ def test_uniforms_are_uniform_and_differ_by_seed_token_and_sample():
     assert uniforms(np.array([5]), np.array([3]), np.array([1]))[0] != uniforms(np.array([5]), np.array([3]),
                                                                                np.array([0]))[0]
     np.testing.assert_array_equal(uniforms(seeds, counters, np.zeros(10000)), u)
+
+
+class FixedMask:
+    """A grammar's matcher as worker.sampler.History reads it (llguidance.LLMatcher's calls),
+    allowing the same tokens at every step."""
+
+    def __init__(self, allowed: np.ndarray):
+        self.bits = np.packbits(allowed, bitorder="little").tobytes()
+
+    def consume_tokens(self, tokens):
+        pass
+
+    def is_error(self) -> bool:
+        return False
+
+    def compute_bitmask(self) -> bytes:
+        return self.bits
+
+
+def test_changed_logits_on_the_device_sample_what_the_host_reference_samples(kernels):
+    """Penalties, logit_bias, bad words, min_tokens, allowed_token_ids and a token mask applied by
+    `process` on each shard (tp 1 and 3): the logits of worker.sampler.Adjustments.apply, and the
+    host sampler's token for every row's uniform, greedy and sampled."""
+    rng = np.random.default_rng(4)
+    n = 24
+    logits = rng.normal(0, 2, (n, V)).astype(np.float32)
+    kinds = [SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.9, frequency_penalty=0.4,
+                                                                    presence_penalty=0.2),
+             SamplingParams(temperature=1.0, top_k=10, logit_bias=((3, 5.0), (50, -2.0), (102, 8.0))),
+             SamplingParams(temperature=0.8, top_p=0.9, allowed_token_ids=(1, 7, 40, 41, 99)),
+             SamplingParams(min_tokens=3, min_tokens_ban=(0, 60), bad_words_ids=((5,), (9, 11))),
+             SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=0.8, logit_bias=((11, 1.5),))]
+    params = [kinds[i % len(kinds)] for i in range(n)]
+    hists = [sampler.History(rng.integers(0, V, 6).tolist(), rng.integers(0, V, 4).tolist() + [9],
+                             FixedMask(rng.random(V) < 0.5) if i % 5 == 0 else None) for i in range(n)]
+    adjustments = {i: sampler.Adjustments(p, 1, h, V) for i, (p, h) in enumerate(zip(params, hists))}
+    want = np.stack([adjustments[i].apply(logits[i].astype(np.float64)) for i in range(n)])
+    entries, mask = process_inputs(adjustments, n, V, static=kernels is not None)
+    u = draw_args(params, np.arange(n))[4]
+    host = [sampler.sample_row(want[i], SamplingParams(**{f: getattr(p, f) for f in ("temperature", "top_k", "top_p",
+                                                                                        "min_p")}), 0, float(u[i]))
+            for i, p in enumerate(params)]
+    for tp in (1, 3):
+        got = run(tp, "process", logits, entries, mask, kernels=kernels, masked=True)
+        got = np.concatenate(list(got), -1)[:, :V] if got.ndim == 3 else got[:, :V]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+        assert np.array_equal(np.isinf(got), np.isinf(want))
+        tokens = run(tp, "sample", got, *draw_args(params, np.arange(n)), kernels=kernels)
+        assert tokens.tolist() == host

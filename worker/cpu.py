@@ -284,6 +284,12 @@ class SamplerKernels:
         return _custom("SampleMerge", lambda st, prm, *_: [prm[0], 2 + 2 * K + 5])
 
     @staticmethod
+    def process():
+        """(x, entries [E, 5], mask [M, W] int32, meta [R, 3] int32) -> x as the sampling
+        parameters that change it leave it (VocabSampler.process)."""
+        return _custom("ProcessRows", lambda x, *_: x)
+
+    @staticmethod
     def sample(K: int):
         """(x [M, vocab], (temperature, top_k, top_p, min_p, u) [M, 5], (real columns, C) [1, 2]
         int32) -> [M, 2 + 2K]: the token, its log-probability, the K most likely tokens'

@@ -38,7 +38,12 @@ The others are compiled graphs of their own, run on the network's output where a
   than top_p of the mass (after min_p and top-k), the kept set is those C tokens, a subset of the
   exact one; the distribution then differs by at most 1 - (their mass / the exact set's mass)
   in total variation. With C = 64 that needs a distribution flatter than top-p users sample from.
-- `full`: the whole logits, gathered (a row whose sampling reads them on the host, worker.sampler).
+- `process`, before the others for a step with sequences whose logits change first (the
+  penalties, logit_bias, bad words, min_tokens, allowed_token_ids, a grammar): the token mask
+  and the per-token changes of worker.sampler.Adjustments, which every rank builds alike from
+  its copy of each sequence's history; each applies the entries that fall in its shard.
+- `full`: the whole logits, gathered (tests and measurements; worker.sampler samples them on the
+  host as the reference the device is held to).
 
 Each function works on R local shards [R, M, per] at once: R = 1 in a worker (the other shards
 are on the other ranks, reached by the collectives), R = tp with `simulate_ranks`, where the
@@ -71,6 +76,29 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def process_inputs(adjustments: dict, M: int, vocab: int, static: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`VocabSampler.process`'s inputs for a step of M rows from {row: worker.sampler.Adjustments}:
+    entries [E, 5] float32 (row, token, add, r, sub; padded with row -1 to a power of two when
+    `static`, for the CPU kernels' static shapes) and the token masks [M, W] int32 (bits; W = 1,
+    all set, when no row has one)."""
+    rows = [np.stack((np.full(len(a.ids), i), a.ids, a.add, a.r, a.sub), -1) for i, a in adjustments.items()
+            if len(a.ids)]
+    rows = np.concatenate(rows) if rows else np.zeros((0, 5))
+    n = max(len(rows), 1)
+    if static:
+        n = 1 << max(4, (n - 1).bit_length())
+    entries = np.zeros((n, 5), np.float32)
+    entries[:, 0] = -1
+    entries[: len(rows)] = rows
+    masks = {i: a.allowed for i, a in adjustments.items() if a.allowed is not None}
+    words = -(-vocab // 32)
+    mask = np.full((M, words) if masks else (M, 1), -1, np.int32)
+    for i, allowed in masks.items():
+        bits = np.packbits(allowed, bitorder="little")
+        mask[i] = np.pad(bits, (0, 4 * words - len(bits))).view(np.int32)
+    return entries, mask
+
+
 class VocabSampler(nn.Cell):
     """The functions above over this rank's vocabulary shard; `candidates` (C) and `logprobs` (K,
     the top_logprobs returned per row, 0: none) fix one compiled variant of `sample`. The passes
@@ -78,18 +106,23 @@ class VocabSampler(nn.Cell):
     kernels (`kernels`: worker.cpu.SamplerKernels), which compute the same figures."""
 
     def __init__(self, vocab: int, tp: TPInfo, candidates: int = CANDIDATES, logprobs: int = 0,
-                 simulate_ranks: bool = False, kernels=None, mass_pass: bool = False, draw_pass: bool = False):
+                 simulate_ranks: bool = False, kernels=None, mass_pass: bool = False, draw_pass: bool = False,
+                 masked: bool = False):
         super().__init__()
         start, _, per = vocab_shard(vocab, tp)
         R = tp.size if simulate_ranks else 1
         self.vocab, self.per, self.tp_size, self.R = vocab, per, tp.size, R
         self.C = min(max(candidates, logprobs, 1), per)
         self.K = logprobs
-        self.mass_pass, self.draw_pass = mass_pass, draw_pass
+        self.mass_pass, self.draw_pass, self.masked = mass_pass, draw_pass, masked
+        self.words = -(-vocab // 32)                  # of a token mask: bit t % 32 of word t / 32
         starts = np.arange(R) * per if simulate_ranks else np.array([start])
         self.starts = Tensor(starts.reshape(R, 1).astype(np.float32))
         self.rank_ids = Tensor((np.arange(R) if simulate_ranks else np.array([tp.rank])).reshape(R, 1).astype(np.int32))
         columns = starts[:, None] + np.arange(per)[None]
+        self.int_starts = Tensor(starts.reshape(R, 1).astype(np.int32))
+        self.word_of = Tensor(np.minimum(columns // 32, self.words - 1).reshape(-1).astype(np.int32))
+        self.bit_of = Tensor((columns % 32).reshape(R, 1, per).astype(np.int32))
         self.padded = bool((columns >= vocab).any())
         self.padding = Tensor(np.where(columns < vocab, 0, OFF).reshape(R, 1, per).astype(np.float32))
         self.kernels = kernels
@@ -97,10 +130,12 @@ class VocabSampler(nn.Cell):
             self.stats_ops = {c: kernels.stats(c) for c in {1, self.C}}
             self.stats_t_op = kernels.stats(self.C, temperature=True)
             self.kept_op, self.draw_op, self.merge_op = kernels.kept(), kernels.draw(), kernels.merge(self.K)
+            self.process_op = kernels.process()
             self.all_starts = Tensor((np.arange(tp.size) * per).astype(np.float32))
             real = np.clip(vocab - starts, 0, per).astype(np.int32)            # real columns of each shard
             self.meta_sum = Tensor(np.stack((real, np.ones(R, np.int32)), -1))
             self.meta = Tensor(np.stack((real, np.zeros(R, np.int32)), -1))
+            self.meta_process = Tensor(np.stack((starts.astype(np.int32), real, np.full(R, int(masked), np.int32)), -1))
             if tp.size == 1:
                 self.sample_op = kernels.sample(self.K)
                 self.meta_c = Tensor(np.array([[vocab, self.C]], np.int32))
@@ -201,6 +236,34 @@ class VocabSampler(nn.Cell):
         g = self.gather(ops.stack((m, arg), -1))                                # [M, tp, 2]
         best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)
         return ops.gather_elements(g[:, :, 1], 1, best).squeeze(-1).astype(ms.int32)
+
+    def process(self, logits, entries, mask):
+        """The logits as a step's sampling parameters leave them (worker.sampler.Adjustments):
+        mask [M, W] int32, each row's token mask as bits (used when `masked`); entries [E, 5]
+        float32 (row, token, add, r, sub), each x -> rep(x + add) + sub with rep(v) = v / r if
+        v > 0 else v * r, where this rank holds the token (row -1: none). Same shape as logits."""
+        if self.kernels is not None:
+            return self.process_op(self.rows(logits), entries, mask, self.meta_process).reshape(logits.shape)
+        x = self.local(logits)                                                  # [R, M, per]
+        if self.masked:
+            words = ops.gather(mask, self.word_of, 1).reshape(-1, self.R, self.per).transpose(1, 0, 2)
+            bits = ops.bitwise_and(ops.bitwise_right_shift(words, ops.broadcast_to(self.bit_of, words.shape)),
+                                   ops.ones_like(words))
+            x = ops.select(bits == 1, x, ops.full_like(x, -float("inf")))
+        row = entries[:, 0].astype(ms.int32)
+        at = entries[:, 1].astype(ms.int32).expand_dims(0) - self.int_starts     # [R, E]: the token's column here
+        valid = ops.logical_and(ops.logical_and(at >= 0, at < self.per), (row >= 0).expand_dims(0))
+        E = entries.shape[0]
+        index = ops.stack((ops.broadcast_to(ops.arange(self.R, dtype=ms.int32).reshape(-1, 1), at.shape),
+                           ops.broadcast_to(ops.clip_by_value(row, 0, None).expand_dims(0), at.shape),
+                           ops.clip_by_value(at, 0, self.per - 1)), -1).reshape(-1, 3)
+        old = ops.gather_nd(x, index).reshape(self.R, E)
+        v = old + entries[:, 2].expand_dims(0)
+        r = ops.broadcast_to(entries[:, 3].expand_dims(0), v.shape)
+        new = ops.select(v > 0, v / r, v * r) + entries[:, 4].expand_dims(0)
+        delta = ops.select(ops.logical_and(valid, ops.isfinite(old)), new - old, ops.zeros_like(old))
+        x = ops.tensor_scatter_add(x, index, delta.reshape(-1))
+        return x[0] if logits.ndim == 2 else x
 
     def full(self, logits):
         """-> the whole logits [M, vocab]."""

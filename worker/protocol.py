@@ -41,7 +41,7 @@ class SamplingParams:
 
     # derived once (the sampler reads them for every sequence of every step): whether sampling
     # reads the sequence's earlier tokens (worker.sampler.History), and whether the logits change
-    # before sampling (worker.sampler.process, on the host; other sequences sample on the device)
+    # before sampling (worker.sampler.Adjustments, which the device sampler's `process` applies)
     looks_back: bool = field(init=False, repr=False, compare=False)
     processes: bool = field(init=False, repr=False, compare=False)
 

@@ -20,7 +20,7 @@ from msinfer.sharding.layout import TPInfo
 from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
-from msinfer.worker.device_sampler import CANDIDATES, uniforms
+from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
 
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 # A step may run in an already compiled larger shape, padded, until the padding it has cost that way
@@ -117,19 +117,20 @@ class ModelRunner:
         graph = ms.jit(types.MethodType(own, fn.__self__), **self.dev.jit_options)
         return ms.enable_dynamic(**{n: ms.Tensor(shape=shp, dtype=dt) for n, (shp, dt) in specs.items()})(graph)
 
-    def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0, passes=(False, False)):
+    def sampler_fn(self, name: str, candidates: int = CANDIDATES, logprobs: int = 0, passes=(False, False),
+                   masked: bool = False):
         """worker.device_sampler's function `name` over this rank's vocabulary shard, compiled once
-        per (name, C, K, its passes: mass_pass, draw_pass) for any number of rows (per row count
+        per (name, C, K, its passes: mass_pass, draw_pass, masked) for any number of rows (per row count
         with the CPU kernels, whose custom operators take static shapes), and shared by the
         runners of a process that have the same vocabulary shard (a compile of `sample` as
         MindSpore's operators takes over a second)."""
-        key = (name, candidates, logprobs, passes, self.cfg.vocab_size, self.tp.rank, self.tp.size,
+        key = (name, candidates, logprobs, passes, masked, self.cfg.vocab_size, self.tp.rank, self.tp.size,
                self.ec.graph_mode, self.dev.name, tuple(sorted(self.dev.jit_options.items())))
         if key not in SAMPLER_FNS:
             from msinfer.worker.device_sampler import VocabSampler
             kernels = self.dev.sampler_kernels
             fn = getattr(VocabSampler(self.cfg.vocab_size, self.tp, candidates, logprobs, kernels=kernels,
-                                      mass_pass=passes[0], draw_pass=passes[1]), name)
+                                      mass_pass=passes[0], draw_pass=passes[1], masked=masked), name)
             if self.ec.graph_mode and kernels is not None:     # custom operators: static shapes (worker.cpu)
                 fn = self.ms.jit(fn, **self.dev.jit_options)
             elif self.ec.graph_mode:
@@ -138,6 +139,10 @@ class ModelRunner:
                 specs = {"logits": ([None, fn.__self__.per], ms.float32)}
                 if name == "sample":
                     specs.update(temperature=rows, top_k=([None], ms.int32), top_p=rows, min_p=rows, u=rows)
+                elif name == "score":
+                    specs.update(targets=([None], ms.int32))
+                elif name == "process":
+                    specs.update(entries=([None, 5], ms.float32), mask=([None, None], ms.int32))
                 fn = self.dynamic_graph(fn, specs)
             SAMPLER_FNS[key] = fn
         return SAMPLER_FNS[key]
@@ -381,11 +386,12 @@ class ModelRunner:
     def sample(self, seqs: list[SeqStep], logits, greedy, logprobs: bool) -> tuple[list[int], list]:
         """The step's tokens (-1 where a sequence does not sample) and per sequence its
         (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
-        or None. On the device (worker.device_sampler): the network's greedy tokens when every
+        or None, all on the device (worker.device_sampler): the network's greedy tokens when every
         sequence is greedy without logprobs, its `greedy_logprobs` when every one is greedy, else
-        its `sample` function, whose variant every rank picks alike from the sequences; unless a
-        sequence's sampling changes its logits first (penalties, biases, token masks, a grammar):
-        then the step's whole logits go to the host, worker.sampler.
+        its `sample` function, whose variant every rank picks alike from the sequences. A step
+        with sequences whose sampling changes their logits first (penalties, biases, bans, token
+        masks, a grammar) runs `process` on the logits before: its tokens come from the changed
+        logits, log-probabilities from the model's own (`greedy_logprobs` and `score` on them).
         `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
         chosen, lps = [-1] * len(seqs), [None] * len(seqs)
         todo = [i for i, s in enumerate(seqs) if s.sample]
@@ -395,36 +401,42 @@ class ModelRunner:
         u = uniforms(np.array([p.seed for p in params], np.int64), np.array([seqs[i].num_generated for i in todo]),
                      np.array([p.index for p in params]))
         k = max(p.logprobs for p in params)
+        raw = logits
         if any(p.processes for p in params):
-            rows = self.to_host(self.sampler_fn("full")(logits), len(seqs))[todo]
-            hist = [self.histories.get(seqs[i].seq_id) for i in todo] if self.histories else None
-            picked = sampler.sample(rows, params, [seqs[i].num_generated for i in todo], u, hist)
-            for j, (i, p) in enumerate(zip(todo, params)):
-                if logprobs and p.logprobs:
-                    lps[i] = sampler.top_logprobs(rows[j: j + 1], [picked[j]], p.logprobs)[0]
-        elif k == 0 and all(p.greedy for p in params):
-            picked = self.to_host(greedy, len(seqs))[todo].tolist()
+            logits = self.processed(seqs, todo, logits)
+            greedy = None
+        if k == 0 and all(p.greedy for p in params):
+            picked = self.to_host(greedy if greedy is not None else self.sampler_fn("greedy")(logits),
+                                  len(seqs))[todo].tolist()
+            figures = None
+        elif all(p.greedy for p in params) and greedy is not None:
+            out = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(logits), len(seqs))
+            picked, figures = out[0][todo].tolist(), out[1]
         else:
-            if all(p.greedy for p in params):
-                out = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(logits), len(seqs))
-            else:
-                M = logits.shape[0]
-                temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
-                                                   np.zeros(M, np.float32), np.zeros(M, np.float32))
-                top_k = np.zeros(M, np.int32)
-                for i, p, x in zip(todo, params, u):
-                    temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = (p.temperature, p.top_k, p.top_p,
-                                                                             p.min_p, x)
-                widest = int(top_k.max())
-                C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
-                drawn = [p for p in params if not p.greedy and p.top_k == 0]   # kept tokens beyond the candidates
-                passes = (False, False) if self.tp.size == 1 and self.dev.sampler_kernels is not None else (
-                    any(p.min_p > 0 for p in drawn), any(p.top_p >= 1 for p in drawn))
-                T_ = self.ms.Tensor
-                out = self.to_host(self.sampler_fn("sample", C, k, passes)(
-                    logits, T_(temperature), T_(top_k), T_(top_p), T_(min_p), T_(draw)), len(seqs))
-            tokens, figures = out if k else (out, None)     # figures: chosen, top-k log-probabilities, their ids
+            M = logits.shape[0]
+            temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
+                                               np.zeros(M, np.float32), np.zeros(M, np.float32))
+            top_k = np.zeros(M, np.int32)
+            for i, p, x in zip(todo, params, u):
+                temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = (p.temperature, p.top_k, p.top_p,
+                                                                         p.min_p, x)
+            widest = int(top_k.max())
+            C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
+            drawn = [p for p in params if not p.greedy and p.top_k == 0]   # kept tokens beyond the candidates
+            passes = (False, False) if self.tp.size == 1 and self.dev.sampler_kernels is not None else (
+                any(p.min_p > 0 for p in drawn), any(p.top_p >= 1 for p in drawn))
+            K = k if greedy is not None else 0            # changed logits: log-probabilities from the raw ones
+            T_ = self.ms.Tensor
+            out = self.to_host(self.sampler_fn("sample", C, K, passes)(
+                logits, T_(temperature), T_(top_k), T_(top_p), T_(min_p), T_(draw)), len(seqs))
+            tokens, figures = out if K else (out, None)   # figures: chosen, top-k log-probabilities, their ids
             picked = tokens[todo].tolist()
+        if k and figures is None:        # the model's own log-probabilities of the tokens drawn from changed logits
+            tokens = np.zeros(logits.shape[0], np.int32)
+            tokens[todo] = picked
+            figures = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(raw), len(seqs))[1]
+            figures[:, 0] = self.to_host(self.sampler_fn("score")(raw, self.ms.Tensor(tokens)), len(seqs))
+        if figures is not None:
             for i, p in zip(todo, params):
                 if logprobs and p.logprobs:
                     top, ids = figures[i, 1: 1 + p.logprobs], figures[i, 1 + k: 1 + k + p.logprobs]
@@ -432,6 +444,17 @@ class ModelRunner:
         for i, t in zip(todo, picked):
             chosen[i] = t
         return chosen, lps
+
+    def processed(self, seqs: list[SeqStep], todo: list[int], logits):
+        """The step's logits after `process` (worker.device_sampler): each sampling sequence's
+        worker.sampler.Adjustments, from its history on this rank."""
+        adjustments = {i: sampler.Adjustments(seqs[i].sampling, seqs[i].num_generated,
+                                              self.histories.get(seqs[i].seq_id), self.cfg.vocab_size)
+                       for i in todo if seqs[i].sampling.processes}
+        entries, mask = process_inputs(adjustments, logits.shape[0], self.cfg.vocab_size,
+                                       static=self.dev.sampler_kernels is not None)
+        masked = any(a.allowed is not None for a in adjustments.values())
+        return self.sampler_fn("process", masked=masked)(logits, self.ms.Tensor(entries), self.ms.Tensor(mask))
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
         """Runs the step and samples. Every rank of a group samples the same tokens (the device

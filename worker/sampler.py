@@ -1,5 +1,7 @@
-"""Token sampling on the host (numpy), for the sequences whose logits change before sampling;
-every other sequence samples on the device (worker.device_sampler), and the draw is the same here.
+"""What sampling does to a row of logits, in numpy on the host: the changes some parameters make
+first (`Adjustments`, which the device sampler applies, worker.device_sampler.VocabSampler.process),
+and the filters and the draw that the device sampler computes shard by shard (`sample_row`: the
+reference its tests hold it to, in float64 over the whole row).
 
 A row's logits go through, in vLLM's order: the structured-output grammar's token mask
 (llguidance, from the tokens so far), allowed_token_ids (everything else masked),
@@ -13,11 +15,7 @@ probability dropped), top-k and top-p, and a draw.
 
 The draw takes the sequence's uniform u of this step (worker.device_sampler.uniforms, from its
 seed, its count of generated tokens and its sample index) through the inverse CDF of the kept
-tokens in token-id order, as the device sampler does: a seeded record samples the same tokens
-whatever else shares its batch, and again after a replica restart.
-
-Log-probabilities (`top_logprobs`) are those of the model's own distribution, before any of the
-above, as vLLM returns them by default.
+tokens in token-id order, as the device sampler does.
 """
 
 from __future__ import annotations
@@ -58,44 +56,68 @@ class History:
         return mask
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+class Adjustments:
+    """What `process` does to one row, as data: `allowed` (a bool mask over the vocabulary of
+    the grammar's and allowed_token_ids' tokens, or None: all), and per token in `ids` (sorted,
+    int64) x -> rep(x + add) + sub, where rep(v) = v / r if v > 0 else v * r: bans are an add of
+    -inf, logit_bias an add, repetition_penalty r, frequency and presence penalties in sub. The
+    device sampler applies the same (worker.device_sampler.VocabSampler.process)."""
+
+    __slots__ = ("allowed", "ids", "add", "r", "sub")
+
+    def __init__(self, p: SamplingParams, num_generated: int, hist: History | None, vocab: int):
+        self.allowed = None
+        if hist is not None and hist.matcher is not None:
+            self.allowed = hist.allowed(vocab)
+        if p.allowed_token_ids:
+            keep = np.zeros(vocab, bool)
+            keep[np.asarray(p.allowed_token_ids, np.int64)] = True
+            self.allowed = keep if self.allowed is None else self.allowed & keep
+        add: dict[int, float] = {}                   # bans and logit_bias: a few tokens
+        out = hist.out if hist is not None else []
+        for word in p.bad_words_ids:
+            k = len(word) - 1
+            if k == 0 or (len(out) >= k and tuple(out[-k:]) == tuple(word[:-1])):
+                add[word[-1]] = -np.inf
+        if num_generated < p.min_tokens and p.min_tokens_ban:
+            for t in p.min_tokens_ban:
+                add[t] = -np.inf
+        for t, b in p.logit_bias:
+            add[t] = add.get(t, 0.0) + b
+        parts = [np.fromiter(add.keys(), np.int64, len(add))]
+        rep = sub_ids = counts = None
+        if hist is not None:
+            if p.repetition_penalty != 1.0:
+                rep = np.union1d(hist.prompt, np.asarray(hist.out, np.int64))
+                parts.append(rep)
+            if hist.out and (p.frequency_penalty or p.presence_penalty):
+                sub_ids, counts = np.unique(np.asarray(hist.out, np.int64), return_counts=True)
+                parts.append(sub_ids)
+        self.ids = np.unique(np.concatenate(parts))
+        self.add = np.zeros(len(self.ids))
+        self.r = np.ones(len(self.ids))
+        self.sub = np.zeros(len(self.ids))
+        if add:
+            self.add[np.searchsorted(self.ids, list(add.keys()))] = list(add.values())
+        if rep is not None:
+            self.r[np.searchsorted(self.ids, rep)] = p.repetition_penalty
+        if sub_ids is not None:
+            self.sub[np.searchsorted(self.ids, sub_ids)] = -(p.frequency_penalty * counts + p.presence_penalty)
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """x (float64, one row) changed in place, and returned."""
+        if self.allowed is not None:
+            x[~self.allowed] = -np.inf
+        if len(self.ids):
+            v = x[self.ids] + self.add
+            x[self.ids] = np.where(v > 0, v / self.r, v * self.r) + self.sub
+        return x
 
 
 def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: History | None) -> np.ndarray:
     """One row's logits (float64, a copy) after the grammar's mask, allowed_token_ids,
     bad_words, min_tokens, logit_bias and the penalties."""
-    x = logits.astype(np.float64)
-    if hist is not None and hist.matcher is not None:
-        allowed = hist.allowed(len(x))
-        if allowed is not None:
-            x[~allowed] = -np.inf
-    if p.allowed_token_ids:
-        keep = np.asarray(p.allowed_token_ids, np.int64)
-        kept = x[keep]
-        x[:] = -np.inf
-        x[keep] = kept
-    if p.bad_words_ids:
-        out = hist.out if hist is not None else []
-        for word in p.bad_words_ids:
-            k = len(word) - 1
-            if k == 0 or (len(out) >= k and tuple(out[-k:]) == tuple(word[:-1])):
-                x[word[-1]] = -np.inf
-    if num_generated < p.min_tokens and p.min_tokens_ban:
-        x[list(p.min_tokens_ban)] = -np.inf
-    if p.logit_bias:
-        ids = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
-        x[ids] += np.fromiter((b for _, b in p.logit_bias), np.float64, len(p.logit_bias))
-    if hist is not None:
-        if p.repetition_penalty != 1.0:
-            ids = np.union1d(hist.prompt, np.asarray(hist.out, np.int64))
-            v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if hist.out and (p.frequency_penalty or p.presence_penalty):
-            ids, counts = np.unique(np.asarray(hist.out, np.int64), return_counts=True)
-            x[ids] -= p.frequency_penalty * counts + p.presence_penalty
-    return x
+    return Adjustments(p, num_generated, hist, len(logits)).apply(logits.astype(np.float64))
 
 
 def filter_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -155,13 +177,3 @@ def sample(logits: np.ndarray, params: list[SamplingParams], num_generated: list
     """Per row: its token, from its logits after `process` and the filters, and its uniform u."""
     histories = histories or [None] * len(params)
     return [sample_row(row, p, n, x, h) for row, p, n, x, h in zip(logits, params, num_generated, u, histories)]
-
-
-def top_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list:
-    """Per row: (log-probability of the chosen token, [(token, logprob)] of the k most likely)."""
-    lp = log_softmax(logits.astype(np.float64))
-    out = []
-    for row, tok in zip(lp, chosen):
-        top = np.argsort(-row, kind="stable")[:k] if k else []
-        out.append((float(row[tok]), [(int(t), float(row[t])) for t in top]))
-    return out

@@ -14,6 +14,7 @@
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
 //   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
+//   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
 //   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
@@ -248,6 +249,26 @@ extern "C" int SampleStatsT(int nparam, void** params, int* ndims, int64_t** sha
       shapes[3][1] < 6 || shapes[0][0] != shapes[1][0] * shapes[2][0])
     return 1;
   return sample_stats_call(params, shapes, static_cast<const float*>(params[1]), 2);
+}
+
+// x [Q, P] float32, entries [E, 5] float32, mask [M, W] int32, meta [R, 3] int32 (each shard's
+// first column, real columns, and in meta[0][2] whether mask applies) -> [Q, P] (process_rows)
+extern "C" int ProcessRows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                           void* stream, void* extra) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 5 || ndims[2] != 2 || ndims[3] != 2 ||
+      shapes[3][1] != 3 || shapes[0][0] % shapes[3][0] || shapes[2][0] != shapes[0][0] / shapes[3][0])
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[3]);
+  const int64_t R = shapes[3][0];
+  std::vector<int32_t> starts(R), cols(R);
+  for (int64_t r = 0; r < R; ++r) {
+    starts[r] = meta[3 * r];
+    cols[r] = std::min<int32_t>(meta[3 * r + 1], shapes[0][1]);
+  }
+  process_rows(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
+               meta[2] ? static_cast<const int32_t*>(params[2]) : nullptr, starts.data(), cols.data(),
+               static_cast<float*>(params[4]), shapes[0][0], R, shapes[0][1], shapes[1][0], shapes[2][1]);
+  return 0;
 }
 
 // st [tp M, 4 + 2C], prm [M, 5], kept [tp M], starts [tp] -> [M, 2 + 2K + 5] (sample_merge)

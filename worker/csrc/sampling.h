@@ -8,6 +8,8 @@
 
 #pragma once
 
+#include <limits>
+
 #include "common.h"
 
 namespace {
@@ -240,6 +242,44 @@ inline void merge_row(const float* st, int64_t stride, int64_t tp, int64_t C, co
   draw[2] = g;
   draw[3] = t;
   draw[4] = tau_min_p;
+}
+
+// ProcessRows: the logits as the sampling parameters that change them leave them
+// (worker.sampler.Adjustments): x [Q, P] (R shards of M rows, shard r from column starts[r], of
+// which cols[r] are real) -> out [Q, P]: where the row's bit in mask [M, W] (bit t % 32 of word
+// t / 32 of the whole vocabulary) is clear, -inf (no mask: every bit set); then per entry
+// (row, token, add, r, sub) of entries [E, 5] whose token is in the shard, v = x + add,
+// x = (v > 0 ? v / r : v * r) + sub. Entries with row < 0 pad a static shape.
+inline void process_rows(const float* x, const float* entries, const int32_t* mask, const int32_t* starts,
+                         const int32_t* cols, float* out, int64_t Q, int64_t R, int64_t P, int64_t E, int64_t W) {
+  const int64_t M = Q / R;
+  const float inf = std::numeric_limits<float>::infinity();
+  parallel_for(Q, 1, [&](int64_t q) {
+    const float* r = x + q * P;
+    float* o = out + q * P;
+    const int64_t shard = q / M, row = q % M, start = starts[shard];
+    if (mask == nullptr) {
+      std::copy(r, r + P, o);
+    } else {
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(mask + row * W);
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t t = start + j, w = t >> 5;
+        o[j] = (j < cols[shard] && w < W && ((bits[w] >> (t & 31)) & 1u)) ? r[j] : -inf;
+      }
+    }
+  });
+  for (int64_t e = 0; e < E; ++e) {           // few entries a step: one thread
+    const float* en = entries + 5 * e;
+    const int64_t row = static_cast<int64_t>(en[0]), t = static_cast<int64_t>(en[1]);
+    if (row < 0 || row >= M) continue;
+    for (int64_t shard = 0; shard < R; ++shard) {
+      const int64_t j = t - starts[shard];
+      if (j < 0 || j >= cols[shard]) continue;
+      float& v = out[(shard * M + row) * P + j];
+      const float a = v + en[2];
+      v = (a > 0.f ? a / en[3] : a * en[3]) + en[4];
+    }
+  }
 }
 
 // x [Q, P] holds R shards' rows (M = Q / R per shard); shard r has cols[r] real columns.

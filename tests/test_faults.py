@@ -57,9 +57,13 @@ def whole_lines(path: Path) -> list[dict]:
 def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model, tmp_path):
     """tp 2: SIGKILL of rank 1 mid-job. The replica goes (rank 0 and its MindSpore scheduler too),
     a new one starts with a scheduler on a fresh port, listening on the node's address, and the
-    lost records are computed again: every record exactly once, the job exits 0."""
+    lost records are computed again: every record exactly once, the job exits 0. The prompts
+    share a cached block (prefix caching), and records 4-7 repeat the prompts of 0-3: a record
+    computed on the restarted replica's cache generates what its twin generated on either."""
     n = 8
-    job = Job(tmp_path, model, records(n), parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 32},
+    shared = [(7 * j) % 200 + 3 for j in range(16)]                # one full block of 16 tokens
+    lines = [{"id": f"r{i:02d}", "prompt_token_ids": shared + [20 + i % 4] * (1 + i % 4)} for i in range(n)]
+    job = Job(tmp_path, model, lines, parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 24},
               fault={"max_replica_restarts": 2})
     proc = cli.start("run", job.spec_path, "--no-progress")
     try:
@@ -84,10 +88,14 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
     finally:
         stop(proc)
     assert proc.returncode == 0, err
-    assert sorted(job.ids()) == [r["id"] for r in records(n)]
-    assert all(r["error"] is None and r["completion_tokens"] == 32 for r in job.results())
+    assert sorted(job.ids()) == [r["id"] for r in lines]
+    results = {r["id"]: r for r in job.results()}
+    assert all(r["error"] is None and r["completion_tokens"] == 24 for r in results.values())
+    for i in range(4):
+        assert results[f"r{i:02d}"]["output_token_ids"] == results[f"r{i + 4:02d}"]["output_token_ids"]
     summary = job.summary()
     assert summary["replica_restarts"] == 1 and summary["records_done"] == n
+    assert summary["steps"]["cached_prompt_tokens"] >= 16
     assert summary["restart_reasons"] == ["replica 0 failed (a worker process died)"]
 
 

@@ -40,15 +40,15 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
                 assert tiles == (2 * 4 + 1 if amx else 0)
         if name == "llama_mqa":
             check_rank_holds_exactly_its_slices(r, checkpoint(name))
+            tp1 = runner_for(checkpoint(name))
             # seeded sampling on the vocabulary shards: the tokens of tp 1, in a batch or alone, with
-            # the candidates alone (top_k, top_p), a draw over the whole vocabulary (temperature), the
-            # pass for min_p's kept mass, and logits changed first (a bias, a token mask)
+            # the candidates alone (top_k, top_p); logits changed first (a bias), the pass for
+            # min_p's kept mass and a draw over the whole vocabulary; a token mask, with logprobs
             for s in (SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7),
-                      SamplingParams(temperature=1.0, seed=8), SamplingParams(temperature=0.8, min_p=0.05, seed=9),
-                      SamplingParams(temperature=1.0, logit_bias=((5, 2.0), (200, 3.0)), seed=10),
+                      SamplingParams(temperature=1.0, min_p=0.05, logit_bias=((5, 2.0), (200, 3.0)), seed=8),
                       SamplingParams(allowed_token_ids=(5, 17, 33, 150, 201), logprobs=2)):
                 sampled = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW, s)
-                alone = Driver(runner_for(checkpoint(name))).generate({1: PROMPTS[1]}, N_NEW, s)
+                alone = Driver(tp1).generate({1: PROMPTS[1]}, N_NEW, s)
                 assert sampled[1] == alone[1], s
     finally:
         pids = r.pids()

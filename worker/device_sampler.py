@@ -76,11 +76,13 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def process_inputs(adjustments: dict, M: int, vocab: int, static: bool) -> tuple[np.ndarray, np.ndarray]:
-    """`VocabSampler.process`'s inputs for a step of M rows from {row: worker.sampler.Adjustments}:
+def process_inputs(adjustments: dict, M: int, vocab: int, static: bool,
+                   grammar: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """`VocabSampler.process`'s inputs for a step of M rows from {row: worker.sampler.Adjustments}
+    and the grammars' masks of its first rows (int32 [m, W], all bits set where a row has none):
     entries [E, 5] float32 (row, token, add, r, sub; padded with row -1 to a power of two when
-    `static`, for the CPU kernels' static shapes) and the token masks [M, W] int32 (bits; W = 1,
-    all set, when no row has one)."""
+    `static`, for the CPU kernels' static shapes), the token masks [M, W] int32 (bits; W = 1,
+    all set, when no row has one), and whether any row has one (`masked`)."""
     rows = [np.stack((np.full(len(a.ids), i), a.ids, a.add, a.r, a.sub), -1) for i, a in adjustments.items()
             if len(a.ids)]
     rows = np.concatenate(rows) if rows else np.zeros((0, 5))
@@ -91,12 +93,15 @@ def process_inputs(adjustments: dict, M: int, vocab: int, static: bool) -> tuple
     entries[:, 0] = -1
     entries[: len(rows)] = rows
     masks = {i: a.allowed for i, a in adjustments.items() if a.allowed is not None}
+    masked = bool(masks) or grammar is not None
     words = -(-vocab // 32)
-    mask = np.full((M, words) if masks else (M, 1), -1, np.int32)
+    mask = np.full((M, words) if masked else (M, 1), -1, np.int32)
+    if grammar is not None:
+        mask[: len(grammar)] = grammar
     for i, allowed in masks.items():
         bits = np.packbits(allowed, bitorder="little")
-        mask[i] = np.pad(bits, (0, 4 * words - len(bits))).view(np.int32)
-    return entries, mask
+        mask[i] &= np.pad(bits, (0, 4 * words - len(bits))).view(np.int32)
+    return entries, mask, masked
 
 
 class VocabSampler(nn.Cell):

@@ -92,6 +92,7 @@ class ModelRunner:
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
         self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
         self.grammar_tokenizer = None                        # llguidance's, loaded for the first grammar
+        self.mask_pool = self.grammar_executor = None        # start_masks' thread and llguidance's pool
         self.host_bytes = 0                                  # copied from the device, all steps
 
     def compiled(self, fn, kind: str):
@@ -383,7 +384,7 @@ class ModelRunner:
             self.grammar_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.cfg.vocab_size)
         return llguidance.LLMatcher(self.grammar_tokenizer, text, log_level=0)
 
-    def sample(self, seqs: list[SeqStep], logits, greedy, logprobs: bool) -> tuple[list[int], list]:
+    def sample(self, seqs: list[SeqStep], logits, greedy, logprobs: bool, masks=None) -> tuple[list[int], list]:
         """The step's tokens (-1 where a sequence does not sample) and per sequence its
         (chosen log-probability, [(token, log-probability)] of the `sampling.logprobs` most likely)
         or None, all on the device (worker.device_sampler): the network's greedy tokens when every
@@ -392,7 +393,8 @@ class ModelRunner:
         with sequences whose sampling changes their logits first (penalties, biases, bans, token
         masks, a grammar) runs `process` on the logits before: its tokens come from the changed
         logits, log-probabilities from the model's own (`greedy_logprobs` and `score` on them).
-        `logprobs`: format them (rank 0; the other ranks compute and drop them)."""
+        `logprobs`: format them (rank 0; the other ranks compute and drop them); `masks`: the
+        grammars' (`start_masks`)."""
         chosen, lps = [-1] * len(seqs), [None] * len(seqs)
         todo = [i for i, s in enumerate(seqs) if s.sample]
         if not todo:
@@ -403,7 +405,7 @@ class ModelRunner:
         k = max(p.logprobs for p in params)
         raw = logits
         if any(p.processes for p in params):
-            logits = self.processed(seqs, todo, logits)
+            logits = self.processed(seqs, todo, logits, masks)
             greedy = None
         if k == 0 and all(p.greedy for p in params):
             picked = self.to_host(greedy if greedy is not None else self.sampler_fn("greedy")(logits),
@@ -445,16 +447,38 @@ class ModelRunner:
             chosen[i] = t
         return chosen, lps
 
-    def processed(self, seqs: list[SeqStep], todo: list[int], logits):
+    def processed(self, seqs: list[SeqStep], todo: list[int], logits, grammar):
         """The step's logits after `process` (worker.device_sampler): each sampling sequence's
-        worker.sampler.Adjustments, from its history on this rank."""
+        worker.sampler.Adjustments, from its history on this rank, and the grammars' masks
+        (`start_masks`: a Future, or None)."""
         adjustments = {i: sampler.Adjustments(seqs[i].sampling, seqs[i].num_generated,
-                                              self.histories.get(seqs[i].seq_id), self.cfg.vocab_size)
+                                              self.histories.get(seqs[i].seq_id), self.cfg.vocab_size, grammar=False)
                        for i in todo if seqs[i].sampling.processes}
-        entries, mask = process_inputs(adjustments, logits.shape[0], self.cfg.vocab_size,
-                                       static=self.dev.sampler_kernels is not None)
-        masked = any(a.allowed is not None for a in adjustments.values())
+        entries, mask, masked = process_inputs(adjustments, logits.shape[0], self.cfg.vocab_size,
+                                               static=self.dev.sampler_kernels is not None,
+                                               grammar=grammar.result() if grammar is not None else None)
         return self.sampler_fn("process", masked=masked)(logits, self.ms.Tensor(entries), self.ms.Tensor(mask))
+
+    def start_masks(self, seqs: list[SeqStep]):
+        """The token masks of the step's sequences that follow a grammar, computed while the network
+        runs: llguidance fills them in parallel (its own threads, outside the GIL) into int32 bits
+        [rows, W]. A Future of that array, or None when no sequence has a grammar."""
+        pairs = [(h.matcher, i) for i, s in enumerate(seqs) if s.sample and s.sampling.structured
+                 and (h := self.histories.get(s.seq_id)) is not None and h.matcher is not None
+                 and not h.matcher.is_error()]
+        if not pairs:
+            return None
+        import llguidance
+        import llguidance.numpy
+        if self.mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self.mask_pool, self.grammar_executor = ThreadPoolExecutor(1), llguidance.LLExecutor()
+        mask = np.full((len(seqs), -(-self.cfg.vocab_size // 32)), -1, np.int32)
+
+        def fill():
+            llguidance.numpy.fill_next_token_bitmask_par(self.grammar_executor, pairs, mask)
+            return mask
+        return self.mask_pool.submit(fill)
 
     def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
         """Runs the step and samples. Every rank of a group samples the same tokens (the device
@@ -475,8 +499,9 @@ class ModelRunner:
         chosen, lps, scores, model_s = [], [], [], 0.0
         for part in self.parts(seqs, is_prefill):
             t1 = time.perf_counter()
+            masks = self.start_masks(part)
             logits, greedy, part_scores = self.network(part, is_prefill)
-            tokens, part_lps = self.sample(part, logits, greedy, logprobs)
+            tokens, part_lps = self.sample(part, logits, greedy, logprobs, masks)
             if self.synced < t1:                 # nothing copied (no sequence samples or scores): wait for it
                 self.ms.runtime.synchronize()
                 self.synced = time.perf_counter()

@@ -65,9 +65,10 @@ class Adjustments:
 
     __slots__ = ("allowed", "ids", "add", "r", "sub")
 
-    def __init__(self, p: SamplingParams, num_generated: int, hist: History | None, vocab: int):
+    def __init__(self, p: SamplingParams, num_generated: int, hist: History | None, vocab: int,
+                 grammar: bool = True):
         self.allowed = None
-        if hist is not None and hist.matcher is not None:
+        if grammar and hist is not None and hist.matcher is not None:     # (grammar=False: the caller's)
             self.allowed = hist.allowed(vocab)
         if p.allowed_token_ids:
             keep = np.zeros(vocab, bool)

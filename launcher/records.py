@@ -236,10 +236,14 @@ class RecordCodec:
     @staticmethod
     def prompt_logprobs(seq: Sequence) -> dict:
         """As vLLM gives them: per prompt token, its log-probability given the ones before it
-        (None for the first). A preempted sequence computes them again: the first are kept."""
+        (None for the first); with `prompt_logprobs: k` > 0, as `logprobs` entries with the k most
+        likely alternatives. A preempted sequence computes them again: the first are kept."""
         if seq.sampling.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": [None, *seq.prompt_logprobs[:seq.num_prompt_tokens - 1]]}
+        got = seq.prompt_logprobs[:seq.num_prompt_tokens - 1]
+        if seq.sampling.prompt_logprobs:
+            got = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in got]
+        return {"prompt_logprobs": [None, *got]}
 
     @staticmethod
     def ttft(seqs: list[Sequence]) -> float | None:

@@ -81,7 +81,8 @@ class Sequence:
         self.cut_text: str | None = None                # its output text, cut before the stop string it hit
         self.logprobs: list = []                        # per generated token: (logprob, [(token, logprob)])
         self.continuation_logprobs: list[float] = []    # scoring: per continuation token
-        self.prompt_logprobs: list[float] = []          # sampling.prompt_logprobs: per prompt token after the first
+        self.prompt_logprobs: list = []                 # sampling.prompt_logprobs: per prompt token after the first,
+                                                        # its logprob (k = 0) or (logprob, [(token, logprob)])
         self.t_added = 0.0                              # perf_counter when the engine received it
         self.t_first: float | None = None               # perf_counter of its first token
 

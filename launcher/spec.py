@@ -168,15 +168,8 @@ class SamplingSpec(Section):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0)
-    prompt_logprobs: int | None = None          # 0: each prompt token's log-probability
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs_zero(cls, value: int | None) -> int | None:
-        if value not in (None, 0):
-            raise ValueError(f"only 0 is served (each prompt token's own log-probability), not the {value} most "
-                             f"likely alternatives")
-        return value
+    # each prompt token's log-probability, and with k > 0 the k most likely alternatives (at most 20)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from tests.checkpoints import VARIANTS
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import Recording
-from tests.test_scoring import hf_logprobs
+from tests.test_scoring import hf_log_softmax, hf_logprobs
 from msinfer.worker.protocol import SamplingParams, SeqStep
 from msinfer.sharding.config import EngineConfig
 from msinfer.worker.runner import ModelRunner
@@ -60,13 +60,22 @@ def test_greedy_tokens_and_logits_match_transformers(name, path_kind, checkpoint
 @pytest.mark.parametrize("path_kind", list(PATHS))
 def test_scoring_log_probabilities_match_transformers(path_kind, dtype, atol, checkpoint):
     """Scoring runs as a prefill of the paged (decode) kind; in float16 the log-probabilities stay
-    within 2e-2 of transformers' float32 ones, on both paths."""
+    within 2e-2 of transformers' float32 ones, on both paths; in float32 the alternatives of
+    `prompt_logprobs: 3` are transformers' three most likely tokens."""
     name = "qwen2_qkv_bias"
     tokens = PROMPTS[2] + PROMPTS[0]
     runner = runner_for(checkpoint(name), path_kind, dtype=dtype)
     step = SeqStep(0, tokens, 0, list(range(8)), targets=tokens[1:] + [-1], sample=False)
     _, scores = runner.execute([step], True)
     np.testing.assert_allclose(scores[0], hf_logprobs(checkpoint(name), tokens[:1], tokens[1:]), atol=atol)
+    if dtype == "float32":
+        step = SeqStep(1, tokens, 0, list(range(8, 16)), SamplingParams(prompt_logprobs=3), targets=tokens[1:] + [-1],
+                       sample=False)
+        _, scores = runner.execute([step], True)
+        lp = hf_log_softmax(checkpoint(name), tokens)
+        for j, (chosen, top) in enumerate(scores[0]):
+            assert abs(chosen - lp[j, tokens[j + 1]]) < atol
+            assert [t for t, _ in top] == np.argsort(-lp[j], kind="stable")[:3].tolist()
 
 
 @pytest.mark.parametrize("path_kind", list(PATHS))

@@ -168,7 +168,8 @@ def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
 def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation_goes_on(checkpoint, reference):
     """prompt_logprobs: 0 on a 30-token prompt prefilled in chunks of 16: per prompt token its
     log-probability given the ones before it (None first), within 1e-4 of transformers' float32,
-    and the record still generates its greedy tokens; asking for alternatives is the record's error."""
+    and the record still generates its greedy tokens; with prompt_logprobs: 3, also the three most
+    likely tokens there; more than 20 is the record's error."""
     import torch
     import transformers
     from msinfer.launcher.errors import RecordError
@@ -176,7 +177,8 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation
     plan = plan_job(spec_for(path, max_new_tokens=3), check_io=False)
     prompt = [(11 * i + 5) % 250 + 3 for i in range(30)]
     lines, _ = run_engine(plan, [{"id": "p", "prompt_token_ids": prompt,
-                                  "sampling": {"prompt_logprobs": 0, "ignore_eos": True}}])
+                                  "sampling": {"prompt_logprobs": 0, "ignore_eos": True}},
+                                 {"id": "k", "prompt_token_ids": prompt, "sampling": {"prompt_logprobs": 3}}])
     got = lines["p"]["prompt_logprobs"]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -186,5 +188,12 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation
     np.testing.assert_allclose(got[1:], want, atol=1e-4)
     p = plan.spec.sampling.merge({"ignore_eos": True}).to_params()
     assert lines["p"]["output_token_ids"] == reference(prompt, p)
-    with pytest.raises(RecordError, match=r"sampling.prompt_logprobs: .*only 0 is served"):
-        plan.spec.sampling.merge({"prompt_logprobs": 2}, "p")
+    alternatives = lines["k"]["prompt_logprobs"]
+    assert alternatives[0] is None and len(alternatives) == len(prompt)
+    for j, entry in enumerate(alternatives[1:]):
+        np.testing.assert_allclose(entry["logprob"], want[j], atol=1e-4)
+        ids = [t for t, _ in entry["top"]]
+        assert ids == np.argsort(-lp[j], kind="stable")[:3].tolist()
+        np.testing.assert_allclose([v for _, v in entry["top"]], lp[j, ids], atol=1e-4)
+    with pytest.raises(RecordError, match=r"record .p.: sampling.prompt_logprobs: expected an integer <= 20, got 21"):
+        plan.spec.sampling.merge({"prompt_logprobs": 21}, "p")

@@ -21,16 +21,20 @@ CONTINUATIONS = [[44, 3, 8, 9, 10], [7, 7, 200, 31, 5, 6]]
 _HF: dict = {}
 
 
-def hf_logprobs(path, prompt, continuation) -> list[float]:
-    """transformers: log_softmax of the logits over prompt + continuation, at each continuation token."""
+def hf_log_softmax(path, ids) -> np.ndarray:
+    """transformers: log_softmax of the logits at each of the tokens ids [len(ids), vocab]."""
     import torch
     import transformers
     if str(path) not in _HF:
         _HF[str(path)] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = list(prompt) + list(continuation)
     with torch.no_grad():
-        lp = _HF[str(path)](torch.tensor([ids])).logits[0].double().log_softmax(-1)
-    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(continuation)]
+        return _HF[str(path)](torch.tensor([list(ids)])).logits[0].double().log_softmax(-1).numpy()
+
+
+def hf_logprobs(path, prompt, continuation) -> list[float]:
+    """transformers: log_softmax of the logits over prompt + continuation, at each continuation token."""
+    lp = hf_log_softmax(path, list(prompt) + list(continuation))
+    return [lp[len(prompt) - 1 + i, t] for i, t in enumerate(continuation)]
 
 
 def scoring_sequence(prompt, continuation, max_model_len=128) -> Sequence:
@@ -152,7 +156,8 @@ def test_scores_equal_transformers_chunked_and_batched_with_a_generation(checkpo
 def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(checkpoint, hf_greedy, ray_local,
                                                                               tmp_path, monkeypatch):
     """task: score through run_job: records with a continuation are scored, one without is generated
-    (with logprobs), and a continuation that does not fit is an error line."""
+    (with logprobs, and its prompt's with two alternatives each), and a continuation that does not
+    fit is an error line."""
     from msinfer.launcher.job import run_job
     from msinfer.launcher.spec import JobSpec
 
@@ -160,7 +165,7 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
     name = "qwen2_qkv_bias"
     path = checkpoint(name)
     records = [{"id": "s0", "prompt_token_ids": PROMPTS[0], "continuation_token_ids": CONTINUATIONS[0]},
-               {"id": "g", "prompt_token_ids": PROMPTS[1], "sampling": {"logprobs": 2}},
+               {"id": "g", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 2}},
                {"id": "s1", "prompt_token_ids": PROMPTS[2], "continuation_token_ids": CONTINUATIONS[1]},
                {"id": "long", "prompt_token_ids": [5] * 60, "continuation_token_ids": [6] * 10}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -181,7 +186,14 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
         np.testing.assert_allclose(r["continuation_logprobs"], ref, atol=LOGPROB_ATOL)
         assert abs(r["continuation_logprob_sum"] - sum(ref)) < LOGPROB_ATOL * len(cont)
     g = results["g"]
-    ref_tokens, ref_logits = hf_greedy(name, PROMPTS[1], N_NEW)
+    prompt = PROMPTS[2]
+    lp = hf_log_softmax(path, prompt)
+    assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(prompt)
+    for j, entry in enumerate(g["prompt_logprobs"][1:]):
+        assert abs(entry["logprob"] - lp[j, prompt[j + 1]]) < LOGPROB_ATOL
+        assert [t for t, _ in entry["top"]] == np.argsort(-lp[j], kind="stable")[:2].tolist()
+        np.testing.assert_allclose([v for _, v in entry["top"]], np.sort(lp[j])[::-1][:2], atol=LOGPROB_ATOL)
+    ref_tokens, ref_logits = hf_greedy(name, prompt, N_NEW)
     assert g["output_token_ids"] == ref_tokens and "continuation_logprobs" not in g
     for entry, tok, logits in zip(g["logprobs"], ref_tokens, ref_logits):
         ref = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))

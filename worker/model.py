@@ -179,6 +179,7 @@ class SparseDecoderLayer(LayerBase):
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "batch_valid_length", "q_seq_lens",
                "token_seq", "token_len", "attn_mask", "out_index")
 SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
+PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
 class CausalLM(nn.Cell):
@@ -216,6 +217,8 @@ class CausalLM(nn.Cell):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
         self.sampler = VocabSampler(cfg.vocab_size, tp, kernels=dev.sampler_kernels)     # its greedy pick
+        # score_top's: the PROMPT_TOP most likely tokens of each scored row
+        self.scorer = VocabSampler(cfg.vocab_size, tp, PROMPT_TOP, PROMPT_TOP, kernels=dev.sampler_kernels)
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
@@ -262,6 +265,18 @@ class CausalLM(nn.Cell):
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                               token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
         return logits[:m], self.sampler.greedy(logits[:m]), self.sampler.score(logits[m:], targets)
+
+    def score_top(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+                  token_len, attn_mask, out_index, score_index, targets):
+        """`score` with the alternatives of `prompt_logprobs: k`: the third output is [S, 1 + 2
+        PROMPT_TOP], per scored row log p(target), the PROMPT_TOP largest log-probabilities and
+        their tokens (float32), as the sampler's `figures`."""
+        m = out_index.shape[0]
+        logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
+        _, figures = self.scorer.greedy_logprobs(logits[m:])
+        return (logits[:m], self.sampler.greedy(logits[:m]),
+                ops.concat((self.sampler.score(logits[m:], targets).expand_dims(-1), figures[:, 1:]), -1))
 
     def pack_weights(self) -> None:
         """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),

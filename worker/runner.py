@@ -77,7 +77,8 @@ class ModelRunner:
         self.load_s = time.perf_counter() - t0
         # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both
         # kinds, so their prefill steps run the decode graph.
-        kinds = {"prefill": self.model.prefill, "decode": self.model.decode, "score": self.model.score}
+        kinds = {"prefill": self.model.prefill, "decode": self.model.decode, "score": self.model.score,
+                 "score_top": self.model.score_top}
         if self.dev.fused_attention:
             kinds["prefill"] = self.model.decode
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
@@ -104,7 +105,7 @@ class ModelRunner:
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
                 "attn_mask": ([None, None], getattr(ms, self.dtype))}
         return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32))
-                                       for n in (SCORE_INPUTS if kind == "score" else STEP_INPUTS)})
+                                       for n in (SCORE_INPUTS if kind.startswith("score") else STEP_INPUTS)})
 
     def dynamic_graph(self, fn, specs: dict):
         """Method `fn` compiled once for inputs of variable size (mindspore.enable_dynamic: each
@@ -293,7 +294,7 @@ class ModelRunner:
             self.compiled_graphs.add(graph)
             self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
                 f" S={extra[0].shape[0]}" if extra else "")] = time.perf_counter() - t0
-        if kind != "score":
+        if not kind.startswith("score"):
             self.graphs.add(shape)
         return out
 
@@ -342,7 +343,8 @@ class ModelRunner:
 
     def forward_scores(self, seqs: list[SeqStep]):
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
-        j with targets[j] >= 0 (None for a sequence without targets); the last-token logits and
+        j with targets[j] >= 0 (None for a sequence without targets; with `prompt_logprobs: k`,
+        each as (that, [(token, log-probability)] of the k most likely)); the last-token logits and
         greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to
         a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False)
@@ -363,12 +365,20 @@ class ModelRunner:
         score_targets = np.zeros(S, np.int32)
         score_targets[: len(rows)] = targets
         i32 = self.ms.int32
-        logits, greedy, logp = self._call("score", inputs, self.ms.Tensor(score_index, i32),
-                                          self.ms.Tensor(score_targets, i32))
+        top = [s.sampling.prompt_logprobs or 0 for s in seqs]
+        logits, greedy, logp = self._call("score_top" if any(top) else "score", inputs,
+                                          self.ms.Tensor(score_index, i32), self.ms.Tensor(score_targets, i32))
         logp = self.to_host(logp, len(rows))
         scores, at = [], 0
-        for n in counts:
-            scores.append(None if n is None else [float(x) for x in logp[at: at + n]])
+        for n, k in zip(counts, top):
+            if n is None:
+                scores.append(None)
+            elif logp.ndim == 1 or not k:
+                scores.append([float(x) for x in (logp if logp.ndim == 1 else logp[:, 0])[at: at + n]])
+            else:            # (log p(target), [(token, log-probability)] of the k most likely)
+                K = (logp.shape[1] - 1) // 2
+                scores.append([(float(r[0]), [(int(t), float(v)) for t, v in zip(r[1 + K: 1 + K + k], r[1: 1 + k])])
+                               for r in logp[at: at + n]])
             at += n or 0
         return logits, greedy, scores
 

@@ -26,7 +26,8 @@ class Driver:
 
     def prefill(self, prompts: dict[int, list[int]], sampling: SamplingParams | None = None):
         sampling = sampling or SamplingParams()
-        steps = [SeqStep(sid, list(p), 0, self.table(sid), sampling) for sid, p in prompts.items()]
+        steps = [SeqStep(sid, list(p), 0, self.table(sid), sampling,     # what penalties and grammars look back at
+                         history=(list(p), []) if sampling.looks_back else None) for sid, p in prompts.items()]
         out = self.engine.step(steps, True)
         for (sid, p), tok in zip(prompts.items(), out.token_ids):
             self.seqs[sid] = {"prompt": list(p), "gen": [tok], "sampling": sampling}

@@ -198,7 +198,8 @@ def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, 
 def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(checkpoint):
     """The step's packed inputs for a prefill chunk and a decode side by side: each token's position,
     cache slot (through its own block table), sequence and context length; the logits row of each
-    sequence is its last token's. A block table too short for the tokens is refused by name."""
+    sequence is its last token's. A block table too short for the tokens, or naming a block the
+    cache does not have, is refused by name (its writes would land outside the cache)."""
     from msinfer.worker.protocol import SeqStep
     runner = runner_for(checkpoint("llama_gqa_tied"))
     bs = runner.block_size
@@ -218,3 +219,7 @@ def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(c
     assert tables.asnumpy()[0, :3].tolist() == [4, 9, runner.scratch_block]
     with pytest.raises(ValueError, match="sequence 8: block table holds 2 blocks, too few for 38 tokens"):
         runner.prepare([steps[0], SeqStep(8, [14], 2 * bs + 5, [1, 2])], True)
+    beyond = runner.num_blocks
+    with pytest.raises(ValueError, match=f"sequence 9: block table names a block outside the KV cache's "
+                                         f"{beyond}: \\[3, {beyond}\\]"):
+        runner.prepare([steps[0], SeqStep(9, [14], bs + 2, [3, beyond])], True)

@@ -230,6 +230,11 @@ class ModelRunner:
         for b, s in enumerate(seqs):
             k = min(len(s.block_table), width)
             tables[b, :k] = s.block_table[:k]
+        named = tables[:B][np.arange(width)[None] < np.minimum(blocks, width)[:, None]]
+        if len(named) and (named.min() < 0 or named.max() >= self.num_blocks):   # writes outside the cache
+            s = next(s for s in seqs if any(not 0 <= x < self.num_blocks for x in s.block_table))
+            raise ValueError(f"sequence {s.seq_id}: block table names a block outside the KV cache's "
+                             f"{self.num_blocks}: {s.block_table}")
         ids = np.full(N, self.dev.pad_id, np.int32)
         ids[:total] = np.fromiter((t for s in seqs for t in s.token_ids), np.int32, total)
         rope = np.zeros((N, P), np.float32)

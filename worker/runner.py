@@ -352,6 +352,7 @@ class ModelRunner:
         each as (that, [(token, log-probability)] of the k most likely)); the last-token logits and
         greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to
         a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
+        from msinfer.worker.model import PROMPT_TOP
         inputs, first_row = self.prepare(seqs, True, reuse=False)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
@@ -381,7 +382,7 @@ class ModelRunner:
             elif logp.ndim == 1 or not k:
                 scores.append([float(x) for x in (logp if logp.ndim == 1 else logp[:, 0])[at: at + n]])
             else:            # (log p(target), [(token, log-probability)] of the k most likely)
-                K = (logp.shape[1] - 1) // 2
+                K = PROMPT_TOP
                 scores.append([(float(r[0]), [(int(t), float(v)) for t, v in zip(r[1 + K: 1 + K + k], r[1: 1 + k])])
                                for r in logp[at: at + n]])
             at += n or 0

@@ -1,5 +1,5 @@
 """OpenAI Batch API files: request lines in, output lines that the `openai` package's own types
-parse, a 400 line for a request msinfer cannot serve, resume by custom_id."""
+parse, a 400 line for a request msinfer cannot serve, resume by custom_id, also of a torn file."""
 
 from __future__ import annotations
 
@@ -136,3 +136,14 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     assert again["records_skipped"] == 6 and again["records_done"] == again["records_failed"] == 0
+    # a run killed while writing leaves a torn last line: the next run drops it and computes that
+    # request again, each custom_id once
+    data = (tmp_path / "out.jsonl").read_bytes()
+    torn = data[: len(data) - 10]
+    (tmp_path / "out.jsonl").write_bytes(torn)
+    last = json.loads(data.splitlines()[-1])["custom_id"]
+    resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert resumed["records_skipped"] == 5 and resumed["records_done"] + resumed["records_failed"] == 1
+    again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
+    assert again_out[-1]["custom_id"] == last

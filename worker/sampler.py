@@ -27,13 +27,14 @@ from msinfer.worker.protocol import SamplingParams
 
 class History:
     """What a sequence's penalties, bad words and grammar look back at, kept by the worker
-    between steps: its prompt's distinct tokens, its output tokens, and its grammar's matcher
-    (llguidance.LLMatcher) fed those tokens. `add` takes each token sampled here."""
+    between steps: the distinct tokens of its prompt and output (`seen`, sorted: repetition_penalty's
+    tokens), its output tokens, and its grammar's matcher (llguidance.LLMatcher) fed those tokens.
+    `add` takes each token sampled here, so no step sorts the prompt again."""
 
-    __slots__ = ("prompt", "out", "matcher")
+    __slots__ = ("seen", "out", "matcher")
 
     def __init__(self, prompt: list[int], out: list[int], matcher=None):
-        self.prompt = np.unique(np.asarray(prompt, np.int64))
+        self.seen = np.unique(np.asarray(list(prompt) + list(out), np.int64))
         self.out = list(out)
         self.matcher = matcher
         if matcher is not None and out:
@@ -41,6 +42,7 @@ class History:
 
     def add(self, token: int) -> None:
         self.out.append(token)
+        self.seen = insert_sorted(self.seen, np.array([token], np.int64))
         if self.matcher is not None and not self.matcher.is_error():
             self.matcher.consume_token(token)
 
@@ -85,16 +87,17 @@ class Adjustments:
                 add[t] = -np.inf
         for t, b in p.logit_bias:
             add[t] = add.get(t, 0.0) + b
-        parts = [np.fromiter(add.keys(), np.int64, len(add))]
         rep = sub_ids = counts = None
         if hist is not None:
             if p.repetition_penalty != 1.0:
-                rep = np.union1d(hist.prompt, np.asarray(hist.out, np.int64))
-                parts.append(rep)
+                rep = hist.seen
             if hist.out and (p.frequency_penalty or p.presence_penalty):
                 sub_ids, counts = np.unique(np.asarray(hist.out, np.int64), return_counts=True)
-                parts.append(sub_ids)
-        self.ids = np.unique(np.concatenate(parts))
+        few = np.unique(np.fromiter(add.keys(), np.int64, len(add)))
+        if rep is not None:             # the output's tokens are among the seen ones
+            self.ids = insert_sorted(rep, few)
+        else:
+            self.ids = np.union1d(few, sub_ids) if sub_ids is not None else few
         self.add = np.zeros(len(self.ids))
         self.r = np.ones(len(self.ids))
         self.sub = np.zeros(len(self.ids))
@@ -119,6 +122,13 @@ def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: His
     """One row's logits (float64, a copy) after the grammar's mask, allowed_token_ids,
     bad_words, min_tokens, logit_bias and the penalties."""
     return Adjustments(p, num_generated, hist, len(logits)).apply(logits.astype(np.float64))
+
+
+def insert_sorted(ids: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """ids (sorted, distinct) with those of new (sorted, distinct) that it lacks, in order."""
+    at = np.searchsorted(ids, new)
+    has = (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == new) if len(ids) else np.zeros(len(new), bool)
+    return np.insert(ids, at[~has], new[~has]) if (~has).any() else ids
 
 
 def filter_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:

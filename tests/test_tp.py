@@ -42,11 +42,11 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
             check_rank_holds_exactly_its_slices(r, checkpoint(name))
             tp1 = runner_for(checkpoint(name))
             # seeded sampling on the vocabulary shards: the tokens of tp 1, in a batch or alone, with
-            # the candidates alone (top_k, top_p); logits changed first (a bias), the pass for
-            # min_p's kept mass and a draw over the whole vocabulary; a token mask, with logprobs
+            # the candidates alone (top_k, top_p); and with logits changed first (a bias, a token
+            # mask), the pass for min_p's kept mass, a draw over the whole vocabulary and logprobs
             for s in (SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7),
-                      SamplingParams(temperature=1.0, min_p=0.05, logit_bias=((5, 2.0), (200, 3.0)), seed=8),
-                      SamplingParams(allowed_token_ids=(5, 17, 33, 150, 201), logprobs=2)):
+                      SamplingParams(temperature=1.0, min_p=0.05, logit_bias=((5, 2.0), (200, 3.0)), seed=8,
+                                     allowed_token_ids=tuple(range(0, 256, 3)) + (5,), logprobs=2)):
                 sampled = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW, s)
                 alone = Driver(tp1).generate({1: PROMPTS[1]}, N_NEW, s)
                 assert sampled[1] == alone[1], s

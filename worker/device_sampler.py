@@ -377,8 +377,9 @@ class VocabSampler(nn.Cell):
         """`sample` with the CPU kernels at tp > 1 (or simulated): the ranks' stats gathered, the
         rest one SampleMerge call on every rank; a draw over the whole vocabulary on the rank
         that owns it (`draw_pass`), summed to every rank."""
-        temperature = prm[:, 0]
-        st = self.gather_rows(self.stats_t_op(self.rows(logits), ops.relu(temperature), self.meta_sum))
+        temperature = prm[:, 0]             # a row with top_k keeps only candidates: no sum over its row
+        t_sum = ops.select(prm[:, 1] > 0, ops.zeros_like(temperature), ops.relu(temperature))
+        st = self.gather_rows(self.stats_t_op(self.rows(logits), t_sum, self.meta_sum))
         M = prm.shape[0]
         if self.mass_pass:
             g_max = ops.amax(st[:, 0].reshape(self.tp_size, M), 0)

@@ -338,7 +338,7 @@ inline void sample_rows(const float* x, const float* prm, int64_t n, float* out,
     const float* r = x + q * P;
     const float* p = prm + 5 * q;
     std::vector<float> st(4 + 2 * C), o(2 + 2 * K + 5);
-    stats_row(r, n, C, true, p[0], st.data());
+    stats_row(r, n, C, true, p[1] > 0.f ? 0.f : p[0], st.data());     // top_k: no sum over the row needed
     const float zero = 0.f;
     float kept = 0.f;
     if (p[0] > 0.f && p[1] <= 0.f && p[3] > 0.f) kept = kept_row(r, n, st[0], p[0], logf(std::max(p[3], 1e-30f)));

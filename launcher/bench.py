@@ -2,47 +2,41 @@
 
     msinfer bench --model DIR --batch-size 1,8,16 --input-len 32,128 --output-len 32 --output results/
 
-One replica (a tensor-parallel group of workers, launcher.replica) serves every case. A case is a
-static batch: B random prompts of exactly `input_len` tokens go through one prefill step, then
-`output_len - 1` decode steps, greedy, EOS ignored, so every sequence makes `output_len` tokens.
+Every case runs as a job does: the job's controller (launcher.controller) with one replica and its
+engine (launcher.engine: the scheduler, async scheduling, postprocessing, result lines), with the
+plan `msinfer plan` makes (launcher.job.plan_job: dtype, memory, the card's KV cache on Ascend).
+A case is B random prompts of exactly `input_len` token ids, greedy, EOS ignored, so every
+sequence makes `output_len` tokens; the scheduler takes the case's B as max_batch_size and, unless
+--max-batched-tokens says otherwise, B x input_len prompt tokens a step, so the batch is prefilled
+in one step and then decoded together. Prefix caching is off (the passes repeat their prompts).
 
 Cases run in order of KV-cache bytes (2 x dtype bytes x B x (input + output) x kv heads x head_dim
 x layers), so that one that exhausts memory comes last. A case that cannot run (too long for the
-model, KV cache larger than the machine) or that fails is recorded with its error and the rest go
-on; a replica that died is started afresh for them.
+model, KV cache larger than the machine or the card's plan) or that fails is recorded with its
+error and the rest go on; a replica that failed is started afresh for them.
 
 Per case, the first pass compiles the graphs of shapes no earlier case used; it is timed but,
 when it compiled anything, not reported: `compile_s` is that pass minus the fastest timed pass.
-The timed numbers are then steady-state steps:
-    prefill_ms      the prompt step of the whole batch on rank 0 (forward + sampling)
-    ttft_ms         the same step as the launcher sees it: request out, first tokens back
-    decode_tok_s    B x (output_len - 1) / decode time
-    e2e_tok_s       B x output_len / (prefill + decode), as the launcher sees it
-    peak_mem_mib    peak resident memory of each rank's process (ru_maxrss: the high-water mark
-                    since the worker started, so it never falls from one case to the next)
-Results go to DIR/bench.csv and DIR/bench.json after every case, and DIR/bench.png (throughput
-against batch size, one line per input length) at the end when matplotlib is installed.
+The timed figures (launcher.bench_report.DEFINITIONS) come from the engine's step accounts and
+the driver's clock. Results go to DIR/bench.csv and DIR/bench.json after every case, and
+DIR/bench.png (throughput against batch size, one line per input length) at the end when
+matplotlib is installed.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import os
-import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from msinfer.launcher.bench_report import CSV_NAME, JSON_NAME, PNG_NAME, BenchRun, bench_meta, format_table, \
+    plot_results
 from msinfer.launcher.errors import EXIT_JOB_FAILED, OutputError, UserError
-
-CSV_NAME, JSON_NAME, PNG_NAME = "bench.csv", "bench.json", "bench.png"
-COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", "compile_s", "graphs_compiled",
-           "prefill_ms", "ttft_ms", "decode_ms_per_step", "decode_tok_s", "e2e_s", "e2e_tok_s", "peak_mem_mib",
-           "peak_mem_mib_per_rank", "error")
 
 
 class BenchError(UserError):
@@ -72,6 +66,9 @@ def add_bench_parser(sub) -> None:
                    help="compute dtype (auto: float32 on the CPU, the checkpoint's on Ascend)")
     b.add_argument("--max-model-len", default=None,
                    help="longest sequence a case may have (default: the model's max_position_embeddings)")
+    b.add_argument("--max-batched-tokens", default=None, metavar="N",
+                   help="prompt tokens per prefill step, as scheduler.max_batched_tokens in a job (default: batch x "
+                        "input_len, every prompt of a case in one step)")
     b.add_argument("--repeats", default="1", help="timed passes per case; the fastest is reported (default 1)")
     b.add_argument("--seed", default="0", help="seed of the random prompts and weights (default 0)")
     b.add_argument("--output", default="bench-results", metavar="DIR",
@@ -140,25 +137,37 @@ class BenchPlan:
     max_model_len: int
     cases: list[Case]
     rejected: dict[Case, str]          # cases that cannot run, with the reason
-    engine: object                     # worker.runner.EngineConfig sized for the largest runnable case
+    job: object                        # launcher.job.Plan of the job every case runs as
     weight_bytes_per_rank: int
     skip_load: bool
     repeats: int
     seed: int
-    step_timeout_s: float
     out_dir: Path
-    ray_address: str | None
+    max_batched_tokens: int | None     # None: batch x input_len of each case
     checkpoint_bytes: int = 0
+
+    @property
+    def engine(self):                  # sharding.config.EngineConfig
+        return self.job.engine
+
+    def case_spec(self, case: Case):
+        """The job spec a case runs with: its batch, its prefill budget, its output length."""
+        spec = self.job.spec
+        budget = max(self.max_batched_tokens or case.batch_size * case.input_len, case.batch_size)
+        scheduler = spec.scheduler.model_copy(update={"max_batch_size": case.batch_size,
+                                                      "max_batched_tokens": budget})
+        sampling = spec.sampling.model_copy(update={"max_new_tokens": case.output_len, "ignore_eos": True,
+                                                    "temperature": 0.0})
+        return spec.model_copy(update={"scheduler": scheduler, "sampling": sampling})
 
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
-    from msinfer.launcher.job import host_memory_problem
-    from msinfer.sharding.config import ModelConfig
+    from msinfer.launcher.job import host_memory_problem, plan_job
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.sharding.config import ModelConfig, ascend_emulated, resolve_device, resolve_dtype
     from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
     from msinfer.worker.loader import CheckpointError, check_checkpoint
-    from msinfer.sharding.config import ascend_emulated, resolve_device
-    from msinfer.sharding.config import EngineConfig, resolve_dtype
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
     input_lens = parse_sizes(args.input_len, "--input-len")
@@ -167,6 +176,7 @@ def plan_bench(args) -> BenchPlan:
     repeats = parse_one(args.repeats, "--repeats")
     seed = parse_one(args.seed, "--seed", minimum=0)
     step_timeout = parse_one(args.step_timeout, "--step-timeout", kind=float, minimum=1)
+    budget = None if args.max_batched_tokens is None else parse_one(args.max_batched_tokens, "--max-batched-tokens")
 
     m = ModelConfig.from_dir(args.model)
     max_len = m.max_position_embeddings if args.max_model_len is None else \
@@ -175,8 +185,7 @@ def plan_bench(args) -> BenchPlan:
     try:
         check_tp(m, tp, ep)
     except LayoutError as e:
-        raise BenchError(str(e).replace("parallel.tensor_parallel", "--tensor-parallel")
-                         .replace("parallel.expert_parallel", "--expert-parallel")) from None
+        raise BenchError(flag_names(str(e))) from None
     try:
         ckpt_bytes = 0 if args.skip_load else check_checkpoint(args.model, plan_tensors(m, tp, ep))
     except CheckpointError as e:
@@ -201,15 +210,47 @@ def plan_bench(args) -> BenchPlan:
             rejected[c] = f"does not fit in memory: {problem}"
     runnable = [c for c in cases if c not in rejected] or cases[:1]   # size the engine for something
     block_size = 16
-    engine = EngineConfig(
-        model_dir=str(args.model), dtype=dtype, device=device,
-        max_model_len=max(c.seq_len for c in runnable), max_batch_size=max(c.batch_size for c in runnable),
-        num_blocks=max(c.batch_size * -(-c.seq_len // block_size) for c in runnable), block_size=block_size,
-        random_weights=bool(args.skip_load), ops=args.ops, emulate=emulate, expert_parallel=ep)
+    blocks = {c: c.batch_size * -(-c.seq_len // block_size) for c in runnable}
+    spec = JobSpec.model_validate({
+        "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops,
+                  "max_model_len": max(c.seq_len for c in runnable)},
+        "parallel": {"tensor_parallel": tp, "expert_parallel": ep, "device": args.device},
+        "input": {"path": "bench-cases.jsonl", "chat_template": False},
+        "output": {"path": "bench-results.jsonl"},
+        "scheduler": {"max_batch_size": max(c.batch_size for c in runnable), "block_size": block_size,
+                      "max_batched_tokens": max(max(budget or c.batch_size * c.input_len, c.batch_size)
+                                                for c in runnable),
+                      "kv_cache_blocks": None if device == "ascend" else max(blocks.values()),
+                      "prefix_caching": False},
+        # a case whose replica fails is recorded as failed; bench starts the replica afresh itself
+        "fault": {"max_replica_restarts": 0, "step_timeout_s": step_timeout},
+        "ray": {"address": args.ray_address},
+        "sampling": {"max_new_tokens": max(c.output_len for c in runnable), "ignore_eos": True, "temperature": 0.0},
+    })
+    try:
+        job = plan_job(spec, check_io=False, weights=not args.skip_load)
+    except LayoutError as e:
+        raise BenchError(flag_names(str(e))) from None
+    if args.skip_load:
+        job.engine = dataclasses.replace(job.engine, random_weights=True)
+    for c in runnable:                 # on Ascend the card's plan sizes the cache: a case may not fit it
+        if c not in rejected and blocks[c] > job.engine.blocks():
+            rejected[c] = (f"does not fit the KV cache: needs {blocks[c]} blocks of {block_size} tokens, the card "
+                           f"plan holds {job.engine.blocks()}")
     out_dir = Path(args.output)
     check_out_dir(out_dir)
-    return BenchPlan(str(args.model), m, tp, device, dtype, max_len, cases, rejected, engine, weights,
-                     bool(args.skip_load), repeats, seed, step_timeout, out_dir, args.ray_address, ckpt_bytes)
+    return BenchPlan(str(args.model), m, tp, device, dtype, max_len, cases, rejected, job, weights,
+                     bool(args.skip_load), repeats, seed, out_dir, budget, ckpt_bytes)
+
+
+def flag_names(message: str) -> str:
+    """A layout error worded for the spec, with bench's flags named instead."""
+    for key, flag in (("parallel.tensor_parallel", "--tensor-parallel"), ("parallel.expert_parallel",
+                      "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
+                      ("scheduler.max_batched_tokens", "--max-batched-tokens"),
+                      ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache")):
+        message = message.replace(key, flag)
+    return message
 
 
 def check_out_dir(d: Path) -> None:
@@ -221,85 +262,96 @@ def check_out_dir(d: Path) -> None:
         raise OutputError(f"--output {d}: cannot write there ({e.strerror or e})") from None
 
 
+
 # ---- running ----------------------------------------------------------------------------------------
 @dataclass
 class Timing:
-    prefill_s: float                   # the prompt step on rank 0
-    ttft_s: float                      # the prompt step as the launcher sees it
-    decode_s: float
-    e2e_s: float
+    prefill_s: float                   # rank 0's prompt steps, per step
+    prefill_steps: int
+    ttft_s: float                      # arrival in the engine to the batch's last first token
+    decode_s: float                    # the engine's decode steps
+    decode_steps: int
+    e2e_s: float                       # dealing the batch to its last result, in the driver
 
 
-class BenchReplica:
-    """One replica and the static-batch generation loop a case runs on it."""
+class BenchEngine:
+    """The job's controller with one replica, and a case run through it as a job of B records."""
 
     def __init__(self, plan: BenchPlan):
         self.plan = plan
-        self.replica = None
+        self.controller = None
         self.setup_info: list[dict] = []
         self.starts = 0
         self.start_error: str | None = None
+        self.started_ray = False
+
+    @property
+    def workers(self) -> list:
+        return self.controller.slots[0].replica.workers
 
     def start(self) -> None:
-        from msinfer.launcher.controller import launch_error
-        from msinfer.launcher.job import threads_per_worker
-        from msinfer.launcher.replica import Replica
         import ray
+        from msinfer.launcher.job import start_controller
 
         p = self.plan
-        threads = threads_per_worker(p.tp) if p.engine.on_cpu else 0
-        self.replica = Replica(self.starts, p.tp, p.device, threads_per_worker=threads)
         self.starts += 1
-        try:
-            self.replica.start(p.engine)
-            if p.skip_load:
-                t0 = time.perf_counter()
-                filled = ray.get([w.fill_random.remote(seed=p.seed) for w in self.replica.workers])
-                for info, n in zip(self.replica.setup_info, filled):
-                    info.update(param_bytes=n, random_fill_s=time.perf_counter() - t0)
-        except Exception as e:
-            self.shutdown()
-            raise launch_error(e) from None
-        self.setup_info.append({"start": self.starts, "ranks": self.replica.ranks, "setup": self.replica.setup_info})
+        self.controller, started = start_controller(p.job)
+        self.started_ray = self.started_ray or started
+        replica = self.controller.slots[0].replica
+        if p.skip_load:
+            t0 = time.perf_counter()
+            try:
+                filled = ray.get([w.fill_random.remote(seed=p.seed) for w in self.workers])
+            except Exception as e:
+                self.shutdown()
+                from msinfer.launcher.controller import launch_error
+                raise launch_error(e) from None
+            for info, n in zip(replica.setup_info, filled):
+                info.update(param_bytes=n, random_fill_s=time.perf_counter() - t0)
+        self.setup_info.append({"start": self.starts, "ranks": replica.ranks, "setup": replica.setup_info})
 
     def shutdown(self) -> None:
-        if self.replica is not None:
-            self.replica.shutdown()
-            self.replica = None
-
-    def _step(self, seqs, is_prefill: bool):
-        import ray
-        return ray.get(self.replica.submit(seqs, is_prefill), timeout=self.plan.step_timeout_s)[0]
+        if self.controller is not None:
+            self.controller.shutdown()
+            self.controller = None
 
     def generate(self, case: Case) -> Timing:
         import numpy as np
-        from msinfer.worker.protocol import SamplingParams, SeqStep
+        from msinfer.launcher.inputs import parse_record
 
-        B, n_in, n_out = case.batch_size, case.input_len, case.output_len
+        B, n_in = case.batch_size, case.input_len
         rng = np.random.default_rng([self.plan.seed, B, n_in])
         prompts = rng.integers(0, self.plan.model.vocab_size, (B, n_in)).tolist()
-        per_seq = -(-case.seq_len // self.plan.engine.block_size)
-        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
-        sampling = SamplingParams(max_new_tokens=n_out, ignore_eos=True)
+        records = [parse_record({"id": i, "prompt_token_ids": p}, i + 1, "prompt") for i, p in enumerate(prompts)]
+        self.controller.configure(self.plan.case_spec(case))
+        before = self.controller.engine_stats()[0]["steps"]
+        ttfts, failed = [], []
+
+        def on_done(done, rec):
+            ttfts.append(done.ttft_s or 0.0)
+            if done.failed:
+                failed.append(done.cause or done.line)
+
         t0 = time.perf_counter()
-        out = self._step([SeqStep(i, prompts[i], 0, tables[i], sampling) for i in range(B)], True)
-        t_first = time.perf_counter()
-        last = out.token_ids
-        for k in range(1, n_out):
-            seqs = [SeqStep(i, [last[i]], n_in + k - 1, tables[i], sampling, num_generated=k) for i in range(B)]
-            last = self._step(seqs, False).token_ids
-        t_end = time.perf_counter()
-        return Timing(out.worker_s, t_first - t0, t_end - t_first, t_end - t0)
+        self.controller.run(iter(records), on_done)
+        e2e = time.perf_counter() - t0
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {B} records failed: {failed[0]}")
+        after = self.controller.engine_stats()[0]["steps"]
+        # per kind: steps, seconds, rank 0's seconds in them, ... (launcher.engine.STEP_FIGURES)
+        prefill = [a - b for a, b in zip(after["prefill"], before["prefill"])]
+        decode = [a - b for a, b in zip(after["decode"], before["decode"])]
+        return Timing(prefill[2] / max(1, prefill[0]), prefill[0], max(ttfts), decode[1], decode[0], e2e)
 
     def stats(self) -> list[dict]:
         import ray
-        return ray.get([w.stats.remote() for w in self.replica.workers], timeout=60)
+        return ray.get([w.stats.remote() for w in self.workers], timeout=60)
 
     def graphs(self) -> set[str]:
         return set(self.stats()[0]["compile_s"])
 
 
-def run_case(engine: BenchReplica, case: Case, repeats: int) -> dict:
+def run_case(engine: BenchEngine, case: Case, repeats: int) -> dict:
     """Warm-up (when the case brings new shapes), timed passes, and the case's row of metrics."""
     before = engine.graphs()
     first = engine.generate(case)
@@ -310,13 +362,16 @@ def run_case(engine: BenchReplica, case: Case, repeats: int) -> dict:
     best = min(passes, key=lambda t: t.e2e_s)
     B, n_out = case.batch_size, case.output_len
     mem = [s["peak_rss_bytes"] / 2**20 for s in engine.stats()]
+    decoded = n_out > 1 and best.decode_s > 0
     return {
         "compile_s": max(0.0, first.e2e_s - best.e2e_s) if new_graphs else 0.0,
         "graphs_compiled": len(new_graphs),
+        "prefill_steps": best.prefill_steps,
+        "decode_steps": best.decode_steps,
         "prefill_ms": 1e3 * best.prefill_s,
         "ttft_ms": 1e3 * best.ttft_s,
-        "decode_ms_per_step": 1e3 * best.decode_s / (n_out - 1) if n_out > 1 else None,
-        "decode_tok_s": B * (n_out - 1) / best.decode_s if n_out > 1 and best.decode_s > 0 else None,
+        "decode_ms_per_step": 1e3 * best.decode_s / best.decode_steps if decoded and best.decode_steps else None,
+        "decode_tok_s": B * (n_out - 1) / best.decode_s if decoded else None,
         "e2e_s": best.e2e_s,
         "e2e_tok_s": B * n_out / best.e2e_s,
         "peak_mem_mib": max(mem),
@@ -325,121 +380,16 @@ def run_case(engine: BenchReplica, case: Case, repeats: int) -> dict:
 
 
 def describe_failure(e: BaseException) -> str:
+    from msinfer.launcher.controller import JobFailed
     from msinfer.launcher.engine import describe
-    from ray.exceptions import GetTimeoutError, RayActorError
 
-    if isinstance(e, RayActorError):
-        text = str(e).lower()
-        return "a worker process died" + (" (out of memory)" if "memory" in text or "oom" in text else "")
-    if isinstance(e, GetTimeoutError):
-        return "a step took longer than --step-timeout"
+    if isinstance(e, JobFailed):        # the replica failed: what failed it
+        return e.reason
     return describe(e)
-
-
-def replica_usable(engine: BenchReplica, error: BaseException) -> bool:
-    """After a failed case: at tp 1 an exception raised inside the worker leaves it serviceable; a dead
-    or stuck worker, or any failure at tp > 1 (peers may be waiting in a collective), does not."""
-    from ray.exceptions import RayTaskError
-    if engine.replica is None or engine.plan.tp > 1 or not isinstance(error, RayTaskError):
-        return False
-    try:
-        engine.stats()
-        return True
-    except Exception:
-        return False
-
-
-@dataclass
-class BenchRun:
-    plan: BenchPlan
-    rows: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
-
-    def record(self, case: Case, metrics: dict | None = None, error: str | None = None) -> dict:
-        """One row; a failure's full text goes to the JSON only, its gist to the error column."""
-        row = {k: None for k in COLUMNS}
-        row.update(batch_size=case.batch_size, input_len=case.input_len, output_len=case.output_len,
-                   kv_cache_bytes=case.kv_bytes, status="error" if error else "ok", error=error and gist(error))
-        if error and error != row["error"]:
-            row["error_detail"] = error
-        row.update(metrics or {})
-        self.rows.append(row)
-        self.write()
-        return row
-
-    def write(self) -> None:
-        d = self.plan.out_dir
-        from msinfer.launcher.writer import write_json_atomic
-        try:
-            write_json_atomic(d / JSON_NAME, {"bench": self.meta, "cases": self.rows})
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{CSV_NAME}.", suffix=".tmp")
-            with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS)
-                w.writeheader()
-                for row in self.rows:
-                    w.writerow({k: csv_value(k, row[k]) for k in COLUMNS})
-            os.replace(tmp, d / CSV_NAME)
-        except OSError as e:
-            raise OutputError(f"--output {d}: cannot write the results ({e.strerror or e})") from None
-
-
-def gist(message: str, limit: int = 300) -> str:
-    """The first informative line of an error (MindSpore's start with rulers and headings)."""
-    lines = [ln.strip() for ln in message.splitlines()] or [""]
-    typed = re.match(r"(\w+):\s*(.*)", lines[0])          # "TypeError: ..." as describe() words it
-    head, first = typed.groups() if typed else ("", lines[0])
-    body = first or next((ln for ln in lines[1:] if ln and not ln.startswith(("-", "="))), "")
-    text = f"{head}: {body}" if head and body else head or body
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def csv_value(key: str, v):
-    if v is None:
-        return ""
-    if isinstance(v, list):
-        return ";".join(f"{x:.1f}" for x in v)
-    if isinstance(v, float):
-        return f"{v:.4f}" if key in ("compile_s", "e2e_s") else f"{v:.2f}"
-    return v
-
-
-def bench_meta(plan: BenchPlan) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    m = plan.model
-    return {
-        "model": plan.model_dir, "architecture": m.architecture,
-        "shape": {"layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
-                  "head_dim": m.head_dim, "vocab": m.vocab_size},
-        "weights": "random (--skip-load)" if plan.skip_load else "checkpoint",
-        "tensor_parallel": plan.tp, "expert_parallel": plan.engine.expert_parallel, "device": plan.device,
-        "dtype": plan.dtype, "max_model_len": plan.max_model_len,
-        "engine": dataclasses.asdict(plan.engine), "repeats": plan.repeats,
-        "seed": plan.seed, "weight_bytes_per_rank": plan.weight_bytes_per_rank,
-        "checkpoint_bytes": plan.checkpoint_bytes,
-        "versions": {"mindspore": ver("mindspore"), "ray": ver("ray"), "python": sys.version.split()[0]},
-        "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]},
-        "started_unix": time.time(),
-        "definitions": {
-            "kv_cache_bytes": "2 x dtype bytes x batch x (input + output) x kv heads x head_dim x layers",
-            "compile_s": "first pass minus the fastest timed pass, when the first pass compiled new graph shapes",
-            "prefill_ms": "the prompt step of the whole batch on rank 0 (forward + sampling)",
-            "ttft_ms": "the prompt step as the launcher sees it (Ray round trip included)",
-            "decode_tok_s": "batch x (output_len - 1) / decode time",
-            "e2e_tok_s": "batch x output_len / (prefill + decode time)",
-            "peak_mem_mib": "ru_maxrss of each rank's process: the high-water mark since it started"},
-    }
 
 
 def run_bench(args) -> int:
     import ray
-    from msinfer.launcher.replica import init_ray
 
     plan = plan_bench(args)
     run = BenchRun(plan, meta=bench_meta(plan))
@@ -448,12 +398,10 @@ def run_bench(args) -> int:
           f"tp {plan.tp}{' (experts whole per rank)' if plan.engine.expert_parallel else ''} on {plan.device}"
           f"{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
           f"{'random weights' if plan.skip_load else 'checkpoint weights'}) -> {plan.out_dir}", file=sys.stderr)
-    started_ray = not ray.is_initialized()
-    engine = BenchReplica(plan)
+    engine = BenchEngine(plan)
     bar = None
     try:
         if runnable:
-            init_ray(plan.ray_address, plan.tp + 1, npus=plan.tp if plan.engine.emulate else 0)
             engine.start()
         if not args.no_progress:
             from tqdm import tqdm
@@ -464,7 +412,7 @@ def run_bench(args) -> int:
                 bar.set_postfix_str(str(case), refresh=True)
             if case in plan.rejected:
                 run.record(case, error=plan.rejected[case])
-            elif engine.replica is None:
+            elif engine.controller is None:
                 run.record(case, error=f"no replica: {engine.start_error}")
             else:
                 try:
@@ -473,8 +421,7 @@ def run_bench(args) -> int:
                     raise
                 except Exception as e:
                     run.record(case, error=describe_failure(e))
-                    if not replica_usable(engine, e):
-                        restart(engine, case, runnable)
+                    restart(engine, case, runnable)
             if bar is not None:
                 bar.update(1)
     except KeyboardInterrupt:
@@ -489,7 +436,7 @@ def run_bench(args) -> int:
         run.meta["machine"]["load_avg_end"] = os.getloadavg()[0]
         run.meta.update(finished_unix=time.time(), replica_starts=engine.setup_info)
         run.write()
-        if started_ray and ray.is_initialized():
+        if engine.started_ray and ray.is_initialized():
             ray.shutdown()
     title = (f"msinfer bench: {Path(plan.model_dir).name}, tp {plan.tp}, {plan.device} {plan.dtype}"
              f"{', random weights' if plan.skip_load else ''}")
@@ -500,7 +447,7 @@ def run_bench(args) -> int:
     return 0 if any(r["status"] == "ok" for r in run.rows) else EXIT_JOB_FAILED
 
 
-def restart(engine: BenchReplica, failed: Case, runnable: list[Case]) -> None:
+def restart(engine: BenchEngine, failed: Case, runnable: list[Case]) -> None:
     """A fresh replica for the cases after `failed`, if any remain."""
     engine.shutdown()
     if runnable.index(failed) < len(runnable) - 1:
@@ -508,67 +455,3 @@ def restart(engine: BenchReplica, failed: Case, runnable: list[Case]) -> None:
             engine.start()
         except Exception as e:
             engine.start_error = f"the replica did not restart ({e})"
-
-
-# ---- reporting ----------------------------------------------------------------------------------------
-def plot_results(path: Path, rows: list[dict], title: str = "msinfer bench") -> str | None:
-    """Decode and end-to-end tokens/s against batch size, one line per input (and output) length.
-    Returns a note instead when there is no plot."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"matplotlib is not installed, so no {path.name} (pip install matplotlib)"
-    ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
-        return f"no case succeeded, so no {path.name}"
-    several_out = len({r["output_len"] for r in ok}) > 1
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, name in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "e2e_tok_s", "end-to-end tokens/s")):
-        groups: dict[tuple, list] = {}
-        for r in ok:
-            if r[key] is not None:
-                groups.setdefault((r["input_len"], r["output_len"] if several_out else None), []).append(r)
-        for (n_in, n_out), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-            rs = sorted(rs, key=lambda r: r["batch_size"])
-            label = f"input {n_in}" + (f", output {n_out}" if n_out is not None else "")
-            ax.plot([r["batch_size"] for r in rs], [r[key] for r in rs], marker="o", label=label)
-        batches = sorted({r["batch_size"] for r in ok})
-        if batches[-1] >= 4 * batches[0]:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("tokens/s")
-        ax.set_ylim(bottom=0)
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        return f"cannot write {path} ({e.strerror or e})"
-    finally:
-        plt.close(fig)
-    return None
-
-
-def format_table(rows: list[dict]) -> str:
-    head = ("batch", "in", "out", "KV MiB", "compile s", "prefill ms", "TTFT ms", "decode tok/s", "e2e tok/s",
-            "peak MiB/rank", "error")
-
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    lines = []
-    for r in rows:
-        mem = "/".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"]) if r["peak_mem_mib_per_rank"] else "-"
-        lines.append((str(r["batch_size"]), str(r["input_len"]), str(r["output_len"]),
-                      f"{r['kv_cache_bytes'] / 2**20:.1f}", f(r["compile_s"], ".2f"), f(r["prefill_ms"], ".1f"),
-                      f(r["ttft_ms"], ".1f"), f(r["decode_tok_s"], ".1f"), f(r["e2e_tok_s"], ".1f"), mem,
-                      r["error"] or ""))
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths[:-1]) + "  {}"
-    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])

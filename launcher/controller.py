@@ -77,7 +77,12 @@ def route_key(rec: Record) -> int | None:
 
 
 class JobFailed(UserError):
-    """Replicas failed more often than fault.max_replica_restarts allows."""
+    """Replicas failed more often than fault.max_replica_restarts allows; `reason` says what failed
+    the last one."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass
@@ -286,12 +291,13 @@ class Controller:
         cause = getattr(error, "cause", None)
         if isinstance(error, EngineFailed) and not isinstance(error, RayTaskError):    # a local engine's
             cause = error
-        why = f"replica {slot.index} failed ({cause if isinstance(cause, EngineFailed) else describe(error)})"
+        reason = str(cause) if isinstance(cause, EngineFailed) else describe(error)
+        why = f"replica {slot.index} failed ({reason})"
         self.restart_log.append(why)
         if self.restarts >= self.cfg.max_restarts:
             raise JobFailed(f"{why}; restarting it would be restart {self.restarts + 1}, more than "
                             f"fault.max_replica_restarts={self.cfg.max_restarts}. Every finished record is in "
-                            f"the results file: run the same job again to resume")
+                            f"the results file: run the same job again to resume", reason)
         self.restarts += 1
         slot.restarts += 1
         # its records go to the healthy replicas at once, in input order, not after its restart;

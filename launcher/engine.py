@@ -146,10 +146,12 @@ class Engine:
         self.thread.start()
 
     def configure(self, spec, stream: bool = False) -> None:
-        """The job spec that new records are read with (its sampling, async scheduling), and
-        whether their text streams: the Python API's per-call options."""
+        """The job spec that new records are read with (its sampling, async scheduling, the
+        scheduler's batch limits within the cache the replica has), and whether their text streams:
+        the Python API's per-call options and msinfer bench's cases."""
         self.codec.spec, self.stream = spec, stream
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
+        self.scheduler.set_limits(spec.scheduler.max_batch_size, spec.scheduler.max_batched_tokens)
 
     def exchange(self, payload: bytes | None, more: bool) -> bytes:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed

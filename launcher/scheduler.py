@@ -282,16 +282,11 @@ class BlockManager:
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch_size: int, max_batched_tokens: int,
                  max_model_len: int, prefix_caching: bool = False):
-        if min(num_blocks, block_size, max_batch_size, max_batched_tokens, max_model_len) < 1:
-            raise ValueError("num_blocks, block_size, max_batch_size, max_batched_tokens and "
-                             "max_model_len must all be >= 1")
-        if max_batched_tokens < max_batch_size:
-            raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be >= max_batch_size "
-                             f"({max_batch_size}): a decode step feeds one token per sequence")
+        if min(num_blocks, block_size, max_model_len) < 1:
+            raise ValueError("num_blocks, block_size and max_model_len must all be >= 1")
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.prefix_caching = prefix_caching
-        self.max_batch_size = max_batch_size
-        self.max_batched_tokens = max_batched_tokens
+        self.set_limits(max_batch_size, max_batched_tokens)
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []              # in admission order
@@ -299,11 +294,22 @@ class Scheduler:
         self.num_preemptions = 0
         self.released: list[int] = []                 # finished sequences whose history the workers keep
         self.step_no = 0                               # counts schedule passes (BlockManager.written_in)
-        # a sequence waits a step for blocks the step being built writes when they hold this many
-        # of its tokens; fewer, it computes them again: at most an eighth of a step's budget
-        self.wait_tokens = max(block_size, max_batched_tokens // 8)
         self.prompt_tokens = 0                         # tokens of sequences admitted (again, after a preemption)
         self.cached_tokens = 0                         # of which found in the prefix cache, not prefilled
+
+    def set_limits(self, max_batch_size: int, max_batched_tokens: int) -> None:
+        """Sequences a step may carry and prompt tokens a step may feed; they may change between
+        steps (msinfer bench runs each case's batch on one engine)."""
+        if min(max_batch_size, max_batched_tokens) < 1:
+            raise ValueError("max_batch_size and max_batched_tokens must be >= 1")
+        if max_batched_tokens < max_batch_size:
+            raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be >= max_batch_size "
+                             f"({max_batch_size}): a decode step feeds one token per sequence")
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        # a sequence waits a step for blocks the step being built writes when they hold this many
+        # of its tokens; fewer, it computes them again: at most an eighth of a step's budget
+        self.wait_tokens = max(self.block_manager.block_size, max_batched_tokens // 8)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -1,5 +1,6 @@
 """`msinfer bench`: flag parsing and case order (units), then a tiny run on random weights through
-the CLI, with one case that cannot run and one whose worker dies mid-way."""
+the CLI and the job's controller and engine, with one case that cannot run and one whose worker
+dies mid-way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 
 import pytest
 
-from msinfer.launcher import bench
+from msinfer.launcher import bench, bench_report
 from msinfer.launcher.bench import BenchError, make_cases, parse_sizes
 from msinfer.launcher.cli import main
 
@@ -40,8 +41,8 @@ def test_cases_are_the_product_in_kv_bytes_order():
 def test_error_column_keeps_the_gist_of_a_mindspore_error():
     message = ("TypeError: \n-----\n- Kernel select failed:\n-----\nSelect CPU operator[Gather] fail! "
                "Unsupported data type!\nThe supported data types are ...")
-    assert bench.gist(message) == "TypeError: Select CPU operator[Gather] fail! Unsupported data type!"
-    assert bench.gist("a worker process died") == "a worker process died"
+    assert bench_report.gist(message) == "TypeError: Select CPU operator[Gather] fail! Unsupported data type!"
+    assert bench_report.gist("a worker process died") == "a worker process died"
 
 
 def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_local, tmp_path, monkeypatch):
@@ -53,7 +54,7 @@ def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_
     real_run_case = bench.run_case
     def run_case(engine, case, repeats):             # the worker dies during the first case
         if case.batch_size == 1:
-            ray_local.kill(engine.replica.workers[0], no_restart=True)
+            ray_local.kill(engine.workers[0], no_restart=True)
         return real_run_case(engine, case, repeats)
     monkeypatch.setattr(bench, "run_case", run_case)
 
@@ -78,6 +79,9 @@ def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_
     assert float(r["decode_tok_s"]) > 0 and float(r["e2e_tok_s"]) > 0 and float(r["prefill_ms"]) > 0
     assert float(r["ttft_ms"]) >= float(r["prefill_ms"]) and float(r["peak_mem_mib"]) > 100
     assert int(r["graphs_compiled"]) >= 1 and float(r["compile_s"]) > 0
+    # the job's scheduler took the case's batch: one prefill step of both prompts, then one decode
+    # step per further token
+    assert (int(r["prefill_steps"]), int(r["decode_steps"])) == (1, 3)
 
     doc = json.loads((out / "bench.json").read_text())
     assert [(c["batch_size"], c["input_len"], c["status"]) for c in doc["cases"]] == \

@@ -194,6 +194,21 @@ def test_scheduler_rejects_a_token_budget_below_the_batch_size():
         Scheduler(16, 4, max_batch_size=8, max_batched_tokens=4, max_model_len=64)
 
 
+def test_new_batch_limits_take_effect_at_the_next_step():
+    """msinfer bench runs each case's batch size and prefill budget on one engine's scheduler."""
+    sched, model = make_sched(max_batched_tokens=16, max_batch_size=2, max_model_len=64)
+    for i in range(4):
+        sched.add(Sequence([i + 1] * 6, SamplingParams(max_new_tokens=2)))
+    steps, is_prefill, seqs = sched.schedule()
+    assert is_prefill and len(steps) == 2
+    sched.postprocess(seqs, model(steps))              # both still running: at the batch limit
+    with pytest.raises(ValueError, match="max_batched_tokens \\(3\\) must be >= max_batch_size \\(4\\)"):
+        sched.set_limits(4, 3)
+    sched.set_limits(4, 24)
+    steps, is_prefill, _ = sched.schedule()
+    assert is_prefill and len(steps) == 2 and sum(len(s.token_ids) for s in steps) == 12   # the other two
+
+
 # ---- chunked prefill -------------------------------------------------------------------------------
 def test_long_prompt_is_prefilled_in_chunks_and_samples_only_on_the_last():
     sched, model = make_sched(max_batched_tokens=16, max_model_len=128)

@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python scripts/make_demo_model.py
-	$(BIN)/python -m pytest tests -q -x --durations=15
+	$(BIN)/python -m pytest tests -q -x -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info

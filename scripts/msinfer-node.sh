@@ -32,7 +32,8 @@ Options:
                          the cards with ASCEND_RT_VISIBLE_DEVICES=0,1,... before starting)
   --expect-nodes N       with JOB.yaml: wait until the cluster has N nodes (default 1)
   --timeout SECONDS      how long to wait for the node and for --expect-nodes (default 600)
-  --dashboard            start the Ray dashboard on --node-ip:8265 (default: off)
+  --dashboard            start the Ray dashboard and job server on --node-ip (default: off)
+  --dashboard-port PORT  its port (default 8265), where `ray job submit --address http://IP:PORT` goes
   --temp-dir DIR         Ray's temporary folder on this machine (default: Ray's, /tmp/ray)
   --log FILE             Ray's start-up output (default: $TMPDIR/msinfer-node.HOST.PID.log)
   --ray-arg ARG          pass ARG to `ray start` (repeatable)
@@ -59,7 +60,7 @@ need_value() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value (see --help)"; }
 need_int() { [[ $2 =~ ^[0-9]+$ ]] || die "$1 expects a whole number, got '$2'"; }
 
 mode=head join_addr="" port=6379 node_ip="" interface="" num_cpus="" npus="" expect_nodes=1
-timeout=600 dashboard=0 temp_dir="" log="" print_ip=0 spec="" ray_args=() run_args=()
+timeout=600 dashboard=0 dashboard_port=8265 temp_dir="" log="" print_ip=0 spec="" ray_args=() run_args=()
 while [[ $# -gt 0 ]]; do
     arg=$1
     if [[ $arg == --*=* ]]; then       # --opt=value is --opt value
@@ -78,6 +79,7 @@ while [[ $# -gt 0 ]]; do
         --expect-nodes) need_value "$@"; need_int "$1" "$2"; expect_nodes=$2; shift 2 ;;
         --timeout) need_value "$@"; need_int "$1" "$2"; timeout=$2; shift 2 ;;
         --dashboard) dashboard=1; shift ;;
+        --dashboard-port) need_value "$@"; need_int "$1" "$2"; dashboard_port=$2; shift 2 ;;
         --temp-dir) need_value "$@"; temp_dir=$2; shift 2 ;;
         --log) need_value "$@"; log=$2; shift 2 ;;
         --ray-arg) need_value "$@"; ray_args+=("$2"); shift 2 ;;
@@ -112,6 +114,7 @@ if [[ $mode == join && ! $join_addr =~ ^[^:]+:[0-9]+$ ]]; then
 fi
 (( expect_nodes >= 1 )) || die "--expect-nodes must be at least 1"
 (( port >= 1 && port <= 65535 )) || die "--port must be between 1 and 65535, got $port"
+(( dashboard_port >= 1 && dashboard_port <= 65535 )) || die "--dashboard-port must be between 1 and 65535, got $dashboard_port"
 
 find_cmd() {    # find_cmd NAME OVERRIDE: the override, NAME on PATH, or the repository's .venv/bin/NAME
     local name=$1 override=$2
@@ -178,7 +181,7 @@ start_args=(start --block --node-ip-address="$node_ip" --disable-usage-stats)
 if [[ $mode == head ]]; then
     start_args+=(--head --port="$port")
     if [[ $dashboard == 1 ]]; then
-        start_args+=(--include-dashboard=true --dashboard-host="$node_ip" --dashboard-port=8265)
+        start_args+=(--include-dashboard=true --dashboard-host="$node_ip" --dashboard-port="$dashboard_port")
     else
         start_args+=(--include-dashboard=false)
     fi
@@ -211,6 +214,9 @@ done
 say "ready: Ray $role node on $node_ip, cluster address $address"
 if [[ $mode == head && -z $spec ]]; then
     say "other machines join with: $PROG --join $address"
+    if [[ $dashboard == 1 ]]; then
+        say "jobs go to: ray job submit --address http://$node_ip:$dashboard_port -- ..."
+    fi
 fi
 
 # ---- the job, or serve until stopped -------------------------------------------------------------

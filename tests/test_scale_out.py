@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -400,6 +401,77 @@ def test_sbatch_runs_the_slurm_script_to_a_finished_results_file(slurm, job_dir,
         assert not processes_under(ray_tmp), "Ray processes outlived the Slurm job"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# ---- ray job submit: a job sent to a head that stays up ---------------------------------------------
+
+def ray_default_packages(cache: Path) -> Path:
+    """A folder with what `ray[default]` adds to msinfer's Ray (the dashboard, its job server and the
+    `ray job` CLI: aiohttp, grpcio, opencensus, ...), installed with pip --target, once per Ray
+    version, and put on PYTHONPATH only for the processes of the test that needs it: the rest of the
+    suite keeps Ray as msinfer installs it."""
+    import ray
+    folder = cache / f"ray-default-{ray.__version__}"
+    if (folder / ".complete").exists():
+        return folder
+    pip = [sys.executable, "-m", "pip"]
+    report = cache / "ray-default-report.json"
+    cache.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([*pip, "install", "--dry-run", "--quiet", "--report", str(report),
+                        f"ray[default]=={ray.__version__}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"pip could not resolve ray[default]:\n{r.stderr[-2000:]}"
+    wanted = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in json.loads(report.read_text())["install"]]
+    shutil.rmtree(folder, ignore_errors=True)
+    r = subprocess.run([*pip, "install", "--quiet", "--no-deps", "--target", str(folder), *wanted],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"pip could not install {wanted}:\n{r.stderr[-2000:]}"
+    (folder / ".complete").touch()
+    return folder
+
+
+def test_ray_job_submit_runs_a_job_on_a_head_with_the_job_server(job_dir, dp2_run, tmp_path):
+    """`msinfer-node.sh --head --dashboard` keeps a head with Ray's job server up; `ray job submit
+    -- msinfer run job.yaml --set ray.address=auto` runs the job there (as docs/scale-out.md says)
+    and writes the tokens of the cluster run; SIGTERM stops the node."""
+    extra = ray_default_packages(Path.home() / ".cache" / "msinfer-tests")
+    ray_tmp = short_tmp("msj")
+    env = clean_env(PATH=f"{BIN}:/usr/bin:/bin", TMPDIR=ray_tmp, PYTHONPATH=str(extra), RAY_AUTH_MODE="token",
+                    MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"))
+    port, dash = free_port(), free_port()
+    node = subprocess.Popen(["bash", NODE_SH, "--head", "--port", str(port), "--dashboard", "--dashboard-port",
+                             str(dash), "--num-cpus", "2", "--log", str(tmp_path / "ray.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        said = ""
+        for line in node.stdout:                # the node script says when the head is up
+            said += line
+            if "jobs go to: " in line:
+                break
+        url = re.search(r"--address (http://\S+)", said)
+        assert url, f"the head did not start:\n{said}{node.stdout.read() if node.poll() is not None else ''}"
+        out = tmp_path / "submitted.jsonl"
+        r = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", url.group(1), "--", MSINFER, "run",
+                            str(job_dir / "job.yaml"), "--no-progress", "--set", "ray.address=auto",
+                            "--set", f"output.path={out}"], capture_output=True, text=True, env=env, timeout=300,
+                           cwd=tmp_path)
+        assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+        results = read_results(out)
+        assert {k: r["output_token_ids"] for k, r in results.items()} == \
+            {k: r["output_token_ids"] for k, r in dp2_run[0].items()}
+        summary = json.loads(Path(f"{out}.summary.json").read_text())
+        assert summary["spec"]["ray"]["address"] == "auto" and summary["records_done"] == N_RECORDS
+    finally:
+        node.terminate()                        # the script stops its node (all at once would take longer)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        gone = not processes_under(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert gone, "Ray processes outlived the node script"
 
 
 # ---- msinfer simulate: the job on stand-in workers ----------------------------------------------

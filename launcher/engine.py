@@ -46,7 +46,6 @@ STEP_KINDS = ("prefill", "decode")
 # copied from the device in them
 STEP_FIGURES = ("steps", "s", "worker_s", "model_s", "seqs", "host_bytes")
 COUNTS = ("steps", "seqs", "host_bytes")
-EXCHANGE_WAIT_S = 1.0       # the longest an exchange waits for anything to report
 
 
 class EngineFailed(RuntimeError):
@@ -66,6 +65,17 @@ class EngineSetup:
     # costs the driver a Ray call (about 1 ms of its CPU on this machine), so results go in batches;
     # a LocalEngine's exchange costs a thread hand-off, so its results go sooner
     flush_s: float = 0.5
+    # the longest an exchange waits with nothing to report (an engine still computing its
+    # records answers this often, to tell the driver its room for more)
+    wait_s: float = 1.0
+
+    @staticmethod
+    def intervals(data_parallel: int, local: bool) -> dict:
+        """flush_s and wait_s for a job of `data_parallel` engines: the driver answers each
+        exchange with a Ray call, so they grow with the engines' number and keep the driver's
+        calls at about 64 result batches and 16 empty answers a second, however many engines."""
+        return {"flush_s": 0.05 if local else max(0.5, data_parallel / 64),
+                "wait_s": max(1.0, data_parallel / 16)}
 
     @property
     def queue_target(self) -> int:
@@ -120,7 +130,7 @@ class Engine:
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.step_timeout_s = spec.fault.step_timeout_s
         self.target = setup.queue_target
-        self.flush_s = setup.flush_s
+        self.flush_s, self.wait_s = setup.flush_s, setup.wait_s
         self.cond = threading.Condition()
         self.inbox: deque = deque()           # new sequences, for the loop to admit
         self.outbox: list[Done] = []
@@ -157,7 +167,7 @@ class Engine:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
         text) pickled, once there is something to report: results that waited flush_s or make a
         batch, room for half a queue of new records while the driver has `more`, nothing left to
-        do, or EXCHANGE_WAIT_S passed. A SystemicError while reading a record (a cause that is
+        do, or wait_s passed. A SystemicError while reading a record (a cause that is
         not the record's) is raised to the driver, which stops the job."""
         cpu0 = time.thread_time()
         try:
@@ -178,7 +188,7 @@ class Engine:
                     else:
                         self.inbox.extend(item)
                 self.cond.notify_all()
-        deadline = time.perf_counter() + EXCHANGE_WAIT_S
+        deadline = time.perf_counter() + self.wait_s
         with self.cond:
             while True:
                 if self.failure is not None:

@@ -456,7 +456,7 @@ class JobRun:
             "state": state, "updated_unix": time.time(), "records_done": s.done, "records_failed": s.failed,
             "records_skipped": s.skipped, "completion_tokens": s.completion_tokens,
             "replica_restarts": self.controller.restarts if self.controller else 0,
-            "workers": self.workers()})
+            "workers": self.workers()}, durable=state != "running")
 
     def summary(self, startup_s: float) -> dict:
         gen_s = (time.perf_counter() - self.t_gen) if self.t_gen else 0.0
@@ -488,7 +488,7 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     cfg = dict(
         engine_config=plan.engine, tokenizer=plan.tokenizer if local else False,
         engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream, local,
-                                 flush_s=0.05 if local else 0.5),
+                                 **EngineSetup.intervals(dp, local)),
         tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster

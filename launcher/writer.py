@@ -1,10 +1,12 @@
 """The results file (one JSON line per record) and its companions `<output>.status.json` and
 `<output>.summary.json`.
 
-Crash safety: each result is one write() of one whole line, then fsync. A process killed
-mid-write leaves at most a partial last line; the next run's ResultWriter cuts it away, and the
-ids on the whole lines (`done_ids`) are not computed again. Companion files are replaced
-atomically, so a reader sees the old or the new file, never half of one.
+Crash safety: each result is one write() of one whole line; a thread of the writer syncs the
+file to disk at most every output.fsync_interval_s (group commit), so the driver's loop never
+waits for the disk. A process killed mid-write leaves at most a partial last line; the next run's
+ResultWriter cuts it away, and the ids on the whole lines (`done_ids`) are not computed again.
+Companion files are replaced atomically, so a reader sees the old or the new file, never half of
+one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,8 +60,9 @@ class ResultWriter:
 
     Each line goes to the file (the kernel) as its result comes, so a crash of msinfer loses
     nothing written; the file is synced to disk (group commit) at most every `fsync_interval_s`
-    seconds and when it is closed, so a crash of the machine loses at most the results of that
-    window, which the next run computes again."""
+    seconds, by a thread of its own, and when it is closed, so a crash of the machine loses at
+    most the results of that window (and of a sync under way), which the next run computes
+    again. With `fsync_interval_s` 0 every line is synced as it is written."""
 
     def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0,
                  id_key: str = "id"):
@@ -68,7 +71,10 @@ class ResultWriter:
         self.path = Path(path)
         self.id_key = id_key
         self.fsync_interval_s = fsync_interval_s
-        self.synced = time.monotonic()
+        self.synced_size = 0                  # bytes of the file known to be on disk
+        self.sync_error: OSError | None = None
+        self.stop_syncing = threading.Event()
+        self.syncer: threading.Thread | None = None
         self.done_ids: set[str] = set()
         self.cut_partial_line = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -78,9 +84,12 @@ class ResultWriter:
             self._resume()
         try:
             self.fd: int | None = os.open(self.path, flags, 0o644)
-            self.size = os.fstat(self.fd).st_size
+            self.size = self.synced_size = os.fstat(self.fd).st_size
         except OSError as e:
             raise OutputError(f"results file {self.path} cannot be opened for writing: {e.strerror or e}") from None
+        if fsync_interval_s > 0:
+            self.syncer = threading.Thread(target=self._sync_loop, name="results-fsync", daemon=True)
+            self.syncer.start()
 
     def _resume(self):
         good = bad_line = 0
@@ -114,6 +123,8 @@ class ResultWriter:
         """One result line already encoded as JSON (no newline), for the record `record_id`."""
         if self.fd is None:
             raise OutputError(f"results file {self.path} is closed; no more results can be written")
+        if self.sync_error is not None:         # the disk refused what was written before
+            self._fail(self.sync_error)
         line = (text + "\n").encode("utf-8")
         data = memoryview(line)
         try:
@@ -122,8 +133,8 @@ class ResultWriter:
                 if n <= 0:
                     raise OSError(28, os.strerror(28))  # ENOSPC
                 data = data[n:]
-            if time.monotonic() - self.synced >= self.fsync_interval_s:
-                self.sync()
+            if self.syncer is None:
+                os.fsync(self.fd)
         except OSError as e:
             self._fail(e)
         self.size += len(line)
@@ -139,14 +150,26 @@ class ResultWriter:
                           f"{len(self.done_ids)} results written so far are kept; after freeing space or fixing "
                           f"permissions, run the same job again to resume after them") from None
 
-    def sync(self):
-        os.fsync(self.fd)
-        self.synced = time.monotonic()
+    def _sync_loop(self):
+        while not self.stop_syncing.wait(self.fsync_interval_s):
+            size = self.size
+            if size == self.synced_size:
+                continue
+            try:
+                os.fsync(self.fd)
+                self.synced_size = size
+            except OSError as e:
+                self.sync_error = e
+                return
 
     def close(self):
+        if self.syncer is not None:
+            self.stop_syncing.set()
+            self.syncer.join()
+            self.syncer = None
         if self.fd is not None:
             try:
-                self.sync()
+                os.fsync(self.fd)
             except OSError:
                 pass
             os.close(self.fd)
@@ -181,7 +204,10 @@ def _result_id(raw: bytes, key: str = "id") -> str | None:
     return str(obj[key]) if isinstance(obj, dict) and key in obj else None
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
+def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
+    """Replaces `path` with `obj` as JSON; `durable`: synced to disk first (the status file, which
+    is rewritten every few seconds and only informs, is not: a sync there stalled the driver's
+    loop for half a second at a time on this machine's disk)."""
     path = Path(path)
     tmp = None
     try:
@@ -190,7 +216,8 @@ def write_json_atomic(path: str | Path, obj) -> None:
             json.dump(obj, f, ensure_ascii=False, indent=2)
             f.write("\n")
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         if tmp is not None and os.path.exists(tmp):

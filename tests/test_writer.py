@@ -1,6 +1,8 @@
 import errno
 import json
 import os
+import threading
+import time
 
 import pytest
 
@@ -106,15 +108,50 @@ def test_overwrite_truncates(tmp_path):
     assert [r["id"] for r in lines(path)] == ["new"]
 
 
-def test_each_line_is_one_write_and_fsynced(tmp_path, monkeypatch):
+def test_each_line_is_one_write_and_fsynced_with_interval_zero(tmp_path, monkeypatch):
     calls = []
     real_write, real_fsync = os.write, os.fsync
     monkeypatch.setattr(os, "write", lambda fd, data: calls.append(("write", bytes(data))) or real_write(fd, data))
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync",)) or real_fsync(fd))
-    with ResultWriter(tmp_path / "out.jsonl") as w:
+    with ResultWriter(tmp_path / "out.jsonl", fsync_interval_s=0) as w:
         w.write(ok_result("a", [1, 2], "two\nlines", "stop", 1))
-    assert [c[0] for c in calls] == ["write", "fsync"]
+        assert [c[0] for c in calls] == ["write", "fsync"]
     assert calls[0][1].endswith(b"\n") and calls[0][1].count(b"\n") == 1
+
+
+def test_lines_are_written_at_once_and_synced_together_off_the_callers_thread(tmp_path, monkeypatch):
+    """Group commit: each line is one write() as it comes; one fsync on the writer's own thread
+    covers every line written in its interval, and closing syncs the rest."""
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(threading.current_thread().name) or real_fsync(fd))
+    path = tmp_path / "out.jsonl"
+    w = ResultWriter(path, fsync_interval_s=0.3)
+    for rid in "abc":
+        w.write(ok_result(rid, [1], "x", "stop", 1))
+    assert [r["id"] for r in lines(path)] == ["a", "b", "c"] and calls == []     # in the file, not synced yet
+    time.sleep(1.0)
+    assert calls == ["results-fsync"]                # one sync for the three lines; none while nothing new came
+    w.write(ok_result("d", [1], "x", "stop", 1))
+    w.close()
+    assert calls[-1] == threading.current_thread().name and [r["id"] for r in lines(path)] == ["a", "b", "c", "d"]
+
+
+def test_a_failed_sync_stops_the_next_write_keeping_what_was_written(tmp_path, monkeypatch):
+    path = tmp_path / "out.jsonl"
+    w = ResultWriter(path, fsync_interval_s=0.1)
+    w.write(ok_result("a", [1], "x", "stop", 1))
+
+    def io_error(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", io_error)
+    deadline = time.monotonic() + 5
+    while w.sync_error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(OutputError, match="Input/output error.*1 results written so far are kept"):
+        w.write(ok_result("b", [1], "y", "stop", 1))
+    assert [r["id"] for r in lines(path)] == ["a"]
 
 
 def test_enospc_keeps_previous_lines_and_closes(tmp_path, monkeypatch):

@@ -200,7 +200,8 @@ class Controller:
     def run(self, records: Iterator[Record], on_done: Callable[[Done, Record], None],
             on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None) -> None:
         """Deals `records` (read lazily) to the engines; `on_done(result, record)` once per
-        record, `on_stream(key, text)` for streamed text, `on_tick()` at least once a second."""
+        record, `on_stream(key, text)` for streamed text, `on_tick()` once per pass of the loop,
+        before it waits (so at least once a second, and after the results of the pass before)."""
         exhausted = False
         setup = self.cfg.engine_setup
         route = (setup is not None and len(self.slots) > 1 and setup.spec.scheduler.prefix_caching

@@ -188,7 +188,8 @@ class Engine:
                     else:
                         self.inbox.extend(item)
                 self.cond.notify_all()
-        deadline = time.perf_counter() + self.wait_s
+        # with nothing left to deal, the driver needs no word of the room for more
+        deadline = time.perf_counter() + (self.wait_s if more else 4 * self.wait_s)
         with self.cond:
             while True:
                 if self.failure is not None:

@@ -351,6 +351,8 @@ def _check_messages(messages: Any) -> str | None:
 def _check_ids(ids: Any, key: str) -> str | None:
     if not isinstance(ids, list) or not ids:
         return f"'{key}' must be a non-empty list of token ids, got {_type(ids)}"
+    if set(map(type, ids)) == {int} and min(ids) >= 0:     # the common case, at C speed (bool is not int)
+        return None
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
     if bad:
         return f"'{key}' must hold non-negative integers, found {bad[0]!r}"

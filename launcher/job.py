@@ -353,10 +353,12 @@ class JobRun:
     (launcher.engine, launcher.records)."""
 
     def __init__(self, plan: Plan, controller, sink, done_ids=frozenset(), stream: bool = False,
-                 progress: bool = True, status: bool = True):
-        """sink(record_id, line): one result line, JSON without its newline."""
+                 progress: bool = True, status: bool = True, flush=None):
+        """sink(record_id, line): one result line, JSON without its newline; flush(): writes the
+        lines given so far (called once per pass of the controller's loop, and at the end)."""
         self.plan, self.spec = plan, plan.spec
         self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
+        self.flush = flush or (lambda: None)
         self.stats = Stats()
         self.t_gen: float | None = None
         self.t_first_result: float | None = None
@@ -374,6 +376,7 @@ class JobRun:
         self.controller.run(self.new_records(records), self.on_done, self.on_stream if self.stream else None,
                             self.on_tick)
         self.flush_held()
+        self.flush()
 
     def new_records(self, records):
         """The records whose results are not in the results file yet."""
@@ -432,6 +435,7 @@ class JobRun:
         sys.stdout.flush()
 
     def on_tick(self) -> None:
+        self.flush()
         if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
             self.write_status("running")
 
@@ -534,7 +538,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     spec = plan.spec
     writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
                           "custom_id" if plan.output_format == "openai" else "id")
-    job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress)
+    job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
     started_ray = False
     try:
         job.write_status("starting")

@@ -1,12 +1,12 @@
 """The results file (one JSON line per record) and its companions `<output>.status.json` and
 `<output>.summary.json`.
 
-Crash safety: each result is one write() of one whole line; a thread of the writer syncs the
-file to disk at most every output.fsync_interval_s (group commit), so the driver's loop never
-waits for the disk. A process killed mid-write leaves at most a partial last line; the next run's
-ResultWriter cuts it away, and the ids on the whole lines (`done_ids`) are not computed again.
-Companion files are replaced atomically, so a reader sees the old or the new file, never half of
-one.
+Crash safety: results are written in whole lines, a batch of them in one write() at each pass of
+the driver's loop; a thread of the writer syncs the file to disk at most every
+output.fsync_interval_s (group commit), so the driver's loop never waits for the disk. A process
+killed mid-write leaves at most a partial last line; the next run's ResultWriter cuts it away, and
+the ids on the whole lines (`done_ids`) are not computed again. Companion files are replaced
+atomically, so a reader sees the old or the new file, never half of one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError
+
+
+FLUSH_LINES = 4096          # lines a batch holds at most before it is written
 
 
 def status_path(output: str | Path) -> Path:
@@ -58,11 +61,12 @@ class ResultWriter:
     lines stay, their ids are in `done_ids`, and a partial last line (a crash mid-write) is cut
     so that its record is computed again, once.
 
-    Each line goes to the file (the kernel) as its result comes, so a crash of msinfer loses
-    nothing written; the file is synced to disk (group commit) at most every `fsync_interval_s`
+    Lines go to the file (the kernel) in one write() per pass of the driver's loop, as their
+    results come (`write_line`, then `flush`), so a crash of msinfer loses at most the results
+    of that pass; the file is synced to disk (group commit) at most every `fsync_interval_s`
     seconds, by a thread of its own, and when it is closed, so a crash of the machine loses at
-    most the results of that window (and of a sync under way), which the next run computes
-    again. With `fsync_interval_s` 0 every line is synced as it is written."""
+    most the results of that window (and of a sync under way). The next run computes what was
+    lost again. With `fsync_interval_s` 0 every line is written and synced as it comes."""
 
     def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0,
                  id_key: str = "id"):
@@ -74,6 +78,8 @@ class ResultWriter:
         self.synced_size = 0                  # bytes of the file known to be on disk
         self.sync_error: OSError | None = None
         self.stop_syncing = threading.Event()
+        self.pending: list[bytes] = []        # lines given, not written yet (`flush`)
+        self.pending_ids: list[str] = []
         self.syncer: threading.Thread | None = None
         self.done_ids: set[str] = set()
         self.cut_partial_line = False
@@ -117,18 +123,32 @@ class ResultWriter:
                               f"{e.strerror or e}") from None
 
     def write(self, result: dict):
+        """One result, written at once."""
         self.write_line(str(result[self.id_key]), json.dumps(result, ensure_ascii=False))
+        self.flush()
 
     def write_line(self, record_id: str, text: str):
-        """One result line already encoded as JSON (no newline), for the record `record_id`."""
+        """One result line already encoded as JSON (no newline), for the record `record_id`. It
+        goes to the file with the others of its batch at the next `flush` (the driver flushes once
+        per pass of its loop, before it waits again), or at once with fsync_interval_s 0."""
         if self.fd is None:
             raise OutputError(f"results file {self.path} is closed; no more results can be written")
+        self.pending.append((text + "\n").encode("utf-8"))
+        self.pending_ids.append(record_id)
+        if self.syncer is None or len(self.pending) >= FLUSH_LINES:
+            self.flush()
+
+    def flush(self):
+        """Writes the lines given since the last flush in one write() (and syncs them with
+        fsync_interval_s 0)."""
+        if not self.pending or self.fd is None:
+            return
         if self.sync_error is not None:         # the disk refused what was written before
             self._fail(self.sync_error)
-        line = (text + "\n").encode("utf-8")
-        data = memoryview(line)
+        batch = b"".join(self.pending)
+        data = memoryview(batch)
         try:
-            while data:  # a regular file takes the whole line in one write(); loop in case it did not
+            while data:  # a regular file takes it all in one write(); loop in case it did not
                 n = os.write(self.fd, data)
                 if n <= 0:
                     raise OSError(28, os.strerror(28))  # ENOSPC
@@ -137,11 +157,14 @@ class ResultWriter:
                 os.fsync(self.fd)
         except OSError as e:
             self._fail(e)
-        self.size += len(line)
-        self.done_ids.add(record_id)
+        self.size += len(batch)
+        self.done_ids.update(self.pending_ids)
+        self.pending.clear()
+        self.pending_ids.clear()
 
     def _fail(self, e: OSError):
-        try:  # drop the partial line, if any: what was written before stays whole
+        self.pending.clear()
+        try:  # drop the partial batch, if any: what was written before stays whole
             os.ftruncate(self.fd, self.size)
         except OSError:
             pass
@@ -163,6 +186,8 @@ class ResultWriter:
                 return
 
     def close(self):
+        if self.fd is not None and self.pending:
+            self.flush()
         if self.syncer is not None:
             self.stop_syncing.set()
             self.syncer.join()

@@ -122,13 +122,17 @@ def test_each_line_is_one_write_and_fsynced_with_interval_zero(tmp_path, monkeyp
 def test_lines_are_written_at_once_and_synced_together_off_the_callers_thread(tmp_path, monkeypatch):
     """Group commit: each line is one write() as it comes; one fsync on the writer's own thread
     covers every line written in its interval, and closing syncs the rest."""
-    calls = []
-    real_fsync = os.fsync
+    calls, writes = [], []
+    real_fsync, real_write = os.fsync, os.write
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(threading.current_thread().name) or real_fsync(fd))
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
     path = tmp_path / "out.jsonl"
     w = ResultWriter(path, fsync_interval_s=0.3)
     for rid in "abc":
-        w.write(ok_result(rid, [1], "x", "stop", 1))
+        w.write_line(rid, json.dumps(ok_result(rid, [1], "x", "stop", 1)))
+    assert writes == [] and "a" not in w.done_ids
+    w.flush()                                        # the driver's loop, once per pass
+    assert len(writes) == 1 and writes[0].count(b"\n") == 3 and w.done_ids == {"a", "b", "c"}
     assert [r["id"] for r in lines(path)] == ["a", "b", "c"] and calls == []     # in the file, not synced yet
     time.sleep(1.0)
     assert calls == ["results-fsync"]                # one sync for the three lines; none while nothing new came

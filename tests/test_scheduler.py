@@ -530,3 +530,17 @@ def test_a_short_prefix_the_step_writes_is_computed_again_rather_than_waited_for
     assert feeds[sibling.seq_id][0][1].num_cached == 4                    # the step after, on first's block
     for seq in (first, second, sibling):
         assert seq.output_token_ids == reference(seq.prompt_token_ids, max_model_len=128)[0]
+
+
+def test_a_step_crosses_the_wire_whole():
+    """pack_step / unpack_step, as every rank receives a step: each SeqStep's fields, the shared
+    SamplingParams once, a history and scoring targets, and the released ids."""
+    from msinfer.worker.protocol import pack_step, unpack_step
+    sp = SamplingParams(max_new_tokens=7, temperature=0.5, seed=3)
+    steps = [SeqStep(1, [SAMPLED], 9, [4, 5], sp, 2, True),
+             SeqStep(2, [3, 4, 5], 0, [6], sp, 0, False, targets=[4, 5, -1]),
+             SeqStep(3, [8], 12, [7, 8, 9], SamplingParams(), 1)]
+    steps[2].history = ([1, 2, 3], [8])
+    got, released = unpack_step(pack_step(steps, [11, 12]))
+    assert got == steps and released == [11, 12]
+    assert got[0].sampling is got[1].sampling            # one SamplingParams for the records that share it

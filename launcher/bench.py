@@ -67,8 +67,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-model-len", default=None,
                    help="longest sequence a case may have (default: the model's max_position_embeddings)")
     b.add_argument("--max-batched-tokens", default=None, metavar="N",
-                   help="prompt tokens per prefill step, as scheduler.max_batched_tokens in a job (default: batch x "
-                        "input_len, every prompt of a case in one step)")
+                   help="prompt tokens per prefill step, as scheduler.max_batched_tokens in a job, at least the "
+                        "case's batch size (default: batch x input_len, every prompt of a case in one step)")
     b.add_argument("--repeats", default="1", help="timed passes per case; the fastest is reported (default 1)")
     b.add_argument("--seed", default="0", help="seed of the random prompts and weights (default 0)")
     b.add_argument("--output", default="bench-results", metavar="DIR",

@@ -164,6 +164,7 @@ class ResultWriter:
 
     def _fail(self, e: OSError):
         self.pending.clear()
+        self.pending_ids.clear()
         try:  # drop the partial batch, if any: what was written before stays whole
             os.ftruncate(self.fd, self.size)
         except OSError:

@@ -166,8 +166,8 @@ def plan_bench(args) -> BenchPlan:
     from msinfer.launcher.job import host_memory_problem, plan_job
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import ModelConfig, ascend_emulated, resolve_device, resolve_dtype
-    from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp, plan_tensors
-    from msinfer.worker.loader import CheckpointError, check_checkpoint
+    from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp
+    from msinfer.worker.loader import CheckpointError
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
     input_lens = parse_sizes(args.input_len, "--input-len")
@@ -186,10 +186,6 @@ def plan_bench(args) -> BenchPlan:
         check_tp(m, tp, ep)
     except LayoutError as e:
         raise BenchError(flag_names(str(e))) from None
-    try:
-        ckpt_bytes = 0 if args.skip_load else check_checkpoint(args.model, plan_tensors(m, tp, ep))
-    except CheckpointError as e:
-        raise CheckpointError(f"{e} (--skip-load runs on random weights with config.json alone)") from None
     device = resolve_device(args.device)
     emulate = device == "ascend" and ascend_emulated()
     try:
@@ -228,9 +224,11 @@ def plan_bench(args) -> BenchPlan:
         "sampling": {"max_new_tokens": max(c.output_len for c in runnable), "ignore_eos": True, "temperature": 0.0},
     })
     try:
-        job = plan_job(spec, check_io=False, weights=not args.skip_load)
+        job = plan_job(spec, check_io=False, weights=not args.skip_load)       # reads the checkpoint's headers
     except LayoutError as e:
         raise BenchError(flag_names(str(e))) from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (--skip-load runs on random weights with config.json alone)") from None
     if args.skip_load:
         job.engine = dataclasses.replace(job.engine, random_weights=True)
     for c in runnable:                 # on Ascend the card's plan sizes the cache: a case may not fit it
@@ -240,7 +238,7 @@ def plan_bench(args) -> BenchPlan:
     out_dir = Path(args.output)
     check_out_dir(out_dir)
     return BenchPlan(str(args.model), m, tp, device, dtype, max_len, cases, rejected, job, weights,
-                     bool(args.skip_load), repeats, seed, out_dir, budget, ckpt_bytes)
+                     bool(args.skip_load), repeats, seed, out_dir, budget, job.checkpoint_bytes)
 
 
 def flag_names(message: str) -> str:

@@ -315,6 +315,7 @@ class BenchEngine:
 
     def generate(self, case: Case) -> Timing:
         import numpy as np
+        from msinfer.launcher.engine import STEP_FIGURES
         from msinfer.launcher.inputs import parse_record
 
         B, n_in = case.batch_size, case.input_len
@@ -336,10 +337,10 @@ class BenchEngine:
         if failed:
             raise RuntimeError(f"{len(failed)} of {B} records failed: {failed[0]}")
         after = self.controller.engine_stats()[0]["steps"]
-        # per kind: steps, seconds, rank 0's seconds in them, ... (launcher.engine.STEP_FIGURES)
-        prefill = [a - b for a, b in zip(after["prefill"], before["prefill"])]
-        decode = [a - b for a, b in zip(after["decode"], before["decode"])]
-        return Timing(prefill[2] / max(1, prefill[0]), prefill[0], max(ttfts), decode[1], decode[0], e2e)
+        prefill, decode = ({x: a - b for x, a, b in zip(STEP_FIGURES, after[kind], before[kind])}
+                           for kind in ("prefill", "decode"))
+        return Timing(prefill["worker_s"] / max(1, prefill["steps"]), prefill["steps"], max(ttfts), decode["s"],
+                      decode["steps"], e2e)
 
     def stats(self) -> list[dict]:
         import ray

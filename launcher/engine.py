@@ -95,10 +95,10 @@ class InFlight:
 
 def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: list[int] = ()) -> list:
     """Starts one step on every rank, after the steps submitted before it (`index` orders them);
-    element 0 resolves to rank 0's StepOutput. The step goes as one pickle
-    (worker.protocol.pack_step): Ray's own serializer walks a list of dataclasses object by
-    object, ~10x slower at 256 sequences. `released`: sequences finished since the step before,
-    whose sampling history the ranks drop."""
+    element 0 resolves to rank 0's StepOutput. `seqs`: SeqSteps, or a DecodeStep. The step goes
+    as one pickle (worker.protocol.pack_step): Ray's own serializer walks a list of dataclasses
+    object by object, ~10x slower at 256 sequences. `released`: sequences finished or preempted
+    since the step before, which the ranks forget (worker.protocol.StepReader)."""
     payload = pack_step(seqs, released)
     ref = ray.put(payload) if sum(not isinstance(w, LocalRank) for w in workers) > 1 else payload
     return [w.step.remote(payload if isinstance(w, LocalRank) else ref, is_prefill, index) for w in workers]

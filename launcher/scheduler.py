@@ -8,6 +8,10 @@ the head of the queue, so nothing overtakes it. When no prefill fits, every runn
 decodes its last token; if the cache runs out, the most recently admitted one is preempted (its
 blocks freed, its tokens kept) and later re-prefills prompt + generated tokens.
 
+A prefill goes to the workers as a SeqStep per sequence, a decode as one DecodeStep (columns, and
+only the block tables that grew: worker/protocol.py); the workers keep what a decode repeats
+until `take_released` names the sequence.
+
 Token accounting of a sequence: `num_cached` tokens have their K/V in the cache once the steps
 run so far have run; steps in flight feed `num_scheduled` more and will sample `num_pending` more
 tokens. Between steps a running sequence has `num_cached == num_tokens - 1` (its last sampled token
@@ -37,7 +41,10 @@ import enum
 import itertools
 from collections import deque
 
-from msinfer.worker.protocol import SAMPLED, SamplingParams, SeqStep
+from msinfer.worker.protocol import SAMPLED, DecodeStep, SamplingParams, SeqStep
+
+
+DECODE = (1, True)         # a decode's entry in Sequence.in_flight: one token fed, one sampled
 
 
 class SequenceStatus(enum.Enum):
@@ -58,13 +65,17 @@ class Sequence:
         self.sampling = sampling or SamplingParams()
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len              # 0: the scheduler's; capped by it on add
+        self.stop_ids: frozenset[int] = frozenset()     # set on add: the tokens that stop it (eos, stop_token_ids)
+        self.token_limit = 0                            # and the tokens it ends at, by max_new_tokens or max_model_len
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0
         self.block_keys: list = []                      # prefix caching: its full blocks' keys (BlockManager.keys)
         self.num_registered = 0                         # blocks of block_table the cache knows (or holds elsewhere)
         self.num_cached_tokens = 0                      # tokens found in the prefix cache when it was admitted
-        self.history_sent = False                       # its workers hold its sampling history (SeqStep.history)
+        self.on_workers = False                         # its workers keep its last step (worker.protocol.StepReader)
+        self.history_sent = False                       # and its sampling history (SeqStep.history)
+        self.table_sent = 0                             # the length of its block table as its last step carried it
         self.prefix_wait = False                        # waits for any of its prefix a step being built writes
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
@@ -98,22 +109,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-
-    @property
-    def ends_in_flight(self) -> bool:
-        """A step in flight is sure to finish it (a scoring sequence's last chunk; the token that
-        reaches max_new_tokens or max_model_len)."""
-        if not self.in_flight:
-            return False
-        if self.is_scoring:
-            return self.num_cached + self.num_scheduled >= self.num_tokens
-        n = self.num_pending
-        return (self.num_completion_tokens + n >= self.sampling.max_new_tokens
-                or self.num_tokens + n >= self.max_model_len)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def token_ids(self) -> list[int]:
@@ -292,7 +287,7 @@ class Scheduler:
         self.running: list[Sequence] = []              # in admission order
         self.rejected: list[Sequence] = []
         self.num_preemptions = 0
-        self.released: list[int] = []                 # finished sequences whose history the workers keep
+        self.released: list[int] = []                 # sequences finished or preempted that the workers keep
         self.step_no = 0                               # counts schedule passes (BlockManager.written_in)
         self.prompt_tokens = 0                         # tokens of sequences admitted (again, after a preemption)
         self.cached_tokens = 0                         # of which found in the prefix cache, not prefilled
@@ -314,6 +309,10 @@ class Scheduler:
     # ---- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.max_model_len = min(seq.max_model_len or self.max_model_len, self.max_model_len)
+        # what postprocess checks each token against, combined once
+        p = seq.sampling
+        seq.stop_ids = frozenset(p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *seq.eos_token_ids))
+        seq.token_limit = min(seq.num_prompt_tokens + p.max_new_tokens, seq.max_model_len)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -329,8 +328,9 @@ class Scheduler:
         return len(self.running)
 
     def take_released(self) -> list[int]:
-        """Ids of the sequences finished since the last call whose sampling history the workers
-        keep (SeqStep.history), for the next step to release."""
+        """Ids of the sequences finished or preempted since the last call that the workers keep
+        (their last step, their sampling history: worker.protocol.StepReader), for the next step
+        to release."""
         released, self.released = self.released, []
         return released
 
@@ -352,17 +352,18 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.history_sent:
+        if seq.on_workers:
             self.released.append(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")
 
     # ---- scheduling ---------------------------------------------------------------------------
-    def schedule(self, ahead: bool = False) -> tuple[list[SeqStep], bool, list[Sequence]]:
-        """The next step: (one SeqStep per sequence, is_prefill, the sequences in the same order).
-        Without `ahead` (no step in flight), empty only when has_work() is False (possibly because
-        the last waiting ones were rejected). With `ahead` (a step in flight: see the module's
+    def schedule(self, ahead: bool = False) -> tuple[list[SeqStep] | DecodeStep, bool, list[Sequence]]:
+        """The next step: (what the workers get: one SeqStep per sequence, or for a decode a
+        DecodeStep; is_prefill; the sequences in the same order). Without `ahead` (no step in
+        flight), empty only when has_work() is False (possibly because the last waiting ones were
+        rejected). With `ahead` (a step in flight: see the module's
         docstring), empty when nothing can be scheduled before that step's results."""
         while self.has_work():
             self.step_no += 1
@@ -370,9 +371,9 @@ class Scheduler:
             steps = self._schedule_prefill()
             if steps:
                 return [st for _, st in steps], True, [s for s, _ in steps]
-            steps = self._schedule_decode(ahead)
-            if steps:
-                return [st for _, st in steps], False, [s for s, _ in steps]
+            decode = self._schedule_decode(ahead)
+            if decode is not None:
+                return decode[0], False, decode[1]
             if ahead:
                 return [], False, []
             # every running sequence was preempted: the head of the queue now has the whole cache
@@ -409,34 +410,54 @@ class Scheduler:
             self.cached_tokens += seq.num_cached_tokens
         return scheduled
 
-    def _schedule_decode(self, ahead: bool = False) -> list[tuple[Sequence, SeqStep]]:
-        scheduled = []
-        room = self.block_manager.block_size
+    def _schedule_decode(self, ahead: bool = False) -> tuple[DecodeStep, list[Sequence]] | None:
+        """Every running sequence's next token (but those a step in flight is sure to finish), as
+        one DecodeStep. This runs for every sequence of every decode step: it reads attributes,
+        not properties, and fills the step's columns instead of building a SeqStep each."""
+        seqs, ids, tokens, cached, generated, tables = [], [], [], [], [], {}
+        bm, running, caching = self.block_manager, self.running, self.prefix_caching
+        bs = bm.block_size
         i = 0
-        while i < len(self.running) and len(scheduled) < self.max_batch_size:
-            seq = self.running[i]
-            pending = seq.num_pending
-            if seq.in_flight and seq.ends_in_flight:    # scoring's last chunk samples nothing: not pending
+        while i < len(running) and len(seqs) < self.max_batch_size:
+            seq = running[i]
+            pending, out = seq.num_pending, len(seq.output_token_ids)
+            num_tokens = len(seq.prompt_token_ids) + out
+            # left out when a step in flight is sure to finish it: a scoring sequence's last chunk
+            # (it samples nothing, so nothing is pending), the token that reaches max_new_tokens or
+            # max_model_len
+            if seq.in_flight and (seq.num_cached + seq.num_scheduled >= num_tokens if seq.num_score_tokens
+                                  else num_tokens + pending >= seq.token_limit):
                 i += 1
                 continue
-            # feeding the last token stores it at position num_tokens - 1 (pending tokens included)
-            total = seq.num_tokens + pending
-            if len(seq.block_table) * room >= total:        # most decodes: their block has room
-                scheduled.append((seq, self._seq_step(seq, 1)))
-                i += 1
-                continue
-            while not self.block_manager.can_ensure(seq, total):
-                if ahead:                   # preempting would drop a cache a step in flight writes:
-                    return scheduled        # the rest wait for that step's results
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
+            total = num_tokens + pending        # feeding its last token stores it at position total - 1
+            if len(seq.block_table) * bs < total:
+                while not bm.can_ensure(seq, total):
+                    if ahead:                   # preempting would drop a cache a step in flight writes:
+                        break                   # the rest wait for that step's results
+                    victim = running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    bm.ensure(seq, total)
+                if len(seq.block_table) * bs < total:
                     break
-            else:
-                self.block_manager.ensure(seq, total)
-                scheduled.append((seq, self._seq_step(seq, 1)))
-                i += 1
-        return scheduled
+            start = seq.num_cached + seq.num_scheduled
+            if caching and not pending and start + 1 >= (seq.num_registered + 1) * bs:
+                bm.register(seq, start + 1, self.step_no)               # it fills a block
+            seq.in_flight.append(DECODE)
+            seq.num_scheduled += 1
+            seq.num_pending += 1
+            seqs.append(seq)
+            ids.append(seq.seq_id)
+            tokens.append(SAMPLED if pending else seq.output_token_ids[-1] if out else seq.prompt_token_ids[-1])
+            cached.append(start)
+            generated.append(out + pending)
+            if len(seq.block_table) != seq.table_sent:
+                tables[seq.seq_id] = list(seq.block_table)
+                seq.table_sent = len(seq.block_table)
+            i += 1
+        return (DecodeStep(ids, tokens, cached, generated, tables), seqs) if seqs else None
 
     def _start_cached(self, seq: Sequence) -> bool:
         """Starts seq, being admitted, after its longest run of cached blocks; False when it must
@@ -463,9 +484,9 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_cached = seq.num_cached_tokens = 0
-        if seq.history_sent:                         # its next admission sends it again
+        if seq.on_workers:                           # its next admission sends it all again
             self.released.append(seq.seq_id)
-            seq.history_sent = False
+            seq.on_workers = seq.history_sent = False
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
@@ -490,28 +511,23 @@ class Scheduler:
         return True
 
     def _seq_step(self, seq: Sequence, n: int) -> SeqStep:
-        """The step feeding seq's next n tokens, recorded in seq.in_flight."""
-        # attributes rather than the properties: this runs for every sequence of every step
-        pending, generated = seq.num_pending, len(seq.output_token_ids)
+        """The prefill step feeding seq's next n tokens (a waiting sequence has nothing in flight
+        that samples), recorded in seq.in_flight."""
+        generated = len(seq.output_token_ids)
         scoring = seq.num_score_tokens > 0
-        targets = seq.num_score_tokens > 0 or seq.sampling.prompt_logprobs is not None
         num_tokens = len(seq.prompt_token_ids) + generated
         start = seq.num_cached + seq.num_scheduled
         end = start + n
-        if pending:                     # a decode of the token the step in flight samples
-            tokens = [SAMPLED]
-        elif n == 1 and end == num_tokens:
-            tokens = [seq.last_token]
-        else:
-            tokens = seq.token_ids[start:end]
-        sample = end == num_tokens + pending and not scoring
-        if self.prefix_caching and not pending and end >= (seq.num_registered + 1) * self.block_manager.block_size:
+        sample = end == num_tokens and not scoring
+        if self.prefix_caching and end >= (seq.num_registered + 1) * self.block_manager.block_size:
             self.block_manager.register(seq, end, self.step_no)             # it fills a block
         seq.in_flight.append((n, sample))
         seq.num_scheduled += n
         seq.num_pending += sample
-        step = SeqStep(seq.seq_id, tokens, start, list(seq.block_table), seq.sampling, generated + pending, sample,
-                       seq.score_targets(start, end) if targets else None)
+        seq.on_workers, seq.table_sent = True, len(seq.block_table)
+        targets = scoring or seq.sampling.prompt_logprobs is not None
+        step = SeqStep(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table), seq.sampling, generated,
+                       sample, seq.score_targets(start, end) if targets else None)
         if not seq.history_sent and seq.sampling.looks_back:
             step.history = (seq.prompt_token_ids, list(seq.output_token_ids))
             seq.history_sent = True
@@ -544,19 +560,13 @@ class Scheduler:
                 continue
             if token < 0:
                 raise ValueError(f"sequence {seq.seq_id}: no token sampled at the end of its prefill")
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self.finish(seq, reason)
+            output = seq.output_token_ids
+            output.append(token)
+            if token in seq.stop_ids:
+                seq.stop_token_id = token
+                self.finish(seq, "stop")
+                finished.append(seq)
+            elif len(seq.prompt_token_ids) + len(output) >= seq.token_limit:
+                self.finish(seq, "length")
                 finished.append(seq)
         return finished
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.sampling
-        if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.stop_token_id = token
-            return "stop"
-        out = len(seq.output_token_ids)
-        if out >= p.max_new_tokens or len(seq.prompt_token_ids) + out >= seq.max_model_len:
-            return "length"
-        return None

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass
 
 from msinfer.worker.actor import Worker
-from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
+from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 
 
 KEYS_KEPT = 100_000             # sequences whose prompt key a stand-in remembers
@@ -54,6 +54,7 @@ class StandInRunner:
         # blocks (prefix caching) finds its prompt's first tokens there
         self.first_tokens: dict[int, int] = {}
         self.load_s, self.load_stats, self.compile_s = 0.0, {"tensors": 0, "bytes": 0}, {}
+        self.steps = StepReader()
         self.sampled: dict[int, int] = {}
         self.keys: dict[int, int] = {}        # seq_id -> its prompt's first tokens, hashed
 
@@ -77,8 +78,10 @@ class StandInRunner:
                 self.first_tokens[table[p // bs] * bs + p % bs] = s.token_ids[p - s.num_cached]
         return cached + s.token_ids[:KEY_TOKENS - len(cached)]
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
+    def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
+             released=()) -> StepOutput:
         t0 = time.perf_counter()
+        seqs = self.steps.read(seqs, released)
         fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
         tokens, lps, scores = [], [], []
         for s in seqs:

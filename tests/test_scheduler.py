@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 import pytest
 
 from msinfer.launcher.scheduler import BlockManager, Scheduler, Sequence, SequenceStatus
-from msinfer.worker.protocol import SAMPLED, SamplingParams, SeqStep
+from msinfer.worker.protocol import SAMPLED, DecodeStep, SamplingParams, SeqStep, StepReader
 
 VOCAB = 50
 
@@ -45,11 +45,13 @@ class FakeModel:
         self.block_size = block_size
         self.cache: list[int | None] = [None] * (num_blocks * block_size)
         self.sampled: dict[int, int] = {}             # seq_id -> its token of the last call
+        self.steps = StepReader()                     # a decode step's rows, completed as a rank does
 
     def slot(self, s: SeqStep, pos: int) -> int:
         return s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def __call__(self, steps: list[SeqStep]) -> list[int]:
+    def __call__(self, steps: list[SeqStep] | DecodeStep, released=()) -> list[int]:
+        steps = self.steps.read(steps, released)
         out = []
         for s in steps:
             tokens = [self.sampled[s.seq_id]] if s.token_ids == [SAMPLED] else s.token_ids
@@ -106,7 +108,12 @@ def drive(sched: Scheduler, seqs: list[Sequence], model: FakeModel, per_step: in
     """Adds seqs (all at once, or per_step at a time before each step), runs to the end and
     returns (finished in finishing order, the feeds of each seq_id, seq_ids in order of admission).
     With `ahead`, as the controller does with async scheduling: up to two steps in flight, the
-    second scheduled before the first's results; the model runs the steps in the order scheduled."""
+    second scheduled before the first's results; the model runs the steps in the order scheduled.
+    The model reads each step as a rank does (worker.protocol.StepReader: a decode step's rows
+    completed from what the rank keeps) when it runs it; check_step sees it read the same way
+    when it is scheduled (starting from what the model's reader holds: steps run before)."""
+    reader = StepReader()
+    reader.last = dict(model.steps.last)
     pending = list(seqs)
     finished: list[Sequence] = []
     feeds: dict[int, list[tuple[bool, SeqStep]]] = defaultdict(list)
@@ -122,22 +129,30 @@ def drive(sched: Scheduler, seqs: list[Sequence], model: FakeModel, per_step: in
             if not steps:
                 assert in_flight or not sched.has_work()
                 break
-            check_step(sched, steps, is_prefill, batch)
-            for s in steps:
+            assert isinstance(steps, list) == is_prefill        # a decode goes as a DecodeStep
+            released = sched.take_released()
+            seen = reader.read(steps, released)
+            check_step(sched, seen, is_prefill, batch)
+            for s in seen:
                 if s.seq_id not in feeds:
                     admitted.append(s.seq_id)
                 feeds[s.seq_id].append((is_prefill, s))
-            in_flight.append((steps, batch))
+            in_flight.append((steps, released, batch))
         if not in_flight:
             if not pending:
                 break
             continue
-        steps, batch = in_flight.popleft()
-        finished += sched.postprocess(batch, model(steps))
+        steps, released, batch = in_flight.popleft()
+        finished += sched.postprocess(batch, model(steps, released))
     else:
         pytest.fail("the scheduler did not finish")
     assert sched.block_manager.num_free == sched.block_manager.num_blocks
     assert sched.num_waiting == sched.num_running == 0
+    # a rank forgets every sequence once a step has carried its release
+    released = sched.take_released()
+    for r in (reader, model.steps):
+        r.read([], released)
+        assert not r.last
     return finished, feeds, admitted
 
 
@@ -544,3 +559,22 @@ def test_a_step_crosses_the_wire_whole():
     got, released = unpack_step(pack_step(steps, [11, 12]))
     assert got == steps and released == [11, 12]
     assert got[0].sampling is got[1].sampling            # one SamplingParams for the records that share it
+
+
+def test_a_decode_step_crosses_the_wire_as_columns_and_a_rank_completes_its_rows():
+    """A DecodeStep carries each sequence's token, cached and generated counts, and the block
+    tables that grew; a rank (StepReader) completes each row from the sequence's last step. A
+    decode of a sequence the rank does not hold (never prefilled there, or released) is an error
+    that names it."""
+    from msinfer.worker.protocol import pack_step, unpack_step
+    sp = SamplingParams(max_new_tokens=7, temperature=0.5, seed=3)
+    reader = StepReader()
+    reader.read([SeqStep(1, [5, 6, 7], 0, [4], sp, 0, True), SeqStep(2, [8], 3, [6, 2], SamplingParams(), 1)])
+    step = DecodeStep([1, 2], [SAMPLED, 9], [3, 4], [1, 2], {1: [4, 5]})
+    got, released = unpack_step(pack_step(step, [7]))
+    assert got == step and released == [7]
+    assert reader.read(got, released) == [SeqStep(1, [SAMPLED], 3, [4, 5], sp, 1, True),
+                                          SeqStep(2, [9], 4, [6, 2], SamplingParams(), 2, True)]
+    assert reader.read(DecodeStep([1], [SAMPLED], [4], [2], {}))[0].block_table == [4, 5]   # kept
+    with pytest.raises(ValueError, match="sequence 2: a decode step names it"):
+        reader.read(DecodeStep([2], [SAMPLED], [5], [3], {}), released=[2])

@@ -2,7 +2,9 @@
 ints, floats and lists, no tensors. Imported on both sides; no MindSpore here.
 
 A step is a list of `SeqStep`s. Each names the new tokens of one sequence and how many of its
-tokens the cache already holds; the worker derives every position and index from that.
+tokens the cache already holds; the worker derives every position and index from that. A decode
+step crosses the wire as a `DecodeStep` instead, columns of what changes from one step to the
+next: each rank keeps every sequence's last SeqStep (`StepReader`) and completes it from there.
 """
 
 from __future__ import annotations
@@ -96,11 +98,59 @@ class StepOutput:
     host_bytes: int = 0               # copied from the device to the host in the step, on rank 0
 
 
-def pack_step(seqs: list[SeqStep], released: list[int] = ()) -> bytes:
-    """A step's SeqSteps as they cross the wire, and the ids of finished sequences whose history
-    the workers may drop: one pickle (protocol 5), from and to msinfer's own processes only."""
-    return pickle.dumps((seqs, list(released)), protocol=5)
+@dataclass
+class DecodeStep:
+    """A decode step as the engine sends it: one token for each sequence, as columns. What each
+    sequence's SeqStep would repeat from its last step (its sampling, and its block table unless
+    a block was added) the ranks keep; building and pickling a SeqStep per sequence cost the
+    engine most of its time at a 256-sequence step."""
+    seq_ids: list[int]
+    token_ids: list[int]              # the one token each feeds (SAMPLED: the one its last step sampled)
+    num_cached: list[int]
+    num_generated: list[int]
+    tables: dict[int, list[int]]      # seq_id -> its whole block table, for each whose table grew since
+                                      # the last step that carried it
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
-def unpack_step(payload: bytes) -> tuple[list[SeqStep], list[int]]:
+class StepReader:
+    """A rank's side of the wire: a step as the runner takes it, a list of SeqSteps. It keeps each
+    sequence's last SeqStep until the engine releases the sequence (it finished, or was preempted
+    and is admitted again with a prefill), to complete a DecodeStep's rows from. Steps are read in
+    the order the engine scheduled them."""
+
+    def __init__(self):
+        self.last: dict[int, SeqStep] = {}
+
+    def read(self, step: list[SeqStep] | DecodeStep, released=()) -> list[SeqStep]:
+        last = self.last
+        for seq_id in released:
+            last.pop(seq_id, None)
+        if not isinstance(step, DecodeStep):
+            for s in step:
+                last[s.seq_id] = s
+            return step
+        seqs, tables = [], step.tables
+        for seq_id, token, cached, generated in zip(step.seq_ids, step.token_ids, step.num_cached,
+                                                    step.num_generated):
+            before = last.get(seq_id)
+            if before is None:
+                raise ValueError(f"sequence {seq_id}: a decode step names it, but no step since its "
+                                 f"admission did (or it was released)")
+            s = SeqStep(seq_id, [token], cached, tables.get(seq_id, before.block_table), before.sampling, generated)
+            last[seq_id] = s
+            seqs.append(s)
+        return seqs
+
+
+def pack_step(step: list[SeqStep] | DecodeStep, released: list[int] = ()) -> bytes:
+    """A step as it crosses the wire, and the ids of the sequences the workers may forget (their
+    last step, their sampling history): one pickle (protocol 5), from and to msinfer's own
+    processes only."""
+    return pickle.dumps((step, list(released)), protocol=5)
+
+
+def unpack_step(payload: bytes) -> tuple[list[SeqStep] | DecodeStep, list[int]]:
     return pickle.loads(payload)

@@ -17,7 +17,7 @@ import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, resolve_dtype, shapes_problem
 from msinfer.sharding.layout import TPInfo
-from msinfer.worker.protocol import SAMPLED, SeqStep, StepOutput
+from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
 from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
@@ -90,6 +90,7 @@ class ModelRunner:
         self.synced = 0.0                                    # when the last copy to the host ended
         self.last_call: tuple = ({}, "decode")               # the inputs and kind of the last network call
         self.pad_debt: dict[tuple[int, int], int] = {}       # see shape()
+        self.steps = StepReader()                            # a DecodeStep's rows, completed
         self.sampled: dict[int, int] = {}                    # seq_id -> its token of the last step (SAMPLED)
         self.histories: dict[int, sampler.History] = {}     # seq_id -> what its sampling looks back at
         self.grammar_tokenizer = None                        # llguidance's, loaded for the first grammar
@@ -496,12 +497,14 @@ class ModelRunner:
             return mask
         return self.mask_pool.submit(fill)
 
-    def step(self, seqs: list[SeqStep], is_prefill: bool, logprobs: bool = True, released=()) -> StepOutput:
-        """Runs the step and samples. Every rank of a group samples the same tokens (the device
-        sampler's collectives give each the same figures) and keeps them for the next step's
-        SAMPLED inputs, and in the histories of sequences whose sampling looks back (until
-        `released`)."""
+    def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
+             released=()) -> StepOutput:
+        """Runs the step (SeqSteps, or a DecodeStep: worker.protocol) and samples. Every rank of a
+        group samples the same tokens (the device sampler's collectives give each the same figures)
+        and keeps them for the next step's SAMPLED inputs, and in the histories of sequences whose
+        sampling looks back (until `released`)."""
         t0, bytes0 = time.perf_counter(), self.host_bytes
+        seqs = self.steps.read(seqs, released)
         for seq_id in released:
             self.histories.pop(seq_id, None)
         for s in seqs:

@@ -7,9 +7,10 @@ run models at, and tells a user sizing a cluster whether one driver keeps their 
 A stand-in step sleeps `step_ms` (plus `prefill_ms_per_token` per token a prefill feeds) and
 samples tokens drawn deterministically from the vocabulary by (the prompt's first 16 tokens, token
 index), never an end-of-sequence token: every record generates its max_new_tokens, and the same
-tokens on any replica, in any run. The stand-ins are Ray actors like the workers (one per rank,
-in the replica's placement group, asking for no CPU), so the driver and the engines are exactly
-the real ones.
+tokens on any replica, in any run. A step's tokens take a few numpy operations: the stand-ins share
+the machine with the engines and the driver they measure, so they should cost it little. The
+stand-ins are Ray actors like the workers (one per rank, in the replica's placement group, asking
+for no CPU), so the driver and the engines are exactly the real ones.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+
+import numpy as np
 
 from msinfer.worker.actor import Worker
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
@@ -58,15 +61,23 @@ class StandInRunner:
         self.sampled: dict[int, int] = {}
         self.keys: dict[int, int] = {}        # seq_id -> its prompt's first tokens, hashed
 
-    def token(self, key: int, index: int) -> int:
-        t = zlib.crc32(f"{key}:{index}".encode()) % self.vocab
-        while t in self.avoid:
-            t = (t + 1) % self.vocab
+    def draw(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """The tokens of sequences whose prompts hash to `keys`, at token `index` (uint64 arrays):
+        SplitMix64's finalizer of the pair, modulo the vocabulary, past the eos tokens."""
+        with np.errstate(over="ignore"):
+            x = keys * np.uint64(0x9E3779B97F4A7C15) + index
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            t = ((x ^ (x >> np.uint64(31))) % np.uint64(self.vocab)).astype(np.int64)
+        if self.avoid:
+            avoid = np.array(sorted(self.avoid))
+            while (bad := np.isin(t, avoid)).any():
+                t[bad] = (t[bad] + 1) % self.vocab
         return t
 
     def tokens(self, prompt: list[int], n: int) -> list[int]:
         """The first n tokens a stand-in generates after `prompt`."""
-        return [self.token(prompt_key(prompt), i) for i in range(n)]
+        return self.draw(np.full(n, prompt_key(prompt), np.uint64), np.arange(n, dtype=np.uint64)).tolist()
 
     def first(self, s: SeqStep) -> list[int]:
         """The first KEY_TOKENS tokens of a sequence at its first step: from the cache slots
@@ -83,17 +94,25 @@ class StandInRunner:
         t0 = time.perf_counter()
         seqs = self.steps.read(seqs, released)
         fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
-        tokens, lps, scores = [], [], []
+        keys, sampled = self.keys, self.sampled
         for s in seqs:
-            if s.token_ids == [SAMPLED] and s.seq_id not in self.sampled:
+            if s.token_ids[0] == SAMPLED and s.seq_id not in sampled:
                 raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-            if s.seq_id not in self.keys:   # its first chunk: the prompt's first tokens name its draws
-                self.keys[s.seq_id] = prompt_key(self.first(s))
-                if len(self.keys) > KEYS_KEPT:      # the oldest half: long finished
-                    self.keys = dict(list(self.keys.items())[KEYS_KEPT // 2:])
-            tokens.append(self.token(self.keys[s.seq_id], s.num_generated) if s.sample else -1)
-            lps.append((0.0, [(tokens[-1], 0.0)] * s.sampling.logprobs) if s.sample and s.sampling.logprobs else None)
-            scores.append([0.0 for t in s.targets if t >= 0] if s.targets else None)
+            if s.seq_id not in keys:        # its first chunk: the prompt's first tokens name its draws
+                keys[s.seq_id] = prompt_key(self.first(s))
+                if len(keys) > KEYS_KEPT:           # the oldest half: long finished
+                    keys = self.keys = dict(list(keys.items())[KEYS_KEPT // 2:])
+        rows = [s for s in seqs if s.sample]
+        drawn = self.draw(np.fromiter((keys[s.seq_id] for s in rows), np.uint64, len(rows)),
+                          np.fromiter((s.num_generated for s in rows), np.uint64, len(rows))).tolist()
+        if len(rows) == len(seqs):
+            tokens = drawn
+        else:
+            it = iter(drawn)
+            tokens = [next(it) if s.sample else -1 for s in seqs]
+        lps = [(0.0, [(t, 0.0)] * s.sampling.logprobs) if t >= 0 and s.sampling.logprobs else None
+               for s, t in zip(seqs, tokens)] if any(s.sampling.logprobs for s in rows) else [None]
+        scores = [[0.0 for t in s.targets if t >= 0] if s.targets else None for s in seqs] if is_prefill else [None]
         self.sampled = {s.seq_id: t for s, t in zip(seqs, tokens) if t >= 0}
         time.sleep(max(0.0, (self.timing.step_ms + self.timing.prefill_ms_per_token * fed) / 1e3
                        - (time.perf_counter() - t0)))

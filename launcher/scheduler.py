@@ -109,7 +109,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -363,8 +362,8 @@ class Scheduler:
         """The next step: (what the workers get: one SeqStep per sequence, or for a decode a
         DecodeStep; is_prefill; the sequences in the same order). Without `ahead` (no step in
         flight), empty only when has_work() is False (possibly because the last waiting ones were
-        rejected). With `ahead` (a step in flight: see the module's
-        docstring), empty when nothing can be scheduled before that step's results."""
+        rejected). With `ahead` (a step in flight: see the module's docstring), empty when nothing
+        can be scheduled before that step's results."""
         while self.has_work():
             self.step_no += 1
             progress = (self.num_preemptions, len(self.rejected))

@@ -233,3 +233,26 @@ def test_stats_summary():
     assert out["ttft_p50_s"] == 0.55 and out["ttft_p95_s"] == pytest.approx(0.955)
     assert json.dumps(out)
     assert Stats().summary(0.0, 0.0)["ttft_p50_s"] is None
+
+
+def test_resume_reads_the_file_in_chunks_with_lines_across_their_edges(tmp_path, monkeypatch):
+    """Resume reads a chunk at a time (a regular expression over msinfer's own lines, anything
+    else line by line): with chunks smaller than a line, the same ids, the partial last line cut,
+    and a bad line in the middle refused, as with one chunk for the whole file."""
+    import msinfer.launcher.writer as writer_module
+    path = tmp_path / "out.jsonl"
+    ids = [f"r{i}" for i in range(40)] + ['q"uote', "é✓"]
+    with ResultWriter(path) as w:
+        for i, rid in enumerate(ids):
+            w.write(ok_result(rid, [1, 2, 3], "x" * (i * 7 % 50), "stop", 1))
+    whole = path.read_bytes()
+    for chunk in (7, 64, 1000, 1 << 22):
+        monkeypatch.setattr(writer_module, "RESUME_CHUNK", chunk)
+        path.write_bytes(whole + b'{"id": "late", "output_tok')
+        with ResultWriter(path) as w:
+            assert w.done_ids == set(ids) and w.cut_partial_line, chunk
+        assert path.read_bytes() == whole
+        lines_ = whole.split(b"\n")
+        path.write_bytes(b"\n".join(lines_[:5] + [b"not json"] + lines_[5:]))
+        with pytest.raises(OutputError, match="line 6: not a whole JSON result, and more lines follow"):
+            ResultWriter(path)

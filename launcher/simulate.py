@@ -147,9 +147,11 @@ class StandInWorker(Worker):
 
 
 def cpu_seconds(controller) -> dict:
-    """CPU-seconds so far by role: the driver (this process, less an engine running in it), the
-    engines (their own threads), the stand-in workers (their processes, less the engines hosted
-    in rank 0's)."""
+    """CPU-seconds so far by role: the driver (this process, less an engine running in it), of
+    which its loop (this thread: reading, dealing, receiving and writing records; the rest is
+    Ray's threads, the writer's disk syncs and the progress bar), the engines (their own
+    threads), the stand-in workers (their processes, less the engines hosted in rank 0's). Called
+    from the thread that runs the controller's loop."""
     import ray
     from msinfer.launcher.engine import LocalEngine
     workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
@@ -157,18 +159,19 @@ def cpu_seconds(controller) -> dict:
     local = sum(s.replica.engine.engine.engine_stats()["cpu_s"] for s in controller.slots
                 if isinstance(s.replica.engine, LocalEngine))
     engine_s = sum(st["cpu_s"] for st in engines)
-    return {"driver": time.process_time() - local, "engines": engine_s,
+    return {"driver": time.process_time() - local, "driver_loop": time.thread_time(), "engines": engine_s,
             "workers": sum(st.get("cpu_s", 0.0) for st in workers) - (engine_s - local)}
 
 
 def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:
     """The simulation's figures: throughput against the stand-ins' ceiling, and the CPU each
-    process role spent while records were served (`cpu_seconds` before and after): the driver,
-    the engines (also per step they ran), the stand-in workers."""
+    process role spent while records were served (`cpu_seconds` before and after): the driver
+    (and its loop), the engines (also per step they ran), the stand-in workers."""
     dp, tp = spec.parallel.data_parallel, spec.parallel.tensor_parallel
     st = summary.get("steps") or {}
     steps = st.get("prefill_steps", 0) + st.get("decode_steps", 0)
-    driver_cpu_s, engine_cpu_s, worker_cpu_s = (cpu1[k] - cpu0[k] for k in ("driver", "engines", "workers"))
+    driver_cpu_s, loop_cpu_s, engine_cpu_s, worker_cpu_s = (cpu1[k] - cpu0[k] for k in
+                                                            ("driver", "driver_loop", "engines", "workers"))
     gen_s = summary.get("generation_s") or 0.0
     tokens, records = summary.get("completion_tokens") or 0, summary.get("records_done") or 0
     ceiling = dp * spec.scheduler.max_batch_size * 1e3 / timing.step_ms
@@ -182,6 +185,8 @@ def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> di
         "driver_cpu_s": round(driver_cpu_s, 2),
         "driver_cpu_us_per_token": round(1e6 * driver_cpu_s / tokens, 2) if tokens else None,
         "driver_cpu_us_per_record": round(1e6 * driver_cpu_s / records, 1) if records else None,
+        "driver_loop_cpu_s": round(loop_cpu_s, 2),
+        "driver_loop_cpu_us_per_record": round(1e6 * loop_cpu_s / records, 1) if records else None,
         "engine_cpu_s": round(engine_cpu_s, 2),
         "engine_cpu_ms_per_step": round(1e3 * engine_cpu_s / steps, 3) if steps else None,
         "worker_cpu_s": round(worker_cpu_s, 2),

@@ -498,6 +498,7 @@ def test_simulate_runs_the_job_on_stand_ins_writes_every_record_once_and_resumes
     sim = summary["simulate"]
     assert sim["workers"] == 4 and sim["ceiling_tokens_per_s"] == 2 * 8 * 1000 / 5.0
     assert 0 < sim["of_ceiling"] <= 1.0 and sim["driver_cpu_us_per_token"] > 0
+    assert 0 < sim["driver_loop_cpu_s"] <= sim["driver_cpu_s"]          # the loop's share of the driver
     assert {r["device"] for r in summary["replicas"]} == {"stand-in"}
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=5.0))
     assert again["records_skipped"] == 40 and again["records_done"] == 0

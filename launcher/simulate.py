@@ -49,7 +49,7 @@ class StandInRunner:
         from msinfer.sharding.config import ModelConfig
         cfg = ModelConfig.from_dir(engine_config.model_dir)
         self.vocab = cfg.vocab_size
-        self.avoid = set(cfg.eos_token_ids or ())
+        self.avoid = np.array(sorted(set(cfg.eos_token_ids or ())), np.int64)     # never drawn
         self.timing = timing
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
         self.block_size = engine_config.block_size
@@ -69,9 +69,8 @@ class StandInRunner:
             x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
             t = ((x ^ (x >> np.uint64(31))) % np.uint64(self.vocab)).astype(np.int64)
-        if self.avoid:
-            avoid = np.array(sorted(self.avoid))
-            while (bad := np.isin(t, avoid)).any():
+        if len(self.avoid):
+            while (bad := np.isin(t, self.avoid)).any():
                 t[bad] = (t[bad] + 1) % self.vocab
         return t
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from msinfer.worker.actor import Worker
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
+from msinfer.worker.sampler import mix64
 
 
 KEYS_KEPT = 100_000             # sequences whose prompt key a stand-in remembers
@@ -65,10 +66,7 @@ class StandInRunner:
         """The tokens of sequences whose prompts hash to `keys`, at token `index` (uint64 arrays):
         SplitMix64's finalizer of the pair, modulo the vocabulary, past the eos tokens."""
         with np.errstate(over="ignore"):
-            x = keys * np.uint64(0x9E3779B97F4A7C15) + index
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            t = ((x ^ (x >> np.uint64(31))) % np.uint64(self.vocab)).astype(np.int64)
+            t = (mix64(keys * np.uint64(0x9E3779B97F4A7C15) + index) % np.uint64(self.vocab)).astype(np.int64)
         if len(self.avoid):
             while (bad := np.isin(t, self.avoid)).any():
                 t[bad] = (t[bad] + 1) % self.vocab

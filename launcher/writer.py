@@ -11,6 +11,7 @@ atomically, so a reader sees the old or the new file, never half of one.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -101,8 +102,8 @@ class ResultWriter:
 
     def _resume(self):
         """Reads the ids of the whole lines into done_ids, a chunk of the file at a time: in a
-        chunk of lines as msinfer writes them (`_result_id`'s first bytes) one regular expression
-        finds every id; any other chunk goes line by line. A line that is not a whole result may
+        chunk of lines as msinfer writes them (`_id_lines`) one regular expression finds every id;
+        any other chunk goes line by line (`_result_id`). A line that is not a whole result may
         only be the last (a crash's partial write), which is cut."""
         good = 0            # bytes of the whole result lines read
         bad_line = 0        # the number of a line that is not one
@@ -242,26 +243,25 @@ class ResultWriter:
         self.close()
 
 
+@functools.lru_cache(maxsize=4)
 def _id_lines(key: str) -> re.Pattern:
-    """The lines `_result_id` knows by their first bytes, the id in group 1 (`findall`)."""
+    """A result line as msinfer writes it (json.dumps: `{"<key>": "<id>", ...}`, the id first,
+    without a quote or an escape in it, a closing brace last), the id in group 1: `_result_id`
+    matches one line, a resume `findall`s a chunk of them."""
     return re.compile(rb'^\{"' + re.escape(key.encode()) + rb'": "([^"\\\n]*)", [^\n]*\}$', re.MULTILINE)
 
 
 def _result_id(raw: bytes, key: str = "id") -> str | None:
     """The id of a whole result line, None for anything else (a crash's partial last line).
-    A line as msinfer writes it (the id first, no escape in it, a closing brace) is known by its
-    first bytes, with no JSON parse of the rest (`_id_lines` finds those a chunk at a time)."""
+    A line as msinfer writes it (`_id_lines`) is known by its first bytes, with no JSON parse of
+    the rest; any other is parsed."""
     if not raw.endswith(b"\n"):
         return None
-    prefix = b'{"' + key.encode() + b'": "'      # every line msinfer writes starts so (json.dumps)
-    if raw.startswith(prefix) and raw.endswith(b"}\n"):
-        end = raw.find(b'"', len(prefix))
-        rid = raw[len(prefix):end]
-        if end > 0 and b"\\" not in rid and raw.startswith(b'", ', end):
-            try:
-                return rid.decode("utf-8")
-            except UnicodeDecodeError:
-                return None
+    if m := _id_lines(key).match(raw):
+        try:
+            return m.group(1).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
     try:
         obj = json.loads(raw)
     except ValueError:  # also UnicodeDecodeError

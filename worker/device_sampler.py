@@ -57,6 +57,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from msinfer.sharding.layout import TPInfo, vocab_shard
+from msinfer.worker.sampler import mix64
 
 CANDIDATES = 64               # per row, for top-k, top-p and top_logprobs (more when a top_k asks for more)
 OFF = -1e30                   # a threshold that keeps everything; the logit of a vocabulary padding column
@@ -67,12 +68,9 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np
     so far, sample index) alone: SplitMix64's finalizer over the three, so a seeded record draws
     the same tokens whatever shares its batch, at any tp and after a replica restart."""
     with np.errstate(over="ignore"):
-        x = (seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-             ^ counters.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-             ^ indices.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
-        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-            x = (x ^ (x >> np.uint64(shift))) * np.uint64(mult)
-        x ^= x >> np.uint64(31)
+        x = mix64(seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                  ^ counters.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+                  ^ indices.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

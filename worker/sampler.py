@@ -124,6 +124,16 @@ def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: His
     return Adjustments(p, num_generated, hist, len(logits)).apply(logits.astype(np.float64))
 
 
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer of each uint64 of x (wrapping arithmetic): a well-spread hash of
+    values that differ in a few bits (worker.device_sampler.uniforms' draws, the simulator's
+    stand-in tokens)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
 def insert_sorted(ids: np.ndarray, new: np.ndarray) -> np.ndarray:
     """ids (sorted, distinct) with those of new (sorted, distinct) that it lacks, in order."""
     at = np.searchsorted(ids, new)

@@ -20,6 +20,7 @@ from msinfer.launcher.scheduler import Sequence
 from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer
 from msinfer.launcher.writer import error_result, ok_result, score_result
 from msinfer.worker.protocol import SamplingParams
+from msinfer.worker.sampler import draw_key
 
 
 class Done(NamedTuple):
@@ -87,7 +88,10 @@ class RecordCodec:
                                       f"'prompt_token_ids'")
                 ids = list(rec.prompt_token_ids)
             else:
-                ids = self.tok.encode_record(rec, spec.input.chat_template)
+                # a scored prompt is scored as it is written (a template would change what is
+                # scored), and an OpenAI completions request's prompt is sent as written
+                scored = rec.continuation is not None or rec.continuation_token_ids is not None
+                ids = self.tok.encode_record(rec, spec.input.chat_template and not scored and rec.openai is None)
             continuation = self.continuation(rec)
             ids = ids + continuation
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -105,6 +109,9 @@ class RecordCodec:
                                   f"generates nothing; n applies to task: generate")
         except RecordError as e:
             return self.error(serial, rec, str(e))
+        if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
+            own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None
+            sampling = dataclasses.replace(sampling, draw_key=draw_key(sampling.seed, None if own else rec.id))
         request, now = self.request(rec), time.perf_counter()
         seqs = []
         for i in range(sampling.n):

@@ -194,6 +194,89 @@ def test_uniforms_are_uniform_and_differ_by_seed_token_and_sample():
     np.testing.assert_array_equal(uniforms(seeds, counters, np.zeros(10000)), u)
 
 
+def test_small_and_zero_inputs_give_uniform_draws_not_a_fixed_point():
+    """Every combination of small stream keys, steps and sample indices, (0, 0, 0) among them (the
+    first draw of stream 0): none is 0, and together they pass a Kolmogorov-Smirnov test against
+    U(0, 1). A finalizer without added constants maps (0, 0, 0) to 0, the first candidate."""
+    from scipy import stats
+    grid = np.stack(np.meshgrid(np.arange(64), np.arange(32), np.arange(4), indexing="ij"), -1).reshape(-1, 3)
+    u = uniforms(grid[:, 0], grid[:, 1], grid[:, 2])
+    assert (u > 0).all() and uniforms(np.zeros(1), np.zeros(1), np.zeros(1))[0] > 1e-6
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+
+
+def test_stream_keys_are_per_record_unless_the_record_sets_its_seed():
+    keys = {sampler.draw_key(0, f"r{i}") for i in range(1000)}
+    assert len(keys) == 1000 and all(0 <= k < 1 << 63 for k in keys)
+    assert sampler.draw_key(0, "a") != sampler.draw_key(1, "a")
+    assert sampler.draw_key(7) == sampler.draw_key(7) != sampler.draw_key(8)
+    assert sampler.draw_key(7) != sampler.draw_key(7, "")         # a record's own seed is its own stream
+    # BLAKE2b of the documented bytes: the same key on every machine and Python version, so a
+    # resume elsewhere draws the same tokens (Python's own hash() of a str is salted per process)
+    assert sampler.draw_key(3, "q1") == 0x6C91D7AD86579E20 and sampler.draw_key(3) == 0x6760457A16F89D0A
+
+
+DEVICE_PATHS = ["portable", "ascend (emulated)", "cpu"]
+
+
+def device_kernels(path: str):
+    """The sampler's passes over whole rows as each device path runs them: its ops class's
+    `sampler_kernels` (worker/ops.py seam)."""
+    if path == "cpu":
+        return cpu_kernels()
+    if path == "portable":
+        from msinfer.worker.ops import MsOps
+        return MsOps.sampler_kernels
+    from msinfer.worker.ascend import AscendOps
+    return AscendOps.sampler_kernels
+
+
+def chi_square_pvalue(tokens: np.ndarray, want: np.ndarray) -> float:
+    """Pearson's chi-square of the token counts against the probabilities `want`, tokens expected
+    fewer than 5 times pooled into one bin."""
+    from scipy import stats
+    n = len(tokens)
+    counts = np.bincount(tokens, minlength=len(want)).astype(np.float64)
+    big = want * n >= 5
+    obs, exp = list(counts[big]), list(want[big] * n)
+    if (~big).any() and want[~big].sum() > 0:
+        obs.append(counts[~big].sum())
+        exp.append(want[~big].sum() * n)
+    if len(obs) == 1:                   # one bin: every draw in it is the only outcome
+        return 1.0 if obs[0] == n else 0.0
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_first_draws_of_a_jobs_records_follow_the_filtered_softmax(path, tp):
+    """The first token of 3,000 records with one prompt, at the job's default seed 0 (each
+    record's stream: draw_key(0, its id), step 0, sample 0), for each kind of sampling: a
+    chi-square test against softmax(logits / T) renormalized over the tokens min_p, top_k and
+    top_p keep (worker.sampler.filter_logits), and nothing drawn outside them."""
+    row = np.random.default_rng(5).normal(0, 1.5, V).astype(np.float32)
+    n = 3000
+    keys = np.array([sampler.draw_key(0, f"record-{i}") for i in range(n)], np.int64)
+    # each keeps 5 to 43 tokens: within the candidates at tp 2 (C is at most a shard's 52 columns
+    # here; top_p beyond the candidates is the documented difference, tested above)
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+             SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.1),
+             SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)]
+    params = [p for p in kinds for _ in range(n)]
+    f32 = np.float32
+    args = (np.array([p.temperature for p in params], f32), np.array([p.top_k for p in params], np.int32),
+            np.array([p.top_p for p in params], f32), np.array([p.min_p for p in params], f32),
+            np.tile(uniforms(keys, np.zeros(n), np.zeros(n)), len(kinds)).astype(f32))
+    tokens = run(tp, "sample", np.repeat(row[None], len(params), 0), *args, kernels=device_kernels(path))
+    for k, p in enumerate(kinds):
+        got = tokens[k * n: (k + 1) * n]
+        x = sampler.filter_logits(row.astype(np.float64), p)
+        want = np.exp(x - x.max())
+        want /= want.sum()
+        assert np.all(want[got] > 0) and (want > 0).sum() >= 3, p
+        assert chi_square_pvalue(got, want) > 1e-3, p
+
+
 class FixedMask:
     """A grammar's matcher as worker.sampler.History reads it (llguidance.LLMatcher's calls),
     allowing the same tokens at every step."""

@@ -97,6 +97,27 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_then(checkpoint, refere
     assert held == reference(prompt, p) and len(held) >= 5 and stop not in held[:4]
 
 
+def test_records_with_one_prompt_sample_apart_rerun_alike_and_a_records_own_seed_is_its_stream(checkpoint):
+    """Four records of one prompt at temperature 1 and the job's default seed draw from their own
+    streams (at least two outputs differ); a second run, with the records in another order and so
+    in other batches, gives each the same tokens; two records with the same own seed give the same
+    tokens; a first token drawn under top_k is among the k most likely."""
+    plan = plan_job(spec_for(checkpoint(NAME), max_new_tokens=6), check_io=False)
+    prompt = [5, 17, 33, 9, 100, 7]
+    hot = {"temperature": 1.0, "ignore_eos": True}
+    records = ([{"id": f"same-{i}", "prompt_token_ids": prompt, "sampling": hot} for i in range(4)]
+               + [{"id": f"seeded-{i}", "prompt_token_ids": prompt, "sampling": {**hot, "seed": 42}} for i in range(2)]
+               + [{"id": "top-k", "prompt_token_ids": prompt, "sampling": {**hot, "top_k": 3, "logprobs": 3}}])
+    first, _ = run_engine(plan, records)
+    again, _ = run_engine(plan, records[::-1])
+    outputs = {k: v["output_token_ids"] for k, v in first.items()}
+    assert len({tuple(outputs[f"same-{i}"]) for i in range(4)}) >= 2
+    assert outputs == {k: v["output_token_ids"] for k, v in again.items()}
+    assert outputs["seeded-0"] == outputs["seeded-1"]
+    lp = first["top-k"]["logprobs"][0]
+    assert lp["logprob"] >= min(v for _, v in lp["top"]) - 1e-5
+
+
 def test_repetition_penalty_min_p_and_min_tokens_give_transformers_generate_tokens(checkpoint):
     """Greedy with repetition_penalty, min_p and min_tokens (a stop token held back) against
     transformers' own logits processors of the same names, through its `generate`."""

@@ -63,14 +63,17 @@ CANDIDATES = 64               # per row, for top-k, top-p and top_logprobs (more
 OFF = -1e30                   # a threshold that keeps everything; the logit of a vocabulary padding column
 
 
-def uniforms(seeds: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """One uniform in [0, 1) per sequence for its draw of this step, from (seed, tokens generated
-    so far, sample index) alone: SplitMix64's finalizer over the three, so a seeded record draws
-    the same tokens whatever shares its batch, at any tp and after a replica restart."""
+def uniforms(streams: np.ndarray, counters: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per sequence for its draw of this step, from (its record's stream key,
+    tokens generated so far, sample index) alone (worker.sampler.draw_key): so a record draws the
+    same tokens whatever shares its batch, at any tp and after a replica restart or a resume. Each
+    of the three goes into its own round of SplitMix64's finalizer with a constant added first, so
+    no input is a fixed point (the finalizer alone maps 0 to 0, which would make every first draw
+    of stream 0 take the first candidate)."""
     with np.errstate(over="ignore"):
-        x = mix64(seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-                  ^ counters.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-                  ^ indices.astype(np.uint64) * np.uint64(0x94D049BB133111EB))
+        x = mix64(streams.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        x = mix64(x + (counters.astype(np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
+        x = mix64(x + (indices.astype(np.uint64) + np.uint64(1)) * np.uint64(0x94D049BB133111EB))
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1                        # samples of the record (launcher.records; the workers see one sequence each)
-    index: int = 0                    # which of them: with the seed, picks the random stream
+    index: int = 0                    # which of them: with `draw_key`, picks its draws
     max_new_tokens: int = 256
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0 = whole vocabulary
     min_p: float = 0.0
-    seed: int = 0
+    seed: int = 0                     # the job's sampling.seed, or the record's own (`draw_key`)
     stop: tuple[str, ...] = ()        # stop strings (matched by the controller on decoded text)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -40,6 +40,9 @@ class SamplingParams:
     # min_tokens holds back (the end-of-sequence ones and stop_token_ids)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens_ban: tuple[int, ...] = ()
+    # the key of the record's random stream (worker.sampler.draw_key): from the seed and the
+    # record's id, or from the record's own seed alone; with `index` and the step, it fixes each draw
+    draw_key: int = 0
 
     # derived once (the sampler reads them for every sequence of every step): whether sampling
     # reads the sequence's earlier tokens (worker.sampler.History), and whether the logits change
@@ -72,7 +75,7 @@ class SeqStep:
     num_cached: int                   # tokens of this sequence already in the KV cache
     block_table: list[int]            # cache blocks of the sequence, in order
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_generated: int = 0            # tokens sampled so far: with the seed, fixes the random stream
+    num_generated: int = 0            # tokens sampled so far: with the stream and index, fixes the draw
     sample: bool = True               # False for a prefill chunk that is not the prompt's last
     # scoring: per token of token_ids, the next token whose log-probability to return (-1: none)
     targets: list[int] | None = None

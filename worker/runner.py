@@ -417,8 +417,8 @@ class ModelRunner:
         if not todo:
             return chosen, lps
         params = [seqs[i].sampling for i in todo]
-        u = uniforms(np.array([p.seed for p in params], np.int64), np.array([seqs[i].num_generated for i in todo]),
-                     np.array([p.index for p in params]))
+        u = uniforms(np.array([p.draw_key for p in params], np.int64),
+                     np.array([seqs[i].num_generated for i in todo]), np.array([p.index for p in params]))
         k = max(p.logprobs for p in params)
         raw = logits
         if any(p.processes for p in params):

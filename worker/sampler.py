@@ -14,11 +14,13 @@ argmax of that; otherwise temperature, min_p (tokens below min_p times the most 
 probability dropped), top-k and top-p, and a draw.
 
 The draw takes the sequence's uniform u of this step (worker.device_sampler.uniforms, from its
-seed, its count of generated tokens and its sample index) through the inverse CDF of the kept
-tokens in token-id order, as the device sampler does.
+record's stream key, its count of generated tokens and its sample index) through the inverse CDF
+of the kept tokens in token-id order, as the device sampler does.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -122,6 +124,20 @@ def process(logits: np.ndarray, p: SamplingParams, num_generated: int, hist: His
     """One row's logits (float64, a copy) after the grammar's mask, allowed_token_ids,
     bad_words, min_tokens, logit_bias and the penalties."""
     return Adjustments(p, num_generated, hist, len(logits)).apply(logits.astype(np.float64))
+
+
+def draw_key(seed: int, record_id: str | None = None) -> int:
+    """The key of a record's random stream, a 63-bit int: of (the job's sampling.seed, the record's
+    id), so that records with the same prompt draw independently and a re-run or a resume draws
+    the same tokens again; or, for a record that sets its own sampling.seed (`record_id` None), of
+    that seed alone, as vLLM's per-request seed: the same seed and prompt give the same tokens in
+    any record. BLAKE2b, so the key is the same on every machine and Python version."""
+    h = hashlib.blake2b(digest_size=8, person=b"msinfer-stream")
+    if record_id is None:
+        h.update(b"own\0" + str(seed).encode())
+    else:
+        h.update(b"job\0" + str(seed).encode() + b"\0" + record_id.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def mix64(x: np.ndarray) -> np.ndarray:

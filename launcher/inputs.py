@@ -84,15 +84,20 @@ def read_records(path: str | Path) -> Iterator[Record]:
 
 
 def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
-    # a repeated id becomes an error record with its own id "<id>@<line>": the results file keeps
-    # one line per id, and resuming never takes the duplicate's error for the first record's result
+    # a repeated id becomes an error record with its own id "<id>@<line>" (or "<id>@<line>.2", .3,
+    # ... where an earlier record holds that one): the results file keeps one line per id, resuming
+    # never takes the duplicate's error for the first record's result, and a re-run names it alike
     first: dict[str, int] = {}
     for r in records:
         if r.id in first:
             error = (f"{unit} {r.line}: id '{r.id}' was already used on {unit} {first[r.id]}; "
                      f"ids must be unique")
-            r = Record(id=f"{r.id}@{r.line}", line=r.line, error=r.error or error)
-        first.setdefault(r.id, r.line)
+            rid, k = f"{r.id}@{r.line}", 1
+            while rid in first:
+                k += 1
+                rid = f"{r.id}@{r.line}.{k}"
+            r = Record(id=rid, line=r.line, error=r.error or error)
+        first[r.id] = r.line
         yield r
 
 

@@ -86,6 +86,10 @@ TIERS = ("unit", "integration", "slow")
 
 
 def tier(item) -> str:
+    """An explicit tier marker on the test (or its class or module) wins; otherwise its file's tier."""
+    marked = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+    if marked is not None:
+        return marked
     name = item.path.stem
     if name in SLOW:
         return "slow"

@@ -159,6 +159,32 @@ def _mkdir(path):
 
 
 def test_records_are_read_lazily(tmp_path):
-    path = jsonl(tmp_path, [{"prompt": str(i)} for i in range(1000)])
+    """A record is read when the iterator gets to it, not with the file's first record: a line
+    rewritten in place after the first record was served, 4 MB on (past any read-ahead), is read
+    as rewritten."""
+    path = jsonl(tmp_path, [{"id": "first", "prompt": "a"}, {"id": "big", "prompt": "x" * 4_000_000},
+                            {"id": "last", "prompt": "old"}])
     it = read_records(path)
-    assert isinstance(next(it), Record)
+    assert isinstance(first := next(it), Record) and first.id == "first"
+    data = path.read_bytes()
+    with open(path, "r+b") as f:                    # same length, same file: a reader's open handle sees it
+        f.seek(data.rindex(b'"old"'))
+        f.write(b'"new"')
+    big, last = it
+    assert big.prompt == "x" * 4_000_000 and (last.id, last.prompt) == ("last", "new")
+
+
+def test_every_renamed_duplicate_gets_an_id_no_other_record_has(tmp_path):
+    """A duplicate's "<id>@<line>" can be an id an earlier record holds: it then gets the next free
+    "<id>@<line>.<k>". The first record of an id keeps it (a later record given an id that a
+    duplicate was renamed to is a duplicate too), and a second read names every record alike, so
+    a resumed run skips exactly the records the first run wrote."""
+    path = jsonl(tmp_path, [{"id": "a@3", "prompt": "1"}, {"id": "a", "prompt": "2"}, {"id": "a", "prompt": "3"},
+                            {"id": "a@3.2", "prompt": "4"}, {"id": "a", "prompt": "5"}, {"id": "a@5", "prompt": "6"}])
+    recs = list(read_records(path))
+    ids = [r.id for r in recs]
+    assert len(set(ids)) == len(recs)  # one results line per record
+    assert ids == ["a@3", "a", "a@3.2", "a@3.2@4", "a@5", "a@5@6"]
+    assert [r.error is None for r in recs] == [True, True, False, False, False, False]
+    assert recs[2].error == "line 3: id 'a' was already used on line 2; ids must be unique"
+    assert [r.id for r in read_records(path)] == ids

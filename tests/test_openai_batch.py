@@ -18,6 +18,7 @@ def request(custom_id, body, url=CHAT, **extra):
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra}
 
 
+@pytest.mark.unit
 def test_a_request_becomes_a_record_with_its_sampling():
     rec = parse_openai(request("a", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                      "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
@@ -49,6 +50,7 @@ def test_a_request_becomes_a_record_with_its_sampling():
     assert obj.sampling == {"structured_outputs": {"json_object": True}}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
     (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/embeddings"),
      "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),
@@ -71,6 +73,7 @@ def test_a_request_msinfer_cannot_serve_is_that_requests_error(line, message):
     assert rec.id == "x" and rec.error == message
 
 
+@pytest.mark.unit
 def test_output_lines_parse_as_openai_types():
     from openai.types import Completion
     from openai.types.chat import ChatCompletion

@@ -1,0 +1,177 @@
+"""Edges a job relies on that no other file's tests reach: records held for a replica that
+fails, the vocabulary's last id, the default cache's size, the spec's bounds at equality, and
+one prefill for a record's n samples. Pure Python: no network, no Ray."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from msinfer.launcher.controller import Controller, ControllerConfig, route_key
+from msinfer.launcher.engine import EngineFailed, EngineSetup
+from msinfer.launcher.inputs import Record
+from msinfer.launcher.records import Done, RecordCodec
+from msinfer.launcher.scheduler import Scheduler, Sequence
+from msinfer.launcher.spec import JobSpec
+from msinfer.sharding.config import EngineConfig
+from msinfer.worker.protocol import SamplingParams
+from tests.test_scheduler import FakeModel, drive, reference
+
+pytestmark = pytest.mark.unit
+
+
+def job_spec(sampling: dict | None = None, scheduler: dict | None = None, max_model_len: int = 64) -> JobSpec:
+    return JobSpec.model_validate({"model": {"path": "model", "max_model_len": max_model_len},
+                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+                                   "sampling": {"max_new_tokens": 8, **(sampling or {})},
+                                   "scheduler": scheduler or {}})
+
+
+# ---- records held for a replica that fails ------------------------------------------------------
+
+def completed(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
+
+
+class Call:
+    """A method as a Ray actor handle offers it (`.remote(...)`), answered with a Future as a
+    LocalEngine's is."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeReplica:
+    """A replica whose engine finishes every record it is dealt at once, except the first engine
+    of replica 1: its first exchange stays in flight until the test fails it (`doomed`)."""
+    doomed: list[Future] = []
+
+    def __init__(self, index: int):
+        self.index, self.engine = index, None
+
+    def start(self, engine_config) -> list:
+        self.engine = SimpleNamespace(exchange=Call(self.exchange), engine_stats=Call(lambda: completed({})))
+        return []
+
+    def exchange(self, payload: bytes | None, more: bool) -> Future:
+        if self.index == 1 and not FakeReplica.doomed:
+            FakeReplica.doomed.append(Future())
+            return FakeReplica.doomed[0]
+        done = [Done(serial, rec.id, False, len(rec.prompt_token_ids), 1, None)
+                for serial, rec in (pickle.loads(payload) if payload else ())]
+        return completed(pickle.dumps((done, 4, []), protocol=5))
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+class FakeController(Controller):
+    def _new_replica(self, index: int) -> FakeReplica:
+        return FakeReplica(index)
+
+
+def test_records_held_for_a_replica_that_fails_are_dealt_again_and_each_is_done_once():
+    """Route by prefix at dp 2: records whose prompts begin alike (longer than the routed
+    beginning) are held in the driver for the replica their beginning names while its exchange is
+    in flight. That replica fails then: the records it was dealt and those held for it go to the
+    other replica or its restart, and every record's result comes exactly once."""
+    spec = job_spec(scheduler={"max_batch_size": 2})           # a queue of 4: 4 held at most
+    prefix = next(p for p in ([t] * 48 for t in range(1, 100))
+                  if route_key(Record("x", 1, prompt_token_ids=p + [0])) % 2 == 1)    # replica 1's
+    records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=prefix + [i]) for i in range(16)]
+    FakeReplica.doomed = []
+    controller = FakeController(ControllerConfig(None, EngineSetup(spec, None, None), data_parallel=2))
+    held_when_it_failed = []
+    passes = 0
+
+    def tick():             # once per pass of the driver's loop, after it dealt to every replica
+        nonlocal passes
+        passes += 1
+        # replica 1 dies once records are held for it; after 20 passes without, it dies anyway, so
+        # that a driver that holds nothing fails the first assertion instead of waiting forever
+        doomed = FakeReplica.doomed[0] if FakeReplica.doomed else None
+        if doomed is not None and not doomed.done() and (controller.slots[1].held or passes > 20):
+            held_when_it_failed.extend(rec.id for _, rec in controller.slots[1].held)
+            doomed.set_exception(EngineFailed("a worker process died"))
+
+    done = []
+    controller.start()
+    try:
+        controller.run(iter(records), lambda d, rec: done.append((d.line, rec.id)), on_tick=tick)
+    finally:
+        controller.shutdown()
+    assert held_when_it_failed, "no record was held for replica 1 when it failed"
+    assert controller.restarts == 1 and controller.restart_log == ["replica 1 failed (a worker process died)"]
+    assert all(line == rid for line, rid in done)
+    assert Counter(rid for _, rid in done) == Counter(r.id for r in records)
+
+
+# ---- the vocabulary's last id -------------------------------------------------------------------
+
+def test_a_prompt_token_id_must_be_below_the_vocabulary_size():
+    codec = RecordCodec(job_spec(), SimpleNamespace(vocab_size=100, eos_token_ids=(2,)), None)
+    ok = codec.sequences(Record("ok", 1, prompt_token_ids=[0, 99]), 0)
+    assert isinstance(ok, list) and ok[0].prompt_token_ids == [0, 99]
+    bad = codec.sequences(Record("bad", 2, prompt_token_ids=[0, 100]), 1)
+    assert isinstance(bad, Done) and bad.failed
+    assert "record 'bad': token id 100 is outside the vocabulary (0..99)" in bad.line
+
+
+# ---- the default cache's size -------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_default_cache_holds_max_batch_size_sequences_of_max_model_len(batch):
+    """max_model_len 40 is two and a half blocks of 16: the default cache (no
+    scheduler.kv_cache_blocks) rounds up, so max_batch_size prompts of 39 tokens and their one
+    generated token fit at once, as the engine builds its scheduler."""
+    ec = EngineConfig("model", max_model_len=40, max_batch_size=batch, block_size=16)
+    sched = Scheduler(ec.blocks(), ec.block_size, batch, 128, ec.max_model_len)
+    seqs = [Sequence(list(range(1, 40)), SamplingParams(max_new_tokens=1)) for _ in range(batch)]
+    for seq in seqs:
+        sched.add(seq)
+    steps, is_prefill, admitted = sched.schedule()
+    assert is_prefill and admitted == seqs and not sched.take_rejected()
+    sched.postprocess(admitted, [7] * batch)
+    assert all(s.finish_reason == "length" and s.num_tokens == 40 for s in seqs)
+
+
+# ---- the spec's bounds at equality --------------------------------------------------------------
+
+def test_min_tokens_may_equal_max_new_tokens_but_not_exceed_it():
+    assert job_spec({"max_new_tokens": 8, "min_tokens": 8}).sampling.min_tokens == 8
+    with pytest.raises(ValidationError, match=r"min_tokens \(9\) must be at most max_new_tokens \(8\)"):
+        job_spec({"max_new_tokens": 8, "min_tokens": 9})
+
+
+def test_max_new_tokens_must_leave_room_for_a_prompt_token_in_max_model_len():
+    assert job_spec({"max_new_tokens": 63}).sampling.max_new_tokens == 63
+    with pytest.raises(ValidationError, match=r"sampling.max_new_tokens \(64\) must be less than "
+                                              r"model.max_model_len \(64\)"):
+        job_spec({"max_new_tokens": 64})
+
+
+# ---- one prefill for a record's n samples -------------------------------------------------------
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_a_records_n_samples_prefill_its_prompt_once(ahead):
+    """sampling.n 4 on a 6-token prompt, with a budget (64) that would admit all four in one step
+    and blocks of one token: the first sample prefills the prompt, the other three find it in the
+    prefix cache and feed only its last token, for their own logits."""
+    spec = job_spec({"n": 4, "max_new_tokens": 3}, {"max_batched_tokens": 64, "block_size": 1})
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=100, eos_token_ids=()), None)
+    prompt = [5, 17, 33, 9, 60, 7]
+    samples = codec.sequences(Record("r", 1, prompt_token_ids=prompt), 0)
+    sc = spec.scheduler
+    sched = Scheduler(64, sc.block_size, sc.max_batch_size, sc.max_batched_tokens, spec.model.max_model_len,
+                      sc.prefix_caching)
+    _, feeds, _ = drive(sched, samples, FakeModel(64, sc.block_size), ahead=ahead)
+    assert [len(feeds[s.seq_id][0][1].token_ids) for s in samples] == [6, 1, 1, 1]
+    assert (sched.prompt_tokens, sched.cached_tokens) == (4 * 6, 3 * 5)
+    assert all(s.output_token_ids == reference(prompt)[0][:3] for s in samples)

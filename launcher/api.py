@@ -14,14 +14,12 @@ same dict as a line of the results file.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from msinfer.launcher.errors import SpecError
 from msinfer.launcher.inputs import parse_record
-from msinfer.launcher.job import JobRun, plan_job, run_job as _run_job, start_controller
-from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec
+from msinfer.launcher.job import StreamPrinter, plan_job, run_job as _run_job, start_controller
+from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec, validate
 
 
 def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] = (), **kwargs) -> dict:
@@ -36,31 +34,31 @@ class LLM:
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool = True,
                  max_batch_size: int = 32, ray_address: str | None = None, **model_options):
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
-        try:
-            spec = JobSpec.model_validate({
-                "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
-                "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
-                "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
-                "output": {"path": "in-memory-results.jsonl"},
-                "scheduler": {"max_batch_size": max_batch_size},
-                "ray": {"address": ray_address},
-                "sampling": sampling,
-            })
-        except ValidationError as e:
-            raise SpecError(f"LLM(...): {e}") from None
+        spec = validate(JobSpec, {
+            "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
+            "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
+            "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
+            "output": {"path": "in-memory-results.jsonl"},
+            "scheduler": {"max_batch_size": max_batch_size},
+            "ray": {"address": ray_address},
+            "sampling": sampling,
+        }, "LLM(...)")
         self.plan = plan_job(spec, check_io=False)
         self.controller, self._started_ray = start_controller(self.plan)
 
     def generate(self, prompts: list, sampling: dict | SamplingSpec | None = None, stream: bool = False) -> list[dict]:
         """prompts: text, chat messages (a list of {role, content}) or token ids, or whole records
         ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order."""
-        defaults = sampling if isinstance(sampling, SamplingSpec) else SamplingSpec.model_validate(sampling or {})
+        defaults = (sampling if isinstance(sampling, SamplingSpec) else
+                    validate(SamplingSpec, sampling or {}, "generate(sampling=...)", "sampling"))
         self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
         records = [parse_record({**as_record(p), "id": i}, i + 1, "prompt") for i, p in enumerate(prompts)]
         results: dict[str, dict] = {}
-        printer = JobRun(self.plan, self.controller, None, progress=False, status=False)
+        printer = StreamPrinter(sys.stderr) if stream else None
         self.controller.run(iter(records), lambda done, rec: results.__setitem__(rec.id, json.loads(done.line)),
-                            printer.on_stream if stream else None)
+                            printer.write if printer else None)
+        if printer is not None:
+            printer.close()
         return [results[str(i)] for i in range(len(prompts))]
 
     def shutdown(self) -> None:

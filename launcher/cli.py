@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 
-from msinfer.launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_USER_ERROR
+from msinfer.launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_TERMINATED, EXIT_USER_ERROR, Terminated
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,9 +32,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a spec key, e.g. --set parallel.tensor_parallel=2 (repeatable)")
         if name in ("run", "simulate"):
             c.add_argument("--overwrite", action="store_true", help="start the results file afresh (no resume)")
-            c.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+            c.add_argument("--stream", action="store_true",
+                           help="print each record's text as it is generated, line by line behind its id, on stderr")
             c.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if name == "run":
+            c.add_argument("--retry-failed", action="store_true",
+                           help="compute again the records whose result line is an error (the file keeps one "
+                                "line per id)")
         if name == "simulate":
+            c.add_argument("--output", metavar="PATH",
+                           help="the stand-ins' results file (default <output.path>.simulate.jsonl; the job's "
+                                "own results are never touched)")
             c.add_argument("--step-ms", type=float, default=20.0, help="a stand-in step's milliseconds (default 20)")
             c.add_argument("--prefill-ms-per-token", type=float, default=0.0,
                            help="and milliseconds per token a prefill step feeds (default 0)")
@@ -44,8 +54,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = _parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # "PyTorch was not found": no torch is needed
     from msinfer.launcher.controller import JobFailed
     from msinfer.launcher.errors import SpecError
     from msinfer.launcher.job import USER_ERRORS, plan_job, run_job
@@ -62,16 +75,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         simulate = None
         if args.command == "simulate":
-            from msinfer.launcher.simulate import StandIn
+            from msinfer.launcher.simulate import StandIn, simulate_output
             if args.step_ms <= 0 or args.prefill_ms_per_token < 0:
                 raise SpecError(f"--step-ms must be > 0 and --prefill-ms-per-token >= 0, got {args.step_ms:g} "
                                 f"and {args.prefill_ms_per_token:g}")
             simulate = StandIn(args.step_ms, args.prefill_ms_per_token)
+            spec = simulate_output(spec, args.output)
+            print(f"msinfer simulate: stand-in results go to {spec.output.path}", file=sys.stderr)
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
-                          t_start=t_start, simulate=simulate)
+                          t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False))
         keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
                 "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))
+        if summary.get("records_skipped_failed"):
+            _say(f"note: {summary['records_skipped_failed']} record(s) already in {spec.output.path} are error "
+                 f"lines and were not computed again; `msinfer run {args.spec} --retry-failed` computes them "
+                 f"again", prefix="msinfer: ")
         return 0
     except (JobFailed, StartupTimeout) as e:
         _say(str(e))
@@ -79,15 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, LaunchError) as e:
         _say(str(e))
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        _say("interrupted; every finished record is in the results file, and running the same job again "
-             "resumes after them")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        _say(f"{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}; every finished record is "
+             f"in the results file, and running the same job again resumes after them")
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
 
 
-def _say(message: str) -> None:
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _say(message: str, prefix: str = "msinfer: error: ") -> None:
     lines = message.splitlines() or [""]
-    first = textwrap.fill(lines[0], width=100, initial_indent="msinfer: error: ", subsequent_indent="  ",
+    first = textwrap.fill(lines[0], width=100, initial_indent=prefix, subsequent_indent="  ",
                           break_on_hyphens=False, break_long_words=False)
     print("\n".join([first, *("  " + line for line in lines[1:])]), file=sys.stderr)
 

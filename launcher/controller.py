@@ -128,13 +128,14 @@ class Controller:
     requeue: deque = field(default_factory=deque)      # (serial, Record) of failed replicas, dealt first
     seen: dict = field(default_factory=dict)           # hashes of the prompt beginnings seen, oldest first
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
+    on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
         extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
         return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
                        startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, tokenizer=c.tokenizer,
-                       **extra)
+                       on_stage=self.on_stage, **extra)
 
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""

@@ -6,6 +6,12 @@ The command's exit codes (launcher.cli; README "Exit codes"):"""
 EXIT_USER_ERROR = 2       # a bad spec, model, input, output or launch; records failing for a cause not theirs
 EXIT_JOB_FAILED = 3       # replicas failed more often than allowed, or a start-up stage outlived its timeout
 EXIT_INTERRUPTED = 130    # Ctrl-C; what finished is in the results file
+EXIT_TERMINATED = 143     # SIGTERM (128 + 15), stopped as Ctrl-C stops a run
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the command's handler (launcher.cli), so that a run
+    stops as on Ctrl-C: results kept, status `interrupted`, workers and Ray shut down."""
 
 
 class UserError(Exception):

@@ -10,6 +10,7 @@ its result line, formatted in the engine -> written by the driver (launcher.writ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -20,7 +21,8 @@ from msinfer.launcher.inputs import check_input, is_openai_batch, read_records
 from msinfer.launcher.records import Done
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
-from msinfer.launcher.writer import ResultWriter, Stats, check_output, status_path, summary_path, write_json_atomic
+from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
+                                     summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, resolve_device, resolve_dtype, shapes_problem)
 from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
@@ -69,6 +71,8 @@ class Plan:
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
+        if self.tokenizer is not None:
+            lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
@@ -76,6 +80,15 @@ class Plan:
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
+
+
+def template_summary(has_template: bool, chat_template: bool) -> str:
+    """Which records the tokenizer's chat template applies to (launcher.records, docs/spec.md)."""
+    if not has_template:
+        return "the tokenizer has no chat template: prompts are encoded as written; 'messages' records fail"
+    return ("chat template on 'messages' records and on 'prompt' text of generated records"
+            if chat_template else "chat template on 'messages' records only (input.chat_template: false)") + (
+        "; never on prompt_token_ids, nor on scored prompts (they are scored as written)")
 
 
 def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
@@ -234,10 +247,11 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     return activations, block, max(0, (budget - weights - activations - RUNTIME_BYTES) // block - 1)  # - scratch
 
 
-def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan:
+def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False) -> Plan:
     """Every check that can fail, before Ray starts. Raises a UserError-like exception.
     `check_io=False` skips the input and output files (the Python API has neither);
-    `weights=False` the checkpoint's tensors and the memory they need (`msinfer simulate`)."""
+    `weights=False` the checkpoint's tensors and the memory they need (`msinfer simulate`);
+    `make_output`: the output folder is made (a run), not only checked (`msinfer plan`)."""
     check_model_dir(spec.model.path)
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
@@ -251,7 +265,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True) -> Plan
         tokenizer.check_chat_template()
     if check_io:
         check_input(spec.input.path)
-        check_output(spec.output.path)
+        check_output(spec.output.path, keep_folder=make_output)
     device = resolve_device(spec.parallel.device)
     emulate = device == "ascend" and ascend_emulated()
     try:
@@ -362,7 +376,7 @@ class JobRun:
         self.stats = Stats()
         self.t_gen: float | None = None
         self.t_first_result: float | None = None
-        self.stream, self.last_streamed = stream, None
+        self.stream = StreamPrinter(sys.stderr) if stream else None
         self.status_t = 0.0
         self.tokens_done = 0
         self.held: list | None = []           # failed results held back until one succeeds (`_hold`)
@@ -373,9 +387,9 @@ class JobRun:
                             file=sys.stderr, desc="msinfer", disable=None)
 
     def run(self, records) -> None:
-        self.controller.run(self.new_records(records), self.on_done, self.on_stream if self.stream else None,
-                            self.on_tick)
-        self.flush_held()
+        self.t_gen = time.perf_counter()
+        self.controller.run(records, self.on_done, self.stream.write if self.stream else None, self.on_tick)
+        self.flush_held(end=True)
         self.flush()
 
     def new_records(self, records):
@@ -383,11 +397,25 @@ class JobRun:
         for rec in records:
             if rec.id in self.done_ids:
                 self.stats.skipped += 1
-                self._tick()
+                if self.bar is not None:
+                    self.bar.update(1)
                 continue
-            if self.t_gen is None:
-                self.t_gen = time.perf_counter()
             yield rec
+
+    def nothing_to_do(self, t_start: float, resumed: dict) -> dict:
+        """The summary of a run that found every record's line in the results file and started
+        nothing: the last summary's figures, with this run's skip counts and time."""
+        summary = read_summary(summary_path(self.spec.output.path)) or self.summary(0.0)
+        summary.update(records_skipped=self.stats.skipped, **resumed, nothing_to_do=True,
+                       rerun_s=round(time.perf_counter() - t_start, 3))
+        write_json_atomic(summary_path(self.spec.output.path), summary)
+        self.write_status("done")
+        return summary
+
+    def on_stage(self, stage: str) -> None:
+        """A replica reached a start-up stage (launcher.replica): shown on the progress bar."""
+        if self.bar is not None and self.t_first_result is None:
+            self.bar.set_description(stage)
 
     def on_done(self, done: Done, rec) -> None:
         if self.held is not None:
@@ -397,25 +425,34 @@ class JobRun:
 
     def _hold(self, done: Done, rec) -> None:
         """Until a record succeeds, failed ones are held back: when the first SAME_CAUSE_STOP
-        records of the run (in input order) all failed alike, the cause is not in the records (a
-        template the tokenizer cannot render, a vocabulary the inputs were not made for), and the
-        job stops without their error lines, so that a re-run after the fix computes them."""
+        records of the run (in input order), or every record of a smaller run, all failed alike,
+        the cause is not in the records (a template the tokenizer cannot render, a vocabulary the
+        inputs were not made for), and the job stops without their error lines, so that a re-run
+        after the fix computes them."""
         if done.failed:
             self.held.append((done, rec))
             if len(self.held) < SAME_CAUSE_STOP:
                 return
-            causes = {d.cause for d, _ in self.held}
-            first = {d.serial for d, _ in self.held} >= set(range(SAME_CAUSE_STOP))
-            if first and len(causes) == 1:
-                raise SystemicError(
-                    f"the first {len(self.held)} records all failed alike (record '{self.held[0][1].id}' was the "
-                    f"first): {causes.pop()}. That is not one record's fault, so the job stops without writing "
-                    f"their error lines; fix the cause and run the job again")
+            if {d.serial for d, _ in self.held} >= set(range(SAME_CAUSE_STOP)):
+                self._stop_if_alike()
         self.flush_held()
         if not done.failed:
             self._emit(done, rec)
 
-    def flush_held(self) -> None:
+    def _stop_if_alike(self) -> None:
+        causes = {d.cause for d, _ in self.held}
+        if len(causes) == 1:
+            n = len(self.held)
+            raise SystemicError(
+                (f"the first {n} records all failed alike" if n >= SAME_CAUSE_STOP else f"all {n} records failed alike")
+                + f" (record '{self.held[0][1].id}' was the first): {causes.pop()}. That is not one record's fault, "
+                f"so the job stops without writing their error lines; fix the cause and run the job again")
+
+    def flush_held(self, end: bool = False) -> None:
+        """Writes the failed results held back; at the `end` of a run in which every record
+        failed, two or more and alike, the job stops instead (`_hold`)."""
+        if end and self.held and len(self.held) >= 2:
+            self._stop_if_alike()
         held, self.held = self.held or [], None
         for d, r in held:
             self._emit(d, r)
@@ -424,28 +461,30 @@ class JobRun:
         self.sink(rec.id, done.line)
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()
+            if self.bar is not None:        # rates from here: start-up is not generation
+                self.bar.set_description("msinfer")
+                self.bar.start_t = self.bar.last_print_t = self.bar._time()
+                self.bar.initial = self.bar.last_print_n = self.bar.n
+        if self.stream is not None:
+            self.stream.end(rec.id)
         self.stats.count(done.failed, done.prompt_tokens, done.completion_tokens, done.ttft_s)
-        self._tick(done.completion_tokens)
-
-    def on_stream(self, key: str, text: str) -> None:
-        if self.last_streamed != key:
-            sys.stdout.write(f"\n[{key}] ")
-            self.last_streamed = key
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.tokens_done += done.completion_tokens
+            elapsed = time.perf_counter() - self.t_first_result
+            if elapsed > 0:
+                self.bar.set_postfix(tok_s=f"{self.tokens_done / elapsed:.1f}", refresh=False)
 
     def on_tick(self) -> None:
         self.flush()
         if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
             self.write_status("running")
 
-    def _tick(self, tokens: int = 0) -> None:
+    def close(self) -> None:
         if self.bar is not None:
-            self.bar.update(1)
-            self.tokens_done += tokens
-            el = self.bar.format_dict.get("elapsed") or 0
-            if el > 0:
-                self.bar.set_postfix(tok_s=f"{self.tokens_done / el:.1f}", refresh=False)
+            self.bar.close()
+        if self.stream is not None:
+            self.stream.close()
 
     # ---- status and summary -------------------------------------------------------------------
     def workers(self) -> list[dict]:
@@ -473,6 +512,35 @@ class JobRun:
             out["setup"] = [info for s in self.controller.slots for info in s.replica.setup_info]
             out["steps"] = self.controller.step_stats()
         return out
+
+
+class StreamPrinter:
+    """`--stream`: each record's text as it grows, a whole line at a time, each line behind its
+    record's id (`[id] `; `[id][i] ` for sample i of n), on stderr, so that stdout keeps only the
+    summary. A record's last partial line is written when its result is."""
+
+    def __init__(self, out):
+        self.out = out
+        self.partial: dict[str, str] = {}
+
+    def write(self, key: str, text: str) -> None:
+        lines = (self.partial.pop(key, "") + text).split("\n")
+        for line in lines[:-1]:
+            self.out.write(f"[{key}] {line}\n")
+        if lines[-1]:
+            self.partial[key] = lines[-1]
+        self.out.flush()
+
+    def end(self, record_id: str) -> None:
+        """The record's result is written: its partial lines (of each sample) go out."""
+        for key in [k for k in self.partial if k == record_id or k.startswith(record_id + "[")]:
+            self.out.write(f"[{key}] {self.partial.pop(key)}\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        for key in list(self.partial):
+            self.out.write(f"[{key}] {self.partial.pop(key)}\n")
+        self.out.flush()
 
 
 STAND_IN_CPUS = 0.01           # Ray's share for a stand-in worker: placement needs some resource
@@ -506,8 +574,9 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     return Controller(ControllerConfig(**cfg))
 
 
-def start_controller(plan: Plan, simulate=None, stream: bool = False):
-    """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray)."""
+def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=None):
+    """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray).
+    `on_stage(name)`: called as the replicas reach each start-up stage."""
     import ray
     from msinfer.launcher.replica import init_ray
 
@@ -517,7 +586,10 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False):
     init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
              npus=workers if plan.engine.emulate and simulate is None else 0)
     controller = make_controller(plan, simulate, stream)
+    controller.on_stage = on_stage
     try:
+        if plan.device == "ascend" and simulate is None:
+            check_npus(spec.parallel.tensor_parallel, spec.ray.address)
         controller.start()
     except BaseException:
         if started_ray:
@@ -527,30 +599,39 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False):
 
 
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
-            t_start: float | None = None, simulate=None) -> dict:
+            t_start: float | None = None, simulate=None, retry_failed: bool = False) -> dict:
     """Runs a job to the end; returns the summary (also written to <output>.summary.json).
     `simulate` (a launcher.simulate.StandIn): on stand-in workers, with the summary's `simulate`
-    figures (see launcher/simulate.py)."""
+    figures (see launcher/simulate.py). `retry_failed`: the records whose result line is an error
+    are computed again (launcher.writer.ResultWriter). While it runs, the job holds the results
+    file's lock (launcher.writer.ResultsLock): a second run on the same output stops at once."""
     import ray
 
     t_start = time.perf_counter() if t_start is None else t_start
-    plan = plan_job(spec, weights=simulate is None)
+    plan = plan_job(spec, weights=simulate is None, make_output=True)
     spec = plan.spec
-    writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
-                          "custom_id" if plan.output_format == "openai" else "id")
-    job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
+    lock = ResultsLock(spec.output.path, "simulate" if simulate is not None else "run")
+    writer = job = None
     started_ray = False
     try:
+        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
+                              "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed)
+        job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
+        resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed}
+        records = job.new_records(read_records(spec.input.path))
+        first = next(records, None)
+        if first is None:               # every record has its line: nothing to start
+            return job.nothing_to_do(t_start, resumed)
         job.write_status("starting")
-        controller, started_ray = start_controller(plan, simulate, stream)
+        controller, started_ray = start_controller(plan, simulate, stream, on_stage=job.on_stage)
         job.controller = controller
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
         if simulate is not None:
             from msinfer.launcher.simulate import capacity, cpu_seconds
             cpu0 = cpu_seconds(controller)
-        job.run(read_records(spec.input.path))
-        summary = job.summary(startup_s)
+        job.run(itertools.chain([first], records))
+        summary = {**job.summary(startup_s), **resumed}
         if simulate is not None:
             summary["simulate"] = capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))
         if job.t_first_result is not None:
@@ -558,22 +639,38 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         write_json_atomic(summary_path(spec.output.path), summary)
         job.write_status("done")
         return summary
-    except BaseException:
-        try:
-            job.write_status("failed")
-        except Exception:
-            pass
+    except BaseException as e:
+        if job is not None:
+            try:
+                job.write_status("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+            except Exception:
+                pass
         raise
     finally:
-        if job.bar is not None:
-            job.bar.close()
-        if job.stream:
-            sys.stdout.write("\n")
-        if job.controller is not None:
+        if job is not None:
+            job.close()
+        if job is not None and job.controller is not None:
             job.controller.shutdown()
-        writer.close()
+        if writer is not None:
+            writer.close()
+        lock.release()
         if started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def check_npus(tp: int, address: str | None) -> None:
+    """Fails in seconds where the Ray cluster advertises fewer NPUs than one replica needs:
+    placement would otherwise wait fault.startup_timeout_s for cards that are not there."""
+    import ray
+    from msinfer.launcher.replica import LaunchError
+    have = int(ray.cluster_resources().get("NPU", 0))
+    if have < tp:
+        where = f"the Ray cluster at {address}" if address else "this machine's embedded Ray"
+        raise LaunchError(
+            f"parallel.device is ascend, but {where} advertises {have} 'NPU' resource(s), and a replica of "
+            f"tensor_parallel {tp} needs {tp}. Start Ray's nodes on Ascend machines (Ray finds "
+            f"the cards through CANN; scripts/msinfer-node.sh), set parallel.device: cpu, or set "
+            f"{EMULATE_ENV}=1 to run the Ascend path emulated on the CPU")
 
 
 def threads_per_worker(workers_on_node: int) -> int:

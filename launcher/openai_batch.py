@@ -58,13 +58,13 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
         ids = out["output_token_ids"]
         if chat:
             logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
-                                                  [(token_text(a), v) for a, v in e["top"][:top_logprobs]])
+                                                  [(token_text(a), v) for a, v, *_ in e["top"][:top_logprobs]])
                                     for t, e in zip(ids, entries)], "refusal": None}
         else:
             texts = [token_text(t) for t in ids]
             offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
             logprobs = {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
-                        "top_logprobs": [{token_text(a): v for a, v in e["top"][:top_logprobs]} for e in entries],
+                        "top_logprobs": [{token_text(a): v for a, v, *_ in e["top"][:top_logprobs]} for e in entries],
                         "text_offset": offsets}
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},

@@ -58,9 +58,14 @@ class RecordCodec:
         self.openai = output_format == "openai"
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
         self.model_name = os.path.basename(os.path.normpath(spec.model.path))
+        self.texts: dict[int, str] = {}           # token id -> its text (`token_text`)
 
     def token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id]) if self.tok is not None else str(token_id)
+        """A token's own text (decoded alone), remembered: logprobs name the same few often."""
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tok.decode([token_id]) if self.tok is not None else str(token_id)
+        return text
 
     # ---- records in -----------------------------------------------------------------------------
     def sequences(self, rec: Record, serial: int) -> list[Sequence] | Done:
@@ -234,14 +239,22 @@ class RecordCodec:
         return self._done(first.serial, result, first.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs))
 
-    @staticmethod
-    def logprobs(seq: Sequence) -> dict:
+    def logprob_entry(self, token: int, lp: float, top: list) -> dict:
+        """One token's `logprobs` entry: its id, its text (with a tokenizer), its log-probability,
+        and the most likely tokens as [id, log-probability, text] ([id, log-probability] without a
+        tokenizer), as vLLM's and OpenAI's logprobs give each token's text beside it."""
+        if self.tok is None:
+            return {"token_id": token, "logprob": lp, "top": [[t, v] for t, v in top]}
+        text = self.token_text
+        return {"token_id": token, "token": text(token), "logprob": lp, "top": [[t, v, text(t)] for t, v in top]}
+
+    def logprobs(self, seq: Sequence) -> dict:
         if not seq.logprobs:
             return {}
-        return {"logprobs": [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in seq.logprobs]}
+        return {"logprobs": [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids,
+                                                                                   seq.logprobs)]}
 
-    @staticmethod
-    def prompt_logprobs(seq: Sequence) -> dict:
+    def prompt_logprobs(self, seq: Sequence) -> dict:
         """As vLLM gives them: per prompt token, its log-probability given the ones before it
         (None for the first); with `prompt_logprobs: k` > 0, as `logprobs` entries with the k most
         likely alternatives. A preempted sequence computes them again: the first are kept."""
@@ -249,7 +262,7 @@ class RecordCodec:
             return {}
         got = seq.prompt_logprobs[:seq.num_prompt_tokens - 1]
         if seq.sampling.prompt_logprobs:
-            got = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in got]
+            got = [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.prompt_token_ids[1:], got)]
         return {"prompt_logprobs": [None, *got]}
 
     @staticmethod

@@ -8,9 +8,15 @@ for a job, its engine (launcher.engine) runs in rank 0's process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import signal
 import socket
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +27,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from msinfer.launcher.engine import LocalEngine, engine_host, submit_step
 from msinfer.worker.actor import CommScheduler, Worker
 
-QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+# start-up stages as the progress bar names them; compiling happens in the first steps
+STAGE_NAMES = {"its communication scheduler's start": "starting workers", "process start": "starting workers",
+               "device and communication init": "joining the communication group",
+               "load": "loading weights, then compiling"}
 
 
 class LaunchError(RuntimeError):
@@ -38,17 +51,33 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
     worker it places on one, as on a real node)."""
     if ray.is_initialized():
         return
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        _init_ray(address, num_cpus_needed, dashboard, npus)
+    finally:
+        # ray.init installs a SIGTERM handler of its own (SystemExit): the command's (launcher.cli:
+        # SIGTERM stops a run as Ctrl-C does) stays in force
+        if callable(previous) and signal.getsignal(signal.SIGTERM) is not previous:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: int) -> None:
     env = {"env_vars": dict(QUIET_ENV)}
     if address:
         check_reachable(address)
-        try:
-            ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        with _stderr_collected() as said:
+            try:
+                ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
+                failure = None
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                failure = e
+        if failure is not None:
+            why = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+            heard = f"; Ray said: {said[-1]}" if said else ""
             hint = "" if os.environ.get("RAY_AUTH_MODE") else (
                 "; if the cluster uses token authentication (`ray start` does when a token exists), export "
                 "RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
-            raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why}){hint}") from None
+            raise LaunchError(f"ray.address {address}: cannot join the Ray cluster ({why}){heard}{hint}")
         return
     if npus:    # emulated cards: Ray's look-up of their type (CANN's acl module) can only fail, loudly
         logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
@@ -57,6 +86,32 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
              resources={"NPU": npus} if npus else None,
              dashboard_host="127.0.0.1", runtime_env=env, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
+
+
+_LOG_LINE = re.compile(r"^\[[^\]]*\] \S+\.cc:\d+: (.*)$")
+
+
+@contextlib.contextmanager
+def _stderr_collected():
+    """What Ray's C++ client writes to this process's stderr while it joins a cluster (a line a
+    second while it retries, e.g. a refused token), kept out of the terminal: yields a list that
+    receives its distinct messages, in order, when the block ends, for the caller's one message."""
+    said: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for raw in sink.read().decode("utf-8", "replace").splitlines():
+                m = _LOG_LINE.match(raw.strip())
+                message = (m.group(1) if m else raw).strip()
+                if message and message not in said:
+                    said.append(message)
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -89,6 +144,7 @@ class Replica:
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
     engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
     tokenizer: object = False           # a local engine's tokenizer, loaded already (False: load it)
+    on_stage: object = None             # on_stage(name) as each start-up stage begins (the progress bar)
     workers: list = field(default_factory=list)
     engine: object = None               # its engine: rank 0's actor handle, or a LocalEngine
     scheduler: object = None
@@ -106,6 +162,7 @@ class Replica:
         """Places the group, starts its communication cluster, loads every rank's shard. Each stage
         must end within startup_timeout_s, or StartupTimeout names the ranks and the stage."""
         strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
+        self._announce("placing workers")
         self.pg = placement_group([self.bundle() for _ in range(self.tp_size)], strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=self.startup_timeout_s)
         if not ready:
@@ -152,8 +209,13 @@ class Replica:
             self.engine = self.workers[0]
         return self.ranks
 
+    def _announce(self, stage: str) -> None:
+        if self.on_stage is not None:
+            self.on_stage(stage)
+
     def _stage(self, stage: str, refs: list) -> list:
         """The results of one start-up stage (a call per rank), within startup_timeout_s."""
+        self._announce(STAGE_NAMES.get(stage.split(" and ")[0], stage))
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
         if pending:
             late = [r for r, ref in enumerate(refs) if ref in pending]

@@ -39,6 +39,20 @@ class StandIn:
     worker_cls: type | None = None
 
 
+def simulate_output(spec, path: str | None = None):
+    """The spec with its results going to `path`, or to `<output.path>.simulate.jsonl`: stand-in
+    tokens in the job's own results file would be taken for done records by the next `run`."""
+    from msinfer.launcher.spec import OutputSpec, expand_path
+    target = expand_path(path) if path else f"{spec.output.path}.simulate.jsonl"
+    if target in (spec.output.path, spec.input.path):
+        from msinfer.launcher.errors import SpecError
+        which = "output.path" if target == spec.output.path else "input.path"
+        raise SpecError(f"--output {path}: that is the job's own {which}; msinfer simulate writes its "
+                        f"stand-in results elsewhere (default {spec.output.path}.simulate.jsonl)")
+    output = OutputSpec.model_validate({**spec.output.model_dump(), "path": target})
+    return spec.model_copy(update={"output": output})
+
+
 def prompt_key(prompt: list[int]) -> int:
     return zlib.crc32(repr(list(prompt[:KEY_TOKENS])).encode())
 

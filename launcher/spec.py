@@ -336,6 +336,16 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         raise SpecError(head + "\n".join(problems)) from None
 
 
+def validate(model: type[BaseModel], data: Any, where: str, prefix: str = "") -> Any:
+    """`model` from `data` given in Python (the Python API), each problem in the words the CLI
+    uses for a YAML file: `where: dotted.key: what was expected`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = _describe_all(e, model, lambda loc: where, prefix)
+        raise SpecError("\n".join(problems)) from None
+
+
 # ---- YAML with line numbers -------------------------------------------------------------------
 
 class _Loader(yaml.SafeLoader):

@@ -1,5 +1,5 @@
-"""The results file (one JSON line per record) and its companions `<output>.status.json` and
-`<output>.summary.json`.
+"""The results file (one JSON line per record) and its companions `<output>.status.json`,
+`<output>.summary.json` and, while a run writes it, `<output>.lock` (`ResultsLock`).
 
 Crash safety: results are written in whole lines, a batch of them in one write() at each pass of
 the driver's loop; a thread of the writer syncs the file to disk at most every
@@ -11,18 +11,25 @@ atomically, so a reader sees the old or the new file, never half of one.
 
 from __future__ import annotations
 
+import datetime
+import errno
 import functools
 import json
 import os
 import re
+import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError
 
 
+# what marks an error result in a line as msinfer writes it: `"error": {` (its own format) or a
+# response body's (OpenAI's); a text or id holding those characters is escaped (\"error\") in JSON
+FAILED = b'"error": {'
 FLUSH_LINES = 4096          # lines a batch holds at most before it is written
 RESUME_CHUNK = 1 << 20      # bytes a resume reads at a time (peak memory grows with it: 16 MiB, +80 MB)
 
@@ -35,24 +42,191 @@ def summary_path(output: str | Path) -> Path:
     return Path(f"{output}.summary.json")
 
 
-def check_output(path: str | Path) -> Path:
-    """Before any worker starts: the results file's folder exists (or is created) and takes a
-    new file."""
+def lock_path(output: str | Path) -> Path:
+    return Path(f"{output}.lock")
+
+
+LOCK_REFRESH_S = 10.0       # a run touches its lock file this often
+LOCK_STALE_S = 120.0        # a lock of another machine's run not touched for this long is a dead run's
+LOCK_UNREAD_S = 10.0        # a lock file without its JSON this long after it was made: a run died making it
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> float | None:
+    """When the process `pid` of this machine started (None: there is none)."""
+    import psutil
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+class ResultsLock:
+    """One run per results file: `<output>.lock`, made with O_EXCL (atomic on local file systems
+    and on the shared ones clusters use, NFSv3 and later included), holds the run's host, boot id,
+    pid and start time, and its modification time is renewed every LOCK_REFRESH_S while the run
+    lives. A second run finds it and stops with an OutputError that names the holder. A lock is
+    a dead run's, and is taken over, when its run was on this machine (same host name and boot id)
+    and its process is gone (or the pid now names a later process), or when it was on another
+    machine and has not been renewed for LOCK_STALE_S."""
+
+    def __init__(self, output: str | Path, command: str = "run"):
+        self.output, self.path = Path(output), lock_path(output)
+        self.info = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+                     "process_start_unix": _process_start(os.getpid()), "started_unix": time.time(),
+                     "command": command}
+        self.stop = threading.Event()
+        self._acquire()
+        self.refresher = threading.Thread(target=self._refresh, name="results-lock", daemon=True)
+        self.refresher.start()
+
+    def _acquire(self) -> None:
+        data = (json.dumps(self.info) + "\n").encode()
+        deadline = time.monotonic() + LOCK_UNREAD_S + 2
+        while time.monotonic() < deadline:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder, age, text = self._holder()
+                if holder is not None and not self._dead(holder, age):
+                    raise OutputError(
+                        f"results file {self.output} is being written by another msinfer {holder.get('command', 'run')}"
+                        f" (host {holder.get('host')}, pid {holder.get('pid')}, started "
+                        f"{_when(holder.get('started_unix'))}; lock file {self.path}). Wait for it to finish or "
+                        f"stop it, or choose another output.path; a lock whose run died is taken over by the next "
+                        f"run by itself") from None
+                if holder is None and age < LOCK_UNREAD_S:
+                    time.sleep(0.2)         # being made by a run that starts now: read it again
+                    continue
+                self._take_over(text)
+                continue
+            except OSError as e:
+                raise OutputError(f"cannot make the lock file {self.path}: {e.strerror or e}") from None
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        raise OutputError(f"cannot take the lock file {self.path}: other runs keep making it; "
+                          f"is another msinfer starting on {self.output}?")
+
+    def _holder(self) -> tuple[dict | None, float, bytes]:
+        """The lock file's run ({}: the file is gone; None: not readable, or not made whole yet),
+        the file's age in seconds, and its bytes."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+            text = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}, float("inf"), b""
+        except OSError:
+            return None, 0.0, b""
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            return None, age, text
+        return (holder if isinstance(holder, dict) and holder else None), age, text
+
+    def _take_over(self, stale: bytes) -> None:
+        """Moves the dead run's lock file (`stale`, its bytes) aside. Another run may have taken it
+        over and made its own since we read it: a file moved aside that is not the one read goes
+        back."""
+        aside = self.path.with_name(f"{self.path.name}.{os.getpid()}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if aside.read_bytes() != stale:
+                os.link(aside, self.path)       # back, unless yet another run made one meanwhile
+        except OSError:
+            pass
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def _dead(self, holder: dict, age: float) -> bool:
+        if not holder:                      # gone since we looked
+            return True
+        if holder.get("host") == self.info["host"] and holder.get("boot_id") == self.info["boot_id"]:
+            start = _process_start(int(holder.get("pid") or 0))
+            return start is None or (holder.get("process_start_unix") is not None
+                                     and abs(start - holder["process_start_unix"]) > 1.0)
+        return age > LOCK_STALE_S
+
+    def _refresh(self) -> None:
+        while not self.stop.wait(LOCK_REFRESH_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        """Removes the lock file if it is still this run's."""
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        self.refresher.join()
+        try:
+            holder = json.loads(self.path.read_bytes())
+            if holder.get("pid") == self.info["pid"] and holder.get("started_unix") == self.info["started_unix"]:
+                os.remove(self.path)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __enter__(self) -> ResultsLock:
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _when(unix) -> str:
+    try:
+        return datetime.datetime.fromtimestamp(float(unix)).astimezone().isoformat(timespec="seconds")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "at an unknown time"
+
+
+def check_output(path: str | Path, keep_folder: bool = False) -> Path:
+    """Before any worker starts: the results file's folder exists, or can be made, and takes a
+    new file. The folders it makes to find out are removed again unless `keep_folder` (`msinfer
+    run`), so that `msinfer plan` leaves nothing behind."""
     path = Path(path)
     folder = path.parent
     if path.is_dir():
         raise OutputError(f"output.path {path} is a folder; expected a file name such as {path / 'results.jsonl'}")
-    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise OutputError(f"output folder {folder} cannot be created: {blocker} is a file, not a folder")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise OutputError(f"output folder {folder} cannot be created: {existing} is a file, not a folder")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".msinfer-probe-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise OutputError(f"output folder {folder} is not writable ({e.strerror or e}); choose another "
-                          f"output.path or fix the folder's permissions") from None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"output folder {folder} cannot be created: {existing} does not take new folders "
+                              f"({e.strerror or e}); choose another output.path") from None
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".msinfer-probe-")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            denied = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+            raise OutputError(f"output folder {folder} {'is not writable' if denied else 'does not take new files'} "
+                              f"({e.strerror or e}); choose another output.path"
+                              + (" or fix the folder's permissions" if denied else "")) from None
+    finally:
+        if not keep_folder:
+            for p in made:              # the deepest first
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
     if path.exists() and not os.access(path, os.W_OK):
         raise OutputError(f"results file {path} exists and is not writable; fix its permissions or choose "
                           f"another output.path")
@@ -72,9 +246,10 @@ class ResultWriter:
     lost again. With `fsync_interval_s` 0 every line is written and synced as it comes."""
 
     def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0,
-                 id_key: str = "id"):
+                 id_key: str = "id", retry_failed: bool = False):
         """id_key: the key of a result line that holds its record's id ("custom_id" in the
-        OpenAI Batch format, launcher.openai_batch)."""
+        OpenAI Batch format, launcher.openai_batch). retry_failed: an existing file loses its
+        error lines first (`_drop_failed`), so that their records are computed again."""
         self.path = Path(path)
         self.id_key = id_key
         self.fsync_interval_s = fsync_interval_s
@@ -86,10 +261,14 @@ class ResultWriter:
         self.syncer: threading.Thread | None = None
         self.done_ids: set[str] = set()
         self.cut_partial_line = False
+        self.failed_lines = 0                 # of the lines resumed: error results (their records are not retried)
+        self.dropped_failed = 0               # error lines removed for retry_failed
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         if overwrite:
             flags |= os.O_TRUNC
         elif self.path.exists():
+            if retry_failed:
+                self._drop_failed()
             self._resume()
         try:
             self.fd: int | None = os.open(self.path, flags, 0o644)
@@ -126,6 +305,7 @@ class ResultWriter:
                             raise ValueError("a line msinfer did not write")
                         self.done_ids.update([rid.decode("utf-8") for rid in ids])
                         good, n = good + len(block), n + lines
+                        self.failed_lines += block.count(FAILED)
                     except ValueError:      # also UnicodeDecodeError
                         for raw in block.split(b"\n")[:-1]:
                             n += 1
@@ -137,6 +317,7 @@ class ResultWriter:
                                 continue
                             self.done_ids.add(rid)
                             good += len(raw) + 1
+                            self.failed_lines += FAILED in raw
                     if not chunk:
                         break
                 if rest:                    # a last line without its newline
@@ -151,6 +332,31 @@ class ResultWriter:
         except OSError as e:
             raise OutputError(f"results file {self.path} exists but cannot be read and resumed: "
                               f"{e.strerror or e}") from None
+
+    def _drop_failed(self) -> None:
+        """Rewrites the file without its error lines (a whole line holding FAILED), through a
+        temporary file and an atomic rename: a crash leaves the old file or the new one. Other
+        lines, a partial last one included, stay for `_resume` to judge."""
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".retry")
+            with open(self.path, "rb") as src, os.fdopen(fd, "wb") as out:
+                for line in src:
+                    if line.endswith(b"\n") and FAILED in line:
+                        self.dropped_failed += 1
+                        continue
+                    out.write(line)
+                out.flush()
+                os.fsync(out.fileno())
+            if self.dropped_failed:
+                os.replace(tmp, self.path)
+            else:
+                os.remove(tmp)
+        except OSError as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+            raise OutputError(f"results file {self.path}: cannot rewrite it without its error lines "
+                              f"(--retry-failed): {e.strerror or e}") from None
 
     def _bad_line(self, n: int) -> OutputError:
         return OutputError(f"results file {self.path}, line {n}: not a whole JSON result, and more lines follow "
@@ -267,6 +473,15 @@ def _result_id(raw: bytes, key: str = "id") -> str | None:
     except ValueError:  # also UnicodeDecodeError
         return None
     return str(obj[key]) if isinstance(obj, dict) and key in obj else None
+
+
+def read_summary(path: str | Path) -> dict | None:
+    """A summary file written before (None: there is none, or it is not one)."""
+    try:
+        summary = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:

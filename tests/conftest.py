@@ -81,7 +81,7 @@ def ray_local():
 # They run in that order (Ray-backed tests last within a tier), so the quick tiers fail fast.
 UNIT = {"test_spec", "test_scheduler", "test_writer", "test_inputs", "test_tokenizer", "test_sampler",
         "test_device_sampler", "test_sharding", "test_kernels"}
-SLOW = {"test_cli", "test_faults", "test_scale_out", "test_real_model"}
+SLOW = {"test_cli", "test_reruns", "test_faults", "test_scale_out", "test_real_model"}
 TIERS = ("unit", "integration", "slow")
 
 

@@ -1,7 +1,14 @@
 """The Python API: an LLM object keeps its workers across generate() calls and returns results in
 prompt order, the same tokens transformers gives."""
 
+import io
+
+import pytest
+
 from msinfer.launcher.api import LLM
+from msinfer.launcher.errors import SpecError
+from msinfer.launcher.job import StreamPrinter
+from msinfer.launcher.spec import SamplingSpec, validate
 from tests.conftest import PROMPTS
 
 
@@ -21,3 +28,32 @@ def test_llm_generate_keeps_order_and_matches_transformers(checkpoint, hf_greedy
         assert second[1]["output_token_ids"] == hf_greedy(name, PROMPTS[0], 6)[0][:3]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.unit
+def test_api_errors_read_like_the_commands(checkpoint):
+    """A bad argument names its spec key and what was expected, as `msinfer run` does for a YAML
+    file, with pydantic's own text nowhere."""
+    with pytest.raises(SpecError) as e:
+        LLM(str(checkpoint("qwen2_qkv_bias")), tensor_parallel=0)
+    assert str(e.value) == "LLM(...): parallel.tensor_parallel: expected an integer >= 1, got 0"
+    with pytest.raises(SpecError) as e:
+        validate(SamplingSpec, {"temprature": 0.5}, "generate(sampling=...)", "sampling")
+    assert str(e.value) == "generate(sampling=...): sampling.temprature: unknown key; did you mean 'temperature'?"
+    assert "pydantic" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_streamed_text_comes_a_line_at_a_time_behind_each_records_id():
+    out = io.StringIO()
+    printer = StreamPrinter(out)
+    printer.write("a", "Hello")
+    printer.write("b[1]", "One\nTw")
+    printer.write("a", " world\nand")
+    assert out.getvalue() == "[b[1]] One\n[a] Hello world\n"
+    printer.write("b[0]", "x")
+    printer.end("a")
+    printer.end("b")
+    printer.write("c", "left")
+    printer.close()
+    assert out.getvalue().splitlines()[2:] == ["[a] and", "[b[1]] Tw", "[b[0]] x", "[c] left"]

@@ -159,7 +159,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "running the same job again resumes" in said(err)
-    assert job.status()["state"] == "failed"
+    assert job.status()["state"] == "interrupted"
     kept = job.output.read_bytes()
     assert kept.endswith(b"\n")
     done_before = job.ids()
@@ -213,7 +213,7 @@ def test_plan_prints_the_layout_and_starts_nothing(cli, model, tmp_path):
     assert "2 replica(s) x tensor parallel 2 = 4 worker(s) on cpu" in out
     assert "q heads 4/2 per rank" in out and "kv heads split" in out
     assert "max_model_len 64" in out and "(no tokenizer: prompt_token_ids only)" in out
-    assert not job.output.exists() and job.status() is None
+    assert not job.output.parent.exists() and job.status() is None    # not even the output folder
     assert_ray_never_started(env)
 
 
@@ -261,6 +261,8 @@ def test_missing_spec_file_exits_2(cli, tmp_path):
 
 
 def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_its_flags(cli, model, tmp_path):
+    """simulate writes its stand-in tokens beside the job's results file, never into it: a `run`
+    after it computes every record."""
     job = Job(tmp_path, model, records(6), sampling={"max_new_tokens": 4})
     bad = cli.run("simulate", job.spec_path, "--step-ms", "0")
     assert bad.returncode == 2 and "--step-ms must be > 0" in bad.stderr
@@ -268,4 +270,12 @@ def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_i
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["records_done"] == 6 and out["simulate"]["step_ms"] == 2.0 and out["simulate"]["tokens_per_s"] > 0
+    stand_in = Path(f"{job.output}.simulate.jsonl")
+    assert f"stand-in results go to {stand_in}" in said(p)
+    assert sorted(r["id"] for r in map(json.loads, stand_in.read_text().splitlines())) == [r["id"] for r in records(6)]
+    assert not job.output.exists() and Path(f"{stand_in}.summary.json").exists()
+    p = cli.run("run", job.spec_path, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    assert printed["records_done"] == 6 and printed["records_skipped"] == 0
     assert sorted(job.ids()) == [r["id"] for r in records(6)]

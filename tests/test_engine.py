@@ -164,7 +164,7 @@ def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
 
 def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo, tmp_path, ray_local):
     """When the first 100 records all failed with one cause (here: inputs made for another
-    vocabulary), the job stops with that cause instead of writing an error line per record, and
+    vocabulary), or every record of a smaller job, the job stops with that cause instead of writing an error line per record, and
     writes none of them, so that a re-run computes them. One good record before them (its result
     comes after theirs), and the failures are the records' own: written, and the job goes on."""
     from msinfer.launcher.errors import SystemicError
@@ -176,6 +176,11 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
                                             r"was the first\): a record: token id 1000000 is outside the vocabulary"):
         run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     assert not (tmp_path / "out.jsonl").read_text()
+    with pytest.raises(SystemicError, match=r"all 3 records failed alike \(record 'b0' was the first\)"):
+        run_job(job_spec(demo, tmp_path, bad[:3]), progress=False, simulate=StandIn(step_ms=1.0))  # a small job
+    assert not (tmp_path / "out.jsonl").read_text()
+    one = run_job(job_spec(demo, tmp_path, bad[:1]), progress=False, simulate=StandIn(step_ms=1.0))
+    assert one["records_failed"] == 1           # one record is not "alike": its error line is written
 
     spec = job_spec(demo, tmp_path, [{"id": "good", "prompt_token_ids": [1, 2, 3]}] + bad)
     summary = run_job(spec, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))

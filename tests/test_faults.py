@@ -352,7 +352,7 @@ def test_disk_that_fills_up_mid_job_stops_it_keeping_what_was_written(cli, model
               output={"path": str(small_disk / "results.jsonl"), "status_interval_s": 1000})
     job.output = small_disk / "results.jsonl"
     prior = job.write_prior_results()
-    fill(small_disk, 2 * 4096)      # room for the status file (and its replacement) and a page of results
+    fill(small_disk, 3 * 4096)      # room for the lock file, the status file (and its replacement) and a page of results
     p = cli.run("run", job.spec_path, "--no-progress")
     assert p.returncode == 2, p.stderr
     msg = said(p)

@@ -138,7 +138,8 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["records_skipped"] == 6 and again["records_done"] == again["records_failed"] == 0
+    assert again["nothing_to_do"] and again["records_skipped"] == 6      # resumed by custom_id: nothing to do,
+    assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
     data = (tmp_path / "out.jsonl").read_bytes()

@@ -101,7 +101,8 @@ def test_records_with_one_prompt_sample_apart_rerun_alike_and_a_records_own_seed
     """Four records of one prompt at temperature 1 and the job's default seed draw from their own
     streams (at least two outputs differ); a second run, with the records in another order and so
     in other batches, gives each the same tokens; two records with the same own seed give the same
-    tokens; a first token drawn under top_k is among the k most likely."""
+    tokens; a first token drawn under top_k is among the k most likely, its log-probability the
+    same number as its entry there."""
     plan = plan_job(spec_for(checkpoint(NAME), max_new_tokens=6), check_io=False)
     prompt = [5, 17, 33, 9, 100, 7]
     hot = {"temperature": 1.0, "ignore_eos": True}
@@ -115,7 +116,8 @@ def test_records_with_one_prompt_sample_apart_rerun_alike_and_a_records_own_seed
     assert outputs == {k: v["output_token_ids"] for k, v in again.items()}
     assert outputs["seeded-0"] == outputs["seeded-1"]
     lp = first["top-k"]["logprobs"][0]
-    assert lp["logprob"] >= min(v for _, v in lp["top"]) - 1e-5
+    assert lp["token_id"] == outputs["top-k"][0]
+    assert lp["logprob"] == dict((t, v) for t, v, *_ in lp["top"])[lp["token_id"]]     # one figure, in top
 
 
 def test_repetition_penalty_min_p_and_min_tokens_give_transformers_generate_tokens(checkpoint):
@@ -239,8 +241,8 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation
     assert alternatives[0] is None and len(alternatives) == len(prompt)
     for j, entry in enumerate(alternatives[1:]):
         np.testing.assert_allclose(entry["logprob"], want[j], atol=1e-4)
-        ids = [t for t, _ in entry["top"]]
+        ids = [t for t, _, *_ in entry["top"]]
         assert ids == np.argsort(-lp[j], kind="stable")[:3].tolist()
-        np.testing.assert_allclose([v for _, v in entry["top"]], lp[j, ids], atol=1e-4)
+        np.testing.assert_allclose([v for _, v, *_ in entry["top"]], lp[j, ids], atol=1e-4)
     with pytest.raises(RecordError, match=r"record .p.: sampling.prompt_logprobs: expected an integer <= 20, got 21"):
         plan.spec.sampling.merge({"prompt_logprobs": 21}, "p")

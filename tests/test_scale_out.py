@@ -501,4 +501,4 @@ def test_simulate_runs_the_job_on_stand_ins_writes_every_record_once_and_resumes
     assert 0 < sim["driver_loop_cpu_s"] <= sim["driver_cpu_s"]          # the loop's share of the driver
     assert {r["device"] for r in summary["replicas"]} == {"stand-in"}
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=5.0))
-    assert again["records_skipped"] == 40 and again["records_done"] == 0
+    assert again["records_skipped"] == 40 and again["nothing_to_do"]        # resumed: nothing started

@@ -191,8 +191,8 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
     assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(prompt)
     for j, entry in enumerate(g["prompt_logprobs"][1:]):
         assert abs(entry["logprob"] - lp[j, prompt[j + 1]]) < LOGPROB_ATOL
-        assert [t for t, _ in entry["top"]] == np.argsort(-lp[j], kind="stable")[:2].tolist()
-        np.testing.assert_allclose([v for _, v in entry["top"]], np.sort(lp[j])[::-1][:2], atol=LOGPROB_ATOL)
+        assert [t for t, _, *_ in entry["top"]] == np.argsort(-lp[j], kind="stable")[:2].tolist()
+        np.testing.assert_allclose([v for _, v, *_ in entry["top"]], np.sort(lp[j])[::-1][:2], atol=LOGPROB_ATOL)
     ref_tokens, ref_logits = hf_greedy(name, prompt, N_NEW)
     assert g["output_token_ids"] == ref_tokens and "continuation_logprobs" not in g
     for entry, tok, logits in zip(g["logprobs"], ref_tokens, ref_logits):

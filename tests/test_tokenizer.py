@@ -160,3 +160,52 @@ def test_stop_string_matcher_incremental():
     assert StopStringMatcher([]).check("anything") is None
     m = StopStringMatcher(["é!"])
     assert m.check("caf\ufffd") is None and m.check("café!") == 3  # an incomplete character is checked again
+
+
+def test_a_scored_text_prompt_is_scored_as_written_and_a_generated_one_gets_the_template(tok):
+    """With input.chat_template on (the default): a generated prompt text gets the chat template;
+    a scored one, and an OpenAI completions prompt, are encoded as written, so a scored text
+    prompt gets the token ids (and so the log-probabilities) of the same prompt given as ids;
+    scored messages still get the template."""
+    from types import SimpleNamespace
+
+    from msinfer.launcher.inputs import parse_record
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    spec = JobSpec.model_validate({"task": "score", "model": {"path": "m", "max_model_len": 512},
+                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,)), tok)
+    text = "hello world"
+    as_written = tok.encode(text)
+    templated = tok.apply_chat_template([{"role": "user", "content": text}])
+    assert as_written != templated
+
+    def prompt_ids(record: dict) -> list[int]:
+        seq = codec.sequences(parse_record(record, 1), 0)[0]
+        return seq.prompt_token_ids[: len(seq.prompt_token_ids) - seq.num_score_tokens]
+
+    assert prompt_ids({"id": "s", "prompt": text, "continuation": " world"}) == as_written
+    assert prompt_ids({"id": "t", "prompt_token_ids": as_written, "continuation": " world"}) == as_written
+    assert prompt_ids({"id": "m", "messages": [{"role": "user", "content": text}],
+                       "continuation": " world"}) == templated
+    assert prompt_ids({"id": "g", "prompt": text}) == templated
+    completion = parse_record({"id": "c", "prompt": text}, 1)
+    completion.openai = "/v1/completions"
+    assert codec.sequences(completion, 0)[0].prompt_token_ids == as_written
+
+
+def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
+    from types import SimpleNamespace
+
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
+                                   "output": {"path": "out.jsonl"}})
+    model = SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,))
+    ids = tok.encode("hello world")
+    entry = RecordCodec(spec, model, tok).logprob_entry(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.25)])
+    assert entry == {"token_id": ids[0], "token": tok.decode([ids[0]]), "logprob": -0.5,
+                     "top": [[ids[0], -0.5, tok.decode([ids[0]])], [ids[1], -1.25, tok.decode([ids[1]])]]}
+    assert "".join(t for _, _, t in entry["top"]) == tok.decode(ids[:2])
+    plain = RecordCodec(spec, model, None).logprob_entry(7, -0.5, [(7, -0.5)])
+    assert plain == {"token_id": 7, "logprob": -0.5, "top": [[7, -0.5]]}

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from msinfer.launcher.errors import OutputError
-from msinfer.launcher.writer import (ResultWriter, Stats, check_output, error_result, ok_result, status_path,
-                                     summary_path, write_json_atomic)
+from msinfer.launcher import writer as writer_module
+from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, error_result, lock_path,
+                                     ok_result, status_path, summary_path, write_json_atomic)
 
 
 def lines(path):
@@ -182,6 +183,8 @@ def test_enospc_keeps_previous_lines_and_closes(tmp_path, monkeypatch):
 
 def test_check_output(tmp_path):
     assert check_output(tmp_path / "new/deeper/out.jsonl") == tmp_path / "new/deeper/out.jsonl"
+    assert os.listdir(tmp_path) == []               # plan checks; it makes nothing
+    assert check_output(tmp_path / "new/deeper/out.jsonl", keep_folder=True)
     assert (tmp_path / "new/deeper").is_dir() and os.listdir(tmp_path / "new/deeper") == []
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(OutputError, match="file.txt is a file, not a folder"):
@@ -256,3 +259,61 @@ def test_resume_reads_the_file_in_chunks_with_lines_across_their_edges(tmp_path,
         path.write_bytes(b"\n".join(lines_[:5] + [b"not json"] + lines_[5:]))
         with pytest.raises(OutputError, match="line 6: not a whole JSON result, and more lines follow"):
             ResultWriter(path)
+
+
+def test_retry_failed_drops_the_error_lines_so_their_records_run_again(tmp_path):
+    """A resume keeps error lines (and counts them); with retry_failed the file is rewritten
+    without them, so only their ids are computed again, and a partial last line is still cut."""
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        w.write(ok_result("a", [1], 'says "error": {', "stop", 1))       # escaped in JSON: not an error
+        w.write(error_result("b", "InvalidRecord", "too long"))
+        w.write(ok_result("c", [2], "z", "stop", 1))
+    with open(path, "ab") as f:
+        f.write(b'{"id": "d", "outp')
+    kept = ResultWriter(path)
+    assert kept.done_ids == {"a", "b", "c"} and kept.failed_lines == 1 and kept.dropped_failed == 0
+    kept.close()
+    with open(path, "ab") as f:
+        f.write(b'{"id": "d", "outp')
+    retry = ResultWriter(path, retry_failed=True)
+    assert retry.done_ids == {"a", "c"} and retry.dropped_failed == 1 and retry.failed_lines == 0
+    retry.write(ok_result("b", [3], "y", "stop", 1))
+    retry.close()
+    assert [r["id"] for r in lines(path)] == ["a", "c", "b"] and not [r for r in lines(path) if r["error"]]
+
+
+def test_a_second_lock_on_one_results_file_names_the_first_and_a_released_lock_is_free(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with ResultsLock(out) as first:
+        held = json.loads(lock_path(out).read_text())
+        assert held["pid"] == os.getpid() and held["host"] == first.info["host"]
+        with pytest.raises(OutputError, match=rf"another msinfer run \(host .*, pid {os.getpid()}, started "):
+            ResultsLock(out)
+    assert not lock_path(out).exists()
+    with ResultsLock(out, "simulate"):
+        with pytest.raises(OutputError, match="another msinfer simulate"):
+            ResultsLock(out)
+
+
+def test_a_dead_runs_lock_is_taken_over_and_another_machines_only_once_stale(tmp_path, monkeypatch):
+    """On this machine a lock whose process is gone is taken over at once; a lock of another
+    machine only once it has not been renewed for LOCK_STALE_S."""
+    import subprocess
+    import sys
+    out = tmp_path / "out.jsonl"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    me = ResultsLock(out)
+    me.release()
+    dead = {**me.info, "pid": int(gone.stdout)}
+    lock_path(out).write_text(json.dumps(dead))
+    with ResultsLock(out) as taken:
+        assert json.loads(lock_path(out).read_text())["pid"] == taken.info["pid"] == os.getpid()
+    elsewhere = {**me.info, "host": "node-7", "boot_id": "other"}
+    lock_path(out).write_text(json.dumps(elsewhere))
+    with pytest.raises(OutputError, match="host node-7"):
+        ResultsLock(out)
+    old = time.time() - writer_module.LOCK_STALE_S - 5
+    os.utime(lock_path(out), (old, old))
+    with ResultsLock(out):
+        assert json.loads(lock_path(out).read_text())["host"] != "node-7"

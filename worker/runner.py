@@ -456,10 +456,13 @@ class ModelRunner:
             figures = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(raw), len(seqs))[1]
             figures[:, 0] = self.to_host(self.sampler_fn("score")(raw, self.ms.Tensor(tokens)), len(seqs))
         if figures is not None:
-            for i, p in zip(todo, params):
+            for i, p, token in zip(todo, params, picked):
                 if logprobs and p.logprobs:
-                    top, ids = figures[i, 1: 1 + p.logprobs], figures[i, 1 + k: 1 + k + p.logprobs]
-                    lps[i] = (float(figures[i, 0]), [(int(t), float(x)) for t, x in zip(ids, top)])
+                    top = [(int(t), float(x)) for t, x in zip(figures[i, 1 + k: 1 + k + p.logprobs],
+                                                              figures[i, 1: 1 + p.logprobs])]
+                    # the chosen token's log-probability is its entry in top where it has one: one
+                    # figure, not a second computation that may round differently
+                    lps[i] = (next((x for t, x in top if t == token), float(figures[i, 0])), top)
         for i, t in zip(todo, picked):
             chosen[i] = t
         return chosen, lps

@@ -1,0 +1,84 @@
+"""Tier 3: running a job again, as a user does -- one run per results file (a second stops at
+once), SIGTERM, error lines kept or retried, a re-run with nothing left to do -- and a job on
+Ascend where no card is. The helpers are tests/test_cli.py's."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import Job, assert_ray_never_started, line_count, no_ray, records, said, wait_for
+
+
+def test_one_run_per_results_file_sigterm_retry_failed_and_a_rerun_with_nothing_to_do(cli, model, tmp_path):
+    """A second run on a results file in use stops at once (exit 2, naming the first), even with
+    --overwrite, and the first writes every record once. SIGTERM stops a run as Ctrl-C does (exit
+    143, status interrupted). A re-run keeps an error line and says so; with nothing left it starts
+    no Ray; --retry-failed after the cause is fixed computes the failed record again, and every
+    id has one line."""
+    lines = records(12) + [{"id": "long", "prompt_token_ids": [3] * 70}]      # longer than max_model_len 64
+    job = Job(tmp_path, model, lines, sampling={"max_new_tokens": 40})
+    command = ("run", job.spec_path, "--no-progress")
+    first = cli.start(*command)
+    lock = Path(f"{job.output}.lock")
+    wait_for(lock.exists, 60, "the first run's lock", first)
+    second = cli.run(*command, "--overwrite")
+    assert second.returncode == 2, second.stderr
+    assert "is being written by another msinfer run" in said(second) and f"pid {first.pid}," in said(second)
+    wait_for(lambda: line_count(job.output) >= 2, 120, "two results", first)
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 143, err
+    assert "Traceback" not in err and "terminated (SIGTERM)" in said(err)
+    assert job.status()["state"] == "interrupted" and not lock.exists()
+    assert len(job.ids()) < len(lines), "SIGTERM came too late to test a resume"
+
+    p = cli.run(*command)
+    assert p.returncode == 0, p.stderr
+    results = job.results()
+    assert sorted(r["id"] for r in results) == sorted(r["id"] for r in lines)     # each once
+    assert [r["id"] for r in results if r["error"]] == ["long"]
+    env = no_ray()
+    again = cli.run(*command, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "1 record(s) already in" in said(again) and "--retry-failed" in said(again)
+    summary = job.summary()
+    assert summary["nothing_to_do"] and summary["records_skipped"] == len(lines)
+    assert summary["records_skipped_failed"] == 1 and summary["steps"]["decode_steps"] > 0    # the last run's figures
+    assert_ray_never_started(env)
+
+    p = cli.run(*command, "--retry-failed", "--set", "model.max_model_len=128")
+    assert p.returncode == 0, p.stderr
+    results = job.results()
+    assert sorted(r["id"] for r in results) == sorted(r["id"] for r in lines)
+    assert not [r for r in results if r["error"]]
+    assert {r["id"]: r for r in results}["long"]["completion_tokens"] == 40
+    assert job.summary()["records_retried"] == 1 and job.summary()["records_done"] == 1
+
+
+def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(2), parallel={"device": "ascend"})
+    t0 = time.monotonic()
+    p = cli.run("run", job.spec_path, "--no-progress", env={"MSINFER_ASCEND_EMULATE": ""})
+    assert p.returncode == 2, p.stderr
+    assert "this machine's embedded Ray advertises 0 'NPU' resource(s), and a replica of tensor_parallel 1 needs 1" \
+        in said(p) and "MSINFER_ASCEND_EMULATE=1" in said(p)
+    assert time.monotonic() - t0 < 60 and job.status()["state"] == "failed"
+
+
+@pytest.mark.unit
+def test_simulate_writes_beside_the_jobs_results_never_into_them(tmp_path):
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.simulate import simulate_output
+    from msinfer.launcher.spec import JobSpec
+    spec = JobSpec.model_validate({"model": {"path": "m"}, "input": {"path": str(tmp_path / "in.jsonl")},
+                                   "output": {"path": str(tmp_path / "out.jsonl")}})
+    assert simulate_output(spec).output.path == f"{tmp_path / 'out.jsonl'}.simulate.jsonl"
+    assert simulate_output(spec, str(tmp_path / "sim.jsonl")).output.path == str(tmp_path / "sim.jsonl")
+    for same in ("out.jsonl", "in.jsonl"):
+        with pytest.raises(SpecError, match="that is the job's own"):
+            simulate_output(spec, str(tmp_path / same))

@@ -189,7 +189,7 @@ def plan_bench(args) -> BenchPlan:
     device = resolve_device(args.device)
     emulate = device == "ascend" and ascend_emulated()
     try:
-        dtype = resolve_dtype(args.dtype, m, device, emulate)
+        dtype = resolve_dtype(args.dtype, m, device, emulate, args.ops)
     except ValueError as e:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4

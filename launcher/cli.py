@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("run", "run a job: one result line per input record"),
                         ("plan", "check a job spec, the model and the files, print the layout; start nothing"),
+                        ("check-device", "run the Ascend kernel self-check at the job's shapes and print what "
+                                         "each fused kernel does on this card"),
                         ("simulate", "run a job on stand-in workers that take --step-ms a step and load no "
                                      "weights: what the driver sustains at the job's dp x tp")):
         c = sub.add_parser(name, help=help_)
@@ -72,6 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec, args.overrides)
         if args.command == "plan":
             print(plan_job(spec).describe())
+            return 0
+        if args.command == "check-device":
+            plan = plan_job(spec, check_io=False)
+            if plan.device != "ascend" or spec.model.ops != "auto":
+                raise SpecError(f"check-device checks Ascend's fused kernels; this job runs "
+                                f"{'portable operators' if spec.model.ops == 'portable' else 'on ' + plan.device} "
+                                f"(parallel.device {spec.parallel.device}, model.ops {spec.model.ops})")
+            from msinfer.worker.kernel_check import check_device
+            try:
+                _, table = check_device(plan.engine, plan.model, spec.parallel.tensor_parallel)
+            except RuntimeError as e:
+                raise LaunchError(f"check-device: MindSpore cannot use an Ascend device in this process "
+                                  f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); on a machine "
+                                  f"without NPUs, MSINFER_ASCEND_EMULATE=1 checks the emulated kernels") from None
+            print(table)
             return 0
         simulate = None
         if args.command == "simulate":

@@ -101,6 +101,7 @@ class ControllerConfig:
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
     worker_options: dict = field(default_factory=dict)
     tokenizer: object = False              # the job's tokenizer, for an engine in this process (False: none)
+    card_planner: object = None            # on cards: launcher.job.card_replanner (launcher.replica.Replica)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Controller:
         extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
         return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
                        startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, tokenizer=c.tokenizer,
-                       on_stage=self.on_stage, **extra)
+                       on_stage=self.on_stage, card_planner=c.card_planner, **extra)
 
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""

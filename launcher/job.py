@@ -24,7 +24,8 @@ from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, resolve_device, resolve_dtype, shapes_problem)
+                                    ModelConfigError, ascend_emulated, emulate_variants, emulated_memory,
+                                    emulated_note, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
@@ -137,7 +138,7 @@ def verification_note(device: str, emulate: bool, ops: str) -> str:
 def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> None:
     """What the chosen operators need of the spec: block sizes and head sizes for Ascend's kernels,
     static shapes for the CPU kernels."""
-    if problem := shapes_problem(device, spec.model.ops, spec.model.shapes):
+    if problem := ops_problem(device, spec.model.ops, spec.model.shapes, spec.model.graph_mode):
         raise LayoutError(problem)
     if device == "ascend" and spec.model.ops == "auto":
         bs = spec.scheduler.block_size
@@ -176,35 +177,51 @@ def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int) -> int
 class CardPlan:
     """One card of an accelerator replica: what it holds, in bytes."""
     memory: int               # the card's memory
-    assumed: bool             # memory is the default, not parallel.device_memory_gb
+    assumed: bool             # memory is the default, not parallel.device_memory_gb nor measured
     fraction: float
     weights: int
-    activations: int          # the largest step's intermediates and logits (an estimate)
+    activations: int          # the largest step's intermediates, chunk mask and logits (an estimate)
     runtime: int              # workspace and communication buffers (an estimate)
     kv: int
     blocks: int
+    measured: bool = False    # memory and in_use as the workers measured the card
+    in_use: int = 0           # taken on the card before msinfer started (measured)
 
     def describe(self) -> str:
         gib = 1024 ** 3
-        return (f"{self.memory / gib:.3g} GiB{' (assumed: set parallel.device_memory_gb)' if self.assumed else ''} x "
-                f"{self.fraction:g} = {self.fraction * self.memory / gib:.2f} GiB for weights {self.weights / gib:.2f}"
-                f" + activations {self.activations / gib:.2f} + runtime {self.runtime / gib:.2f} + KV cache "
-                f"{self.kv / gib:.2f} GiB ({self.blocks} blocks)")
+        source = (" (measured)" if self.measured else " (assumed: set parallel.device_memory_gb)" if self.assumed
+                  else "")
+        in_use = f" + in use at start {self.in_use / gib:.2f}" if self.measured else ""
+        return (f"{self.memory / gib:.3g} GiB{source} x {self.fraction:g} = {self.fraction * self.memory / gib:.2f} "
+                f"GiB for weights {self.weights / gib:.2f} + activations {self.activations / gib:.2f}{in_use} + "
+                f"runtime {self.runtime / gib:.2f} + KV cache {self.kv / gib:.2f} GiB ({self.blocks} blocks)")
+
+    def figures(self) -> dict:
+        """In bytes: the card, and what the plan gives each part of it."""
+        return {"card_total": self.memory, "in_use_at_start": self.in_use, "weights": self.weights,
+                "activations_estimate": self.activations, "runtime_estimate": self.runtime, "kv_cache": self.kv,
+                "blocks": self.blocks, "measured": self.measured}
 
 
 CARD_MEMORY_GB = 64           # an Atlas 800T A2's 910B card, when parallel.device_memory_gb is not set
 RUNTIME_BYTES = 2 * 1024 ** 3  # per card: the runtime's workspace and HCCL buffers (an estimate, not measured)
 
 
-def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int, dbytes: int) -> CardPlan:
+def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int, dbytes: int,
+              measured: tuple[int, int] | None = None) -> CardPlan:
     """The KV cache a card holds after weights, the largest step's activations and the runtime's
     share, within parallel.memory_fraction of its memory: as many blocks as fit, at most what
     max_batch_size sequences of max_model_len need (or scheduler.kv_cache_blocks, which must fit).
-    Refuses a layout that leaves no room for one sequence of max_model_len, naming the smallest
-    tensor_parallel that leaves it."""
+    `measured`: (the card's total memory, bytes in use before msinfer started) as the workers
+    read them; they replace parallel.device_memory_gb (or the 64 GiB assumed), and what is in use
+    comes off the budget besides the runtime's estimate (no profile step measures msinfer's own
+    peak yet: the activations stay an estimate too). Refuses a layout that leaves no room for one sequence of max_model_len, naming the
+    smallest tensor_parallel that leaves it."""
     p, tp = spec.parallel, spec.parallel.tensor_parallel
-    memory = int((p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3)
-    activations, block, fits = card_room(spec, m, engine, tp, weights, dbytes)
+    memory, in_use = measured if measured else (int((p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3), 0)
+    in_use = max(in_use, 0)
+    runtime = RUNTIME_BYTES + in_use
+    activations, block, fits = card_room(spec, m, engine, tp, weights, dbytes, memory, runtime)
     blocks = engine.blocks() if engine.num_blocks else min(fits, engine.blocks())
     one_seq = -(-engine.max_model_len // engine.block_size)
     gib = 1024 ** 3
@@ -212,39 +229,47 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
         need = blocks if engine.num_blocks else one_seq
         larger = (t for t in valid_tp_sizes(m, ep=p.expert_parallel) if t > tp)
         fit = next(((t, w) for t in larger for w in [bytes_per_rank(m, t, dbytes, p.expert_parallel)]
-                    if card_room(spec, m, engine, t, w, dbytes)[2] >= need), None)
+                    if card_room(spec, m, engine, t, w, dbytes, memory, runtime)[2] >= need), None)
+        card = (f"the card's measured {memory / gib:.3g} GiB ({in_use / gib:.2f} GiB of it in use before msinfer "
+                f"started)" if measured else f"a {memory / gib:.3g} GiB card")
         raise LayoutError(
-            f"the layout does not fit a {memory / gib:.3g} GiB card at memory_fraction {p.memory_fraction:g}: weights "
-            f"{weights / gib:.2f} GiB + activations {activations / gib:.2f} + runtime {RUNTIME_BYTES / gib:.2f} leave "
-            f"room for {fits} KV blocks of {engine.block_size} tokens, and "
+            f"the layout does not fit {card} at memory_fraction {p.memory_fraction:g}: weights "
+            f"{weights / gib:.2f} GiB + activations {activations / gib:.2f} + "
+            + (f"in use {in_use / gib:.2f} + " if measured else "")
+            + f"runtime {RUNTIME_BYTES / gib:.2f} leave room for {fits} KV blocks of {engine.block_size} tokens, and "
             + (f"scheduler.kv_cache_blocks asks for {blocks}" if blocks > fits else
                f"one sequence of max_model_len {engine.max_model_len} needs {one_seq}")
             + (f"; parallel.tensor_parallel {fit[0]} fits ({fit[1] / gib:.2f} GiB of weights a card)" if fit else
                "; no larger parallel.tensor_parallel fits")
             + ", or lower model.max_model_len or scheduler.max_batched_tokens")
-    return CardPlan(memory, p.device_memory_gb is None, p.memory_fraction, weights, activations, RUNTIME_BYTES,
-                    (blocks + 1) * block, blocks)
+    return CardPlan(memory, p.device_memory_gb is None and not measured, p.memory_fraction, weights, activations,
+                    RUNTIME_BYTES, (blocks + 1) * block, blocks, bool(measured), in_use)
 
 
-def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weights: int,
-              dbytes: int) -> tuple[int, int, int]:
+def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weights: int, dbytes: int,
+              memory: int, runtime: int) -> tuple[int, int, int]:
     """(activation bytes of the largest step, bytes of a KV block, KV blocks that fit) on one card of
-    a tensor-parallel group of tp holding `weights`. A sparse layer's activations are its k routed
-    copies of each token and their intermediate rows (the grouped matmuls' buffers)."""
+    `memory` bytes, `runtime` of them taken by others, in a tensor-parallel group of tp holding
+    `weights`. Per token of the largest step: its hidden rows, this rank's q, k and v heads, its
+    MLP columns (a sparse layer: its k routed copies and their intermediate rows, the grouped
+    matmuls' buffers), and a row of the chunk mask [tokens, max_model_len]; per sequence its
+    float32 logits."""
     p = spec.parallel
-    budget = int(p.memory_fraction * (p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3)
+    budget = int(p.memory_fraction * memory)
     tokens, rows = spec.scheduler.max_batched_tokens, spec.scheduler.max_batch_size
     mlp = 2 * m.intermediate_size // tp
     if m.is_moe:
         inter = m.moe_intermediate_size // (1 if p.expert_parallel else tp)
         mlp = max(mlp if len(m.sparse_layers) < m.num_layers else 0,
                   m.num_experts_per_tok * (2 * m.hidden_size + 2 * inter))
-    per_token = (4 * m.hidden_size + mlp + (m.num_heads + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim // tp) * dbytes
+    heads = (m.num_heads // tp + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim
+    mask = -(-engine.max_model_len // engine.block_size) * engine.block_size
+    per_token = (4 * m.hidden_size + mlp + heads + mask) * dbytes
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
     # whole rows gathered once for a step whose sampling changes its logits on the host
     activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
     block = kv_block_bytes(m, tp, engine.block_size, dbytes)
-    return activations, block, max(0, (budget - weights - activations - RUNTIME_BYTES) // block - 1)  # - scratch
+    return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False) -> Plan:
@@ -269,14 +294,23 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     device = resolve_device(spec.parallel.device)
     emulate = device == "ascend" and ascend_emulated()
     try:
-        dtype = resolve_dtype(spec.model.dtype, m, device, emulate)
+        dtype = resolve_dtype(spec.model.dtype, m, device, emulate, spec.model.ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     notes = []
+    if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
+        notes.append(note)
     if spec.model.max_model_len > m.max_position_embeddings:
         notes.append(f"max_model_len {spec.model.max_model_len} exceeds the model's max_position_embeddings "
                      f"{m.max_position_embeddings}")
-    engine = EngineConfig(model_dir=spec.model.path, dtype=dtype, device=device,
+    try:
+        emulation = dict(emulate_variants=emulate_variants(), emulate_memory=emulated_memory()) if emulate else {}
+        if device == "ascend":
+            from msinfer.worker.device import card_environment
+            emulation["card_env"] = card_environment(spec.fault.startup_timeout_s, spec.fault.step_timeout_s)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    engine = EngineConfig(**emulation, model_dir=spec.model.path, dtype=dtype, device=device,
                           max_model_len=spec.model.max_model_len, max_batch_size=spec.scheduler.max_batch_size,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
@@ -290,7 +324,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     card = None
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
-        engine = dataclasses.replace(engine, num_blocks=card.blocks)
+        engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
     kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
     if engine.on_cpu and weights:
         ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
@@ -507,6 +541,7 @@ class JobRun:
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
         out["restart_reasons"] = list(self.controller.restart_log) if self.controller else []
         out["spec"] = self.spec.resolved()
+        out["notes"] = list(self.plan.notes)          # as `plan` prints them: device path, dtype, heads
         out["replicas"] = self.workers()
         if self.controller:
             out["setup"] = [info for s in self.controller.slots for info in s.replica.setup_info]
@@ -566,12 +601,39 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.engine.on_cpu else 0,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
-        startup_timeout_s=spec.fault.startup_timeout_s)
+        startup_timeout_s=spec.fault.startup_timeout_s,
+        card_planner=card_replanner(plan) if plan.card is not None and simulate is None else None)
     if simulate is not None:
         from msinfer.launcher.simulate import StandInWorker
         cfg.update(worker_cls=simulate.worker_cls or StandInWorker, worker_options={"timing": simulate}, device="cpu",
                    cpus_per_worker=STAND_IN_CPUS, threads_per_worker=0)
     return Controller(ControllerConfig(**cfg))
+
+
+def card_replanner(plan: Plan):
+    """For replicas on cards (launcher.replica.Replica.card_planner): the card as its ranks measured
+    it (total bytes, bytes in use before msinfer, where the figure comes from) -> the job's
+    EngineConfig with the KV cache that card holds (card_plan). The measured size wins over
+    parallel.device_memory_gb, and a difference is reported; a card too small for the weights and
+    one sequence of max_model_len stops the job (LaunchError, exit 2)."""
+    from msinfer.launcher.replica import LaunchError
+    spec, gib = plan.spec, 1024 ** 3
+    dbytes = 2 if plan.engine.dtype in ("float16", "bfloat16") else 4
+    base = dataclasses.replace(plan.engine, num_blocks=spec.scheduler.kv_cache_blocks or 0)
+
+    def replan(total: int, in_use: int, source: str) -> EngineConfig:
+        try:
+            card = card_plan(spec, plan.model, base, plan.weight_bytes_per_rank, dbytes, measured=(total, in_use))
+        except LayoutError as e:
+            raise LaunchError(f"{e} (measured by the workers: {source})") from None
+        figures = {**card.figures(), "source": source, "plan": plan.card.figures()}
+        asked = spec.parallel.device_memory_gb
+        if asked is not None and abs(asked * gib - total) > 0.01 * total:
+            figures["note"] = (f"parallel.device_memory_gb is {asked:g}, the cards measure {total / gib:.3g} GiB: "
+                               f"the measured size sizes the KV cache")
+            print(f"msinfer: note: {figures['note']}", file=sys.stderr, flush=True)
+        return dataclasses.replace(plan.engine, num_blocks=card.blocks, card=figures)
+    return replan
 
 
 def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=None):

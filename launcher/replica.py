@@ -9,6 +9,7 @@ for a job, its engine (launcher.engine) runs in rank 0's process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -34,6 +35,8 @@ QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "
 # start-up stages as the progress bar names them; compiling happens in the first steps
 STAGE_NAMES = {"its communication scheduler's start": "starting workers", "process start": "starting workers",
                "device and communication init": "joining the communication group",
+               "communication pre-flight": "checking the communication group",
+               "measuring the card": "measuring the cards",
                "load": "loading weights, then compiling"}
 
 
@@ -145,6 +148,9 @@ class Replica:
     engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
     tokenizer: object = False           # a local engine's tokenizer, loaded already (False: load it)
     on_stage: object = None             # on_stage(name) as each start-up stage begins (the progress bar)
+    # on cards: (total, in use, source) as the ranks measured them -> the EngineConfig whose KV cache
+    # that card holds (launcher.job.card_replanner); raises LaunchError where the card is too small
+    card_planner: object = None
     workers: list = field(default_factory=list)
     engine: object = None               # its engine: rank 0's actor handle, or a LocalEngine
     scheduler: object = None
@@ -176,8 +182,6 @@ class Replica:
             return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
         local = self.engine_setup is not None and self.engine_setup.local
-        if local:
-            self.engine = LocalEngine(self.engine_setup, self.index, self.tokenizer)
         hosted = self.engine_setup is not None and not local       # the engine in rank 0's process
         classes = [ray.remote(engine_host(self.worker_cls) if hosted and r == 0 else self.worker_cls)
                    for r in range(self.tp_size)]
@@ -199,9 +203,21 @@ class Replica:
                 r["ms_scheduler"] = f"{host}:{port}"
         self._stage("device and communication init",
                     [w.join.remote(engine_config, host, port) for w in self.workers])
+        if port is not None:
+            self._stage("communication pre-flight", [w.preflight.remote() for w in self.workers])
+        setup = self.engine_setup
+        if self.card_planner is not None:
+            cards = [c for c in self._stage("measuring the card", [w.card_memory.remote(engine_config)
+                                                                   for w in self.workers]) if c]
+            if cards:                   # the smallest card and the most in use bound every rank's cache
+                engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
+                                                  cards[0]["source"])
+                setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
+        if local:
+            self.engine = LocalEngine(setup, self.index, self.tokenizer)
         loads = [w.load.remote(engine_config) for w in self.workers]
         if hosted:      # its tokenizer loads while the weights do
-            loads.append(self.workers[0].start_engine.remote(self.engine_setup, self.index, self.workers[1:]))
+            loads.append(self.workers[0].start_engine.remote(setup, self.index, self.workers[1:]))
         self.setup_info = self._stage("load" + (" and its engine's start" if hosted else ""), loads)[:self.tp_size]
         if local:
             self.engine.engine.attach(self.workers)
@@ -219,8 +235,10 @@ class Replica:
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
         if pending:
             late = [r for r, ref in enumerate(refs) if ref in pending]
+            nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})
+            where = f" (on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
             raise StartupTimeout(
-                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not "
+                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}{where} did not "
                 f"finish {stage} within fault.startup_timeout_s={self.startup_timeout_s:g}s (a hung HCCL/MCCL "
                 f"init, an unreachable node or a stalled load); the job stops")
         return ray.get(refs)

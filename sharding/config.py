@@ -194,8 +194,43 @@ HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)      # vllm-mindspore ms_attn
 MASK_PENALTY = -10000.0        # vllm-mindspore attention_mask.py: the additive mask of float16 and bfloat16
 
 
+VARIANT_ENV = "MSINFER_ASCEND_EMULATE_VARIANT"
+VARIANTS = ("fa_cumulative", "pa_wrong")
+MEMORY_ENV = "MSINFER_ASCEND_EMULATE_MEMORY_GB"
+
+
 def ascend_emulated(env: dict | None = None) -> bool:
     return (os.environ if env is None else env).get(EMULATE_ENV, "") not in ("", "0")
+
+
+def emulate_variants(env: dict | None = None) -> tuple[str, ...]:
+    """MSINFER_ASCEND_EMULATE_VARIANT (comma-separated; read only when set, by the driver, which
+    passes it to the workers in EngineConfig): stand-ins that follow the other reading of a
+    contract only a card settles, so that tests prove the start-up self-check adapts
+    (worker.kernel_check). fa_cumulative: FlashAttentionScore reads actual_seq_qlen/kvlen as
+    cumulative ends (ACLNN's TND docstring); pa_wrong: PagedAttention reads every query token as
+    its sequence's last position (no causal mask within a chunk)."""
+    text = (os.environ if env is None else env).get(VARIANT_ENV, "")
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"{VARIANT_ENV}: unknown variant '{unknown[0]}'; known: {', '.join(VARIANTS)}")
+    return chosen
+
+
+def emulated_memory(env: dict | None = None) -> int | None:
+    """MSINFER_ASCEND_EMULATE_MEMORY_GB (read only when set): the card size, in bytes, that emulated
+    workers report as measured (worker.actor.Worker.card_memory)."""
+    text = (os.environ if env is None else env).get(MEMORY_ENV, "")
+    if not text:
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise ValueError(f"{MEMORY_ENV}={text!r}: expected a positive number of GiB")
+    return int(gb * 1024 ** 3)
 
 
 def resolve_device(device: str, env: dict | None = None) -> str:
@@ -228,6 +263,10 @@ class EngineConfig:
     ops: str = "auto"                  # "auto": the device's fastest operators; "portable": MindSpore primitives
     shapes: str = "auto"               # "dynamic" | "buckets" | "auto": the operators' choice (MsOps.dynamic_shapes)
     emulate: bool = False              # device "ascend" on the CPU, the fused kernels stood in (worker/ascend.py)
+    emulate_variants: tuple = ()       # the stand-ins' other readings (emulate_variants)
+    emulate_memory: int | None = None  # bytes an emulated card reports (emulated_memory)
+    card: dict | None = None           # the card plan's figures (launcher.job.CardPlan.figures), for the summary
+    card_env: dict = field(default_factory=dict)   # set on a card where unset (worker.device.card_environment)
     tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
     trust_remote_code: bool = False
     expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced
@@ -241,25 +280,81 @@ class EngineConfig:
         return self.device == "cpu" or self.emulate
 
 
-def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False) -> str:
-    """'auto' computes in float32 on the CPU (emulated Ascend included) and in the checkpoint's
-    dtype on Ascend. MindSpore's CPU kernels have no bfloat16 (Gather and the collectives refuse
-    it), so it is refused there."""
-    on_cpu = device == "cpu" or emulate
-    if name == "auto":
-        return "float32" if on_cpu else cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
-    if name not in DTYPES:
+FUSED_DTYPES = ("bfloat16", "float16")        # what Ascend's fused attention kernels take
+
+
+def fused(device: str, ops: str) -> bool:
+    """Whether the job runs Ascend's fused kernels (worker/ascend.py)."""
+    return device == "ascend" and ops == "auto"
+
+
+def card_dtype(name: str, cfg: ModelConfig, device: str, ops: str = "auto") -> str:
+    """The dtype a card computes in. With the fused kernels: float16 or bfloat16 only (FlashAttention
+    and PagedAttention take nothing else; for float32 MindSpore falls back from its internal kernels
+    to ACLNN's, which read sequence lengths another way), `auto` the checkpoint's when it is one of
+    them and bfloat16 for a float32 checkpoint. Without them (`model.ops: portable`), `auto` is the
+    checkpoint's dtype, float16 for one MindSpore cannot name."""
+    if name not in ("auto", *DTYPES):
         raise ValueError(f"model.dtype '{name}' is not one of auto, {', '.join(sorted(DTYPES))}")
-    if name == "bfloat16" and on_cpu:
+    if fused(device, ops):
+        if name == "float32":
+            raise ValueError("model.dtype float32 does not run on Ascend's fused kernels (FlashAttentionScore and "
+                             "PagedAttention take float16 and bfloat16 only); set model.dtype: bfloat16 or float16 "
+                             "(or auto, which picks bfloat16 for a float32 checkpoint), or model.ops: portable to "
+                             "compute in float32 without the fused kernels")
+        if name == "auto":
+            return cfg.torch_dtype if cfg.torch_dtype in FUSED_DTYPES else "bfloat16"
+        return name
+    if name == "auto":
+        return cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float16"
+    return name
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False, ops: str = "auto") -> str:
+    """The dtype the workers compute in: a card's (`card_dtype`), or on this machine's CPU (the CPU,
+    or Ascend emulated) what it runs: 'auto' is float32 there, except on the emulated fused
+    kernels, which take what a card takes; bfloat16, which MindSpore's CPU kernels lack (Gather and
+    the collectives refuse it), is refused on the CPU and computed in float16 by the emulation
+    (`emulated_note`)."""
+    on_cpu = device == "cpu" or emulate
+    if not on_cpu:
+        return card_dtype(name, cfg, device, ops)
+    if fused(device, ops):
+        dtype = card_dtype(name, cfg, device, ops)
+        return "float16" if dtype == "bfloat16" else dtype
+    card_dtype(name, cfg, "cpu")                     # the name's check
+    if name == "auto":
+        return "float32"
+    if name == "bfloat16":
         where = "the emulated Ascend path (it runs on the CPU)" if emulate else "the CPU"
         raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
                          "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
     return name
 
 
-def shapes_problem(device: str, ops: str, shapes: str) -> str | None:
-    """Why model.shapes cannot be what it is with these operators, or None."""
+def emulated_note(name: str, cfg: ModelConfig, ops: str) -> str | None:
+    """What the plan and the summary say where the emulated fused kernels compute a card's
+    bfloat16 in float16 (None where they compute what a card does)."""
+    if card_dtype(name, cfg, "ascend", ops) == "bfloat16" and fused("ascend", ops):
+        return ("a card computes this job in bfloat16; the emulation computes it in float16, which the CPU "
+                "runs (the same 16-bit storage, 3 more mantissa bits)")
+    return None
+
+
+def ops_problem(device: str, ops: str, shapes: str, graph_mode: bool = True) -> str | None:
+    """Why model.shapes or model.graph_mode cannot be what it is with these operators, or None."""
     if device == "cpu" and ops == "auto" and shapes == "dynamic":
         return ("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom operators in "
                 "static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
+    if fused(device, ops) and shapes == "buckets":
+        return ("model.shapes buckets does not run with Ascend's fused kernels: with infer_boost MindSpore compiles "
+                "one graph per phase (step kind) and ignores input shapes, so a second bucket would run the first "
+                "bucket's graph, and padding rows would put length 0 in batch_valid_length; use model.shapes: auto "
+                "(dynamic shapes), or model.ops: portable")
+    if fused(device, ops) and not graph_mode:
+        return ("model.graph_mode false does not run with Ascend's fused kernels: PyNative never compiles with "
+                "infer_boost, which the internal kernels need to read sequence lengths (vllm-mindspore: PyNative "
+                "does not support the TH layout); set model.graph_mode: true, or model.ops: portable")
     return None
+
+

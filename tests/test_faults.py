@@ -467,8 +467,8 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
     # long enough for the processes to start on a busy machine (the suite runs two tests at once)
     r = Replica(3, 2, worker_cls=NeverJoins, startup_timeout_s=8, cpus_per_worker=0.01)
     t0 = time.perf_counter()
-    with pytest.raises(StartupTimeout, match=r"replica 3: rank 1 did not finish device and communication init "
-                                             r"within fault.startup_timeout_s=8s"):
+    with pytest.raises(StartupTimeout, match=r"replica 3: rank 1 \(on node [0-9.]+\) did not finish device and "
+                                             r"communication init within fault.startup_timeout_s=8s"):
         r.start(EngineConfig(str(model)))
     assert time.perf_counter() - t0 < 30
     pids = r.pids()

@@ -104,17 +104,21 @@ def test_batched_greedy_tokens_equal_transformers(demo, generated):
                     f"the engine's top-2 log-prob margin {margins[i][j]:.4g}")
 
 
+FP16_MARGIN = 0.1        # a top-2 log-prob margin within float16's reach on this model's logits
+
+
 def test_the_emulated_ascend_path_generates_what_the_cpu_kernels_generate(demo, generated):
-    """The same batch on the Ascend path with its fused kernels stood in (MSINFER_ASCEND_EMULATE,
-    float32): the same first 16 tokens for every prompt as the CPU kernels, which the test above
-    holds to transformers over 32. A difference is reported with both engines' top-2 margins at it."""
-    engine = ModelRunner(EngineConfig(str(demo["path"]), dtype="float32", max_model_len=MAX_MODEL_LEN,
+    """The same batch on the Ascend path with its fused kernels stood in (MSINFER_ASCEND_EMULATE)
+    in float16, the dtype the kernels take: the first 16 tokens of every prompt are the CPU
+    kernels' (float32, which the test above holds to transformers over 32), up to a token where
+    the CPU kernels' two best are within FP16_MARGIN of each other, after which they may part."""
+    engine = ModelRunner(EngineConfig(str(demo["path"]), dtype="float16", max_model_len=MAX_MODEL_LEN,
                                       max_batch_size=len(demo["prompts"]), device="ascend", emulate=True))
     tokens, margins = engine_greedy(engine, demo["prompts"], 16)
     cpu_tokens, cpu_margins = [t[:16] for t in generated[0]], generated[1]
     for i in range(len(tokens)):
         if tokens[i] != cpu_tokens[i]:
             j = next(k for k, (a, b) in enumerate(zip(tokens[i], cpu_tokens[i])) if a != b)
-            pytest.fail(f"prompt {i}: first difference at new token {j}: emulated Ascend {tokens[i][j:j + 4]}, "
-                        f"CPU kernels {cpu_tokens[i][j:j + 4]}; top-2 margins {margins[i][j]:.4g} and "
-                        f"{cpu_margins[i][j]:.4g}")
+            assert cpu_margins[i][j] < FP16_MARGIN, (
+                f"prompt {i}: first difference at new token {j}: emulated Ascend {tokens[i][j:j + 4]}, CPU kernels "
+                f"{cpu_tokens[i][j:j + 4]}; top-2 margins {margins[i][j]:.4g} and {cpu_margins[i][j]:.4g}")

@@ -82,3 +82,16 @@ def test_simulate_writes_beside_the_jobs_results_never_into_them(tmp_path):
     for same in ("out.jsonl", "in.jsonl"):
         with pytest.raises(SpecError, match="that is the job's own"):
             simulate_output(spec, str(tmp_path / same))
+
+
+def test_check_device_prints_each_fused_kernels_convention_on_the_emulated_card(cli, model, tmp_path):
+    job = Job(tmp_path, model, records(1), parallel={"device": "ascend"})
+    env = {"MSINFER_ASCEND_EMULATE": "1", "MSINFER_ASCEND_EMULATE_VARIANT": "fa_cumulative"}
+    p = cli.run("check-device", job.spec_path, env=env)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line.split()[1] for line in p.stdout.splitlines()[2:]}
+    assert rows == {"FlashAttentionScore": "cumulative", "PagedAttention": "ok", "ReshapeAndCache": "ok",
+                    "RmsNorm": "ok"}
+    assert "ascend (emulated): 4 heads, 2 KV heads, head_dim 16, block_size 16, float16" in p.stdout
+    cpu = cli.run("check-device", job.spec_path, "--set", "parallel.device=cpu")
+    assert cpu.returncode == 2 and "check-device checks Ascend's fused kernels" in said(cpu)

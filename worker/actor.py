@@ -17,7 +17,8 @@ import threading
 import time
 
 from msinfer.sharding.layout import TPInfo
-from msinfer.worker.device import free_port, init_communication, select_device, start_scheduler_thread
+from msinfer.worker.device import (apply_environment, free_port, init_communication, preflight, select_device,
+                                   start_scheduler_thread)
 from msinfer.worker.protocol import StepOutput, unpack_step
 
 
@@ -54,6 +55,7 @@ class Worker:
         self.device = select_device(device, rank=rank)
         self.threads = threads
         self.runner = None
+        self.environment: dict = {}          # card variables this worker set (worker.device.card_environment)
         self.turn = threading.Condition()       # steps run one at a time, in order (see step)
         self.next_index = 0
 
@@ -65,6 +67,8 @@ class Worker:
         """Start-up stage 1: the device, and the group's communication cluster (tp > 1). Returns
         its seconds."""
         t0 = time.perf_counter()
+        if self.device.target == "Ascend" and not engine_config.emulate:     # before MindSpore starts
+            self.environment = apply_environment(engine_config.card_env)
         import mindspore as ms
         if engine_config.emulate:             # Ascend's path on the CPU (worker/ascend.py)
             ms.set_device("CPU")
@@ -80,23 +84,46 @@ class Worker:
         self.comm_s = time.perf_counter() - t0
         return self.comm_s
 
+    def preflight(self) -> None:
+        """Start-up stage after join (tp > 1): a small all-reduce over the group."""
+        preflight(self.tp.size)
+
+    def card_memory(self, engine_config) -> dict:
+        """Start-up stage between join and load on a card: its total memory and what is in use on
+        it already (bytes), as the device reports them (MindSpore's get_device_properties), or an
+        emulated card's size (EngineConfig.emulate_memory, nothing in use); {} where unknown."""
+        if engine_config.emulate:
+            m = engine_config.emulate_memory
+            return {} if m is None else {"total": m, "in_use": 0, "source": "MSINFER_ASCEND_EMULATE_MEMORY_GB"}
+        if self.device.target != "Ascend":
+            return {}
+        import mindspore as ms
+        try:
+            props = ms.hal.get_device_properties(self.device.device_id or 0)
+        except Exception:                   # an old driver or CANN: the plan's figure stands
+            return {}
+        total, free = getattr(props, "total_memory", 0), getattr(props, "free_memory", None)
+        if not total:
+            return {}
+        return {"total": int(total), "in_use": int(total - free) if free is not None else 0, "source": "device"}
+
     def load(self, engine_config) -> dict:
         """Start-up stage 2: the network, this rank's shard of the checkpoint, the KV cache."""
         t0 = time.perf_counter()
-        import mindspore as ms
         from msinfer.worker.runner import ModelRunner
         self.tp = TPInfo(self.tp.rank, self.tp.size, engine_config.expert_parallel)
         self.runner = ModelRunner(engine_config, self.tp, self.threads)
         card = {}
-        if self.device.target == "Ascend" and not engine_config.emulate:     # as the card reports it
-            try:
-                card["device_memory_bytes"] = ms.hal.get_device_properties(self.device.device_id).total_memory
-            except Exception:
-                pass
+        if engine_config.card is not None:      # the card's plan (measured where the card said) and what it holds
+            card["memory"] = {**engine_config.card, "weights_loaded": self.runner.load_stats["bytes"],
+                              "kv_cache_allocated": self.runner.kv_bytes()}
+        if self.environment:
+            card["environment_set"] = self.environment
         return {**card, "rank": self.tp.rank, "comm_init_s": self.comm_s, "load_s": self.runner.load_s,
                 "setup_s": self.comm_s + time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
-                "dtype": self.runner.dtype}
+                "dtype": self.runner.dtype, **({"kernel_check": self.runner.kernel_check}
+                                               if self.runner.kernel_check is not None else {})}
 
     def step(self, seqs: bytes, is_prefill: bool, index: int = -1) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With

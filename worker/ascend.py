@@ -66,11 +66,21 @@ class AscendRmsNorm(nn.Cell):
 
 class AscendAttention(nn.Cell):
     """One layer's cache write and attention with the fused kernels; q, k, v are 2-D as the
-    kernels take them on cards ([T, heads * D])."""
+    kernels take them on cards ([T, heads * D]). `conventions` (worker.kernel_check, the start-up
+    self-check's verdicts): FlashAttentionScore "ok" (per-sequence lengths), "cumulative" (their
+    running sums) or "portable"; PagedAttention and ReshapeAndCache "ok" or "portable". A
+    "portable" kernel is replaced, in that operation only, by the portable operators (worker/ops.py)."""
 
-    def __init__(self, kernels, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
+    def __init__(self, kernels, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
+                 conventions: dict | None = None):
         super().__init__()
+        conventions = conventions or {}
+        self.fa = conventions.get("FlashAttentionScore", "ok")
+        self.pa_portable = conventions.get("PagedAttention", "ok") == "portable"
+        self.cache_portable = conventions.get("ReshapeAndCache", "ok") == "portable"
+        self.heads, self.kv_heads, self.head_dim, self.block_size = heads, kv_heads, head_dim, block_size
         scale = head_dim ** -0.5
+        self.scale = scale
         # mindspore/ops/auto_generate/gen_ops_prim.py ReshapeAndCache.__init__(self): no arguments
         self.reshape_and_cache = kernels.ReshapeAndCache()
         # gen_ops_prim.py FlashAttentionScore.__init__(head_num, keep_prob, scale_value, pre_tokens,
@@ -85,22 +95,35 @@ class AscendAttention(nn.Cell):
         self.flash_mask = flash_mask(dtype)
 
     def construct(self, q, k, v, k_cache, v_cache, ctx, prefill: bool):
-        slot_mapping, block_tables, batch_valid_length, q_seq_lens, _, _, attn_mask = ctx
+        slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask = ctx
         N = q.shape[0]
         q, k, v = q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)
-        # ReshapeAndCache.__call__(key, value, key_cache, value_cache, slot_mapping): writes the
-        # caches (Parameters, passed as they are) in place; the query waits for it (vllm-mindspore
-        # layer.py: ops.depend(query, cache_out))
-        written = self.reshape_and_cache(k, value=v, key_cache=k_cache, value_cache=v_cache,
-                                         slot_mapping=slot_mapping)
+        if self.cache_portable:
+            at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+            written = ops.depend(ops.scatter_nd_update(k_cache, at, k.reshape(N, self.kv_heads, self.head_dim)),
+                                 ops.scatter_nd_update(v_cache, at, v.reshape(N, self.kv_heads, self.head_dim)))
+        else:
+            # ReshapeAndCache.__call__(key, value, key_cache, value_cache, slot_mapping): writes the
+            # caches (Parameters, passed as they are) in place; the query waits for it (vllm-mindspore
+            # layer.py: ops.depend(query, cache_out))
+            written = self.reshape_and_cache(k, value=v, key_cache=k_cache, value_cache=v_cache,
+                                             slot_mapping=slot_mapping)
         q = ops.depend(q, written)
+        if prefill and self.fa == "portable":
+            return packed_attention(q.reshape(N, self.heads, -1), k.reshape(N, self.kv_heads, -1),
+                                    v.reshape(N, self.kv_heads, -1), token_seq, self.scale).reshape(N, -1)
         if prefill:
             # FlashAttentionScore.__call__(query, key, value, real_shift, drop_mask, padding_mask,
             # attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen) -> (max, sum, out, attention):
-            # per-sequence (not cumulative) lengths, as vllm-mindspore and MindFormers' inference
-            # path pass them; the docstring's TND layout wants cumulative ones (ASCEND.md)
-            return self.flash_attention(q, k, v, attn_mask=self.flash_mask, actual_seq_qlen=batch_valid_length,
-                                        actual_seq_kvlen=batch_valid_length)[3]
+            # per-sequence lengths, as vllm-mindspore and MindFormers' inference path pass them; the
+            # docstring's TND layout wants cumulative ones (ASCEND.md), which the start-up
+            # self-check picks where the card's kernel reads them so (worker.kernel_check)
+            lengths = ops.cumsum(batch_valid_length, 0) if self.fa == "cumulative" else batch_valid_length
+            return self.flash_attention(q, k, v, attn_mask=self.flash_mask, actual_seq_qlen=lengths,
+                                        actual_seq_kvlen=lengths)[3]
+        if self.pa_portable:
+            return paged_attention(q.reshape(N, self.heads, -1), k_cache, v_cache, ops.gather(block_tables, token_seq, 0),
+                                   token_len, self.scale).reshape(N, -1)
         # PagedAttention.__call__(query, key_cache, value_cache, block_tables, context_lens,
         # antiquant_scale, antiquant_offset, attn_mask, q_seq_lens, alibi_mask): context_lens is
         # each sequence's whole length, q_seq_lens its tokens in this step; the mask is [1, 1]
@@ -177,14 +200,24 @@ class AscendOps(MsOps):
     # prefill graph. vllm-mindspore sets model.phase to "prefill" / "increment" before each call.
     phases = {"prefill": "prefill", "decode": "increment", "score": "score", "score_top": "score_top"}
     kernels = auto_generate          # where the kernels come from (EmulatedAscendOps: StandIns)
+    # the start-up self-check's verdict per kernel (worker.kernel_check; `with_conventions`)
+    conventions: dict = {}
+
+    @classmethod
+    def with_conventions(cls, conventions: dict) -> type:
+        """This seam with the self-check's verdicts: a kernel marked "portable" is replaced by the
+        portable operators, FlashAttentionScore's lengths follow the convention found."""
+        return type(cls.__name__, (cls,), {"conventions": dict(conventions)})
 
     @classmethod
     def rms_norm_op(cls, eps):
+        if cls.conventions.get("RmsNorm") == "portable":
+            return MsOps.rms_norm_op(eps)
         return AscendRmsNorm(cls.kernels, eps)
 
     @classmethod
     def attention(cls, heads, kv_heads, head_dim, block_size, dtype):
-        return AscendAttention(cls.kernels, heads, kv_heads, head_dim, block_size, dtype)
+        return AscendAttention(cls.kernels, heads, kv_heads, head_dim, block_size, dtype, cls.conventions)
 
     @classmethod
     def moe_router(cls, k):
@@ -193,6 +226,13 @@ class AscendOps(MsOps):
     @classmethod
     def moe_op(cls):
         return AscendExperts(cls.kernels)
+
+    @staticmethod
+    def cache_param(shape: tuple, dtype, name: str):
+        """A layer's K or V cache made on the device (mint.zeros, as vllm-mindspore's and MindFormers'
+        caches are), not filled on the host and copied: a big plan's caches are tens of GiB a rank."""
+        from mindspore import Parameter, mint
+        return Parameter(mint.zeros(shape, dtype=dtype), name=name, requires_grad=False)
 
     @staticmethod
     def pack_experts(w: np.ndarray, glu: bool = False):
@@ -227,11 +267,21 @@ class ReshapeAndCache(nn.Cell):
         return ops.depend(k, ops.scatter_nd_update(value_cache, at, value.reshape(-1, KV, D)))
 
 
+VARIANTS_IN_FORCE: tuple[str, ...] = ()      # the stand-ins' other readings (EngineConfig.emulate_variants)
+
+
+def set_variants(variants: tuple[str, ...]) -> None:
+    """The stand-ins made from now on follow these readings (sharding.config.emulate_variants)."""
+    global VARIANTS_IN_FORCE
+    VARIANTS_IN_FORCE = tuple(variants)
+
+
 class FlashAttentionScore(nn.Cell):
     """Stand-in for layout "TH": query [T, H * D], key and value [T, KV * D] packed one sequence
     after another, actual_seq_qlen = actual_seq_kvlen = per-sequence lengths (the convention of
-    the projects that run on cards); attention within each sequence, causal when a mask is given
-    (the compressed 128 x 128 causal mask). Returns the four outputs; only the last is computed."""
+    the projects that run on cards; cumulative ends with the fa_cumulative variant); attention
+    within each sequence, causal when a mask is given (the compressed 128 x 128 causal mask).
+    Returns the four outputs; only the last is computed."""
 
     def __init__(self, head_num, keep_prob=1.0, scale_value=1.0, pre_tokens=2147483647, next_tokens=2147483647,
                  inner_precise=0, input_layout="BSH", sparse_mode=0):
@@ -240,12 +290,16 @@ class FlashAttentionScore(nn.Cell):
             raise NotImplementedError(f"the FlashAttentionScore stand-in emulates input_layout TH, sparse_mode 0 and "
                                       f"keep_prob 1 only, got {input_layout}, {sparse_mode}, {keep_prob}")
         self.head_num, self.scale = head_num, scale_value
+        self.cumulative = "fa_cumulative" in VARIANTS_IN_FORCE
 
     def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None, attn_mask=None,
                   prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
         T = query.shape[0]
         D = query.shape[1] // self.head_num
-        seq, _ = _token_sequences(actual_seq_qlen, query)
+        lengths = actual_seq_qlen
+        if self.cumulative:         # ends -> lengths
+            lengths = lengths - ops.concat((ops.zeros((1,), lengths.dtype), lengths[:-1]))
+        seq, _ = _token_sequences(lengths, query)
         out = packed_attention(query.reshape(T, self.head_num, D), key.reshape(T, -1, D), value.reshape(T, -1, D),
                                seq, self.scale, causal=attn_mask is not None).reshape(T, -1)
         return out, out, out, out
@@ -255,7 +309,8 @@ class PagedAttention(nn.Cell):
     """Stand-in: query [T, H * D] of B sequences packed in order (q_seq_lens [B] tokens each; one
     each when None), each reading the first context_lens[b] positions of its caches through
     block_tables[b]; attn_mask (broadcast to [T, block_tables width * block_size]) is added to
-    the scores."""
+    the scores. With the pa_wrong variant the mask is not applied: every token reads its
+    sequence's whole context, as its last position does."""
 
     def __init__(self, head_num, scale_value, kv_head_num, kv_cache_quant_mode="DEFAULT", mask_mode="MASK_DEFAULT",
                  mla_v_dim=0):
@@ -263,6 +318,7 @@ class PagedAttention(nn.Cell):
         if kv_cache_quant_mode != "DEFAULT" or mask_mode != "MASK_DEFAULT" or mla_v_dim:
             raise NotImplementedError("the PagedAttention stand-in emulates the default modes only")
         self.head_num, self.scale = head_num, scale_value
+        self.wrong = "pa_wrong" in VARIANTS_IN_FORCE
 
     def construct(self, query, key_cache, value_cache=None, block_tables=None, context_lens=None,
                   antiquant_scale=None, antiquant_offset=None, attn_mask=None, q_seq_lens=None, alibi_mask=None):
@@ -274,7 +330,7 @@ class PagedAttention(nn.Cell):
             seq, _ = _token_sequences(q_seq_lens, query)
         out = paged_attention(query.reshape(T, self.head_num, D), key_cache, value_cache,
                               ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), self.scale,
-                              attn_mask)
+                              None if self.wrong else attn_mask)
         return out.reshape(T, -1)
 
 

@@ -19,6 +19,8 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from msinfer.sharding.config import resolve_device
 
 
@@ -97,3 +99,44 @@ def start_scheduler_thread(host: str, port: int, world: int) -> threading.Thread
     t = threading.Thread(target=run, name="ms-scheduler", daemon=True)
     t.start()
     return t
+
+
+# HCCL's documented ranges for its timeouts (CANN's environment variable reference), in seconds
+HCCL_CONNECT_RANGE = (120, 7200)
+HCCL_EXEC_RANGE = (1, 17340)
+
+
+def card_environment(startup_timeout_s: float, step_timeout_s: float) -> dict[str, str]:
+    """What a worker on a card sets before MindSpore starts, each only where the variable is not
+    set already (a user's value wins), as vllm-mindspore's launch does (its `env_setup`):
+    HCCL_CONNECT_TIMEOUT from fault.startup_timeout_s (a rank waits that long for its peers) and
+    HCCL_EXEC_TIMEOUT from fault.step_timeout_s (a collective waits that long), both within
+    HCCL's ranges; HCCL_OP_EXPANSION_MODE=AIV (collectives expanded on the AI vector cores),
+    MS_ENABLE_LCCL=off (HCCL, not MindSpore's LCCL, for the collectives), and
+    MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST=FlashAttentionScore,PagedAttention (vllm-mindspore's
+    init_env default, and what its native Qwen3 model sets "for best performance": the runtime's
+    own internal kernels for the two attention ops, which the start-up self-check then checks)."""
+    def within(x: float, bounds: tuple[int, int]) -> str:
+        return str(int(min(max(x, bounds[0]), bounds[1])))
+    return {"HCCL_CONNECT_TIMEOUT": within(startup_timeout_s, HCCL_CONNECT_RANGE),
+            "HCCL_EXEC_TIMEOUT": within(step_timeout_s, HCCL_EXEC_RANGE),
+            "HCCL_OP_EXPANSION_MODE": "AIV", "MS_ENABLE_LCCL": "off",
+            "MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST": "FlashAttentionScore,PagedAttention"}
+
+
+def apply_environment(values: dict[str, str], env: dict | None = None) -> dict[str, str]:
+    """Sets each variable not set already; returns what was set."""
+    env = os.environ if env is None else env
+    new = {k: v for k, v in values.items() if k not in env}
+    env.update(new)
+    return new
+
+
+def preflight(world: int) -> None:
+    """A small all-reduce over the group that has just joined: every rank's 1 sums to `world`, or
+    the communication between the ranks does not work (an HCCL or MCCL link, a firewall); a hang
+    here is a start-up stage's timeout, which names the ranks that did not answer."""
+    from mindspore import Tensor, ops
+    got = ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()
+    if abs(float(got[0]) - world) > 1e-3:
+        raise RuntimeError(f"the communication pre-flight summed {float(got[0]):g} over {world} ranks")

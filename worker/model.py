@@ -39,8 +39,8 @@ class Attention(nn.Cell):
         else:
             self.q_norm = self.k_norm = None
         shape = dev.cache_shape(num_blocks, block_size, self.kv_heads, cfg.head_dim)
-        self.k_cache = new_param(shape, dtype, "k_cache")
-        self.v_cache = new_param(shape, dtype, "v_cache")
+        self.k_cache = dev.cache_param(shape, dtype, "k_cache")
+        self.v_cache = dev.cache_param(shape, dtype, "v_cache")
         if dev.fused_attention:      # one kernel from the qkv projection on: slices, norms and all
             self.attend = dev.attention_op(self.q_size)
             ones = Tensor(np.ones(cfg.head_dim), dtype)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from msinfer.sharding.layers import new_param
+
 def rms_norm(x, weight, eps: float):
     """(x * rsqrt(mean(x^2) + eps) * weight, rsqrt(...)) in MindSpore primitives, in float32
     whatever x's dtype."""
@@ -135,6 +137,12 @@ class MsOps:
     @staticmethod
     def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple:
         return (num_blocks, block_size, kv_heads, head_dim)
+
+    @staticmethod
+    def cache_param(shape: tuple, dtype, name: str):
+        """A layer's K or V cache: on the host, zero pages that cost nothing until a sequence
+        reaches them (sharding.layers.new_param)."""
+        return new_param(shape, dtype, name)
 
     @staticmethod
     def rms_norm_op(eps: float):

@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, resolve_dtype, shapes_problem
+from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, ops_problem, resolve_dtype
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 from msinfer.worker.positions import make_scheme
@@ -54,17 +54,25 @@ class ModelRunner:
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
-        self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate)
+        self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate, ec.ops)
         self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
         self.block_size = ec.block_size
         self.num_blocks = ec.blocks()
         self.scratch_block = self.num_blocks                 # padding writes land here
         t0 = time.perf_counter()
         self.max_blocks_per_seq = -(-ec.max_model_len // self.block_size)
+        if ec.emulate:
+            from msinfer.worker.ascend import set_variants
+            set_variants(ec.emulate_variants)
         self.dev = select_ops(ec.device, ec.ops, threads, ec.emulate)
         self.dynamic = self.dev.dynamic_shapes if ec.shapes == "auto" else ec.shapes == "dynamic"
-        if problem := shapes_problem(ec.device, ec.ops, ec.shapes):
+        # (PyNative with the fused kernels is refused by the plan, not here: tests record the
+        # kernels' calls eagerly on the emulated path)
+        if problem := ops_problem(ec.device, ec.ops, ec.shapes):
             raise ValueError(problem)
+        self.kernel_check = None
+        if hasattr(self.dev, "with_conventions"):        # Ascend's fused kernels: the card settles their conventions
+            self.kernel_check = self.check_kernels()
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size)
         self.model.set_train(False)
@@ -96,6 +104,23 @@ class ModelRunner:
         self.grammar_tokenizer = None                        # llguidance's, loaded for the first grammar
         self.mask_pool = self.grammar_executor = None        # start_masks' thread and llguidance's pool
         self.host_bytes = 0                                  # copied from the device, all steps
+
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's KV cache (every layer's K and V, the scratch block included)."""
+        return sum(p.size * p.itemsize for name, p in self.model.parameters_and_names()
+                   if name.endswith(("k_cache", "v_cache")))
+
+    def check_kernels(self) -> dict:
+        """The start-up kernel self-check at this rank's shapes (worker.kernel_check), from the
+        cache when these cards were checked before; the seam then follows its verdicts."""
+        from msinfer.sharding.layout import kv_head_range
+        from msinfer.worker import kernel_check
+        lo, hi = kv_head_range(self.cfg, self.tp)
+        results = kernel_check.cached_check(self.dev, self.cfg.num_heads // self.tp.size, hi - lo, self.cfg.head_dim,
+                                            self.block_size, self.dtype)
+        self.dev = self.dev.with_conventions(kernel_check.conventions(results))
+        print(f"msinfer rank {self.tp.rank}: {kernel_check.describe(results)}", flush=True)
+        return results
 
     def compiled(self, fn, kind: str):
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count."""

@@ -1,0 +1,306 @@
+"""The start-up kernel self-check of the Ascend path: before a rank loads its weights, it runs each
+fused kernel the job uses on small random inputs of the job's own shapes (heads and KV heads per
+rank, head_dim, block_size, dtype), compiled as the network's steps are (the seam's jit options,
+a phase per step kind, inputs named `batch_valid_length` and `q_seq_lens`), and compares the
+outputs with a float64 reference in numpy. Where a source is ambiguous (ASCEND.md), the card
+answers:
+
+    case      kernels                          conventions tried, in order
+    prefill   ReshapeAndCache, FlashAttention  per-sequence lengths (vllm-mindspore), cumulative
+                                               ends (ACLNN's TND docstring), else portable
+    chunk     PagedAttention with q_seq_lens   the kernel (q_seq_lens and the causal mask of a chunk
+              after cached tokens              after cached tokens), else portable
+    decode    PagedAttention                   the kernel, else portable
+    norm      RmsNorm                          the kernel, else portable
+
+A kernel that matches under no convention is replaced, in that operation only, by the portable
+operators (worker/ops.py; AscendOps.with_conventions); PagedAttention must pass both its cases.
+The verdicts are cached per (MindSpore version, CANN version, device kind, shapes, dtype) in
+$MSINFER_CACHE/kernel_check, so that later jobs on the same cards skip the check.
+
+TOLERANCE is the largest |output - reference| accepted, in units of the reference's largest
+magnitude: the attention outputs are weighted means of unit-normal values, so a wrong convention
+misses by O(1), and 16-bit rounding by about 1e-3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
+CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("ok",), "ReshapeAndCache": ("ok",),
+               "RmsNorm": ("ok",)}
+# each case's sequences: (tokens cached, tokens new)
+CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
+CHECK_VERSION = 1              # of this module's cases: a change makes the cached verdicts stale
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernel_check"
+
+
+def cann_version() -> str:
+    """The CANN toolkit's version where its install names it (ASCEND_HOME_PATH), else ''."""
+    home = os.environ.get("ASCEND_HOME_PATH")
+    if not home:
+        return ""
+    for name in ("version.info", "version.cfg"):
+        try:
+            for line in (Path(home) / name).read_text().splitlines():
+                if line.lower().startswith("version="):
+                    return line.split("=", 1)[1].strip()
+        except OSError:
+            continue
+    return ""
+
+
+def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+    import mindspore as ms
+    from msinfer.worker import ascend
+    variants = ascend.VARIANTS_IN_FORCE if ops.kernels is ascend.StandIns else ()
+    device = ops.name + (f" [{','.join(variants)}]" if variants else "")
+    return {"mindspore": ms.__version__, "cann": cann_version(), "device": device, "heads": heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
+            "check": CHECK_VERSION}
+
+
+def cached_check(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+    """`check_kernels`' verdicts, from the cache when this key was checked before (`cached`: True)."""
+    key = check_key(ops, heads, kv_heads, head_dim, block_size, dtype)
+    try:
+        found = json.loads(cache_path(key).read_text())
+        if found.get("key") == key:
+            return {**found["results"], "cached": True}
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    results = check_kernels(ops, heads, kv_heads, head_dim, block_size, dtype)
+    store(key, results)
+    return {**results, "cached": False}
+
+
+def cache_path(key: dict) -> Path:
+    return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+
+def store(key: dict, results: dict) -> None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "results": results}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass                        # a read-only cache: the next job checks again
+
+
+def conventions(results: dict) -> dict[str, str]:
+    """Each kernel's convention from `check_kernels`' results."""
+    return {k: v["convention"] for k, v in results.items() if isinstance(v, dict) and "convention" in v}
+
+
+def describe(results: dict) -> str:
+    """One line: every kernel's convention, as the job's log and `msinfer check-device` say it."""
+    parts = [f"{k} {v['convention']} (max error {v['max_error']:.1e})" for k, v in results.items()
+             if isinstance(v, dict)]
+    return "kernel check" + (" (cached)" if results.get("cached") else "") + ": " + ", ".join(parts)
+
+
+def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+    """{kernel: {"convention", "max_error", "seconds", "cases"}} for the seam `ops` (AscendOps or
+    EmulatedAscendOps) at this rank's shapes (module docstring)."""
+    rng = np.random.default_rng(0)
+    out = {}
+    t0 = time.perf_counter()
+    for convention in CONVENTIONS["FlashAttentionScore"]:
+        errors = _attention_errors(ops, {"FlashAttentionScore": convention}, ["prefill"], heads, kv_heads, head_dim,
+                                   block_size, dtype, rng)
+        if max(errors.values()) <= TOLERANCE[dtype]:
+            break
+    else:
+        convention = "portable"
+    out["FlashAttentionScore"] = _verdict(convention, errors["prefill"], t0, ["prefill"])
+    t0 = time.perf_counter()
+    errors = _attention_errors(ops, {"FlashAttentionScore": "portable"}, ["chunk", "decode"], heads, kv_heads,
+                               head_dim, block_size, dtype, rng)
+    worst = max(errors.values())
+    out["PagedAttention"] = _verdict("ok" if worst <= TOLERANCE[dtype] else "portable", worst, t0, list(errors))
+    t0 = time.perf_counter()
+    error = _cache_error(ops, heads, kv_heads, head_dim, block_size, dtype, rng)
+    out["ReshapeAndCache"] = _verdict("ok" if error <= TOLERANCE[dtype] else "portable", error, t0, ["prefill"])
+    t0 = time.perf_counter()
+    error = _norm_error(ops, heads * head_dim, dtype, rng)
+    out["RmsNorm"] = _verdict("ok" if error <= TOLERANCE[dtype] else "portable", error, t0, ["norm"])
+    return out
+
+
+def _verdict(convention: str, error: float, t0: float, cases: list[str]) -> dict:
+    return {"convention": convention, "max_error": float(error), "seconds": round(time.perf_counter() - t0, 3),
+            "cases": cases}
+
+
+def _inputs(specs: list[tuple[int, int]], H: int, KV: int, D: int, bs: int, rng) -> dict:
+    """A step of sequences (cached, new) in the runner's input layout (worker.runner.ModelRunner.
+    inputs), each on blocks of its own; the caches' cached positions filled; and per token the
+    reference attention in float64."""
+    from msinfer.sharding.config import MASK_PENALTY
+    B = len(specs)
+    width = max(-(-(c + n) // bs) for c, n in specs)
+    blocks = B * width + 1
+    k_cache = np.zeros((blocks, bs, KV, D))
+    v_cache = np.zeros((blocks, bs, KV, D))
+    tables = np.arange(B * width, dtype=np.int32).reshape(B, width)
+    rows = {"q": [], "k": [], "v": [], "slot": [], "seq": [], "pos": []}
+    reference = []
+    for b, (cached, new) in enumerate(specs):
+        K = rng.standard_normal((cached + new, KV, D))
+        V = rng.standard_normal((cached + new, KV, D))
+        Q = rng.standard_normal((new, H, D))
+        for p in range(cached):
+            k_cache[tables[b, p // bs], p % bs] = K[p]
+            v_cache[tables[b, p // bs], p % bs] = V[p]
+        for j in range(new):
+            p = cached + j
+            rows["q"].append(Q[j])
+            rows["k"].append(K[p])
+            rows["v"].append(V[p])
+            rows["slot"].append(tables[b, p // bs] * bs + p % bs)
+            rows["seq"].append(b)
+            rows["pos"].append(p)
+            g = H // KV
+            scores = np.einsum("hd,lhd->hl", Q[j], np.repeat(K[: p + 1], g, axis=1)) * D ** -0.5
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            reference.append(np.einsum("hl,lhd->hd", w, np.repeat(V[: p + 1], g, axis=1)).reshape(-1))
+    T = len(rows["q"])
+    pos = np.array(rows["pos"])
+    n = np.array([new for _, new in specs])
+    paged = any(c for c, _ in specs)
+    if paged and n.max() > 1:
+        mask = np.where(np.arange(width * bs)[None, :] > pos[:, None], MASK_PENALTY, 0.0)
+    else:
+        mask = np.zeros((1, 1))
+    return {"q": np.array(rows["q"]).reshape(T, -1), "k": np.array(rows["k"]).reshape(T, -1),
+            "v": np.array(rows["v"]).reshape(T, -1), "slot_mapping": np.array(rows["slot"], np.int32),
+            "block_tables": tables, "batch_valid_length": np.array([c + n for c, n in specs], np.int32),
+            "q_seq_lens": n.astype(np.int32), "token_seq": np.array(rows["seq"], np.int32),
+            "token_len": (pos + 1).astype(np.int32), "attn_mask": mask, "k_cache": k_cache, "v_cache": v_cache,
+            "prefill": not paged, "reference": np.array(reference), "written": (np.array(rows["slot"]),
+                                                                              np.array(rows["k"]))}
+
+
+def _run_case(ops, conventions: dict, x: dict, H: int, KV: int, D: int, bs: int, dtype: str, phase: str):
+    """The attention of one case through the seam, compiled as a step: (output [T, H * D], the
+    key cache after the step), in numpy float64."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor, nn
+
+    mdt = getattr(ms, dtype)
+    seam = ops.with_conventions(conventions)
+
+    class Case(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.attention = seam.attention(H, KV, D, bs, mdt)
+            self.k_cache = Parameter(Tensor(x["k_cache"], mdt), name="k_cache")
+            self.v_cache = Parameter(Tensor(x["v_cache"], mdt), name="v_cache")
+            self.prefill = bool(x["prefill"])
+
+        def step(self, q, k, v, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len,
+                 attn_mask):
+            ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
+            return self.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.prefill)
+
+    case = Case()
+    case.set_train(False)
+    if ops.phases:
+        case.phase = phase
+    fn = ms.jit(case.step, **ops.jit_options)
+    i32 = ms.int32
+    out = fn(Tensor(x["q"], mdt), Tensor(x["k"], mdt), Tensor(x["v"], mdt), Tensor(x["slot_mapping"], i32),
+             Tensor(x["block_tables"], i32), Tensor(x["batch_valid_length"], i32), Tensor(x["q_seq_lens"], i32),
+             Tensor(x["token_seq"], i32), Tensor(x["token_len"], i32), Tensor(x["attn_mask"], mdt))
+    return _numpy(out), _numpy(case.k_cache.value())
+
+
+def _numpy(t) -> np.ndarray:
+    import mindspore as ms
+    return t.astype(ms.float32).asnumpy().astype(np.float64)
+
+
+def _error(got: np.ndarray, want: np.ndarray) -> float:
+    if got.shape != want.shape or not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
+
+
+def _attention_errors(ops, conventions: dict, cases: list[str], H, KV, D, bs, dtype, rng) -> dict[str, float]:
+    errors = {}
+    for name in cases:
+        x = _inputs(CASES[name], H, KV, D, bs, rng)
+        try:
+            got, _ = _run_case(ops, conventions, x, H, KV, D, bs, dtype, "prefill" if x["prefill"] else "increment")
+            errors[name] = _error(got, x["reference"])
+        except (RuntimeError, ValueError, TypeError):       # a kernel the card refuses: not this way
+            errors[name] = float("inf")
+    return errors
+
+
+def _cache_error(ops, H, KV, D, bs, dtype, rng) -> float:
+    """ReshapeAndCache: after a prefill step, the key cache holds each new key at its slot."""
+    x = _inputs(CASES["prefill"], H, KV, D, bs, rng)
+    try:
+        _, cache = _run_case(ops, {"FlashAttentionScore": "portable"}, x, H, KV, D, bs, dtype, "prefill")
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    slots, keys = x["written"]
+    got = cache.reshape(-1, KV, D)[slots]
+    return _error(got, keys.reshape(len(slots), KV, D))
+
+
+def _norm_error(ops, hidden: int, dtype: str, rng) -> float:
+    """RmsNorm of a few random rows against x / sqrt(mean(x^2) + eps) * gamma."""
+    import mindspore as ms
+    from mindspore import Tensor
+    eps = 1e-6
+    x = rng.standard_normal((4, hidden))
+    gamma = rng.uniform(0.5, 1.5, hidden)
+    want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * gamma
+    mdt = getattr(ms, dtype)
+    norm = ops.with_conventions({}).rms_norm_op(eps)
+    try:
+        got = _numpy(ms.jit(norm.construct, **ops.jit_options)(Tensor(x, mdt), Tensor(gamma, mdt)))
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    return _error(got, want)
+
+
+def check_device(ec, cfg, tp_size: int) -> tuple[dict, str]:
+    """`msinfer check-device`: the check at rank 0's shapes of a job (EngineConfig `ec`, model
+    `cfg`, tensor parallel `tp_size`), run afresh in this process, its verdicts cached for later
+    jobs; returns the results and their table."""
+    import mindspore as ms
+    from msinfer.sharding.layout import TPInfo, kv_head_range
+    from msinfer.worker import ascend
+    from msinfer.worker.ops import select_ops
+    ms.set_device("CPU" if ec.emulate else "Ascend")
+    ascend.set_variants(ec.emulate_variants if ec.emulate else ())
+    ops = select_ops(ec.device, ec.ops, emulate=ec.emulate)
+    lo, hi = kv_head_range(cfg, TPInfo(0, tp_size))
+    shapes = (cfg.num_heads // tp_size, hi - lo, cfg.head_dim, ec.block_size, ec.dtype)
+    results = check_kernels(ops, *shapes)
+    store(check_key(ops, *shapes), results)
+    rows = [("kernel", "convention", "max error", "seconds", "cases")]
+    rows += [(k, v["convention"], f"{v['max_error']:.2e}", f"{v['seconds']:.2f}", ", ".join(v["cases"]))
+             for k, v in results.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    H, KV, D, bs, dtype = shapes
+    head = (f"{ops.name}: {H} heads, {KV} KV heads, head_dim {D}, block_size {bs}, {dtype} (rank 0 of tp "
+            f"{tp_size}); tolerance {TOLERANCE[dtype]:g} of the reference's largest magnitude")
+    return results, head + "\n" + table

@@ -267,6 +267,9 @@ class EngineConfig:
     emulate_memory: int | None = None  # bytes an emulated card reports (emulated_memory)
     card: dict | None = None           # the card plan's figures (launcher.job.CardPlan.figures), for the summary
     card_env: dict = field(default_factory=dict)   # set on a card where unset (worker.device.card_environment)
+    # the fused kernels' start-up self-check (worker.kernel_check); False takes their documented
+    # conventions as they are: tests of the wiring on the emulated path, whose stand-ins follow them
+    kernel_check: bool = True
     tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
     trust_remote_code: bool = False
     expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced

@@ -142,7 +142,7 @@ BAD_RECORDS = [   # (input line, what the error message of its result says)
 
 def test_run_interrupt_and_run_again(cli, model, tmp_path):
     """A user's job: good records, bad ones (invalid JSON, no prompt, empty prompt, too long, not
-    UTF-8, text without a tokenizer) and a --set override. Ctrl-C in the middle (exit 130), then
+    UTF-8, text without a tokenizer) and a --set override. SIGTERM in the middle (exit 143), then
     the same command again: it skips what finished, computes the rest and exits 0; every record
     has exactly one result line, the bad ones an error naming their id and problem."""
     good = records(16)
@@ -155,10 +155,11 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
     proc = cli.start(*command)
     wait_for(lambda: job.output.exists() and job.output.read_bytes().count(b'"error": null') >= 2,
              120, "two results", proc)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)              # a scheduler's stop: as Ctrl-C (exit 130), with 143
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "running the same job again resumes" in said(err)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "PC: @" not in err and "terminated (SIGTERM)" in said(err)
+    assert "running the same job again resumes" in said(err)
     assert job.status()["state"] == "interrupted"
     kept = job.output.read_bytes()
     assert kept.endswith(b"\n")

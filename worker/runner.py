@@ -71,7 +71,7 @@ class ModelRunner:
         if problem := ops_problem(ec.device, ec.ops, ec.shapes):
             raise ValueError(problem)
         self.kernel_check = None
-        if hasattr(self.dev, "with_conventions"):        # Ascend's fused kernels: the card settles their conventions
+        if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
             self.kernel_check = self.check_kernels()
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size)

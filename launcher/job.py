@@ -495,9 +495,9 @@ class JobRun:
         self.sink(rec.id, done.line)
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()
-            if self.bar is not None:        # rates from here: start-up is not generation
+            if self.bar is not None and not self.bar.disable:     # rates from here: start-up is not generation
                 self.bar.set_description("msinfer")
-                self.bar.start_t = self.bar.last_print_t = self.bar._time()
+                self.bar.start_t = self.bar.last_print_t = time.time()      # tqdm's clock
                 self.bar.initial = self.bar.last_print_n = self.bar.n
         if self.stream is not None:
             self.stream.end(rec.id)

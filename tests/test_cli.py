@@ -275,7 +275,7 @@ def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_i
     assert f"stand-in results go to {stand_in}" in said(p)
     assert sorted(r["id"] for r in map(json.loads, stand_in.read_text().splitlines())) == [r["id"] for r in records(6)]
     assert not job.output.exists() and Path(f"{stand_in}.summary.json").exists()
-    p = cli.run("run", job.spec_path, "--no-progress")
+    p = cli.run("run", job.spec_path)               # with the progress bar (tqdm disables it off a terminal)
     assert p.returncode == 0, p.stderr
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     assert printed["records_done"] == 6 and printed["records_skipped"] == 0

@@ -87,44 +87,19 @@ def ray_get(ref):
     return ray.get(ref)
 
 
-def test_structured_outputs_at_tp3_follow_their_constraints(ray_local):
-    """Each of 3 ranks fills the grammar masks of its own vocabulary shard (llguidance, from the
-    tokenizer) and every rank feeds the token the collectives chose: greedy outputs that satisfy
-    a regex and a choice, through the engine over a tp 3 replica of the demo model."""
+def test_tp3_on_the_demo_model_answers_like_transformers_and_follows_structured_outputs(ray_local):
+    """SmolLM2 (9 heads, 3 KV heads) split over 3 workers, one KV head each, in one replica:
+    - greedy, it answers the capital of France with transformers' tokens;
+    - through the engine, each rank fills the grammar masks of its own vocabulary shard
+      (llguidance, from the tokenizer) and every rank feeds the token the collectives chose:
+      greedy outputs that satisfy a regex and a choice."""
     import re
+    import torch
+    import transformers
     from msinfer.launcher.job import plan_job
     from msinfer.launcher.spec import JobSpec
     from scripts.make_demo_model import ensure_demo_model
     from tests.engine_driver import run_engine
-
-    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 128},
-                                   "parallel": {"tensor_parallel": 3},
-                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
-                                   "sampling": {"max_new_tokens": 16},
-                                   "scheduler": {"max_batch_size": 2, "max_batched_tokens": 128}})
-    plan = plan_job(spec, check_io=False)
-    r = Replica(0, 3)
-    r.start(plan.engine)
-    try:
-        lines, _ = run_engine(plan, [
-            {"id": "regex", "prompt": "Write a time of day.",
-             "sampling": {"structured_outputs": {"regex": "[0-2][0-9]:[0-5][0-9]"}}},
-            {"id": "choice", "messages": [{"role": "user", "content": "Is Paris in France?"}],
-             "sampling": {"structured_outputs": {"choice": ["yes", "no"]}}}], r.workers)
-    finally:
-        pids = r.pids()
-        r.shutdown()
-    assert all(v["finish_reason"] == "stop" for v in lines.values()), lines
-    assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", lines["regex"]["output_text"])
-    assert lines["choice"]["output_text"] in ("yes", "no")
-    assert wait_gone(pids)
-
-
-def test_tp3_on_the_demo_model_answers_paris_like_transformers(ray_local):
-    """SmolLM2 (9 heads, 3 KV heads) split over 3 workers: one KV head each."""
-    import torch
-    import transformers
-    from scripts.make_demo_model import ensure_demo_model
 
     path = ensure_demo_model()
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -133,9 +108,21 @@ def test_tp3_on_the_demo_model_answers_paris_like_transformers(ray_local):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
+    spec = JobSpec.model_validate({"model": {"path": str(path), "max_model_len": 128},
+                                   "parallel": {"tensor_parallel": 3},
+                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+                                   "sampling": {"max_new_tokens": 16},
+                                   "scheduler": {"max_batch_size": 2, "max_batched_tokens": 128}})
+    plan = plan_job(spec, check_io=False)
     r = Replica(0, 3)
-    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=1))
+    r.start(plan.engine)
     try:
+        lines, engine = run_engine(plan, [
+            {"id": "regex", "prompt": "Write a time of day.",
+             "sampling": {"structured_outputs": {"regex": "[0-2][0-9]:[0-5][0-9]"}}},
+            {"id": "choice", "messages": [{"role": "user", "content": "Is Paris in France?"}],
+             "sampling": {"structured_outputs": {"choice": ["yes", "no"]}}}], r.workers)
+        r.submitted = engine.submitted          # the ranks run steps in the order of their index
         out = Driver(r).generate({0: prompt}, 10)[0]
         info = r.setup_info
     finally:
@@ -145,4 +132,7 @@ def test_tp3_on_the_demo_model_answers_paris_like_transformers(ray_local):
     assert out[:len(ref)] == ref            # transformers stops at EOS; the driver does not
     # each rank holds a third of the sharded weights plus the replicated norms
     assert len({i["param_bytes"] for i in info}) == 1
+    assert all(v["finish_reason"] == "stop" for v in lines.values()), lines
+    assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", lines["regex"]["output_text"])
+    assert lines["choice"]["output_text"] in ("yes", "no")
     assert wait_gone(pids)

@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
-from msinfer.worker.protocol import pack_step
+from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
 
 STEP_KINDS = ("prefill", "decode")
 # per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
@@ -91,6 +91,7 @@ class InFlight:
     is_prefill: bool
     submitted: float
     others: set                     # refs of ranks > 0 not yet seen to finish
+    outs: list | None = None        # pipeline stages: the last stage's rank 0 output per micro-batch
 
 
 def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: list[int] = ()) -> list:
@@ -102,6 +103,92 @@ def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: lis
     payload = pack_step(seqs, released)
     ref = ray.put(payload) if sum(not isinstance(w, LocalRank) for w in workers) > 1 else payload
     return [w.step.remote(payload if isinstance(w, LocalRank) else ref, is_prefill, index) for w in workers]
+
+
+def micro_batches(steps, parts: int) -> list:
+    """A step's sequences as up to `parts` contiguous micro-batches of near equal size (SeqSteps,
+    or a DecodeStep's columns with the block tables of its own sequences)."""
+    n = len(steps)
+    parts = max(1, min(parts, n))
+    cuts = [n * k // parts for k in range(parts + 1)]
+    if not isinstance(steps, DecodeStep):
+        return [steps[a:b] for a, b in zip(cuts, cuts[1:])]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        ids = steps.seq_ids[a:b]
+        out.append(DecodeStep(ids, steps.token_ids[a:b], steps.num_cached[a:b], steps.num_generated[a:b],
+                              {i: steps.tables[i] for i in ids if i in steps.tables}))
+    return out
+
+
+class Pipeline:
+    """The steps of a replica of pipeline stages (EngineConfig.pipeline): `workers` stage after
+    stage, `stages` groups of equal size. A step goes as micro-batches, one per stage (fewer
+    with fewer sequences), each through every stage in turn, so that stage s works on micro-batch
+    k while stage s+1 works on k-1. Everything moves by Ray's object references, not through
+    this process: a stage's call takes the stage before's rank 0 output (its hidden states) as an
+    argument, so Ray runs it once that exists and copies it worker to worker; the first stage's
+    call takes the last stage's outputs of the step before that sampled its SAMPLED tokens (async
+    scheduling), and waits for nothing else. Every rank runs its stage's micro-batches in the
+    order of their index (Worker.step)."""
+
+    def __init__(self, workers: list, stages: int):
+        self.workers, self.stages = list(workers), stages
+        self.tp = len(self.workers) // stages
+        self.index = 0
+        self.sampled_by: dict[int, object] = {}      # seq_id -> the last stage's output that sampled its token
+
+    def submit(self, steps, is_prefill: bool, released=()) -> tuple[list, list, list]:
+        """Starts one step: (the last stage's rank 0 output of each micro-batch, in order; the
+        calls of ranks > 0, which return None; the other stages' rank 0 outputs, hidden states
+        for the next stage, which nothing else fetches)."""
+        outs, others, relays = [], [], []
+        for k, part in enumerate(micro_batches(steps, self.stages)):
+            released_now = list(released) if k == 0 else []
+            for seq_id in released_now:
+                self.sampled_by.pop(seq_id, None)
+            payload = ray.put(pack_step(part, released_now))
+            ids = part.seq_ids if isinstance(part, DecodeStep) else [st.seq_id for st in part]
+            tokens = part.token_ids if isinstance(part, DecodeStep) else [st.token_ids for st in part]
+            deps = list({id(r): r for i, t in zip(ids, tokens) if t == SAMPLED or t == [SAMPLED]
+                         for r in [self.sampled_by.get(i)] if r is not None}.values())
+            before = deps
+            for st in range(self.stages):
+                ranks = self.workers[st * self.tp:(st + 1) * self.tp]
+                refs = [w.step.remote(payload, is_prefill, self.index, *before) for w in ranks]
+                others += refs[1:]
+                before = [refs[0]]
+                if st < self.stages - 1:
+                    relays.append(refs[0])
+            outs.append(before[0])
+            for i in ids:
+                self.sampled_by[i] = before[0]
+            self.index += 1
+        return outs, others, relays
+
+
+def merge_outputs(outs: list) -> StepOutput:
+    """The StepOutputs of a step's micro-batches as one, its sequences in order."""
+    if len(outs) == 1:
+        return outs[0]
+    tokens = [t for o in outs for t in o.token_ids]
+
+    def column(name):
+        if all(getattr(o, name) is None for o in outs):
+            return None
+        return [x for o in outs for x in (getattr(o, name) or [None] * len(o.token_ids))]
+    return StepOutput(tokens, column("logprobs"), column("scores"), sum(o.worker_s for o in outs),
+                      sum(o.model_s for o in outs), sum(o.host_bytes for o in outs))
+
+
+class MergedOutputs:
+    """A pipelined step's outputs as Replica.submit returns them: `get` merges them."""
+
+    def __init__(self, refs: list):
+        self.refs = refs
+
+    def get(self, timeout: float | None = None) -> StepOutput:
+        return merge_outputs(ray.get(self.refs, timeout=timeout))
 
 
 def describe(e: BaseException) -> str:
@@ -120,6 +207,7 @@ class Engine:
         from msinfer.launcher.tokenizer import load_tokenizer
 
         spec, ec = setup.spec, setup.engine_config
+        self.setup = setup
         self.index, self.stream = index, setup.stream
         tok = tokenizer if tokenizer is not False else load_tokenizer(spec.model.tokenizer_path,
                                                                       spec.model.trust_remote_code)
@@ -152,6 +240,8 @@ class Engine:
     def attach(self, workers: list) -> None:
         """Starts the loop on the replica's ranks (their actor handles, rank 0 first)."""
         self.workers, self.submitted = list(workers), 0
+        stages = max(1, len(self.setup.engine_config.pipeline))
+        self.pipeline = Pipeline(self.workers, stages) if stages > 1 else None
         self.thread = threading.Thread(target=self._loop, name=f"engine-{self.index}", daemon=True)
         self.thread.start()
 
@@ -268,6 +358,12 @@ class Engine:
             self._finished(rejected)
         if not steps:
             return False
+        if self.pipeline is not None:
+            outs, others, relays = self.pipeline.submit(steps, is_prefill, self.scheduler.take_released())
+            self.submitted = self.pipeline.index
+            self.in_flight.append(InFlight([*outs, *others, *relays], seqs, is_prefill, time.perf_counter(),
+                                           set(others), outs))
+            return True
         refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
         self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
@@ -277,6 +373,9 @@ class Engine:
         """Waits up to a second for the oldest step in flight; a rank > 0 that fails first fails
         the engine at once (its peers may be stuck in a collective with it)."""
         step = self.in_flight[0]
+        if step.outs is not None:
+            self._wait_pipelined(step)
+            return
         first = step.refs[0]
         if isinstance(first, Future):       # rank 0 is this process (LocalRank)
             ready = [first] if futures_wait([first], timeout=0.2 if step.others else 1.0).done else []
@@ -292,17 +391,38 @@ class Engine:
             out = fetch(first, self.step_timeout_s)
             if len(step.refs) > 1:
                 ray.get(step.refs[1:], timeout=self.step_timeout_s)
-            self.in_flight.popleft()
-            done = time.perf_counter()
-            figures = self.step_s["prefill" if step.is_prefill else "decode"]
-            for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s,
-                                   len(step.seqs), out.host_bytes)):
-                figures[i] += v
-            self.last_result = done
-            self._postprocess(step.seqs, out, done, step.is_prefill)
+            self._completed(step, out)
             return
+        self._check_timeout(step)
+
+    def _wait_pipelined(self, step: InFlight) -> None:
+        """_wait for a step of micro-batches (Pipeline): done when every call of it is; a failed
+        call of a rank > 0 fails the engine at once, one of a stage's rank 0 when the stages after
+        it fail for want of its output (its hidden states are not fetched here)."""
+        pending = [r for r in step.refs if r not in step.others] + list(step.others)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        for ref in ready:
+            if ref in step.others:
+                step.others.discard(ref)
+                ray.get(ref)                # raises a dead actor's or a failed task's error
+        if len(ready) == len(pending):
+            self._completed(step, merge_outputs(ray.get(step.outs, timeout=self.step_timeout_s)))
+            return
+        self._check_timeout(step)
+
+    def _check_timeout(self, step: InFlight) -> None:
         if time.perf_counter() - max(step.submitted, self.last_result) > self.step_timeout_s:
             raise TimeoutError(f"a step ran longer than fault.step_timeout_s={self.step_timeout_s:g}s")
+
+    def _completed(self, step: InFlight, out) -> None:
+        self.in_flight.popleft()
+        done = time.perf_counter()
+        figures = self.step_s["prefill" if step.is_prefill else "decode"]
+        for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s,
+                               len(step.seqs), out.host_bytes)):
+            figures[i] += v
+        self.last_result = done
+        self._postprocess(step.seqs, out, done, step.is_prefill)
 
     def _postprocess(self, seqs: list, out, now: float, is_prefill: bool) -> None:
         # a sequence that finished while this step was in flight (async scheduling: it stopped in
@@ -440,9 +560,12 @@ class EngineHost:
     process, calls rank 0's step without Ray, and answers the driver's calls."""
 
     def start_engine(self, setup: EngineSetup, index: int, peers: list) -> None:
-        """peers: the actor handles of ranks 1.. of the replica."""
+        """peers: the actor handles of ranks 1.. of the replica. With pipeline stages, this rank's
+        steps go through its own actor handle too: the next stage's call takes its output by
+        reference (Pipeline)."""
         self.engine = Engine(setup, index)
-        self.engine.attach([LocalRank(self.step), *peers])
+        me = ray.get_runtime_context().current_actor if setup.engine_config.pipeline else LocalRank(self.step)
+        self.engine.attach([me, *peers])
 
     def exchange(self, payload: bytes | None, more: bool) -> bytes:
         return self.engine.exchange(payload, more)

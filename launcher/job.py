@@ -26,8 +26,8 @@ from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_out
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, emulate_variants, emulated_memory,
                                     emulated_note, ops_problem, resolve_device, resolve_dtype)
-from msinfer.sharding.layout import (LayoutError, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
-                                    valid_tp_sizes)
+from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
+                                    stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
 from msinfer.worker.lora import check_adapter
 from msinfer.worker.positions import make_scheme
@@ -52,14 +52,15 @@ class Plan:
 
     def describe(self) -> str:
         s, m = self.spec, self.model
-        tp, dp = s.parallel.tensor_parallel, s.parallel.data_parallel
+        tp, dp, pp = s.parallel.tensor_parallel, s.parallel.data_parallel, s.parallel.pipeline_parallel
         gib = 1024 ** 3
+        stages = f" x pipeline stages {pp}" if pp > 1 else ""
         lines = [
             f"model       {s.model.path}",
             f"            {m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads} "
             f"(kv {m.num_kv_heads}, head_dim {m.head_dim}), vocab {m.vocab_size}, checkpoint "
             f"{self.checkpoint_bytes / gib:.2f} GiB",
-            f"parallel    {dp} replica(s) x tensor parallel {tp} = {dp * tp} worker(s) on {self.device}, "
+            f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}",
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
@@ -72,6 +73,13 @@ class Plan:
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
+        dbytes = 2 if self.engine.dtype in ("float16", "bfloat16") else 4
+        for st, (lo, hi) in enumerate(self.engine.pipeline):
+            stage = Stage.of(self.engine.pipeline, st)
+            held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
+            lines.append(f"stage {st:<5} layers {lo}-{hi - 1} ({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
+                         + f": weights {bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage) / gib:.3f}"
+                         f" GiB + KV cache {kv_block_bytes(m, tp, self.engine.block_size, dbytes, hi - lo) * (self.engine.blocks() + 1) / gib:.3f} GiB per rank")
         if self.tokenizer is not None:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
@@ -168,9 +176,22 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
             f"{have / gib:.1f} GiB")
 
 
-def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int) -> int:
-    """K and V of every layer for one cache block, on one rank."""
-    return 2 * m.num_layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
+def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int, layers: int | None = None) -> int:
+    """K and V of every layer (of `layers` layers: a pipeline stage's) for one cache block, on one rank."""
+    layers = m.num_layers if layers is None else layers
+    return 2 * layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
+
+
+def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple) -> int:
+    """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
+    one-stage replica holds as much)."""
+    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st)) for st in range(max(1, len(pipeline))))
+
+
+def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
+    """The decoder layers of the replica's largest pipeline stage (all of them with one stage):
+    every stage holds the same number of KV blocks, so the largest one's bound them."""
+    return max((hi - lo for lo, hi in engine.pipeline), default=m.num_layers)
 
 
 @dataclass(frozen=True)
@@ -228,7 +249,7 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
     if blocks > fits or fits < one_seq:
         need = blocks if engine.num_blocks else one_seq
         larger = (t for t in valid_tp_sizes(m, ep=p.expert_parallel) if t > tp)
-        fit = next(((t, w) for t in larger for w in [bytes_per_rank(m, t, dbytes, p.expert_parallel)]
+        fit = next(((t, w) for t in larger for w in [stage_weight_bytes(m, t, dbytes, p.expert_parallel, engine.pipeline)]
                     if card_room(spec, m, engine, t, w, dbytes, memory, runtime)[2] >= need), None)
         card = (f"the card's measured {memory / gib:.3g} GiB ({in_use / gib:.2f} GiB of it in use before msinfer "
                 f"started)" if measured else f"a {memory / gib:.3g} GiB card")
@@ -268,7 +289,7 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
     # whole rows gathered once for a step whose sampling changes its logits on the host
     activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
-    block = kv_block_bytes(m, tp, engine.block_size, dbytes)
+    block = kv_block_bytes(m, tp, engine.block_size, dbytes, largest_stage(m, engine))
     return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
@@ -283,6 +304,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
     check_tp(m, tp, ep)
+    pipeline = stage_layers(m.num_layers, spec.parallel.pipeline_parallel, spec.parallel.pipeline_layers)
     plans = plan_tensors(m, tp, ep)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
@@ -316,18 +338,19 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
                           allow_pickle=spec.model.allow_pickle, ops=spec.model.ops, shapes=spec.model.shapes,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path,
-                          trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep)
+                          trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
-    weight_bytes = bytes_per_rank(m, tp, dbytes, ep)
+    weight_bytes = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
     card = None
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
-    kv = kv_block_bytes(m, tp, engine.block_size, dbytes) * (engine.blocks() + 1)      # + the scratch block
+    kv = kv_block_bytes(m, tp, engine.block_size, dbytes, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
     if engine.on_cpu and weights:
-        ranks_here = tp * spec.parallel.data_parallel if not spec.ray.address else tp
+        pp = spec.parallel.pipeline_parallel
+        ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp
         if problem := host_memory_problem(ranks_here, weight_bytes, kv):
             raise LayoutError(f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                               f"scheduler.max_batch_size or model.max_model_len")
@@ -589,7 +612,7 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     from msinfer.launcher.engine import EngineSetup
 
     spec = plan.spec
-    tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
+    tp, dp, pp = spec.parallel.tensor_parallel, spec.parallel.data_parallel, spec.parallel.pipeline_parallel
     # one replica on an embedded Ray: its engine in this process (launcher.engine.LocalEngine)
     local = dp == 1 and not spec.ray.address
     cfg = dict(
@@ -599,7 +622,8 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
         tensor_parallel=tp, data_parallel=dp, device=plan.device,
         placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
-        threads_per_worker=threads_per_worker(tp * dp if not spec.ray.address else tp) if plan.engine.on_cpu else 0,
+        threads_per_worker=threads_per_worker(tp * pp * dp if not spec.ray.address else tp) if plan.engine.on_cpu
+        else 0,
         max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
         startup_timeout_s=spec.fault.startup_timeout_s,
         card_planner=card_replanner(plan) if plan.card is not None and simulate is None else None)
@@ -644,14 +668,14 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
 
     spec = plan.spec
     started_ray = not ray.is_initialized()
-    workers = spec.parallel.tensor_parallel * spec.parallel.data_parallel
+    workers = spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel * spec.parallel.data_parallel
     init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
              npus=workers if plan.engine.emulate and simulate is None else 0)
     controller = make_controller(plan, simulate, stream)
     controller.on_stage = on_stage
     try:
         if plan.device == "ascend" and simulate is None:
-            check_npus(spec.parallel.tensor_parallel, spec.ray.address)
+            check_npus(spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel, spec.ray.address)
         controller.start()
     except BaseException:
         if started_ray:
@@ -720,17 +744,17 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             ray.shutdown()
 
 
-def check_npus(tp: int, address: str | None) -> None:
+def check_npus(ranks: int, address: str | None) -> None:
     """Fails in seconds where the Ray cluster advertises fewer NPUs than one replica needs:
     placement would otherwise wait fault.startup_timeout_s for cards that are not there."""
     import ray
     from msinfer.launcher.replica import LaunchError
     have = int(ray.cluster_resources().get("NPU", 0))
-    if have < tp:
+    if have < ranks:
         where = f"the Ray cluster at {address}" if address else "this machine's embedded Ray"
         raise LaunchError(
             f"parallel.device is ascend, but {where} advertises {have} 'NPU' resource(s), and a replica of "
-            f"tensor_parallel {tp} needs {tp}. Start Ray's nodes on Ascend machines (Ray finds "
+            f"{ranks} ranks (tensor_parallel x pipeline_parallel) needs {ranks}. Start Ray's nodes on Ascend machines (Ray finds "
             f"the cards through CANN; scripts/msinfer-node.sh), set parallel.device: cpu, or set "
             f"{EMULATE_ENV}=1 to run the Ascend path emulated on the CPU")
 

@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from msinfer.launcher.engine import LocalEngine, engine_host, submit_step
+from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine_host, submit_step
 from msinfer.worker.actor import CommScheduler, Worker
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -158,8 +158,11 @@ class Replica:
     card_planner: object = None
     workers: list = field(default_factory=list)
     engine: object = None               # its engine: rank 0's actor handle, or a LocalEngine
-    scheduler: object = None
-    pg: object = None
+    scheduler: object = None            # stage 0's MindSpore scheduler actor (tp > 1)
+    schedulers: list = field(default_factory=list)     # every stage's
+    pgs: list = field(default_factory=list)            # a placement group per pipeline stage
+    pp: int = 1                         # pipeline stages (EngineConfig.pipeline)
+    pipeline: object = None             # launcher.engine.Pipeline of `submit`
     ranks: list = field(default_factory=list)
     setup_info: list = field(default_factory=list)
     submitted: int = 0                  # steps submitted: the next one's index (Worker.step)
@@ -171,44 +174,59 @@ class Replica:
 
     def start(self, engine_config) -> list[dict]:
         """Places the group, starts its communication cluster, loads every rank's shard. Each stage
-        must end within startup_timeout_s, or StartupTimeout names the ranks and the stage."""
+        must end within startup_timeout_s, or StartupTimeout names the ranks and the stage.
+        With pipeline stages (engine_config.pipeline), each stage is a group of tp_size ranks of
+        its own: its own placement group (packed on one node with `pack`), its own MindSpore
+        cluster; `workers` lists them stage after stage."""
         strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
+        self.pp = pp = max(1, len(engine_config.pipeline))
+        tp = self.tp_size
         self._announce("placing workers")
-        self.pg = placement_group([self.bundle() for _ in range(self.tp_size)], strategy=strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.startup_timeout_s)
-        if not ready:
+        self.pgs = [placement_group([self.bundle() for _ in range(tp)], strategy=strategy) for _ in range(pp)]
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=pp, timeout=self.startup_timeout_s)
+        if len(ready) < pp:
             need = self.bundle()
             raise StartupTimeout(
-                f"replica {self.index}: Ray could not place {self.tp_size} workers of {need} "
-                f"({strategy}) within fault.startup_timeout_s={self.startup_timeout_s:g}s; cluster resources: "
-                f"{ray.cluster_resources()}")
+                f"replica {self.index}: Ray could not place {tp * pp} workers of {need} "
+                f"({strategy}{f', {pp} stages of {tp}' if pp > 1 else ''}) within fault.startup_timeout_s="
+                f"{self.startup_timeout_s:g}s; cluster resources: {ray.cluster_resources()}")
 
-        def on(bundle):
-            return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+        def on(stage, bundle):
+            return PlacementGroupSchedulingStrategy(self.pgs[stage], placement_group_bundle_index=bundle)
 
         local = self.engine_setup is not None and self.engine_setup.local
         hosted = self.engine_setup is not None and not local       # the engine in rank 0's process
-        classes = [ray.remote(engine_host(self.worker_cls) if hosted and r == 0 else self.worker_cls)
-                   for r in range(self.tp_size)]
         res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
-        self.submitted = 0
-        # 2 steps in flight + a query; rank 0 with an engine: an exchange and queries (its steps are local calls)
-        self.workers = [cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(r),
-                                    max_concurrency=4 if hosted and r == 0 else 3, **res)
-                        .remote(r, self.tp_size, self.device, self.threads_per_worker, **self.worker_options)
-                        for r, cls in enumerate(classes)]
-        host = port = None
-        if self.tp_size > 1 and self.worker_cls.communicates:
-            self.scheduler = ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(0)) \
-                .remote(self.tp_size)
-            host, port = self._stage("its communication scheduler's start", [self.scheduler.start.remote()])[0]
+        self.submitted, self.pipeline = 0, None
+        # 2 steps in flight (of up to pp micro-batches each, launcher.engine.Pipeline) + a query;
+        # rank 0 with an engine: an exchange and queries (its steps are local calls without stages)
+        calls = 2 * pp + 1
+        self.workers = []
+        for st in range(pp):
+            for r in range(tp):
+                host = hosted and st == 0 and r == 0
+                cls = ray.remote(engine_host(self.worker_cls) if host else self.worker_cls)
+                self.workers.append(cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(st, r),
+                                                max_concurrency=calls + (1 if host else 0), **res)
+                                    .remote(r, tp, self.device, self.threads_per_worker, **self.worker_options))
+        addresses = [(None, None)] * pp
+        if tp > 1 and self.worker_cls.communicates:
+            self.schedulers = [ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(st, 0))
+                               .remote(tp) for st in range(pp)]
+            self.scheduler = self.schedulers[0]
+            addresses = self._stage("its communication scheduler's start", [c.start.remote() for c in self.schedulers])
         self.ranks = self._stage("process start", [w.info.remote() for w in self.workers])
-        if port is not None:            # in the status file: where this group's scheduler listens
-            for r in self.ranks:
+        for i, r in enumerate(self.ranks):
+            if pp > 1:
+                r["stage"] = i // tp
+            host, port = addresses[i // tp]
+            if port is not None:            # in the status file: where this group's scheduler listens
                 r["ms_scheduler"] = f"{host}:{port}"
+        configs = [dataclasses.replace(engine_config, stage=i // tp) if pp > 1 else engine_config
+                   for i in range(len(self.workers))]
         self._stage("device and communication init",
-                    [w.join.remote(engine_config, host, port) for w in self.workers])
-        if port is not None:
+                    [w.join.remote(configs[i], *addresses[i // tp]) for i, w in enumerate(self.workers)])
+        if addresses[0][1] is not None:
             self._stage("communication pre-flight", [w.preflight.remote() for w in self.workers])
         setup = self.engine_setup
         if self.card_planner is not None:
@@ -218,12 +236,14 @@ class Replica:
                 engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
                                                   cards[0]["source"])
                 setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
+                configs = [dataclasses.replace(engine_config, stage=i // tp) if pp > 1 else engine_config
+                           for i in range(len(self.workers))]
         if local:
             self.engine = LocalEngine(setup, self.index, self.tokenizer)
-        loads = [w.load.remote(engine_config) for w in self.workers]
+        loads = [w.load.remote(configs[i]) for i, w in enumerate(self.workers)]
         if hosted:      # its tokenizer loads while the weights do
             loads.append(self.workers[0].start_engine.remote(setup, self.index, self.workers[1:]))
-        self.setup_info = self._stage("load" + (" and its engine's start" if hosted else ""), loads)[:self.tp_size]
+        self.setup_info = self._stage("load" + (" and its engine's start" if hosted else ""), loads)[:len(self.workers)]
         if local:
             self.engine.engine.attach(self.workers)
         elif hosted:
@@ -242,20 +262,35 @@ class Replica:
             late = [r for r, ref in enumerate(refs) if ref in pending]
             nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})
             where = f" (on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
+            tp = self.tp_size
+            names = ", ".join(f"stage {r // tp} rank {r % tp}" if getattr(self, "pp", 1) > 1 and r < tp * self.pp
+                              else str(r) for r in late)
             raise StartupTimeout(
-                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}{where} did not "
+                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {names}{where} did not "
                 f"finish {stage} within fault.startup_timeout_s={self.startup_timeout_s:g}s (a hung HCCL/MCCL "
                 f"init, an unreachable node or a stalled load); the job stops")
         return ray.get(refs)
 
     def submit(self, seqs, is_prefill: bool) -> list:
         """Starts one step on every rank (launcher.engine.submit_step), from the caller's process:
-        `msinfer bench` and the measuring scripts, which drive steps without an engine."""
+        `msinfer bench` and the measuring scripts, which drive steps without an engine. With
+        pipeline stages, its micro-batches (launcher.engine.Pipeline); element 0 resolves to their
+        StepOutputs, merged."""
+        if self.pp > 1:
+            if self.pipeline is None or self.pipeline.index != self.submitted:     # a new start
+                self.pipeline = Pipeline(self.workers, self.pp)
+            outs, others, relays = self.pipeline.submit(seqs, is_prefill)
+            self.submitted = self.pipeline.index
+            return [MergedOutputs(outs), *others]     # a relay that fails fails the outputs after it
         index, self.submitted = self.submitted, self.submitted + 1
         return submit_step(self.workers, seqs, is_prefill, index)
 
     def step(self, seqs, is_prefill: bool):
-        return ray.get(self.submit(seqs, is_prefill))[0]
+        refs = self.submit(seqs, is_prefill)
+        if isinstance(refs[0], MergedOutputs):
+            ray.get(refs[1:])
+            return refs[0].get()
+        return ray.get(refs)[0]
 
     def pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]
@@ -263,18 +298,18 @@ class Replica:
     def shutdown(self) -> None:
         if isinstance(self.engine, LocalEngine):
             self.engine.kill()
-        for a in [*self.workers, self.scheduler]:
+        for a in [*self.workers, *self.schedulers]:
             if a is not None:
                 try:
                     ray.kill(a, no_restart=True)
                 except Exception:  # already dead
                     pass
-        if self.pg is not None:
+        for pg in self.pgs:
             try:
-                remove_placement_group(self.pg)
+                remove_placement_group(pg)
             except Exception:
                 pass
-        self.workers, self.scheduler, self.pg, self.engine = [], None, None, None
+        self.workers, self.scheduler, self.schedulers, self.pgs, self.engine = [], None, [], [], None
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:

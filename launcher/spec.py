@@ -96,6 +96,22 @@ class ParallelSpec(Section):
     expert_parallel: bool = False        # a mixture of experts: whole experts per rank instead of slices of each
     device_memory_gb: float | None = Field(None, gt=0)   # an accelerator card's memory; None: 64 on Ascend
     memory_fraction: float = Field(0.9, gt=0, le=1)       # of it for weights, KV cache, activations, runtime
+    # a replica as pipeline stages of tensor_parallel ranks each, a contiguous run of decoder layers
+    # per stage (sharding.layout.stage_layers); pipeline_layers: each stage's count, else an even split
+    pipeline_parallel: int = Field(1, ge=1)
+    pipeline_layers: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _stages(self) -> ParallelSpec:
+        layers, pp = self.pipeline_layers, self.pipeline_parallel
+        if layers is None:
+            return self
+        if len(layers) != pp:
+            raise ValueError(f"pipeline_layers has {len(layers)} entries for pipeline_parallel {pp}: one layer count "
+                             f"per stage")
+        if min(layers) < 1:
+            raise ValueError(f"pipeline_layers {layers}: every stage needs at least one decoder layer")
+        return self
 
 
 class InputSpec(Section):

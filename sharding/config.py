@@ -273,6 +273,10 @@ class EngineConfig:
     tokenizer_path: str | None = None  # for structured outputs' grammars (None: model_dir)
     trust_remote_code: bool = False
     expert_parallel: bool = False      # a MoE model's experts whole per rank (sharding.layout), not sliced
+    # pipeline parallel: each stage's [lo, hi) decoder layers (sharding.layout.stage_layers; () for
+    # one stage), and which of them this rank's stage is
+    pipeline: tuple = ()
+    stage: int = 0
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)

@@ -42,6 +42,60 @@ class TPInfo:
         return 0, cfg.num_experts, cfg.moe_intermediate_size // self.size
 
 
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage: decoder layers [lo, hi) of the model; the first stage also holds
+    the embedding, the last the final norm, the LM head and the sampler (both, with one stage)."""
+    index: int = 0
+    count: int = 1
+    lo: int = 0
+    hi: int | None = None            # None: to the last layer
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.lo, num_layers if self.hi is None else self.hi)
+
+    @staticmethod
+    def of(ranges, index: int) -> "Stage":
+        """Stage `index` of a split (stage_layers' ranges; empty: one stage of every layer)."""
+        if not ranges:
+            return Stage()
+        lo, hi = ranges[index]
+        return Stage(index, len(ranges), lo, hi)
+
+
+def stage_layers(num_layers: int, pp: int, layers=None) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) decoder layers of each of pp stages: `layers` (a count per stage, as
+    parallel.pipeline_layers gives them), else an even split with the remainder on the later
+    stages (the first holds the embedding, the last the LM head). () for one stage."""
+    if layers is not None:
+        if len(layers) != pp or min(layers) < 1:
+            raise LayoutError(f"parallel.pipeline_layers {list(layers)}: expected {pp} counts of at least 1 layer")
+        if sum(layers) != num_layers:
+            raise LayoutError(f"parallel.pipeline_layers {list(layers)} adds up to {sum(layers)} layers; the model "
+                              f"has {num_layers}")
+        sizes = list(layers)
+    else:
+        if pp > num_layers:
+            raise LayoutError(f"parallel.pipeline_parallel {pp} is more stages than the model's {num_layers} "
+                              f"decoder layers")
+        base, extra = divmod(num_layers, pp)
+        sizes = [base + (s >= pp - extra) for s in range(pp)]
+    if pp == 1:
+        return ()
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
 def divisors_problem(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
     problems = []
     if cfg.num_heads % tp:
@@ -105,10 +159,12 @@ class TensorPlan:
     rank_shape: tuple[int, ...]
 
 
-def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False) -> list[TensorPlan]:
+def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage = Stage()) -> list[TensorPlan]:
     """Every tensor of the checkpoint a rank may load, with its split dim and rank-0 shape (all
     ranks hold equal sizes). Expert parallel: an expert's tensors are whole on the rank that holds
-    it, and rank 0's shape of another rank's expert is empty."""
+    it, and rank 0's shape of another rank's expert is empty. `stage`: only its layers, the
+    embedding on the first stage, the final norm and LM head on the last (a tied LM head is the
+    embedding's tensor, loaded there too)."""
     check_tp(cfg, tp_size, ep)
     t0 = TPInfo(0, tp_size, ep)
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -116,12 +172,14 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False) -> list[Tenso
     kv_lo, kv_hi = kv_head_range(cfg, t0)
     kv_out, kv_rank = cfg.num_kv_heads * D, (kv_hi - kv_lo) * D
     _, _, vocab_rank = vocab_shard(cfg.vocab_size, t0)
-    plans = [TensorPlan("model.embed_tokens.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))]
+    plans = []
 
     def add(name, full, dim, rank_shape):
         plans.append(TensorPlan(name, full, dim, rank_shape))
 
-    for i in range(cfg.num_layers):
+    if stage.first or (stage.last and cfg.tie_word_embeddings):
+        add("model.embed_tokens.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
+    for i in stage.layers(cfg.num_layers):
         p = f"model.layers.{i}."
         add(p + "self_attn.q_proj.weight", (q_out, H), 0, (q_out // tp_size, H))
         for kv in ("k", "v"):
@@ -142,9 +200,10 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False) -> list[Tenso
             add_mlp(plans, cfg, p + "mlp.", I, tp_size)
         add(p + "input_layernorm.weight", (H,), None, (H,))
         add(p + "post_attention_layernorm.weight", (H,), None, (H,))
-    add("model.norm.weight", (H,), None, (H,))
-    if not cfg.tie_word_embeddings:
-        add("lm_head.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
+    if stage.last:
+        add("model.norm.weight", (H,), None, (H,))
+        if not cfg.tie_word_embeddings:
+            add("lm_head.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
     return plans
 
 
@@ -178,10 +237,11 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 
 
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
-                   experts: bool | None = None) -> int:
-    """Bytes of the weights one rank holds; experts True / False: only the experts' / all but them."""
+                   experts: bool | None = None, stage: Stage = Stage()) -> int:
+    """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
+    all but them."""
     total = 0
-    for p in plan_tensors(cfg, tp_size, ep):
+    for p in plan_tensors(cfg, tp_size, ep, stage):
         if experts is not None and (".experts." in p.name) != experts:
             continue
         n = 1

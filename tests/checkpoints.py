@@ -25,6 +25,9 @@ VARIANTS = {
                                                           num_experts=6, num_experts_per_tok=4, norm_topk_prob=False,
                                                           moe_intermediate_size=24, shared_expert_intermediate_size=96,
                                                           tie_word_embeddings=True)),
+    # five layers, tied embeddings: pipeline stages of uneven size (tests/test_pipeline.py)
+    "qwen2_tied_5_layers": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                                num_hidden_layers=5)),
 }
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -75,7 +75,7 @@ def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulatio
     t0 = time.monotonic()
     p = cli.run("run", job.spec_path, "--no-progress", env={"MSINFER_ASCEND_EMULATE": ""})
     assert p.returncode == 2, p.stderr
-    assert "this machine's embedded Ray advertises 0 'NPU' resource(s), and a replica of tensor_parallel 1 needs 1" \
+    assert "this machine's embedded Ray advertises 0 'NPU' resource(s), and a replica of 1 ranks (tensor_parallel x pipeline_parallel) needs 1" \
         in said(p) and "MSINFER_ASCEND_EMULATE=1" in said(p)
     assert time.monotonic() - t0 < 60 and job.status()["state"] == "failed"
 

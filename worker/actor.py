@@ -125,17 +125,23 @@ class Worker:
                 "dtype": self.runner.dtype, **({"kernel_check": self.runner.kernel_check}
                                                if self.runner.kernel_check is not None else {})}
 
-    def step(self, seqs: bytes, is_prefill: bool, index: int = -1) -> StepOutput | None:
+    def step(self, seqs: bytes, is_prefill: bool, index: int = -1, *inputs: StepOutput) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
         async scheduling two steps are in flight and the actor has threads for both: each waits for
-        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step)."""
+        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step).
+        A pipeline stage's `inputs` (launcher.engine.Pipeline): the stage before's rank 0 output
+        (its hidden states), or for the first stage the last stage's outputs of the step before
+        (the tokens of its SAMPLED inputs)."""
         seqs, released = unpack_step(seqs)
+        hidden = next((o.hidden for o in inputs if o.hidden is not None), None)
+        sampled = {k: v for o in inputs if o.sampled for k, v in o.sampled.items()}
         with self.turn:
             if index >= 0:
                 self.turn.wait_for(lambda: self.next_index == index)
             try:
                 # every rank samples (the same tokens: the logits are whole on each) for SAMPLED
-                out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0, released=released)
+                out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0, released=released,
+                                       hidden=hidden, sampled=sampled)
             finally:
                 if index >= 0:
                     self.next_index = index + 1

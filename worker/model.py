@@ -19,7 +19,7 @@ from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
                                      VocabParallelEmbedding, new_param)
-from msinfer.sharding.layout import TPInfo
+from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
 
@@ -207,18 +207,28 @@ class CausalLM(nn.Cell):
     [M] int32 computed in the same graph (a greedy step needs no other)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, freq_matrix: np.ndarray,
-                 block_size: int = 16):
+                 block_size: int = 16, stage: Stage = Stage()):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
+        self.stage = stage
+        # a pipeline stage but the first takes the stage before's hidden states (`hidden`), and one
+        # but the last returns its own, [N, hidden_size] float32, instead of logits
+        self.first, self.last = stage.first, stage.last
+        self.layer_ids = stage.layers(cfg.num_layers)
+        self.embed_tokens = self.norm = self.lm_head = self.sampler = self.scorer = None
+        if self.first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
         self.layers = nn.CellList([(SparseDecoderLayer if cfg.is_sparse(i) else DecoderLayer)(
-            cfg, tp, dtype, dev, num_blocks, block_size) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
-        tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied, linear=dev.linear_op)
-        self.sampler = VocabSampler(cfg.vocab_size, tp, kernels=dev.sampler_kernels)     # its greedy pick
-        # score_top's: the PROMPT_TOP most likely tokens of each scored row
-        self.scorer = VocabSampler(cfg.vocab_size, tp, PROMPT_TOP, PROMPT_TOP, kernels=dev.sampler_kernels)
+            cfg, tp, dtype, dev, num_blocks, block_size) for i in self.layer_ids])
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
+            # tied: the embedding's weight; on a last stage without the embedding, a copy of its own
+            tied = self.embed_tokens if cfg.tie_word_embeddings and self.first else None
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied,
+                                          linear=dev.linear_op)
+            self.sampler = VocabSampler(cfg.vocab_size, tp, kernels=dev.sampler_kernels)     # its greedy pick
+            # score_top's: the PROMPT_TOP most likely tokens of each scored row
+            self.scorer = VocabSampler(cfg.vocab_size, tp, PROMPT_TOP, PROMPT_TOP, kernels=dev.sampler_kernels)
         # [P, head_dim/2]: which position component drives each rotary frequency, times inv_freq.
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
@@ -228,8 +238,8 @@ class CausalLM(nn.Cell):
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-                token_len, attn_mask, out_index, prefill: bool):
-        x = self.embed_tokens(input_ids)
+                token_len, attn_mask, out_index, prefill: bool, hidden=None):
+        x = self.embed_tokens(input_ids) if self.first else hidden.astype(self.dtype)
         angles = ops.matmul(positions, self.freq_matrix)                 # [N, D/2]
         cos, sin = ops.cos(angles).astype(self.dtype), ops.sin(angles).astype(self.dtype)
         rope_q = self.dev.rope_tables(cos, sin, self.heads)
@@ -237,25 +247,31 @@ class CausalLM(nn.Cell):
         ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
         for layer in self.layers:
             x = layer(x, rope_q, rope_k, ctx, prefill)
+        if not self.last:
+            return x.astype(ms.float32)
         x = self.norm(self.dev.rows(x, out_index))
         return self.lm_head(x).astype(ms.float32)
 
     def prefill(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-                token_len, attn_mask, out_index):
+                token_len, attn_mask, out_index, hidden=None):
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                              token_seq, token_len, attn_mask, out_index, True)
+                              token_seq, token_len, attn_mask, out_index, True, hidden)
+        if not self.last:                   # the stage's hidden states
+            return logits
         return logits, self.sampler.greedy(logits)
 
     def decode(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-               token_len, attn_mask, out_index):
+               token_len, attn_mask, out_index, hidden=None):
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                              token_seq, token_len, attn_mask, out_index, False)
+                              token_seq, token_len, attn_mask, out_index, False, hidden)
+        if not self.last:
+            return logits
         return logits, self.sampler.greedy(logits)
 
     construct = decode
 
     def score(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-              token_len, attn_mask, out_index, score_index, targets):
+              token_len, attn_mask, out_index, score_index, targets, hidden=None):
         """A prefill (of the decode kind: its sequences may have cached tokens) that also scores:
         returns (logits [M, per] at out_index and their greedy tokens, as `decode` returns them;
         log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The log-softmax and
@@ -263,17 +279,17 @@ class CausalLM(nn.Cell):
         back S floats, not S x vocab logits."""
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
+                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
         return logits[:m], self.sampler.greedy(logits[:m]), self.sampler.score(logits[m:], targets)
 
     def score_top(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-                  token_len, attn_mask, out_index, score_index, targets):
+                  token_len, attn_mask, out_index, score_index, targets, hidden=None):
         """`score` with the alternatives of `prompt_logprobs: k`: the third output is [S, 1 + 2
         PROMPT_TOP], per scored row log p(target), the PROMPT_TOP largest log-probabilities and
         their tokens (float32), as the sampler's `figures`."""
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False)
+                              token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
         _, figures = self.scorer.greedy_logprobs(logits[m:])
         return (logits[:m], self.sampler.greedy(logits[:m]),
                 ops.concat((self.sampler.score(logits[m:], targets).expand_dims(-1), figures[:, 1:]), -1))
@@ -311,7 +327,7 @@ class CausalLM(nn.Cell):
     def named_loaders(self):
         """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""
         table = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_ids, self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for s in ("q", "k", "v"):
@@ -324,8 +340,12 @@ class CausalLM(nn.Cell):
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 cell = getattr(layer, norm)
                 table[p + f"{norm}.weight"] = (cell, cell.weight, None)
-        table["model.embed_tokens.weight"] = (self.embed_tokens, self.embed_tokens.weight, None)
-        table["model.norm.weight"] = (self.norm, self.norm.weight, None)
-        if not self.cfg.tie_word_embeddings:
-            table["lm_head.weight"] = (self.lm_head, self.lm_head.weight, None)
+        if self.first:
+            table["model.embed_tokens.weight"] = (self.embed_tokens, self.embed_tokens.weight, None)
+        elif self.last and self.cfg.tie_word_embeddings:     # the last stage's copy of the tied embedding
+            table["model.embed_tokens.weight"] = (self.lm_head, self.lm_head.weight, None)
+        if self.last:
+            table["model.norm.weight"] = (self.norm, self.norm.weight, None)
+            if not self.cfg.tie_word_embeddings:
+                table["lm_head.weight"] = (self.lm_head, self.lm_head.weight, None)
         return table

@@ -99,6 +99,11 @@ class StepOutput:
     worker_s: float = 0.0             # the step on rank 0, from its call to its return
     model_s: float = 0.0              # of which on the device: the network and the sampler, to their outputs in numpy
     host_bytes: int = 0               # copied from the device to the host in the step, on rank 0
+    # pipeline parallel: a stage but the last returns its hidden states ([tokens, hidden] float32,
+    # the step's tokens in order) for the next stage instead of tokens; the last stage returns the
+    # tokens it sampled by sequence (seq_id -> token) as well, for the first stage's SAMPLED
+    hidden: object = None
+    sampled: dict | None = None
 
 
 @dataclass

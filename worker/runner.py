@@ -16,7 +16,7 @@ import types
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, ops_problem, resolve_dtype
-from msinfer.sharding.layout import TPInfo
+from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
@@ -73,8 +73,9 @@ class ModelRunner:
         self.kernel_check = None
         if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
             self.kernel_check = self.check_kernels()
+        self.stage = Stage.of(ec.pipeline, ec.stage)
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
-                              self.scheme.freq_matrix(self.cfg), self.block_size)
+                              self.scheme.freq_matrix(self.cfg), self.block_size, self.stage)
         self.model.set_train(False)
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
             self.load_stats = {"tensors": 0, "bytes": 0}
@@ -85,8 +86,9 @@ class ModelRunner:
         self.load_s = time.perf_counter() - t0
         # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both
         # kinds, so their prefill steps run the decode graph.
-        kinds = {"prefill": self.model.prefill, "decode": self.model.decode, "score": self.model.score,
-                 "score_top": self.model.score_top}
+        kinds = {"prefill": self.model.prefill, "decode": self.model.decode}
+        if self.stage.last:                      # the stages before it only pass hidden states on
+            kinds.update(score=self.model.score, score_top=self.model.score_top)
         if self.dev.fused_attention:
             kinds["prefill"] = self.model.decode
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
@@ -129,9 +131,10 @@ class ModelRunner:
         from msinfer.worker.model import SCORE_INPUTS, STEP_INPUTS
         ms = self.ms
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
-                "attn_mask": ([None, None], getattr(ms, self.dtype))}
-        return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32))
-                                       for n in (SCORE_INPUTS if kind.startswith("score") else STEP_INPUTS)})
+                "attn_mask": ([None, None], getattr(ms, self.dtype)),
+                "hidden": ([None, self.cfg.hidden_size], ms.float32)}
+        names = (SCORE_INPUTS if kind.startswith("score") else STEP_INPUTS) + (() if self.stage.first else ("hidden",))
+        return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32)) for n in names})
 
     def dynamic_graph(self, fn, specs: dict):
         """Method `fn` compiled once for inputs of variable size (mindspore.enable_dynamic: each
@@ -217,7 +220,7 @@ class ModelRunner:
         return fits[0]
 
     def prepare(self, seqs: list[SeqStep], is_prefill: bool, reuse: bool = True,
-                paged: bool = True) -> tuple[dict, list[int]]:
+                paged: bool = True, hidden: np.ndarray | None = None) -> tuple[dict, list[int]]:
         """The step's input tensors by name (see CausalLM) and the first row of each sequence's tokens.
 
         The sequences' new tokens are packed one after another into N rows, with no padding
@@ -230,7 +233,8 @@ class ModelRunner:
         from cache; padded tokens see nothing and write to a scratch block no sequence owns. With
         dynamic shapes nothing is padded and the tables are as wide as the step's longest sequence.
         `paged`: the step attends through the block tables (any kind but `prefill`), so a device
-        with `paged_mask` gets the causal mask of its chunks."""
+        with `paged_mask` gets the causal mask of its chunks. `hidden`: a pipeline stage's input,
+        the stage before's hidden states of the step's tokens ([total, hidden_size]), padded to N."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
@@ -287,6 +291,14 @@ class ModelRunner:
                   "block_tables": T_(tables, i32), "batch_valid_length": T_(valid_len, i32),
                   "q_seq_lens": T_(q_lens, i32), "token_seq": T_(token_seq, i32), "token_len": T_(token_len, i32),
                   "attn_mask": T_(mask, getattr(self.ms, self.dtype)), "out_index": T_(out_index, i32)}
+        if not self.stage.first:
+            if hidden is None or hidden.shape != (total, self.cfg.hidden_size):
+                raise ValueError(f"pipeline stage {self.stage.index}: expected the stage before's hidden states "
+                                 f"[{total}, {self.cfg.hidden_size}], got "
+                                 f"{None if hidden is None else list(hidden.shape)}")
+            rows = np.zeros((N, self.cfg.hidden_size), np.float32)
+            rows[:total] = hidden
+            inputs["hidden"] = T_(rows, self.ms.float32)
         return inputs, first.tolist()
 
     def kind(self, seqs: list[SeqStep], is_prefill: bool) -> str:
@@ -294,15 +306,18 @@ class ModelRunner:
         return "prefill" if is_prefill and all(s.num_cached == 0 for s in seqs) else "decode"
 
     # ---- steps ----------------------------------------------------------------------------------
-    def network(self, seqs: list[SeqStep], is_prefill: bool, score: bool = True):
+    def network(self, seqs: list[SeqStep], is_prefill: bool, score: bool = True, hidden=None):
         """Runs the network of one step: (this rank's vocabulary shard of the last-token logits,
         [M, per], and each row's greedy token [M], both left on the device; per sequence, the
         log-probabilities of its targets when any sequence of a prefill scores (and `score`),
-        else None)."""
-        if score and is_prefill and any(s.targets for s in seqs):
-            return self.forward_scores(seqs)
+        else None). A pipeline stage takes the stage before's hidden states (`hidden`, see
+        prepare); one but the last gives (its hidden states [N, hidden_size], None, None)."""
+        if score and is_prefill and self.stage.last and any(s.targets for s in seqs):
+            return self.forward_scores(seqs, hidden)
         kind = self.kind(seqs, is_prefill)
-        inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill")
+        inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill", hidden=hidden)
+        if not self.stage.last:
+            return self._call(kind, inputs), None, None
         return *self._call(kind, inputs), None
 
     def _call(self, kind: str, inputs: dict, *extra):
@@ -318,7 +333,7 @@ class ModelRunner:
             self.model.phase = self.dev.phases[kind]
         self.last_call = (inputs, kind)
         try:
-            out = fn(*(inputs[name] for name in STEP_INPUTS), *extra)
+            out = fn(*(inputs[name] for name in STEP_INPUTS), *extra, *((inputs["hidden"],) if "hidden" in inputs else ()))
         except RuntimeError as e:
             raise self.kernel_error(e, inputs, kind) from e
         if graph not in self.compiled_graphs:
@@ -372,14 +387,14 @@ class ModelRunner:
         """One step's whole last-token logits [len(seqs), vocab] (see execute), nothing scored."""
         return self.execute(seqs, is_prefill, score=False)[0]
 
-    def forward_scores(self, seqs: list[SeqStep]):
+    def forward_scores(self, seqs: list[SeqStep], hidden=None):
         """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
         j with targets[j] >= 0 (None for a sequence without targets; with `prompt_logprobs: k`,
         each as (that, [(token, log-probability)] of the k most likely)); the last-token logits and
         greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to
         a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
         from msinfer.worker.model import PROMPT_TOP
-        inputs, first_row = self.prepare(seqs, True, reuse=False)
+        inputs, first_row = self.prepare(seqs, True, reuse=False, hidden=hidden)
         rows, targets, counts = [], [], []
         for b, s in enumerate(seqs):
             t = list(s.targets or ())
@@ -526,28 +541,48 @@ class ModelRunner:
         return self.mask_pool.submit(fill)
 
     def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
-             released=()) -> StepOutput:
+             released=(), hidden: np.ndarray | None = None, sampled: dict | None = None) -> StepOutput:
         """Runs the step (SeqSteps, or a DecodeStep: worker.protocol) and samples. Every rank of a
         group samples the same tokens (the device sampler's collectives give each the same figures)
         and keeps them for the next step's SAMPLED inputs, and in the histories of sequences whose
-        sampling looks back (until `released`)."""
+        sampling looks back (until `released`).
+        A pipeline stage (EngineConfig.pipeline) takes the stage before's hidden states of the
+        step's tokens (`hidden`); one but the last returns its own (StepOutput.hidden) and samples
+        nothing. The last stage samples, and the first takes the tokens the last sampled for the
+        sequences of its SAMPLED inputs (`sampled`: seq_id -> token)."""
         t0, bytes0 = time.perf_counter(), self.host_bytes
+        stage = self.stage
         seqs = self.steps.read(seqs, released)
         for seq_id in released:
             self.histories.pop(seq_id, None)
+            if stage.count > 1:
+                self.sampled.pop(seq_id, None)
+        if sampled:
+            self.sampled.update(sampled)
         for s in seqs:
             if s.token_ids == [SAMPLED]:
-                if s.seq_id not in self.sampled:
+                if not stage.first:              # the stage reads hidden states, not tokens
+                    s.token_ids = [0]
+                elif s.seq_id not in self.sampled:
                     raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-                s.token_ids = [self.sampled[s.seq_id]]
-            if s.history is not None:
+                else:
+                    s.token_ids = [self.sampled.pop(s.seq_id) if stage.count > 1 else self.sampled[s.seq_id]]
+            if s.history is not None and stage.last:
                 matcher = self.grammar(s.sampling.structured) if s.sampling.structured else None
                 self.histories[s.seq_id] = sampler.History(*s.history, matcher)
-        chosen, lps, scores, model_s = [], [], [], 0.0
+        chosen, lps, scores, model_s, rows, at = [], [], [], 0.0, [], 0
         for part in self.parts(seqs, is_prefill):
             t1 = time.perf_counter()
+            n = sum(len(s.token_ids) for s in part)
+            h = None if hidden is None else hidden[at: at + n]
+            at += n
+            if not stage.last:
+                out, _, _ = self.network(part, is_prefill, hidden=h)
+                rows.append(self.to_host(out, n))
+                model_s += self.synced - t1
+                continue
             masks = self.start_masks(part)
-            logits, greedy, part_scores = self.network(part, is_prefill)
+            logits, greedy, part_scores = self.network(part, is_prefill, hidden=h)
             tokens, part_lps = self.sample(part, logits, greedy, logprobs, masks)
             if self.synced < t1:                 # nothing copied (no sequence samples or scores): wait for it
                 self.ms.runtime.synchronize()
@@ -556,11 +591,14 @@ class ModelRunner:
             chosen += tokens
             lps += part_lps
             scores += part_scores or [None] * len(part)
+        self.model_s += model_s
+        if not stage.last:
+            return StepOutput([], worker_s=time.perf_counter() - t0, model_s=model_s,
+                              host_bytes=self.host_bytes - bytes0, hidden=np.concatenate(rows))
         self.sampled = {s.seq_id: t for s, t in zip(seqs, chosen) if s.sample}
         for s, t in zip(seqs, chosen):
             if s.sample and (h := self.histories.get(s.seq_id)) is not None:
                 h.add(t)
-        self.model_s += model_s
         return StepOutput(chosen, lps if any(x is not None for x in lps) else None,
                           None if all(x is None for x in scores) else scores, time.perf_counter() - t0, model_s,
-                          self.host_bytes - bytes0)
+                          self.host_bytes - bytes0, sampled=self.sampled if stage.count > 1 else None)

@@ -1,0 +1,150 @@
+"""Pipeline parallel (parallel.pipeline_parallel): a replica as stages of decoder layers, each
+stage loading only its own tensors, hidden states passed stage to stage, the last stage sampling.
+The stages in turn, in this process, against transformers for every architecture; a replica of
+2 stages x tp 2 over Ray, through the engine's micro-batches, against one stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from msinfer.launcher.errors import SpecError
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.spec import JobSpec
+from msinfer.sharding.config import EngineConfig, ModelConfig
+from msinfer.sharding.layout import LayoutError, stage_layers
+from msinfer.worker.protocol import pack_step, unpack_step
+from tests.conftest import PROMPTS
+from tests.engine_driver import Driver, run_engine
+
+N_NEW = 8
+
+
+class StageChain:
+    """A replica's stages run one after the other in this process, as the engine's Pipeline runs
+    them over Ray: each gets the step as it crosses the wire, a stage but the first the stage
+    before's hidden states, the first the tokens the last sampled in the step before."""
+
+    def __init__(self, runners):
+        self.runners, self.sampled = runners, None
+
+    def step(self, seqs, is_prefill):
+        payload, out = pack_step(seqs), None
+        for i, runner in enumerate(self.runners):
+            steps, released = unpack_step(payload)
+            out = runner.step(steps, is_prefill, released=released, hidden=None if i == 0 else out.hidden,
+                              sampled=self.sampled if i == 0 else None)
+            assert (out.hidden is None) == (i == len(self.runners) - 1)
+        self.sampled = out.sampled
+        return out
+
+
+def stage_runners(path, pp: int, layers=None) -> list:
+    from msinfer.worker.runner import ModelRunner
+    ranges = stage_layers(ModelConfig.from_dir(path).num_layers, pp, layers)
+    return [ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, pipeline=ranges, stage=s))
+            for s in range(pp)]
+
+
+@pytest.mark.parametrize("name,pp,layers", [("llama_mqa", 2, None), ("qwen2_tied_5_layers", 3, None),
+                                            ("qwen2_tied_5_layers", 2, [4, 1]),
+                                            ("qwen3_qknorm_odd_head_dim", 2, None),
+                                            ("qwen3_moe_top2_dense_layer", 2, None)])
+def test_stages_in_turn_generate_what_transformers_generates(name, pp, layers, checkpoint, hf_greedy):
+    """Greedy tokens equal transformers' with the stages run in turn; each stage holds its own
+    layers, the first the embedding, the last the final norm and the LM head (a tied one as a copy
+    of the embedding, loaded from its tensor)."""
+    path = checkpoint(name)
+    runners = stage_runners(path, pp, layers)
+    out = Driver(StageChain(runners), feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} pp {pp} prompt {i}"
+    cfg = ModelConfig.from_dir(path)
+    held = [r.model.weights() for r in runners]
+    for s, (lo, hi) in enumerate(stage_layers(cfg.num_layers, pp, layers)):
+        numbers = {int(k.split(".")[1]) for k in held[s] if k.startswith("layers.")}
+        assert numbers == set(range(hi - lo)), (s, numbers)       # the stage's own layers, numbered from 0
+        assert ("embed_tokens.weight" in held[s]) == (s == 0)
+        assert ("norm.weight" in held[s]) == (s == pp - 1)
+    if cfg.tie_word_embeddings:
+        import numpy as np
+        np.testing.assert_array_equal(held[-1]["lm_head.weight"], held[0]["embed_tokens.weight"])
+
+
+def spec_for(path, tmp_path, **parallel) -> JobSpec:
+    return JobSpec.model_validate({"model": {"path": str(path), "max_model_len": 128},
+                                   "parallel": parallel, "input": {"path": str(tmp_path / "in.jsonl")},
+                                   "output": {"path": str(tmp_path / "out.jsonl")},
+                                   "sampling": {"max_new_tokens": N_NEW, "ignore_eos": True},
+                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 64}})
+
+
+def test_a_bad_split_is_refused_and_plan_names_each_stages_layers(checkpoint, tmp_path):
+    path = checkpoint("qwen2_tied_5_layers")
+    assert stage_layers(5, 2) == ((0, 2), (2, 5))           # the remainder on the later stages
+    assert stage_layers(5, 3) == ((0, 1), (1, 3), (3, 5))
+    assert stage_layers(5, 1) == ()
+    for layers, said in (([2, 2], "adds up to 4 layers; the model has 5"),
+                         ([5, 0], "every stage needs at least one decoder layer"),
+                         ([1, 1, 3], "has 3 entries for pipeline_parallel 2")):
+        with pytest.raises((SpecError, LayoutError, ValueError), match=said):
+            plan_job(spec_for(path, tmp_path, pipeline_parallel=2, pipeline_layers=layers), check_io=False)
+    with pytest.raises(LayoutError, match="6 is more stages than the model's 5 decoder layers"):
+        plan_job(spec_for(path, tmp_path, pipeline_parallel=6), check_io=False)
+    plan = plan_job(spec_for(path, tmp_path, pipeline_parallel=2, pipeline_layers=[4, 1], tensor_parallel=2),
+                    check_io=False)
+    text = plan.describe()
+    assert "1 replica(s) x pipeline stages 2 x tensor parallel 2 = 4 worker(s)" in text
+    assert "stage 0     layers 0-3 (4) + the embedding" in text
+    assert "stage 1     layers 4-4 (1) + the final norm, LM head and sampler" in text
+    one = plan_job(spec_for(path, tmp_path, tensor_parallel=2), check_io=False)
+    assert plan.weight_bytes_per_rank < one.weight_bytes_per_rank      # the larger stage's share
+    assert plan.kv_bytes_per_rank == one.kv_bytes_per_rank * 4 // 5    # its 4 layers of 5
+
+
+def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkpoint, hf_greedy, tmp_path,
+                                                                          ray_local):
+    """A replica of 2 stages x tp 2 (4 workers), through the engine: each step goes as micro-
+    batches through both stages. Greedy records get transformers' tokens; sampled ones (n = 2,
+    a penalty), log-probabilities, prompt log-probabilities and prompts that share a cached block
+    get what a replica of one stage gives them."""
+    from msinfer.launcher.replica import Replica, wait_gone
+    name = "qwen2_tied_5_layers"
+    path = checkpoint(name)
+    shared = [(5 * j) % 200 + 3 for j in range(16)]
+    records = ([{"id": f"g{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
+               + [{"id": f"c{i}", "prompt_token_ids": shared + [40 + i]} for i in range(3)]
+               + [{"id": "n2", "prompt_token_ids": PROMPTS[0],
+                   "sampling": {"n": 2, "temperature": 0.8, "seed": 3, "logprobs": 2, "presence_penalty": 0.5}},
+                  {"id": "lp", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 1}}])
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    one, _ = run_engine(plan_job(spec_for(path, tmp_path), check_io=False), records)
+    plan = plan_job(spec_for(path, tmp_path, tensor_parallel=2, pipeline_parallel=2), check_io=False)
+    r = Replica(0, 2)
+    r.start(plan.engine)
+    try:
+        assert [(x["stage"], x["rank"]) for x in r.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        two, engine = run_engine(plan, records, r.workers)
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+    for i, prompt in enumerate(PROMPTS):
+        assert two[f"g{i}"]["output_token_ids"] == hf_greedy(name, prompt, N_NEW)[0]
+    assert one.keys() == two.keys()
+    for key, line in one.items():
+        assert close(line, two[key]), (key, line, two[key])
+    assert engine.engine_stats()["cached_tokens"] >= 16
+    assert engine.submitted > engine.step_s["prefill"][0] + engine.step_s["decode"][0]    # micro-batches
+
+
+def close(a, b) -> bool:
+    """Equal result lines: the same keys, tokens and texts, log-probabilities within 1e-4."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4 * max(1.0, abs(a))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b

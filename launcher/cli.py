@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--output", metavar="PATH",
                            help="the stand-ins' results file (default <output.path>.simulate.jsonl; the job's "
                                 "own results are never touched)")
-            c.add_argument("--step-ms", type=float, default=20.0, help="a stand-in step's milliseconds (default 20)")
+            c.add_argument("--step-ms", type=float, default=20.0, help="a stand-in step's milliseconds (default 20); with pipeline stages, "
+                           "each stage's call takes its 1/stages share")
             c.add_argument("--prefill-ms-per-token", type=float, default=0.0,
                            help="and milliseconds per token a prefill step feeds (default 0)")
     from msinfer.launcher.bench import add_bench_parser
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "plan":
-            print(plan_job(spec).describe())
+            print(plan_job(spec, sizing=True).describe())
             return 0
         if args.command == "check-device":
             plan = plan_job(spec, check_io=False)

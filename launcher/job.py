@@ -28,7 +28,7 @@ from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, En
                                     emulated_note, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
-from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir
+from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
 from msinfer.worker.lora import check_adapter
 from msinfer.worker.positions import make_scheme
 
@@ -48,6 +48,7 @@ class Plan:
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
     card: CardPlan | None = None          # accelerators: the memory of one card, as planned
+    weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
     output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
 
     def describe(self) -> str:
@@ -59,7 +60,8 @@ class Plan:
             f"model       {s.model.path}",
             f"            {m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads} "
             f"(kv {m.num_kv_heads}, head_dim {m.head_dim}), vocab {m.vocab_size}, checkpoint "
-            f"{self.checkpoint_bytes / gib:.2f} GiB",
+            + (f"absent (about {self.checkpoint_bytes / gib:.2f} GiB in the config's dtype)" if self.weights_absent
+               else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}",
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
@@ -85,7 +87,8 @@ class Plan:
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
-                                                          2 if self.engine.dtype in ("float16", "bfloat16") else 4))
+                                                          2 if self.engine.dtype in ("float16", "bfloat16") else 4,
+                                                          self.engine.pipeline))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -112,8 +115,11 @@ def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
             f"norms replicated")
 
 
-def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int) -> str:
-    """Per-rank bytes of the experts and of the rest in both layouts, and the sizes each allows."""
+def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = ()) -> str:
+    """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
+    pipeline stage), and the sizes each allows."""
+    sizes = [hi - lo for lo, hi in pipeline]
+    stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
     gib = 1024 ** 3
     parts = []
     for layout, flag in (("sliced", False), ("expert parallel", True)):
@@ -121,8 +127,8 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int) -> str:
             sizes = ", ".join(map(str, valid_tp_sizes(m, ep=flag)))
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
-        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True)
-        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False)
+        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage)
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage)
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -251,6 +257,12 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
         larger = (t for t in valid_tp_sizes(m, ep=p.expert_parallel) if t > tp)
         fit = next(((t, w) for t in larger for w in [stage_weight_bytes(m, t, dbytes, p.expert_parallel, engine.pipeline)]
                     if card_room(spec, m, engine, t, w, dbytes, memory, runtime)[2] >= need), None)
+        stages = max(1, len(engine.pipeline))
+        deeper = next(((n, w) for n in range(stages + 1, m.num_layers + 1)
+                       for split in [stage_layers(m.num_layers, n)]
+                       for w in [stage_weight_bytes(m, tp, dbytes, p.expert_parallel, split)]
+                       if card_room(spec, m, dataclasses.replace(engine, pipeline=split), tp, w, dbytes, memory,
+                                    runtime)[2] >= need), None)
         card = (f"the card's measured {memory / gib:.3g} GiB ({in_use / gib:.2f} GiB of it in use before msinfer "
                 f"started)" if measured else f"a {memory / gib:.3g} GiB card")
         raise LayoutError(
@@ -262,6 +274,8 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
                f"one sequence of max_model_len {engine.max_model_len} needs {one_seq}")
             + (f"; parallel.tensor_parallel {fit[0]} fits ({fit[1] / gib:.2f} GiB of weights a card)" if fit else
                "; no larger parallel.tensor_parallel fits")
+            + (f"; parallel.pipeline_parallel {deeper[0]} fits at tensor_parallel {tp} ({deeper[1] / gib:.2f} GiB of "
+               f"weights a card in its largest stage)" if deeper else "")
             + ", or lower model.max_model_len or scheduler.max_batched_tokens")
     return CardPlan(memory, p.device_memory_gb is None and not measured, p.memory_fraction, weights, activations,
                     RUNTIME_BYTES, (blocks + 1) * block, blocks, bool(measured), in_use)
@@ -293,11 +307,14 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
-def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False) -> Plan:
+def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False,
+             sizing: bool = False) -> Plan:
     """Every check that can fail, before Ray starts. Raises a UserError-like exception.
     `check_io=False` skips the input and output files (the Python API has neither);
     `weights=False` the checkpoint's tensors and the memory they need (`msinfer simulate`);
-    `make_output`: the output folder is made (a run), not only checked (`msinfer plan`)."""
+    `make_output`: the output folder is made (a run), not only checked (`msinfer plan`);
+    `sizing`: a folder with config.json and no weights yet is planned from the config alone
+    (`msinfer plan`: a cluster is sized before a download of hundreds of GB)."""
     check_model_dir(spec.model.path)
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
@@ -306,7 +323,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     check_tp(m, tp, ep)
     pipeline = stage_layers(m.num_layers, spec.parallel.pipeline_parallel, spec.parallel.pipeline_layers)
     plans = plan_tensors(m, tp, ep)
-    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights else 0
+    absent = sizing and weights and not holds_weights(spec.model.path)
+    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights and not absent else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
     if tokenizer is not None and spec.input.chat_template:
         tokenizer.check_chat_template()
@@ -355,6 +373,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             raise LayoutError(f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                               f"scheduler.max_batch_size or model.max_model_len")
     check_structured(spec.sampling, tokenizer)
+    if absent:
+        ckpt_bytes = bytes_per_rank(m, 1, 2 if m.torch_dtype in ("float16", "bfloat16") else 4)
+        notes.append("the folder holds no weights yet: every figure comes from config.json; `msinfer run` needs the "
+                     "*.safetensors")
     notes.append(verification_note(device, emulate, spec.model.ops))
     output_format = spec.output.format
     if output_format == "auto":
@@ -362,7 +384,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if output_format == "openai" and spec.task == "score":
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
-    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format)
+    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format, absent)
 
 
 def check_structured(sampling, tokenizer) -> None:

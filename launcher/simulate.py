@@ -68,6 +68,9 @@ class StandInRunner:
         self.timing = timing
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
         self.block_size = engine_config.block_size
+        from msinfer.sharding.layout import Stage
+        self.stage = Stage.of(engine_config.pipeline, engine_config.stage)
+        self.busy_s = 0.0                     # in steps, all of them
         # the first KEY_TOKENS positions' tokens by cache slot: a sequence that starts after cached
         # blocks (prefix caching) finds its prompt's first tokens there
         self.first_tokens: dict[int, int] = {}
@@ -101,13 +104,25 @@ class StandInRunner:
         return cached + s.token_ids[:KEY_TOKENS - len(cached)]
 
     def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
-             released=()) -> StepOutput:
+             released=(), hidden=None, sampled=None) -> StepOutput:
+        """A pipeline stage (EngineConfig.pipeline) takes step_ms / stages per call, a micro-batch
+        as long as a step of the whole batch: each stage holds that share of the layers. A stage
+        but the last samples nothing and passes on empty hidden states; the first takes the
+        tokens of its SAMPLED inputs from the last (`sampled`), like the runner."""
         t0 = time.perf_counter()
+        stage = self.stage
         seqs = self.steps.read(seqs, released)
         fed = sum(len(s.token_ids) for s in seqs) if is_prefill else 0
+        for seq_id in released if stage.count > 1 else ():
+            self.sampled.pop(seq_id, None)
+        if sampled:
+            self.sampled.update(sampled)
+        if not stage.last:
+            self.wait(t0, fed)
+            return StepOutput([], worker_s=time.perf_counter() - t0, hidden=np.zeros((fed or len(seqs), 0), np.float32))
         keys, sampled = self.keys, self.sampled
         for s in seqs:
-            if s.token_ids[0] == SAMPLED and s.seq_id not in sampled:
+            if s.token_ids[0] == SAMPLED and stage.first and s.seq_id not in sampled:
                 raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
             if s.seq_id not in keys:        # its first chunk: the prompt's first tokens name its draws
                 keys[s.seq_id] = prompt_key(self.first(s))
@@ -125,11 +140,16 @@ class StandInRunner:
                for s, t in zip(seqs, tokens)] if any(s.sampling.logprobs for s in rows) else [None]
         scores = [[0.0 for t in s.targets if t >= 0] if s.targets else None for s in seqs] if is_prefill else [None]
         self.sampled = {s.seq_id: t for s, t in zip(seqs, tokens) if t >= 0}
-        time.sleep(max(0.0, (self.timing.step_ms + self.timing.prefill_ms_per_token * fed) / 1e3
-                       - (time.perf_counter() - t0)))
+        self.wait(t0, fed)
         seconds = time.perf_counter() - t0
         return StepOutput(tokens, lps if logprobs and any(lps) else None, scores if any(scores) else None,
-                          seconds, seconds)
+                          seconds, seconds, sampled=self.sampled if stage.count > 1 else None)
+
+    def wait(self, t0: float, fed: int) -> None:
+        """Until the step's time since t0 is up (StandIn; a stage's share of it)."""
+        share = (self.timing.step_ms + self.timing.prefill_ms_per_token * fed) / 1e3 / self.stage.count
+        time.sleep(max(0.0, share - (time.perf_counter() - t0)))
+        self.busy_s += time.perf_counter() - t0
 
 
 class StandInWorker(Worker):
@@ -154,7 +174,8 @@ class StandInWorker(Worker):
                 "param_bytes": 0, "num_blocks": self.runner.num_blocks, "dtype": self.runner.dtype}
 
     def stats(self) -> dict:
-        return {**super().stats(), "cpu_s": time.process_time() - self.cpu0}       # since setup
+        return {**super().stats(), "cpu_s": time.process_time() - self.cpu0,       # since setup
+                "stage": self.runner.stage.index, "busy_s": self.runner.busy_s}
 
 
 def cpu_seconds(controller) -> dict:
@@ -167,18 +188,22 @@ def cpu_seconds(controller) -> dict:
     from msinfer.launcher.engine import LocalEngine
     workers = ray.get([w.stats.remote() for s in controller.slots for w in s.replica.workers], timeout=60)
     engines = controller.engine_stats()
+    stages: dict[int, list[float]] = {}                 # stage -> busy seconds of each of its ranks
+    for st in workers:
+        stages.setdefault(st.get("stage", 0), []).append(st.get("busy_s", 0.0))
     local = sum(s.replica.engine.engine.engine_stats()["cpu_s"] for s in controller.slots
                 if isinstance(s.replica.engine, LocalEngine))
     engine_s = sum(st["cpu_s"] for st in engines)
     return {"driver": time.process_time() - local, "driver_loop": time.thread_time(), "engines": engine_s,
-            "workers": sum(st.get("cpu_s", 0.0) for st in workers) - (engine_s - local)}
+            "workers": sum(st.get("cpu_s", 0.0) for st in workers) - (engine_s - local),
+            "stage_busy_s": [sum(v) / len(v) for _, v in sorted(stages.items())]}
 
 
 def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:
     """The simulation's figures: throughput against the stand-ins' ceiling, and the CPU each
     process role spent while records were served (`cpu_seconds` before and after): the driver
     (and its loop), the engines (also per step they ran), the stand-in workers."""
-    dp, tp = spec.parallel.data_parallel, spec.parallel.tensor_parallel
+    dp, tp, pp = spec.parallel.data_parallel, spec.parallel.tensor_parallel, spec.parallel.pipeline_parallel
     st = summary.get("steps") or {}
     steps = st.get("prefill_steps", 0) + st.get("decode_steps", 0)
     driver_cpu_s, loop_cpu_s, engine_cpu_s, worker_cpu_s = (cpu1[k] - cpu0[k] for k in
@@ -186,9 +211,13 @@ def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> di
     gen_s = summary.get("generation_s") or 0.0
     tokens, records = summary.get("completion_tokens") or 0, summary.get("records_done") or 0
     ceiling = dp * spec.scheduler.max_batch_size * 1e3 / timing.step_ms
+    pipeline = {}
+    if pp > 1 and gen_s:        # the pipeline's bubble: the share of each stage's time it waited
+        busy = [b1 - b0 for b0, b1 in zip(cpu0["stage_busy_s"], cpu1["stage_busy_s"])]
+        pipeline = {"pipeline_parallel": pp, "stage_idle_share": [round(max(0.0, 1 - b / gen_s), 3) for b in busy]}
     return {
-        "step_ms": timing.step_ms, "prefill_ms_per_token": timing.prefill_ms_per_token,
-        "replicas": dp, "workers": dp * tp,
+        "step_ms": timing.step_ms, "prefill_ms_per_token": timing.prefill_ms_per_token, **pipeline,
+        "replicas": dp, "workers": dp * tp * pp,
         "ceiling_tokens_per_s": round(ceiling, 1),
         "tokens_per_s": summary.get("tokens_per_s"),
         "of_ceiling": round((summary.get("tokens_per_s") or 0.0) / ceiling, 3),

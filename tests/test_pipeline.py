@@ -148,3 +148,48 @@ def close(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_plan_sizes_a_model_from_its_config_alone_and_names_the_stages_that_fit(tmp_path):
+    """configs/ascend-qwen3-235b-pp2-tp8.yaml plans Qwen3-235B-A22B from its config.json alone
+    (configs/sizing): at tp 8 on 64 GiB cards the weights leave no room for a sequence, and the
+    refusal names pipeline_parallel 2; at pp 2 every card of either stage fits. A run still needs
+    the weights."""
+    from msinfer.launcher.spec import load_spec
+    from msinfer.worker.loader import CheckpointError
+    from tests.conftest import ROOT
+    spec = load_spec(ROOT / "configs" / "ascend-qwen3-235b-pp2-tp8.yaml",
+                     [f"output.path={tmp_path / 'out.jsonl'}"])
+    plan = plan_job(spec, sizing=True)
+    text = plan.describe()
+    assert "checkpoint absent (about 437.90 GiB" in text and "stage 1     layers 47-93 (47)" in text
+    assert 27 * 1024 ** 3 < plan.weight_bytes_per_rank < 28 * 1024 ** 3 and plan.card.blocks == 32768
+    one = load_spec(ROOT / "configs" / "ascend-qwen3-235b-pp2-tp8.yaml",
+                    [f"output.path={tmp_path / 'out.jsonl'}", "parallel.pipeline_parallel=1"])
+    with pytest.raises(LayoutError, match="weights 54.91 GiB .* parallel.pipeline_parallel 2 fits at tensor_parallel 8"):
+        plan_job(one, sizing=True)
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights found"):
+        plan_job(spec)                  # what `msinfer run` plans
+
+
+def test_simulate_runs_stages_and_reports_each_stages_idle_share(checkpoint, tmp_path, ray_local):
+    """`msinfer simulate` with 2 stand-in stages: every record once, the same stand-in tokens as
+    one stage, and the pipeline's bubble as each stage's idle share."""
+    from msinfer.launcher.job import run_job
+    from msinfer.launcher.simulate import StandIn
+    records = [{"id": f"r{i}", "prompt_token_ids": [3 + i, 5, 7, 11]} for i in range(12)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = {}
+    for pp in (1, 2):
+        spec = spec_for(checkpoint("qwen2_tied_5_layers"), tmp_path, pipeline_parallel=pp)
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"path": str(tmp_path / f"{pp}.jsonl")})})
+        summary = run_job(spec, simulate=StandIn(step_ms=10), progress=False)
+        lines = [json.loads(x) for x in open(tmp_path / f"{pp}.jsonl")]
+        assert sorted(x["id"] for x in lines) == sorted(r["id"] for r in records)
+        got[pp] = {x["id"]: x["output_token_ids"] for x in lines}
+        sim = summary["simulate"]
+        assert sim["workers"] == pp
+        if pp == 2:
+            idle = sim["stage_idle_share"]
+            assert len(idle) == 2 and all(0.0 <= x < 1.0 for x in idle)
+    assert got[1] == got[2]

@@ -52,6 +52,13 @@ def safetensors_files(model_dir: str | Path, allow_pickle: bool = False) -> list
     raise CheckpointError(f"{d}: no *.safetensors weights found")
 
 
+def holds_weights(model_dir: str | Path) -> bool:
+    """Whether the folder holds any weights file (safetensors, an index of them, or pickles)."""
+    d = Path(model_dir)
+    return (d / "model.safetensors.index.json").is_file() or any(
+        p.suffix == ".safetensors" or (p.suffix in PICKLE_SUFFIXES and p.name not in NOT_WEIGHTS) for p in d.glob("*"))
+
+
 def check_model_dir(model_dir: str | Path) -> None:
     """model.path exists, is a folder and can be listed and read (before anything else reads it)."""
     d = Path(model_dir)

@@ -54,6 +54,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--input-len", default="128", metavar="LIST", help="prompt tokens per sequence (default 128)")
     b.add_argument("--output-len", default="128", metavar="LIST", help="generated tokens per sequence (default 128)")
     b.add_argument("--tensor-parallel", "--tp", default="1", metavar="N", help="workers per replica (default 1)")
+    b.add_argument("--pipeline-parallel", "--pp", default="1", metavar="P",
+                   help="pipeline stages per replica, decoder layers split evenly (default 1)")
     b.add_argument("--expert-parallel", action="store_true",
                    help="a mixture of experts: whole experts per rank instead of a slice of each (parallel."
                         "expert_parallel)")
@@ -163,16 +165,17 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
-    from msinfer.launcher.job import host_memory_problem, plan_job
+    from msinfer.launcher.job import host_memory_problem, plan_job, stage_weight_bytes
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import ModelConfig, ascend_emulated, resolve_device, resolve_dtype
-    from msinfer.sharding.layout import LayoutError, bytes_per_rank, check_tp
+    from msinfer.sharding.layout import LayoutError, check_tp, stage_layers
     from msinfer.worker.loader import CheckpointError
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
     input_lens = parse_sizes(args.input_len, "--input-len")
     output_lens = parse_sizes(args.output_len, "--output-len")
     tp = parse_one(args.tensor_parallel, "--tensor-parallel")
+    pp = parse_one(args.pipeline_parallel, "--pipeline-parallel")
     repeats = parse_one(args.repeats, "--repeats")
     seed = parse_one(args.seed, "--seed", minimum=0)
     step_timeout = parse_one(args.step_timeout, "--step-timeout", kind=float, minimum=1)
@@ -184,6 +187,7 @@ def plan_bench(args) -> BenchPlan:
     ep = bool(args.expert_parallel)
     try:
         check_tp(m, tp, ep)
+        pipeline = stage_layers(m.num_layers, pp)
     except LayoutError as e:
         raise BenchError(flag_names(str(e))) from None
     device = resolve_device(args.device)
@@ -194,15 +198,17 @@ def plan_bench(args) -> BenchPlan:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = 2 if dtype in ("float16", "bfloat16") else 4
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
-    weights = bytes_per_rank(m, tp, dbytes, ep)
-    kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads          # of the KV cache one rank holds
+    weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
+    # of the KV cache one rank holds: its heads, its stage's layers
+    kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads * max((hi - lo for lo, hi in pipeline),
+                                                                    default=m.num_layers) / m.num_layers
     on_host = (device == "cpu" or emulate) and not args.ray_address
     rejected: dict[Case, str] = {}
     for c in cases:
         if c.seq_len > max_len:
             rejected[c] = (f"input_len + output_len = {c.seq_len} exceeds the max model len {max_len} "
                            f"({'--max-model-len' if args.max_model_len else 'max_position_embeddings'})")
-        elif on_host and (problem := host_memory_problem(tp, weights, int(kv_share * c.kv_bytes))):
+        elif on_host and (problem := host_memory_problem(tp * pp, weights, int(kv_share * c.kv_bytes))):
             rejected[c] = f"does not fit in memory: {problem}"
     runnable = [c for c in cases if c not in rejected] or cases[:1]   # size the engine for something
     block_size = 16
@@ -210,7 +216,7 @@ def plan_bench(args) -> BenchPlan:
     spec = JobSpec.model_validate({
         "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops,
                   "max_model_len": max(c.seq_len for c in runnable)},
-        "parallel": {"tensor_parallel": tp, "expert_parallel": ep, "device": args.device},
+        "parallel": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "device": args.device},
         "input": {"path": "bench-cases.jsonl", "chat_template": False},
         "output": {"path": "bench-results.jsonl"},
         "scheduler": {"max_batch_size": max(c.batch_size for c in runnable), "block_size": block_size,
@@ -243,7 +249,8 @@ def plan_bench(args) -> BenchPlan:
 
 def flag_names(message: str) -> str:
     """A layout error worded for the spec, with bench's flags named instead."""
-    for key, flag in (("parallel.tensor_parallel", "--tensor-parallel"), ("parallel.expert_parallel",
+    for key, flag in (("parallel.tensor_parallel", "--tensor-parallel"), ("parallel.pipeline_parallel",
+                      "--pipeline-parallel"), ("parallel.expert_parallel",
                       "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
                       ("scheduler.max_batched_tokens", "--max-batched-tokens"),
                       ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache")):
@@ -394,7 +401,8 @@ def run_bench(args) -> int:
     run = BenchRun(plan, meta=bench_meta(plan))
     runnable = [c for c in plan.cases if c not in plan.rejected]
     print(f"msinfer bench: {len(plan.cases)} case(s), {len(runnable)} runnable, {plan.model.architecture} "
-          f"tp {plan.tp}{' (experts whole per rank)' if plan.engine.expert_parallel else ''} on {plan.device}"
+          f"tp {plan.tp}{' (experts whole per rank)' if plan.engine.expert_parallel else ''}"
+          f"{f' x pp {len(plan.engine.pipeline)}' if plan.engine.pipeline else ''} on {plan.device}"
           f"{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
           f"{'random weights' if plan.skip_load else 'checkpoint weights'}) -> {plan.out_dir}", file=sys.stderr)
     engine = BenchEngine(plan)

@@ -13,7 +13,33 @@ namespace {
 // panel). A micro-kernel keeps kRows x 32 outputs in registers (28 of the 32 vector registers)
 // over the whole of K: per k, two panel loads and kRows broadcasts of x feed 2 * kRows FMAs.
 // Rows are taken kRowBlock at a time so that their x stays in cache while every panel passes.
-constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
+// kRows is what the CPU's vector registers hold: 14 rows x 2 accumulators on AVX-512 (32 zmm);
+// with AVX2's 16 ymm a 16-lane vector takes two, and 3 rows (12 ymm of accumulators, 4 for the
+// panel) is the most that stays in registers (14 spilled: a 2,048-token prefill of the demo
+// model took 127 s instead of a few).
+#ifdef __AVX512F__
+constexpr int64_t kRows = 14;
+#else
+constexpr int64_t kRows = 3;
+#endif
+constexpr int64_t kPanel = 32, kRowBlock = 9 * kRows;
+
+// The micro-kernel's vectors are the CPU's own registers: 16 lanes on AVX-512, 8 on AVX2. GCC
+// keeps a 16-lane vector extension type in memory where no register holds it (AVX2: every
+// accumulator went through the stack, 3.7 GFLOP/s against numpy's 90).
+#ifdef __AVX512F__
+typedef v16 vreg;
+typedef v16u vregu;
+typedef h16u hregu;
+#else
+typedef float vreg __attribute__((vector_size(32)));
+typedef float vregu __attribute__((vector_size(32), aligned(4)));
+typedef _Float16 hregu __attribute__((vector_size(16), aligned(2)));
+#endif
+constexpr int kLanes = sizeof(vreg) / sizeof(float), kVecs = kPanel / kLanes;   // per panel row
+inline vreg loadr(const float* p) { return *reinterpret_cast<const vregu*>(p); }
+inline vreg loadr(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const hregu*>(p), vreg); }
+inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
 
 // c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
 // the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
@@ -26,9 +52,11 @@ constexpr int64_t kPanel = 32, kRows = 14, kRowBlock = 9 * kRows;
 template <typename T, int R, bool Glu = false>
 __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc,
                                      const char* pf, int64_t pf_step, bool cached) {
-  v16 c0[R], c1[R];
+  vreg acc[R][kVecs];
 #pragma GCC unroll 16
-  for (int i = 0; i < R; ++i) c0[i] = c1[i] = v16{};
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = vreg{};
   for (int64_t k = 0; k < K; ++k) {
     const T* bk = b + k * kPanel;
     __builtin_prefetch(pf + k * pf_step);
@@ -36,28 +64,27 @@ __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_
       __builtin_prefetch(bk + 16 * kPanel);
       __builtin_prefetch(bk + 16 * kPanel + 16);
     }
-    const v16 b0 = loadv(bk), b1 = loadv(bk + 16);
+    float s[R];
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-      const float s = static_cast<float>(a[i * lda + k]);
-      c0[i] += s * b0;
-      c1[i] += s * b1;
+    for (int i = 0; i < R; ++i) s[i] = static_cast<float>(a[i * lda + k]);
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      const vreg bj = loadr(bk + j * kLanes);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[i][j] += s[i] * bj;
     }
   }
-  if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
-    for (int i = 0; i < R; ++i) {
-      alignas(64) float g[16], u[16];
-      storev(g, c0[i]);
-      storev(u, c1[i]);
-      T* o = c + i * ldc;
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float t[kPanel];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) storer(t + j * kLanes, acc[i][j]);
+    T* o = c + i * ldc;
+    if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
 #pragma omp simd
-      for (int j = 0; j < 16; ++j) o[j] = silu_times(static_cast<T>(g[j]), static_cast<T>(u[j]));
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-      storev(c + i * ldc, c0[i]);
-      storev(c + i * ldc + 16, c1[i]);
+      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
+    } else {
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
     }
   }
 }

@@ -48,8 +48,8 @@ class Plan:
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
     card: CardPlan | None = None          # accelerators: the memory of one card, as planned
-    weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
     output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
+    weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
 
     def describe(self) -> str:
         s, m = self.spec, self.model
@@ -384,7 +384,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if output_format == "openai" and spec.task == "score":
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
-    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format, absent)
+    return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format,
+                weights_absent=absent)
 
 
 def check_structured(sampling, tokenizer) -> None:

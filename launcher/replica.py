@@ -222,8 +222,9 @@ class Replica:
             host, port = addresses[i // tp]
             if port is not None:            # in the status file: where this group's scheduler listens
                 r["ms_scheduler"] = f"{host}:{port}"
-        configs = [dataclasses.replace(engine_config, stage=i // tp) if pp > 1 else engine_config
-                   for i in range(len(self.workers))]
+        def per_rank(ec) -> list:         # each rank's EngineConfig: its stage's
+            return [dataclasses.replace(ec, stage=i // tp) if pp > 1 else ec for i in range(len(self.workers))]
+        configs = per_rank(engine_config)
         self._stage("device and communication init",
                     [w.join.remote(configs[i], *addresses[i // tp]) for i, w in enumerate(self.workers)])
         if addresses[0][1] is not None:
@@ -236,8 +237,7 @@ class Replica:
                 engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
                                                   cards[0]["source"])
                 setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
-                configs = [dataclasses.replace(engine_config, stage=i // tp) if pp > 1 else engine_config
-                           for i in range(len(self.workers))]
+                configs = per_rank(engine_config)
         if local:
             self.engine = LocalEngine(setup, self.index, self.tokenizer)
         loads = [w.load.remote(configs[i]) for i, w in enumerate(self.workers)]
@@ -263,7 +263,7 @@ class Replica:
             nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})
             where = f" (on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
             tp = self.tp_size
-            names = ", ".join(f"stage {r // tp} rank {r % tp}" if getattr(self, "pp", 1) > 1 and r < tp * self.pp
+            names = ", ".join(f"stage {r // tp} rank {r % tp}" if self.pp > 1 and r < tp * self.pp
                               else str(r) for r in late)
             raise StartupTimeout(
                 f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {names}{where} did not "
@@ -277,7 +277,7 @@ class Replica:
         pipeline stages, its micro-batches (launcher.engine.Pipeline); element 0 resolves to their
         StepOutputs, merged."""
         if self.pp > 1:
-            if self.pipeline is None or self.pipeline.index != self.submitted:     # a new start
+            if self.pipeline is None:            # start() made new workers
                 self.pipeline = Pipeline(self.workers, self.pp)
             outs, others, relays = self.pipeline.submit(seqs, is_prefill)
             self.submitted = self.pipeline.index

@@ -167,7 +167,7 @@ def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
     from msinfer.launcher.job import host_memory_problem, plan_job, stage_weight_bytes
     from msinfer.launcher.spec import JobSpec
-    from msinfer.sharding.config import ModelConfig, ascend_emulated, resolve_device, resolve_dtype
+    from msinfer.sharding.config import ModelConfig, ascend_emulated, dtype_bytes, resolve_device, resolve_dtype
     from msinfer.sharding.layout import LayoutError, check_tp, stage_layers
     from msinfer.worker.loader import CheckpointError
 
@@ -196,7 +196,7 @@ def plan_bench(args) -> BenchPlan:
         dtype = resolve_dtype(args.dtype, m, device, emulate, args.ops)
     except ValueError as e:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
-    dbytes = 2 if dtype in ("float16", "bfloat16") else 4
+    dbytes = dtype_bytes(dtype)
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
     weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
     # of the KV cache one rank holds: its heads, its stage's layers

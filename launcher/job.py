@@ -24,7 +24,7 @@ from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, emulate_variants, emulated_memory,
+                                    ModelConfigError, ascend_emulated, dtype_bytes, emulate_variants, emulated_memory,
                                     emulated_note, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
@@ -75,7 +75,7 @@ class Plan:
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
-        dbytes = 2 if self.engine.dtype in ("float16", "bfloat16") else 4
+        dbytes = dtype_bytes(self.engine.dtype)
         for st, (lo, hi) in enumerate(self.engine.pipeline):
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
@@ -87,7 +87,7 @@ class Plan:
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
-                                                          2 if self.engine.dtype in ("float16", "bfloat16") else 4,
+                                                          dtype_bytes(self.engine.dtype),
                                                           self.engine.pipeline))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
@@ -359,7 +359,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
-    dbytes = 2 if dtype in ("float16", "bfloat16") else 4
+    dbytes = dtype_bytes(dtype)
     weight_bytes = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
     card = None
     if device == "ascend":
@@ -374,7 +374,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                               f"scheduler.max_batch_size or model.max_model_len")
     check_structured(spec.sampling, tokenizer)
     if absent:
-        ckpt_bytes = bytes_per_rank(m, 1, 2 if m.torch_dtype in ("float16", "bfloat16") else 4)
+        ckpt_bytes = bytes_per_rank(m, 1, dtype_bytes(m.torch_dtype))
         notes.append("the folder holds no weights yet: every figure comes from config.json; `msinfer run` needs the "
                      "*.safetensors")
     notes.append(verification_note(device, emulate, spec.model.ops))
@@ -665,7 +665,7 @@ def card_replanner(plan: Plan):
     one sequence of max_model_len stops the job (LaunchError, exit 2)."""
     from msinfer.launcher.replica import LaunchError
     spec, gib = plan.spec, 1024 ** 3
-    dbytes = 2 if plan.engine.dtype in ("float16", "bfloat16") else 4
+    dbytes = dtype_bytes(plan.engine.dtype)
     base = dataclasses.replace(plan.engine, num_blocks=spec.scheduler.kv_cache_blocks or 0)
 
     def replan(total: int, in_use: int, source: str) -> EngineConfig:

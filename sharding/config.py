@@ -244,6 +244,11 @@ def resolve_device(device: str, env: dict | None = None) -> str:
 DTYPES = {"float32", "float16", "bfloat16"}
 
 
+def dtype_bytes(name: str) -> int:
+    """Bytes of one value of a compute or checkpoint dtype (float32 for any other name)."""
+    return 2 if name in ("float16", "bfloat16") else 4
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str

@@ -85,6 +85,9 @@ class Plan:
         if self.tokenizer is not None:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
+        if m.quant is not None:
+            lines.append(f"quantized   {m.quant.describe()}; held dequantized in {self.engine.dtype} on every "
+                         f"path (int kernels not yet), so the weight figures are the float model's")
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),
@@ -324,7 +327,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     pipeline = stage_layers(m.num_layers, spec.parallel.pipeline_parallel, spec.parallel.pipeline_layers)
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)
-    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle) if weights and not absent else 0
+    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
     if tokenizer is not None and spec.input.chat_template:
         tokenizer.check_chat_template()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from msinfer.sharding.quant import SUPPORTED, Quantization, QuantizationError, parse_quantization
+
 # architectures value -> (family, does q/k/v carry a bias by default, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
@@ -63,6 +65,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # A quantized checkpoint's quantization_config (sharding.quant); None: float weights
+    quant: Quantization | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -102,7 +106,11 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", default_qkv_bias))
         num_layers = int(need("num_hidden_layers"))
         moe = cls._moe_fields(d, family, num_layers, source, need) if family.endswith("_moe") else {}
-        return cls(
+        try:
+            quant = parse_quantization(d.get("quantization_config"), source)
+        except QuantizationError as e:
+            raise ModelConfigError(str(e)) from None
+        cfg = cls(
             architecture=arch, family=family,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
@@ -117,8 +125,15 @@ class ModelConfig:
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos,
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} if rope_type != "default" else {},
-            **moe,
+            quant=quant, **moe,
         )
+        if quant is not None:
+            act = next((i for i in cfg.sparse_layers
+                        if (sch := quant.scheme_for(f"model.layers.{i}.mlp.experts.0.gate_proj")) and sch.act_int8), None)
+            if act is not None:
+                raise ModelConfigError(f"{source}: quantization_config quantizes the inputs of layer {act}'s experts "
+                                       f"to int8 (W8A8); msinfer runs quantized experts weight-only (W8A16, W4A16)")
+        return cfg
 
     @staticmethod
     def _moe_fields(d: dict, family: str, num_layers: int, source: str, need) -> dict:
@@ -147,6 +162,10 @@ class ModelConfig:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelConfigError(f"{f}: cannot be read as JSON ({e})") from None
         cfg = cls.from_dict(d, str(f))
+        modelslim = sorted(Path(path).glob("quant_model_description*.json"))
+        if modelslim:
+            raise ModelConfigError(f"{modelslim[0]}: a ModelSlim (msmodelslim) quantized checkpoint; msinfer does not "
+                                   f"read ModelSlim's W8A8 or W8A8_DYNAMIC yet; it reads {SUPPORTED}")
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
             try:

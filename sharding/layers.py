@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common import dtype as mstype
 from mindspore.common.initializer import initializer
 
 from msinfer.sharding.config import ModelConfig
@@ -62,6 +63,29 @@ def new_param(shape, dtype, name: str) -> Parameter:
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
+class PerTokenInt8(nn.Cell):
+    """A W8A8 layer's input as compressed-tensors quantizes it (sharding.quant): each token's row
+    to int8 levels of max|x| / 127.5, rounded half to even, and back, in float32. group_max > 1:
+    the row is split over the tensor-parallel ranks (a row-parallel layer's input), so the ranks take
+    the row's max over all of them, as the reference takes it over the whole row (gathered and
+    reduced here: MindSpore's CPU all-reduce sums only)."""
+
+    def __init__(self, group_max: int = 0):
+        super().__init__()
+        self.ranks = group_max
+        self.gather = ops.AllGather() if group_max > 1 else None
+        self.eps = float(np.finfo(np.float32).eps)      # the scale of a row of zeros
+
+    def construct(self, x):
+        xf = x.astype(mstype.float32)
+        amax = ops.abs(xf).max(axis=-1, keepdims=True)
+        if self.gather is not None:
+            amax = self.gather(amax).reshape(self.ranks, -1, 1).max(axis=0)
+        s = amax / 127.5
+        s = s + (s == 0).astype(mstype.float32) * self.eps
+        return (ops.clip(ops.round(xf / s), -128.0, 127.0) * s).astype(x.dtype)
+
+
 class LinearBase(nn.Cell):
     """Y = X W^T + b on [tokens, in]; `tp_dim` is the weight dimension this layer splits."""
     tp_dim: int | None = None
@@ -72,6 +96,11 @@ class LinearBase(nn.Cell):
         self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
         self.weight = new_param((out_size, in_size), dtype, "weight")
         self.bias = new_param((out_size,), dtype, "bias") if bias else None
+        self.input_quant = None
+
+    def quantize_inputs(self) -> None:
+        """W8A8: its inputs quantized per token before its matmul (set before the first call)."""
+        self.input_quant = PerTokenInt8(group_max=self.tp.size if self.tp_dim == 1 else 0)
 
     def weight_loader(self, param: Parameter, src, name: str, shard_id=None) -> None:
         full = list(param.shape)
@@ -83,6 +112,8 @@ class LinearBase(nn.Cell):
         copy_into(param, read_shard(src, dim, self.tp.rank * (size or 0), size))
 
     def construct(self, x):
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         y = self.matmul(x, self.weight)
         return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y
 
@@ -111,6 +142,8 @@ class RowParallelLinear(LinearBase):
         self.all_reduce = ops.AllReduce() if tp.size > 1 and reduce else None
 
     def construct(self, x):
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         y = self.matmul(x, self.weight)
         if self.all_reduce is not None:
             y = self.all_reduce(y)
@@ -261,8 +294,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied is not None:
             self.weight = tied.weight
         self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
+        self.input_quant = None
+
+    def quantize_inputs(self) -> None:
+        self.input_quant = PerTokenInt8()
 
     def construct(self, x):
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         return self.matmul(x, self.weight)
 
 

@@ -18,6 +18,7 @@ are replicated; a shared expert is sliced like a dense MLP.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from msinfer.sharding.config import ModelConfig
@@ -112,7 +113,35 @@ def divisors_problem(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
                         f"sliced)")
     if cfg.shared_expert_size % tp:
         problems.append(f"shared_expert_intermediate_size={cfg.shared_expert_size} is not divisible by {tp}")
-    return problems
+    return problems + quant_split_problems(cfg, tp, ep)
+
+
+def quant_split_problems(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
+    """A quantized row-parallel layer (its inputs split over the ranks) needs each rank's inputs
+    to be whole groups of its scales, and whole int32 words where its ints come packed."""
+    q = cfg.quant
+    if q is None:
+        return []
+    found: dict[str, str] = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        rows = [(p + "self_attn.o_proj", cfg.num_heads * cfg.head_dim)]
+        if cfg.is_sparse(i):
+            if not ep:
+                rows.append((p + "mlp.experts.0.down_proj", cfg.moe_intermediate_size))
+            if cfg.shared_expert_size:
+                rows.append((p + "mlp.shared_expert.down_proj", cfg.shared_expert_size))
+        else:
+            rows.append((p + "mlp.down_proj", cfg.intermediate_size))
+        for name, cols in rows:
+            s = q.scheme_for(name)
+            per = 32 // s.bits if s is not None and q.packed else 1
+            unit = math.lcm(s.group_size or 1, per) if s is not None else 1
+            kind = name.split(".", 3)[-1].replace(".0.", ".")
+            if s is not None and (cols % tp or (cols // tp) % unit) and kind not in found:
+                what = f"groups of {s.group_size}" if s.group_size else f"int32 words of {per} values"
+                found[kind] = f"{kind} ({s.name}) would hold {cols / tp:g} of its {cols} inputs per rank, not whole {what}"
+    return list(found.values())
 
 
 def valid_tp_sizes(cfg: ModelConfig, limit: int = 64, ep: bool = False) -> list[int]:

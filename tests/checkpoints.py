@@ -25,10 +25,12 @@ VARIANTS = {
                                                           num_experts=6, num_experts_per_tok=4, norm_topk_prob=False,
                                                           moe_intermediate_size=24, shared_expert_intermediate_size=96,
                                                           tie_word_embeddings=True)),
-    # five layers, tied embeddings: pipeline stages of uneven size (tests/test_pipeline.py)
+    # five layers, tied embeddings: pipeline stages of uneven size (tests/test_pipeline.py); with a
+    # tokenizer (build_tokenizer's 301 tokens, the vocabulary padded to 320), for structured outputs
     "qwen2_tied_5_layers": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                                num_hidden_layers=5)),
+                                                num_hidden_layers=5, vocab_size=320)),
 }
+WITH_TOKENIZER = {"qwen2_tied_5_layers"}
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -59,4 +61,85 @@ def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 1
     if name.endswith("_bfloat16"):
         model = model.to(torch.bfloat16)
     model.save_pretrained(out)
+    if name in WITH_TOKENIZER:
+        build_tokenizer(out)
+    return out
+
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+            "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
+            "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = ["hello world", "the capital of France is Paris", "stop here please", "be brief", "héllo wörld ✓"]
+
+
+def build_tokenizer(folder, chat_template=TEMPLATE):
+    """A byte-level BPE trained on a few strings, saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    raw.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(folder)
+    return folder
+
+
+# compressed-tensors schemes (sharding/quant.py): (format, {targets: (weights, input activations)})
+INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+INT4_GROUP16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+SCHEMES = {
+    "w8a8": ("int-quantized", {"Linear": (INT8_CHANNEL, INT8_TOKEN)}),
+    "w8a16": ("pack-quantized", {"Linear": (INT8_CHANNEL, None)}),
+    "w4a16": ("pack-quantized", {"Linear": (INT4_GROUP16, None)}),
+    # attention W8A8 and the MLP W4A16: at tp 2 a row-parallel input of each kind is split
+    "mixed": ("pack-quantized", {"re:.*self_attn\\..*": (INT8_CHANNEL, INT8_TOKEN),
+                                 "re:.*mlp\\..*": (INT4_GROUP16, None)}),
+}
+
+
+def quantized_checkpoint(name: str, scheme: str, root: Path) -> Path:
+    """Checkpoint `name` quantized as llm-compressor's min-max observers would, written by
+    compressed-tensors itself (its ModelCompressor packs and saves the ints and their scales);
+    the LM head stays float."""
+    import shutil
+
+    import torch
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    out = Path(root) / f"{name}-{scheme}"
+    if (out / "config.json").is_file():
+        return out
+    fmt, groups = SCHEMES[scheme]
+    model = transformers.AutoModelForCausalLM.from_pretrained(build_checkpoint(name, root), dtype=torch.float32)
+    config = QuantizationConfig.model_validate({"format": fmt, "ignore": ["lm_head"], "config_groups": {
+        f"group_{i}": {"targets": [target], "weights": w, **({"input_activations": a} if a else {})}
+        for i, (target, (w, a)) in enumerate(groups.items())}})
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            scheme_of = getattr(module, "quantization_scheme", None)
+            if scheme_of is None:
+                continue
+            w, g = module.weight, scheme_of.weights.group_size
+            v = w.reshape(w.shape[0], -1, g) if g else w.unsqueeze(1)
+            scale, _ = calculate_qparams(v.amin(-1), v.amax(-1), scheme_of.weights)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    compressor.update_config(tmp)
+    tmp.rename(out)
     return out

@@ -79,13 +79,18 @@ def exchange_until_done(engine, records, more=False, timeout=60) -> list:
     return done
 
 
-def run_engine(plan, records, workers=None) -> tuple:
+def run_engine(plan, records, workers=None, after=None) -> tuple:
     """Deals records to an engine on `workers` (default: a rank in this process) in one exchange;
-    returns the result lines by id and the engine."""
+    returns the result lines by id and the engine. after: the engine that ran on these workers
+    before, whose step indices this one's continue (the ranks run steps in index order)."""
     from msinfer.launcher.engine import Engine, EngineSetup
     from msinfer.launcher.inputs import parse_record
     engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
     engine.attach(workers or [in_process_rank(plan.engine)])
+    if after is not None:               # before the first exchange: nothing is submitted yet
+        engine.submitted = after.submitted
+        if engine.pipeline is not None:
+            engine.pipeline.index = after.pipeline.index
     try:
         done = exchange_until_done(engine, [parse_record(r, i + 1) for i, r in enumerate(records)], timeout=120)
     finally:

@@ -54,36 +54,40 @@ def whole_lines(path: Path) -> list[dict]:
 
 # ---- a killed worker ----------------------------------------------------------------------------
 
-def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model, tmp_path):
-    """tp 2: SIGKILL of rank 1 mid-job. The replica goes (rank 0 and its MindSpore scheduler too),
-    a new one starts with a scheduler on a fresh port, listening on the node's address, and the
-    lost records are computed again: every record exactly once, the job exits 0. The prompts
-    share a cached block (prefix caching), and records 4-7 repeat the prompts of 0-3: a record
-    computed on the restarted replica's cache generates what its twin generated on either."""
+def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model, hf_greedy, tmp_path):
+    """pp 2 x tp 2: SIGKILL of stage 1's rank 1 mid-job. The whole replica goes (the other ranks
+    and both stages' MindSpore schedulers too), a new one starts with schedulers on fresh ports,
+    listening on the node's address, and the lost records are computed again: every record
+    exactly once with transformers' tokens, the job exits 0. The prompts share a cached block
+    (prefix caching), and records 4-7 repeat the prompts of 0-3."""
     n = 8
     shared = [(7 * j) % 200 + 3 for j in range(16)]                # one full block of 16 tokens
     lines = [{"id": f"r{i:02d}", "prompt_token_ids": shared + [20 + i % 4] * (1 + i % 4)} for i in range(n)]
-    job = Job(tmp_path, model, lines, parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 24},
-              fault={"max_replica_restarts": 2})
+    job = Job(tmp_path, model, lines, parallel={"tensor_parallel": 2, "pipeline_parallel": 2},
+              sampling={"max_new_tokens": 24}, fault={"max_replica_restarts": 2})
     proc = cli.start("run", job.spec_path, "--no-progress")
     try:
-        before = wait_for(lambda: running(job, 2), 180, "two running workers", proc)["workers"]
+        before = wait_for(lambda: running(job, 4), 180, "four running workers", proc)["workers"]
         old_pids = [w["pid"] for w in before]
         node_ip = before[0]["node_ip"]
-        host, port = before[0]["ms_scheduler"].rsplit(":", 1)
-        assert host == node_ip and host not in ("0.0.0.0", "::", "")
-        sock = listener(int(port))
-        assert sock is not None and sock.laddr.ip == node_ip, f"the MindSpore scheduler listens on {sock}"
-        old_scheduler = sock.pid
+        ports = {w["stage"]: w["ms_scheduler"] for w in before}
+        assert len(set(ports.values())) == 2, ports                     # a communication group per stage
+        schedulers = []
+        for address in ports.values():
+            host, port = address.rsplit(":", 1)
+            assert host == node_ip and host not in ("0.0.0.0", "::", "")
+            sock = listener(int(port))
+            assert sock is not None and sock.laddr.ip == node_ip, f"the MindSpore scheduler listens on {sock}"
+            schedulers.append(sock.pid)
         wait_for(lambda: line_count(job.output) >= 1, 120, "a first result", proc)
 
-        os.kill(old_pids[1], signal.SIGKILL)
-        after = wait_for(lambda: (s := running(job, 2)) and s["replica_restarts"] == 1
+        victim = next(w for w in before if w["stage"] == 1 and w["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        after = wait_for(lambda: (s := running(job, 4)) and s["replica_restarts"] == 1
                          and not {w["pid"] for w in s["workers"]} & set(old_pids) and s, 180,
                          "the restarted replica", proc)["workers"]
-        assert wait_gone([*old_pids, old_scheduler], 30), "the failed replica's processes outlived it"
-        new_port = int(after[0]["ms_scheduler"].rsplit(":", 1)[1])
-        assert new_port != int(port)
+        assert wait_gone([*old_pids, *schedulers], 30), "the failed replica's processes outlived it"
+        assert not {w["ms_scheduler"] for w in after} & set(ports.values())
         out, err = proc.communicate(timeout=180)
     finally:
         stop(proc)
@@ -91,8 +95,8 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
     assert sorted(job.ids()) == [r["id"] for r in lines]
     results = {r["id"]: r for r in job.results()}
     assert all(r["error"] is None and r["completion_tokens"] == 24 for r in results.values())
-    for i in range(4):
-        assert results[f"r{i:02d}"]["output_token_ids"] == results[f"r{i + 4:02d}"]["output_token_ids"]
+    for line in lines:
+        assert results[line["id"]]["output_token_ids"] == hf_greedy("llama_gqa_tied", line["prompt_token_ids"], 24)[0]
     summary = job.summary()
     assert summary["replica_restarts"] == 1 and summary["records_done"] == n
     assert summary["steps"]["cached_prompt_tokens"] >= 16

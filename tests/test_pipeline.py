@@ -6,6 +6,7 @@ The stages in turn, in this process, against transformers for every architecture
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -107,8 +108,9 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
                                                                           ray_local):
     """A replica of 2 stages x tp 2 (4 workers), through the engine: each step goes as micro-
     batches through both stages. Greedy records get transformers' tokens; sampled ones (n = 2,
-    a penalty), log-probabilities, prompt log-probabilities and prompts that share a cached block
-    get what a replica of one stage gives them."""
+    a penalty), log-probabilities, prompt log-probabilities, prompts that share a cached block,
+    structured outputs (a regex, a choice: the last stage's token masks) and scored
+    continuations get what a replica of one stage gives them."""
     from msinfer.launcher.replica import Replica, wait_gone
     name = "qwen2_tied_5_layers"
     path = checkpoint(name)
@@ -117,15 +119,24 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
                + [{"id": f"c{i}", "prompt_token_ids": shared + [40 + i]} for i in range(3)]
                + [{"id": "n2", "prompt_token_ids": PROMPTS[0],
                    "sampling": {"n": 2, "temperature": 0.8, "seed": 3, "logprobs": 2, "presence_penalty": 0.5}},
-                  {"id": "lp", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 1}}])
+                  {"id": "lp", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 1}},
+                  {"id": "regex", "prompt": "hello", "sampling": {"structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"}}},
+                  {"id": "choice", "prompt": "be brief", "sampling": {"structured_outputs": {
+                      "choice": ["hello world", "stop here please"]}}}])
+    scored = [{"id": f"s{i}", "prompt_token_ids": p, "continuation_token_ids": [44, 3, 8, 9, 10]}
+              for i, p in enumerate(PROMPTS)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    one, _ = run_engine(plan_job(spec_for(path, tmp_path), check_io=False), records)
+    one_plan = plan_job(spec_for(path, tmp_path), check_io=False)
+    one, _ = run_engine(one_plan, records)
+    one.update(run_engine(plan_job(one_plan.spec.model_copy(update={"task": "score"}), check_io=False), scored)[0])
     plan = plan_job(spec_for(path, tmp_path, tensor_parallel=2, pipeline_parallel=2), check_io=False)
     r = Replica(0, 2)
     r.start(plan.engine)
     try:
         assert [(x["stage"], x["rank"]) for x in r.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         two, engine = run_engine(plan, records, r.workers)
+        two.update(run_engine(plan_job(plan.spec.model_copy(update={"task": "score"}), check_io=False), scored,
+                              r.workers, after=engine)[0])
     finally:
         pids = r.pids()
         r.shutdown()
@@ -135,6 +146,9 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
     assert one.keys() == two.keys()
     for key, line in one.items():
         assert close(line, two[key]), (key, line, two[key])
+    assert re.fullmatch("[a-z]{3} [0-9]{2}", two["regex"]["output_text"])
+    assert two["choice"]["output_text"] in ("hello world", "stop here please")
+    assert all(len(two[f"s{i}"]["continuation_logprobs"]) == 5 for i in range(len(PROMPTS)))
     assert engine.engine_stats()["cached_tokens"] >= 16
     assert engine.submitted > engine.step_s["prefill"][0] + engine.step_s["decode"][0]    # micro-batches
 

@@ -5,31 +5,7 @@ import pytest
 from msinfer.launcher.errors import RecordError, TokenizerError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer, load_tokenizer
-
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
-            "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
-            "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-CORPUS = ["hello world", "the capital of France is Paris", "stop here please", "be brief", "héllo wörld ✓"]
-
-
-def build_tokenizer(folder, chat_template=TEMPLATE):
-    """A byte-level BPE trained on a few strings, saved as a Hugging Face tokenizer folder."""
-    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    special = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-    raw.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    if chat_template:
-        tok.chat_template = chat_template
-    tok.save_pretrained(folder)
-    return folder
-
+from tests.checkpoints import build_tokenizer
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors can hand out bf16 slices
+import numpy as np
 from safetensors import SafetensorError, safe_open
+
+from msinfer.sharding.quant import QuantizationError, QuantizedWeight
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -123,56 +126,137 @@ def _shape(src) -> tuple:
     return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
 
 
-def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False) -> dict:
-    """Load every tensor `model.named_loaders()` expects; returns {'tensors': n, 'bytes': read}."""
+def _dtype(src) -> str:
+    """A tensor's element type as safetensors names it (I8, I32, F32, BF16, ...)."""
+    if hasattr(src, "get_dtype"):
+        return src.get_dtype()
+    return {"int8": "I8", "int32": "I32", "int64": "I64", "uint8": "U8"}.get(str(src.dtype), "F")
+
+
+QUANTIZED_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+
+
+def quantized_names(name: str, quant) -> tuple[str, ...]:
+    """The checkpoint tensors that hold float tensor `name` where quantization_config quantizes
+    its layer (the ints, their scales, and for packed ints their shape); () where it is float."""
+    if quant is None or not name.endswith(".weight") or quant.scheme_for(name[:-len(".weight")]) is None:
+        return ()
+    module = name[:-len(".weight")]
+    ints = (module + ".weight_packed", module + ".weight_shape") if quant.packed else (name,)
+    return (*ints, module + ".weight_scale")
+
+
+def weight_source(name: str, get, quant):
+    """What a parallel layer reads for checkpoint tensor `name`: its slice, or for a quantized
+    layer a QuantizedWeight over its ints and scales (dequantized as read). get(name) -> slice."""
+    names = quantized_names(name, quant)
+    if not names:
+        return get(name)
+    module = name[:-len(".weight")]
+    ints, scale = get(names[0]), get(names[-1])
+    shape = tuple(int(v) for v in np.asarray(get(names[1])[:]).reshape(-1)) if quant.packed else _shape(ints)
+    try:
+        return QuantizedWeight(name, quant.scheme_for(module), ints, scale, shape, quant.packed)
+    except QuantizationError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, quant=None) -> dict:
+    """Load every tensor `model.named_loaders()` expects (`quant`: the checkpoint's quantization,
+    ModelConfig.quant); returns {'tensors': n, 'bytes': held}."""
     table = model.named_loaders()
-    seen: set[str] = set()
-    for path in safetensors_files(model_dir, allow_pickle):
-        try:
-            with open_weights(path) as f:
-                for name in f.keys():
-                    if name not in table:
-                        continue
-                    layer, param, shard_id = table[name]
-                    layer.weight_loader(param, f.get_slice(name), name, shard_id)
-                    seen.add(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot be read ({e})") from None
-    missing = [n for n in table if n not in seen]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(
-            f"{model_dir}: weight tensor '{missing[0]}' is missing from the checkpoint"
-            + (f" (also {', '.join(missing[1:5])}{more})" if len(missing) > 1 else ""))
+    with ExitStack() as stack:
+        where: dict[str, tuple] = {}
+        for path in safetensors_files(model_dir, allow_pickle):
+            try:
+                f = stack.enter_context(open_weights(path))
+                where.update((name, (f, path)) for name in f.keys())
+            except SafetensorError as e:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot be read ({e})") from None
+        missing = [n for name in table for n in (quantized_names(name, quant) or (name,)) if n not in where]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(
+                f"{model_dir}: weight tensor '{missing[0]}' is missing from the checkpoint"
+                + (f" (also {', '.join(missing[1:5])}{more})" if len(missing) > 1 else ""))
+
+        def get(n: str):
+            return where[n][0].get_slice(n)
+
+        for name, (layer, param, shard_id) in table.items():
+            try:
+                layer.weight_loader(param, weight_source(name, get, quant), name, shard_id)
+            except SafetensorError as e:
+                raise CheckpointError(f"{where[name][1] if name in where else model_dir}: not a readable "
+                                      f"safetensors file ({e})") from None
+            except OSError as e:
+                raise CheckpointError(f"{model_dir}: tensor '{name}' cannot be read ({e})") from None
     unique = {id(param): param for _, param, _ in table.values()}
     nbytes = sum(p.nbytes for p in unique.values())
-    return {"tensors": len(seen), "bytes": nbytes}
+    return {"tensors": len(table), "bytes": nbytes}
 
 
-def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False) -> int:
+class _Header:
+    """A tensor's shape and element type, read from a file header, standing in for its slice."""
+
+    def __init__(self, shape: tuple, dtype: str):
+        self.shape, self.dtype = shape, dtype
+
+    def get_shape(self):
+        return self.shape
+
+    def get_dtype(self):
+        return self.dtype
+
+
+def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, quant=None) -> int:
     """Before any worker starts: every tensor the layout plan needs is in the checkpoint with the
-    shape the config implies, and every file's header reads. Reads headers only. Returns the
-    checkpoint's size in bytes."""
-    found: dict[str, tuple[Path, tuple]] = {}
+    shape the config implies (a quantized layer's ints, scales and packing with the shapes its
+    scheme implies), and every file's header reads. Reads headers, and the shape of packed
+    weights. Returns the checkpoint's size in bytes."""
+    found: dict[str, tuple[Path, _Header]] = {}
     size = 0
     for path in safetensors_files(model_dir, allow_pickle):
         try:
             with open_weights(path) as f:
                 for name in f.keys():
-                    found[name] = (path, _shape(f.get_slice(name)))
+                    sl = f.get_slice(name)
+                    found[name] = (path, _Header(_shape(sl), _dtype(sl)))
             size += path.stat().st_size
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file may be truncated "
                                   f"or corrupted: copy it again") from None
         except OSError as e:
             raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    if quant is None:
+        marked = next((n for n in found if n.endswith(QUANTIZED_SUFFIXES)), None)
+        if marked is not None:
+            raise CheckpointError(f"{found[marked][0].name}: tensor '{marked}' is part of a quantized weight, but "
+                                  f"{Path(model_dir) / 'config.json'} has no quantization_config to say how to read it")
     for p in plans:
-        if p.name not in found:
-            raise CheckpointError(f"{model_dir}: weight tensor '{p.name}' is missing from the checkpoint")
-        path, shape = found[p.name]
-        if shape != tuple(p.full_shape):
+        names = quantized_names(p.name, quant)
+        for n in names or (p.name,):
+            if n not in found:
+                raise CheckpointError(f"{model_dir}: weight tensor '{n}' is missing from the checkpoint"
+                                      + (f" ({quant.scheme_for(p.name[:-len('.weight')]).describe()})" if names else ""))
+        path, header = found[names[0] if names else p.name]
+        if names:
+            def get(n: str):
+                if n.endswith(".weight_shape"):
+                    with open_weights(found[n][0]) as f:
+                        return np.asarray(f.get_slice(n)[:])
+                return found[n][1]
+            shape = tuple(weight_source(p.name, get, quant).get_shape())
+        else:
+            shape = header.get_shape()
+            if header.get_dtype() in ("I8", "U8", "I32"):
+                raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} integers, not "
+                                      f"floats: " + ("its layer is not quantized by quantization_config (in "
+                                                     "ignore, or no target matches it)" if quant else
+                                                     "a quantized checkpoint needs its quantization_config"))
+        if tuple(shape) != tuple(p.full_shape):
             raise CheckpointError(f"{path.name}: tensor '{p.name}' has shape {list(shape)}, the config implies "
                                   f"{list(p.full_shape)}")
     return size

@@ -20,6 +20,7 @@ from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParal
                                      QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
                                      VocabParallelEmbedding, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
+from msinfer.sharding.quant import QuantizationError
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
 
@@ -236,6 +237,23 @@ class CausalLM(nn.Cell):
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
+        if cfg.quant is not None:
+            self.quantize_inputs()
+
+    def quantize_inputs(self) -> None:
+        """W8A8 (sharding.quant): each layer whose scheme quantizes its inputs does so before its
+        matmul. The checkpoint layers one matmul fuses (q, k, v; gate, up) must agree."""
+        layers: dict[int, tuple] = {}
+        for name, (layer, param, _) in self.named_loaders().items():
+            if name.endswith(".weight") and param is getattr(layer, "weight", None):
+                scheme = self.cfg.quant.scheme_for(name[:-len(".weight")])
+                layers.setdefault(id(layer), (layer, name, set()))[2].add(bool(scheme and scheme.act_int8))
+        for layer, name, act in layers.values():
+            if len(act) > 1:
+                raise QuantizationError(f"'{name}' shares one matmul with layers whose inputs quantization_config "
+                                        f"quantizes differently (int8 and float)")
+            if act == {True}:
+                layer.quantize_inputs()
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                 token_len, attn_mask, out_index, prefill: bool, hidden=None):

@@ -81,7 +81,7 @@ class ModelRunner:
             self.load_stats = {"tensors": 0, "bytes": 0}
         else:
             self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
-                                              ec.allow_pickle)
+                                              ec.allow_pickle, self.cfg.quant)
         self.model.pack_weights()
         self.load_s = time.perf_counter() - t0
         # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both

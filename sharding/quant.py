@@ -1,0 +1,236 @@
+"""Quantized checkpoints: what a config.json's `quantization_config` says each linear layer holds,
+and the arithmetic to read it back.
+
+compressed-tensors (llm-compressor's format) is read; anything else is refused by name, never
+ignored (a quantized checkpoint read as a float one runs and gives wrong tokens). What is read:
+
+    W8A8    int8 weights, symmetric, one scale per output channel; inputs quantized to int8 per
+            token at run time (dynamic)
+    W8A16   int8 weights per channel, float inputs
+    W4A16   int4 weights, symmetric, one scale per group of `group_size` inputs, packed in int32
+
+in either format: `int-quantized` (an int8 `weight`) or `pack-quantized` (`weight_packed`, int32
+words of 32/bits values each, and `weight_shape`). Layers in `ignore` stay float.
+
+The arithmetic is compressed-tensors' own, since transformers with it is the reference:
+    weight     w = q * scale                        (q in [-2^(b-1), 2^(b-1) - 1])
+    input      s = max|x| over the token / 127.5    (its range, 255, halved; 0 -> float eps)
+               x = clamp(round_half_even(x / s), -128, 127) * s
+vLLM's int8 kernels take s = max|x| / 127 instead; the difference is a rounding of the input.
+
+Plain Python and numpy (no MindSpore): the launcher reads it to plan, the workers to load.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED = "compressed-tensors W8A8, W8A16 and W4A16 (symmetric int weights, int-quantized or pack-quantized)"
+
+
+class QuantizationError(ValueError):
+    """A quantization_config (or a quantized tensor) msinfer cannot read; the message names it."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One config group: int weights of `bits`, a scale per output channel (group_size 0) or per
+    group of group_size inputs; with act_int8, inputs quantized per token (dynamic, symmetric)."""
+    bits: int
+    group_size: int
+    act_int8: bool
+    targets: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"W{self.bits}A{8 if self.act_int8 else 16}"
+
+    def describe(self) -> str:
+        w = f"int{self.bits} weights per {'channel' if not self.group_size else f'group of {self.group_size}'}"
+        return f"{self.name} ({w}, " + ("int8 inputs per token, dynamic)" if self.act_int8 else "float inputs)")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    packed: bool                  # pack-quantized (weight_packed, weight_shape), else int-quantized (weight)
+    schemes: tuple[Scheme, ...]
+    ignore: tuple[str, ...]
+
+    def scheme_for(self, module: str) -> Scheme | None:
+        """The scheme of a linear layer by its checkpoint module name (model.layers.0.mlp.down_proj),
+        as compressed-tensors matches it (a target is the class Linear, the name, or re:<pattern>
+        matched at the name's start); None: the layer is float, as are embeddings and norms."""
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf == "embed_tokens" or leaf.endswith("norm"):
+            return None
+        if any(_matches(module, t) for t in self.ignore):
+            return None
+        return next((s for s in self.schemes if any(_matches(module, t) for t in s.targets)), None)
+
+    def describe(self) -> str:
+        kinds = sorted({s.describe() for s in self.schemes})
+        return (f"compressed-tensors {'pack' if self.packed else 'int'}-quantized: {'; '.join(kinds)}"
+                + (f"; float: {', '.join(self.ignore)}" if self.ignore else ""))
+
+
+def _matches(module: str, target: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module
+
+
+def parse_quantization(q, source: str = "config.json") -> Quantization | None:
+    """config.json's quantization_config -> what each layer holds; None for a float checkpoint.
+    Raises QuantizationError naming the key and the scheme for anything not in SUPPORTED."""
+    if q is None:
+        return None
+
+    def refuse(what: str) -> QuantizationError:
+        return QuantizationError(f"{source}: quantization_config {what}; msinfer reads {SUPPORTED}")
+
+    if not isinstance(q, dict):
+        raise refuse(f"is a {type(q).__name__}, not a mapping")
+    method = q.get("quant_method")
+    if method != "compressed-tensors":
+        raise refuse(f"quant_method '{method}' is not supported"
+                     + (f" (bits {q.get('bits')})" if q.get("bits") is not None else ""))
+    fmt = q.get("format")
+    if fmt not in ("int-quantized", "pack-quantized"):
+        raise refuse(f"format '{fmt}' is not supported")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise refuse(f"quantization_status '{status}': the weights are not stored compressed")
+    for key in ("kv_cache_scheme", "transform_config", "sparsity_config"):
+        if q.get(key):
+            raise refuse(f"{key} is set: not supported")
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("has no config_groups")
+    schemes = []
+    for gname, g in groups.items():
+        schemes.append(_scheme(f"config_groups.{gname}", g, refuse))
+        if isinstance(g, dict) and g.get("format") not in (None, fmt):
+            raise refuse(f"config_groups.{gname}.format '{g.get('format')}' differs from format '{fmt}' (mixed "
+                         f"formats are not supported)")
+    if fmt == "int-quantized" and any(s.bits != 8 for s in schemes):
+        raise refuse("format 'int-quantized' with int4 weights: int4 weights come packed (pack-quantized)")
+    ignore = q.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise refuse("ignore is not a list of names")
+    return Quantization(packed=fmt == "pack-quantized", schemes=tuple(schemes), ignore=tuple(ignore))
+
+
+def _scheme(where: str, g, refuse) -> Scheme:
+    if not isinstance(g, dict):
+        raise refuse(f"{where} is not a mapping")
+    targets = g.get("targets") or []
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise refuse(f"{where}.targets is not a list of names")
+    for t in targets:
+        if t != "Linear" and not t.startswith("re:") and t[:1].isupper():
+            raise refuse(f"{where}.targets names the class '{t}': only Linear layers are quantized")
+    if g.get("output_activations"):
+        raise refuse(f"{where}.output_activations is set: not supported")
+    w = g.get("weights")
+    if not isinstance(w, dict):
+        raise refuse(f"{where}.weights is missing: weight-only or W8A8 schemes only")
+    desc = (f"{where}.weights (type {w.get('type')}, {w.get('num_bits')} bits, strategy {w.get('strategy')}, "
+            f"symmetric {w.get('symmetric')})")
+    if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8) or not w.get("symmetric", True):
+        raise refuse(f"{desc} is not supported (int4 or int8, symmetric)")
+    if w.get("dynamic"):
+        raise refuse(f"{where}.weights.dynamic is true: weights are quantized once, not per step")
+    if w.get("actorder") not in (None, "static"):
+        raise refuse(f"{where}.weights.actorder '{w.get('actorder')}' (GPTQ act-order with g_idx) is not supported")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        group = 0
+    elif strategy == "group":
+        group = w.get("group_size")
+        if not isinstance(group, int) or group <= 0 or group % (32 // w["num_bits"]):
+            raise refuse(f"{where}.weights.group_size {group!r} is not a positive multiple of "
+                         f"{32 // w['num_bits']}")
+    else:
+        raise refuse(f"{desc}: strategy '{strategy}' is not supported (channel or group)")
+    a = g.get("input_activations")
+    if a:
+        if not isinstance(a, dict) or (a.get("type", "int"), a.get("num_bits"), a.get("strategy"),
+                                        a.get("dynamic"), a.get("symmetric", True)) != ("int", 8, "token", True, True):
+            raise refuse(f"{where}.input_activations {a} is not supported (int8, per token, dynamic, symmetric)")
+        if w["num_bits"] != 8 or group:
+            raise refuse(f"{where}: int8 inputs with int{w['num_bits']} weights per "
+                         f"{'group' if group else 'channel'} are not supported (W8A8 is per channel)")
+    return Scheme(bits=w["num_bits"], group_size=group, act_int8=bool(a), targets=tuple(targets))
+
+
+# ---- the weights ------------------------------------------------------------------------------------
+
+def unpack_int32(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """compressed-tensors' pack_to_int32 undone along the last dimension: value i of a row at bit
+    i*bits of its little-endian int32 words, stored + 2^(bits-1). [..., W] -> int8 [..., cols]."""
+    per = 32 // bits
+    shifts = np.arange(per, dtype=np.uint32) * bits
+    u = (words.astype(np.int32).view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    u = u.reshape(*words.shape[:-1], words.shape[-1] * per)[..., :cols]
+    return (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+class QuantizedWeight:
+    """A quantized linear layer's weight as the parallel layers read a checkpoint tensor
+    (sharding.layers.read_shard): get_shape() is the float weight's [out, in], and
+    w[rows, cols] reads only that region's ints and scales and returns it dequantized, float32."""
+
+    def __init__(self, name: str, scheme: Scheme, ints, scale, shape: tuple[int, int], packed: bool):
+        self.name, self.scheme, self.ints, self.scale = name, scheme, ints, scale
+        self.shape, self.packed = tuple(shape), packed
+        out, cols = self.shape
+        per = 32 // scheme.bits
+        want_ints = (out, -(-cols // per)) if packed else (out, cols)
+        got = _shape(ints)
+        if got != want_ints:
+            raise QuantizationError(f"tensor '{name}' has shape {list(got)}; {scheme.name} weights of "
+                                    f"[{out}, {cols}] {'pack into' if packed else 'are'} {list(want_ints)}")
+        if packed and cols % per:
+            raise QuantizationError(f"tensor '{name}': {cols} inputs do not pack into whole int32 words of "
+                                    f"{per} int{scheme.bits} values")
+        g = scheme.group_size
+        if g and cols % g:
+            raise QuantizationError(f"tensor '{name}': {cols} inputs are not a whole number of groups of {g}")
+        want_scale = (out, cols // g) if g else (out, 1)
+        if _shape(scale) != want_scale:
+            raise QuantizationError(f"tensor '{name[:-len('weight')]}weight_scale' has shape "
+                                    f"{list(_shape(scale))}; {scheme.describe()} of [{out}, {cols}] needs "
+                                    f"{list(want_scale)}")
+
+    def get_shape(self) -> tuple[int, int]:
+        return self.shape
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows, cols = index
+        r0, r1, _ = rows.indices(self.shape[0])
+        c0, c1, _ = cols.indices(self.shape[1])
+        per, g = 32 // self.scheme.bits, self.scheme.group_size
+        if self.packed:
+            if c0 % per or (c1 - c0) % per:
+                raise QuantizationError(f"tensor '{self.name}': columns {c0}-{c1} split an int32 word of "
+                                        f"{per} values")
+            q = unpack_int32(np.asarray(self.ints[r0:r1, c0 // per:c1 // per]), self.scheme.bits, c1 - c0)
+        else:
+            q = np.asarray(self.ints[r0:r1, c0:c1])
+        if g:
+            if c0 % g or (c1 - c0) % g:
+                raise QuantizationError(f"tensor '{self.name}': columns {c0}-{c1} split a group of {g}")
+            s = np.asarray(self.scale[r0:r1, c0 // g:c1 // g]).astype(np.float32)
+            s = np.repeat(s, g, axis=1)
+        else:
+            s = np.asarray(self.scale[r0:r1, 0:1]).astype(np.float32)
+        return q.astype(np.float32) * s
+
+
+def _shape(src) -> tuple:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)

@@ -1,0 +1,210 @@
+"""Quantized checkpoints (compressed-tensors W8A8, W8A16, W4A16; sharding/quant.py) against
+transformers with compressed-tensors, which decompresses the weights and quantizes each W8A8
+layer's inputs per token as it runs; and every quantization msinfer does not read refused by name.
+The checkpoints are written by compressed-tensors itself (tests/checkpoints.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from msinfer.launcher.job import plan_job
+from msinfer.sharding.config import ModelConfig, ModelConfigError
+from msinfer.sharding.layout import LayoutError
+from msinfer.sharding.quant import QuantizationError, parse_quantization, unpack_int32
+from msinfer.worker.loader import CheckpointError
+from tests.checkpoints import quantized_checkpoint
+from tests.conftest import PROMPTS
+from tests.engine_driver import Driver
+from tests.test_parity import LOGIT_ATOL, Recording, runner_for
+from tests.test_pipeline import spec_for
+
+N_NEW = 8
+_HF: dict = {}
+
+
+def hf_quantized(path, prompt, n=N_NEW, act_quant=True):
+    """transformers' greedy tokens and per-step logits on a compressed-tensors checkpoint;
+    act_quant=False: the same dequantized weights with the inputs left float."""
+    import torch
+    import transformers
+    key = (str(path), tuple(prompt), act_quant)
+    if key not in _HF:
+        model = _HF.setdefault(str(path), transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32).eval())
+        for m in model.modules():
+            if hasattr(m, "quantization_scheme"):
+                m.quantization_enabled = act_quant
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        _HF[key] = (out.sequences[0, len(prompt):].tolist(), [lg[0].float().numpy() for lg in out.logits])
+    return _HF[key]
+
+
+@pytest.fixture(scope="module")
+def quantized(ckpt_root):
+    return lambda name, scheme: quantized_checkpoint(name, scheme, ckpt_root)
+
+
+@pytest.mark.parametrize("name,scheme", [("llama_mqa", "w8a8"), ("qwen3_qknorm_odd_head_dim", "w8a8"),
+                                         ("llama_mha_bias", "w8a16"), ("qwen3_qknorm_odd_head_dim", "w4a16"),
+                                         ("llama_gqa_tied", "w4a16")])
+def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(name, scheme, quantized):
+    """tp 1: transformers' tokens, running the checkpoint through compressed-tensors, and its
+    logits within float32's noise. W8A8 rounds each input to an int8 level, so a float32
+    difference of 1e-6 in a value that lies within that of a level's edge moves it a level (and
+    the sequence's later logits by ~1e-2): most rows are the reference's to 2e-4, none of them
+    is the reference's with float inputs (which really differs), and every token is the same."""
+    path = quantized(name, scheme)
+    rec = Recording(runner_for(path))
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    same = float_inputs = 0
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_quantized(path, prompt)
+        assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
+        for step in range(N_NEW):
+            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
+            assert diff < (0.1 if scheme == "w8a8" else LOGIT_ATOL), f"{name} {scheme} prompt {i} step {step}: {diff}"
+            same += diff < LOGIT_ATOL
+            if scheme == "w8a8":
+                float_inputs += np.abs(rec.logits[step][i] - hf_quantized(path, prompt, act_quant=False)[1][step]).max() < LOGIT_ATOL
+    assert same >= 0.5 * len(PROMPTS) * N_NEW and float_inputs == 0, (same, float_inputs)
+
+
+def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(quantized, ray_local):
+    """tp 2 on a checkpoint whose attention is W8A8 and whose MLP is W4A16 (groups of 16): each
+    rank reads its slice of the packed ints and of the group scales, and a row-parallel layer's
+    int8 inputs take the scale of the whole row (a max over both ranks): transformers' tokens,
+    and the log-probability of each within float32's noise in most rows (as at tp 1)."""
+    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.protocol import SamplingParams
+    path = quantized("llama_mha_bias", "mixed")
+    r = Replica(0, 2)
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
+    steps = []
+
+    class Logprobs:
+        def step(self, seqs, is_prefill):
+            out = r.step(seqs, is_prefill)
+            steps.append(out.logprobs)
+            return out
+    try:
+        out = Driver(Logprobs(), feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW, SamplingParams(logprobs=1))
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+    same = 0
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_quantized(path, prompt)
+        assert out[i] == tokens, f"prompt {i}"
+        for step, lg in enumerate(logits):
+            ref = float(lg[tokens[step]] - np.logaddexp.reduce(lg.astype(np.float64)))
+            same += abs(steps[step][i][0] - ref) < 1e-4
+    assert same >= 0.5 * len(PROMPTS) * N_NEW, same
+
+
+def test_unpacking_reads_what_compressed_tensors_packs():
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    rng = np.random.default_rng(0)
+    for bits in (4, 8):
+        q = rng.integers(-(1 << bits - 1), 1 << bits - 1, size=(3, 64), dtype=np.int8)
+        words = pack_to_int32(torch.from_numpy(q), bits).numpy()
+        np.testing.assert_array_equal(unpack_int32(words, bits, 64), q)
+
+
+GOOD = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+
+
+def with_weights(**change) -> dict:
+    g = json.loads(json.dumps(GOOD))
+    g["config_groups"]["g"]["weights"].update(change)
+    return g
+
+
+@pytest.mark.parametrize("config,said", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported (bits 4)"),
+    ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+    ({**GOOD, "format": "float-quantized"}, "format 'float-quantized' is not supported"),
+    ({**GOOD, "format": "naive-quantized"}, "format 'naive-quantized' is not supported"),
+    ({**GOOD, "quantization_status": "frozen"}, "the weights are not stored compressed"),
+    ({**GOOD, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is set"),
+    (with_weights(symmetric=False), "symmetric False) is not supported"),
+    (with_weights(type="float", num_bits=8), "type float, 8 bits"),
+    (with_weights(num_bits=2), "2 bits"),
+    (with_weights(actorder="group"), "actorder 'group' (GPTQ act-order with g_idx)"),
+    (with_weights(strategy="block"), "strategy 'block' is not supported"),
+    (with_weights(group_size=20), "group_size 20 is not a positive multiple of 8"),
+    ({**GOOD, "config_groups": {"g": {"targets": ["Linear"], "weights": GOOD["config_groups"]["g"]["weights"],
+                                      "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor",
+                                                            "dynamic": False}}}},
+     "is not supported (int8, per token, dynamic, symmetric)"),
+    ({**GOOD, "config_groups": {"g": {"targets": ["Embedding"], "weights": GOOD["config_groups"]["g"]["weights"]}}},
+     "names the class 'Embedding'"),
+])
+def test_a_quantization_msinfer_does_not_read_is_refused_by_name(config, said):
+    with pytest.raises(QuantizationError, match=re.escape(said)):
+        parse_quantization(config)
+
+
+def test_plan_refuses_a_broken_quantized_checkpoint_naming_the_tensor(quantized, tmp_path):
+    """Exit-2 errors before any worker starts: a scale of the wrong shape, packed ints whose
+    shape does not pack, a tp that splits a group, quantized tensors with no quantization_config,
+    experts whose inputs are int8, a ModelSlim checkpoint."""
+    from safetensors.numpy import load_file, save_file
+    src = quantized("llama_mqa", "w4a16")
+    plan = plan_job(spec_for(src, tmp_path), check_io=False)
+    assert "quantized   compressed-tensors pack-quantized: W4A16 (int4 weights per group of 16" in plan.describe()
+    with pytest.raises(LayoutError, match="self_attn.o_proj \\(W4A16\\) would hold 8 of its 64 inputs per rank, not "
+                                          "whole groups of 16.* Sizes that work: 1, 2, 4"):
+        plan_job(spec_for(src, tmp_path, tensor_parallel=8), check_io=False)
+
+    def broken(change):
+        d = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(src, d)
+        tensors = load_file(d / "model.safetensors")
+        config = json.loads((d / "config.json").read_text())
+        change(tensors, config)
+        save_file(tensors, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    q = "model.layers.1.self_attn.q_proj."
+    cases = [
+        (lambda t, c: t.update({q + "weight_scale": t[q + "weight_scale"][:, :2]}),
+         CheckpointError, f"'{q}weight_scale' has shape \\[64, 2\\]; W4A16 .* needs \\[64, 4\\]"),
+        (lambda t, c: t.update({q + "weight_shape": np.array([64, 60])}),
+         CheckpointError, f"'{q}weight': 60 inputs do not pack into whole int32 words of 8 int4 values"),
+        (lambda t, c: t.update({q + "weight_packed": t[q + "weight_packed"][:, :6]}),
+         CheckpointError, f"'{q}weight' has shape \\[64, 6\\]; W4A16 weights of \\[64, 64\\] pack into \\[64, 8\\]"),
+        (lambda t, c: t.pop(q + "weight_scale"), CheckpointError, f"'{q}weight_scale' is missing"),
+        (lambda t, c: c.pop("quantization_config"), CheckpointError,
+         "is part of a quantized weight, but .*config.json has no quantization_config"),
+    ]
+    for change, kind, said in cases:
+        with pytest.raises(kind, match=said):
+            plan_job(spec_for(broken(change), tmp_path), check_io=False)
+    slim = broken(lambda t, c: None)
+    (slim / "quant_model_description_w8a8.json").write_text("{}")
+    with pytest.raises(ModelConfigError, match="ModelSlim .* does not read ModelSlim's W8A8"):
+        ModelConfig.from_dir(slim)
+
+
+def test_int8_inputs_on_experts_are_refused():
+    from tests.checkpoints import INT8_CHANNEL, INT8_TOKEN
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "quantization_config": {**GOOD, "format": "int-quantized", "config_groups": {"g": {
+                  "targets": ["Linear"], "weights": INT8_CHANNEL, "input_activations": INT8_TOKEN}}}}
+    with pytest.raises(ModelConfigError, match="inputs of layer 0's experts to int8 \\(W8A8\\)"):
+        ModelConfig.from_dict(config)

@@ -79,7 +79,9 @@ class Plan:
         for st, (lo, hi) in enumerate(self.engine.pipeline):
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
-            lines.append(f"stage {st:<5} layers {lo}-{hi - 1} ({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
+            where = "one node" if s.parallel.placement == "pack" else "any nodes"
+            lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
+                         f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
                          + f": weights {bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage) / gib:.3f}"
                          f" GiB + KV cache {kv_block_bytes(m, tp, self.engine.block_size, dbytes, hi - lo) * (self.engine.blocks() + 1) / gib:.3f} GiB per rank")
         if self.tokenizer is not None:

@@ -97,8 +97,8 @@ def test_a_bad_split_is_refused_and_plan_names_each_stages_layers(checkpoint, tm
                     check_io=False)
     text = plan.describe()
     assert "1 replica(s) x pipeline stages 2 x tensor parallel 2 = 4 worker(s)" in text
-    assert "stage 0     layers 0-3 (4) + the embedding" in text
-    assert "stage 1     layers 4-4 (1) + the final norm, LM head and sampler" in text
+    assert "stage 0     workers 0-1 on one node, layers 0-3 (4) + the embedding" in text
+    assert "stage 1     workers 2-3 on one node, layers 4-4 (1) + the final norm, LM head and sampler" in text
     one = plan_job(spec_for(path, tmp_path, tensor_parallel=2), check_io=False)
     assert plan.weight_bytes_per_rank < one.weight_bytes_per_rank      # the larger stage's share
     assert plan.kv_bytes_per_rank == one.kv_bytes_per_rank * 4 // 5    # its 4 layers of 5
@@ -176,7 +176,7 @@ def test_plan_sizes_a_model_from_its_config_alone_and_names_the_stages_that_fit(
                      [f"output.path={tmp_path / 'out.jsonl'}"])
     plan = plan_job(spec, sizing=True)
     text = plan.describe()
-    assert "checkpoint absent (about 437.90 GiB" in text and "stage 1     layers 47-93 (47)" in text
+    assert "checkpoint absent (about 437.90 GiB" in text and "stage 1     workers 8-15 on one node, layers 47-93 (47)" in text
     assert 27 * 1024 ** 3 < plan.weight_bytes_per_rank < 28 * 1024 ** 3 and plan.card.blocks == 32768
     one = load_spec(ROOT / "configs" / "ascend-qwen3-235b-pp2-tp8.yaml",
                     [f"output.path={tmp_path / 'out.jsonl'}", "parallel.pipeline_parallel=1"])

@@ -80,7 +80,9 @@ def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(quantized
     """tp 2 on a checkpoint whose attention is W8A8 and whose MLP is W4A16 (groups of 16): each
     rank reads its slice of the packed ints and of the group scales, and a row-parallel layer's
     int8 inputs take the scale of the whole row (a max over both ranks): transformers' tokens,
-    and the log-probability of each within float32's noise in most rows (as at tp 1)."""
+    and the log-probability of each within float32's noise in most rows (as at tp 1). The
+    checkpoint's biases (q/k/v and MLP sliced; o_proj's and down_proj's added once, after the
+    all-reduce) are held to transformers here too."""
     from msinfer.launcher.replica import Replica, wait_gone
     from msinfer.sharding.config import EngineConfig
     from msinfer.worker.protocol import SamplingParams

@@ -23,11 +23,11 @@ def start(path, tp):
     return r
 
 
-@pytest.mark.parametrize("name", ["llama_mqa", "llama_mha_bias", "llama_gqa_tied_bfloat16"])
+@pytest.mark.parametrize("name", ["llama_mqa", "llama_gqa_tied_bfloat16"])
 def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, ray_local):
-    """MQA at tp 2 replicates the single KV head; llama_mha_bias shards q/k/v and MLP biases and has
-    a row-parallel o_proj/down_proj bias that must be added once, after the all-reduce (Qwen2's
-    q/k/v biases at tp 2: test_moe); the bfloat16
+    """MQA at tp 2 replicates the single KV head (llama_mha_bias's q/k/v and MLP biases, and its
+    row-parallel o_proj/down_proj biases added once, after the all-reduce: tests/test_quant.py's
+    tp 2 test, quantized; Qwen2's q/k/v biases at tp 2: test_moe); the bfloat16
     checkpoint's shards go to AMX tiles where the CPU has them. Decodes feed SAMPLED (async
     scheduling): each rank must have sampled the token rank 0 returned."""
     r = start(checkpoint(name), 2)

@@ -34,10 +34,10 @@ def read_shard(src, dim: int | None, start: int = 0, size: int | None = None) ->
     """Read rows/columns [start, start+size) of `dim` (None: all of it). Only that part leaves the disk."""
     shape = source_shape(src)
     if dim is None:
-        return np.asarray(src[tuple(slice(None) for _ in shape)])
+        return np.asanyarray(src[tuple(slice(None) for _ in shape)])
     index = [slice(None)] * len(shape)
     index[dim] = slice(start, start + size)
-    return np.asarray(src[tuple(index)])
+    return np.asanyarray(src[tuple(index)])          # (a quantized weight's keeps its row scales)
 
 
 def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
@@ -47,7 +47,14 @@ def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
 
 
 def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> None:
-    """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype."""
+    """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype.
+    Int8 weights with a scale per row (sharding.quant.Dequantized) leave their scales in the
+    parameter's `row_scales` (NaN for rows loaded from anything else)."""
+    scales = getattr(data, "row_scales", None)
+    if scales is not None or hasattr(param, "row_scales"):
+        if not hasattr(param, "row_scales"):
+            param.row_scales = np.full(param.shape[0], np.nan, np.float32)
+        param.row_scales[slice(None) if rows is None else rows] = np.nan if scales is None else scales
     if rows is None:
         param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
         return

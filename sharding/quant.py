@@ -229,7 +229,21 @@ class QuantizedWeight:
             s = np.repeat(s, g, axis=1)
         else:
             s = np.asarray(self.scale[r0:r1, 0:1]).astype(np.float32)
+            return Dequantized.of(q.astype(np.float32) * s, s[:, 0])
         return q.astype(np.float32) * s
+
+
+class Dequantized(np.ndarray):
+    """A per-channel int8 weight's region, dequantized, that keeps its rows' scales
+    (`row_scales`): sharding.layers.copy_into records them beside the parameter, for a device
+    that multiplies int8 weights itself (worker.cpu.CpuOps.pack_int8)."""
+    row_scales: np.ndarray
+
+    @staticmethod
+    def of(values: np.ndarray, row_scales: np.ndarray) -> "Dequantized":
+        out = values.view(Dequantized)
+        out.row_scales = row_scales
+        return out
 
 
 def _shape(src) -> tuple:

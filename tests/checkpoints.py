@@ -91,55 +91,8 @@ def build_tokenizer(folder, chat_template=TEMPLATE):
     return folder
 
 
-# compressed-tensors schemes (sharding/quant.py): (format, {targets: (weights, input activations)})
-INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-INT4_GROUP16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
-INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-SCHEMES = {
-    "w8a8": ("int-quantized", {"Linear": (INT8_CHANNEL, INT8_TOKEN)}),
-    "w8a16": ("pack-quantized", {"Linear": (INT8_CHANNEL, None)}),
-    "w4a16": ("pack-quantized", {"Linear": (INT4_GROUP16, None)}),
-    # attention W8A8 and the MLP W4A16: at tp 2 a row-parallel input of each kind is split
-    "mixed": ("pack-quantized", {"re:.*self_attn\\..*": (INT8_CHANNEL, INT8_TOKEN),
-                                 "re:.*mlp\\..*": (INT4_GROUP16, None)}),
-}
-
-
 def quantized_checkpoint(name: str, scheme: str, root: Path) -> Path:
-    """Checkpoint `name` quantized as llm-compressor's min-max observers would, written by
-    compressed-tensors itself (its ModelCompressor packs and saves the ints and their scales);
-    the LM head stays float."""
-    import shutil
-
-    import torch
-    import transformers
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
-
+    """Checkpoint `name` quantized by compressed-tensors (scripts/quantize_model.py), once per session."""
+    from scripts.quantize_model import quantize
     out = Path(root) / f"{name}-{scheme}"
-    if (out / "config.json").is_file():
-        return out
-    fmt, groups = SCHEMES[scheme]
-    model = transformers.AutoModelForCausalLM.from_pretrained(build_checkpoint(name, root), dtype=torch.float32)
-    config = QuantizationConfig.model_validate({"format": fmt, "ignore": ["lm_head"], "config_groups": {
-        f"group_{i}": {"targets": [target], "weights": w, **({"input_activations": a} if a else {})}
-        for i, (target, (w, a)) in enumerate(groups.items())}})
-    apply_quantization_config(model, config)
-    with torch.no_grad():
-        for module in model.modules():
-            scheme_of = getattr(module, "quantization_scheme", None)
-            if scheme_of is None:
-                continue
-            w, g = module.weight, scheme_of.weights.group_size
-            v = w.reshape(w.shape[0], -1, g) if g else w.unsqueeze(1)
-            scale, _ = calculate_qparams(v.amin(-1), v.amax(-1), scheme_of.weights)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    compressor.update_config(tmp)
-    tmp.rename(out)
-    return out
+    return out if (out / "config.json").is_file() else quantize(build_checkpoint(name, root), out, scheme)

@@ -122,6 +122,33 @@ def test_linear_glu_is_silu_of_the_gate_times_the_up_projection(kernels, dtype, 
     assert not y[-2:].any()
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+@pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (17, 64, 96, False), (19, 40, 96, True)])
+def test_int8_panels_with_row_scales_equal_x_times_the_dequantized_weight(kernels, M, K, N, glu, dtype, tol):
+    """A quantized checkpoint's int8 weight and its row scales (CpuOps.pack_int8): Linear and
+    LinearGlu give x (q * s)^T, with a last panel narrower than 32 and padding rows; a weight
+    that is not exactly q * s (an adapter merged into it) or a row without a scale stays float."""
+    rng = np.random.default_rng(M + N)
+    x = rng.standard_normal((M, K)).astype(dtype)
+    x[-1:] = 0 if M > 1 else x[-1:]
+    q = rng.integers(-128, 128, size=(N, K)).astype(np.float32)
+    s = rng.uniform(1e-3, 1e-2, size=N).astype(np.float32)
+    w = (q * s[:, None]).astype(dtype)
+    packed, unpack = kernels.pack_weight(w, glu, s)
+    assert packed.dtype == np.int8 and packed.shape == (N, K + 4)         # the scales, then a byte a weight
+    np.testing.assert_array_equal(unpack(packed).astype(dtype), w)
+    op = kernels.glu_linear_op() if glu else kernels.linear_op()
+    y = op(Tensor(x), Tensor(packed)).asnumpy()
+    h = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+    np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    if M > 1:
+        assert not y[-1:].any()
+    merged = w + np.asarray(1e-4, dtype)
+    assert kernels.pack_weight(merged, glu, s)[0].dtype == dtype
+    assert kernels.pack_weight(w, glu, np.where(np.arange(N) == 3, np.nan, s).astype(np.float32))[0].dtype == dtype
+
+
 def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((70, 24)).astype(np.float32)       # panels of 32, 32 and 6 rows

@@ -202,7 +202,7 @@ def test_plan_refuses_a_broken_quantized_checkpoint_naming_the_tensor(quantized,
 
 
 def test_int8_inputs_on_experts_are_refused():
-    from tests.checkpoints import INT8_CHANNEL, INT8_TOKEN
+    from scripts.quantize_model import INT8_CHANNEL, INT8_TOKEN
     config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
               "num_experts_per_tok": 2, "moe_intermediate_size": 32,

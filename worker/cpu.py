@@ -162,17 +162,46 @@ class CpuOps(MsOps):
     amx = False
 
     @classmethod
-    def pack_weight(cls, w: np.ndarray, glu: bool = False):
+    def pack_weight(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
         """A loaded weight [N, K] in the order the kernels read -> (packed array, its unpack).
-        A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint's, unless an adapter
-        was merged into it), with N and K multiples of 32, goes to bfloat16 AMX tiles where the CPU
-        has them (int16, half the bytes; products still at float32 accuracy); any other to panels
-        of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a time."""
+        With `scales` (a quantized checkpoint's int8 weight, dequantized as it loaded, and the
+        scale of each row: sharding.quant.Dequantized), int8 panels (`pack_int8`: a quarter of
+        float32's bytes). A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint's,
+        unless an adapter was merged into it), with N and K multiples of 32, goes to bfloat16 AMX
+        tiles where the CPU has them (int16, half the bytes; products still at float32 accuracy);
+        any other to panels of its own dtype. glu: gate and up rows of LinearGlu, interleaved
+        GLU_GROUP at a time."""
+        if scales is not None and (packed := cls.pack_int8(w, scales, glu)) is not None:
+            return packed
         if cls.takes_tiles(w):
             if glu:
                 return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
             return cls.pack_tiles(w), cls.unpack_tiles
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
+
+    @classmethod
+    def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False):
+        """w [N, K] = q * scales[:, None] with q int8 -> (int8 [N, K + 4]: the N scales as float32
+        bytes, then q in `pack`'s panels (`pack_glu`'s, glu), and the unpack); None where any row
+        has no scale (NaN: loaded from a float tensor, or an adapter was merged into it) or w is
+        not exactly q * scale (then the float panels hold it)."""
+        N, K = w.shape
+        if np.isnan(scales).any() or not (scales > 0).all():
+            return None
+        q = np.rint(w.astype(np.float32) / scales[:, None])
+        if q.min(initial=0) < -128 or q.max(initial=0) > 127 or not np.array_equal((q * scales[:, None]).astype(w.dtype), w):
+            return None
+        q = q.astype(np.int8)
+        if glu:
+            q, scales = cls.interleave_glu(q), cls.interleave_glu(scales[:, None])[:, 0]
+        packed = np.concatenate((np.ascontiguousarray(scales, np.float32).view(np.int8), cls.pack(q).reshape(-1)))
+
+        def unpack(t: np.ndarray) -> np.ndarray:
+            flat = t.reshape(-1)
+            s = flat[:4 * N].copy().view(np.float32)
+            values = cls.unpack(flat[4 * N:].reshape(N, K)).astype(np.float32) * s[:, None]
+            return cls.deinterleave_glu(values) if glu else values
+        return packed.reshape(N, K + 4), unpack
 
     @classmethod
     def takes_tiles(cls, w: np.ndarray) -> bool:

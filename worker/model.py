@@ -333,7 +333,9 @@ class CausalLM(nn.Cell):
             if w.name not in done:
                 if w.name in self.packed:        # by an earlier call
                     continue
-                data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False))
+                # int8 weights with a scale per row stay int8 where the device multiplies them
+                scales = getattr(w, "row_scales", None) if isinstance(cell, (LinearBase, ParallelLMHead)) else None
+                data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False), scales)
                 done[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = done[w.name]
 

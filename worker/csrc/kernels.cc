@@ -131,12 +131,24 @@ static bool tiles_usable(const char* x_dtype, int64_t N, int64_t K) {
 }
 
 // The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y. w is float32 or float16
-// in panels, or int16: bfloat16 in AMX tiles (x float32).
+// in panels, or int16: bfloat16 in AMX tiles (x float32), or int8 [N, K + 4]: the N column
+// scales (float32), then int8 panels (CpuOps.pack_int8).
 template <bool Glu>
 int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1] || (Glu && shapes[1][0] % kPanel))
+  const bool int8 = std::strcmp(dtypes[1], "int8") == 0;
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] + (int8 ? 4 : 0) != shapes[1][1] ||
+      (Glu && shapes[1][0] % kPanel))
     return 1;
   const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  if (int8) {
+    with_dtype(dtypes[0], [&](auto tag) {
+      using T = decltype(tag);
+      const int8_t* w = static_cast<const int8_t*>(params[1]);
+      linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<T*>(params[2]), M, K, N,
+                     [&](const T* xs, T* ys, int64_t L) { linear_rows<T, Glu, int8_t>(xs, w, ys, L, K, N); });
+    });
+    return 0;
+  }
   if (std::strcmp(dtypes[1], "int16") == 0) {
     if (!tiles_usable(dtypes[0], N, K)) return 2;
 #ifdef MSINFER_AMX

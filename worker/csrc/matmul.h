@@ -3,6 +3,8 @@
 
 #pragma once
 
+#include <immintrin.h>
+
 #include "common.h"
 
 namespace {
@@ -39,6 +41,17 @@ typedef _Float16 hregu __attribute__((vector_size(16), aligned(2)));
 constexpr int kLanes = sizeof(vreg) / sizeof(float), kVecs = kPanel / kLanes;   // per panel row
 inline vreg loadr(const float* p) { return *reinterpret_cast<const vregu*>(p); }
 inline vreg loadr(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const hregu*>(p), vreg); }
+// int8 lanes widened by one instruction each way (GCC turns __builtin_convertvector from a
+// vector of 8 int8 into 8 scalar conversions: the int8 panels ran 4-6x slower than float32's)
+#ifdef __AVX512F__
+inline vreg loadr(const int8_t* p) {
+  return (vreg)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+inline vreg loadr(const int8_t* p) {
+  return (vreg)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
 
 // c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
@@ -48,17 +61,18 @@ inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
 // is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
 // coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
 // Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
-// percent slower.
-template <typename T, int R, bool Glu = false>
-__attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_t K, T* c, int64_t ldc,
-                                     const char* pf, int64_t pf_step, bool cached) {
+// percent slower. B, the panel's element: x's own type, or int8_t, whose products are scaled by
+// `scale` (the panel's 32 column scales) as they leave the registers.
+template <typename T, typename B, int R, bool Glu = false>
+__attribute__((noinline)) void micro(const T* a, int64_t lda, const B* b, int64_t K, T* c, int64_t ldc,
+                                     const char* pf, int64_t pf_step, bool cached, const float* scale) {
   vreg acc[R][kVecs];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) acc[i][j] = vreg{};
   for (int64_t k = 0; k < K; ++k) {
-    const T* bk = b + k * kPanel;
+    const B* bk = b + k * kPanel;
     __builtin_prefetch(pf + k * pf_step);
     if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
       __builtin_prefetch(bk + 16 * kPanel);
@@ -78,6 +92,10 @@ __attribute__((noinline)) void micro(const T* a, int64_t lda, const T* b, int64_
     alignas(64) float t[kPanel];
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) storer(t + j * kLanes, acc[i][j]);
+    if (scale != nullptr) {
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) t[j] *= scale[j];
+    }
     T* o = c + i * ldc;
     if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
 #pragma omp simd
@@ -98,8 +116,14 @@ constexpr int64_t kRun = 8;
 
 // Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
 // silu(gate) * up, computed as each tile leaves the registers.
-template <typename T, bool Glu = false>
-void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
+// B int8_t (CpuOps.pack_int8): w holds the N column scales (float32), then the int8 panels.
+template <typename T, bool Glu = false, typename B = T>
+void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) {
+  const float* scales = nullptr;
+  if constexpr (std::is_same_v<B, int8_t>) {
+    scales = reinterpret_cast<const float*>(w);
+    w += N * static_cast<int64_t>(sizeof(float));
+  }
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;       // of y, per panel
   const int64_t ldy = Glu ? N / 2 : N;
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
@@ -107,23 +131,24 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
   // The panels are split into runs of near-equal length, as many as the threads can share evenly
   // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
   const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
-  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
+  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(B));
   parallel_for(blocks * runs, 1, [&](int64_t item) {
     const int64_t m0 = item % blocks * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
     const int64_t groups = (m1 - m0 + kRows - 1) / kRows;
     const int64_t share = (panel_bytes + groups - 1) / groups;
     for (int64_t p = p0; p < std::min(p1, full); ++p) {
-      const T* b = w + p * kPanel * K;
+      const B* b = w + p * kPanel * K;
+      const float* scale = scales ? scales + p * kPanel : nullptr;
       const char* next = reinterpret_cast<const char*>(b + kPanel * K);
       for (int64_t m = m0, g = 0; m < m1; ++g) {
         const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
         const char* pf = next + g * share;
         int64_t step = (share + K - 1) / K;
         if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
-        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(T);
+        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(B);
         with_count<kRows>(r, [&](auto rows) {
-          micro<T, rows, Glu>(x + m * K, K, b, K, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1);
+          micro<T, B, rows, Glu>(x + m * K, K, b, K, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1, scale);
         });
         m += r;
       }
@@ -131,16 +156,19 @@ void linear_rows(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     // the last, narrower panel: padded to 32 columns, computed into a scratch tile
     const int64_t col = full * kPanel, width = N - col;
-    const T* b = w + col * K;
-    thread_local std::vector<T> pad, tile;
-    pad.assign(K * kPanel, T(0));
+    const B* b = w + col * K;
+    thread_local std::vector<B> pad;
+    thread_local std::vector<T> tile;
+    float pad_scale[kPanel] = {};
+    if (scales) std::copy(scales + col, scales + N, pad_scale);
+    pad.assign(K * kPanel, B(0));
     for (int64_t k = 0; k < K; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
     tile.resize(kRows * kPanel);
     for (int64_t m = m0; m < m1; m += kRows) {
       const int64_t r = std::min(kRows, m1 - m);
       with_count<kRows>(r, [&](auto rows) {
-        micro<T, rows>(x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0,
-                       false);
+        micro<T, B, rows>(x + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()),
+                          0, false, scales ? pad_scale : nullptr);
       });
       for (int64_t i = 0; i < r; ++i)
         std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);

@@ -88,8 +88,10 @@ class Plan:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
-            lines.append(f"quantized   {m.quant.describe()}; held dequantized in {self.engine.dtype} on every "
-                         f"path (int kernels not yet), so the weight figures are the float model's")
+            held = ("int8 weights with a scale per channel stay int8 on the CPU kernels, the rest are "
+                    if self.engine.device == "cpu" and self.engine.ops != "portable" else "the weights are ")
+            lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load; "
+                         f"the weight figures are the float model's")
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),

@@ -9,6 +9,7 @@ starts, and each worker reads it to build its network.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from msinfer.sharding.quant import SUPPORTED, Quantization, QuantizationError, parse_quantization
+from msinfer.sharding.quant import Quantization, QuantizationError, parse_modelslim, parse_quantization
 
 # architectures value -> (family, does q/k/v carry a bias by default, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
@@ -162,10 +163,9 @@ class ModelConfig:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelConfigError(f"{f}: cannot be read as JSON ({e})") from None
         cfg = cls.from_dict(d, str(f))
-        modelslim = sorted(Path(path).glob("quant_model_description*.json"))
-        if modelslim:
-            raise ModelConfigError(f"{modelslim[0]}: a ModelSlim (msmodelslim) quantized checkpoint; msinfer does not "
-                                   f"read ModelSlim's W8A8 or W8A8_DYNAMIC yet; it reads {SUPPORTED}")
+        described = sorted(Path(path).glob("quant_model_description*.json"))
+        if described:
+            cfg = cfg.with_modelslim(described)
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
             try:
@@ -176,6 +176,26 @@ class ModelConfig:
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
             object.__setattr__(cfg, "eos_token_ids", merged)
         return cfg
+
+    def with_modelslim(self, files: list[Path]) -> "ModelConfig":
+        """This config with a ModelSlim checkpoint's quantization, from its description file
+        (sharding.quant.parse_modelslim). Its W8A8 layers add quant_bias * deq_scale: every linear
+        layer gets a bias (zeros where the checkpoint has none)."""
+        if len(files) > 1:
+            raise ModelConfigError(f"{files[0].parent}: {len(files)} ModelSlim description files "
+                                   f"({', '.join(f.name for f in files)}); keep the one of these weights")
+        if self.quant is not None:
+            raise ModelConfigError(f"{files[0]}: a ModelSlim description beside a quantization_config in "
+                                   f"config.json; keep the one these weights were made with")
+        try:
+            quant = parse_modelslim(json.loads(files[0].read_text()), str(files[0]))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{files[0]}: cannot be read as JSON ({e})") from None
+        except QuantizationError as e:
+            raise ModelConfigError(str(e)) from None
+        biased = any(s.static for s in quant.schemes)
+        return dataclasses.replace(self, quant=quant, qkv_bias=self.qkv_bias or biased, o_bias=self.o_bias or biased,
+                                   mlp_bias=self.mlp_bias or biased)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2] in float32, as transformers computes them."""

@@ -77,20 +77,77 @@ class PerTokenInt8(nn.Cell):
     the row's max over all of them, as the reference takes it over the whole row (gathered and
     reduced here: MindSpore's CPU all-reduce sums only)."""
 
-    def __init__(self, group_max: int = 0):
+    def __init__(self, group_max: int = 0, divisor: float = 127.5, half_away: bool = False, kernel=None):
         super().__init__()
-        self.ranks = group_max
+        self.ranks, self.divisor, self.half_away = group_max, divisor, half_away
         self.gather = ops.AllGather() if group_max > 1 else None
         self.eps = float(np.finfo(np.float32).eps)      # the scale of a row of zeros
+        # the device's one-pass kernel (a row whole on this rank), else MindSpore's operators
+        self.kernel = kernel() if kernel is not None and self.gather is None else None
+        self.meta = Tensor(np.array([divisor, float(half_away)], np.float32))
 
     def construct(self, x):
+        if self.kernel is not None:
+            return self.kernel(x, self.meta)
         xf = x.astype(mstype.float32)
         amax = ops.abs(xf).max(axis=-1, keepdims=True)
         if self.gather is not None:
             amax = self.gather(amax).reshape(self.ranks, -1, 1).max(axis=0)
-        s = amax / 127.5
+        s = amax / self.divisor
         s = s + (s == 0).astype(mstype.float32) * self.eps
-        return (ops.clip(ops.round(xf / s), -128.0, 127.0) * s).astype(x.dtype)
+        r = round_half_away(xf / s) if self.half_away else ops.round(xf / s)
+        return (ops.clip(r, -128.0, 127.0) * s).astype(x.dtype)
+
+
+def round_half_away(y):
+    """CANN's "round" mode as ModelSlim's kernels use it: halves away from zero."""
+    return ops.sign(y) * ops.floor(ops.abs(y) + 0.5)
+
+
+class StaticInt8(nn.Cell):
+    """A ModelSlim W8A8 layer's input (sharding.quant): clamp(round(x * (1 / input_scale) +
+    input_offset), -128, 127), one scale and offset per layer from the checkpoint. The int levels
+    themselves go on: the weight's scale (deq_scale) carries input_scale, and the bias
+    (quant_bias) the offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = new_param((1,), mstype.float32, "scale")
+        self.offset = new_param((1,), mstype.float32, "offset")
+        self.seen: dict[str, float] = {}
+
+    def weight_loader(self, param, src, name, shard_id=None):
+        """Layers that one matmul fuses (q, k, v; gate, up) share an input, so their scales must
+        agree."""
+        value = np.asarray(read_shard(src, None), np.float32).reshape(-1)
+        kind = name.rsplit(".", 1)[-1]
+        if value.shape != (1,):
+            raise ShapeMismatch(f"tensor '{name}' has shape {list(value.shape)}; a per-tensor {kind} is [1]")
+        if kind in self.seen and self.seen[kind] != float(value[0]):
+            raise ShapeMismatch(f"tensor '{name}' is {value[0]:g}, but a layer that shares its input has "
+                                f"{self.seen[kind]:g}: one matmul takes one {kind}")
+        self.seen[kind] = float(value[0])
+        copy_into(param, value)
+
+    def construct(self, x):
+        y = x.astype(mstype.float32) * (1.0 / self.scale) + self.offset
+        return ops.clip(round_half_away(y), -128.0, 127.0).astype(x.dtype)
+
+
+def named(cell: nn.Cell, prefix: str) -> None:
+    """A cell added to a built network gets only its attribute's name as its parameters' prefix
+    (input_quant.scale in every layer): its parameters get the layer's name before it."""
+    for param in cell.get_parameters():
+        if not param.name.startswith(prefix):
+            param.name = f"{prefix}.{param.name}"
+
+
+def input_quantizer(scheme, name: str, row_parallel_ranks: int = 0, kernel=None):
+    """The cell that quantizes the inputs of layer `name` as `scheme` (sharding.quant.Scheme)
+    says; kernel: the device's per-token one (dev.quant_rows_op)."""
+    if scheme.static:
+        return StaticInt8()
+    return PerTokenInt8(row_parallel_ranks, scheme.act_divisor, half_away=bool(scheme.modelslim), kernel=kernel)
 
 
 class LinearBase(nn.Cell):
@@ -105,9 +162,11 @@ class LinearBase(nn.Cell):
         self.bias = new_param((out_size,), dtype, "bias") if bias else None
         self.input_quant = None
 
-    def quantize_inputs(self) -> None:
-        """W8A8: its inputs quantized per token before its matmul (set before the first call)."""
-        self.input_quant = PerTokenInt8(group_max=self.tp.size if self.tp_dim == 1 else 0)
+    def quantize_inputs(self, scheme, name: str, kernel=None) -> None:
+        """W8A8: its inputs quantized before its matmul (set before the first call); name: the
+        layer's checkpoint name."""
+        self.input_quant = input_quantizer(scheme, name, self.tp.size if self.tp_dim == 1 else 0, kernel)
+        named(self.input_quant, name)
 
     def weight_loader(self, param: Parameter, src, name: str, shard_id=None) -> None:
         full = list(param.shape)
@@ -303,8 +362,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
         self.input_quant = None
 
-    def quantize_inputs(self) -> None:
-        self.input_quant = PerTokenInt8()
+    def quantize_inputs(self, scheme, name: str, kernel=None) -> None:
+        self.input_quant = input_quantizer(scheme, name, kernel=kernel)
+        named(self.input_quant, name)
 
     def construct(self, x):
         if self.input_quant is not None:

@@ -18,6 +18,19 @@ The arithmetic is compressed-tensors' own, since transformers with it is the ref
                x = clamp(round_half_even(x / s), -128, 127) * s
 vLLM's int8 kernels take s = max|x| / 127 instead; the difference is a rounding of the input.
 
+ModelSlim (msmodelslim, what MindIE and vllm-ascend deploy on Ascend) is read from its
+`quant_model_description.json` (a type per tensor: W8A8, W8A8_DYNAMIC or FLOAT), as vllm-ascend
+reads it (vllm_ascend/quantization/modelslim_config.py, methods/w8a8_static.py and
+w8a8_dynamic.py):
+
+    W8A8           int8 weight; per-tensor static input_scale and input_offset; deq_scale and
+                   quant_bias per output: xq = clamp(round(x / input_scale + input_offset)),
+                   y = (xq Wq^T + quant_bias) * deq_scale (the layer's float bias is not used)
+    W8A8_DYNAMIC   int8 weight, weight_scale per output; inputs per token, s = max|x| / 127:
+                   y = round(x / s) Wq^T * weight_scale * s + bias
+
+round() is CANN's "round" mode, read as half away from zero (not checked on a card).
+
 Plain Python and numpy (no MindSpore): the launcher reads it to plan, the workers to load.
 """
 
@@ -38,17 +51,23 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True)
 class Scheme:
     """One config group: int weights of `bits`, a scale per output channel (group_size 0) or per
-    group of group_size inputs; with act_int8, inputs quantized per token (dynamic, symmetric)."""
+    group of group_size inputs; with act_int8, inputs quantized to int8: per token at run time
+    (max|x| / act_divisor), or with `static` ModelSlim's per-tensor scale and offset."""
     bits: int
     group_size: int
     act_int8: bool
-    targets: tuple[str, ...]
+    targets: tuple[str, ...] = ()
+    act_divisor: float = 127.5        # compressed-tensors' (its range, 255, halved); ModelSlim's 127
+    static: bool = False              # ModelSlim W8A8: input_scale, input_offset, deq_scale, quant_bias
+    modelslim: str = ""               # ModelSlim's name of it
 
     @property
     def name(self) -> str:
-        return f"W{self.bits}A{8 if self.act_int8 else 16}"
+        return self.modelslim or f"W{self.bits}A{8 if self.act_int8 else 16}"
 
     def describe(self) -> str:
+        if self.static:
+            return f"{self.name} (int8 weights, int8 inputs with a static scale and offset per layer)"
         w = f"int{self.bits} weights per {'channel' if not self.group_size else f'group of {self.group_size}'}"
         return f"{self.name} ({w}, " + ("int8 inputs per token, dynamic)" if self.act_int8 else "float inputs)")
 
@@ -58,6 +77,7 @@ class Quantization:
     packed: bool                  # pack-quantized (weight_packed, weight_shape), else int-quantized (weight)
     schemes: tuple[Scheme, ...]
     ignore: tuple[str, ...]
+    described: tuple[tuple[str, str], ...] = ()     # ModelSlim: (tensor, its type) of the description
 
     def scheme_for(self, module: str) -> Scheme | None:
         """The scheme of a linear layer by its checkpoint module name (model.layers.0.mlp.down_proj),
@@ -66,12 +86,17 @@ class Quantization:
         leaf = module.rsplit(".", 1)[-1]
         if leaf == "embed_tokens" or leaf.endswith("norm"):
             return None
+        if self.described:
+            kind = dict(self.described).get(module + ".weight", "FLOAT")
+            return MODELSLIM_SCHEMES.get(kind)
         if any(_matches(module, t) for t in self.ignore):
             return None
         return next((s for s in self.schemes if any(_matches(module, t) for t in s.targets)), None)
 
     def describe(self) -> str:
         kinds = sorted({s.describe() for s in self.schemes})
+        if self.described:
+            return f"ModelSlim ({MODELSLIM_FILE}): {'; '.join(kinds)}; the layers it calls FLOAT stay float"
         return (f"compressed-tensors {'pack' if self.packed else 'int'}-quantized: {'; '.join(kinds)}"
                 + (f"; float: {', '.join(self.ignore)}" if self.ignore else ""))
 
@@ -168,6 +193,47 @@ def _scheme(where: str, g, refuse) -> Scheme:
     return Scheme(bits=w["num_bits"], group_size=group, act_int8=bool(a), targets=tuple(targets))
 
 
+# ---- ModelSlim ---------------------------------------------------------------------------------------
+
+MODELSLIM_FILE = "quant_model_description.json"
+MODELSLIM_SCHEMES = {
+    "W8A8": Scheme(bits=8, group_size=0, act_int8=True, static=True, modelslim="W8A8"),
+    "W8A8_DYNAMIC": Scheme(bits=8, group_size=0, act_int8=True, act_divisor=127.0, modelslim="W8A8_DYNAMIC"),
+}
+MODELSLIM_KEYS = ("model_quant_type", "version", "group_size", "kv_quant_type", "kv_cache_type", "fa_quant_type",
+                  "indexer_quant_type", "reduce_quant_type")
+
+
+def parse_modelslim(d, source: str) -> Quantization:
+    """A ModelSlim quant_model_description.json (already read) -> what each layer holds. Raises
+    QuantizationError naming the tensor and type for anything but W8A8, W8A8_DYNAMIC and FLOAT."""
+    def refuse(what: str) -> QuantizationError:
+        return QuantizationError(f"{source}: {what}; msinfer reads ModelSlim's W8A8 and W8A8_DYNAMIC linear layers "
+                                 f"(FLOAT for the rest)")
+    if not isinstance(d, dict):
+        raise refuse(f"is a {type(d).__name__}, not a mapping of tensor names to types")
+    for key in ("kv_cache_type", "kv_quant_type", "fa_quant_type", "indexer_quant_type"):
+        if d.get(key) not in (None, "FLOAT", "", "NONE"):
+            raise refuse(f"{key} '{d.get(key)}': a quantized KV cache is not supported")
+    described = []
+    for name, kind in d.items():
+        if name in MODELSLIM_KEYS or not isinstance(kind, str):
+            continue
+        if "norm.bias" in name or name.endswith(".module.weight") or name.endswith(".module.bias"):
+            raise refuse(f"'{name}': anti-outlier norm biases are not supported")
+        if name.endswith(".weight") and kind != "FLOAT":
+            if kind not in MODELSLIM_SCHEMES:
+                raise refuse(f"'{name}' is {kind}")
+            if ".experts." in name or name.startswith(("lm_head", "model.embed_tokens")):
+                raise refuse(f"'{name}' is {kind}: msinfer reads ModelSlim's experts, embedding and LM head as "
+                             f"FLOAT only")
+            described.append((name, kind))
+    if not described:
+        raise refuse("quantizes no layer")
+    kinds = tuple(MODELSLIM_SCHEMES[k] for k in sorted({k for _, k in described}))
+    return Quantization(packed=False, schemes=kinds, ignore=(), described=tuple(described))
+
+
 # ---- the weights ------------------------------------------------------------------------------------
 
 def unpack_int32(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
@@ -202,8 +268,11 @@ class QuantizedWeight:
         if g and cols % g:
             raise QuantizationError(f"tensor '{name}': {cols} inputs are not a whole number of groups of {g}")
         want_scale = (out, cols // g) if g else (out, 1)
+        if scheme.static and _shape(scale) == (out,):          # ModelSlim's deq_scale
+            scale = _Column(scale)
+        self.scale = scale
         if _shape(scale) != want_scale:
-            raise QuantizationError(f"tensor '{name[:-len('weight')]}weight_scale' has shape "
+            raise QuantizationError(f"tensor '{name[:-len('weight')]}{'deq_scale' if scheme.static else 'weight_scale'}' has shape "
                                     f"{list(_shape(scale))}; {scheme.describe()} of [{out}, {cols}] needs "
                                     f"{list(want_scale)}")
 
@@ -228,7 +297,7 @@ class QuantizedWeight:
             s = np.asarray(self.scale[r0:r1, c0 // g:c1 // g]).astype(np.float32)
             s = np.repeat(s, g, axis=1)
         else:
-            s = np.asarray(self.scale[r0:r1, 0:1]).astype(np.float32)
+            s = scale_values(np.asarray(self.scale[r0:r1, 0:1]))
             return Dequantized.of(q.astype(np.float32) * s, s[:, 0])
         return q.astype(np.float32) * s
 
@@ -244,6 +313,27 @@ class Dequantized(np.ndarray):
         out = values.view(Dequantized)
         out.row_scales = row_scales
         return out
+
+
+def scale_values(s: np.ndarray) -> np.ndarray:
+    """Scales as float32: ModelSlim stores a float16 model's deq_scale as int64 whose low 32 bits
+    are the float32's (what its fake quantizer and vllm-mindspore read back)."""
+    if s.dtype == np.int64:
+        return (s.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    return s.astype(np.float32)
+
+
+class _Column:
+    """A 1-D tensor [out] read as [out, 1]."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def get_shape(self):
+        return (_shape(self.src)[0], 1)
+
+    def __getitem__(self, index):
+        return np.asarray(self.src[index[0]])[:, None]
 
 
 def _shape(src) -> tuple:

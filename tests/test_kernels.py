@@ -149,6 +149,26 @@ def test_int8_panels_with_row_scales_equal_x_times_the_dequantized_weight(kernel
     assert kernels.pack_weight(w, glu, np.where(np.arange(N) == 3, np.nan, s).astype(np.float32))[0].dtype == dtype
 
 
+@pytest.mark.parametrize("divisor,away", [(127.5, False), (127.0, True)])
+def test_quant_rows_gives_each_rows_int8_levels_as_compressed_tensors_and_modelslim_round(kernels, divisor, away):
+    """A W8A8 layer's input (QuantRows): each row to round(x / s) * s, s = max|x| / divisor,
+    clamped to -128..127, halves to even (compressed-tensors, torch.round) or away from zero
+    (ModelSlim on CANN); a row of zeros stays zeros."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    x[1] = 0
+    s = np.abs(x).max(1, keepdims=True) / np.float32(divisor)
+    x[2, :4] = (np.array([0.5, 1.5, -2.5, 3.5], np.float32) * s[2])       # exact halves
+    s = np.abs(x).max(1, keepdims=True) / np.float32(divisor)
+    s[s == 0] = np.finfo(np.float32).eps
+    v = x / s
+    r = np.sign(v) * np.floor(np.abs(v) + 0.5) if away else np.rint(v)
+    ref = np.clip(r, -128, 127) * s
+    y = kernels.quant_rows_op()(Tensor(x), Tensor(np.array([divisor, float(away)], np.float32))).asnumpy()
+    np.testing.assert_array_equal(y, ref.astype(np.float32))
+    assert not y[1].any()
+
+
 def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((70, 24)).astype(np.float32)       # panels of 32, 32 and 6 rows

@@ -197,8 +197,23 @@ def test_plan_refuses_a_broken_quantized_checkpoint_naming_the_tensor(quantized,
             plan_job(spec_for(broken(change), tmp_path), check_io=False)
     slim = broken(lambda t, c: None)
     (slim / "quant_model_description_w8a8.json").write_text("{}")
-    with pytest.raises(ModelConfigError, match="ModelSlim .* does not read ModelSlim's W8A8"):
+    with pytest.raises(ModelConfigError, match="a ModelSlim description beside a quantization_config"):
         ModelConfig.from_dir(slim)
+
+
+@pytest.mark.parametrize("described,said", [
+    ({"model.layers.0.mlp.down_proj.weight": "W4A8_DYNAMIC"}, "'model.layers.0.mlp.down_proj.weight' is W4A8_DYNAMIC"),
+    ({"model.layers.0.mlp.down_proj.weight": "W8A8", "kv_cache_type": "C8"}, "kv_cache_type 'C8'"),
+    ({"model.layers.0.mlp.down_proj.weight": "W8A8", "model.layers.0.input_layernorm.bias": "FLOAT"},
+     "anti-outlier norm biases"),
+    ({"model.layers.0.mlp.experts.0.down_proj.weight": "W8A8_DYNAMIC"}, "experts, embedding and LM head as FLOAT"),
+    ({"lm_head.weight": "W8A8"}, "experts, embedding and LM head as FLOAT"),
+    ({"model.layers.0.mlp.down_proj.weight": "FLOAT"}, "quantizes no layer"),
+])
+def test_a_modelslim_description_msinfer_does_not_read_is_refused_by_name(described, said):
+    from msinfer.sharding.quant import parse_modelslim
+    with pytest.raises(QuantizationError, match=re.escape(said)):
+        parse_modelslim({"model_quant_type": "W8A8", **described}, "quant_model_description.json")
 
 
 def test_int8_inputs_on_experts_are_refused():
@@ -210,3 +225,126 @@ def test_int8_inputs_on_experts_are_refused():
                   "targets": ["Linear"], "weights": INT8_CHANNEL, "input_activations": INT8_TOKEN}}}}
     with pytest.raises(ModelConfigError, match="inputs of layer 0's experts to int8 \\(W8A8\\)"):
         ModelConfig.from_dict(config)
+
+
+# ---- ModelSlim ------------------------------------------------------------------------------------
+
+def modelslim_checkpoint(src, out, kind: str, offset: int = 3, int64_deq: bool = False):
+    """Float checkpoint `src` as msmodelslim writes a W8A8 or W8A8_DYNAMIC one (the tensors vllm-
+    ascend reads: sharding/quant.py), every attention and MLP projection quantized: weights int8
+    per output row (max|w| / 127); W8A8's input scale from the largest input the layer sees on
+    PROMPTS (with `offset`), deq_scale = input_scale * weight scale (int64 bits for a float16
+    model's, int64_deq), quant_bias = round(bias / deq_scale) - offset * sum(weight row)."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+    if (out / "config.json").is_file():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            m.register_forward_pre_hook(lambda mod, args, n=name: amax.__setitem__(
+                n, max(amax.get(n, 0.0), float(args[0].abs().max()))))
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            model(torch.tensor([prompt]))
+    tensors = load_file(src / "model.safetensors")
+    described = {"model_quant_type": kind}
+    for key in list(tensors):
+        module = key.rsplit(".", 1)[0]
+        if module not in amax or not key.endswith(".weight"):
+            described[key] = "FLOAT"
+            continue
+        described[key] = kind
+        w = tensors[key].astype(np.float64)
+        ws = np.abs(w).max(1) / 127
+        q = np.clip(np.round(w / ws[:, None]), -128, 127).astype(np.int8)
+        tensors[key] = q
+        tensors[module + ".weight_scale"] = ws[:, None].astype(np.float32)
+        tensors[module + ".weight_offset"] = np.zeros((len(ws), 1), np.float32)
+        if kind == "W8A8":
+            s = amax[module] / (127 - offset)
+            deq = (s * ws).astype(np.float32)
+            bias = tensors.pop(module + ".bias", np.zeros(len(ws))).astype(np.float64)
+            tensors[module + ".input_scale"] = np.array([s], np.float32)
+            tensors[module + ".input_offset"] = np.array([offset], np.int8)
+            tensors[module + ".quant_bias"] = (np.round(bias / deq) - offset * q.astype(np.int64).sum(1)).astype(np.int32)
+            tensors[module + ".deq_scale"] = deq.view(np.uint32).astype(np.int64) if int64_deq else deq
+    shutil.copytree(src, out)
+    save_file(tensors, out / "model.safetensors")
+    (out / "quant_model_description.json").write_text(json.dumps(described))
+    return out
+
+
+def round_half_away(t):
+    import torch
+    return torch.sign(t) * torch.floor(t.abs() + 0.5)
+
+
+def modelslim_reference(path, prompt, n=N_NEW):
+    """transformers' network with each quantized projection replaced by ModelSlim's documented
+    arithmetic over the checkpoint's own tensors: W8A8 y = (xq Wq^T + quant_bias) * deq_scale,
+    xq = clamp(round(x / input_scale + input_offset)); W8A8_DYNAMIC y = round(x / s) Wq^T *
+    weight_scale * s + bias, s = max|x| / 127 per token. Greedy tokens and per-step logits."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+    key = ("modelslim", str(path), tuple(prompt))
+    if key in _HF:
+        return _HF[key]
+    t = {k: torch.from_numpy(np.asarray(v).astype(np.float64) if v.dtype != np.int64 else v)
+         for k, v in load_file(path / "model.safetensors").items()}
+    described = json.loads((path / "quant_model_description.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent / path.name.split("-ms")[0],
+                                                             dtype=torch.float64).eval()
+
+    def forward_for(module, kind):
+        wq = t[module + ".weight"]
+        if kind == "W8A8":
+            deq = t[module + ".deq_scale"]
+            if deq.dtype == torch.int64:
+                deq = torch.from_numpy((deq.numpy() & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64))
+            inv = 1.0 / t[module + ".input_scale"].float().double()
+            off, qb = t[module + ".input_offset"], t[module + ".quant_bias"]
+            return lambda x: ((torch.clamp(round_half_away(x * inv + off), -128, 127) @ wq.T) + qb) * deq
+        ws, b = t[module + ".weight_scale"][:, 0], t.get(module + ".bias")
+
+        def dynamic(x):
+            s = x.abs().amax(-1, keepdim=True) / 127
+            y = (torch.clamp(round_half_away(x / s), -128, 127) @ wq.T) * ws * s
+            return y if b is None else y + b
+        return dynamic
+    for name, m in model.named_modules():
+        kind = described.get(name + ".weight")
+        if isinstance(m, torch.nn.Linear) and kind not in (None, "FLOAT"):
+            m.forward = forward_for(name, kind)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    _HF[key] = (out.sequences[0, len(prompt):].tolist(), [lg[0].float().numpy() for lg in out.logits])
+    return _HF[key]
+
+
+@pytest.mark.parametrize("name,kind,int64_deq", [("llama_mha_bias", "W8A8", False), ("qwen2_qkv_bias", "W8A8", True),
+                                                 ("qwen3_qknorm_odd_head_dim", "W8A8_DYNAMIC", False)])
+def test_modelslim_checkpoints_match_the_reference_of_their_arithmetic(name, kind, int64_deq, checkpoint):
+    """tp 1: a ModelSlim W8A8 (static input scales and offsets, quant_bias in place of the float
+    bias, deq_scale as float32 or a float16 model's int64) or W8A8_DYNAMIC checkpoint gives the
+    tokens, and in most rows the logits, of its documented arithmetic."""
+    src = checkpoint(name)
+    path = modelslim_checkpoint(src, src.parent / f"{name}-ms{kind}{'-64' if int64_deq else ''}", kind,
+                                int64_deq=int64_deq)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.quant.described and cfg.quant.scheme_for("model.layers.0.mlp.down_proj").name == kind
+    rec = Recording(runner_for(path))
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    same = 0
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = modelslim_reference(path, prompt)
+        assert out[i] == ref_tokens, f"{name} {kind} prompt {i}"
+        for step in range(N_NEW):
+            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
+            assert diff < 0.1, (i, step, diff)
+            same += diff < LOGIT_ATOL
+    assert same >= 0.5 * len(PROMPTS) * N_NEW, same

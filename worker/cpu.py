@@ -106,6 +106,12 @@ class CpuOps(MsOps):
     def silu_mul(gate_up):
         return _SILU_MUL(gate_up)
 
+    @staticmethod
+    def quant_rows_op():
+        """(x [N, K], (divisor, half away from zero) [2] float32) -> each row to its int8 levels
+        and back (sharding.layers.PerTokenInt8, in one pass)."""
+        return _custom("QuantRows", lambda x, meta: x)
+
     fused_attention = True
 
     @staticmethod

@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors ca
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from msinfer.sharding.quant import QuantizationError, QuantizedWeight
+from msinfer.sharding.quant import QuantizationError, QuantizedWeight, scale_values
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -133,32 +133,55 @@ def _dtype(src) -> str:
     return {"int8": "I8", "int32": "I32", "int64": "I64", "uint8": "U8"}.get(str(src.dtype), "F")
 
 
-QUANTIZED_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+QUANTIZED_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
+                      ".deq_scale", ".quant_bias", ".input_scale", ".input_offset")
 
 
 def quantized_names(name: str, quant) -> tuple[str, ...]:
-    """The checkpoint tensors that hold float tensor `name` where quantization_config quantizes
-    its layer (the ints, their scales, and for packed ints their shape); () where it is float."""
-    if quant is None or not name.endswith(".weight") or quant.scheme_for(name[:-len(".weight")]) is None:
+    """The checkpoint tensors that hold float tensor `name` where the checkpoint quantizes its
+    layer: the ints (and for packed ints their shape), then their scales; for ModelSlim W8A8 the
+    layer's bias is its quant_bias times deq_scale. () where it is float."""
+    if quant is None or not name.endswith((".weight", ".bias")):
         return ()
-    module = name[:-len(".weight")]
+    module, leaf = name.rsplit(".", 1)
+    scheme = quant.scheme_for(module)
+    if scheme is None:
+        return ()
+    if leaf == "bias":
+        return (module + ".quant_bias", module + ".deq_scale") if scheme.static else ()
+    if scheme.static:
+        return name, module + ".deq_scale"
     ints = (module + ".weight_packed", module + ".weight_shape") if quant.packed else (name,)
     return (*ints, module + ".weight_scale")
 
 
-def weight_source(name: str, get, quant):
+def weight_source(name: str, get, quant, has=lambda n: True):
     """What a parallel layer reads for checkpoint tensor `name`: its slice, or for a quantized
-    layer a QuantizedWeight over its ints and scales (dequantized as read). get(name) -> slice."""
+    layer a QuantizedWeight over its ints and scales (dequantized as read); for a ModelSlim W8A8
+    layer's bias quant_bias * deq_scale, and zeros for a float layer's bias that a W8A8 model
+    has only for its quantized ones. get(name) -> slice; has(name): whether the checkpoint holds it."""
     names = quantized_names(name, quant)
     if not names:
+        if name.endswith(".bias") and not has(name) and quant is not None and any(s.static for s in quant.schemes):
+            return np.zeros(_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
         return get(name)
-    module = name[:-len(".weight")]
+    module = name.rsplit(".", 1)[0]
+    if name.endswith(".bias"):
+        return (np.asarray(get(names[0])[:]).astype(np.float64)
+                * scale_values(np.asarray(get(names[1])[:]))).astype(np.float32)
     ints, scale = get(names[0]), get(names[-1])
     shape = tuple(int(v) for v in np.asarray(get(names[1])[:]).reshape(-1)) if quant.packed else _shape(ints)
     try:
         return QuantizedWeight(name, quant.scheme_for(module), ints, scale, shape, quant.packed)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from None
+
+
+def optional(name: str, quant) -> bool:
+    """A tensor the network has that the checkpoint may lack: a float layer's bias in a ModelSlim
+    W8A8 model (zeros; sharding.config gives every linear layer a bias there)."""
+    return (name.endswith(".bias") and quant is not None and not quantized_names(name, quant)
+            and any(s.static for s in quant.schemes))
 
 
 def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, quant=None) -> dict:
@@ -175,7 +198,8 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot be read ({e})") from None
-        missing = [n for name in table for n in (quantized_names(name, quant) or (name,)) if n not in where]
+        missing = [n for name in table for n in (quantized_names(name, quant) or (name,))
+                   if n not in where and not optional(n, quant)]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(
@@ -187,7 +211,7 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
 
         for name, (layer, param, shard_id) in table.items():
             try:
-                layer.weight_loader(param, weight_source(name, get, quant), name, shard_id)
+                layer.weight_loader(param, weight_source(name, get, quant, where.__contains__), name, shard_id)
             except SafetensorError as e:
                 raise CheckpointError(f"{where[name][1] if name in where else model_dir}: not a readable "
                                       f"safetensors file ({e})") from None
@@ -237,7 +261,10 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
                                   f"{Path(model_dir) / 'config.json'} has no quantization_config to say how to read it")
     for p in plans:
         names = quantized_names(p.name, quant)
-        for n in names or (p.name,):
+        if p.name.endswith(".bias") and (names or (p.name not in found and optional(p.name, quant))):
+            continue                    # a quantized layer's bias (its shape: quant_bias's) or zeros
+        static = names and quant.scheme_for(p.name.rsplit(".", 1)[0]).static
+        for n in (*names, *(p.name[:-len("weight")] + x for x in ("input_scale", "input_offset") if static)) or (p.name,):
             if n not in found:
                 raise CheckpointError(f"{model_dir}: weight tensor '{n}' is missing from the checkpoint"
                                       + (f" ({quant.scheme_for(p.name[:-len('.weight')]).describe()})" if names else ""))

@@ -17,7 +17,7 @@ import numpy as np
 
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead,
-                                     QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
+                                     QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, StaticInt8,
                                      VocabParallelEmbedding, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError
@@ -97,10 +97,14 @@ class MLP(nn.Cell):
 
 def add_linear(table: dict, name: str, layer, shard_id=None) -> None:
     """Checkpoint tensors <name>.weight, and <name>.bias where the layer has a bias, -> `layer`'s
-    loaders (the loader table of CausalLM.named_loaders)."""
+    loaders (the loader table of CausalLM.named_loaders); a ModelSlim W8A8 layer's input scale and
+    offset to its input quantizer's."""
     table[name + ".weight"] = (layer, layer.weight, shard_id)
     if layer.bias is not None:
         table[name + ".bias"] = (layer, layer.bias, shard_id)
+    if isinstance(layer.input_quant, StaticInt8):
+        table[name + ".input_scale"] = (layer.input_quant, layer.input_quant.scale, None)
+        table[name + ".input_offset"] = (layer.input_quant, layer.input_quant.offset, None)
 
 
 class SparseMoeBlock(nn.Cell):
@@ -247,13 +251,15 @@ class CausalLM(nn.Cell):
         for name, (layer, param, _) in self.named_loaders().items():
             if name.endswith(".weight") and param is getattr(layer, "weight", None):
                 scheme = self.cfg.quant.scheme_for(name[:-len(".weight")])
-                layers.setdefault(id(layer), (layer, name, set()))[2].add(bool(scheme and scheme.act_int8))
-        for layer, name, act in layers.values():
-            if len(act) > 1:
-                raise QuantizationError(f"'{name}' shares one matmul with layers whose inputs quantization_config "
-                                        f"quantizes differently (int8 and float)")
-            if act == {True}:
-                layer.quantize_inputs()
+                act = (scheme.static, scheme.act_divisor, scheme.modelslim) if scheme and scheme.act_int8 else None
+                layers.setdefault(id(layer), (layer, name, {}))[2][act] = scheme
+        for layer, name, acts in layers.values():
+            if len(acts) > 1:
+                raise QuantizationError(f"'{name}' shares one matmul with layers whose inputs the checkpoint "
+                                        f"quantizes differently")
+            (act, scheme), = acts.items()
+            if act:
+                layer.quantize_inputs(scheme, name[:-len(".weight")], self.dev.quant_rows_op)
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                 token_len, attn_mask, out_index, prefill: bool, hidden=None):

@@ -120,6 +120,7 @@ class MsOps:
     # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
+    quant_rows_op = None          # a W8A8 input's per-token int8 levels in one kernel (CpuOps)
     # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
     # MindSpore primitives, worker.device_sampler)
     sampler_kernels = None

@@ -47,6 +47,8 @@
 // This file holds the entry points; the kernels are in common.h (thread pool, vectors, row-wise
 // pieces), attention.h, matmul.h (panels, AMX tiles, lookups), moe.h and sampling.h.
 
+#include <limits>
+
 #include "attention.h"
 #include "common.h"
 #include "matmul.h"
@@ -116,6 +118,35 @@ extern "C" int SiluMul(int nparam, void** params, int* ndims, int64_t** shapes, 
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     silu_mul(static_cast<const T*>(params[0]), static_cast<T*>(params[1]), N, I);
+  });
+  return 0;
+}
+
+// x [N, K], meta [2] float32 (divisor, half away from zero) -> each row to int8 levels of
+// max|x| / divisor, rounded (half to even, or away from zero), clamped to -128..127, and back:
+// a W8A8 layer's input as sharding.layers.PerTokenInt8 computes it, in one pass a row.
+extern "C" int QuantRows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                         void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || std::strcmp(dtypes[1], "float32")) return 1;
+  const int64_t N = shapes[0][0], K = shapes[0][1];
+  const float divisor = static_cast<const float*>(params[1])[0];
+  const bool away = static_cast<const float*>(params[1])[1] != 0.f;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(params[0]);
+    T* y = static_cast<T*>(params[2]);
+    parallel_for(N, 16, [&](int64_t n) {
+      const T* r = x + n * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(r[k])));
+      float s = amax / divisor;
+      if (s == 0.f) s = std::numeric_limits<float>::epsilon();
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = static_cast<float>(r[k]) / s;
+        const float q = away ? std::copysign(std::floor(std::fabs(v) + 0.5f), v) : std::nearbyint(v);
+        y[n * K + k] = static_cast<T>(std::min(127.f, std::max(-128.f, q)) * s);
+      }
+    });
   });
   return 0;
 }

@@ -165,7 +165,7 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
-    from msinfer.launcher.job import host_memory_problem, plan_job, stage_weight_bytes
+    from msinfer.launcher.job import holds_int8, host_memory_problem, plan_job, stage_weight_bytes
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import ModelConfig, ascend_emulated, dtype_bytes, resolve_device, resolve_dtype
     from msinfer.sharding.layout import LayoutError, check_tp, stage_layers
@@ -198,7 +198,7 @@ def plan_bench(args) -> BenchPlan:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = dtype_bytes(dtype)
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
-    weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
+    weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, args.ops))
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads * max((hi - lo for lo, hi in pipeline),
                                                                     default=m.num_layers) / m.num_layers

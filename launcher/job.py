@@ -80,18 +80,20 @@ class Plan:
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
+            weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage,
+                                     int8=holds_int8(self.engine.device, self.engine.ops))
+            kv = kv_block_bytes(m, tp, self.engine.block_size, dbytes, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
-                         + f": weights {bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage) / gib:.3f}"
-                         f" GiB + KV cache {kv_block_bytes(m, tp, self.engine.block_size, dbytes, hi - lo) * (self.engine.blocks() + 1) / gib:.3f} GiB per rank")
+                         + f": weights {weights / gib:.3f} GiB + KV cache {kv / gib:.3f} GiB per rank")
         if self.tokenizer is not None:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
-            held = ("int8 weights with a scale per channel stay int8 on the CPU kernels, the rest are "
-                    if self.engine.device == "cpu" and self.engine.ops != "portable" else "the weights are ")
-            lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load; "
-                         f"the weight figures are the float model's")
+            held = ("int8 weights with a scale per channel stay int8 (the CPU kernels), the rest are "
+                    if holds_int8(self.engine.device, self.engine.ops) else "the weights are ")
+            lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load, "
+                         f"and counted so")
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),
@@ -195,10 +197,17 @@ def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int, layers
     return 2 * layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
 
 
-def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple) -> int:
+def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple, int8: bool = False) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much)."""
-    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st)) for st in range(max(1, len(pipeline))))
+    one-stage replica holds as much); int8: as bytes_per_rank's."""
+    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8)
+               for st in range(max(1, len(pipeline))))
+
+
+def holds_int8(device: str, ops: str) -> bool:
+    """Whether the workers keep a quantized checkpoint's int8 weights as they are: the CPU kernels
+    do (worker.cpu.CpuOps.pack_int8); the portable and Ascend paths (emulated too) dequantize them."""
+    return device == "cpu" and ops != "portable"
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -367,7 +376,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes = dtype_bytes(dtype)
-    weight_bytes = stage_weight_bytes(m, tp, dbytes, ep, pipeline)
+    weight_bytes = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, spec.model.ops))
     card = None
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)

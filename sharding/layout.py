@@ -266,9 +266,10 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 
 
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
-                   experts: bool | None = None, stage: Stage = Stage()) -> int:
+                   experts: bool | None = None, stage: Stage = Stage(), int8: bool = False) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
-    all but them."""
+    all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
+    row as they are (the CPU kernels: a byte a weight and 4 a row), the rest in dtype_bytes."""
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
         if experts is not None and (".experts." in p.name) != experts:
@@ -276,5 +277,10 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
         n = 1
         for s in p.rank_shape:
             n *= s
-        total += n * dtype_bytes
+        module = p.name[:-len(".weight")] if p.name.endswith(".weight") else None
+        scheme = cfg.quant.scheme_for(module) if int8 and cfg.quant and module and ".experts." not in p.name else None
+        if scheme is not None and scheme.bits == 8 and not scheme.group_size and module != "lm_head":
+            total += n + 4 * p.rank_shape[0]
+        else:
+            total += n * dtype_bytes
     return total

@@ -54,14 +54,19 @@ def quantized(ckpt_root):
 @pytest.mark.parametrize("name,scheme", [("llama_mqa", "w8a8"), ("qwen3_qknorm_odd_head_dim", "w8a8"),
                                          ("llama_mha_bias", "w8a16"), ("qwen3_qknorm_odd_head_dim", "w4a16"),
                                          ("llama_gqa_tied", "w4a16")])
-def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(name, scheme, quantized):
+def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(name, scheme, quantized, tmp_path):
     """tp 1: transformers' tokens, running the checkpoint through compressed-tensors, and its
     logits within float32's noise. W8A8 rounds each input to an int8 level, so a float32
     difference of 1e-6 in a value that lies within that of a level's edge moves it a level (and
     the sequence's later logits by ~1e-2): most rows are the reference's to 2e-4, none of them
-    is the reference's with float inputs (which really differs), and every token is the same."""
+    is the reference's with float inputs (which really differs), and every token is the same.
+    plan counts the weights as the CPU kernels hold them (int8 per channel as int8)."""
     path = quantized(name, scheme)
     rec = Recording(runner_for(path))
+    held = rec.runner.load_stats["bytes"]
+    assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == held
+    assert (held < plan_job(spec_for(quantized(name, "w4a16"), tmp_path), check_io=False).weight_bytes_per_rank) \
+        == scheme.startswith("w8")
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     same = float_inputs = 0
     for i, prompt in enumerate(PROMPTS):
@@ -348,3 +353,20 @@ def test_modelslim_checkpoints_match_the_reference_of_their_arithmetic(name, kin
             assert diff < 0.1, (i, step, diff)
             same += diff < LOGIT_ATOL
     assert same >= 0.5 * len(PROMPTS) * N_NEW, same
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+def test_weight_only_checkpoints_on_the_portable_and_emulated_ascend_paths(scheme, quantized):
+    """The paths that dequantize the weights as they load: the portable operators in float32 and
+    the emulated Ascend kernels in float16 give transformers' tokens, and logits within each
+    path's tolerance (tests/test_ascend.py), on a weight-only checkpoint."""
+    from tests.test_ascend import ATOL, assert_greedy_parity
+    from tests.test_ascend import runner_for as path_runner
+    path = quantized("qwen3_qknorm_odd_head_dim", scheme)
+    for kind in ("portable", "ascend-emulated"):
+        rec = Recording(path_runner(path, kind))
+        out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+        for i, prompt in enumerate(PROMPTS):
+            ref_tokens, ref_logits = hf_quantized(path, prompt)
+            assert_greedy_parity(f"{scheme} {kind} prompt {i}", out[i], [step[i] for step in rec.logits], ref_tokens,
+                                 ref_logits, ATOL[kind])

@@ -165,3 +165,40 @@ def test_rope_theta_is_read_at_top_level_and_inside_rope_parameters():
     top = ModelConfig.from_dict({**SMOLLM2, "rope_theta": 100000.0})
     nested = ModelConfig.from_dict({**SMOLLM2, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}})
     assert top.rope_theta == nested.rope_theta == 100000.0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["llama_mha_bias", "qwen2_tied_5_layers", "qwen3_qknorm_odd_head_dim",
+                                  "qwen3_moe_top2_dense_layer", "qwen2_moe_top4_shared_tied"])
+def test_the_plan_lists_the_tensors_each_stage_and_rank_loads(name, checkpoint):
+    """The layout is written twice, as the planner's list (plan_tensors: what plan checks in the
+    checkpoint and sizes) and as the network's loaders (CausalLM.named_loaders: what a rank
+    reads): for every architecture, at tp 1 and 2, one stage or two (three), with experts sliced
+    or whole per rank, both name the same tensors."""
+    from msinfer.sharding.layout import Stage, stage_layers
+    from msinfer.worker.model import CausalLM
+    from msinfer.worker.ops import select_ops
+    from msinfer.worker.positions import make_scheme
+    config = ModelConfig.from_dir(checkpoint(name))
+    dev = select_ops("cpu")
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        if (ep and not config.is_moe) or check_tp_problem(config, tp, ep):
+            continue
+        for pp in (1, 2, 3):
+            if pp > config.num_layers:
+                continue
+            ranges = stage_layers(config.num_layers, pp)
+            for s in range(pp):
+                stage = Stage.of(ranges, s)
+                model = CausalLM(config, TPInfo(0, tp, ep), ms.float32, dev, 4, make_scheme().freq_matrix(config),
+                                 16, stage)
+                planned = {p.name for p in plan_tensors(config, tp, ep, stage) if all(p.rank_shape)}
+                assert set(model.named_loaders()) == planned, (name, tp, ep, pp, s)
+
+
+def check_tp_problem(config, tp, ep) -> bool:
+    try:
+        check_tp(config, tp, ep)
+    except LayoutError:
+        return True
+    return False

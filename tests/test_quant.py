@@ -370,3 +370,69 @@ def test_weight_only_checkpoints_on_the_portable_and_emulated_ascend_paths(schem
             ref_tokens, ref_logits = hf_quantized(path, prompt)
             assert_greedy_parity(f"{scheme} {kind} prompt {i}", out[i], [step[i] for step in rec.logits], ref_tokens,
                                  ref_logits, ATOL[kind])
+
+
+def experts_int4_checkpoint(src, out):
+    """A mixture of experts whose experts alone are int4 per group of 16 (compressed-tensors'
+    pack-quantized layout, its own packing), weight-only; and beside it (`out`-float) the same
+    model with those experts' dequantized values in float, the reference: with float inputs a
+    weight-only checkpoint computes what its dequantized weights do."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.numpy import load_file, save_file
+    from scripts.quantize_model import INT4_GROUP16
+    reference = out.with_name(out.name + "-float")
+    if (out / "config.json").is_file():
+        return out, reference
+    args = QuantizationArgs.model_validate(INT4_GROUP16)
+    tensors = load_file(src / "model.safetensors")
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for key, w in tensors.items():
+        if ".experts." not in key or not key.endswith("_proj.weight"):
+            continue
+        v = torch.from_numpy(w.astype(np.float32)).reshape(w.shape[0], -1, 16)
+        scale, _ = calculate_qparams(v.amin(-1), v.amax(-1), args)
+        q = torch.clamp(torch.round(v / scale.unsqueeze(-1)), -8, 7).reshape(w.shape).to(torch.int8)
+        module = key[:-len(".weight")]
+        del quantized[key]
+        quantized[module + ".weight_packed"] = pack_to_int32(q, 4).numpy()
+        quantized[module + ".weight_scale"] = scale.numpy().astype(np.float32)
+        quantized[module + ".weight_shape"] = np.array(w.shape, np.int64)
+        dequantized[key] = (q.float().reshape(v.shape) * scale.unsqueeze(-1)).reshape(w.shape).numpy()
+    for folder, data in ((reference, dequantized), (out, quantized)):
+        shutil.copytree(src, folder)
+        save_file(data, folder / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "quantization_status": "compressed", "ignore": [], "config_groups": {
+                                         "experts": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": INT4_GROUP16}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, reference
+
+
+def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoint, ray_local):
+    """Qwen3-MoE with int4 experts (weight-only), against transformers on the same model with the
+    experts' dequantized weights: at tp 1, and at tp 2 with each expert sliced (its rank's half of
+    the packed ints and of the group scales of down_proj's inputs)."""
+    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.sharding.config import EngineConfig
+    src = checkpoint("qwen3_moe_top2_dense_layer")
+    path, reference = experts_int4_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
+    assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
+    rec = Recording(runner_for(path))
+    one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    r = Replica(0, 2)
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
+    try:
+        two = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_quantized(reference, prompt)
+        assert one[i] == ref_tokens and two[i] == ref_tokens, f"prompt {i}"
+        for step in (0, N_NEW - 1):
+            assert np.abs(rec.logits[step][i] - ref_logits[step]).max() < LOGIT_ATOL

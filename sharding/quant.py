@@ -1,8 +1,9 @@
 """Quantized checkpoints: what a config.json's `quantization_config` says each linear layer holds,
 and the arithmetic to read it back.
 
-compressed-tensors (llm-compressor's format) is read; anything else is refused by name, never
-ignored (a quantized checkpoint read as a float one runs and gives wrong tokens). What is read:
+compressed-tensors (llm-compressor's format) and ModelSlim (below) are read; anything else is
+refused by name, never ignored (a quantized checkpoint read as a float one runs and gives wrong
+tokens). What is read of compressed-tensors:
 
     W8A8    int8 weights, symmetric, one scale per output channel; inputs quantized to int8 per
             token at run time (dynamic)
@@ -79,6 +80,9 @@ class Quantization:
     ignore: tuple[str, ...]
     described: tuple[tuple[str, str], ...] = ()     # ModelSlim: (tensor, its type) of the description
 
+    def __post_init__(self):
+        object.__setattr__(self, "_types", dict(self.described))     # looked up once per tensor
+
     def scheme_for(self, module: str) -> Scheme | None:
         """The scheme of a linear layer by its checkpoint module name (model.layers.0.mlp.down_proj),
         as compressed-tensors matches it (a target is the class Linear, the name, or re:<pattern>
@@ -87,7 +91,7 @@ class Quantization:
         if leaf == "embed_tokens" or leaf.endswith("norm"):
             return None
         if self.described:
-            kind = dict(self.described).get(module + ".weight", "FLOAT")
+            kind = self._types.get(module + ".weight", "FLOAT")
             return MODELSLIM_SCHEMES.get(kind)
         if any(_matches(module, t) for t in self.ignore):
             return None

@@ -280,9 +280,10 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
             shape = header.get_shape()
             if header.get_dtype() in ("I8", "U8", "I32"):
                 raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} integers, not "
-                                      f"floats: " + ("its layer is not quantized by quantization_config (in "
-                                                     "ignore, or no target matches it)" if quant else
-                                                     "a quantized checkpoint needs its quantization_config"))
+                                      f"floats: " + ("the checkpoint's quantization (its quantization_config or "
+                                                     "quant_model_description.json) leaves this layer float" if quant else
+                                                     "a quantized checkpoint needs its quantization_config or "
+                                                     "quant_model_description.json"))
         if tuple(shape) != tuple(p.full_shape):
             raise CheckpointError(f"{path.name}: tensor '{p.name}' has shape {list(shape)}, the config implies "
                                   f"{list(p.full_shape)}")

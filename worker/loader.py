@@ -162,7 +162,7 @@ def weight_source(name: str, get, quant, has=lambda n: True):
     has only for its quantized ones. get(name) -> slice; has(name): whether the checkpoint holds it."""
     names = quantized_names(name, quant)
     if not names:
-        if name.endswith(".bias") and not has(name) and quant is not None and any(s.static for s in quant.schemes):
+        if not has(name) and optional(name, quant):
             return np.zeros(_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
         return get(name)
     module = name.rsplit(".", 1)[0]
@@ -241,6 +241,7 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
     scheme implies), and every file's header reads. Reads headers, and the shape of packed
     weights. Returns the checkpoint's size in bytes."""
     found: dict[str, tuple[Path, _Header]] = {}
+    packed_shapes: dict[str, np.ndarray] = {}         # the values of packed weights' weight_shape
     size = 0
     for path in safetensors_files(model_dir, allow_pickle):
         try:
@@ -248,6 +249,8 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
                 for name in f.keys():
                     sl = f.get_slice(name)
                     found[name] = (path, _Header(_shape(sl), _dtype(sl)))
+                    if name.endswith(".weight_shape"):
+                        packed_shapes[name] = np.asarray(sl[:])
             size += path.stat().st_size
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file may be truncated "
@@ -271,10 +274,7 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
         path, header = found[names[0] if names else p.name]
         if names:
             def get(n: str):
-                if n.endswith(".weight_shape"):
-                    with open_weights(found[n][0]) as f:
-                        return np.asarray(f.get_slice(n)[:])
-                return found[n][1]
+                return packed_shapes[n] if n in packed_shapes else found[n][1]
             shape = tuple(weight_source(p.name, get, quant).get_shape())
         else:
             shape = header.get_shape()

@@ -11,7 +11,7 @@ sequence makes `output_len` tokens; the scheduler takes the case's B as max_batc
 in one step and then decoded together. Prefix caching is off (the passes repeat their prompts).
 
 Cases run in order of KV-cache bytes (2 x dtype bytes x B x (input + output) x kv heads x head_dim
-x layers), so that one that exhausts memory comes last. A case that cannot run (too long for the
+x layers; MLA: the latent width in place of 2 x kv heads x head_dim), so that one that exhausts memory comes last. A case that cannot run (too long for the
 model, KV cache larger than the machine or the card's plan) or that fails is recorded with its
 error and the rest go on; a replica that failed is started afresh for them.
 
@@ -200,8 +200,8 @@ def plan_bench(args) -> BenchPlan:
     cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
     weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, args.ops))
     # of the KV cache one rank holds: its heads, its stage's layers
-    kv_share = max(1, m.num_kv_heads // tp) / m.num_kv_heads * max((hi - lo for lo, hi in pipeline),
-                                                                    default=m.num_layers) / m.num_layers
+    kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),
+                                                           default=m.num_layers) / m.num_layers
     on_host = (device == "cpu" or emulate) and not args.ray_address
     rejected: dict[Case, str] = {}
     for c in cases:

@@ -21,7 +21,8 @@ COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", 
            "e2e_tok_s", "peak_mem_mib", "peak_mem_mib_per_rank", "error")
 # what each figure is; every one comes from the job's own engine and controller (launcher.bench)
 DEFINITIONS = {
-    "kv_cache_bytes": "2 x dtype bytes x batch x (input + output) x kv heads x head_dim x layers",
+    "kv_cache_bytes": "2 x dtype bytes x batch x (input + output) x kv heads x head_dim x layers (MLA: dtype bytes "
+                      "x batch x (input + output) x latent width x layers)",
     "compile_s": "first pass minus the fastest timed pass, when the first pass compiled new graph shapes",
     "prefill_steps": "steps that fed prompt tokens in the reported pass (1 unless --max-batched-tokens splits them)",
     "decode_steps": "steps that fed one generated token per sequence in the reported pass",

@@ -59,7 +59,9 @@ class Plan:
         lines = [
             f"model       {s.model.path}",
             f"            {m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads} "
-            f"(kv {m.num_kv_heads}, head_dim {m.head_dim}), vocab {m.vocab_size}, checkpoint "
+            + (f"(kv {m.num_kv_heads}, head_dim {m.head_dim})" if m.mla is None else
+               f"(latent attention: q/k {m.mla.qk_head_dim}, v {m.mla.v_head_dim})")
+            + f", vocab {m.vocab_size}, checkpoint "
             + (f"absent (about {self.checkpoint_bytes / gib:.2f} GiB in the config's dtype)" if self.weights_absent
                else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
@@ -86,6 +88,8 @@ class Plan:
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
                          + f": weights {weights / gib:.3f} GiB + KV cache {kv / gib:.3f} GiB per rank")
+        if m.mla is not None:
+            lines.append("kv cache    " + latent_summary(m, dbytes))
         if self.tokenizer is not None:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
@@ -112,16 +116,28 @@ def template_summary(has_template: bool, chat_template: bool) -> str:
         "; never on prompt_token_ids, nor on scored prompts (they are scored as written)")
 
 
+def latent_summary(m: ModelConfig, dbytes: int) -> str:
+    """What a token costs in the latent cache of MLA, against the per-head K and V it replaces."""
+    a = m.mla
+    heads = m.num_heads * (a.qk_head_dim + a.v_head_dim)
+    return (f"latent: kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim} = {a.cache_width} values "
+            f"per token per layer, x {m.num_layers} layers x {dbytes} bytes = {m.kv_bytes_per_token(dbytes)} bytes per "
+            f"token on every rank ({heads / a.cache_width:.0f}x less than {m.num_heads} heads' K and V)")
+
+
 def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
     if tp == 1:
         return "tp 1: every rank holds every tensor whole"
     kv = "split" if m.num_kv_heads % tp == 0 else f"replicated on {tp // m.num_kv_heads} ranks each"
+    if m.mla is not None:
+        kv = "latent projections and cache replicated (a latent per token serves every head)"
     mlp = f"mlp {m.intermediate_size}/{tp} columns"
     if m.is_moe:
         mlp = (f"experts {m.num_experts}/{tp} whole per rank" if ep else
                f"every expert's {m.moe_intermediate_size} columns /{tp}") + ", router replicated"
-    return (f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}, {mlp}, vocab rows {m.vocab_size}/{tp}, "
-            f"norms replicated")
+    heads = f"q heads {m.num_heads}/{tp} per rank, kv heads {kv}" if m.mla is None else \
+        f"q and kv_b_proj heads {m.num_heads}/{tp} per rank, {kv}"
+    return f"{heads}, {mlp}, vocab rows {m.vocab_size}/{tp}, norms replicated"
 
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = ()) -> str:
@@ -169,7 +185,11 @@ def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> N
             raise LayoutError(f"scheduler.block_size {bs}: Ascend's ReshapeAndCache and PagedAttention take blocks "
                               f"of a multiple of {BLOCK_MULTIPLE} tokens (128 is usual on cards); or set model.ops: "
                               f"portable")
-        if m.head_dim not in HEAD_SIZES:
+        if m.mla is not None:
+            notes.append("latent attention runs on MindSpore's portable operators on Ascend (msinfer does not call "
+                         "the MLA mode of PagedAttention yet); the linear layers, norms and experts use the card's "
+                         "kernels")
+        elif m.head_dim not in HEAD_SIZES:
             notes.append(f"head_dim {m.head_dim} is not among the head sizes vllm-mindspore runs Ascend's attention "
                          f"kernels with ({', '.join(map(str, HEAD_SIZES))}); if a card refuses it, model.ops: "
                          f"portable runs the model without them")
@@ -192,9 +212,10 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 
 def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int, layers: int | None = None) -> int:
-    """K and V of every layer (of `layers` layers: a pipeline stage's) for one cache block, on one rank."""
+    """K and V (or MLA's latent) of every layer (of `layers` layers: a pipeline stage's) for one
+    cache block, on one rank."""
     layers = m.num_layers if layers is None else layers
-    return 2 * layers * max(1, m.num_kv_heads // tp) * m.head_dim * dbytes * block_size
+    return layers * m.cache_values(tp) * dbytes * block_size
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple, int8: bool = False) -> int:
@@ -314,6 +335,9 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
         mlp = max(mlp if len(m.sparse_layers) < m.num_layers else 0,
                   m.num_experts_per_tok * (2 * m.hidden_size + 2 * inter))
     heads = (m.num_heads // tp + 2 * max(1, m.num_kv_heads // tp)) * m.head_dim
+    if m.mla is not None:        # q, a prefill's decompressed K and V, the latents and the absorbed queries
+        a = m.mla
+        heads = m.num_heads // tp * (2 * a.qk_head_dim + a.v_head_dim + a.cache_width) + 2 * a.cache_width
     mask = -(-engine.max_model_len // engine.block_size) * engine.block_size
     per_token = (4 * m.hidden_size + mlp + heads + mask) * dbytes
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
@@ -356,6 +380,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     notes = []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
+    if m.mtp_layers:
+        notes.append(f"the checkpoint's {m.mtp_layers} multi-token prediction layer(s) (model.layers.{m.num_layers}"
+                     f"{'' if m.mtp_layers == 1 else '-' + str(m.num_layers + m.mtp_layers - 1)}, "
+                     f"num_nextn_predict_layers) are not loaded: msinfer decodes one token per step")
     if spec.model.max_model_len > m.max_position_embeddings:
         notes.append(f"max_model_len {spec.model.max_model_len} exceeds the model's max_position_embeddings "
                      f"{m.max_position_embeddings}")

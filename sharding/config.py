@@ -27,11 +27,66 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": ("qwen3", False, True),
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", False, False),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", False, False),
+}
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# What transformers' DeepseekV2Config / DeepseekV3Config assume for a key config.json leaves out
+DEEPSEEK_DEFAULTS = {
+    "deepseek_v2": dict(q_lora_rank=1536, n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False,
+                        routed_scaling_factor=1.0, topk_method="greedy", scoring_func="softmax", rope_interleave=True),
+    "deepseek_v3": dict(q_lora_rank=1536, n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+                        n_group=8, topk_group=4),
 }
 
 
 class ModelConfigError(ValueError):
     """A checkpoint's config.json cannot be served; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA). Each head's query is [nope | rope] of
+    qk_nope_head_dim + qk_rope_head_dim values, from q_proj, or q_a_proj, its RMSNorm and q_b_proj
+    when q_lora_rank > 0. kv_a_proj_with_mqa gives each token a latent c_kv (kv_lora_rank, then
+    RMSNorm) and one rotary key k_rope (qk_rope_head_dim) that every head shares; kv_b_proj expands
+    c_kv to each head's key part (qk_nope_head_dim) and value (v_head_dim). The cache holds
+    [c_kv | k_rope] per token (`cache_width`), not per-head keys and values (worker.model.MLAttention).
+    rope_interleave: the rotary dimensions pair as (x0, x1), (x2, x3), ... (DeepSeek's layout), not
+    as halves. softmax_scale: 1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a DeepSeek sparse layer picks its experts (Qwen's MoEs: None, the softmax's top k).
+    Scores are the router logits' sigmoid (V3) or softmax (V2). Experts are chosen by score plus
+    the checkpoint's e_score_correction_bias (`bias`, V3), among the `top_groups` best of `groups`
+    equal groups of experts (a group's score: the sum of its two best (V3), or its best (V2));
+    their weights are the unbiased scores, divided by their sum with norm_topk_prob, times `scale`
+    (routed_scaling_factor). (DeepSeek-V2's own code and vLLM divide with norm_topk_prob too;
+    transformers' V2 ignores the key, which V2 checkpoints leave false.)"""
+    scoring: str           # "sigmoid" | "softmax"
+    groups: int
+    top_groups: int
+    group_score: str       # "top2" | "max"
+    scale: float
+    bias: bool
 
 
 @dataclass(frozen=True)
@@ -68,10 +123,21 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
     # A quantized checkpoint's quantization_config (sharding.quant); None: float weights
     quant: Quantization | None = None
+    # DeepSeek: latent attention, its routing, YaRN's factor on cos and sin, and the multi-token
+    # prediction layers the checkpoint holds after the decoder layers (not loaded)
+    mla: LatentAttention | None = None
+    routing: Routing | None = None
+    rope_factor: float = 1.0
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
+
+    @property
+    def shared_expert_key(self) -> str:
+        """The shared expert's name in the checkpoint (under mlp.); Qwen2-MoE's alone has a gate."""
+        return "shared_experts" if self.family in MLA_FAMILIES else "shared_expert"
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -94,9 +160,10 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        rope_types = ("default", "linear", "llama3") + (("yarn",) if family in MLA_FAMILIES else ())
+        if rope_type not in rope_types:
             raise ModelConfigError(
-                f"{source}: rope type '{rope_type}' is not supported (default, linear, llama3)")
+                f"{source}: rope type '{rope_type}' is not supported for {arch} ({', '.join(rope_types)})")
         if heads % kv_heads:
             raise ModelConfigError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
@@ -106,11 +173,17 @@ class ModelConfig:
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(d.get("attention_bias", default_qkv_bias))
         num_layers = int(need("num_hidden_layers"))
-        moe = cls._moe_fields(d, family, num_layers, source, need) if family.endswith("_moe") else {}
         try:
             quant = parse_quantization(d.get("quantization_config"), source)
         except QuantizationError as e:
             raise ModelConfigError(str(e)) from None
+        moe = cls._moe_fields(d, family, num_layers, source, need) if family.endswith("_moe") else {}
+        if family in MLA_FAMILIES:
+            moe = cls._deepseek_fields(d, family, num_layers, source, need, rope, rope_type)
+            head_dim = moe["mla"].qk_rope_head_dim        # the rotary frequencies' dimension, as transformers'
+            if quant is not None:
+                raise ModelConfigError(f"{source}: quantized {arch} checkpoints are not supported yet; msinfer "
+                                       f"serves this architecture's float (bfloat16, float16, float32) weights")
         cfg = cls(
             architecture=arch, family=family,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,
@@ -121,7 +194,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=default_qkv_bias or attention_bias,
-            o_bias=attention_bias and family == "llama",
+            o_bias=attention_bias and family in ("llama", *MLA_FAMILIES),
             mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=qk_norm,
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             eos_token_ids=eos,
@@ -152,6 +225,67 @@ class ModelConfig:
         return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(d.get("norm_topk_prob")),
                     moe_intermediate_size=int(need("moe_intermediate_size")), shared_expert_size=shared,
                     sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
+
+    @staticmethod
+    def _deepseek_fields(d: dict, family: str, num_layers: int, source: str, need, rope: dict,
+                         rope_type: str) -> dict:
+        """DeepSeek-V2/V3: latent attention, routing and experts, with transformers' defaults for
+        the keys config.json leaves out. Layers from first_k_dense_replace on are sparse."""
+        arch = d["architectures"][0]
+        defaults = DEEPSEEK_DEFAULTS[family]
+
+        def get(key):
+            return d[key] if key in d else defaults.get(key)
+
+        def whole(key, low=1):
+            value = need(key)
+            if not isinstance(value, int) or value < low:
+                raise ModelConfigError(f"{source}: {key}={value!r} must be an integer >= {low} ({arch})")
+            return value
+
+        q_lora = get("q_lora_rank") or 0
+        nope, rope_dim, v = whole("qk_nope_head_dim"), whole("qk_rope_head_dim"), whole("v_head_dim")
+        if rope_dim % 2:
+            raise ModelConfigError(f"{source}: qk_rope_head_dim={rope_dim} must be even (rotary pairs)")
+        scale = (nope + rope_dim) ** -0.5
+        factor = 1.0
+        if rope_type == "yarn":
+            if not rope.get("original_max_position_embeddings"):
+                raise ModelConfigError(f"{source}: rope type yarn needs 'original_max_position_embeddings' (the "
+                                       f"context the model was pretrained on) in rope_scaling")
+            factor, scale = yarn_factors(rope, int(d.get("max_position_embeddings", 4096)), scale)
+        mla = LatentAttention(int(q_lora), whole("kv_lora_rank"), nope, rope_dim, v,
+                              bool(get("rope_interleave")) if family == "deepseek_v3" else True, scale)
+        experts, top_k = whole("n_routed_experts"), whole("num_experts_per_tok")
+        method, scoring = get("topk_method"), get("scoring_func") or defaults["scoring_func"]
+        methods = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}[family]
+        if method not in methods or scoring != defaults["scoring_func"]:
+            raise ModelConfigError(f"{source}: topk_method '{method}' with scoring_func '{scoring}' is not how "
+                                   f"{arch} routes; msinfer runs topk_method {' or '.join(methods)} with "
+                                   f"scoring_func {defaults['scoring_func']}")
+        groups = int(get("n_group") or 1) if method != "greedy" else 1
+        top_groups = int(get("topk_group") or 1) if groups > 1 else 1
+        per = experts // groups if experts % groups == 0 else 0
+        least = 2 if family == "deepseek_v3" and groups > 1 else 1        # V3 scores a group by its two best
+        if per < least or not 1 <= top_groups <= groups:
+            raise ModelConfigError(f"{source}: n_routed_experts={experts} in n_group={groups} groups, "
+                                   f"topk_group={top_groups}: the groups must be equal, of at least {least} "
+                                   f"expert(s) each, and topk_group between 1 and n_group")
+        if not 0 < top_k <= top_groups * per:
+            raise ModelConfigError(f"{source}: num_experts_per_tok={top_k} must be between 1 and the "
+                                   f"{top_groups * per} experts of the topk_group={top_groups} chosen groups")
+        if get("moe_layer_freq") not in (None, 1):
+            raise ModelConfigError(f"{source}: moe_layer_freq={d['moe_layer_freq']} is not supported (1: every "
+                                   f"layer from first_k_dense_replace on is sparse, as transformers builds {arch})")
+        first_dense = int(get("first_k_dense_replace") or 0)
+        moe_size = whole("moe_intermediate_size")
+        routing = Routing("sigmoid" if family == "deepseek_v3" else "softmax", groups, top_groups,
+                          "top2" if family == "deepseek_v3" else "max", float(get("routed_scaling_factor")),
+                          family == "deepseek_v3")
+        return dict(mla=mla, routing=routing, rope_factor=factor, mtp_layers=int(d.get("num_nextn_predict_layers") or 0),
+                    num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(get("norm_topk_prob")),
+                    moe_intermediate_size=moe_size, shared_expert_size=int(get("n_shared_experts") or 0) * moe_size,
+                    sparse_layers=tuple(range(first_dense, num_layers)))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -214,13 +348,63 @@ class ModelConfig:
             mid = (1 - smooth) * scaled / factor + smooth * scaled
             is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
             inv = np.where(is_mid, mid, scaled)
+        elif kind == "yarn":
+            inv = yarn_inv_freq(self.rope_scaling, d, self.rope_theta, self.max_position_embeddings)
         return inv.astype(np.float32)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
+    def cache_values(self, tp: int = 1) -> int:
+        """Values one rank caches per token per layer: its K and V heads' (a KV head replicated
+        where tp exceeds them), or the latent of MLA, which every rank caches whole (sharding.layout)."""
+        if self.mla is not None:
+            return self.mla.cache_width
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """The KV cache's bytes per token of the whole model (every layer, every head once)."""
+        return self.num_layers * self.cache_values() * dtype_bytes
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_factors(rope: dict, max_positions: int, scale: float) -> tuple[float, float]:
+    """YaRN's factor on cos and sin (its `attention_factor`), and the softmax scale times
+    mscale(factor, mscale_all_dim)^2, as transformers' DeepSeek models compute them."""
+    factor = rope.get("factor") or max_positions / rope["original_max_position_embeddings"]
+    attention = rope.get("attention_factor")
+    mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    if mscale_all and rope.get("factor"):
+        scale *= yarn_mscale(rope["factor"], mscale_all) ** 2
+    return float(attention), float(scale)
+
+
+def yarn_inv_freq(rope: dict, dim: int, base: float, max_positions: int) -> np.ndarray:
+    """YaRN's inverse frequencies (transformers' _compute_yarn_parameters): interpolated by
+    `factor` below the correction range, extrapolated above it, a linear ramp between."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(fast), correction(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos = base ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
 
 
 # ---- the device and the engine ----------------------------------------------------------------

@@ -7,6 +7,12 @@ layers in `sharding.layers` to slice each tensor as it streams from disk.
     row-parallel      W [out, in] split on dim 1 (o_proj, down_proj), output all-reduced
     replicated        norms, and K/V heads when tp_size exceeds num_kv_heads
 
+DeepSeek's latent attention (MLA) splits its heads: q_b_proj (or q_proj) and kv_b_proj by rows,
+o_proj by columns. q_a_proj and kv_a_proj_with_mqa are replicated: every rank computes each
+token's latent and caches it whole, since each of its heads attends over all of it (the latent
+is per token, not per head; splitting it would need an all-gather per layer, and replicating it
+costs 576 values a token in DeepSeek-V3, less than one rank's share of decompressed heads).
+
 A mixture-of-experts layer takes one of two layouts (`parallel.expert_parallel`):
     sliced            every rank holds a 1/tp slice of every expert, split as a dense MLP is
     expert parallel   rank r holds experts [r E/tp, (r + 1) E/tp) whole
@@ -102,7 +108,7 @@ def divisors_problem(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by {tp}")
     kv = cfg.num_kv_heads
-    if kv % tp and tp % kv:
+    if cfg.mla is None and kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {tp}")
     if len(cfg.sparse_layers) < cfg.num_layers and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}")
@@ -112,7 +118,8 @@ def divisors_problem(cfg: ModelConfig, tp: int, ep: bool = False) -> list[str]:
         problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by {tp} (experts "
                         f"sliced)")
     if cfg.shared_expert_size % tp:
-        problems.append(f"shared_expert_intermediate_size={cfg.shared_expert_size} is not divisible by {tp}")
+        key = "n_shared_experts x moe_intermediate_size" if cfg.mla else "shared_expert_intermediate_size"
+        problems.append(f"{key}={cfg.shared_expert_size} is not divisible by {tp}")
     return problems + quant_split_problems(cfg, tp, ep)
 
 
@@ -130,7 +137,7 @@ def quant_split_problems(cfg: ModelConfig, tp: int, ep: bool = False) -> list[st
             if not ep:
                 rows.append((p + "mlp.experts.0.down_proj", cfg.moe_intermediate_size))
             if cfg.shared_expert_size:
-                rows.append((p + "mlp.shared_expert.down_proj", cfg.shared_expert_size))
+                rows.append((p + f"mlp.{cfg.shared_expert_key}.down_proj", cfg.shared_expert_size))
         else:
             rows.append((p + "mlp.down_proj", cfg.intermediate_size))
         for name, cols in rows:
@@ -196,10 +203,7 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
     embedding's tensor, loaded there too)."""
     check_tp(cfg, tp_size, ep)
     t0 = TPInfo(0, tp_size, ep)
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_out = cfg.num_heads * D
-    kv_lo, kv_hi = kv_head_range(cfg, t0)
-    kv_out, kv_rank = cfg.num_kv_heads * D, (kv_hi - kv_lo) * D
+    H, I = cfg.hidden_size, cfg.intermediate_size
     _, _, vocab_rank = vocab_shard(cfg.vocab_size, t0)
     plans = []
 
@@ -210,19 +214,10 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
         add("model.embed_tokens.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
     for i in stage.layers(cfg.num_layers):
         p = f"model.layers.{i}."
-        add(p + "self_attn.q_proj.weight", (q_out, H), 0, (q_out // tp_size, H))
-        for kv in ("k", "v"):
-            add(p + f"self_attn.{kv}_proj.weight", (kv_out, H), 0, (kv_rank, H))
-        if cfg.qkv_bias:
-            add(p + "self_attn.q_proj.bias", (q_out,), 0, (q_out // tp_size,))
-            for kv in ("k", "v"):
-                add(p + f"self_attn.{kv}_proj.bias", (kv_out,), 0, (kv_rank,))
-        add(p + "self_attn.o_proj.weight", (H, q_out), 1, (H, q_out // tp_size))
-        if cfg.o_bias:
-            add(p + "self_attn.o_proj.bias", (H,), None, (H,))
-        if cfg.qk_norm:
-            add(p + "self_attn.q_norm.weight", (D,), None, (D,))
-            add(p + "self_attn.k_norm.weight", (D,), None, (D,))
+        if cfg.mla is not None:
+            add_latent_attention(plans, cfg, p + "self_attn.", tp_size)
+        else:
+            add_attention(plans, cfg, p + "self_attn.", t0)
         if cfg.is_sparse(i):
             add_experts(plans, cfg, t0, p + "mlp.")
         else:
@@ -234,6 +229,57 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
         if not cfg.tie_word_embeddings:
             add("lm_head.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
     return plans
+
+
+def add_attention(plans: list[TensorPlan], cfg: ModelConfig, p: str, t0: TPInfo) -> None:
+    """Multi-head attention's tensors under prefix p (`self_attn.`): q heads split, K/V heads split
+    or replicated (kv_head_range), o_proj row-parallel."""
+    H, D, tp_size = cfg.hidden_size, cfg.head_dim, t0.size
+    q_out = cfg.num_heads * D
+    kv_lo, kv_hi = kv_head_range(cfg, t0)
+    kv_out, kv_rank = cfg.num_kv_heads * D, (kv_hi - kv_lo) * D
+
+    def add(name, full, dim, rank_shape):
+        plans.append(TensorPlan(name, full, dim, rank_shape))
+
+    add(p + "q_proj.weight", (q_out, H), 0, (q_out // tp_size, H))
+    for kv in ("k", "v"):
+        add(p + f"{kv}_proj.weight", (kv_out, H), 0, (kv_rank, H))
+    if cfg.qkv_bias:
+        add(p + "q_proj.bias", (q_out,), 0, (q_out // tp_size,))
+        for kv in ("k", "v"):
+            add(p + f"{kv}_proj.bias", (kv_out,), 0, (kv_rank,))
+    add(p + "o_proj.weight", (H, q_out), 1, (H, q_out // tp_size))
+    if cfg.o_bias:
+        add(p + "o_proj.bias", (H,), None, (H,))
+    if cfg.qk_norm:
+        add(p + "q_norm.weight", (D,), None, (D,))
+        add(p + "k_norm.weight", (D,), None, (D,))
+
+
+def add_latent_attention(plans: list[TensorPlan], cfg: ModelConfig, p: str, tp_size: int) -> None:
+    """Latent attention's tensors under prefix p (`self_attn.`): the query's and kv_b_proj's rows
+    split by heads, o_proj's columns; the down-projections to the latents and their norms
+    replicated. attention_bias gives q_a_proj, kv_a_proj_with_mqa and o_proj a bias."""
+    m, H, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+    q_out, kv_out, o_in = heads * m.qk_head_dim, heads * (m.qk_nope_head_dim + m.v_head_dim), heads * m.v_head_dim
+    down = [("kv_a_proj_with_mqa", m.cache_width)]
+    if m.q_lora_rank:
+        down.insert(0, ("q_a_proj", m.q_lora_rank))
+        plans.append(TensorPlan(p + "q_b_proj.weight", (q_out, m.q_lora_rank), 0, (q_out // tp_size, m.q_lora_rank)))
+        plans.append(TensorPlan(p + "q_a_layernorm.weight", (m.q_lora_rank,), None, (m.q_lora_rank,)))
+    else:
+        plans.append(TensorPlan(p + "q_proj.weight", (q_out, H), 0, (q_out // tp_size, H)))
+    for name, out in down:
+        plans.append(TensorPlan(p + f"{name}.weight", (out, H), None, (out, H)))
+        if cfg.qkv_bias:
+            plans.append(TensorPlan(p + f"{name}.bias", (out,), None, (out,)))
+    plans.append(TensorPlan(p + "kv_a_layernorm.weight", (m.kv_lora_rank,), None, (m.kv_lora_rank,)))
+    plans.append(TensorPlan(p + "kv_b_proj.weight", (kv_out, m.kv_lora_rank), 0,
+                            (kv_out // tp_size, m.kv_lora_rank)))
+    plans.append(TensorPlan(p + "o_proj.weight", (H, o_in), 1, (H, o_in // tp_size)))
+    if cfg.o_bias:
+        plans.append(TensorPlan(p + "o_proj.bias", (H,), None, (H,)))
 
 
 def add_mlp(plans: list[TensorPlan], cfg: ModelConfig, p: str, I: int, tp_size: int) -> None:
@@ -252,6 +298,8 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
     """A sparse layer's tensors under prefix p (`mlp.`): router, experts, shared expert and its gate."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     plans.append(TensorPlan(p + "gate.weight", (cfg.num_experts, H), None, (cfg.num_experts, H)))
+    if cfg.routing is not None and cfg.routing.bias:
+        plans.append(TensorPlan(p + "gate.e_score_correction_bias", (cfg.num_experts,), None, (cfg.num_experts,)))
     first, count, rank_i = t0.experts(cfg)
     dim = None if t0.expert_parallel else 0          # gate/up rows sliced; down's columns (dim 1)
     for e in range(cfg.num_experts):
@@ -261,8 +309,9 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
         plans.append(TensorPlan(p + f"experts.{e}.down_proj.weight", (H, I), None if dim is None else 1,
                                 (H, rank_i if held else 0)))
     if cfg.shared_expert_size:
-        add_mlp(plans, cfg, p + "shared_expert.", cfg.shared_expert_size, t0.size)
-        plans.append(TensorPlan(p + "shared_expert_gate.weight", (1, H), None, (1, H)))
+        add_mlp(plans, cfg, p + cfg.shared_expert_key + ".", cfg.shared_expert_size, t0.size)
+        if cfg.routing is None:          # Qwen2-MoE scales its shared expert by a gate
+            plans.append(TensorPlan(p + "shared_expert_gate.weight", (1, H), None, (1, H)))
 
 
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,

@@ -29,6 +29,21 @@ VARIANTS = {
     # tokenizer (build_tokenizer's 301 tokens, the vocabulary padded to 320), for structured outputs
     "qwen2_tied_5_layers": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                                 num_hidden_layers=5, vocab_size=320)),
+    # DeepSeek's latent attention: V3 with q_lora_rank, YaRN (the ramp inside the rotary dims),
+    # sigmoid routing with a correction bias, 4 groups of which 2 are chosen, a shared expert and
+    # a dense first layer; V2 without q_lora_rank, softmax routing limited to 2 of 3 groups, two
+    # shared experts, every layer sparse
+    "deepseek_v3_yarn_groups": ("DeepseekV3Config", dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, mscale=0.707,
+                             mscale_all_dim=1.0, beta_fast=32, beta_slow=1))),
+    "deepseek_v2_groups_no_q_lora": ("DeepseekV2Config", dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=6, topk_method="group_limited_greedy", n_group=3,
+        topk_group=2, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=0, moe_intermediate_size=24,
+        routed_scaling_factor=1.5)),
 }
 WITH_TOKENIZER = {"qwen2_tied_5_layers"}
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -43,8 +58,9 @@ def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 1
     if (out / "config.json").is_file():
         return out
     cls_name, overrides = VARIANTS[name]
-    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides, **extra})
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **overrides.get("rope_parameters", {})}
+    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides, **extra, "rope_parameters": rope})
+    cfg.rope_parameters = rope
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger than default init so that logits are decisive and bugs show
@@ -58,6 +74,9 @@ def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 1
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5) * 2)
+        for n, b in model.named_buffers():     # DeepSeek-V3's routing bias, which changes the experts chosen
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     if name.endswith("_bfloat16"):
         model = model.to(torch.bfloat16)
     model.save_pretrained(out)

@@ -42,12 +42,15 @@ def runner_for(path, path_kind: str, **extra) -> ModelRunner:
 # path); the portable operators, which the Ascend stand-ins share but for attention, norms and
 # the experts, on one dense checkpoint of each attention kind and the MoE one.
 CASES = [(v, "ascend-emulated") for v in VARIANTS if not v.endswith("_bfloat16") and v != "qwen2_moe_top4_shared_tied"]
-CASES += [(v, "portable") for v in ("llama_gqa_tied", "qwen3_qknorm_odd_head_dim", "qwen2_moe_top4_shared_tied")]
+CASES += [(v, "portable") for v in ("llama_gqa_tied", "qwen3_qknorm_odd_head_dim", "qwen2_moe_top4_shared_tied",
+                                    "deepseek_v2_groups_no_q_lora")]
 
 
 # largest |logit - transformers' float32 logit| accepted: float32, and float16 (the emulated fused
-# kernels' dtype; 4-7e-3 measured on these checkpoints)
+# kernels' dtype; 4-7e-3 measured on these checkpoints, up to 1.5e-2 on DeepSeek-V3's, whose
+# routed_scaling_factor 2.5 scales its experts' float16 rounding: 2e-2 there)
 ATOL = {"portable": LOGIT_ATOL, "ascend-emulated": 1.5e-2}
+MLA_FLOAT16_ATOL = 2e-2
 
 
 def assert_greedy_parity(label: str, tokens: list[int], logits: list | None, ref_tokens: list[int],
@@ -77,8 +80,9 @@ def test_greedy_tokens_and_logits_match_transformers(name, path_kind, checkpoint
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     for i, prompt in enumerate(PROMPTS):
         ref_tokens, ref_logits = hf_greedy(name, prompt, N_NEW)
+        atol = MLA_FLOAT16_ATOL if name.startswith("deepseek") and path_kind == "ascend-emulated" else ATOL[path_kind]
         assert_greedy_parity(f"{name} {path_kind} prompt {i}", out[i], [step[i] for step in rec.logits], ref_tokens,
-                             ref_logits, ATOL[path_kind])
+                             ref_logits, atol)
 
 
 @pytest.mark.parametrize("path_kind,dtype,atol", [("portable", "float32", 1e-4), ("portable", "float16", 2e-2),

@@ -21,17 +21,20 @@ from msinfer.worker.protocol import SeqStep
 N_NEW = 8
 QWEN3 = "qwen3_moe_top2_dense_layer"        # 8 experts of 32, top 2 renormalized; layer 1 dense
 QWEN2 = "qwen2_moe_top4_shared_tied"        # 6 experts of 24, top 4, a shared expert of 96
+DEEPSEEK_V3 = "deepseek_v3_yarn_groups"     # latent attention; 8 experts of 32 in 4 groups; layer 0 dense
+DEEPSEEK_V2 = "deepseek_v2_groups_no_q_lora"  # 6 experts of 24 in 3 groups, two shared
 
 
-@pytest.mark.parametrize("name,tp,ep,device", [(QWEN3, 2, True, "cpu"), (QWEN3, 4, False, "cpu"),
-                                               (QWEN2, 2, True, "ascend")])
+@pytest.mark.parametrize("name,tp,ep,device", [(QWEN3, 4, False, "cpu"), (QWEN2, 2, True, "ascend"),
+                                               (DEEPSEEK_V3, 2, True, "cpu"), (DEEPSEEK_V2, 2, False, "cpu")])
 def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(name, tp, ep, device, checkpoint,
                                                                                hf_greedy, ray_local):
     """Mixed-length prompts decoded together (async scheduling's SAMPLED feeds), then a prompt
     prefilled in two chunks, the second after its cached first: transformers' tokens at every
     step, on the CPU kernels and on the emulated Ascend kernels (whose grouped matmuls leave out
     the pairs of experts another rank holds). Each rank holds exactly the rows, columns or whole
-    experts its layout gives it."""
+    experts its layout gives it. DeepSeek's routing (groups chosen before the experts) runs on
+    every rank before the experts split, and its latent attention splits by heads."""
     from msinfer.launcher.replica import Replica, wait_gone
     path = checkpoint(name)
     r = Replica(0, tp, device=device)
@@ -63,23 +66,30 @@ def check_ranks_hold_their_experts(replica, path, tp, ep):
     import ray
     full = load_file(str(path / "model.safetensors"))
     cfg = ModelConfig.from_dir(path)
-    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    E, I, i = cfg.num_experts, cfg.moe_intermediate_size, cfg.sparse_layers[0]
     for rank, p in enumerate(ray.get([w.loaded_params.remote() for w in replica.workers])):
-        dtype = p["layers.0.mlp.gate.weight"].dtype          # the checkpoint's float32, cast as it loads
+        dtype = p[f"layers.{i}.mlp.experts.w13"].dtype          # the checkpoint's float32, cast as it loads
         full = {k: v.astype(dtype) for k, v in full.items()} if rank == 0 else full
-        layer = "model.layers.0.mlp."
+        layer = f"model.layers.{i}.mlp."
         held = range(rank * E // tp, (rank + 1) * E // tp) if ep else range(E)
         cols = slice(None) if ep else slice(rank * I // tp, (rank + 1) * I // tp)
         w13 = np.stack([np.concatenate([full[f"{layer}experts.{e}.gate_proj.weight"][cols],
                                         full[f"{layer}experts.{e}.up_proj.weight"][cols]]) for e in held])
         w2 = np.stack([full[f"{layer}experts.{e}.down_proj.weight"][:, cols] for e in held])
-        np.testing.assert_array_equal(p["layers.0.mlp.experts.w13"], w13)
-        np.testing.assert_array_equal(p["layers.0.mlp.experts.w2"], w2)
-        np.testing.assert_array_equal(p["layers.0.mlp.gate.weight"], full[f"{layer}gate.weight"])   # replicated
+        np.testing.assert_array_equal(p[f"layers.{i}.mlp.experts.w13"], w13)
+        np.testing.assert_array_equal(p[f"layers.{i}.mlp.experts.w2"], w2)
+        np.testing.assert_array_equal(p[f"layers.{i}.mlp.gate.weight"], full[f"{layer}gate.weight"])   # replicated
         if cfg.shared_expert_size:                                  # sliced like a dense MLP in both layouts
             S = cfg.shared_expert_size // tp
-            down = full[f"{layer}shared_expert.down_proj.weight"][:, rank * S:(rank + 1) * S]
-            np.testing.assert_array_equal(p["layers.0.mlp.shared_expert.down_proj.weight"], down)
+            down = full[f"{layer}{cfg.shared_expert_key}.down_proj.weight"][:, rank * S:(rank + 1) * S]
+            np.testing.assert_array_equal(p[f"layers.{i}.mlp.shared_expert.down_proj.weight"], down)
+        if cfg.mla is not None:      # kv_b_proj's rows of the rank's heads; the latent's projection whole
+            attn, m = f"model.layers.{i}.self_attn.", cfg.mla
+            rows = cfg.num_heads // tp * (m.qk_nope_head_dim + m.v_head_dim)
+            np.testing.assert_array_equal(p[f"layers.{i}.self_attn.kv_b_proj.weight"],
+                                          full[attn + "kv_b_proj.weight"][rank * rows:(rank + 1) * rows])
+            np.testing.assert_array_equal(p[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"],
+                                          full[attn + "kv_a_proj_with_mqa.weight"])
 
 
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,

@@ -31,16 +31,17 @@ def shared_prefix_records() -> list[dict]:
     return [{"id": f"r{i}", "prompt_token_ids": PREFIX + tail} for i, tail in enumerate(TAILS)]
 
 
-@pytest.mark.parametrize("kv_cache_blocks", [None, 16], ids=["ample", "tight"])
+@pytest.mark.parametrize("name,kv_cache_blocks", [(NAME, None), (NAME, 16), ("deepseek_v3_yarn_groups", 16)],
+                         ids=["ample", "tight", "tight-latent"])
 def test_records_sharing_a_prefix_get_transformers_greedy_tokens_from_cached_blocks(
-        kv_cache_blocks, checkpoint, hf_greedy):
+        name, kv_cache_blocks, checkpoint, hf_greedy):
     """Five prompts share 37 tokens; chunks of 24 tokens, async scheduling, and (tight) a cache of
-    16 blocks of 4 that preempts."""
-    path = checkpoint(NAME)
+    16 blocks of 4 that preempts; DeepSeek's latent cache as well."""
+    path = checkpoint(name)
     plan = plan_job(spec_for(path, kv_cache_blocks=kv_cache_blocks), check_io=False)
     lines, engine = run(plan, shared_prefix_records())
     for i, tail in enumerate(TAILS):
-        assert lines[f"r{i}"]["output_token_ids"] == hf_greedy(NAME, PREFIX + tail, N_NEW)[0], f"r{i}"
+        assert lines[f"r{i}"]["output_token_ids"] == hf_greedy(name, PREFIX + tail, N_NEW)[0], f"r{i}"
     stats = engine.engine_stats()
     # all but the first record start after the 9 blocks of the prefix (or their own preempted blocks)
     assert stats["cached_tokens"] >= 4 * 36

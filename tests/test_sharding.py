@@ -169,7 +169,8 @@ def test_rope_theta_is_read_at_top_level_and_inside_rope_parameters():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ["llama_mha_bias", "qwen2_tied_5_layers", "qwen3_qknorm_odd_head_dim",
-                                  "qwen3_moe_top2_dense_layer", "qwen2_moe_top4_shared_tied"])
+                                  "qwen3_moe_top2_dense_layer", "qwen2_moe_top4_shared_tied",
+                                  "deepseek_v3_yarn_groups", "deepseek_v2_groups_no_q_lora"])
 def test_the_plan_lists_the_tensors_each_stage_and_rank_loads(name, checkpoint):
     """The layout is written twice, as the planner's list (plan_tensors: what plan checks in the
     checkpoint and sizes) and as the network's loaders (CausalLM.named_loaders: what a rank

@@ -1,4 +1,4 @@
-"""The decoder network (Llama / Qwen2 / Qwen3, and their mixtures of experts) over a paged KV cache, in MindSpore.
+"""The decoder network (Llama / Qwen2 / Qwen3, their mixtures of experts, DeepSeek-V2/V3) over a paged KV cache, in MindSpore.
 
 One `forward` serves every step: it writes the new tokens' K/V rows into the cache at their
 slots, then each token attends over the first positions of its own sequence (read through the
@@ -16,13 +16,14 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from msinfer.sharding.config import ModelConfig
-from msinfer.sharding.layers import (FusedExperts, LinearBase, MergedColumnParallelLinear, ParallelLMHead,
-                                     QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, StaticInt8,
-                                     VocabParallelEmbedding, new_param)
+from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
+                                     ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
+                                     StaticInt8, VocabParallelEmbedding, check_shape, copy_into, new_param, read_shard)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
+from msinfer.worker.ops import MASKED, latent_paged_attention, packed_attention
 
 
 class Attention(nn.Cell):
@@ -68,6 +69,112 @@ class Attention(nn.Cell):
                           ctx, prefill)
         return self.o_proj(out.reshape(N, self.q_size))
 
+    def caches(self) -> tuple:
+        return self.k_cache, self.v_cache
+
+    def loaders(self, p: str, table: dict) -> None:
+        """Its checkpoint tensors under prefix p (e.g. model.layers.0.self_attn.) into `table`."""
+        for s in ("q", "k", "v"):
+            add_linear(table, p + f"{s}_proj", self.qkv_proj, s)
+        add_linear(table, p + "o_proj", self.o_proj)
+        if self.q_norm is not None:
+            table[p + "q_norm.weight"] = (self.q_norm, self.q_norm.weight, None)
+            table[p + "k_norm.weight"] = (self.k_norm, self.k_norm.weight, None)
+
+
+LATENT_EPS = 1e-6      # the latents' RMSNorm eps (transformers' and DeepSeek's: not rms_norm_eps)
+
+
+class MLAttention(nn.Cell):
+    """DeepSeek's multi-head latent attention (sharding.config.LatentAttention), this rank's heads,
+    over a latent cache [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]: each new token's
+    [c_kv | k_rope] goes in at its slot, the layout Ascend's kernels take for one KV head.
+    - Steps that read the cache (decode, chunks after cached tokens, scoring) attend in the latent
+      space: kv_b_proj's key part is absorbed into each head's query (q_nope W_UK, kv_lora_rank
+      values), every head attends over the cache as over one KV head whose keys are whole latents
+      and whose values are their c_kv (`latent_paged_attention`), and kv_b_proj's value part maps
+      the result to v_head_dim (as vLLM and vllm-ascend serve MLA).
+    - A prefill with nothing cached decompresses its own latents into per-head keys and values
+      (kv_b_proj as a matmul) and attends among them (`packed_attention`): qk_head_dim per score,
+      not the cache width.
+    kv_b_proj's weight is read in Hugging Face's order ([heads x (nope + v), kv_lora_rank]) by both,
+    so the device does not reorder it (`device_order`). Rotary is applied to the rope parts only,
+    after DeepSeek's interleaved pairs are put in halves (the same scores: q and k permuted alike)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int):
+        super().__init__()
+        m = cfg.mla
+        H = self.heads = cfg.num_heads // tp.size
+        self.scale = m.softmax_scale
+        self.kv_heads = 1
+        lin = dev.linear_op
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if m.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, m.q_lora_rank, cfg.qkv_bias, tp, dtype, lin)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_EPS, dtype, dev)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, cfg.num_heads * m.qk_head_dim, False, tp, dtype, lin)
+        else:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * m.qk_head_dim, False, tp, dtype, lin)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, m.cache_width, cfg.qkv_bias, tp, dtype, lin)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_EPS, dtype, dev)
+        self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                              False, tp, dtype)
+        self.kv_b_proj.device_order = False
+        self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype, lin)
+        self.cache = dev.cache_param((num_blocks, block_size, 1, m.cache_width), dtype, "latent_cache")
+        self.block_size = block_size
+        self.nope, self.rope, self.lora, self.v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        order = np.concatenate([np.arange(0, self.rope, 2), np.arange(1, self.rope, 2)]).astype(np.int32)
+        self.rope_order = Tensor(order) if m.rope_interleave else None
+
+    def rotate(self, x, cos, sin):
+        """x [N, h, rope] rotated by cos/sin [N, rope/2] (halves; interleaved pairs put in halves first)."""
+        if self.rope_order is not None:
+            x = ops.gather(x, self.rope_order, 2)
+        half = self.rope // 2
+        shape = (x.shape[0], x.shape[1], half)
+        c, s = ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
+        x1, x2 = x[:, :, :half], x[:, :, half:]
+        return ops.concat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+    def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
+        N, H = x.shape[0], self.heads
+        slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(N, H, self.nope + self.rope)
+        cos, sin = rope_q
+        q_pe = self.rotate(q[:, :, self.nope:], cos, sin)
+        down = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(down[:, :self.lora])
+        k_pe = self.rotate(down[:, self.lora:].reshape(N, 1, self.rope), cos, sin)
+        latent = ops.concat((c_kv, k_pe.reshape(N, self.rope)), -1)
+        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+        written = ops.scatter_nd_update(self.cache, at, latent.reshape(N, 1, self.lora + self.rope))
+        if prefill:
+            kv = self.kv_b_proj(c_kv).reshape(N, H, self.nope + self.v)
+            k = ops.concat((kv[:, :, :self.nope], ops.broadcast_to(k_pe, (N, H, self.rope))), -1)
+            q = ops.depend(ops.concat((q[:, :, :self.nope], q_pe), -1), written)
+            out = packed_attention(q, k, kv[:, :, self.nope:], token_seq, self.scale)
+        else:
+            w = self.kv_b_proj.weight.reshape(H, self.nope + self.v, self.lora)
+            q_lat = ops.bmm(q[:, :, :self.nope].transpose(1, 0, 2), w[:, :self.nope])            # [H, N, lora]
+            q = ops.depend(ops.concat((q_lat.transpose(1, 0, 2), q_pe), -1), written)
+            out = latent_paged_attention(q, self.cache, ops.gather(block_tables, token_seq, 0), token_len,
+                                         self.scale, self.lora)                         # [N, H, lora]
+            out = ops.bmm(out.transpose(1, 0, 2), w[:, self.nope:].transpose(0, 2, 1)).transpose(1, 0, 2)
+        return self.o_proj(out.reshape(N, H * self.v))
+
+    def caches(self) -> tuple:
+        return (self.cache,)
+
+    def loaders(self, p: str, table: dict) -> None:
+        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            if getattr(self, name) is not None:
+                add_linear(table, p + name, getattr(self, name))
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            if getattr(self, name) is not None:
+                table[p + name + ".weight"] = (getattr(self, name), getattr(self, name).weight, None)
+
 
 class MLP(nn.Cell):
     """down(silu(gate x) * up x), sliced over its intermediate size I; reduce=False leaves the
@@ -107,37 +214,87 @@ def add_linear(table: dict, name: str, layer, shard_id=None) -> None:
         table[name + ".input_offset"] = (layer.input_quant, layer.input_quant.offset, None)
 
 
+class GroupedRouter(nn.Cell):
+    """DeepSeek's routing (sharding.config.Routing), in float32 MindSpore primitives on every
+    device: (router logits [N, E]) -> (weights [N, k] float32, experts [N, k] int32), the weights
+    final (normalized with norm_topk_prob, times routed_scaling_factor)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        r = cfg.routing
+        self.k, self.norm, self.experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+        self.sigmoid, self.groups, self.top_groups, self.top2 = (r.scoring == "sigmoid", r.groups, r.top_groups,
+                                                                 r.group_score == "top2")
+        self.scale = r.scale
+        self.bias = new_param((cfg.num_experts,), ms.float32, "e_score_correction_bias") if r.bias else None
+        self.group_ids = Tensor(np.arange(r.groups, dtype=np.int32))
+
+    def weight_loader(self, param, src, name, shard_id=None):
+        check_shape(name, src, tuple(param.shape))
+        copy_into(param, read_shard(src, None))
+
+    def construct(self, logits):
+        logits = logits.astype(ms.float32)
+        N, E, G = logits.shape[0], self.experts, self.groups
+        scores = ops.sigmoid(logits) if self.sigmoid else ops.softmax(logits, -1)
+        choice = scores + ops.broadcast_to(self.bias, scores.shape) if self.bias is not None else scores
+        if G > 1:
+            grouped = choice.reshape(N, G, E // G)
+            best = ops.topk(grouped, 2)[0].sum(-1) if self.top2 else grouped.max(axis=-1)
+            top = ops.topk(best, self.top_groups)[1].astype(ms.int32)                      # [N, top_groups]
+            shape = (N, self.top_groups, G)
+            hit = ops.equal(ops.broadcast_to(top.expand_dims(-1), shape), ops.broadcast_to(self.group_ids, shape))
+            keep = ops.broadcast_to((hit.astype(ms.float32).sum(1) > 0).expand_dims(-1), (N, G, E // G))
+            choice = ops.select(keep.reshape(N, E), choice, ops.full_like(choice, MASKED))
+        ids = ops.topk(choice, self.k)[1].astype(ms.int32)
+        weights = ops.gather_elements(scores, 1, ids)
+        if self.norm:
+            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True) + 1e-20, weights.shape)
+        return weights * self.scale, ids
+
+
 class SparseMoeBlock(nn.Cell):
-    """A mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE): the router's softmax in float32, its
-    top k (renormalized with norm_topk_prob) weighting k experts per token, plus a shared expert
-    scaled by sigmoid(shared_expert_gate x) where the model has one. The router runs on every rank
-    (the activations are replicated); each rank adds up its experts' part, and one all-reduce
-    sums the parts of the routed and the shared experts (sharding.layout)."""
+    """A mixture-of-experts layer: Qwen2-MoE's and Qwen3-MoE's router (the softmax in float32, its
+    top k, renormalized with norm_topk_prob), or DeepSeek's (`GroupedRouter`), weighting k experts
+    per token; plus a shared expert, scaled by sigmoid(shared_expert_gate x) in Qwen2-MoE. The
+    router runs on every rank (the activations are replicated); each rank adds up its experts'
+    part, and one all-reduce sums the parts of the routed and the shared experts (sharding.layout)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev):
         super().__init__()
-        self.norm_topk = cfg.norm_topk_prob
-        self.route = dev.moe_router(cfg.num_experts_per_tok)
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, dtype, dev.linear_op)
+        self.shared_key = cfg.shared_expert_key
+        self.norm_topk = cfg.norm_topk_prob and cfg.routing is None
+        self.route = dev.moe_router(cfg.num_experts_per_tok) if cfg.routing is None else GroupedRouter(cfg)
+        if cfg.routing is None:
+            self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, dtype, dev.linear_op)
+        else:    # in float32, as transformers keeps DeepSeek's router (_keep_in_fp32_modules_strict)
+            self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, ms.float32)
+            self.gate.device_order = False
+        self.gate_fp32 = cfg.routing is not None
         self.experts = FusedExperts(cfg, tp, dtype, dev.moe_op, GLU_GROUP)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_size:
             self.shared_expert = MLP(cfg, tp, dtype, dev, cfg.shared_expert_size, reduce=False)
-            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, tp, dtype, dev.linear_op)
+            if cfg.routing is None:
+                self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, tp, dtype, dev.linear_op)
         self.all_reduce = ops.AllReduce() if tp.size > 1 else None
 
     def construct(self, x):
-        weights, ids = self.route(self.gate(x))
+        weights, ids = self.route(self.gate(x.astype(ms.float32)) if self.gate_fp32 else self.gate(x))
         if self.norm_topk:
             weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
         y = self.experts(x, ids, weights.astype(x.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             scale = ops.sigmoid(self.shared_expert_gate(x))
             y = y + ops.broadcast_to(scale, y.shape) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         return y if self.all_reduce is None else self.all_reduce(y)
 
     def loaders(self, p: str, table: dict) -> None:
         add_linear(table, p + "gate", self.gate)
+        if isinstance(self.route, GroupedRouter) and self.route.bias is not None:
+            table[p + "gate.e_score_correction_bias"] = (self.route, self.route.bias, None)
         ex = self.experts
         for e in range(ex.count):
             q = f"{p}experts.{ex.first + e}."
@@ -145,13 +302,14 @@ class SparseMoeBlock(nn.Cell):
             table[q + "up_proj.weight"] = (ex, ex.w13, (e, 1))
             table[q + "down_proj.weight"] = (ex, ex.w2, (e, 2))
         if self.shared_expert is not None:
-            self.shared_expert.loaders(p + "shared_expert.", table)
+            self.shared_expert.loaders(p + self.shared_key + ".", table)
+        if self.shared_expert_gate is not None:
             add_linear(table, p + "shared_expert_gate", self.shared_expert_gate)
 
 
 class LayerBase(nn.Cell):
     def build(self, cfg, tp, dtype, dev, num_blocks, block_size, mlp):
-        self.self_attn = Attention(cfg, tp, dtype, dev, num_blocks, block_size)
+        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, dev, num_blocks, block_size)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
@@ -238,6 +396,7 @@ class CausalLM(nn.Cell):
         self.freq_matrix = Parameter(Tensor(freq_matrix, ms.float32), name="freq_matrix", requires_grad=False)
         self.dtype = dtype
         self.dev = dev
+        self.rope_factor, self.latent = cfg.rope_factor, cfg.mla is not None
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
@@ -265,9 +424,15 @@ class CausalLM(nn.Cell):
                 token_len, attn_mask, out_index, prefill: bool, hidden=None):
         x = self.embed_tokens(input_ids) if self.first else hidden.astype(self.dtype)
         angles = ops.matmul(positions, self.freq_matrix)                 # [N, D/2]
-        cos, sin = ops.cos(angles).astype(self.dtype), ops.sin(angles).astype(self.dtype)
-        rope_q = self.dev.rope_tables(cos, sin, self.heads)
-        rope_k = self.dev.rope_tables(cos, sin, self.kv_heads)
+        cos, sin = ops.cos(angles), ops.sin(angles)
+        if self.rope_factor != 1.0:                                      # YaRN's attention factor
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos, sin = cos.astype(self.dtype), sin.astype(self.dtype)
+        if not self.latent:
+            rope_q = self.dev.rope_tables(cos, sin, self.heads)
+            rope_k = self.dev.rope_tables(cos, sin, self.kv_heads)
+        else:                                # MLAttention rotates its rope parts itself
+            rope_q = rope_k = (cos, sin)
         ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
         for layer in self.layers:
             x = layer(x, rope_q, rope_k, ctx, prefill)
@@ -334,7 +499,8 @@ class CausalLM(nn.Cell):
                         setattr(cell, attr, Parameter(Tensor(data), name=w.name, requires_grad=False))
                 continue
             w = getattr(cell, "weight", None)
-            if self.dev.pack_weight is None or not isinstance(cell, (LinearBase, VocabParallelEmbedding)):
+            if (self.dev.pack_weight is None or not isinstance(cell, (LinearBase, VocabParallelEmbedding))
+                    or not getattr(cell, "device_order", True)):
                 continue
             if w.name not in done:
                 if w.name in self.packed:        # by an earlier call
@@ -355,14 +521,8 @@ class CausalLM(nn.Cell):
         table = {}
         for i, layer in zip(self.layer_ids, self.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            for s in ("q", "k", "v"):
-                add_linear(table, p + f"self_attn.{s}_proj", attn.qkv_proj, s)
-            add_linear(table, p + "self_attn.o_proj", attn.o_proj)
-            if attn.q_norm is not None:
-                table[p + "self_attn.q_norm.weight"] = (attn.q_norm, attn.q_norm.weight, None)
-                table[p + "self_attn.k_norm.weight"] = (attn.k_norm, attn.k_norm.weight, None)
-            mlp.loaders(p + "mlp.", table)
+            layer.self_attn.loaders(p + "self_attn.", table)
+            layer.mlp.loaders(p + "mlp.", table)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 cell = getattr(layer, norm)
                 table[p + f"{norm}.weight"] = (cell, cell.weight, None)

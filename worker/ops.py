@@ -71,12 +71,26 @@ def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
     return _softmax_pv(scores, visible, v).reshape(N, H, D)
 
 
+def latent_paged_attention(q, cache, tables, lens, scale: float, values: int):
+    """Multi-head latent attention over a paged latent cache [blocks, block_size, 1, W]: each token
+    n of q [N, H, W] (its heads' queries in the latent space) attends over the first lens[n]
+    positions of its sequence (blocks tables[n]) as over one KV head whose keys are the whole W
+    values of a position and whose values are their first `values` ones -> [N, H, values]."""
+    N, H, W = q.shape
+    L = tables.shape[1] * cache.shape[1]
+    rows = ops.gather(cache, tables, 0).reshape(N, L, W)                                   # read once
+    scores = ops.bmm(q, rows.transpose(0, 2, 1)).astype(ms.float32) * scale                # [N, H, L]
+    visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, L)
+    return _softmax_pv(scores, visible, rows[:, :, :values])
+
+
 def packed_attention(q, k, v, token_seq, scale: float, causal: bool = True):
     """Attention among a step's own tokens, nothing read from the cache (a prefill of sequences with
-    nothing cached): q [N, H, D], k and v [N, KV, D], packed one sequence after another; token i
-    sees token j of the same sequence (token_seq) with j <= i (causal). Scores are [H, N, N]."""
+    nothing cached): q [N, H, D], k [N, KV, D] and v [N, KV, Dv], packed one sequence after another;
+    token i sees token j of the same sequence (token_seq) with j <= i (causal) -> [N, H, Dv].
+    Scores are [H, N, N]."""
     N, H, D = q.shape
-    KV = k.shape[1]
+    KV, Dv = k.shape[1], v.shape[2]
     G = H // KV
     qh = q.reshape(N, KV, G, D).transpose(1, 2, 0, 3).reshape(KV, G * N, D)
     scores = ops.bmm(qh, k.transpose(1, 2, 0)).astype(ms.float32) * scale                 # [KV, G*N, N]
@@ -85,8 +99,8 @@ def packed_attention(q, k, v, token_seq, scale: float, causal: bool = True):
         index = ops.arange(N, dtype=ms.int32)
         visible = ops.logical_and(visible, index.reshape(1, N) <= index.reshape(N, 1))
     visible = ops.broadcast_to(visible.reshape(1, 1, N, N), (KV, G, N, N)).reshape(KV, G * N, N)
-    out = _softmax_pv(scores, visible, v.transpose(1, 0, 2))                              # [KV, G*N, D]
-    return out.reshape(KV, G, N, D).transpose(2, 0, 1, 3).reshape(N, H, D)
+    out = _softmax_pv(scores, visible, v.transpose(1, 0, 2))                              # [KV, G*N, Dv]
+    return out.reshape(KV, G, N, Dv).transpose(2, 0, 1, 3).reshape(N, H, Dv)
 
 
 class PortableAttention(nn.Cell):

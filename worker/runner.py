@@ -71,7 +71,8 @@ class ModelRunner:
         if problem := ops_problem(ec.device, ec.ops, ec.shapes):
             raise ValueError(problem)
         self.kernel_check = None
-        if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
+        # the fused kernels: the card settles them (latent attention runs none of those it checks)
+        if hasattr(self.dev, "with_conventions") and ec.kernel_check and self.cfg.mla is None:
             self.kernel_check = self.check_kernels()
         self.stage = Stage.of(ec.pipeline, ec.stage)
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
@@ -111,9 +112,8 @@ class ModelRunner:
         self.host_bytes = 0                                  # copied from the device, all steps
 
     def kv_bytes(self) -> int:
-        """Bytes of this rank's KV cache (every layer's K and V, the scratch block included)."""
-        return sum(p.size * p.itemsize for name, p in self.model.parameters_and_names()
-                   if name.endswith(("k_cache", "v_cache")))
+        """Bytes of this rank's KV cache (every layer's K and V, or its latents, the scratch block included)."""
+        return sum(c.size * c.itemsize for layer in self.model.layers for c in layer.self_attn.caches())
 
     def check_kernels(self) -> dict:
         """The start-up kernel self-check at this rank's shapes (worker.kernel_check), from the

@@ -122,7 +122,8 @@ def latent_summary(m: ModelConfig, dbytes: int) -> str:
     heads = m.num_heads * (a.qk_head_dim + a.v_head_dim)
     return (f"latent: kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim} = {a.cache_width} values "
             f"per token per layer, x {m.num_layers} layers x {dbytes} bytes = {m.kv_bytes_per_token(dbytes)} bytes per "
-            f"token on every rank ({heads / a.cache_width:.0f}x less than {m.num_heads} heads' K and V)")
+            f"token, {heads / a.cache_width:.0f}x less than {m.num_heads} heads' K and V; every rank caches the "
+            f"latents of its layers whole")
 
 
 def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
@@ -186,9 +187,10 @@ def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> N
                               f"of a multiple of {BLOCK_MULTIPLE} tokens (128 is usual on cards); or set model.ops: "
                               f"portable")
         if m.mla is not None:
-            notes.append("latent attention runs on MindSpore's portable operators on Ascend (msinfer does not call "
-                         "the MLA mode of PagedAttention yet); the linear layers, norms and experts use the card's "
-                         "kernels")
+            notes.append("latent attention: steps that read the cache call PagedAttention in its MLA mode and "
+                         "ReshapeAndCache on one latent cache, as vllm-mindspore does (the start-up check settles "
+                         "both on the card); a prefill with nothing cached attends among its decompressed keys and "
+                         "values in portable operators")
         elif m.head_dim not in HEAD_SIZES:
             notes.append(f"head_dim {m.head_dim} is not among the head sizes vllm-mindspore runs Ascend's attention "
                          f"kernels with ({', '.join(map(str, HEAD_SIZES))}); if a card refuses it, model.ops: "

@@ -67,7 +67,7 @@ def test_plan_of_deepseek_v3_counts_the_latent_cache_and_names_the_stages_that_f
     the refusal names pipeline_parallel 4."""
     plan = plan_job(deepseek_v3_spec(tmp_path), sizing=True)
     text = plan.describe()
-    assert "576 values per token per layer, x 61 layers x 2 bytes = 70272 bytes per token" in text
+    assert "576 values per token per layer, x 61 layers x 2 bytes = 70272 bytes per token, 71x less" in text
     assert plan.model.kv_bytes_per_token(2) == 576 * 61 * 2
     assert "multi-token prediction layer(s) (model.layers.61" in text
     # a rank of the last stage (16 layers): 16 x 576 values x 2 bytes a token, whatever tp is
@@ -125,3 +125,94 @@ def test_yarn_stays_refused_where_only_deepseek_is_verified():
              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}
     with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported for LlamaForCausalLM"):
         ModelConfig.from_dict(llama, "config.json")
+
+
+def test_on_the_emulated_ascend_path_latent_attention_calls_the_kernels_as_vllm_mindspore_does(checkpoint,
+                                                                                                 monkeypatch):
+    """Recording stand-ins, run eagerly through a prefill, a chunk after cached tokens and a
+    decode: one cache written by ReshapeAndCache with the latent as the key and no value, and
+    PagedAttention in MLA mode (one KV head, mla_v_dim kv_lora_rank, the cache as key and value
+    cache), each call bound to the installed primitive's signature; the tokens are the plain
+    emulation's."""
+    import inspect
+
+    import mindspore as ms
+    from mindspore.ops import auto_generate
+    import msinfer.worker.ascend as ascend
+    from tests.engine_driver import Driver
+    calls = []
+
+    def recording(name):
+        base, real = getattr(ascend.StandIns, name), getattr(auto_generate, name)
+
+        class Recorder(base):
+            def __init__(self, *args, **kwargs):
+                calls.append((name + ".__init__", inspect.signature(real.__init__).bind(None, *args, **kwargs).arguments))
+                super().__init__(*args, **kwargs)
+
+            def construct(self, *args, **kwargs):
+                calls.append((name, inspect.signature(real.__call__).bind(None, *args, **kwargs).arguments))
+                return super().construct(*args, **kwargs)
+        return Recorder
+
+    class Recording(ascend.StandIns):
+        ReshapeAndCache, PagedAttention = recording("ReshapeAndCache"), recording("PagedAttention")
+
+    def workload(runner):
+        d = Driver(runner)
+        first = d.prefill({0: PROMPTS[0], 1: PROMPTS[1]})
+        runner.step([SeqStep(2, PROMPTS[2][:5], 0, d.table(2), sample=False)], True)
+        chunk = runner.step([SeqStep(2, PROMPTS[2][5:], 5, d.table(2))], True).token_ids
+        return first.token_ids, chunk, d.decode().token_ids
+
+    path, cfg = checkpoint(V3), ModelConfig.from_dir(checkpoint(V3))
+    config = dict(max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16",
+                  kernel_check=False)
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    want = workload(ModelRunner(EngineConfig(str(path), **config)))
+    monkeypatch.setattr(ascend.EmulatedAscendOps, "kernels", Recording)
+    runner = ModelRunner(EngineConfig(str(path), graph_mode=False, **config))
+    assert workload(runner) == want
+    width, values = cfg.mla.cache_width, cfg.mla.kv_lora_rank
+    inits = [args for name, args in calls if name == "PagedAttention.__init__"]
+    assert inits and all(a["kv_head_num"] == 1 and a["mla_v_dim"] == values and a["head_num"] == cfg.num_heads
+                         for a in inits)
+    writes = [args for name, args in calls if name == "ReshapeAndCache"]
+    reads = [args for name, args in calls if name == "PagedAttention"]
+    assert len(writes) == 4 * cfg.num_layers and len(reads) == 2 * cfg.num_layers     # the chunk and the decode
+    cache_shape = (runner.num_blocks + 1, runner.block_size, 1, width)
+    for args in writes:
+        assert args["value"] is None and args["value_cache"] is None and args["key"].shape[1] == width
+        assert isinstance(args["key_cache"], ms.Parameter) and args["key_cache"].shape == cache_shape
+    for args in reads:
+        assert args["key_cache"] is args["value_cache"] and args["key_cache"].shape == cache_shape
+        assert args["query"].shape[1] == cfg.num_heads * width
+
+
+def test_the_start_up_check_settles_the_latent_kernels_and_the_tokens_stay(checkpoint, monkeypatch):
+    """With a PagedAttention stand-in that applies no causal mask within a chunk (pa_wrong), the
+    start-up check of the latent kernels (PagedAttention's MLA mode, ReshapeAndCache with one cache)
+    replaces PagedAttention by the portable operators, and a chunk after cached tokens gets the
+    plain emulation's logits; as documented, the kernels pass."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker import kernel_check
+    from msinfer.worker.runner import ModelRunner
+    from tests.test_ascend import ATOL
+    monkeypatch.setenv("MSINFER_CACHE", str(checkpoint(V3).parent / "kernel-cache"))
+    path = checkpoint(V3)
+    config = dict(max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16")
+
+    def chunk_logits(runner):
+        runner.step([SeqStep(0, PROMPTS[2][:6], 0, [0, 1], sample=False)], True)
+        return runner.forward([SeqStep(0, PROMPTS[2][6:], 6, [0, 1])], True)
+
+    plain = ModelRunner(EngineConfig(str(path), **config))
+    assert kernel_check.conventions(plain.kernel_check) == {"PagedAttention": "ok", "ReshapeAndCache": "ok",
+                                                            "RmsNorm": "ok"}
+    checked = ModelRunner(EngineConfig(str(path), emulate_variants=("pa_wrong",), **config))
+    assert kernel_check.conventions(checked.kernel_check)["PagedAttention"] == "portable"
+    want = chunk_logits(plain)
+    np.testing.assert_allclose(chunk_logits(checked), want, atol=ATOL["ascend-emulated"])
+    trusted = ModelRunner(EngineConfig(str(path), emulate_variants=("pa_wrong",), kernel_check=False, **config))
+    assert np.abs(chunk_logits(trusted) - want).max() > 10 * ATOL["ascend-emulated"]

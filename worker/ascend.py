@@ -41,7 +41,8 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
-from msinfer.worker.ops import MsOps, packed_attention, paged_attention, rms_norm
+from msinfer.worker.ops import (MsOps, PortableLatentAttention, latent_paged_attention, packed_attention,
+                                paged_attention, rms_norm)
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")
@@ -132,6 +133,46 @@ class AscendAttention(nn.Cell):
                                     context_lens=batch_valid_length, attn_mask=attn_mask, q_seq_lens=q_seq_lens)
 
 
+class AscendLatentAttention(nn.Cell):
+    """DeepSeek's latent cache write and paged attention (worker.ops.PortableLatentAttention's
+    interface) with the fused kernels, called as vllm-mindspore's DeepSeek-V3 calls them
+    (models/deepseekv3.py): ReshapeAndCache with the latent [T, W] as the key and no value into one
+    cache [blocks, block_size, 1, W]; PagedAttention(head_num=H, kv_head_num=1, mla_v_dim=values)
+    with that cache as key and value cache, the queries [T, H * W] in the latent space, its output
+    [T, H * values] (the first `values` of each position are its value). MindSpore 2.10 documents
+    neither the single cache nor mla_v_dim: the start-up self-check settles both on the card
+    (worker.kernel_check), and a "portable" verdict replaces the kernel by the portable operators."""
+
+    def __init__(self, kernels, heads: int, width: int, values: int, block_size: int, dtype, scale: float,
+                 conventions: dict | None = None):
+        super().__init__()
+        conventions = conventions or {}
+        self.portable = PortableLatentAttention(heads, width, values, block_size, dtype, scale)
+        self.pa_portable = conventions.get("PagedAttention", "ok") == "portable"
+        self.cache_portable = conventions.get("ReshapeAndCache", "ok") == "portable"
+        self.heads, self.width, self.values = heads, width, values
+        self.reshape_and_cache = kernels.ReshapeAndCache()
+        # gen_ops_prim.py PagedAttention.__init__(head_num, scale_value, kv_head_num, kv_cache_quant_mode,
+        # mask_mode, mla_v_dim), as vllm-mindspore's DeepseekV3 attention constructs it
+        self.paged_attention = kernels.PagedAttention(head_num=heads, scale_value=scale, kv_head_num=1,
+                                                      mla_v_dim=values)
+
+    def write(self, latent, cache, slot_mapping):
+        if self.cache_portable:
+            return self.portable.write(latent, cache, slot_mapping)
+        return self.reshape_and_cache(latent, None, cache, None, slot_mapping)
+
+    def attend(self, q, cache, ctx):
+        if self.pa_portable:
+            return self.portable.attend(q, cache, ctx)
+        _, block_tables, batch_valid_length, q_seq_lens, _, _, attn_mask = ctx
+        N = q.shape[0]
+        out = self.paged_attention(q.reshape(N, self.heads * self.width), key_cache=cache, value_cache=cache,
+                                   block_tables=block_tables, context_lens=batch_valid_length, attn_mask=attn_mask,
+                                   q_seq_lens=q_seq_lens)
+        return out.reshape(N, self.heads, self.values)
+
+
 class AscendRouter(nn.Cell):
     """MoeGatingTopKSoftmax(x, finished=None, k) -> (y, expert_idx, row_idx): the softmax over all
     experts, then its top k, largest first and not renormalized (vllm-mindspore fused_moe.py
@@ -220,6 +261,10 @@ class AscendOps(MsOps):
         return AscendAttention(cls.kernels, heads, kv_heads, head_dim, block_size, dtype, cls.conventions)
 
     @classmethod
+    def latent_attention(cls, heads, width, values, block_size, dtype, scale):
+        return AscendLatentAttention(cls.kernels, heads, width, values, block_size, dtype, scale, cls.conventions)
+
+    @classmethod
     def moe_router(cls, k):
         return AscendRouter(cls.kernels, k)
 
@@ -255,7 +300,8 @@ def _token_sequences(seq_lens, num_tokens_like):
 
 class ReshapeAndCache(nn.Cell):
     """Stand-in: key/value [T, KV * D] or [T, KV, D] into caches [blocks, block_size, KV, D] at
-    slot_mapping, in place (ScatterNdUpdate on the cache Parameters). Returns the key cache."""
+    slot_mapping, in place (ScatterNdUpdate on the cache Parameters); the key alone where value
+    and value_cache are None (a latent cache). Returns the key cache."""
 
     def __init__(self):
         super().__init__()
@@ -264,6 +310,8 @@ class ReshapeAndCache(nn.Cell):
         bs, KV, D = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
         at = ops.stack((slot_mapping // bs, slot_mapping % bs), -1)
         k = ops.scatter_nd_update(key_cache, at, key.reshape(-1, KV, D))
+        if value is None:
+            return k
         return ops.depend(k, ops.scatter_nd_update(value_cache, at, value.reshape(-1, KV, D)))
 
 
@@ -310,14 +358,16 @@ class PagedAttention(nn.Cell):
     each when None), each reading the first context_lens[b] positions of its caches through
     block_tables[b]; attn_mask (broadcast to [T, block_tables width * block_size]) is added to
     the scores. With the pa_wrong variant the mask is not applied: every token reads its
-    sequence's whole context, as its last position does."""
+    sequence's whole context, as its last position does. mla_v_dim > 0 (latent attention, as
+    vllm-mindspore's DeepSeek path and MindSpore's shape inference read it): the values are the
+    first mla_v_dim of each cached key, and the output [T, H * mla_v_dim]."""
 
     def __init__(self, head_num, scale_value, kv_head_num, kv_cache_quant_mode="DEFAULT", mask_mode="MASK_DEFAULT",
                  mla_v_dim=0):
         super().__init__()
-        if kv_cache_quant_mode != "DEFAULT" or mask_mode != "MASK_DEFAULT" or mla_v_dim:
+        if kv_cache_quant_mode != "DEFAULT" or mask_mode != "MASK_DEFAULT":
             raise NotImplementedError("the PagedAttention stand-in emulates the default modes only")
-        self.head_num, self.scale = head_num, scale_value
+        self.head_num, self.scale, self.values = head_num, scale_value, mla_v_dim
         self.wrong = "pa_wrong" in VARIANTS_IN_FORCE
 
     def construct(self, query, key_cache, value_cache=None, block_tables=None, context_lens=None,
@@ -328,9 +378,13 @@ class PagedAttention(nn.Cell):
             seq = ops.arange(T, dtype=ms.int32)
         else:
             seq, _ = _token_sequences(q_seq_lens, query)
-        out = paged_attention(query.reshape(T, self.head_num, D), key_cache, value_cache,
-                              ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), self.scale,
-                              None if self.wrong else attn_mask)
+        tables, lens, bias = ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), attn_mask
+        if self.values:
+            out = latent_paged_attention(query.reshape(T, self.head_num, D), key_cache, tables, lens, self.scale,
+                                         self.values, None if self.wrong else bias)
+            return out.reshape(T, -1)
+        out = paged_attention(query.reshape(T, self.head_num, D), key_cache, value_cache, tables, lens, self.scale,
+                              None if self.wrong else bias)
         return out.reshape(T, -1)
 
 
@@ -470,18 +524,27 @@ def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple
     H, KV = tp_heads
     D = cfg.head_dim
     T = inputs["input_ids"].shape[0]
-    B, W = inputs["block_tables"].shape
+    B, MB = inputs["block_tables"].shape
     cache = f"[blocks, {block_size}, {KV}, {D}] {dtype}"
     given: dict = {
         "ReshapeAndCache": f"key [{T}, {KV * D}] {dtype}, value [{T}, {KV * D}] {dtype}, key_cache and value_cache "
                            f"{cache}, slot_mapping [{T}] int32",
         "FlashAttentionScore": f"query [{T}, {H * D}] {dtype}, key and value [{T}, {KV * D}] {dtype}, attn_mask "
                                f"[128, 128] {dtype}, actual_seq_qlen and actual_seq_kvlen [{B}] int32 (layout TH)",
-        "PagedAttention": f"query [{T}, {H * D}] {dtype}, key_cache and value_cache {cache}, block_tables [{B}, {W}] "
+        "PagedAttention": f"query [{T}, {H * D}] {dtype}, key_cache and value_cache {cache}, block_tables [{B}, {MB}] "
                           f"int32, context_lens and q_seq_lens [{B}] int32, attn_mask "
                           f"{list(inputs['attn_mask'].shape)} {dtype}",
         "RmsNorm": f"x [{T}, hidden or {D}] {dtype}, gamma {dtype}",
     }
+    if cfg.mla is not None:          # AscendLatentAttention's calls
+        W, V = cfg.mla.cache_width, cfg.mla.kv_lora_rank
+        cache = f"[blocks, {block_size}, 1, {W}] {dtype}"
+        given.update({
+            "ReshapeAndCache": f"key [{T}, {W}] {dtype}, value None, key_cache {cache}, value_cache None, "
+                               f"slot_mapping [{T}] int32",
+            "PagedAttention": f"query [{T}, {H * W}] {dtype}, key_cache and value_cache the same {cache}, kv_head_num 1, "
+                              f"mla_v_dim {V}, block_tables [{B}, {MB}] int32, context_lens and q_seq_lens [{B}] int32, "
+                              f"attn_mask {list(inputs['attn_mask'].shape)} {dtype}"})
     if experts is not None:
         E, I, k, Hd = *experts, cfg.num_experts_per_tok, cfg.hidden_size
         given.update({

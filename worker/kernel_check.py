@@ -13,6 +13,11 @@ answers:
     decode    PagedAttention                   the kernel, else portable
     norm      RmsNorm                          the kernel, else portable
 
+DeepSeek's latent attention (`values` > 0: one KV head of the cache width, whose first `values`
+are the values) runs no FlashAttention; its chunk and decode cases check PagedAttention's MLA
+mode (mla_v_dim) and ReshapeAndCache with one cache, the way worker.ascend.AscendLatentAttention
+calls them.
+
 A kernel that matches under no convention is replaced, in that operation only, by the portable
 operators (worker/ops.py; AscendOps.with_conventions); PagedAttention must pass both its cases.
 The verdicts are cached per (MindSpore version, CANN version, device kind, shapes, dtype) in
@@ -60,26 +65,26 @@ def cann_version() -> str:
     return ""
 
 
-def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
     import mindspore as ms
     from msinfer.worker import ascend
     variants = ascend.VARIANTS_IN_FORCE if ops.kernels is ascend.StandIns else ()
     device = ops.name + (f" [{','.join(variants)}]" if variants else "")
     return {"mindspore": ms.__version__, "cann": cann_version(), "device": device, "heads": heads,
             "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
-            "check": CHECK_VERSION}
+            "check": CHECK_VERSION, **({"latent_values": values} if values else {})}
 
 
-def cached_check(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+def cached_check(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
     """`check_kernels`' verdicts, from the cache when this key was checked before (`cached`: True)."""
-    key = check_key(ops, heads, kv_heads, head_dim, block_size, dtype)
+    key = check_key(ops, heads, kv_heads, head_dim, block_size, dtype, values)
     try:
         found = json.loads(cache_path(key).read_text())
         if found.get("key") == key:
             return {**found["results"], "cached": True}
     except (OSError, ValueError, AttributeError, KeyError):
         pass
-    results = check_kernels(ops, heads, kv_heads, head_dim, block_size, dtype)
+    results = check_kernels(ops, heads, kv_heads, head_dim, block_size, dtype, values)
     store(key, results)
     return {**results, "cached": False}
 
@@ -111,12 +116,23 @@ def describe(results: dict) -> str:
     return "kernel check" + (" (cached)" if results.get("cached") else "") + ": " + ", ".join(parts)
 
 
-def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> dict:
+def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
     """{kernel: {"convention", "max_error", "seconds", "cases"}} for the seam `ops` (AscendOps or
-    EmulatedAscendOps) at this rank's shapes (module docstring)."""
+    EmulatedAscendOps) at this rank's shapes (module docstring); values > 0: latent attention's."""
     rng = np.random.default_rng(0)
     out = {}
     t0 = time.perf_counter()
+    if values:
+        errors = _attention_errors(ops, {}, ["chunk", "decode"], heads, 1, head_dim, block_size, dtype, rng, values)
+        worst = max(errors.values())
+        out["PagedAttention"] = _verdict("ok" if worst <= TOLERANCE[dtype] else "portable", worst, t0, list(errors))
+        t0 = time.perf_counter()
+        error = _cache_error(ops, heads, 1, head_dim, block_size, dtype, rng, values)
+        out["ReshapeAndCache"] = _verdict("ok" if error <= TOLERANCE[dtype] else "portable", error, t0, ["decode"])
+        t0 = time.perf_counter()
+        error = _norm_error(ops, heads * head_dim, dtype, rng)
+        out["RmsNorm"] = _verdict("ok" if error <= TOLERANCE[dtype] else "portable", error, t0, ["norm"])
+        return out
     for convention in CONVENTIONS["FlashAttentionScore"]:
         errors = _attention_errors(ops, {"FlashAttentionScore": convention}, ["prefill"], heads, kv_heads, head_dim,
                                    block_size, dtype, rng)
@@ -144,22 +160,22 @@ def _verdict(convention: str, error: float, t0: float, cases: list[str]) -> dict
             "cases": cases}
 
 
-def _inputs(specs: list[tuple[int, int]], H: int, KV: int, D: int, bs: int, rng) -> dict:
+def _inputs(specs: list[tuple[int, int]], H: int, KV: int, D: int, bs: int, rng, values: int = 0) -> dict:
     """A step of sequences (cached, new) in the runner's input layout (worker.runner.ModelRunner.
     inputs), each on blocks of its own; the caches' cached positions filled; and per token the
-    reference attention in float64."""
+    reference attention in float64. values > 0: each value is its key's first `values` (a latent)."""
     from msinfer.sharding.config import MASK_PENALTY
     B = len(specs)
     width = max(-(-(c + n) // bs) for c, n in specs)
     blocks = B * width + 1
     k_cache = np.zeros((blocks, bs, KV, D))
-    v_cache = np.zeros((blocks, bs, KV, D))
+    v_cache = np.zeros((blocks, bs, KV, values or D))
     tables = np.arange(B * width, dtype=np.int32).reshape(B, width)
     rows = {"q": [], "k": [], "v": [], "slot": [], "seq": [], "pos": []}
     reference = []
     for b, (cached, new) in enumerate(specs):
         K = rng.standard_normal((cached + new, KV, D))
-        V = rng.standard_normal((cached + new, KV, D))
+        V = K[:, :, :values] if values else rng.standard_normal((cached + new, KV, D))
         Q = rng.standard_normal((new, H, D))
         for p in range(cached):
             k_cache[tables[b, p // bs], p % bs] = K[p]
@@ -194,11 +210,12 @@ def _inputs(specs: list[tuple[int, int]], H: int, KV: int, D: int, bs: int, rng)
                                                                               np.array(rows["k"]))}
 
 
-def _run_case(ops, conventions: dict, x: dict, H: int, KV: int, D: int, bs: int, dtype: str, phase: str):
-    """The attention of one case through the seam, compiled as a step: (output [T, H * D], the
-    key cache after the step), in numpy float64."""
+def _run_case(ops, conventions: dict, x: dict, H: int, KV: int, D: int, bs: int, dtype: str, phase: str,
+              values: int = 0):
+    """The attention of one case through the seam, compiled as a step: (output [T, H * D] (latent:
+    [T, H * values]), the key cache after the step), in numpy float64."""
     import mindspore as ms
-    from mindspore import Parameter, Tensor, nn
+    from mindspore import Parameter, Tensor, nn, ops as P
 
     mdt = getattr(ms, dtype)
     seam = ops.with_conventions(conventions)
@@ -206,7 +223,10 @@ def _run_case(ops, conventions: dict, x: dict, H: int, KV: int, D: int, bs: int,
     class Case(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.attention = seam.attention(H, KV, D, bs, mdt)
+            if values:
+                self.latent = seam.latent_attention(H, D, values, bs, mdt, D ** -0.5)
+            else:
+                self.attention = seam.attention(H, KV, D, bs, mdt)
             self.k_cache = Parameter(Tensor(x["k_cache"], mdt), name="k_cache")
             self.v_cache = Parameter(Tensor(x["v_cache"], mdt), name="v_cache")
             self.prefill = bool(x["prefill"])
@@ -214,6 +234,9 @@ def _run_case(ops, conventions: dict, x: dict, H: int, KV: int, D: int, bs: int,
         def step(self, q, k, v, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len,
                  attn_mask):
             ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
+            if values:           # as worker.model.MLAttention: the latents written, then read
+                q = P.depend(q.reshape(q.shape[0], H, D), self.latent.write(k, self.k_cache, slot_mapping))
+                return self.latent.attend(q, self.k_cache, ctx).reshape(q.shape[0], -1)
             return self.attention(q, k, v, self.k_cache, self.v_cache, ctx, self.prefill)
 
     case = Case()
@@ -239,23 +262,27 @@ def _error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
 
 
-def _attention_errors(ops, conventions: dict, cases: list[str], H, KV, D, bs, dtype, rng) -> dict[str, float]:
+def _attention_errors(ops, conventions: dict, cases: list[str], H, KV, D, bs, dtype, rng,
+                      values: int = 0) -> dict[str, float]:
     errors = {}
     for name in cases:
-        x = _inputs(CASES[name], H, KV, D, bs, rng)
+        x = _inputs(CASES[name], H, KV, D, bs, rng, values)
         try:
-            got, _ = _run_case(ops, conventions, x, H, KV, D, bs, dtype, "prefill" if x["prefill"] else "increment")
+            got, _ = _run_case(ops, conventions, x, H, KV, D, bs, dtype, "prefill" if x["prefill"] else "increment",
+                               values)
             errors[name] = _error(got, x["reference"])
         except (RuntimeError, ValueError, TypeError):       # a kernel the card refuses: not this way
             errors[name] = float("inf")
     return errors
 
 
-def _cache_error(ops, H, KV, D, bs, dtype, rng) -> float:
-    """ReshapeAndCache: after a prefill step, the key cache holds each new key at its slot."""
-    x = _inputs(CASES["prefill"], H, KV, D, bs, rng)
+def _cache_error(ops, H, KV, D, bs, dtype, rng, values: int = 0) -> float:
+    """ReshapeAndCache: after a prefill step (latent: a decode step), the key cache holds each new
+    key at its slot."""
+    x = _inputs(CASES["decode" if values else "prefill"], H, KV, D, bs, rng, values)
     try:
-        _, cache = _run_case(ops, {"FlashAttentionScore": "portable"}, x, H, KV, D, bs, dtype, "prefill")
+        conventions = {"PagedAttention": "portable"} if values else {"FlashAttentionScore": "portable"}
+        _, cache = _run_case(ops, conventions, x, H, KV, D, bs, dtype, "increment" if values else "prefill", values)
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     slots, keys = x["written"]
@@ -285,14 +312,12 @@ def check_device(ec, cfg, tp_size: int) -> tuple[dict, str]:
     `cfg`, tensor parallel `tp_size`), run afresh in this process, its verdicts cached for later
     jobs; returns the results and their table."""
     import mindspore as ms
-    from msinfer.sharding.layout import TPInfo, kv_head_range
     from msinfer.worker import ascend
     from msinfer.worker.ops import select_ops
     ms.set_device("CPU" if ec.emulate else "Ascend")
     ascend.set_variants(ec.emulate_variants if ec.emulate else ())
     ops = select_ops(ec.device, ec.ops, emulate=ec.emulate)
-    lo, hi = kv_head_range(cfg, TPInfo(0, tp_size))
-    shapes = (cfg.num_heads // tp_size, hi - lo, cfg.head_dim, ec.block_size, ec.dtype)
+    shapes = check_shapes(cfg, tp_size, ec.block_size, ec.dtype)
     results = check_kernels(ops, *shapes)
     store(check_key(ops, *shapes), results)
     rows = [("kernel", "convention", "max error", "seconds", "cases")]
@@ -300,7 +325,19 @@ def check_device(ec, cfg, tp_size: int) -> tuple[dict, str]:
              for k, v in results.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    H, KV, D, bs, dtype = shapes
-    head = (f"{ops.name}: {H} heads, {KV} KV heads, head_dim {D}, block_size {bs}, {dtype} (rank 0 of tp "
-            f"{tp_size}); tolerance {TOLERANCE[dtype]:g} of the reference's largest magnitude")
+    H, KV, D, bs, dtype, values = shapes
+    head = (f"{ops.name}: {H} heads, {KV} KV heads, head_dim {D}"
+            + (f" (latent attention: values the first {values})" if values else "")
+            + f", block_size {bs}, {dtype} (rank 0 of tp {tp_size}); tolerance {TOLERANCE[dtype]:g} of the "
+              f"reference's largest magnitude")
     return results, head + "\n" + table
+
+
+def check_shapes(cfg, tp_size: int, block_size: int, dtype: str) -> tuple:
+    """(heads, KV heads, head_dim, block_size, dtype, values) of rank 0 as its kernels see them;
+    latent attention: one KV head of the cache width, values its kv_lora_rank."""
+    from msinfer.sharding.layout import TPInfo, kv_head_range
+    if cfg.mla is not None:
+        return cfg.num_heads // tp_size, 1, cfg.mla.cache_width, block_size, dtype, cfg.mla.kv_lora_rank
+    lo, hi = kv_head_range(cfg, TPInfo(0, tp_size))
+    return cfg.num_heads // tp_size, hi - lo, cfg.head_dim, block_size, dtype, 0

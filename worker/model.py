@@ -23,7 +23,7 @@ from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
-from msinfer.worker.ops import MASKED, latent_paged_attention, packed_attention
+from msinfer.worker.ops import MASKED, packed_attention
 
 
 class Attention(nn.Cell):
@@ -92,8 +92,8 @@ class MLAttention(nn.Cell):
     - Steps that read the cache (decode, chunks after cached tokens, scoring) attend in the latent
       space: kv_b_proj's key part is absorbed into each head's query (q_nope W_UK, kv_lora_rank
       values), every head attends over the cache as over one KV head whose keys are whole latents
-      and whose values are their c_kv (`latent_paged_attention`), and kv_b_proj's value part maps
-      the result to v_head_dim (as vLLM and vllm-ascend serve MLA).
+      and whose values are their c_kv (the device's `latent_attention`), and kv_b_proj's value
+      part maps the result to v_head_dim (as vLLM, vllm-ascend and vllm-mindspore serve MLA).
     - A prefill with nothing cached decompresses its own latents into per-head keys and values
       (kv_b_proj as a matmul) and attends among them (`packed_attention`): qk_head_dim per score,
       not the cache width.
@@ -122,7 +122,7 @@ class MLAttention(nn.Cell):
         self.kv_b_proj.device_order = False
         self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype, lin)
         self.cache = dev.cache_param((num_blocks, block_size, 1, m.cache_width), dtype, "latent_cache")
-        self.block_size = block_size
+        self.latent = dev.latent_attention(H, m.cache_width, m.kv_lora_rank, block_size, dtype, self.scale)
         self.nope, self.rope, self.lora, self.v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
         order = np.concatenate([np.arange(0, self.rope, 2), np.arange(1, self.rope, 2)]).astype(np.int32)
         self.rope_order = Tensor(order) if m.rope_interleave else None
@@ -139,7 +139,7 @@ class MLAttention(nn.Cell):
 
     def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
         N, H = x.shape[0], self.heads
-        slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
+        slot_mapping, token_seq = ctx[0], ctx[4]
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(N, H, self.nope + self.rope)
         cos, sin = rope_q
@@ -147,9 +147,7 @@ class MLAttention(nn.Cell):
         down = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(down[:, :self.lora])
         k_pe = self.rotate(down[:, self.lora:].reshape(N, 1, self.rope), cos, sin)
-        latent = ops.concat((c_kv, k_pe.reshape(N, self.rope)), -1)
-        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
-        written = ops.scatter_nd_update(self.cache, at, latent.reshape(N, 1, self.lora + self.rope))
+        written = self.latent.write(ops.concat((c_kv, k_pe.reshape(N, self.rope)), -1), self.cache, slot_mapping)
         if prefill:
             kv = self.kv_b_proj(c_kv).reshape(N, H, self.nope + self.v)
             k = ops.concat((kv[:, :, :self.nope], ops.broadcast_to(k_pe, (N, H, self.rope))), -1)
@@ -159,8 +157,7 @@ class MLAttention(nn.Cell):
             w = self.kv_b_proj.weight.reshape(H, self.nope + self.v, self.lora)
             q_lat = ops.bmm(q[:, :, :self.nope].transpose(1, 0, 2), w[:, :self.nope])            # [H, N, lora]
             q = ops.depend(ops.concat((q_lat.transpose(1, 0, 2), q_pe), -1), written)
-            out = latent_paged_attention(q, self.cache, ops.gather(block_tables, token_seq, 0), token_len,
-                                         self.scale, self.lora)                         # [N, H, lora]
+            out = self.latent.attend(q, self.cache, ctx)                                          # [N, H, lora]
             out = ops.bmm(out.transpose(1, 0, 2), w[:, self.nope:].transpose(0, 2, 1)).transpose(1, 0, 2)
         return self.o_proj(out.reshape(N, H * self.v))
 

@@ -6,6 +6,8 @@
     attention     the new K/V rows into the layer's cache, then attention: among the step's own
                   tokens for a prefill with nothing cached, else paged (each token reads its
                   sequence's K/V rows through the block table)
+    latent attention  DeepSeek's: the latents into the layer's cache, then attention over them as
+                  one KV head (`latent_attention`)
     linear        x w^T, and the embedding lookup, both over weights the device may reorder
                   (`pack_weight`) once they are loaded
     moe           a sparse layer's router and its experts (`moe_router`, `moe_op`)
@@ -56,30 +58,34 @@ def _softmax_pv(scores, visible, v):
 
 def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
     """Each token n of q [N, H, D] attends over the first lens[n] positions of its sequence, whose
-    cache blocks are tables[n] [MB], in caches [blocks, block_size, KV, D]; `bias` [N, MB *
-    block_size] (or [1, 1]) is added to its scores. Query head h reads KV head h // (H / KV).
+    cache blocks are tables[n] [MB], in caches [blocks, block_size, KV, D] (the values' last
+    dimension Dv) -> [N, H, Dv]; `bias` [N, MB * block_size] (or [1, 1]) is added to its scores.
+    Query head h reads KV head h // (H / KV).
     The K/V rows are gathered ([N, MB * block_size, KV, D]): memory grows with N x the table width."""
     N, H, D = q.shape
-    bs, KV = k_cache.shape[1], k_cache.shape[2]
+    bs, KV, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     L = tables.shape[1] * bs
     k = ops.gather(k_cache, tables, 0).reshape(N, L, KV, D).transpose(0, 2, 3, 1)       # [N, KV, D, L]
-    v = ops.gather(v_cache, tables, 0).reshape(N, L, KV, D).transpose(0, 2, 1, 3)       # [N, KV, L, D]
+    v = ops.gather(v_cache, tables, 0).reshape(N, L, KV, Dv).transpose(0, 2, 1, 3)      # [N, KV, L, Dv]
     scores = ops.bmm(q.reshape(N, KV, H // KV, D), k).astype(ms.float32) * scale      # [N, KV, G, L]
     if bias is not None:
         scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, 1, L)
     visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, 1, L)
-    return _softmax_pv(scores, visible, v).reshape(N, H, D)
+    return _softmax_pv(scores, visible, v).reshape(N, H, Dv)
 
 
-def latent_paged_attention(q, cache, tables, lens, scale: float, values: int):
+def latent_paged_attention(q, cache, tables, lens, scale: float, values: int, bias=None):
     """Multi-head latent attention over a paged latent cache [blocks, block_size, 1, W]: each token
     n of q [N, H, W] (its heads' queries in the latent space) attends over the first lens[n]
     positions of its sequence (blocks tables[n]) as over one KV head whose keys are the whole W
-    values of a position and whose values are their first `values` ones -> [N, H, values]."""
+    values of a position and whose values are their first `values` ones -> [N, H, values];
+    `bias` [N, MB * block_size] (or [1, 1]) is added to the scores."""
     N, H, W = q.shape
     L = tables.shape[1] * cache.shape[1]
     rows = ops.gather(cache, tables, 0).reshape(N, L, W)                                   # read once
     scores = ops.bmm(q, rows.transpose(0, 2, 1)).astype(ms.float32) * scale                # [N, H, L]
+    if bias is not None:
+        scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, L)
     visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, L)
     return _softmax_pv(scores, visible, rows[:, :, :values])
 
@@ -122,6 +128,26 @@ class PortableAttention(nn.Cell):
         if prefill:
             return packed_attention(q, k, v, token_seq, self.scale)
         return paged_attention(q, k_cache, v_cache, ops.gather(block_tables, token_seq, 0), token_len, self.scale)
+
+
+class PortableLatentAttention(nn.Cell):
+    """The cache write and the paged attention of DeepSeek's latent attention (worker.model.
+    MLAttention) in MindSpore primitives: `write` puts each token's latent [N, W] at its slot of
+    the cache [blocks, block_size, 1, W]; `attend` reads the cache for the queries [N, H, W] (in the
+    latent space) as `latent_paged_attention` -> [N, H, values]."""
+
+    def __init__(self, heads: int, width: int, values: int, block_size: int, dtype, scale: float):
+        super().__init__()
+        self.block_size, self.values, self.scale = block_size, values, scale
+
+    def write(self, latent, cache, slot_mapping):
+        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+        return ops.scatter_nd_update(cache, at, latent.reshape(latent.shape[0], 1, latent.shape[1]))
+
+    def attend(self, q, cache, ctx):
+        _, block_tables, _, _, token_seq, token_len, _ = ctx
+        return latent_paged_attention(q, cache, ops.gather(block_tables, token_seq, 0), token_len, self.scale,
+                                      self.values)
 
 
 class MsOps:
@@ -193,6 +219,12 @@ class MsOps:
         """A cell (q [N, H, D], k and v [N, KV, D] (rotated), k_cache, v_cache, ctx, prefill) -> [N, H, D]
         that writes the new K/V rows and attends; ctx is CausalLM's step context."""
         return PortableAttention(heads, kv_heads, head_dim, block_size, dtype)
+
+    @staticmethod
+    def latent_attention(heads: int, width: int, values: int, block_size: int, dtype, scale: float):
+        """A cell with `write(latent [N, W], cache, slot_mapping)` and `attend(q [N, H, W], cache,
+        ctx) -> [N, H, values]`: DeepSeek's latent cache and the attention that reads it."""
+        return PortableLatentAttention(heads, width, values, block_size, dtype, scale)
 
     @staticmethod
     def moe_router(k: int):

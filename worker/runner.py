@@ -71,8 +71,7 @@ class ModelRunner:
         if problem := ops_problem(ec.device, ec.ops, ec.shapes):
             raise ValueError(problem)
         self.kernel_check = None
-        # the fused kernels: the card settles them (latent attention runs none of those it checks)
-        if hasattr(self.dev, "with_conventions") and ec.kernel_check and self.cfg.mla is None:
+        if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
             self.kernel_check = self.check_kernels()
         self.stage = Stage.of(ec.pipeline, ec.stage)
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
@@ -89,11 +88,12 @@ class ModelRunner:
             self.load_stats["bytes"] = sum(p.nbytes for p in held.values())
         self.load_s = time.perf_counter() - t0
         # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both
-        # kinds, so their prefill steps run the decode graph.
+        # kinds, so their prefill steps run the decode graph (not latent attention's, which differs:
+        # worker.model.MLAttention).
         kinds = {"prefill": self.model.prefill, "decode": self.model.decode}
         if self.stage.last:                      # the stages before it only pass hidden states on
             kinds.update(score=self.model.score, score_top=self.model.score_top)
-        if self.dev.fused_attention:
+        if self.dev.fused_attention and self.cfg.mla is None:
             kinds["prefill"] = self.model.decode
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
         self.step_fn = self.fns["decode"]
@@ -118,11 +118,9 @@ class ModelRunner:
     def check_kernels(self) -> dict:
         """The start-up kernel self-check at this rank's shapes (worker.kernel_check), from the
         cache when these cards were checked before; the seam then follows its verdicts."""
-        from msinfer.sharding.layout import kv_head_range
         from msinfer.worker import kernel_check
-        lo, hi = kv_head_range(self.cfg, self.tp)
-        results = kernel_check.cached_check(self.dev, self.cfg.num_heads // self.tp.size, hi - lo, self.cfg.head_dim,
-                                            self.block_size, self.dtype)
+        results = kernel_check.cached_check(self.dev, *kernel_check.check_shapes(self.cfg, self.tp.size, self.block_size,
+                                                                                 self.dtype))
         self.dev = self.dev.with_conventions(kernel_check.conventions(results))
         print(f"msinfer rank {self.tp.rank}: {kernel_check.describe(results)}", flush=True)
         return results

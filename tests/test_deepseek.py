@@ -127,18 +127,19 @@ def test_yarn_stays_refused_where_only_deepseek_is_verified():
         ModelConfig.from_dict(llama, "config.json")
 
 
-def test_on_the_emulated_ascend_path_latent_attention_calls_the_kernels_as_vllm_mindspore_does(checkpoint,
-                                                                                                 monkeypatch):
+def test_on_the_emulated_ascend_path_latent_attention_calls_the_kernels_as_vllm_mindspore_does(
+        checkpoint, hf_greedy, monkeypatch):
     """Recording stand-ins, run eagerly through a prefill, a chunk after cached tokens and a
     decode: one cache written by ReshapeAndCache with the latent as the key and no value, and
     PagedAttention in MLA mode (one KV head, mla_v_dim kv_lora_rank, the cache as key and value
-    cache), each call bound to the installed primitive's signature; the tokens are the plain
-    emulation's."""
+    cache), each call bound to the installed primitive's signature; transformers' tokens."""
     import inspect
 
     import mindspore as ms
     from mindspore.ops import auto_generate
     import msinfer.worker.ascend as ascend
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
     from tests.engine_driver import Driver
     calls = []
 
@@ -158,22 +159,17 @@ def test_on_the_emulated_ascend_path_latent_attention_calls_the_kernels_as_vllm_
     class Recording(ascend.StandIns):
         ReshapeAndCache, PagedAttention = recording("ReshapeAndCache"), recording("PagedAttention")
 
-    def workload(runner):
-        d = Driver(runner)
-        first = d.prefill({0: PROMPTS[0], 1: PROMPTS[1]})
-        runner.step([SeqStep(2, PROMPTS[2][:5], 0, d.table(2), sample=False)], True)
-        chunk = runner.step([SeqStep(2, PROMPTS[2][5:], 5, d.table(2))], True).token_ids
-        return first.token_ids, chunk, d.decode().token_ids
-
     path, cfg = checkpoint(V3), ModelConfig.from_dir(checkpoint(V3))
-    config = dict(max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16",
-                  kernel_check=False)
-    from msinfer.sharding.config import EngineConfig
-    from msinfer.worker.runner import ModelRunner
-    want = workload(ModelRunner(EngineConfig(str(path), **config)))
     monkeypatch.setattr(ascend.EmulatedAscendOps, "kernels", Recording)
-    runner = ModelRunner(EngineConfig(str(path), graph_mode=False, **config))
-    assert workload(runner) == want
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                      dtype="float16", kernel_check=False, graph_mode=False))
+    d = Driver(runner)
+    first = d.prefill({0: PROMPTS[0], 1: PROMPTS[1]}).token_ids
+    runner.step([SeqStep(2, PROMPTS[2][:5], 0, d.table(2), sample=False)], True)
+    chunk = runner.step([SeqStep(2, PROMPTS[2][5:], 5, d.table(2))], True).token_ids
+    second = d.decode().token_ids
+    want = [hf_greedy(V3, prompt, 2)[0] for prompt in PROMPTS]
+    assert (first, second, chunk) == ([w[0] for w in want[:2]], [w[1] for w in want[:2]], want[2][:1])
     width, values = cfg.mla.cache_width, cfg.mla.kv_lora_rank
     inits = [args for name, args in calls if name == "PagedAttention.__init__"]
     assert inits and all(a["kv_head_num"] == 1 and a["mla_v_dim"] == values and a["head_num"] == cfg.num_heads
@@ -190,29 +186,27 @@ def test_on_the_emulated_ascend_path_latent_attention_calls_the_kernels_as_vllm_
         assert args["query"].shape[1] == cfg.num_heads * width
 
 
-def test_the_start_up_check_settles_the_latent_kernels_and_the_tokens_stay(checkpoint, monkeypatch):
+def test_the_start_up_check_settles_the_latent_kernels_and_the_tokens_stay(checkpoint, hf_greedy, monkeypatch):
     """With a PagedAttention stand-in that applies no causal mask within a chunk (pa_wrong), the
     start-up check of the latent kernels (PagedAttention's MLA mode, ReshapeAndCache with one cache)
-    replaces PagedAttention by the portable operators, and a chunk after cached tokens gets the
-    plain emulation's logits; as documented, the kernels pass."""
+    finds it wrong and replaces it by the portable operators, and a chunk after cached tokens gets
+    transformers' logits; as documented, the kernels pass the same check."""
     from msinfer.sharding.config import EngineConfig
-    from msinfer.worker import kernel_check
+    from msinfer.worker import ascend, kernel_check
     from msinfer.worker.runner import ModelRunner
-    from tests.test_ascend import ATOL
+    from tests.test_ascend import MLA_FLOAT16_ATOL
     monkeypatch.setenv("MSINFER_CACHE", str(checkpoint(V3).parent / "kernel-cache"))
     path = checkpoint(V3)
-    config = dict(max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16")
-
-    def chunk_logits(runner):
-        runner.step([SeqStep(0, PROMPTS[2][:6], 0, [0, 1], sample=False)], True)
-        return runner.forward([SeqStep(0, PROMPTS[2][6:], 6, [0, 1])], True)
-
-    plain = ModelRunner(EngineConfig(str(path), **config))
-    assert kernel_check.conventions(plain.kernel_check) == {"PagedAttention": "ok", "ReshapeAndCache": "ok",
-                                                            "RmsNorm": "ok"}
-    checked = ModelRunner(EngineConfig(str(path), emulate_variants=("pa_wrong",), **config))
-    assert kernel_check.conventions(checked.kernel_check)["PagedAttention"] == "portable"
-    want = chunk_logits(plain)
-    np.testing.assert_allclose(chunk_logits(checked), want, atol=ATOL["ascend-emulated"])
-    trusted = ModelRunner(EngineConfig(str(path), emulate_variants=("pa_wrong",), kernel_check=False, **config))
-    assert np.abs(chunk_logits(trusted) - want).max() > 10 * ATOL["ascend-emulated"]
+    checked = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                       dtype="float16", emulate_variants=("pa_wrong",)))
+    verdicts = checked.kernel_check
+    assert kernel_check.conventions(verdicts) == {"PagedAttention": "portable", "ReshapeAndCache": "ok",
+                                                  "RmsNorm": "ok"}
+    assert verdicts["PagedAttention"]["max_error"] > 10 * kernel_check.TOLERANCE["float16"]
+    checked.step([SeqStep(0, PROMPTS[2][:6], 0, [0, 1], sample=False)], True)
+    chunk = checked.forward([SeqStep(0, PROMPTS[2][6:], 6, [0, 1])], True)
+    assert np.abs(chunk[0] - hf_greedy(V3, PROMPTS[2], 1)[1][0]).max() < MLA_FLOAT16_ATOL
+    monkeypatch.setattr(ascend, "VARIANTS_IN_FORCE", ())
+    documented = kernel_check.check_kernels(ascend.EmulatedAscendOps, *kernel_check.check_shapes(
+        ModelConfig.from_dir(path), 1, 16, "float16"))
+    assert set(kernel_check.conventions(documented).values()) == {"ok"}

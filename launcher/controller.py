@@ -26,11 +26,25 @@ engine dies, or whose exchange outlives step_timeout_s, is torn down; the record
 dealt and not finished go to the other replicas at once (or to itself once restarted, if it is
 the only one), and it restarts in the background on a fresh placement. Past `max_restarts` the
 job stops (JobFailed), and everything already handed to the caller stays handed.
+
+Poison records: each engine tells a small actor (`Ledger`) which records its steps run before a
+step first runs them, so that a replica that dies (its engine with it, where the engine lives in
+rank 0's process) leaves word of what it was running. The records running in a failure become
+suspects: dealt again, each engine admits them one at a time (Engine.probation), beside any
+other records, so that no step runs two suspects. A record running in `max_record_failures`
+failures is quarantined: its result is an error line (type "quarantined", naming the failures'
+causes) and it is not dealt again. With the default of 2, a record is quarantined when it fails
+a second time as the one suspect of its step: a batch that died with a poison record loses no
+other record, unless a suspect shares its step with a second poison record not yet suspected.
+The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
+while healthy replicas serve the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import pickle
 import time
 from collections import deque
@@ -76,6 +90,23 @@ def route_key(rec: Record) -> int | None:
     return None
 
 
+@ray.remote(num_cpus=0)
+class Ledger:
+    """replica -> the serials of the records its steps have run and not finished (Engine._report)."""
+
+    def __init__(self):
+        self.running: dict[int, set] = {}
+
+    def update(self, replica: int, started: list[int], ended: list[int]) -> None:
+        held = self.running.setdefault(replica, set())
+        held.difference_update(ended)
+        held.update(started)
+
+    def take(self, replica: int) -> list[int]:
+        """What replica ran when it failed; it starts again with nothing."""
+        return sorted(self.running.pop(replica, ()))
+
+
 class JobFailed(UserError):
     """Replicas failed more often than fault.max_replica_restarts allows; `reason` says what failed
     the last one."""
@@ -96,6 +127,7 @@ class ControllerConfig:
     cpus_per_worker: float = 1
     threads_per_worker: int = 0
     max_restarts: int = 3
+    max_record_failures: int = 2
     step_timeout_s: float = 600.0
     startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
@@ -130,6 +162,11 @@ class Controller:
     seen: dict = field(default_factory=dict)           # hashes of the prompt beginnings seen, oldest first
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
     on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
+    ledger: object = None                              # the Ledger actor (with an engine setup)
+    failures: dict = field(default_factory=dict)       # serial -> [(failure number, why)] it was running in
+    blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
+    quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
+    quarantined: int = 0
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
@@ -140,6 +177,10 @@ class Controller:
 
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""
+        # (replicas need Ray, which the job has started; stand-in replicas without it keep no ledger)
+        if self.cfg.engine_setup is not None and self.cfg.engine_setup.ledger is None and ray.is_initialized():
+            self.ledger = Ledger.remote()
+            self.cfg.engine_setup = dataclasses.replace(self.cfg.engine_setup, ledger=self.ledger)
         want = self.cfg.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
         futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
@@ -234,9 +275,12 @@ class Controller:
                     continue
                 slot.outstanding.update((c[0], c) for c in chunk)
                 more = not exhausted or bool(self.requeue) or bool(slot.held)
+                suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
                 slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
-                                                                  more)
+                                                                  more, suspects)
                 slot.sent, slot.want = time.perf_counter(), 0
+            while self.quarantine:
+                on_done(*self.quarantine.popleft())
             if on_tick is not None:
                 on_tick()
             pending = {s.pending: s for s in self.slots if s.pending is not None}
@@ -297,7 +341,10 @@ class Controller:
         reason = str(cause) if isinstance(cause, EngineFailed) else describe(error)
         why = f"replica {slot.index} failed ({reason})"
         self.restart_log.append(why)
-        if self.restarts >= self.cfg.max_restarts:
+        number = len(self.restart_log)
+        poison = self._quarantine(slot, number, reason)
+        charged = sum(1 for n in range(1, number) if n not in self.blamed)      # failures before this one
+        if charged >= self.cfg.max_restarts and not poison:
             raise JobFailed(f"{why}; restarting it would be restart {self.restarts + 1}, more than "
                             f"fault.max_replica_restarts={self.cfg.max_restarts}. Every finished record is in "
                             f"the results file: run the same job again to resume", reason)
@@ -318,6 +365,32 @@ class Controller:
         slot.want = self.cfg.engine_setup.queue_target
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 
+    def _quarantine(self, slot: Slot, number: int, reason: str) -> bool:
+        """Failure `number` of the job took `slot` down: each record it was running (the ledger's
+        word, of those dealt to it) counts one; those now at max_record_failures are quarantined
+        (taken out of its records, their error lines queued) and the failures they were running
+        in blamed on them. Whether any was."""
+        if self.ledger is None:
+            return False
+        try:
+            running = fetch(self.ledger.take.remote(slot.index), 30)
+        except Exception:                   # no word: every record is dealt again
+            return False
+        found = False
+        for serial in running:
+            if serial not in slot.outstanding:
+                continue
+            seen = self.failures.setdefault(serial, [])
+            seen.append((number, reason))
+            if len(seen) < self.cfg.max_record_failures:
+                continue
+            _, rec = slot.outstanding.pop(serial)
+            self.blamed.update(n for n, _ in seen)
+            self.quarantine.append((quarantined_done(serial, rec, seen, self.cfg.engine_setup), rec))
+            self.quarantined += 1
+            found = True
+        return found
+
     def _poll_restart(self, slot: Slot) -> None:
         if slot.starting is None or not slot.starting.done():
             return
@@ -331,6 +404,19 @@ class Controller:
         for slot in self.slots:
             slot.replica.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def quarantined_done(serial: int, rec: Record, failures: list, setup: EngineSetup) -> Done:
+    """The error line of a quarantined record, in the job's output format."""
+    from msinfer.launcher.openai_batch import openai_line
+    from msinfer.launcher.writer import error_result
+    causes = "; ".join(dict.fromkeys(why for _, why in failures))
+    message = (f"record '{rec.id}' was running when a replica failed, {len(failures)} times ({causes}); it is "
+               f"quarantined: not computed again (fault.max_record_failures)")
+    result = error_result(rec.id, "quarantined", message)
+    line = openai_line(result, "", None, "", None) if setup.output_format == "openai" else result
+    return Done(serial, json.dumps(line, ensure_ascii=False), True, 0, 0, None,
+                message.replace(f"record '{rec.id}'", "a record"))
 
 
 def launch_error(e: BaseException) -> Exception:

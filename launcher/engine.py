@@ -68,6 +68,7 @@ class EngineSetup:
     # the longest an exchange waits with nothing to report (an engine still computing its
     # records answers this often, to tell the driver its room for more)
     wait_s: float = 1.0
+    ledger: object = None           # launcher.controller.Ledger's actor: which records each replica runs
 
     @staticmethod
     def intervals(data_parallel: int, local: bool) -> dict:
@@ -235,6 +236,12 @@ class Engine:
         self.submitted = 0
         self.thread: threading.Thread | None = None
         self.loop_cpu = self.exchange_cpu = 0.0
+        self.reported: set[int] = set()       # serials the ledger has as running here
+        self.ended: list[int] = []            # of those, finished since the ledger heard last
+        # records that were running when a replica failed, (serial, sequences): admitted one at a
+        # time, so that no step runs two of them and a second failure names one record, not a batch
+        self.probation: deque = deque()
+        self.on_probation: int | None = None  # the serial of the one admitted
 
     # ---- the driver's calls ---------------------------------------------------------------------
     def attach(self, workers: list) -> None:
@@ -253,28 +260,32 @@ class Engine:
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.scheduler.set_limits(spec.scheduler.max_batch_size, spec.scheduler.max_batched_tokens)
 
-    def exchange(self, payload: bytes | None, more: bool) -> bytes:
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> bytes:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
         text) pickled, once there is something to report: results that waited flush_s or make a
         batch, room for half a queue of new records while the driver has `more`, nothing left to
         do, or wait_s passed. A SystemicError while reading a record (a cause that is
-        not the record's) is raised to the driver, which stops the job."""
+        not the record's) is raised to the driver, which stops the job. `suspects`: serials of
+        records that were running when a replica failed; they run one at a time (`probation`)."""
         cpu0 = time.thread_time()
         try:
-            return self._exchange(payload, more)
+            return self._exchange(payload, more, set(suspects))
         finally:
             self.exchange_cpu += time.thread_time() - cpu0
 
-    def _exchange(self, payload: bytes | None, more: bool) -> bytes:
+    def _exchange(self, payload: bytes | None, more: bool, suspects: set) -> bytes:
         # every record of the call encoded before the loop sees any: admitted together, they
         # share a prefill step instead of trickling into several
-        items = [self.codec.sequences(rec, serial) for serial, rec in (pickle.loads(payload) if payload else ())]
+        items = [(serial, self.codec.sequences(rec, serial))
+                 for serial, rec in (pickle.loads(payload) if payload else ())]
         if items:
             with self.cond:
-                for item in items:
+                for serial, item in items:
                     self.unfinished += 1
                     if isinstance(item, Done):
                         self._put(item)
+                    elif serial in suspects:
+                        self.probation.append((serial, item))
                     else:
                         self.inbox.extend(item)
                 self.cond.notify_all()
@@ -300,7 +311,7 @@ class Engine:
 
     @property
     def want(self) -> int:
-        return max(0, self.target - len(self.inbox) - self.scheduler.num_waiting)
+        return max(0, self.target - len(self.inbox) - len(self.probation) - self.scheduler.num_waiting)
 
     def engine_stats(self) -> dict:
         """Steps by kind (STEP_FIGURES), the CPU-seconds of the engine's own threads (its loop and
@@ -323,6 +334,11 @@ class Engine:
             self.outbox_t = time.perf_counter()
         self.outbox.append(done)
         self.unfinished -= 1
+        if done.serial in self.reported:
+            self.reported.discard(done.serial)
+            self.ended.append(done.serial)
+        if done.serial == self.on_probation:
+            self.on_probation = None
 
     def _loop(self) -> None:
         try:
@@ -333,6 +349,9 @@ class Engine:
                         return
                     new = list(self.inbox)
                     self.inbox.clear()
+                    if self.on_probation is None and self.probation:
+                        self.on_probation, seqs = self.probation.popleft()
+                        new += seqs
                 for seq in new:
                     self.scheduler.add(seq)
                 while (len(self.in_flight) < self.max_in_flight and self.scheduler.has_work()
@@ -358,6 +377,7 @@ class Engine:
             self._finished(rejected)
         if not steps:
             return False
+        self._report(seqs)
         if self.pipeline is not None:
             outs, others, relays = self.pipeline.submit(steps, is_prefill, self.scheduler.take_released())
             self.submitted = self.pipeline.index
@@ -368,6 +388,21 @@ class Engine:
         self.submitted += 1
         self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
         return True
+
+    def _report(self, seqs: list) -> None:
+        """Before a step runs records that no step of this replica ran before, the ledger hears of
+        them (and of the records finished since), so that if the step takes the replica down the
+        driver knows which records were running (launcher.controller, poison records); a step of
+        records it knows costs no call."""
+        if self.setup.ledger is None:
+            return
+        with self.cond:                       # (_put, in either thread, takes finished ones out)
+            new = {s.serial for s in seqs} - self.reported
+            if not new:
+                return
+            self.reported |= new
+            ended, self.ended = self.ended, []
+        ray.get(self.setup.ledger.update.remote(self.index, sorted(new), ended), timeout=60)
 
     def _wait(self) -> None:
         """Waits up to a second for the oldest step in flight; a rank > 0 that fails first fails
@@ -567,8 +602,8 @@ class EngineHost:
         me = ray.get_runtime_context().current_actor if setup.engine_config.pipeline else LocalRank(self.step)
         self.engine.attach([me, *peers])
 
-    def exchange(self, payload: bytes | None, more: bool) -> bytes:
-        return self.engine.exchange(payload, more)
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> bytes:
+        return self.engine.exchange(payload, more, suspects)
 
     def configure(self, spec, stream: bool = False) -> None:
         self.engine.configure(spec, stream)

@@ -632,6 +632,7 @@ class JobRun:
         out = self.stats.summary(startup_s, gen_s)
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
         out["restart_reasons"] = list(self.controller.restart_log) if self.controller else []
+        out["records_quarantined"] = self.controller.quarantined if self.controller else 0
         out["spec"] = self.spec.resolved()
         out["notes"] = list(self.plan.notes)          # as `plan` prints them: device path, dtype, heads
         out["replicas"] = self.workers()
@@ -693,7 +694,8 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
         # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         threads_per_worker=threads_per_worker(tp * pp * dp if not spec.ray.address else tp) if plan.engine.on_cpu
         else 0,
-        max_restarts=spec.fault.max_replica_restarts, step_timeout_s=spec.fault.step_timeout_s,
+        max_restarts=spec.fault.max_replica_restarts, max_record_failures=spec.fault.max_record_failures,
+        step_timeout_s=spec.fault.step_timeout_s,
         startup_timeout_s=spec.fault.startup_timeout_s,
         card_planner=card_replanner(plan) if plan.card is not None and simulate is None else None)
     if simulate is not None:

@@ -259,6 +259,8 @@ class RaySpec(Section):
 
 class FaultSpec(Section):
     max_replica_restarts: int = Field(3, ge=0)
+    # a record running in this many replica failures is quarantined: an error line, not dealt again
+    max_record_failures: int = Field(2, ge=1)
     step_timeout_s: float = Field(600.0, gt=0.0)
     startup_timeout_s: float = Field(900.0, gt=0.0)   # each start-up stage: placement, communication init, load
 

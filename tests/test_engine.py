@@ -146,7 +146,7 @@ def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
 
     @ray.remote
     class Raises:
-        def exchange(self, payload, more):
+        def exchange(self, payload, more, suspects=()):
             raise SystemicError("the tokenizer cannot encode records: ImportError: jinja2")
 
     class Stub:

@@ -60,7 +60,7 @@ class FakeReplica:
         self.engine = SimpleNamespace(exchange=Call(self.exchange), engine_stats=Call(lambda: completed({})))
         return []
 
-    def exchange(self, payload: bytes | None, more: bool) -> Future:
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> Future:
         if self.index == 1 and not FakeReplica.doomed:
             FakeReplica.doomed.append(Future())
             return FakeReplica.doomed[0]

@@ -179,7 +179,7 @@ class ModelConfig:
             raise ModelConfigError(str(e)) from None
         moe = cls._moe_fields(d, family, num_layers, source, need) if family.endswith("_moe") else {}
         if family in MLA_FAMILIES:
-            moe = cls._deepseek_fields(d, family, num_layers, source, need, rope, rope_type)
+            moe = cls._deepseek_fields(d, arch, family, num_layers, source, need, rope, rope_type)
             head_dim = moe["mla"].qk_rope_head_dim        # the rotary frequencies' dimension, as transformers'
             if quant is not None:
                 raise ModelConfigError(f"{source}: quantized {arch} checkpoints are not supported yet; msinfer "
@@ -227,11 +227,10 @@ class ModelConfig:
                     sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
 
     @staticmethod
-    def _deepseek_fields(d: dict, family: str, num_layers: int, source: str, need, rope: dict,
+    def _deepseek_fields(d: dict, arch: str, family: str, num_layers: int, source: str, need, rope: dict,
                          rope_type: str) -> dict:
         """DeepSeek-V2/V3: latent attention, routing and experts, with transformers' defaults for
         the keys config.json leaves out. Layers from first_k_dense_replace on are sparse."""
-        arch = d["architectures"][0]
         defaults = DEEPSEEK_DEFAULTS[family]
 
         def get(key):

@@ -372,15 +372,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.matmul(x, self.weight)
 
 
+def load_replicated(param, src, name: str, shard_id=None) -> None:
+    """A cell's `weight_loader` for a tensor every rank holds whole, in the parameter's shape."""
+    check_shape(name, src, tuple(param.shape))
+    copy_into(param, read_shard(src, None))
+
+
 class RMSNorm(nn.Cell):
     def __init__(self, size: int, eps: float, dtype, dev):
         super().__init__()
         self.weight = new_param((size,), dtype, "weight")
         self.op = dev.rms_norm_op(eps)            # the device's (x, weight) -> normalized x cell
 
-    def weight_loader(self, param, src, name, shard_id=None):
-        check_shape(name, src, tuple(param.shape))
-        copy_into(param, read_shard(src, None))
+    weight_loader = staticmethod(load_replicated)
 
     def construct(self, x):
         return self.op(x, self.weight)

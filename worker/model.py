@@ -18,7 +18,7 @@ import numpy as np
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                                     StaticInt8, VocabParallelEmbedding, check_shape, copy_into, new_param, read_shard)
+                                     StaticInt8, VocabParallelEmbedding, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError
 from msinfer.worker.cpu import GLU_GROUP
@@ -226,9 +226,7 @@ class GroupedRouter(nn.Cell):
         self.bias = new_param((cfg.num_experts,), ms.float32, "e_score_correction_bias") if r.bias else None
         self.group_ids = Tensor(np.arange(r.groups, dtype=np.int32))
 
-    def weight_loader(self, param, src, name, shard_id=None):
-        check_shape(name, src, tuple(param.shape))
-        copy_into(param, read_shard(src, None))
+    weight_loader = staticmethod(load_replicated)     # the correction bias
 
     def construct(self, logits):
         logits = logits.astype(ms.float32)

@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
 
 
+def entry() -> int:
+    """The `msinfer` command's process (pyproject's console script): main, in a process of its own."""
+    from msinfer.worker.actor import transformers_without_torch
+    transformers_without_torch()
+    return main()
+
+
 def _terminate(signum, frame) -> None:
     raise Terminated()
 
@@ -134,4 +141,4 @@ def _say(message: str, prefix: str = "msinfer: error: ") -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 import json
 import pickle
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,13 +55,14 @@ from typing import Callable, Iterator
 
 import ray
 from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch,
                                      wait_any)
 from msinfer.launcher.errors import UserError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done
-from msinfer.launcher.replica import LaunchError, Replica
+from msinfer.launcher.replica import LaunchError, NoRoom, Replica
 
 
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
@@ -148,6 +150,7 @@ class Slot:
     starting: Future | None = None
     restarts: int = 0
     held: deque = field(default_factory=deque)         # (serial, Record) read while dealing to another, for it
+    kv_usage: float = 0.0                  # share of its engine's KV cache blocks in use, as it last said
 
 
 @dataclass
@@ -167,6 +170,10 @@ class Controller:
     blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
     quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
     quarantined: int = 0
+    dealt_at: dict = field(default_factory=dict)       # serial -> when it was first dealt (record latency)
+    on_latency: Callable[[float], None] | None = None  # a record's seconds from its first dealing to its result
+    no_room_since: dict = field(default_factory=dict)  # replica -> when its restart first found no room
+    room_waits: list = field(default_factory=list)     # (replica, seconds it waited for room), ended waits
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
@@ -179,7 +186,10 @@ class Controller:
         """Starts every replica and its engine at once; returns when all are ready."""
         # (replicas need Ray, which the job has started; stand-in replicas without it keep no ledger)
         if self.cfg.engine_setup is not None and self.cfg.engine_setup.ledger is None and ray.is_initialized():
-            self.ledger = Ledger.remote()
+            # on the driver's node: a ledger lost with another node would take every engine's
+            # next report with it (the driver's node lost ends the job anyway)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.ledger = Ledger.options(scheduling_strategy=here).remote()
             self.cfg.engine_setup = dataclasses.replace(self.cfg.engine_setup, ledger=self.ledger)
         want = self.cfg.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
@@ -274,18 +284,25 @@ class Controller:
                 if not chunk and not slot.outstanding and not slot.held:
                     continue
                 slot.outstanding.update((c[0], c) for c in chunk)
+                now = time.perf_counter()
+                for c in chunk:
+                    self.dealt_at.setdefault(c[0], now)
                 more = not exhausted or bool(self.requeue) or bool(slot.held)
                 suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
                 slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
                                                                   more, suspects)
                 slot.sent, slot.want = time.perf_counter(), 0
             while self.quarantine:
-                on_done(*self.quarantine.popleft())
+                done, rec = self.quarantine.popleft()
+                self.dealt_at.pop(done.serial, None)
+                on_done(done, rec)
             if on_tick is not None:
                 on_tick()
             pending = {s.pending: s for s in self.slots if s.pending is not None}
             if not pending:
-                if exhausted and not self.requeue and not any(s.starting or s.held for s in self.slots):
+                # (a replica waiting for room on the cluster has nothing dealt: the job ends without it)
+                if exhausted and not self.requeue and not any(
+                        (s.starting and s.index not in self.no_room_since) or s.held for s in self.slots):
                     return
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
@@ -316,7 +333,7 @@ class Controller:
     def _receive(self, slot: Slot, ref, on_done, on_stream) -> None:
         slot.pending = None
         try:
-            done, slot.want, streamed = pickle.loads(fetch(ref))
+            done, slot.want, streamed, slot.kv_usage = pickle.loads(fetch(ref))
         except RayTaskError as e:
             if isinstance(e.cause, UserError):      # a SystemicError: not this replica's fault
                 raise e.cause from None
@@ -325,9 +342,13 @@ class Controller:
         except (RayError, EngineFailed) as e:       # its engine died, or failed (a local engine)
             self._fail(slot, e)
             return
+        now = time.perf_counter()
         for d in done:
             item = slot.outstanding.pop(d.serial, None)
             if item is not None:
+                dealt = self.dealt_at.pop(d.serial, None)
+                if self.on_latency is not None and dealt is not None:
+                    self.on_latency(now - dealt)
                 on_done(d, item[1])
         if on_stream is not None:
             for key, text in streamed:
@@ -397,8 +418,38 @@ class Controller:
         future, slot.starting = slot.starting, None
         try:
             future.result()
+        except NoRoom as e:
+            if any(s.starting is None for s in self.slots if s is not slot):
+                self._wait_for_room(slot, e)
+            else:
+                self._fail(slot, e)
         except Exception as e:
             self._fail(slot, e)
+        else:
+            since = self.no_room_since.pop(slot.index, None)
+            if since is not None:
+                self.room_waits.append((slot.index, time.perf_counter() - since))
+
+    def _wait_for_room(self, slot: Slot, error: NoRoom) -> None:
+        """A restart found no room on the cluster (its node lost, no other free) while other
+        replicas serve: it is not charged to max_restarts, the job goes on with the others, and
+        the replica tries again, for as long as the job lasts, so that a node that joins (or
+        comes back) gets it."""
+        if slot.index not in self.no_room_since:
+            self.no_room_since[slot.index] = time.perf_counter()
+            serving = sum(1 for s in self.slots if s.starting is None and s is not slot)
+            print(f"msinfer: note: {str(error).split('; cluster resources')[0]}; the job goes on with {serving} "
+                  f"replica(s), and the replica is placed as soon as a node has room", file=sys.stderr, flush=True)
+        slot.replica.shutdown()
+        slot.replica = self._new_replica(slot.index)
+        slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
+
+    def waits_for_room(self) -> list[str]:
+        """The summary's words on replicas that had no room to restart in (see _wait_for_room)."""
+        now = time.perf_counter()
+        return ([f"replica {i} waited {t:.0f} s for room on the cluster, then ran again" for i, t in self.room_waits]
+                + [f"replica {i} found no room on the cluster for its last {now - t:.0f} s; the job finished "
+                   f"without it" for i, t in sorted(self.no_room_since.items())])
 
     def shutdown(self) -> None:
         for slot in self.slots:

@@ -26,6 +26,7 @@ driver deals its unfinished records to the other replicas and restarts it.
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import time
 from collections import deque
@@ -242,6 +243,7 @@ class Engine:
         # time, so that no step runs two of them and a second failure names one record, not a batch
         self.probation: deque = deque()
         self.on_probation: int | None = None  # the serial of the one admitted
+        self.ledger_lost = False
 
     # ---- the driver's calls ---------------------------------------------------------------------
     def attach(self, workers: list) -> None:
@@ -262,7 +264,7 @@ class Engine:
 
     def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> bytes:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
-        text) pickled, once there is something to report: results that waited flush_s or make a
+        text, kv_usage) pickled, once there is something to report: results that waited flush_s or make a
         batch, room for half a queue of new records while the driver has `more`, nothing left to
         do, or wait_s passed. A SystemicError while reading a record (a cause that is
         not the record's) is raised to the driver, which stops the job. `suspects`: serials of
@@ -307,11 +309,18 @@ class Engine:
             out, self.outbox = self.outbox, []
             streamed, self.stream_out = self.stream_out, []
             self.outbox_t = time.perf_counter()
-            return pickle.dumps((out, self.want, streamed), protocol=5)
+            return pickle.dumps((out, self.want, streamed, self.kv_usage), protocol=5)
 
     @property
     def want(self) -> int:
         return max(0, self.target - len(self.inbox) - len(self.probation) - self.scheduler.num_waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV cache's blocks that sequences hold (blocks only the prefix cache
+        keeps count as free: an allocation takes them)."""
+        bm = self.scheduler.block_manager
+        return 1.0 - bm.num_free / bm.num_blocks if bm.num_blocks else 0.0
 
     def engine_stats(self) -> dict:
         """Steps by kind (STEP_FIGURES), the CPU-seconds of the engine's own threads (its loop and
@@ -394,7 +403,7 @@ class Engine:
         them (and of the records finished since), so that if the step takes the replica down the
         driver knows which records were running (launcher.controller, poison records); a step of
         records it knows costs no call."""
-        if self.setup.ledger is None:
+        if self.setup.ledger is None or self.ledger_lost:
             return
         with self.cond:                       # (_put, in either thread, takes finished ones out)
             new = {s.serial for s in seqs} - self.reported
@@ -402,7 +411,12 @@ class Engine:
                 return
             self.reported |= new
             ended, self.ended = self.ended, []
-        ray.get(self.setup.ledger.update.remote(self.index, sorted(new), ended), timeout=60)
+        try:
+            ray.get(self.setup.ledger.update.remote(self.index, sorted(new), ended), timeout=60)
+        except RayActorError:       # the ledger's process is gone: records run on, unrecorded (no quarantine)
+            self.ledger_lost = True
+            print(f"msinfer: note: replica {self.index} lost the job's ledger of running records; a record that "
+                  f"takes a replica down is no longer quarantined", file=sys.stderr, flush=True)
 
     def _wait(self) -> None:
         """Waits up to a second for the oldest step in flight; a rank > 0 that fails first fails

@@ -9,6 +9,7 @@ raises `InputError`, from `check_input` / `read_records`, before any record is s
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,46 @@ def read_records(path: str | Path) -> Iterator[Record]:
     path = check_input(path)
     reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[path.suffix.lower()]
     return _unique_ids(reader(path), "row" if path.suffix.lower() == ".parquet" else "line")
+
+
+# characters a token, for ordering records only: BPE vocabularies of English text hold about 4
+CHARS_PER_TOKEN = 4
+
+
+def expected_length(rec: Record, max_new_tokens: int, score: bool = False) -> int:
+    """The tokens a record is expected to run for: its prompt's (token ids as given, text at
+    CHARS_PER_TOKEN characters a token) plus its max_new_tokens (its own sampling override where
+    that is a positive whole number), or, scoring, its continuation's. Its samples (n) run side by
+    side, so they do not lengthen it. A record with an error costs nothing."""
+    if rec.error:
+        return 0
+    if rec.prompt_token_ids is not None:
+        prompt = len(rec.prompt_token_ids)
+    elif isinstance(rec.messages, list):
+        prompt = sum(len(str(m.get("content", ""))) if isinstance(m, dict) else len(str(m))
+                     for m in rec.messages) // CHARS_PER_TOKEN
+    else:
+        prompt = len(rec.prompt or "") // CHARS_PER_TOKEN
+    if score:
+        cont = rec.continuation_token_ids
+        return prompt + (len(cont) if cont is not None else len(rec.continuation or "") // CHARS_PER_TOKEN)
+    own = rec.sampling.get("max_new_tokens") if isinstance(rec.sampling, dict) else None
+    new = own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else max_new_tokens
+    return prompt + new
+
+
+def longest_first(records: Iterator[Record], window: int, length) -> Iterator[Record]:
+    """`records`, read `window` ahead: of the records read and not yet given out, the one of the
+    greatest `length(record)` comes first (the earliest of equal ones). Long records start early
+    and short ones fill in behind them, so the job's tail is not one long record dealt last
+    (longest processing time first, within the window)."""
+    heap: list = []
+    for i, rec in enumerate(records):
+        heapq.heappush(heap, (-length(rec), i, rec))
+        if len(heap) >= window:
+            yield heapq.heappop(heap)[2]
+    while heap:
+        yield heapq.heappop(heap)[2]
 
 
 def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:

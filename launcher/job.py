@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from msinfer.launcher.errors import SpecError, SystemicError, UserError
-from msinfer.launcher.inputs import check_input, is_openai_batch, read_records
+from msinfer.launcher.inputs import check_input, expected_length, is_openai_batch, longest_first, read_records
+from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
@@ -373,6 +374,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if check_io:
         check_input(spec.input.path)
         check_output(spec.output.path, keep_folder=make_output)
+        if spec.output.metrics_port is not None:
+            check_port(spec.output.metrics_host, spec.output.metrics_port)
     device = resolve_device(spec.parallel.device)
     emulate = device == "ascend" and ascend_emulated()
     try:
@@ -507,6 +510,7 @@ class JobRun:
         self.tokens_done = 0
         self.held: list | None = []           # failed results held back until one succeeds (`_hold`)
         self.bar = None
+        self.metrics = None                   # launcher.metrics.JobMetrics, with output.metrics_port
         if progress and status:
             from tqdm import tqdm
             self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
@@ -594,6 +598,8 @@ class JobRun:
         if self.stream is not None:
             self.stream.end(rec.id)
         self.stats.count(done.failed, done.prompt_tokens, done.completion_tokens, done.ttft_s)
+        if self.metrics is not None:
+            self.metrics.result(done)
         if self.bar is not None:
             self.bar.update(1)
             self.tokens_done += done.completion_tokens
@@ -603,6 +609,8 @@ class JobRun:
 
     def on_tick(self) -> None:
         self.flush()
+        if self.metrics is not None:
+            self.metrics.update(self.controller)
         if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
             self.write_status("running")
 
@@ -633,6 +641,7 @@ class JobRun:
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
         out["restart_reasons"] = list(self.controller.restart_log) if self.controller else []
         out["records_quarantined"] = self.controller.quarantined if self.controller else 0
+        out["replicas_without_room"] = self.controller.waits_for_room() if self.controller else []
         out["spec"] = self.spec.resolved()
         out["notes"] = list(self.plan.notes)          # as `plan` prints them: device path, dtype, heads
         out["replicas"] = self.workers()
@@ -768,12 +777,15 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     plan = plan_job(spec, weights=simulate is None, make_output=True)
     spec = plan.spec
     lock = ResultsLock(spec.output.path, "simulate" if simulate is not None else "run")
-    writer = job = None
+    writer = job = metrics = None
     started_ray = False
     try:
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
                               "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
+        if spec.output.metrics_port is not None:
+            from msinfer.launcher.metrics import JobMetrics
+            job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)
         resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed}
         records = job.new_records(read_records(spec.input.path))
         first = next(records, None)
@@ -782,12 +794,15 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         job.write_status("starting")
         controller, started_ray = start_controller(plan, simulate, stream, on_stage=job.on_stage)
         job.controller = controller
+        if metrics is not None:
+            controller.on_latency = metrics.latency.observe
+            metrics.update(controller)
         startup_s = time.perf_counter() - t_start
         job.write_status("running")
         if simulate is not None:
             from msinfer.launcher.simulate import capacity, cpu_seconds
             cpu0 = cpu_seconds(controller)
-        job.run(itertools.chain([first], records))
+        job.run(dealing_order(spec, itertools.chain([first], records)))
         summary = {**job.summary(startup_s), **resumed}
         if simulate is not None:
             summary["simulate"] = capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))
@@ -808,11 +823,21 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             job.close()
         if job is not None and job.controller is not None:
             job.controller.shutdown()
+        if metrics is not None:
+            metrics.close()
         if writer is not None:
             writer.close()
         lock.release()
         if started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def dealing_order(spec: JobSpec, records):
+    """The records in the order they are dealt: input.order (see launcher.inputs.longest_first)."""
+    if spec.input.order == "arrival":
+        return records
+    default, score = spec.sampling.max_new_tokens, spec.task == "score"
+    return longest_first(records, spec.input.lookahead, lambda rec: expected_length(rec, default, score))
 
 
 def check_npus(ranks: int, address: str | None) -> None:

@@ -32,6 +32,7 @@ class Done(NamedTuple):
     completion_tokens: int
     ttft_s: float | None        # from its arrival in the engine to its first token
     cause: str | None = None    # a failed record's error message, its id left out: alike records' alike
+    cached_tokens: int = 0      # prompt tokens found in the prefix cache
 
 
 class Samples:
@@ -282,4 +283,4 @@ class RecordCodec:
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,
-                    result.get("completion_tokens") or 0, ttft, cause)
+                    result.get("completion_tokens") or 0, ttft, cause, cached)

@@ -48,6 +48,11 @@ class StartupTimeout(LaunchError):
     """A start-up stage of a replica outlived fault.startup_timeout_s."""
 
 
+class NoRoom(StartupTimeout):
+    """Ray found no room for a replica's workers within fault.startup_timeout_s (a node lost, and
+    no other with the resources free)."""
+
+
 def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:
     """Embedded local Ray (address None) or join an existing cluster. `npus`: the embedded node
     advertises that many `NPU`s (emulated Ascend cards; Ray sets ASCEND_RT_VISIBLE_DEVICES for each
@@ -186,7 +191,7 @@ class Replica:
         ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=pp, timeout=self.startup_timeout_s)
         if len(ready) < pp:
             need = self.bundle()
-            raise StartupTimeout(
+            raise NoRoom(
                 f"replica {self.index}: Ray could not place {tp * pp} workers of {need} "
                 f"({strategy}{f', {pp} stages of {tp}' if pp > 1 else ''}) within fault.startup_timeout_s="
                 f"{self.startup_timeout_s:g}s; cluster resources: {ray.cluster_resources()}")

@@ -117,6 +117,11 @@ class ParallelSpec(Section):
 class InputSpec(Section):
     path: str
     chat_template: bool = True
+    # longest_first: within a window of `lookahead` records read ahead, the record with the most
+    # expected work (prompt tokens + max_new_tokens, per sample) is dealt first, so that no long
+    # record starts last and sets the job's tail (launcher.inputs.longest_first); arrival: as read
+    order: Literal["longest_first", "arrival"] = "longest_first"
+    lookahead: int = Field(4096, ge=1)
 
     @field_validator("path")
     @classmethod
@@ -248,6 +253,9 @@ class OutputSpec(Section):
     status_interval_s: float = Field(2.0, gt=0.0)
     fsync_interval_s: float = Field(1.0, ge=0.0)    # results synced to disk at most this often (0: every line)
     format: Literal["auto", "msinfer", "openai"] = "auto"   # auto: openai for an OpenAI Batch API input file
+    # Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics while the run lasts (launcher.metrics)
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_host: str = Field("127.0.0.1", min_length=1)
     _path = field_validator("path")(_expand)
 
 

@@ -136,6 +136,94 @@ def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_writ
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
 
 
+def test_longest_first_deals_long_records_first_and_every_record_gets_the_line_arrival_order_gives(
+        demo, tmp_path, ray_local):
+    """20 short records, then 2 eight times longer, at batch 4: dealt as read, the long ones start
+    last and are the last lines written; longest first, they are dealt first and finish while
+    short records are still dealt. Every record's line is the same in both orders."""
+    records = [{"id": f"s{i}", "prompt_token_ids": [30 + i, 5, 6]} for i in range(20)] + [
+        {"id": f"L{i}", "prompt_token_ids": [70 + i, 5, 6], "sampling": {"max_new_tokens": 48}} for i in range(2)]
+    lines = {}
+    for order in ("arrival", "longest_first"):
+        spec = job_spec(demo, tmp_path, records, input={"order": order})
+        run_job(spec, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
+        written = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        lines[order] = {x["id"]: x for x in written}
+        last = {x["id"] for x in written[-2:]}
+        assert (last == {"L0", "L1"}) == (order == "arrival"), [x["id"] for x in written]
+    assert lines["arrival"] == lines["longest_first"]
+    assert [lines["arrival"][f"L{i}"]["completion_tokens"] for i in range(2)] == [48, 48]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> dict[str, float] | None:
+    """The samples of a Prometheus text page, by name and labels; None where nothing answers."""
+    import urllib.error
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(url, timeout=2).read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return None
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_the_metrics_endpoint_answers_during_a_job_with_counters_that_grow_and_closes_after_it(
+        demo, tmp_path, ray_local):
+    """output.metrics_port: scraped while a dp 2 job runs, the counters grow and end at the
+    summary's figures; the gauges name both replicas; after the job nothing listens. A port in
+    use is refused by the plan (exit 2), naming the key."""
+    import threading
+
+    from msinfer.launcher.errors import OutputError
+    port = free_port()
+    records = [{"id": f"r{i}", "prompt_token_ids": [40 + i] * 20, "sampling": {"max_new_tokens": 12}}
+               for i in range(24)]
+    spec = job_spec(demo, tmp_path, records, output={"metrics_port": port}, parallel={"data_parallel": 2})
+    url = f"http://127.0.0.1:{port}/metrics"
+    seen, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            got = scrape(url)
+            if got is not None:
+                seen.append(got)
+            stop.wait(0.05)
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        summary = run_job(spec, progress=False, simulate=StandIn(step_ms=15.0))
+    finally:
+        stop.set()
+        t.join()
+    done = [s["msinfer_records_done_total"] for s in seen]
+    assert done == sorted(done) and done[0] < done[-1] <= 24, done
+    assert any(0 < d < 24 for d in done), done               # seen mid-job
+    assert any(s["msinfer_records_in_flight"] > 0 for s in seen)
+    assert any(s.get('msinfer_kv_cache_usage{replica="0"}', 0) > 0 for s in seen)
+    assert all(s["msinfer_replicas_alive"] == 2 for s in seen if 'msinfer_kv_cache_usage{replica="1"}' in s)
+    last = seen[-1]
+    if last["msinfer_records_done_total"] == 24:             # the last scrape came after the last result
+        assert last["msinfer_generated_tokens_total"] == summary["completion_tokens"] == 24 * 12
+        assert last["msinfer_prompt_tokens_total"] == 24 * 20
+        assert last["msinfer_record_latency_seconds_count"] == 24
+    assert max(s["msinfer_record_latency_seconds_count"] for s in seen) >= 1
+    assert scrape(url) is None                                 # closed with the job
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with pytest.raises(OutputError, match=rf"output.metrics_port {taken}: the metrics endpoint cannot listen"):
+            plan_job(job_spec(demo, tmp_path, records, output={"metrics_port": taken}), weights=False)
+
+
 def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
     """A cause that is not the record's (SystemicError from the tokenizer) raised in an engine
     stops the job with that error, instead of failing the replica over and over."""

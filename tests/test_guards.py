@@ -66,7 +66,7 @@ class FakeReplica:
             return FakeReplica.doomed[0]
         done = [Done(serial, rec.id, False, len(rec.prompt_token_ids), 1, None)
                 for serial, rec in (pickle.loads(payload) if payload else ())]
-        return completed(pickle.dumps((done, 4, []), protocol=5))
+        return completed(pickle.dumps((done, 4, [], 0.0), protocol=5))
 
     def shutdown(self) -> None:
         self.engine = None
@@ -111,6 +111,78 @@ def test_records_held_for_a_replica_that_fails_are_dealt_again_and_each_is_done_
     assert controller.restarts == 1 and controller.restart_log == ["replica 1 failed (a worker process died)"]
     assert all(line == rid for line, rid in done)
     assert Counter(rid for _, rid in done) == Counter(r.id for r in records)
+
+
+class RoomlessReplica:
+    """Replica `doomed`'s first engine fails at its first exchange, and its next two starts find
+    no room on the cluster (a node lost): Replica.start's NoRoom. Every other exchange finishes
+    its records at once."""
+    starts: Counter = Counter()
+    doomed = 1
+
+    def __init__(self, index: int):
+        self.index, self.engine = index, None
+
+    def start(self, engine_config) -> list:
+        from msinfer.launcher.replica import NoRoom
+        mine = self.index == RoomlessReplica.doomed
+        RoomlessReplica.starts[self.index] += 1
+        if mine and RoomlessReplica.starts[self.index] in (2, 3):
+            raise NoRoom(f"replica {self.index}: Ray could not place 1 workers of {{'CPU': 1}} (STRICT_PACK) within "
+                         "fault.startup_timeout_s=1s; cluster resources: {}")
+        first = mine and RoomlessReplica.starts[self.index] == 1
+        self.engine = SimpleNamespace(exchange=Call(self.failing if first else self.exchange),
+                                      engine_stats=Call(lambda: completed({})))
+        return []
+
+    def failing(self, payload, more, suspects=()) -> Future:
+        f = Future()
+        f.set_exception(EngineFailed("a worker process died"))
+        return f
+
+    def exchange(self, payload, more, suspects=()) -> Future:
+        done = [Done(serial, rec.id, False, 1, 1, None) for serial, rec in (pickle.loads(payload) if payload else ())]
+        return completed(pickle.dumps((done, 1, [], 0.0), protocol=5))
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+class RoomlessController(Controller):
+    def _new_replica(self, index: int) -> RoomlessReplica:
+        return RoomlessReplica(index)
+
+
+@pytest.mark.parametrize("dp", [2, 1])
+def test_a_replica_without_room_waits_while_others_serve_and_is_charged_when_none_does(dp, capsys):
+    """After its last replica fails (charged: max_replica_restarts 1 allows it), its restarts
+    find no room twice. At dp 2 the other replica serves meanwhile: the waits are not charged,
+    every record is done once, and the replica runs again; the summary's words and a note say
+    so. At dp 1 nothing serves: the first wait is charged, and the job stops."""
+    import time
+
+    from msinfer.launcher.controller import JobFailed
+    RoomlessReplica.starts, RoomlessReplica.doomed = Counter(), dp - 1
+    controller = RoomlessController(ControllerConfig(None, EngineSetup(job_spec(), None, None), data_parallel=dp,
+                                                     max_restarts=1))
+    records = [Record(f"r{i:03d}", i + 1, prompt_token_ids=[i + 1]) for i in range(300)]
+    done = []
+
+    def run():
+        controller.run(iter(records), lambda d, rec: done.append(rec.id), on_tick=lambda: time.sleep(0.001))
+    controller.start()
+    try:
+        if dp == 1:
+            with pytest.raises(JobFailed, match=r"replica 0 failed \(NoRoom: replica 0: Ray could not place"):
+                run()
+            return
+        run()
+    finally:
+        controller.shutdown()
+    assert Counter(done) == Counter(r.id for r in records)
+    assert controller.restarts == 1 and RoomlessReplica.starts[1] == 4
+    assert [w.split(" waited")[0] for w in controller.waits_for_room()] == ["replica 1"]
+    assert "the job goes on with 1 replica(s)" in capsys.readouterr().err
 
 
 # ---- the vocabulary's last id -------------------------------------------------------------------

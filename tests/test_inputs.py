@@ -188,3 +188,35 @@ def test_every_renamed_duplicate_gets_an_id_no_other_record_has(tmp_path):
     assert [r.error is None for r in recs] == [True, True, False, False, False, False]
     assert recs[2].error == "line 3: id 'a' was already used on line 2; ids must be unique"
     assert [r.id for r in read_records(path)] == ids
+
+
+def test_longest_first_deals_the_longest_record_read_within_its_window():
+    """Of the records read ahead and not yet given out, the longest comes first, the earliest of
+    equal ones; nothing is lost or repeated, and the window bounds how far ahead it reads."""
+    from msinfer.launcher.inputs import longest_first
+    lengths = [3, 9, 1, 9, 5, 20, 2, 4]
+    recs = [Record(f"r{i}", i + 1, prompt_token_ids=[1] * n) for i, n in enumerate(lengths)]
+    read = []
+
+    def source():
+        for r in recs:
+            read.append(r.id)
+            yield r
+    out = longest_first(source(), 3, lambda r: len(r.prompt_token_ids))
+    assert next(out).id == "r1" and read == ["r0", "r1", "r2"]        # the first 3 read: 9 is the longest
+    assert [r.id for r in out] == ["r3", "r4", "r5", "r0", "r7", "r6", "r2"]
+    assert [r.id for r in longest_first(iter(recs), 1, lambda r: len(r.prompt_token_ids))] == [r.id for r in recs]     # a window of 1: as read
+    assert [r.id for r in longest_first(iter(recs), 100, lambda r: len(r.prompt_token_ids))] == [
+        "r5", "r1", "r3", "r4", "r7", "r0", "r6", "r2"]
+
+
+def test_a_records_expected_length_is_its_prompt_and_the_tokens_it_may_generate():
+    from msinfer.launcher.inputs import expected_length
+    assert expected_length(Record("a", 1, prompt_token_ids=[1] * 10), 50) == 60
+    assert expected_length(Record("a", 1, prompt="x" * 400), 50) == 150                   # 4 characters a token
+    assert expected_length(Record("a", 1, messages=[{"role": "user", "content": "y" * 80}]), 50) == 70
+    assert expected_length(Record("a", 1, prompt="x" * 40, sampling={"max_new_tokens": 500, "n": 4}), 50) == 510
+    assert expected_length(Record("a", 1, prompt="x" * 40, sampling={"max_new_tokens": "lots"}), 50) == 60
+    assert expected_length(Record("a", 1, prompt_token_ids=[1] * 10, continuation_token_ids=[2] * 5), 50,
+                           score=True) == 15
+    assert expected_length(Record("a", 1, error="line 1: bad"), 50) == 0

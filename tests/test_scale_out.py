@@ -50,7 +50,13 @@ CLUSTER_HELPER = textwrap.dedent("""
     ids = [n.node_id for n in cluster.list_all_nodes()]
     print(json.dumps({"address": cluster.address, "node_ids": ids}), flush=True)
     try:
-        sys.stdin.read()            # until the test closes stdin, or dies
+        for command in sys.stdin:   # until the test closes stdin, or dies
+            if command.strip() == "remove":         # a worker node (not the head), as a host lost
+                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+            elif command.strip() == "add":
+                cluster.add_node(num_cpus=cpus)
+                cluster.wait_for_nodes()
+            print(json.dumps([n.node_id for n in cluster.list_all_nodes()]), flush=True)
     finally:
         cluster.shutdown()
 """)
@@ -96,7 +102,13 @@ def two_nodes():
         line = proc.stdout.readline()
         if not line:
             pytest.fail(f"the two-node cluster did not start (exit status {proc.wait(30)})")
-        yield json.loads(line)
+
+        def command(what: str) -> list[str]:
+            """'remove' (a worker node) or 'add' (a node like the others): the node ids after it."""
+            proc.stdin.write(what + "\n")
+            proc.stdin.flush()
+            return json.loads(proc.stdout.readline())
+        yield {**json.loads(line), "command": command}
     finally:
         proc.stdin.close()
         try:
@@ -188,6 +200,58 @@ def test_tp2_spread_spans_both_nodes_and_generates_what_tp1_generates(two_nodes,
     # MindSpore's scheduler listens on rank 0's node, and both ranks were pointed at it
     assert [r["ms_scheduler"].rsplit(":", 1)[0] for r in ranks] == [ranks[0]["node_ip"]] * 2
     assert {k: r["output_token_ids"] for k, r in results.items()} == {k: r["output_token_ids"] for k, r in tp1.items()}
+
+
+def test_a_lost_node_s_replica_is_placed_again_and_every_record_comes_back_once_and_correct(
+        two_nodes, job_dir, dp2_run, hf_greedy, tmp_path):
+    """dp 2 over the two nodes; mid-job the node of replica 1 is removed (as a host lost: its
+    raylet and workers gone at once) and another node joins. Replica 1 fails and is placed again
+    where there is room, its records go to replica 0 meanwhile, and every record is written once
+    with transformers' tokens. Runs after the other tests of the cluster: it changes its nodes."""
+    prompts = [[(13 * i + 7 * j) % 250 + 3 for j in range(4 + i)] for i in range(5)]
+    n_new = 32
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"id": f"n{i:02d}", "prompt_token_ids": prompts[i % 5]}) + "\n" for i in range(48)))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [MSINFER, "run", str(job_dir / "job.yaml"), "--no-progress", "--set", f"input.path={tmp_path / 'in.jsonl'}",
+         "--set", f"output.path={out}", "--set", f"sampling.max_new_tokens={n_new}",
+         "--set", "parallel.data_parallel=2", "--set", "ray.num_cpus_per_worker=1",
+         "--set", f"ray.address={two_nodes['address']}", "--set", "scheduler.max_batch_size=2"],
+        cwd=job_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"), RAY_AUTH_MODE="token"))
+    status = Path(f"{out}.status.json")
+    try:
+        end = time.time() + 180
+        while time.time() < end:                 # both replicas running, a first result written
+            st = json.loads(status.read_text()) if status.exists() else {}
+            if (st.get("state") == "running" and len(st.get("workers", [])) == 2 and out.exists()
+                    and out.read_text().count("\n") >= 1):
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job did not get both replicas running and a first result")
+        head = two_nodes["node_ids"][0]
+        lost = next(w for w in st["workers"] if w["node_id"] != head)
+        nodes = two_nodes["command"]("remove")
+        assert lost["node_id"] not in nodes
+        joined = set(two_nodes["command"]("add")) - set(nodes)
+        assert len(joined) == 1
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-8000:]
+    results = read_results(out)
+    assert sorted(results) == [f"n{i:02d}" for i in range(48)]
+    for i in range(48):
+        assert results[f"n{i:02d}"]["output_token_ids"] == hf_greedy(CKPT, prompts[i % 5], n_new)[0], i
+    summary = json.loads(Path(f"{out}.summary.json").read_text())
+    assert summary["replica_restarts"] == 1, summary["restart_reasons"]
+    assert re.fullmatch(rf"replica {lost['replica']} failed \(.*\)", summary["restart_reasons"][0])
+    assert {r["node_id"] for r in summary["replicas"] if r["replica"] == lost["replica"]} == joined   # placed there
 
 
 # ---- Ascend: one card per worker from Ray's NPU resource ------------------------------------------

@@ -101,10 +101,16 @@ def test_missing_required_keys_named(tmp_path):
     ("model", "graph_mode", "maybe", "expected true or false, got 'maybe'"),
     ("scheduler", "kv_cache_blocks", "0", "expected an integer >= 1, got 0"),
     ("output", "status_interval_s", "0", "expected a number > 0"),
+    ("output", "metrics_port", "-1", "expected an integer >= 1, got -1"),
+    ("output", "metrics_port", "70000", "expected an integer <= 65535, got 70000"),
+    ("output", "metrics_port", "'9100'", "expected an integer, got '9100'"),
+    ("input", "lookahead", "0", "expected an integer >= 1, got 0"),
+    ("input", "lookahead", "many", "expected an integer, got 'many'"),
+    ("input", "order", "random", "expected one of"),
 ])
 def test_range_and_type_checks(tmp_path, section, key, value, expected):
     text = MINIMAL.replace("model:\n", "model:\n  graph_mode: true\n") if section != "model" else MINIMAL
-    if section in ("model", "output"):
+    if section in ("model", "output", "input"):
         text = text.replace(f"{section}:\n", f"{section}:\n  {key}: {value}\n")
     else:
         text += f"{section}:\n  {key}: {value}\n"

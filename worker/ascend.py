@@ -41,8 +41,8 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
-from msinfer.worker.ops import (MsOps, PortableLatentAttention, latent_paged_attention, packed_attention,
-                                paged_attention, rms_norm)
+from msinfer.worker.ops import (MsOps, PortableLatentAttention, cache_index, latent_paged_attention,
+                                packed_attention, paged_attention, rms_norm)
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")
@@ -100,7 +100,7 @@ class AscendAttention(nn.Cell):
         N = q.shape[0]
         q, k, v = q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)
         if self.cache_portable:
-            at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+            at = cache_index(slot_mapping, self.block_size)
             written = ops.depend(ops.scatter_nd_update(k_cache, at, k.reshape(N, self.kv_heads, self.head_dim)),
                                  ops.scatter_nd_update(v_cache, at, v.reshape(N, self.kv_heads, self.head_dim)))
         else:
@@ -308,7 +308,7 @@ class ReshapeAndCache(nn.Cell):
 
     def construct(self, key, value=None, key_cache=None, value_cache=None, slot_mapping=None):
         bs, KV, D = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-        at = ops.stack((slot_mapping // bs, slot_mapping % bs), -1)
+        at = cache_index(slot_mapping, bs)
         k = ops.scatter_nd_update(key_cache, at, key.reshape(-1, KV, D))
         if value is None:
             return k

@@ -49,6 +49,12 @@ class RmsNorm(nn.Cell):
 MASKED = -1e30
 
 
+def cache_index(slot_mapping, block_size: int):
+    """[T, 2]: each slot's (block, offset) in a cache [blocks, block_size, ...], where
+    scatter_nd_update writes the token's row (a slot is block * block_size + offset)."""
+    return ops.stack((slot_mapping // block_size, slot_mapping % block_size), -1)
+
+
 def _softmax_pv(scores, visible, v):
     """softmax over the last axis of float32 scores [..., L] where `visible` (broadcast to them),
     then times v [..., L, D] in v's dtype."""
@@ -122,7 +128,7 @@ class PortableAttention(nn.Cell):
 
     def construct(self, q, k, v, k_cache, v_cache, ctx, prefill: bool):
         slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
-        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+        at = cache_index(slot_mapping, self.block_size)
         written = ops.depend(ops.scatter_nd_update(k_cache, at, k), ops.scatter_nd_update(v_cache, at, v))
         q = ops.depend(q, written)
         if prefill:
@@ -141,7 +147,7 @@ class PortableLatentAttention(nn.Cell):
         self.block_size, self.values, self.scale = block_size, values, scale
 
     def write(self, latent, cache, slot_mapping):
-        at = ops.stack((slot_mapping // self.block_size, slot_mapping % self.block_size), -1)
+        at = cache_index(slot_mapping, self.block_size)
         return ops.scatter_nd_update(cache, at, latent.reshape(latent.shape[0], 1, latent.shape[1]))
 
     def attend(self, q, cache, ctx):

@@ -27,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                         ("check-device", "run the Ascend kernel self-check at the job's shapes and print what "
                                          "each fused kernel does on this card"),
                         ("simulate", "run a job on stand-in workers that take --step-ms a step and load no "
-                                     "weights: what the driver sustains at the job's dp x tp")):
+                                     "weights: what the driver sustains at the job's dp x tp"),
+                        ("merge", "check that the input.shard jobs' results files hold every record once, and "
+                                  "write them as one file at output.path")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("spec", help="the YAML job spec")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -76,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             print(plan_job(spec, sizing=True).describe())
             return 0
+        if args.command == "merge":
+            print(json.dumps(merge_job(spec)))
+            return 0
         if args.command == "check-device":
             plan = plan_job(spec, check_io=False)
             if plan.device != "ascend" or spec.model.ops != "auto":
@@ -120,6 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}; every finished record is "
              f"in the results file, and running the same job again resumes after them")
         return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
+def merge_job(spec) -> dict:
+    """`msinfer merge`: the shards of spec's input.shard (K/N, or auto under a Slurm array) merged
+    into output.path (launcher.shards.merge_shards)."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.inputs import is_openai_batch, read_records
+    from msinfer.launcher.shards import merge_shards, resolve_shard
+    shard = resolve_shard(spec.input.shard)
+    if shard is None:
+        raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
+                        "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
+    openai = spec.output.format == "openai" or (spec.output.format == "auto" and is_openai_batch(spec.input.path))
+    ids = [r.id for r in read_records(spec.input.path)]
+    return merge_shards(ids, spec.output.path, shard[1], "custom_id" if openai else "id")
 
 
 def entry() -> int:

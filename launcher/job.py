@@ -20,6 +20,7 @@ from msinfer.launcher.errors import SpecError, SystemicError, UserError
 from msinfer.launcher.inputs import check_input, expected_length, is_openai_batch, longest_first, read_records
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
+from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
@@ -359,6 +360,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     `sizing`: a folder with config.json and no weights yet is planned from the config alone
     (`msinfer plan`: a cluster is sized before a download of hundreds of GB)."""
     check_model_dir(spec.model.path)
+    spec = for_shard(spec)
     m = ModelConfig.from_dir(spec.model.path)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
@@ -513,8 +515,9 @@ class JobRun:
         self.metrics = None                   # launcher.metrics.JobMetrics, with output.metrics_port
         if progress and status:
             from tqdm import tqdm
-            self.bar = tqdm(total=count_lines(self.spec.input.path), unit="rec", dynamic_ncols=True,
-                            file=sys.stderr, desc="msinfer", disable=None)
+            total = None if self.spec.input.shard else count_lines(self.spec.input.path)    # a shard: unknown
+            self.bar = tqdm(total=total, unit="rec", dynamic_ncols=True, file=sys.stderr, desc="msinfer",
+                            disable=None)
 
     def run(self, records) -> None:
         self.t_gen = time.perf_counter()
@@ -787,7 +790,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)
         resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed}
-        records = job.new_records(read_records(spec.input.path))
+        records = job.new_records(shard_records(read_records(spec.input.path), spec))
         first = next(records, None)
         if first is None:               # every record has its line: nothing to start
             return job.nothing_to_do(t_start, resumed)

@@ -122,6 +122,18 @@ class InputSpec(Section):
     # record starts last and sets the job's tail (launcher.inputs.longest_first); arrival: as read
     order: Literal["longest_first", "arrival"] = "longest_first"
     lookahead: int = Field(4096, ge=1)
+    # "K/N": this job takes the records whose id hashes to K mod N (one of N array tasks), and
+    # writes results.K-of-N.jsonl; "auto": K and N from a Slurm job array (launcher.shards)
+    shard: str | None = None
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        from msinfer.launcher.shards import parse_shard
+        k, n = parse_shard(value)
+        return f"{k}/{n}"
 
     @field_validator("path")
     @classmethod

@@ -155,6 +155,27 @@ def test_longest_first_deals_long_records_first_and_every_record_gets_the_line_a
     assert [lines["arrival"][f"L{i}"]["completion_tokens"] for i in range(2)] == [48, 48]
 
 
+def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_its_file(demo, tmp_path, ray_local):
+    """input.shard 0/3, 1/3, 2/3 on stand-ins: each writes results.K-of-3.jsonl, together every
+    record once with the tokens one job gives it (the stand-ins' tokens follow the prompt), and
+    `msinfer merge` writes them as one file in input order."""
+    from msinfer.launcher.cli import merge_job
+    from msinfer.launcher.simulate import StandInRunner
+    records = [{"id": f"q{i}", "prompt_token_ids": [50 + i, 5, 6]} for i in range(30)]
+    got = {}
+    for k in range(3):
+        spec = job_spec(demo, tmp_path, records, input={"shard": f"{k}/3"})
+        summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+        part = results(tmp_path / f"out.{k}-of-3.jsonl")
+        assert summary["records_done"] == len(part) > 0 and not set(part) & set(got)
+        got.update(part)
+    runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
+    assert {k: v["output_token_ids"] for k, v in got.items()} == {
+        r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
+    assert merge_job(spec)["records"] == 30
+    assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [got[r["id"]] for r in records]
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -107,6 +107,8 @@ def test_missing_required_keys_named(tmp_path):
     ("input", "lookahead", "0", "expected an integer >= 1, got 0"),
     ("input", "lookahead", "many", "expected an integer, got 'many'"),
     ("input", "order", "random", "expected one of"),
+    ("input", "shard", "3/3", "'3/3': K must be from 0 to N-1 (K 3, N 3)"),
+    ("input", "shard", "a/b", "expected 'K/N' (this task's number K, from 0, of N tasks) or 'auto'"),
 ])
 def test_range_and_type_checks(tmp_path, section, key, value, expected):
     text = MINIMAL.replace("model:\n", "model:\n  graph_mode: true\n") if section != "model" else MINIMAL

@@ -3,10 +3,11 @@ import json
 import os
 import threading
 import time
+import zlib
 
 import pytest
 
-from msinfer.launcher.errors import OutputError
+from msinfer.launcher.errors import OutputError, UserError
 from msinfer.launcher import writer as writer_module
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, error_result, lock_path,
                                      ok_result, status_path, summary_path, write_json_atomic)
@@ -317,3 +318,51 @@ def test_a_dead_runs_lock_is_taken_over_and_another_machines_only_once_stale(tmp
     os.utime(lock_path(out), (old, old))
     with ResultsLock(out):
         assert json.loads(lock_path(out).read_text())["host"] != "node-7"
+
+
+# ---- shards of one input, and their merge (launcher.shards) --------------------------------------
+
+def test_shards_split_the_ids_alike_everywhere_and_name_their_results_files():
+    from msinfer.launcher.shards import in_shard, parse_shard, resolve_shard, shard_path
+    ids = [f"rec-{i}" for i in range(600)] + ["ünï", ""]
+    shards = [[i for i in ids if in_shard(i, k, 3)] for k in range(3)]
+    assert sorted(sum(shards, [])) == sorted(ids)                       # each id in exactly one
+    assert all(150 <= len(s) <= 250 for s in shards), [len(s) for s in shards]
+    assert in_shard("rec-0", *parse_shard("1/3")) == (zlib.crc32(b"rec-0") % 3 == 1)    # CRC-32: any machine
+    assert shard_path("/o/results.jsonl", 2, 4) == "/o/results.2-of-4.jsonl"
+    assert shard_path("/o/results.2-of-4.jsonl", 2, 4) == "/o/results.2-of-4.jsonl"
+    assert shard_path("/o/{shard}/out.jsonl", 0, 4) == "/o/0-of-4/out.jsonl"
+    env = {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "5", "SLURM_ARRAY_TASK_COUNT": "4"}
+    assert resolve_shard("auto", env) == (2, 4) and resolve_shard(None, env) is None
+    for bad in ("3/3", "a/b", "-1/3", "1/0", "2"):
+        with pytest.raises(ValueError, match="K/N|K must be"):
+            parse_shard(bad)
+    with pytest.raises(UserError, match=r"input.shard: auto .* \(SLURM_ARRAY_TASK_ID and "
+                                        r"SLURM_ARRAY_TASK_COUNT\), and they are not set"):
+        resolve_shard("auto", {})
+
+
+def test_merge_writes_the_shards_in_input_order_or_names_what_is_missing_and_doubled(tmp_path):
+    from msinfer.launcher.shards import in_shard, merge_shards, shard_path
+    ids = [f"r{i}" for i in range(20)]
+    out = str(tmp_path / "results.jsonl")
+    for k in range(3):
+        with open(shard_path(out, k, 3), "w") as f:
+            f.writelines(json.dumps({"id": i, "k": k}) + "\n" for i in reversed(ids) if in_shard(i, k, 3))
+    assert merge_shards(ids, out, 3, "id") == {"records": 20, "shards": 3, "path": out}
+    merged = [json.loads(line) for line in open(out)]
+    assert [m["id"] for m in merged] == ids and all(in_shard(m["id"], m["k"], 3) for m in merged)
+    os.remove(out)
+    first = shard_path(out, 0, 3)
+    kept = open(first).read().splitlines(keepends=True)
+    gone = json.loads(kept[0])["id"]
+    open(first, "w").writelines(kept[1:] + [kept[1]])          # one line lost, one written twice
+    with pytest.raises(UserError) as e:
+        merge_shards(ids, out, 3, "id")
+    assert f"1 record(s) have no line: {gone}" in str(e.value)
+    assert f"1 record(s) have more than one line: {json.loads(kept[1])['id']} (results.0-of-3.jsonl:1 and " \
+           f"results.0-of-3.jsonl:{len(kept)})" in str(e.value)
+    assert not os.path.exists(out)
+    os.remove(shard_path(out, 2, 3))
+    with pytest.raises(UserError, match=r"results.2-of-3.jsonl: shard 2 of 3 has no results file"):
+        merge_shards(ids, out, 3, "id")

@@ -1,0 +1,145 @@
+"""One input split across N jobs (`input.shard`), for a Slurm job array, and the shards' results
+merged into one file (`msinfer merge`).
+
+Shard K of N takes the records whose id hashes (CRC-32 of its UTF-8 bytes) to K modulo N: the same
+split on every run and machine, with no coordination between the tasks. Each writes its own
+results file, `<output.path>` with `.K-of-N` before its suffix (results.jsonl ->
+results.0-of-3.jsonl), or `{shard}` in output.path replaced by `K-of-N`. Each shard resumes on
+its own, like any job.
+
+`msinfer merge job.yaml` reads the input's ids and every shard's results file, and writes the
+merged results to output.path in input order, once every record has exactly one line; otherwise it
+names the missing and the duplicated ids and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+
+from msinfer.launcher.errors import OutputError, SpecError
+
+SHARD = re.compile(r"(\d+)/(\d+)")
+SHOWN = 10          # ids named in a merge's report, of each kind
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """'K/N' -> (K, N); ValueError where it is not K/N with 0 <= K < N."""
+    m = SHARD.fullmatch(value.strip())
+    if not m:
+        raise ValueError(f"expected 'K/N' (this task's number K, from 0, of N tasks) or 'auto', got {value!r}")
+    k, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or k >= n:
+        raise ValueError(f"'{value}': K must be from 0 to N-1 (K {k}, N {n})")
+    return k, n
+
+
+def resolve_shard(value: str | None, env: dict | None = None) -> tuple[int, int] | None:
+    """input.shard as (K, N), `auto` from Slurm's array variables; None without a shard."""
+    if value is None:
+        return None
+    if value != "auto":
+        return parse_shard(value)
+    env = os.environ if env is None else env
+    task, count = env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_ARRAY_TASK_COUNT")
+    if task is None or count is None:
+        raise SpecError("input.shard: auto takes this task's shard from a Slurm job array (SLURM_ARRAY_TASK_ID "
+                        "and SLURM_ARRAY_TASK_COUNT), and they are not set; submit with sbatch --array=0-<N-1>, "
+                        "or set input.shard: K/N")
+    first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+    try:
+        return parse_shard(f"{int(task) - first}/{int(count)}")
+    except ValueError as e:
+        raise SpecError(f"input.shard: auto: {e} (SLURM_ARRAY_TASK_ID {task}, SLURM_ARRAY_TASK_MIN {first}, "
+                        f"SLURM_ARRAY_TASK_COUNT {count}); the array must be --array=0-<N-1> or another "
+                        f"run of N consecutive numbers") from None
+
+
+def in_shard(record_id: str, k: int, n: int) -> bool:
+    return zlib.crc32(record_id.encode("utf-8")) % n == k
+
+
+def shard_path(path: str, k: int, n: int) -> str:
+    """A shard's results file: `{shard}` in the path replaced by K-of-N, else .K-of-N before the
+    suffix (a path that has it already is kept)."""
+    tag = f"{k}-of-{n}"
+    if "{shard}" in path:
+        return path.replace("{shard}", tag)
+    p = Path(path)
+    return path if p.stem.endswith(f".{tag}") else str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))
+
+
+def for_shard(spec):
+    """The job spec of this task's shard: input.shard as K/N (auto resolved) and output.path its
+    results file. A spec without a shard is returned as it is."""
+    shard = resolve_shard(spec.input.shard)
+    if shard is None:
+        return spec
+    k, n = shard
+    inp = spec.input.model_copy(update={"shard": f"{k}/{n}"})
+    out = spec.output.model_copy(update={"path": shard_path(spec.output.path, k, n)})
+    return spec.model_copy(update={"input": inp, "output": out})
+
+
+def shard_records(records, spec):
+    """The records of the spec's shard (for_shard resolved it), or all of them."""
+    if spec.input.shard is None:
+        return records
+    k, n = parse_shard(spec.input.shard)
+    return (r for r in records if in_shard(r.id, k, n))
+
+
+def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) -> dict:
+    """Checks that every input id has exactly one line across the N shards' results files, then
+    writes them to output_path in input order (atomically). Returns counts; raises OutputError
+    naming the missing and duplicated ids, or a shard file that is not there."""
+    if "{shard}" in output_path:
+        raise SpecError(f"output.path {output_path}: the merged file's path has {{shard}} in it; set "
+                        f"--set output.path=<merged file>, and the shards are found from the spec's")
+    lines: dict[str, str] = {}
+    seen: dict[str, list[str]] = {}
+    for k in range(n):
+        path = shard_path(output_path, k, n)
+        try:
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rid = json.loads(line)[id_key]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise OutputError(f"{path}:{number}: not a result line with '{id_key}' (a run that "
+                                          f"stopped mid-line leaves a partial last line; run that shard again "
+                                          f"to resume it)") from None
+                    seen.setdefault(rid, []).append(f"{Path(path).name}:{number}")
+                    lines[rid] = line if line.endswith("\n") else line + "\n"
+        except FileNotFoundError:
+            raise OutputError(f"{path}: shard {k} of {n} has no results file; run it (input.shard: {k}/{n})") from None
+    wanted = set(input_ids)
+    missing = [i for i in input_ids if i not in seen]
+    doubled = {i: where for i, where in seen.items() if len(where) > 1}
+    foreign = [i for i in seen if i not in wanted]
+    if missing or doubled or foreign:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} record(s) have no line: {', '.join(missing[:SHOWN])}"
+                         + (" ..." if len(missing) > SHOWN else "") + " (run their shards again to resume them)")
+        if doubled:
+            parts.append(f"{len(doubled)} record(s) have more than one line: "
+                         + ", ".join(f"{i} ({' and '.join(w)})" for i, w in list(doubled.items())[:SHOWN])
+                         + (" ..." if len(doubled) > SHOWN else ""))
+        if foreign:
+            parts.append(f"{len(foreign)} line(s) name records the input does not have: {', '.join(foreign[:SHOWN])}")
+        raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
+                          f"{len(input_ids)} records exactly once: " + "; ".join(parts) + ". Nothing was written")
+    tmp = f"{output_path}.merging"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for rid in input_ids:
+            out.write(lines[rid])
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, output_path)
+    return {"records": len(input_ids), "shards": n, "path": output_path}

@@ -789,6 +789,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         if spec.output.metrics_port is not None:
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)
+            print(f"msinfer: metrics at {metrics.address}", file=sys.stderr, flush=True)
         resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed}
         records = job.new_records(shard_records(read_records(spec.input.path), spec))
         first = next(records, None)

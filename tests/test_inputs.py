@@ -205,7 +205,8 @@ def test_longest_first_deals_the_longest_record_read_within_its_window():
     out = longest_first(source(), 3, lambda r: len(r.prompt_token_ids))
     assert next(out).id == "r1" and read == ["r0", "r1", "r2"]        # the first 3 read: 9 is the longest
     assert [r.id for r in out] == ["r3", "r4", "r5", "r0", "r7", "r6", "r2"]
-    assert [r.id for r in longest_first(iter(recs), 1, lambda r: len(r.prompt_token_ids))] == [r.id for r in recs]     # a window of 1: as read
+    one = longest_first(iter(recs), 1, lambda r: len(r.prompt_token_ids))
+    assert [r.id for r in one] == [r.id for r in recs]          # a window of 1: as read
     assert [r.id for r in longest_first(iter(recs), 100, lambda r: len(r.prompt_token_ids))] == [
         "r5", "r1", "r3", "r4", "r7", "r0", "r6", "r2"]
 

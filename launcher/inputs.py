@@ -91,8 +91,9 @@ CHARS_PER_TOKEN = 4
 def expected_length(rec: Record, max_new_tokens: int, score: bool = False) -> int:
     """The tokens a record is expected to run for: its prompt's (token ids as given, text at
     CHARS_PER_TOKEN characters a token) plus its max_new_tokens (its own sampling override where
-    that is a positive whole number), or, scoring, its continuation's. Its samples (n) run side by
-    side, so they do not lengthen it. A record with an error costs nothing."""
+    that is a positive whole number), or, where `score` and it has a continuation (task: score
+    scores those and generates the others), its continuation's. Its samples (n) run side by side,
+    so they do not lengthen it. A record with an error costs nothing."""
     if rec.error:
         return 0
     if rec.prompt_token_ids is not None:
@@ -102,9 +103,9 @@ def expected_length(rec: Record, max_new_tokens: int, score: bool = False) -> in
                      for m in rec.messages) // CHARS_PER_TOKEN
     else:
         prompt = len(rec.prompt or "") // CHARS_PER_TOKEN
-    if score:
+    if score and (rec.continuation_token_ids is not None or rec.continuation is not None):
         cont = rec.continuation_token_ids
-        return prompt + (len(cont) if cont is not None else len(rec.continuation or "") // CHARS_PER_TOKEN)
+        return prompt + (len(cont) if cont is not None else len(rec.continuation) // CHARS_PER_TOKEN)
     own = rec.sampling.get("max_new_tokens") if isinstance(rec.sampling, dict) else None
     new = own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else max_new_tokens
     return prompt + new

@@ -14,13 +14,13 @@ names the missing and the duplicated ids and writes nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zlib
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError, SpecError
+from msinfer.launcher.writer import result_id
 
 SHARD = re.compile(r"(\d+)/(\d+)")
 SHOWN = 10          # ids named in a merge's report, of each kind
@@ -94,28 +94,24 @@ def shard_records(records, spec):
 
 def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) -> dict:
     """Checks that every input id has exactly one line across the N shards' results files, then
-    writes them to output_path in input order (atomically). Returns counts; raises OutputError
-    naming the missing and duplicated ids, or a shard file that is not there."""
+    writes them to output_path in input order (atomically). A line that is not a whole result (a
+    crash's partial last line) is no line. Returns counts; raises OutputError naming the missing
+    and duplicated ids, or a shard file that is not there."""
     if "{shard}" in output_path:
         raise SpecError(f"output.path {output_path}: the merged file's path has {{shard}} in it; set "
                         f"--set output.path=<merged file>, and the shards are found from the spec's")
-    lines: dict[str, str] = {}
+    lines: dict[str, bytes] = {}
     seen: dict[str, list[str]] = {}
     for k in range(n):
         path = shard_path(output_path, k, n)
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, "rb") as f:
                 for number, line in enumerate(f, 1):
-                    if not line.strip():
+                    rid = result_id(line, id_key)
+                    if rid is None:         # a blank line, or a crash's partial last one: not a result
                         continue
-                    try:
-                        rid = json.loads(line)[id_key]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise OutputError(f"{path}:{number}: not a result line with '{id_key}' (a run that "
-                                          f"stopped mid-line leaves a partial last line; run that shard again "
-                                          f"to resume it)") from None
                     seen.setdefault(rid, []).append(f"{Path(path).name}:{number}")
-                    lines[rid] = line if line.endswith("\n") else line + "\n"
+                    lines[rid] = line
         except FileNotFoundError:
             raise OutputError(f"{path}: shard {k} of {n} has no results file; run it (input.shard: {k}/{n})") from None
     wanted = set(input_ids)
@@ -136,7 +132,7 @@ def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) ->
         raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
                           f"{len(input_ids)} records exactly once: " + "; ".join(parts) + ". Nothing was written")
     tmp = f"{output_path}.merging"
-    with open(tmp, "w", encoding="utf-8") as out:
+    with open(tmp, "wb") as out:
         for rid in input_ids:
             out.write(lines[rid])
         out.flush()

@@ -282,7 +282,7 @@ class ResultWriter:
     def _resume(self):
         """Reads the ids of the whole lines into done_ids, a chunk of the file at a time: in a
         chunk of lines as msinfer writes them (`_id_lines`) one regular expression finds every id;
-        any other chunk goes line by line (`_result_id`). A line that is not a whole result may
+        any other chunk goes line by line (`result_id`). A line that is not a whole result may
         only be the last (a crash's partial write), which is cut."""
         good = 0            # bytes of the whole result lines read
         bad_line = 0        # the number of a line that is not one
@@ -311,7 +311,7 @@ class ResultWriter:
                             n += 1
                             if bad_line:
                                 raise self._bad_line(bad_line) from None
-                            rid = _result_id(raw + b"\n", self.id_key)
+                            rid = result_id(raw + b"\n", self.id_key)
                             if rid is None:
                                 bad_line = n
                                 continue
@@ -452,12 +452,12 @@ class ResultWriter:
 @functools.lru_cache(maxsize=4)
 def _id_lines(key: str) -> re.Pattern:
     """A result line as msinfer writes it (json.dumps: `{"<key>": "<id>", ...}`, the id first,
-    without a quote or an escape in it, a closing brace last), the id in group 1: `_result_id`
+    without a quote or an escape in it, a closing brace last), the id in group 1: `result_id`
     matches one line, a resume `findall`s a chunk of them."""
     return re.compile(rb'^\{"' + re.escape(key.encode()) + rb'": "([^"\\\n]*)", [^\n]*\}$', re.MULTILINE)
 
 
-def _result_id(raw: bytes, key: str = "id") -> str | None:
+def result_id(raw: bytes, key: str = "id") -> str | None:
     """The id of a whole result line, None for anything else (a crash's partial last line).
     A line as msinfer writes it (`_id_lines`) is known by its first bytes, with no JSON parse of
     the rest; any other is parsed."""

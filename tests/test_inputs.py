@@ -220,4 +220,5 @@ def test_a_records_expected_length_is_its_prompt_and_the_tokens_it_may_generate(
     assert expected_length(Record("a", 1, prompt="x" * 40, sampling={"max_new_tokens": "lots"}), 50) == 60
     assert expected_length(Record("a", 1, prompt_token_ids=[1] * 10, continuation_token_ids=[2] * 5), 50,
                            score=True) == 15
+    assert expected_length(Record("a", 1, prompt_token_ids=[1] * 10), 50, score=True) == 60     # generated
     assert expected_length(Record("a", 1, error="line 1: bad"), 50) == 0

@@ -356,7 +356,7 @@ def test_merge_writes_the_shards_in_input_order_or_names_what_is_missing_and_dou
     first = shard_path(out, 0, 3)
     kept = open(first).read().splitlines(keepends=True)
     gone = json.loads(kept[0])["id"]
-    open(first, "w").writelines(kept[1:] + [kept[1]])          # one line lost, one written twice
+    open(first, "w").writelines(kept[1:] + [kept[1], kept[0][:9]])     # one line lost (partial), one doubled
     with pytest.raises(UserError) as e:
         merge_shards(ids, out, 3, "id")
     assert f"1 record(s) have no line: {gone}" in str(e.value)

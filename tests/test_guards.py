@@ -73,8 +73,11 @@ class FakeReplica:
 
 
 class FakeController(Controller):
-    def _new_replica(self, index: int) -> FakeReplica:
-        return FakeReplica(index)
+    """A controller whose replicas are `replica_cls`'s (the fakes here)."""
+    replica_cls: type = FakeReplica
+
+    def _new_replica(self, index: int):
+        return self.replica_cls(index)
 
 
 def test_records_held_for_a_replica_that_fails_are_dealt_again_and_each_is_done_once():
@@ -148,9 +151,8 @@ class RoomlessReplica:
         self.engine = None
 
 
-class RoomlessController(Controller):
-    def _new_replica(self, index: int) -> RoomlessReplica:
-        return RoomlessReplica(index)
+class RoomlessController(FakeController):
+    replica_cls = RoomlessReplica
 
 
 @pytest.mark.parametrize("dp", [2, 1])

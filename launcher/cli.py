@@ -2,20 +2,22 @@
 
 User errors (spec, model folder, input, output, launch) print one paragraph and exit non-zero,
 with no traceback; a job that completed exits 0 even when some records failed (they are counted
-in the summary)."""
+in the summary). A run stopped early by SIGTERM, SIGUSR1 or a deadline (launcher.drain) exits
+EXIT_DRAINED; the exit codes are in launcher.errors and the README."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
 import textwrap
 import threading
 import time
 
-from msinfer.launcher.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_TERMINATED, EXIT_USER_ERROR, Terminated
+from msinfer.launcher.drain import SIGNALS
+from msinfer.launcher.errors import (EXIT_DRAINED, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_TERMINATED,
+                                     EXIT_USER_ERROR, Terminated)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = _parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        SIGNALS.install()
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # "PyTorch was not found": no torch is needed
@@ -110,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
                 "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))
+        drained = summary.get("drained")
+        if drained:
+            lost = [f"{n} record(s) {what}" for n, what in ((drained["records_in_flight_abandoned"], "in flight given up"),
+                                                               (drained["records_not_dealt"], "not dealt for lack of time")) if n]
+            _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
+                 f"{spec.output.path}, and running the same job again resumes after them", prefix="msinfer: ")
+            return EXIT_DRAINED
         if summary.get("records_skipped_failed"):
             _say(f"note: {summary['records_skipped_failed']} record(s) already in {spec.output.path} are error "
                  f"lines and were not computed again; `msinfer run {args.spec} --retry-failed` computes them "
@@ -122,9 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         _say(str(e))
         return EXIT_USER_ERROR
     except KeyboardInterrupt as e:
-        _say(f"{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}; every finished record is "
-             f"in the results file, and running the same job again resumes after them")
-        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        resume = "every finished record is in the results file, and running the same job again resumes after them"
+        if isinstance(e, Terminated) and e.drained:
+            _say(f"drained ({e.signal_name} before any record was in flight): stopped; {resume}", prefix="msinfer: ")
+            return EXIT_DRAINED
+        if isinstance(e, Terminated):
+            _say(f"terminated ({e.signal_name} while draining: stopped at once); {resume}")
+            return EXIT_TERMINATED
+        _say(f"interrupted; {resume}")
+        return EXIT_INTERRUPTED
 
 
 def merge_job(spec) -> dict:
@@ -147,10 +162,6 @@ def entry() -> int:
     from msinfer.worker.actor import transformers_without_torch
     transformers_without_torch()
     return main()
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()
 
 
 def _say(message: str, prefix: str = "msinfer: error: ") -> None:

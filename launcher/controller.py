@@ -38,6 +38,12 @@ a second time as the one suspect of its step: a batch that died with a poison re
 other record, unless a suspect shares its step with a second poison record not yet suspected.
 The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
 while healthy replicas serve the rest.
+
+Stopping early (`stop`, a launcher.drain.Drain): once it says no more dealing (a signal, or a
+deadline near), nothing more is dealt, not even the records of a failed replica, and a replica
+that fails is not restarted; the loop ends when the records in flight have finished, or when the
+drain's time is up, whichever is first. Before that, a record a deadline leaves no time for is
+not dealt.
 """
 
 from __future__ import annotations
@@ -174,6 +180,8 @@ class Controller:
     on_latency: Callable[[float], None] | None = None  # a record's seconds from its first dealing to its result
     no_room_since: dict = field(default_factory=dict)  # replica -> when its restart first found no room
     room_waits: list = field(default_factory=list)     # (replica, seconds it waited for room), ended waits
+    stop: object = None                                # launcher.drain.Drain: when to stop early (a run's)
+    abandoned: int = 0                                 # records dealt and not finished when the loop stopped
 
     def _new_replica(self, index: int) -> Replica:
         c = self.cfg
@@ -251,43 +259,49 @@ class Controller:
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, records: Iterator[Record], on_done: Callable[[Done, Record], None],
-            on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None) -> None:
+            on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None) -> bool:
         """Deals `records` (read lazily) to the engines; `on_done(result, record)` once per
         record, `on_stream(key, text)` for streamed text, `on_tick()` once per pass of the loop,
-        before it waits (so at least once a second, and after the results of the pass before)."""
+        before it waits (so at least once a second, and after the results of the pass before).
+        Returns whether every record was handed on (False where `stop` ended the loop first;
+        `abandoned` then counts the records dealt and not finished)."""
         exhausted = False
         setup = self.cfg.engine_setup
         route = (setup is not None and len(self.slots) > 1 and setup.spec.scheduler.prefix_caching
                  and setup.spec.scheduler.route_by_prefix)
         hold = setup.queue_target if route else 0
+        stop = self.stop
         while True:
+            dealing = stop is None or stop.dealing()
             for slot in self.slots:
                 self._poll_restart(slot)
                 if slot.starting is not None or slot.pending is not None:
                     continue
                 chunk = []
-                while len(chunk) < slot.want:
+                while dealing and len(chunk) < slot.want:
                     if self.requeue:
-                        chunk.append(self.requeue.popleft())
-                        continue
-                    if slot.held:
-                        chunk.append(slot.held.popleft())
-                        continue
-                    rec = None if exhausted else next(records, None)
-                    if rec is None:
-                        exhausted = True
-                        break
-                    item = (next(self.serials), rec)
-                    if route and self._hold(item, slot, hold):
+                        item = self.requeue.popleft()
+                    elif slot.held:
+                        item = slot.held.popleft()
+                    else:
+                        rec = None if exhausted else next(records, None)
+                        if rec is None:
+                            exhausted = True
+                            break
+                        item = (next(self.serials), rec)
+                        if route and self._hold(item, slot, hold):
+                            continue
+                    if stop is not None and not stop.fits(item[1]):
+                        self.dealt_at.pop(item[0], None)
                         continue
                     chunk.append(item)
-                if not chunk and not slot.outstanding and not slot.held:
+                if not chunk and not slot.outstanding and (not slot.held or not dealing):
                     continue
                 slot.outstanding.update((c[0], c) for c in chunk)
                 now = time.perf_counter()
                 for c in chunk:
                     self.dealt_at.setdefault(c[0], now)
-                more = not exhausted or bool(self.requeue) or bool(slot.held)
+                more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held))
                 suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
                 slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
                                                                   more, suspects)
@@ -296,6 +310,10 @@ class Controller:
                 done, rec = self.quarantine.popleft()
                 self.dealt_at.pop(done.serial, None)
                 on_done(done, rec)
+            if stop is not None and (stop.over() or not stop.dealing() and not any(s.outstanding for s in self.slots)):
+                self.abandoned = sum(len(s.outstanding) + len(s.held) for s in self.slots) + len(self.requeue)
+                exhausted = exhausted or next(records, None) is None
+                return exhausted and not self.abandoned and not stop.left
             if on_tick is not None:
                 on_tick()
             pending = {s.pending: s for s in self.slots if s.pending is not None}
@@ -303,7 +321,7 @@ class Controller:
                 # (a replica waiting for room on the cluster has nothing dealt: the job ends without it)
                 if exhausted and not self.requeue and not any(
                         (s.starting and s.index not in self.no_room_since) or s.held for s in self.slots):
-                    return
+                    return stop is None or not stop.left
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
             for ref in wait_any(list(pending), 1.0):
@@ -347,8 +365,11 @@ class Controller:
             item = slot.outstanding.pop(d.serial, None)
             if item is not None:
                 dealt = self.dealt_at.pop(d.serial, None)
-                if self.on_latency is not None and dealt is not None:
-                    self.on_latency(now - dealt)
+                if dealt is not None:
+                    if self.on_latency is not None:
+                        self.on_latency(now - dealt)
+                    if self.stop is not None and not d.failed:
+                        self.stop.finished(item[1], now - dealt)
                 on_done(d, item[1])
         if on_stream is not None:
             for key, text in streamed:
@@ -365,12 +386,14 @@ class Controller:
         number = len(self.restart_log)
         poison = self._quarantine(slot, number, reason)
         charged = sum(1 for n in range(1, number) if n not in self.blamed)      # failures before this one
-        if charged >= self.cfg.max_restarts and not poison:
+        draining = self.stop is not None and not self.stop.dealing()
+        if charged >= self.cfg.max_restarts and not poison and not draining:
             raise JobFailed(f"{why}; restarting it would be restart {self.restarts + 1}, more than "
                             f"fault.max_replica_restarts={self.cfg.max_restarts}. Every finished record is in "
                             f"the results file: run the same job again to resume", reason)
-        self.restarts += 1
-        slot.restarts += 1
+        if not draining:
+            self.restarts += 1
+            slot.restarts += 1
         # its records go to the healthy replicas at once, in input order, not after its restart;
         # they are computed again from their prompts: its cache is gone
         self.requeue.extendleft(sorted([*slot.outstanding.values(), *slot.held], key=lambda c: c[0], reverse=True))
@@ -382,6 +405,8 @@ class Controller:
         except Exception:
             pass
         slot.replica.shutdown()
+        if draining:                        # nothing more is dealt: no need of it
+            return
         slot.replica = self._new_replica(slot.index)
         slot.want = self.cfg.engine_setup.queue_target
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)

@@ -5,13 +5,21 @@ The command's exit codes (launcher.cli; README "Exit codes"):"""
 
 EXIT_USER_ERROR = 2       # a bad spec, model, input, output or launch; records failing for a cause not theirs
 EXIT_JOB_FAILED = 3       # replicas failed more often than allowed, or a start-up stage outlived its timeout
+EXIT_DRAINED = 75         # stopped before every record was done (SIGTERM, SIGUSR1, a deadline), the
+                          # records in flight finished or given up: run it again to resume (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130    # Ctrl-C; what finished is in the results file
-EXIT_TERMINATED = 143     # SIGTERM (128 + 15), stopped as Ctrl-C stops a run
+EXIT_TERMINATED = 143     # a second SIGTERM (128 + 15) or SIGUSR1: stopped at once, as Ctrl-C stops a run
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread by the command's handler (launcher.cli), so that a run
-    stops as on Ctrl-C: results kept, status `interrupted`, workers and Ray shut down."""
+    """SIGTERM or SIGUSR1, raised in the main thread by the command's handler (launcher.drain.Signals)
+    where the run cannot drain: results kept, workers and Ray shut down. `drained`: the first
+    signal, before anything was in flight (status `drained`, EXIT_DRAINED); otherwise a second
+    signal (status `interrupted`, EXIT_TERMINATED)."""
+
+    def __init__(self, signal_name: str = "SIGTERM", drained: bool = False):
+        super().__init__(signal_name)
+        self.signal_name, self.drained = signal_name, drained
 
 
 class UserError(Exception):

@@ -15,7 +15,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
+from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.errors import SpecError, SystemicError, UserError
 from msinfer.launcher.inputs import check_input, expected_length, is_openai_batch, longest_first, read_records
 from msinfer.launcher.metrics import check_port
@@ -519,11 +521,17 @@ class JobRun:
             self.bar = tqdm(total=total, unit="rec", dynamic_ncols=True, file=sys.stderr, desc="msinfer",
                             disable=None)
 
-    def run(self, records) -> None:
+    def run(self, records) -> bool:
+        """Whether every record was handed on (launcher.controller.Controller.run). A run stopped
+        early does not write the failed results it held back (`_hold`): the next run computes
+        them again."""
         self.t_gen = time.perf_counter()
-        self.controller.run(records, self.on_done, self.stream.write if self.stream else None, self.on_tick)
-        self.flush_held(end=True)
+        complete = self.controller.run(records, self.on_done, self.stream.write if self.stream else None,
+                                       self.on_tick)
+        if complete:
+            self.flush_held(end=True)
         self.flush()
+        return complete
 
     def new_records(self, records):
         """The records whose results are not in the results file yet."""
@@ -615,7 +623,8 @@ class JobRun:
         if self.metrics is not None:
             self.metrics.update(self.controller)
         if time.perf_counter() - self.status_t > self.spec.output.status_interval_s:
-            self.write_status("running")
+            stop = self.controller.stop
+            self.write_status("draining" if stop is not None and not stop.dealing() else "running")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -779,6 +788,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     t_start = time.perf_counter() if t_start is None else t_start
     plan = plan_job(spec, weights=simulate is None, make_output=True)
     spec = plan.spec
+    drain = make_drain(spec)
     lock = ResultsLock(spec.output.path, "simulate" if simulate is not None else "run")
     writer = job = metrics = None
     started_ray = False
@@ -806,19 +816,30 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         if simulate is not None:
             from msinfer.launcher.simulate import capacity, cpu_seconds
             cpu0 = cpu_seconds(controller)
-        job.run(dealing_order(spec, itertools.chain([first], records)))
+        controller.stop = drain
+        SIGNALS.drain = drain
+        try:
+            complete = job.run(dealing_order(spec, itertools.chain([first], records)))
+        finally:
+            SIGNALS.drain = None
         summary = {**job.summary(startup_s), **resumed}
+        if drain.deadline is not None:
+            summary["deadline"] = {"at": datetime.fromtimestamp(drain.deadline).astimezone().isoformat("T", "seconds"),
+                                   "source": drain.source}
+        if not complete:
+            summary["drained"] = drain.summary(controller.abandoned)
         if simulate is not None:
             summary["simulate"] = capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))
         if job.t_first_result is not None:
             summary["first_result_s"] = round(job.t_first_result - t_start, 3)
         write_json_atomic(summary_path(spec.output.path), summary)
-        job.write_status("done")
+        job.write_status("drained" if not complete else "done")
         return summary
     except BaseException as e:
         if job is not None:
             try:
-                job.write_status("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+                job.write_status("drained" if getattr(e, "drained", False) else
+                                 "interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
             except Exception:
                 pass
         raise
@@ -834,6 +855,24 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         lock.release()
         if started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def make_drain(spec: JobSpec) -> Drain:
+    """The run's stop conditions (launcher.drain): fault.drain_s, and the earlier of run.deadline
+    (a duration counts from now) and, inside a Slurm job, its allocation's end."""
+    deadlines = []
+    if spec.run.deadline is not None:
+        try:
+            deadlines.append((parse_deadline(spec.run.deadline), f"run.deadline {spec.run.deadline}"))
+        except ValueError as e:         # a date and time that passed since the spec was read
+            raise SpecError(f"run.deadline: {e}") from None
+    if spec.run.slurm_time_limit:
+        slurm = slurm_time_left()
+        if slurm is not None:
+            deadlines.append((slurm[0], f"the Slurm allocation's end, from {slurm[1]}"))
+    deadline, source = min(deadlines) if deadlines else (None, "")
+    default, score = spec.sampling.max_new_tokens, spec.task == "score"
+    return Drain(spec.fault.drain_s, deadline, source, lambda rec: expected_length(rec, default, score))
 
 
 def dealing_order(spec: JobSpec, records):

@@ -59,14 +59,16 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
     worker it places on one, as on a real node)."""
     if ray.is_initialized():
         return
-    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)} if main else {}
     try:
         _init_ray(address, num_cpus_needed, dashboard, npus)
     finally:
-        # ray.init installs a SIGTERM handler of its own (SystemExit): the command's (launcher.cli:
-        # SIGTERM stops a run as Ctrl-C does) stays in force
-        if callable(previous) and signal.getsignal(signal.SIGTERM) is not previous:
-            signal.signal(signal.SIGTERM, previous)
+        # ray.init installs a SIGTERM handler of its own (SystemExit): the command's (launcher.drain:
+        # SIGTERM drains a run) stays in force
+        for sig, handler in previous.items():
+            if callable(handler) and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
 
 
 def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: int) -> None:

@@ -283,6 +283,29 @@ class FaultSpec(Section):
     max_record_failures: int = Field(2, ge=1)
     step_timeout_s: float = Field(600.0, gt=0.0)
     startup_timeout_s: float = Field(900.0, gt=0.0)   # each start-up stage: placement, communication init, load
+    # after SIGTERM or SIGUSR1, the records in flight may finish for this long (launcher.drain)
+    drain_s: float = Field(30.0, ge=0.0)
+
+
+class RunSpec(Section):
+    # the run ends (drained) before this: a duration from its start ("2h", "45m", "1h30m", "90s") or a
+    # date and time ("2026-11-27T06:00"); records that would not finish by then are not dealt
+    deadline: str | None = None
+    # inside a Slurm job, the allocation's end is a deadline too
+    slurm_time_limit: bool = True
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _deadline(cls, value: Any) -> Any:
+        from datetime import datetime
+        from msinfer.launcher.drain import parse_deadline
+        if isinstance(value, datetime):            # YAML reads an unquoted date and time as one
+            value = value.isoformat()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = f"{value}s"
+        if isinstance(value, str):
+            parse_deadline(value)
+        return value
 
 
 class JobSpec(Section):
@@ -295,6 +318,7 @@ class JobSpec(Section):
     output: OutputSpec
     ray: RaySpec = Field(default_factory=RaySpec)
     fault: FaultSpec = Field(default_factory=FaultSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
 
     @model_validator(mode="before")
     @classmethod

@@ -140,11 +140,12 @@ BAD_RECORDS = [   # (input line, what the error message of its result says)
 ]
 
 
-def test_run_interrupt_and_run_again(cli, model, tmp_path):
+def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     """A user's job: good records, bad ones (invalid JSON, no prompt, empty prompt, too long, not
-    UTF-8, text without a tokenizer) and a --set override. SIGTERM in the middle (exit 143), then
-    the same command again: it skips what finished, computes the rest and exits 0; every record
-    has exactly one result line, the bad ones an error naming their id and problem."""
+    UTF-8, text without a tokenizer) and a --set override. SIGTERM in the middle: the job drains
+    (exit 75), then the same command again: it skips what finished, computes the rest and exits 0;
+    every record has exactly one result line, the good ones transformers' tokens, the bad ones an
+    error naming their id and problem."""
     good = records(16)
     good[5]["sampling"] = {"max_new_tokens": 2}               # a record's own sampling beats --set
     bad = [line for line, _ in BAD_RECORDS]
@@ -155,12 +156,14 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
     proc = cli.start(*command)
     wait_for(lambda: job.output.exists() and job.output.read_bytes().count(b'"error": null') >= 2,
              120, "two results", proc)
-    proc.send_signal(signal.SIGTERM)              # a scheduler's stop: as Ctrl-C (exit 130), with 143
+    proc.send_signal(signal.SIGTERM)              # a scheduler's stop: the records in flight finish
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    assert "Traceback" not in err and "PC: @" not in err and "terminated (SIGTERM)" in said(err)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err and "PC: @" not in err, err
+    assert "drained (SIGTERM received: stopped dealing records, and the records in flight finished)" in said(err)
     assert "running the same job again resumes" in said(err)
-    assert job.status()["state"] == "interrupted"
+    assert job.status()["state"] == "drained"
+    assert job.summary()["drained"]["records_in_flight_abandoned"] == 0
     kept = job.output.read_bytes()
     assert kept.endswith(b"\n")
     done_before = job.ids()
@@ -179,6 +182,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path):
         n = 2 if rec is good[5] else 40
         assert r["error"] is None and r["finish_reason"] == "length"
         assert len(r["output_token_ids"]) == r["completion_tokens"] == n
+        assert r["output_token_ids"] == hf_greedy("llama_gqa_tied", rec["prompt_token_ids"], 40)[0][:n], rec["id"]
     for line, message in BAD_RECORDS:
         n = lines.index(line) + 1                  # a line that cannot be read has its line number as id
         r = results[line["id"] if isinstance(line, dict) else str(n)]
@@ -259,6 +263,52 @@ def test_spec_errors_exit_2_with_one_message_and_no_traceback(cli, model, tmp_pa
 def test_missing_spec_file_exits_2(cli, tmp_path):
     p = cli.run("plan", tmp_path / "nope.yaml")
     assert p.returncode == 2 and "nope.yaml: job spec file not found" in said(p)
+
+
+def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cli, model, tmp_path):
+    """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; the first SIGTERM's
+    drain is test_run_interrupt_and_run_again's). A SIGTERM while draining stops at once: exit 143,
+    status interrupted, every line whole. With run.deadline 25 s away, the run stops dealing the
+    records it has no time for and ends before the deadline: exit 75, status drained. Then a run
+    without a deadline finishes: every record once, with the tokens the stand-ins give its prompt."""
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.simulate import StandIn, StandInRunner
+    from msinfer.launcher.spec import load_spec
+    lines = [{"id": f"r{i:02d}", "prompt_token_ids": [5 + i, 17, 33]} for i in range(48)]
+    job = Job(tmp_path, model, lines, sampling={"max_new_tokens": 40}, scheduler={"max_batch_size": 4})
+    out = Path(f"{job.output}.simulate.jsonl")
+    command = ("simulate", job.spec_path, "--step-ms", "25", "--no-progress")
+
+    proc = cli.start(*command)
+    wait_for(lambda: line_count(out) >= 1, 120, "a result", proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: (_json(Path(f"{out}.status.json")) or {}).get("state") == "draining", 30, "draining", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "PC: @" not in err, err
+    assert "terminated (SIGTERM while draining: stopped at once)" in said(err)
+    assert _json(Path(f"{out}.status.json"))["state"] == "interrupted"
+    assert out.read_bytes().endswith(b"\n")
+    first = line_count(out)
+
+    t0 = time.monotonic()
+    p = cli.run(*command, "--set", "run.deadline=25s")
+    assert time.monotonic() - t0 < 25
+    assert p.returncode == 75, p.stderr
+    assert "drained (the deadline (run.deadline 25s, " in said(p)
+    drained = _json(Path(f"{out}.summary.json"))["drained"]
+    assert drained["deadline_source"] == "run.deadline 25s"
+    assert _json(Path(f"{out}.status.json"))["state"] == "drained"
+    assert first <= line_count(out) < len(lines)
+
+    p = cli.run(*command)
+    assert p.returncode == 0, p.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in results) == [r["id"] for r in lines]     # each exactly once
+    stand_in = StandInRunner(plan_job(load_spec(job.spec_path), weights=False).engine, StandIn())
+    for rec, r in zip(lines, sorted(results, key=lambda r: r["id"])):
+        assert r["output_token_ids"] == stand_in.tokens(rec["prompt_token_ids"], 40), rec["id"]
 
 
 def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_its_flags(cli, model, tmp_path):

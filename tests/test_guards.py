@@ -187,6 +187,63 @@ def test_a_replica_without_room_waits_while_others_serve_and_is_charged_when_non
     assert "the job goes on with 1 replica(s)" in capsys.readouterr().err
 
 
+# ---- a drain (launcher.drain) --------------------------------------------------------------------
+
+def test_a_drain_deals_nothing_more_and_a_replica_failing_in_it_is_neither_restarted_nor_charged():
+    """dp 2, replica 1's first exchange in flight. The drain is requested after 4 results; then
+    replica 1 fails. With max_replica_restarts 0 that would stop a job; in a drain it is not
+    restarted and not charged: its records are given up (abandoned), replica 0's finish, and not
+    one record is dealt after the request."""
+    from msinfer.launcher.drain import Drain
+    records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=[i + 1]) for i in range(40)]
+    read = []
+    FakeReplica.doomed = []
+    controller = FakeController(ControllerConfig(None, EngineSetup(job_spec(scheduler={"max_batch_size": 2}), None,
+                                                                   None), data_parallel=2, max_restarts=0))
+    controller.stop = drain = Drain(drain_s=60)
+    done, read_at_request = [], []
+
+    def tick():
+        if len(done) >= 4 and drain.requested is None:
+            drain.request("SIGTERM received")
+            read_at_request.append(len(read))
+        elif drain.requested is not None and FakeReplica.doomed and not FakeReplica.doomed[0].done():
+            FakeReplica.doomed[0].set_exception(EngineFailed("a worker process died"))
+
+    def reading():
+        for rec in records:
+            read.append(rec.id)
+            yield rec
+    controller.start()
+    try:
+        complete = controller.run(reading(), lambda d, rec: done.append(rec.id), on_tick=tick)
+    finally:
+        controller.shutdown()
+    assert not complete and controller.restarts == 0 and len(controller.restart_log) == 1
+    assert controller.abandoned > 0 and len(done) + controller.abandoned == read_at_request[0]
+    assert len(read) <= read_at_request[0] + 1          # (the run's end looks one record ahead)
+    assert Counter(done) == Counter(read[:len(done) + controller.abandoned]) - Counter(
+        rec.id for _, rec in controller.requeue)
+
+
+def test_a_drain_ends_when_its_time_is_up_and_a_deadline_deals_only_what_fits():
+    import time
+
+    from msinfer.launcher.drain import RATE_WINDOW, STOP_MARGIN_S, Drain
+    drain = Drain(drain_s=0.0)
+    assert drain.dealing() and not drain.over()
+    drain.request("SIGUSR1 received")
+    assert not drain.dealing() and drain.over() and drain.why() == "SIGUSR1 received: fault.drain_s (0 s) passed"
+    assert not Drain(5.0).over()
+    # 100 s to the deadline's end; a token has taken 1 s: a record of 50 tokens fits, one of 150 not
+    drain = Drain(30.0, time.time() + 100 + STOP_MARGIN_S, "run.deadline 2m", length=lambda rec: rec)
+    assert drain.fits(150)                           # no rate measured yet: everything is dealt
+    for _ in range(RATE_WINDOW):
+        drain.finished(10, 10.0)
+    assert drain.fits(50) and not drain.fits(150) and drain.left == 1 and drain.dealing()
+    assert not Drain(30.0, time.time() + STOP_MARGIN_S - 1, "x").dealing()
+
+
 # ---- the vocabulary's last id -------------------------------------------------------------------
 
 def test_a_prompt_token_id_must_be_below_the_vocabulary_size():

@@ -54,20 +54,24 @@ def test_one_run_per_results_file_retry_failed_and_a_rerun_with_nothing_to_do(cl
 
 @pytest.mark.unit
 def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(monkeypatch, capsys, tmp_path):
-    """The command's answer to an interrupt (test_cli's job is stopped by a real SIGTERM): Ctrl-C
-    exits 130, SIGTERM (raised as Terminated by the command's handler) 143, each with one
-    paragraph and no traceback."""
+    """The command's answer to an interrupt that stops a run at once (test_cli's jobs are stopped
+    by real signals): Ctrl-C exits 130; a second SIGTERM (raised as Terminated by the command's
+    handler) 143; a SIGTERM or SIGUSR1 before any record was in flight counts as drained, 75; each
+    with one paragraph and no traceback."""
     from msinfer.launcher import cli, job as job_module
     from msinfer.launcher.errors import Terminated
     spec = Job(tmp_path, tmp_path, records(1)).spec_path
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)      # this process keeps its own handlers
-    for raised, code, word in ((KeyboardInterrupt(), 130, "interrupted;"), (Terminated(), 143, "terminated (SIGTERM);")):
+    monkeypatch.setattr(cli.SIGNALS, "install", lambda: None)      # this process keeps its own handlers
+    for raised, code, word in ((KeyboardInterrupt(), 130, "error: interrupted;"),
+                               (Terminated(), 143, "error: terminated (SIGTERM while draining: stopped at once);"),
+                               (Terminated("SIGUSR1", drained=True), 75,
+                                "drained (SIGUSR1 before any record was in flight): stopped;")):
         def stop(*a, **k):
             raise raised
         monkeypatch.setattr(job_module, "run_job", stop)
         assert cli.main(["run", str(spec)]) == code
         err = capsys.readouterr().err
-        assert err.startswith(f"msinfer: error: {word}") and "Traceback" not in err
+        assert err.startswith(f"msinfer: {word}") and "Traceback" not in err
 
 
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):

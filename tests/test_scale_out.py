@@ -22,6 +22,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -439,29 +440,42 @@ def slurm():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_sbatch_runs_the_slurm_script_to_a_finished_results_file(slurm, job_dir, dp2_run, tmp_path):
-    """`sbatch scripts/msinfer.slurm job.yaml` on a real one-node Slurm: the head's srun step
-    starts Ray, runs the job to its last line, and stops Ray."""
+def test_an_sbatch_array_of_two_runs_the_slurm_script_on_each_shard_and_they_merge(slurm, job_dir, dp2_run, tmp_path):
+    """`sbatch --array=0-1 --time=10 scripts/msinfer.slurm job.yaml --set input.shard=auto` on a real
+    one-node Slurm: each task's srun step starts Ray, runs its shard to its last line and stops
+    Ray; each run read the allocation's end from Slurm (its deadline); `msinfer merge` joins the
+    two files into the tokens one job gives."""
     ray_tmp = short_tmp("mss")
     try:
         out = tmp_path / "slurm.jsonl"
         env = clean_env(PATH=f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", TMPDIR=ray_tmp, MSINFER_NODE_SCRIPT=NODE_SH,
                         MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"), **slurm)
-        log = tmp_path / "slurm-%j.out"
-        r = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--chdir={tmp_path}", f"--output={log}", "--export=ALL",
-                            SLURM_SH, "--port", str(free_port()), str(job_dir / "job.yaml"), "--overwrite",
-                            "--no-progress", "--set", f"output.path={out}", "--set", "ray.num_cpus_per_worker=1"],
-                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-        assert r.returncode == 0, r.stderr + logs[-3000:]
-        results = read_results(out)
-        assert {k: r["output_token_ids"] for k, r in results.items()} == \
-            {k: r["output_token_ids"] for k, r in dp2_run[0].items()}
-        summary = json.loads(Path(f"{out}.summary.json").read_text())
+        log = tmp_path / "slurm-%A_%a.out"
+        sets = ["--set", f"output.path={out}", "--set", "ray.num_cpus_per_worker=1"]
+        t0 = time.time()
+        r = subprocess.run(["sbatch", "--wait", "--array=0-1", "--time=10", "--nodes=1", f"--chdir={tmp_path}",
+                            f"--output={log}", "--export=ALL", SLURM_SH, "--port", str(free_port()),
+                            str(job_dir / "job.yaml"), "--overwrite", "--no-progress", *sets,
+                            "--set", "input.shard=auto"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+        logs = {p.name: p.read_text() for p in tmp_path.glob("slurm-*.out")}
+        assert r.returncode == 0, r.stderr + "".join(logs.values())[-3000:]
+        assert len(logs) == 2 and all("msinfer.slurm: done (exit status 0)" in text and "stopping the Ray node" in text
+                                      for text in logs.values())
         head_ip = subprocess.run(["bash", NODE_SH, "--print-ip"], capture_output=True, text=True).stdout.strip()
-        assert summary["spec"]["ray"]["address"].startswith(head_ip + ":")
-        assert [r["node_ip"] for r in summary["replicas"]] == [head_ip]
-        assert "stopping the Ray node" in logs and "msinfer.slurm: done (exit status 0)" in logs
+        for k in (0, 1):
+            summary = json.loads(Path(f"{tmp_path}/slurm.{k}-of-2.jsonl.summary.json").read_text())
+            assert summary["spec"]["ray"]["address"].startswith(head_ip + ":")
+            assert [r["node_ip"] for r in summary["replicas"]] == [head_ip]
+            assert "the Slurm allocation's end" in summary["deadline"]["source"], summary["deadline"]
+            end = datetime.fromisoformat(summary["deadline"]["at"]).timestamp()
+            assert t0 + 9 * 60 < end < time.time() + 10 * 60 + 60, summary["deadline"]
+        m = subprocess.run([MSINFER, "merge", str(job_dir / "job.yaml"), "--set", "input.shard=0/2", *sets],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert m.returncode == 0, m.stderr
+        assert {k: r["output_token_ids"] for k, r in read_results(out).items()} == \
+            {k: r["output_token_ids"] for k, r in dp2_run[0].items()}
+        assert list(read_results(out)) == [f"r{i}" for i in range(N_RECORDS)]          # in input order
         assert not processes_under(ray_tmp), "Ray processes outlived the Slurm job"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,11 @@ def test_missing_required_keys_named(tmp_path):
     ("input", "order", "random", "expected one of"),
     ("input", "shard", "3/3", "'3/3': K must be from 0 to N-1 (K 3, N 3)"),
     ("input", "shard", "a/b", "expected 'K/N' (this task's number K, from 0, of N tasks) or 'auto'"),
+    ("fault", "drain_s", "-1", "expected a number >= 0, got -1"),
+    ("run", "deadline", "2020-01-01T00:00", "'2020-01-01T00:00' is in the past"),
+    ("run", "deadline", "'2020-01-01T00:00:00+00:00'", "'2020-01-01T00:00:00+00:00' is in the past"),
+    ("run", "deadline", "soon", "expected a duration ('90s', '45m', '2h', '1h30m') or a date and time"),
+    ("run", "deadline", "0s", "a deadline must be later than now, got '0s'"),
 ])
 def test_range_and_type_checks(tmp_path, section, key, value, expected):
     text = MINIMAL.replace("model:\n", "model:\n  graph_mode: true\n") if section != "model" else MINIMAL
@@ -118,6 +125,47 @@ def test_range_and_type_checks(tmp_path, section, key, value, expected):
         text += f"{section}:\n  {key}: {value}\n"
     msg = spec_error(tmp_path, text)
     assert f"{section}.{key}: {expected}" in msg
+
+
+@pytest.mark.parametrize("value, seconds", [("90s", 90), ("45m", 2700), ("2h", 7200), ("1h30m", 5400),
+                                            ("1d", 86400), ("120", 120), ("0.5h", 1800)])
+def test_a_deadline_as_a_duration_counts_from_now(value, seconds):
+    from msinfer.launcher.drain import parse_deadline
+    assert parse_deadline(value, now=1000.0) == 1000.0 + seconds
+
+
+def test_a_deadline_as_a_date_and_time(tmp_path):
+    """Unquoted in YAML it is read as a datetime; a UTC offset is kept; without one it is local time."""
+    from datetime import datetime, timedelta, timezone
+    from msinfer.launcher.drain import parse_deadline
+    later = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=3)
+    spec = load_spec(write(tmp_path, MINIMAL + f"run:\n  deadline: {later.isoformat()}\n"))
+    assert parse_deadline(spec.run.deadline) == later.timestamp()
+    local = (datetime.now() + timedelta(days=1)).replace(microsecond=0)
+    assert parse_deadline(local.isoformat()) == local.timestamp()
+
+
+def test_slurm_time_left_reads_the_allocation_s_end():
+    """SLURM_JOB_END_TIME where Slurm sets it, else squeue's time left; nothing outside Slurm or
+    for a job without a limit; a squeue that fails leaves the job without a deadline, with a note."""
+    from msinfer.launcher.drain import parse_slurm_time, slurm_time_left
+
+    def squeue(answer, code=0):
+        def run(cmd, **kw):
+            assert cmd[:4] == ["squeue", "-h", "-j", "77"] and cmd[-2:] == ["-o", "%L"]
+            return subprocess.CompletedProcess(cmd, code, answer, "")
+        return run
+    assert [parse_slurm_time(t) for t in ("1-02:03:04", "02:03:04", "03:04", "59", "UNLIMITED", "NOT_SET")] == \
+        [93784, 7384, 184, 59, None, None]
+    with pytest.raises(ValueError):
+        parse_slurm_time("soon")
+    assert slurm_time_left({}) is None
+    assert slurm_time_left({"SLURM_JOB_ID": "77", "SLURM_JOB_END_TIME": "2000000000"}) == (2e9, "SLURM_JOB_END_TIME")
+    end, source = slurm_time_left({"SLURM_JOB_ID": "77"}, squeue("1:00:00\n"))
+    assert abs(end - (time.time() + 3600)) < 5 and source == "squeue -j 77"
+    assert slurm_time_left({"SLURM_JOB_ID": "77"}, squeue("UNLIMITED\n")) is None
+    assert slurm_time_left({"SLURM_JOB_ID": "77"}, squeue("", 1)) is None
+    assert slurm_time_left({"SLURM_JOB_ID": "77"}, squeue("garbled\n")) is None
 
 
 def test_scientific_notation_reads_as_number(tmp_path):

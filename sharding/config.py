@@ -181,9 +181,6 @@ class ModelConfig:
         if family in MLA_FAMILIES:
             moe = cls._deepseek_fields(d, arch, family, num_layers, source, need, rope, rope_type)
             head_dim = moe["mla"].qk_rope_head_dim        # the rotary frequencies' dimension, as transformers'
-            if quant is not None:
-                raise ModelConfigError(f"{source}: quantized {arch} checkpoints are not supported yet; msinfer "
-                                       f"serves this architecture's float (bfloat16, float16, float32) weights")
         cfg = cls(
             architecture=arch, family=family,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,

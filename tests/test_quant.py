@@ -46,6 +46,39 @@ def hf_quantized(path, prompt, n=N_NEW, act_quant=True):
     return _HF[key]
 
 
+def hf_prepared(src, scheme, prompt, n=N_NEW):
+    """transformers' greedy tokens and per-step logits on float checkpoint `src` quantized as
+    `scheme` as it runs (scripts/quantize_model.prepared): what the compressed checkpoint
+    computes, for models whose compressed checkpoint transformers cannot load (its fused MoE
+    experts). DeepSeek's latent, kv_b_proj's input, is quantized per token as the scheme says:
+    transformers hands it over as [batch, 1, tokens, rank], and compressed-tensors' per-token
+    scales keep only the first two dimensions, which would make one scale per sequence."""
+    import torch
+    from scripts.quantize_model import prepared
+
+    class PerToken(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.flatten(0, 1)).view(*x.shape[:-1], -1) if x.dim() == 4 else self.inner(x)
+    key = ("prepared", str(src), scheme, tuple(prompt))
+    if key not in _HF:
+        if ("prepared", str(src), scheme) not in _HF:
+            model = prepared(src, scheme)[0].eval()
+            for m in model.modules():
+                if isinstance(getattr(m, "kv_b_proj", None), torch.nn.Linear):
+                    m.kv_b_proj = PerToken(m.kv_b_proj)
+            _HF["prepared", str(src), scheme] = model
+        with torch.no_grad():
+            out = _HF["prepared", str(src), scheme].generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True)
+        _HF[key] = (out.sequences[0, len(prompt):].tolist(), [lg[0].float().numpy() for lg in out.logits])
+    return _HF[key]
+
+
 @pytest.fixture(scope="module")
 def quantized(ckpt_root):
     return lambda name, scheme: quantized_checkpoint(name, scheme, ckpt_root)
@@ -81,17 +114,42 @@ def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(nam
     assert same >= 0.5 * len(PROMPTS) * N_NEW and float_inputs == 0, (same, float_inputs)
 
 
-def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(quantized, ray_local):
+@pytest.mark.parametrize("name,scheme", [("deepseek_v3_yarn_groups", "w8a8"), ("deepseek_v2_groups_no_q_lora", "w4a16")])
+def test_quantized_deepseek_gives_the_tokens_of_transformers_running_the_same_scheme(name, scheme, quantized,
+                                                                                    checkpoint, tmp_path):
+    """tp 1, latent attention with every projection quantized (W8A8: its inputs too; W4A16: groups
+    of 16), the dense and shared MLPs too, the fused experts float (scripts/quantize_model.py).
+    Decode absorbs kv_b_proj into the query and reads the latents from the cache; with W8A8 the
+    cache holds each latent quantized per token, as kv_b_proj's input is, so prefill and decode
+    compute what transformers does. plan counts the weights as they are held."""
+    path = quantized(name, scheme)
+    rec = Recording(runner_for(path))
+    assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == rec.runner.load_stats["bytes"]
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    same = 0
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_prepared(checkpoint(name), scheme, prompt)
+        assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
+        for step in range(N_NEW):
+            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
+            assert diff < (0.1 if scheme == "w8a8" else LOGIT_ATOL), f"{name} {scheme} prompt {i} step {step}: {diff}"
+            same += diff < LOGIT_ATOL
+    assert same >= 0.5 * len(PROMPTS) * N_NEW, same
+
+
+@pytest.mark.parametrize("name", ["llama_mha_bias", "deepseek_v3_yarn_groups"])
+def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(name, quantized, checkpoint, ray_local):
     """tp 2 on a checkpoint whose attention is W8A8 and whose MLP is W4A16 (groups of 16): each
     rank reads its slice of the packed ints and of the group scales, and a row-parallel layer's
     int8 inputs take the scale of the whole row (a max over both ranks): transformers' tokens,
     and the log-probability of each within float32's noise in most rows (as at tp 1). The
     checkpoint's biases (q/k/v and MLP sliced; o_proj's and down_proj's added once, after the
-    all-reduce) are held to transformers here too."""
+    all-reduce) are held to transformers here too. DeepSeek: each rank's heads of q_b_proj and
+    kv_b_proj, and the latent quantized whole on each (its reference: hf_prepared)."""
     from msinfer.launcher.replica import Replica, wait_gone
     from msinfer.sharding.config import EngineConfig
     from msinfer.worker.protocol import SamplingParams
-    path = quantized("llama_mha_bias", "mixed")
+    path = quantized(name, "mixed")
     r = Replica(0, 2)
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
     steps = []
@@ -109,7 +167,8 @@ def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(quantized
     assert wait_gone(pids)
     same = 0
     for i, prompt in enumerate(PROMPTS):
-        tokens, logits = hf_quantized(path, prompt)
+        tokens, logits = (hf_prepared(checkpoint(name), "mixed", prompt) if name.startswith("deepseek")
+                          else hf_quantized(path, prompt))
         assert out[i] == tokens, f"prompt {i}"
         for step, lg in enumerate(logits):
             ref = float(lg[tokens[step]] - np.logaddexp.reduce(lg.astype(np.float64)))

@@ -15,6 +15,7 @@ its life, so a restarted group gets fresh processes and a fresh port.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 from dataclasses import dataclass
@@ -74,10 +75,37 @@ def cluster_env(role: str, host: str, port: int, world: int, rank: int | None = 
     return env
 
 
+SCHEDULER_PORTS_FROM = 20000     # above Ray's default worker ports (10002-19999)
+
+
 def free_port(host: str) -> int:
+    """A free port for a group's communication scheduler, outside the kernel's ephemeral range
+    (ip_local_port_range) where there is room: the port is chosen here and bound later by
+    MindSpore's scheduler, and an outgoing connection (Ray opens many) given that port as its
+    local one in between would leave the scheduler dead and its group's ranks waiting for it.
+    Outside that range only another listener can take it, so a random one rarely clashes."""
+    low, high = ephemeral_ports()
+    spans = [r for r in (range(SCHEDULER_PORTS_FROM, low), range(high + 1, 65536)) if len(r) >= 1000]
+    for _ in range(64 if spans else 0):
+        port = random.choice(random.choice(spans))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999            # Linux's default
 
 
 def init_communication(host: str, port: int, world: int, rank: int) -> None:

@@ -146,10 +146,14 @@ class MLAttention(nn.Cell):
         q_pe = self.rotate(q[:, :, self.nope:], cos, sin)
         down = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(down[:, :self.lora])
+        if self.kv_b_proj.input_quant is not None:
+            # W8A8: c_kv is kv_b_proj's input, quantized per token as the checkpoint's arithmetic
+            # says (sharding.quant), once: the cache holds it so, for decode's absorbed kv_b_proj too
+            c_kv = self.kv_b_proj.input_quant(c_kv)
         k_pe = self.rotate(down[:, self.lora:].reshape(N, 1, self.rope), cos, sin)
         written = self.latent.write(ops.concat((c_kv, k_pe.reshape(N, self.rope)), -1), self.cache, slot_mapping)
         if prefill:
-            kv = self.kv_b_proj(c_kv).reshape(N, H, self.nope + self.v)
+            kv = self.kv_b_proj.matmul(c_kv, self.kv_b_proj.weight).reshape(N, H, self.nope + self.v)
             k = ops.concat((kv[:, :, :self.nope], ops.broadcast_to(k_pe, (N, H, self.rope))), -1)
             q = ops.depend(ops.concat((q[:, :, :self.nope], q_pe), -1), written)
             out = packed_attention(q, k, kv[:, :, self.nope:], token_seq, self.scale)

@@ -99,7 +99,7 @@ class Plan:
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
             held = ("int8 weights with a scale per channel stay int8 (the CPU kernels), the rest are "
-                    if holds_int8(self.engine.device, self.engine.ops) else "the weights are ")
+                    if holds_int8(self.engine.device, self.engine.ops) and m.quant.schemes else "the weights are ")
             lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load, "
                          f"and counted so")
         if m.is_moe:

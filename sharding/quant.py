@@ -32,6 +32,17 @@ w8a8_dynamic.py):
 
 round() is CANN's "round" mode, read as half away from zero (not checked on a card).
 
+FP8 in blocks (`quant_method: fp8` with `weight_block_size: [rows, cols]`, `fmt: e4m3`: DeepSeek-V3
+and R1 as released, Qwen3's -FP8 checkpoints): a layer is FP8 where the checkpoint holds its
+`weight_scale_inv` ([ceil(out / rows), ceil(in / cols)] float32), and its weight is float8_e4m3fn:
+
+    w[i, j] = float(q[i, j]) * weight_scale_inv[i // rows, j // cols]
+
+The weights are dequantized to the compute dtype as they load, as DeepSeek's own fp8_cast_bf16.py
+converts the release to bfloat16 (Ascend's 910 cards have no FP8 matmul); the inputs stay float.
+vLLM and transformers on FP8 GPUs also quantize each layer's inputs to FP8, per group of `cols`,
+so their logits differ from these by FP8's rounding of the inputs.
+
 Plain Python and numpy (no MindSpore): the launcher reads it to plan, the workers to load.
 """
 
@@ -42,7 +53,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED = "compressed-tensors W8A8, W8A16 and W4A16 (symmetric int weights, int-quantized or pack-quantized)"
+SUPPORTED = ("compressed-tensors W8A8, W8A16 and W4A16 (symmetric int weights, int-quantized or pack-quantized), "
+             "and FP8 (e4m3) weights in blocks (quant_method fp8 with weight_block_size)")
+FP8_SCALE = ".weight_scale_inv"
 
 
 class QuantizationError(ValueError):
@@ -79,6 +92,7 @@ class Quantization:
     schemes: tuple[Scheme, ...]
     ignore: tuple[str, ...]
     described: tuple[tuple[str, str], ...] = ()     # ModelSlim: (tensor, its type) of the description
+    fp8_block: tuple[int, int] | None = None        # FP8: the weight_block_size (no schemes: dequantized)
 
     def __post_init__(self):
         object.__setattr__(self, "_types", dict(self.described))     # looked up once per tensor
@@ -98,6 +112,10 @@ class Quantization:
         return next((s for s in self.schemes if any(_matches(module, t) for t in s.targets)), None)
 
     def describe(self) -> str:
+        if self.fp8_block is not None:
+            rows, cols = self.fp8_block
+            return (f"FP8 (e4m3) weights with a scale per block of {rows}x{cols}, in the layers whose "
+                    f"weight_scale_inv the checkpoint holds")
         kinds = sorted({s.describe() for s in self.schemes})
         if self.described:
             return f"ModelSlim ({MODELSLIM_FILE}): {'; '.join(kinds)}; the layers it calls FLOAT stay float"
@@ -125,6 +143,8 @@ def parse_quantization(q, source: str = "config.json") -> Quantization | None:
     if not isinstance(q, dict):
         raise refuse(f"is a {type(q).__name__}, not a mapping")
     method = q.get("quant_method")
+    if method == "fp8":
+        return _parse_fp8(q, refuse)
     if method != "compressed-tensors":
         raise refuse(f"quant_method '{method}' is not supported"
                      + (f" (bits {q.get('bits')})" if q.get("bits") is not None else ""))
@@ -152,6 +172,64 @@ def parse_quantization(q, source: str = "config.json") -> Quantization | None:
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         raise refuse("ignore is not a list of names")
     return Quantization(packed=fmt == "pack-quantized", schemes=tuple(schemes), ignore=tuple(ignore))
+
+
+def _parse_fp8(q: dict, refuse) -> Quantization:
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise refuse(f"fp8 fmt '{fmt}' is not supported (e4m3 is)")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise refuse("fp8 without weight_block_size (one scale per tensor) is not supported")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise refuse(f"weight_block_size {block!r}: expected [rows, cols], two positive whole numbers")
+    if q.get("kv_cache_scheme"):
+        raise refuse("kv_cache_scheme is set: not supported")
+    return Quantization(packed=False, schemes=(), ignore=(), fp8_block=(block[0], block[1]))
+
+
+class _WeightView:
+    """A quantized weight read as a float [out, in] tensor: get_shape(), and w[rows, cols] (two
+    slices) dequantized by the subclass from `region`."""
+    shape: tuple[int, int]
+
+    def get_shape(self) -> tuple[int, int]:
+        return self.shape
+
+    def check_scale(self, tensor: str, want: tuple, what: str) -> None:
+        """QuantizationError naming the scale tensor where self.scale's shape is not `want`."""
+        if _shape(self.scale) != tuple(want):
+            raise QuantizationError(f"tensor '{tensor}' has shape {list(_shape(self.scale))}; {what} needs {list(want)}")
+
+    def region(self, index) -> tuple[int, int, int, int]:
+        rows, cols = index
+        r0, r1, _ = rows.indices(self.shape[0])
+        c0, c1, _ = cols.indices(self.shape[1])
+        return r0, r1, c0, c1
+
+
+class Fp8BlockWeight(_WeightView):
+    """An FP8 layer's weight as the parallel layers read a checkpoint tensor: get_shape() is [out,
+    in], and w[rows, cols] reads that region's float8 values and the scales of the blocks it
+    touches, and returns it dequantized, float32 (any region: a rank's slice need not follow the
+    blocks)."""
+
+    def __init__(self, name: str, values, scale, block: tuple[int, int]):
+        self.name, self.values, self.scale, self.block = name, values, scale, block
+        self.shape = _shape(values)
+        if len(self.shape) != 2:
+            raise QuantizationError(f"tensor '{name}' has shape {list(self.shape)}; an FP8 weight is [out, in]")
+        self.check_scale(name[:-len(".weight")] + FP8_SCALE, tuple(-(-n // b) for n, b in zip(self.shape, block)),
+                         f"FP8 weights of {list(self.shape)} in blocks of {block[0]}x{block[1]}")
+
+    def __getitem__(self, index) -> np.ndarray:
+        r0, r1, c0, c1 = self.region(index)
+        br, bc = self.block
+        q = np.asarray(self.values[r0:r1, c0:c1]).astype(np.float32)
+        s = np.asarray(self.scale[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)]).astype(np.float32)
+        s = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)
+        return q * s[r0 % br:r0 % br + (r1 - r0), c0 % bc:c0 % bc + (c1 - c0)]
 
 
 def _scheme(where: str, g, refuse) -> Scheme:
@@ -250,7 +328,7 @@ def unpack_int32(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
     return (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
 
 
-class QuantizedWeight:
+class QuantizedWeight(_WeightView):
     """A quantized linear layer's weight as the parallel layers read a checkpoint tensor
     (sharding.layers.read_shard): get_shape() is the float weight's [out, in], and
     w[rows, cols] reads only that region's ints and scales and returns it dequantized, float32."""
@@ -275,18 +353,11 @@ class QuantizedWeight:
         if scheme.static and _shape(scale) == (out,):          # ModelSlim's deq_scale
             scale = _Column(scale)
         self.scale = scale
-        if _shape(scale) != want_scale:
-            raise QuantizationError(f"tensor '{name[:-len('weight')]}{'deq_scale' if scheme.static else 'weight_scale'}' has shape "
-                                    f"{list(_shape(scale))}; {scheme.describe()} of [{out}, {cols}] needs "
-                                    f"{list(want_scale)}")
-
-    def get_shape(self) -> tuple[int, int]:
-        return self.shape
+        self.check_scale(name[:-len("weight")] + ("deq_scale" if scheme.static else "weight_scale"), want_scale,
+                         f"{scheme.describe()} of [{out}, {cols}]")
 
     def __getitem__(self, index) -> np.ndarray:
-        rows, cols = index
-        r0, r1, _ = rows.indices(self.shape[0])
-        c0, c1, _ = cols.indices(self.shape[1])
+        r0, r1, c0, c1 = self.region(index)
         per, g = 32 // self.scheme.bits, self.scheme.group_size
         if self.packed:
             if c0 % per or (c1 - c0) % per:

@@ -85,6 +85,49 @@ def build_checkpoint(name: str, root: Path, seed: int = 0, rope_theta: float = 1
     return out
 
 
+def fp8_checkpoint(name: str, root: Path, block: tuple[int, int] = (32, 48)) -> tuple[Path, Path]:
+    """Checkpoint `name` as DeepSeek releases its weights: every projection's weight float8_e4m3fn
+    with a float32 `weight_scale_inv` per block (max|w| / 448 of the block, FP8's largest value),
+    config.json's quantization_config `quant_method: fp8`; the rest float. Blocks of 32 x 48 need
+    not divide the layers (a 64-wide input is one whole block and a part). Returns (the FP8
+    checkpoint, the float checkpoint of its dequantized weights: transformers' reference)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src = build_checkpoint(name, root)
+    fp8, ref = Path(root) / f"{name}-fp8", Path(root) / f"{name}-fp8-dequantized"
+    if (fp8 / "config.json").is_file() and (ref / "config.json").is_file():
+        return fp8, ref
+    (files,) = [list(src.glob("*.safetensors"))]
+    quantized, dequantized = {}, {}
+    br, bc = block
+    for f in files:
+        for n, w in load_file(f).items():
+            if not (n.endswith("_proj.weight") and w.dim() == 2):
+                quantized[n] = dequantized[n] = w
+                continue
+            rows, cols = w.shape
+            pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
+            pad[:rows, :cols] = w
+            blocks = pad.reshape(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            q = (blocks / scale[:, None, :, None]).reshape(pad.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+            full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+            quantized[n], quantized[n[:-len("weight")] + "weight_scale_inv"] = q, scale.contiguous()
+            dequantized[n] = q.float() * full
+    for out, tensors in ((fp8, quantized), (ref, dequantized)):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (fp8 / "config.json").write_text(json.dumps(config, indent=2))
+    return fp8, ref
+
+
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
             "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
             "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -109,9 +109,9 @@ def v3_config(**changes) -> dict:
     (dict(qk_rope_head_dim=63), "qk_rope_head_dim=63 must be even"),
     (dict(kv_lora_rank=None), "required key 'kv_lora_rank' is missing"),
     (dict(rope_scaling={"type": "yarn", "factor": 40}), "yarn needs 'original_max_position_embeddings'"),
-    # DeepSeek's own checkpoint: FP8 blocks (tests/test_quant.py runs compressed-tensors ones)
-    (dict(quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                               "weight_block_size": [128, 128]}), "quant_method 'fp8' is not supported"),
+    # FP8 with one scale per tensor (DeepSeek's release has blocks, tests/test_quant.py runs them)
+    (dict(quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}),
+     "fp8 without weight_block_size"),
 ])
 def test_a_deepseek_config_msinfer_cannot_serve_is_refused_naming_the_key(changes, message):
     with pytest.raises(ModelConfigError, match=message):

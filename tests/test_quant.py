@@ -199,7 +199,10 @@ def with_weights(**change) -> dict:
 
 @pytest.mark.parametrize("config,said", [
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported (bits 4)"),
-    ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+    ({"quant_method": "fp8"}, "fp8 without weight_block_size (one scale per tensor) is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fp8 fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128]: expected [rows, cols]"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size [128, 0]: expected [rows, cols]"),
     ({**GOOD, "format": "float-quantized"}, "format 'float-quantized' is not supported"),
     ({**GOOD, "format": "naive-quantized"}, "format 'naive-quantized' is not supported"),
     ({**GOOD, "quantization_status": "frozen"}, "the weights are not stored compressed"),
@@ -289,6 +292,61 @@ def test_int8_inputs_on_experts_are_refused():
                   "targets": ["Linear"], "weights": INT8_CHANNEL, "input_activations": INT8_TOKEN}}}}
     with pytest.raises(ModelConfigError, match="inputs of layer 0's experts to int8 \\(W8A8\\)"):
         ModelConfig.from_dict(config)
+
+
+# ---- FP8 in blocks (DeepSeek's release, Qwen3's -FP8) -----------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3_qknorm_odd_head_dim", "deepseek_v3_yarn_groups"])
+def test_fp8_block_checkpoints_give_the_tokens_of_their_dequantized_weights(name, ckpt_root, tmp_path):
+    """Every projection FP8 in blocks of 32 x 48 that do not divide the layers (DeepSeek: the
+    latent attention's and the experts' too): transformers' tokens on the dequantized float
+    checkpoint, logits within float32's noise; plan counts the weights as held (dequantized) and
+    names the scheme."""
+    from tests.checkpoints import fp8_checkpoint
+    fp8, ref = fp8_checkpoint(name, ckpt_root)
+    plan = plan_job(spec_for(fp8, tmp_path), check_io=False)
+    rec = Recording(runner_for(fp8))
+    assert plan.weight_bytes_per_rank == rec.runner.load_stats["bytes"]
+    assert "FP8 (e4m3) weights with a scale per block of 32x48" in plan.describe()
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_quantized(ref, prompt)          # a float checkpoint: transformers as it is
+        assert out[i] == tokens, f"{name} prompt {i}"
+        for step in range(N_NEW):
+            assert np.abs(rec.logits[step][i] - logits[step]).max() < LOGIT_ATOL, f"{name} prompt {i} step {step}"
+
+
+def test_an_fp8_weight_s_every_region_is_that_region_of_its_dequantized_whole():
+    """A rank reads any rows or columns (its slice need not follow the blocks); a scale tensor of
+    the wrong shape is refused naming it."""
+    import ml_dtypes
+    from msinfer.sharding.quant import Fp8BlockWeight
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(70, 100)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, size=(3, 3)).astype(np.float32)
+    whole = values.astype(np.float32) * np.repeat(np.repeat(scale, 32, 0), 48, 1)[:70, :100]
+    w = Fp8BlockWeight("l.weight", values, scale, (32, 48))
+    assert w.get_shape() == (70, 100)
+    for rows, cols in [(slice(0, 35), slice(None)), (slice(35, 70), slice(None)), (slice(None), slice(50, 100)),
+                       (slice(10, 33), slice(47, 49)), (slice(None), slice(None))]:
+        assert np.array_equal(w[rows, cols], whole[rows, cols]), (rows, cols)
+    with pytest.raises(QuantizationError, match=re.escape("'l.weight_scale_inv' has shape [3, 2]; FP8 weights of "
+                                                          "[70, 100] in blocks of 32x48 needs [3, 3]")):
+        Fp8BlockWeight("l.weight", values, scale[:, :2], (32, 48))
+
+
+def test_plan_refuses_an_fp8_weight_without_its_scales_naming_it(ckpt_root, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from tests.checkpoints import fp8_checkpoint
+    fp8, _ = fp8_checkpoint("qwen3_qknorm_odd_head_dim", ckpt_root)
+    broken = tmp_path / "broken"
+    shutil.copytree(fp8, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'model.layers.1.mlp.down_proj.weight' holds F8_E4M3 "
+                                                        "values without their scales")):
+        plan_job(spec_for(broken, tmp_path), check_io=False)
 
 
 # ---- ModelSlim ------------------------------------------------------------------------------------

@@ -12,11 +12,16 @@ import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors can hand out bf16 slices
+import ml_dtypes  # registers bfloat16 with numpy, so safetensors can hand out bf16 slices
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from msinfer.sharding.quant import QuantizationError, QuantizedWeight, scale_values
+from msinfer.sharding.quant import FP8_SCALE, Fp8BlockWeight, QuantizationError, QuantizedWeight, scale_values
+
+# safetensors' numpy reader names float8 slices by numpy.float8_e4m3fn, which numpy lacks: ml_dtypes'
+# type is the one safetensors expects there (FP8 checkpoints, sharding.quant.Fp8BlockWeight)
+if not hasattr(np, "float8_e4m3fn"):
+    np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -134,7 +139,7 @@ def _dtype(src) -> str:
 
 
 QUANTIZED_SUFFIXES = (".weight_scale", ".weight_packed", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
-                      ".deq_scale", ".quant_bias", ".input_scale", ".input_offset")
+                      ".deq_scale", ".quant_bias", ".input_scale", ".input_offset", FP8_SCALE)
 
 
 def quantized_names(name: str, quant) -> tuple[str, ...]:
@@ -164,6 +169,12 @@ def weight_source(name: str, get, quant, has=lambda n: True):
     if not names:
         if not has(name) and optional(name, quant):
             return np.zeros(_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
+        scale = name[:-len(".weight")] + FP8_SCALE
+        if quant is not None and quant.fp8_block is not None and name.endswith(".weight") and has(scale):
+            try:
+                return Fp8BlockWeight(name, get(name), get(scale), quant.fp8_block)
+            except QuantizationError as e:
+                raise CheckpointError(str(e)) from None
         return get(name)
     module = name.rsplit(".", 1)[0]
     if name.endswith(".bias"):
@@ -272,12 +283,16 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
                 raise CheckpointError(f"{model_dir}: weight tensor '{n}' is missing from the checkpoint"
                                       + (f" ({quant.scheme_for(p.name[:-len('.weight')]).describe()})" if names else ""))
         path, header = found[names[0] if names else p.name]
-        if names:
+        fp8_scale = p.name[:-len(".weight")] + FP8_SCALE if p.name.endswith(".weight") else None
+        if names or (quant is not None and quant.fp8_block is not None and fp8_scale in found):
             def get(n: str):
                 return packed_shapes[n] if n in packed_shapes else found[n][1]
-            shape = tuple(weight_source(p.name, get, quant).get_shape())
+            shape = tuple(weight_source(p.name, get, quant, found.__contains__).get_shape())
         else:
             shape = header.get_shape()
+            if header.get_dtype().startswith("F8"):
+                raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} values without "
+                                      f"their scales ('{fp8_scale}'), or the config has no FP8 quantization_config")
             if header.get_dtype() in ("I8", "U8", "I32"):
                 raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} integers, not "
                                       f"floats: " + ("the checkpoint's quantization (its quantization_config or "

@@ -19,15 +19,11 @@ from mindspore.common.initializer import initializer
 
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layout import TPInfo, kv_head_range, vocab_shard
+from msinfer.sharding.quant import source_shape
 
 
 class ShapeMismatch(ValueError):
     """A checkpoint tensor whose shape is not the one the config implies."""
-
-
-def source_shape(src) -> tuple[int, ...]:
-    """Shape of a checkpoint tensor: a safetensors slice (`get_shape`) or a numpy array."""
-    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
 
 
 def read_shard(src, dim: int | None, start: int = 0, size: int | None = None) -> np.ndarray:

@@ -199,8 +199,8 @@ class _WeightView:
 
     def check_scale(self, tensor: str, want: tuple, what: str) -> None:
         """QuantizationError naming the scale tensor where self.scale's shape is not `want`."""
-        if _shape(self.scale) != tuple(want):
-            raise QuantizationError(f"tensor '{tensor}' has shape {list(_shape(self.scale))}; {what} needs {list(want)}")
+        if source_shape(self.scale) != tuple(want):
+            raise QuantizationError(f"tensor '{tensor}' has shape {list(source_shape(self.scale))}; {what} needs {list(want)}")
 
     def region(self, index) -> tuple[int, int, int, int]:
         rows, cols = index
@@ -217,7 +217,7 @@ class Fp8BlockWeight(_WeightView):
 
     def __init__(self, name: str, values, scale, block: tuple[int, int]):
         self.name, self.values, self.scale, self.block = name, values, scale, block
-        self.shape = _shape(values)
+        self.shape = source_shape(values)
         if len(self.shape) != 2:
             raise QuantizationError(f"tensor '{name}' has shape {list(self.shape)}; an FP8 weight is [out, in]")
         self.check_scale(name[:-len(".weight")] + FP8_SCALE, tuple(-(-n // b) for n, b in zip(self.shape, block)),
@@ -339,7 +339,7 @@ class QuantizedWeight(_WeightView):
         out, cols = self.shape
         per = 32 // scheme.bits
         want_ints = (out, -(-cols // per)) if packed else (out, cols)
-        got = _shape(ints)
+        got = source_shape(ints)
         if got != want_ints:
             raise QuantizationError(f"tensor '{name}' has shape {list(got)}; {scheme.name} weights of "
                                     f"[{out}, {cols}] {'pack into' if packed else 'are'} {list(want_ints)}")
@@ -350,7 +350,7 @@ class QuantizedWeight(_WeightView):
         if g and cols % g:
             raise QuantizationError(f"tensor '{name}': {cols} inputs are not a whole number of groups of {g}")
         want_scale = (out, cols // g) if g else (out, 1)
-        if scheme.static and _shape(scale) == (out,):          # ModelSlim's deq_scale
+        if scheme.static and source_shape(scale) == (out,):          # ModelSlim's deq_scale
             scale = _Column(scale)
         self.scale = scale
         self.check_scale(name[:-len("weight")] + ("deq_scale" if scheme.static else "weight_scale"), want_scale,
@@ -405,11 +405,13 @@ class _Column:
         self.src = src
 
     def get_shape(self):
-        return (_shape(self.src)[0], 1)
+        return (source_shape(self.src)[0], 1)
 
     def __getitem__(self, index):
         return np.asarray(self.src[index[0]])[:, None]
 
 
-def _shape(src) -> tuple:
+def source_shape(src) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor: a safetensors slice (`get_shape`), a stand-in for one, or a
+    numpy array."""
     return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)

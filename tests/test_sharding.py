@@ -178,7 +178,7 @@ def test_the_plan_lists_the_tensors_each_stage_and_rank_loads(name, checkpoint):
     or whole per rank, both name the same tensors."""
     from msinfer.sharding.layout import Stage, stage_layers
     from msinfer.worker.model import CausalLM
-    from msinfer.worker.ops import select_ops
+    from msinfer.worker.device import select_ops
     from msinfer.worker.positions import make_scheme
     config = ModelConfig.from_dir(checkpoint(name))
     dev = select_ops("cpu")

@@ -55,6 +55,21 @@ def select_device(device: str, env: dict | None = None, rank: int = 0,
     return DeviceChoice("Ascend", int(env.get("DEVICE_ID", rank)))
 
 
+def select_ops(device: str, ops_choice: str = "auto", threads: int = 0, emulate: bool = False):
+    """The device seam of a worker (worker/ops.py's contract): `model.ops` portable, or the
+    device's fastest (auto): the CPU kernels, or Ascend's fused kernels (their CPU stand-ins with
+    `emulate`). Chosen here, not in worker/ops.py, which the implementations import."""
+    if ops_choice == "portable":
+        from msinfer.worker.ops import MsOps
+        return MsOps
+    if device == "ascend":
+        from msinfer.worker.ascend import AscendOps, EmulatedAscendOps
+        return EmulatedAscendOps if emulate else AscendOps
+    from msinfer.worker.cpu import CpuOps, load_kernels
+    load_kernels(threads)
+    return CpuOps
+
+
 def ray_npu_ids() -> list[str]:
     """The NPU ids Ray assigned to this worker process ([] outside Ray or without NPUs)."""
     try:

@@ -313,7 +313,7 @@ def check_device(ec, cfg, tp_size: int) -> tuple[dict, str]:
     jobs; returns the results and their table."""
     import mindspore as ms
     from msinfer.worker import ascend
-    from msinfer.worker.ops import select_ops
+    from msinfer.worker.device import select_ops
     ms.set_device("CPU" if ec.emulate else "Ascend")
     ascend.set_variants(ec.emulate_variants if ec.emulate else ())
     ops = select_ops(ec.device, ec.ops, emulate=ec.emulate)

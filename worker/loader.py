@@ -16,7 +16,8 @@ import ml_dtypes  # registers bfloat16 with numpy, so safetensors can hand out b
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from msinfer.sharding.quant import FP8_SCALE, Fp8BlockWeight, QuantizationError, QuantizedWeight, scale_values
+from msinfer.sharding.quant import (FP8_SCALE, Fp8BlockWeight, QuantizationError, QuantizedWeight, scale_values,
+                                    source_shape)
 
 # safetensors' numpy reader names float8 slices by numpy.float8_e4m3fn, which numpy lacks: ml_dtypes'
 # type is the one safetensors expects there (FP8 checkpoints, sharding.quant.Fp8BlockWeight)
@@ -127,10 +128,6 @@ class _PickleWeights:
         return (t.float() if t.dtype == self.torch.bfloat16 else t).numpy()
 
 
-def _shape(src) -> tuple:
-    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
-
-
 def _dtype(src) -> str:
     """A tensor's element type as safetensors names it (I8, I32, F32, BF16, ...)."""
     if hasattr(src, "get_dtype"):
@@ -168,7 +165,7 @@ def weight_source(name: str, get, quant, has=lambda n: True):
     names = quantized_names(name, quant)
     if not names:
         if not has(name) and optional(name, quant):
-            return np.zeros(_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
+            return np.zeros(source_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
         scale = name[:-len(".weight")] + FP8_SCALE
         if quant is not None and quant.fp8_block is not None and name.endswith(".weight") and has(scale):
             try:
@@ -181,7 +178,7 @@ def weight_source(name: str, get, quant, has=lambda n: True):
         return (np.asarray(get(names[0])[:]).astype(np.float64)
                 * scale_values(np.asarray(get(names[1])[:]))).astype(np.float32)
     ints, scale = get(names[0]), get(names[-1])
-    shape = tuple(int(v) for v in np.asarray(get(names[1])[:]).reshape(-1)) if quant.packed else _shape(ints)
+    shape = tuple(int(v) for v in np.asarray(get(names[1])[:]).reshape(-1)) if quant.packed else source_shape(ints)
     try:
         return QuantizedWeight(name, quant.scheme_for(module), ints, scale, shape, quant.packed)
     except QuantizationError as e:
@@ -259,7 +256,7 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
             with open_weights(path) as f:
                 for name in f.keys():
                     sl = f.get_slice(name)
-                    found[name] = (path, _Header(_shape(sl), _dtype(sl)))
+                    found[name] = (path, _Header(source_shape(sl), _dtype(sl)))
                     if name.endswith(".weight_shape"):
                         packed_shapes[name] = np.asarray(sl[:])
             size += path.stat().st_size

@@ -14,7 +14,8 @@
 
 `MsOps` writes them in portable MindSpore primitives (`model.ops: portable`), here.
 `worker.cpu.CpuOps` replaces them with kernels of our own; `worker.ascend.AscendOps` calls
-MindSpore's fused Ascend kernels.
+MindSpore's fused Ascend kernels. `worker.device.select_ops` chooses one per worker; this module
+imports none of them.
 """
 
 from __future__ import annotations
@@ -247,18 +248,3 @@ class TopKRouter(nn.Cell):
     def construct(self, logits):
         weights, ids = ops.topk(ops.softmax(logits.astype(ms.float32), -1), self.k)
         return weights, ids.astype(ms.int32)
-
-
-
-
-def select_ops(device: str, ops_choice: str = "auto", threads: int = 0, emulate: bool = False):
-    """The device seam of a worker: `model.ops` portable, or the device's fastest (auto): the CPU
-    kernels, or Ascend's fused kernels (their CPU stand-ins with `emulate`)."""
-    if ops_choice == "portable":
-        return MsOps
-    if device == "ascend":
-        from msinfer.worker.ascend import AscendOps, EmulatedAscendOps
-        return EmulatedAscendOps if emulate else AscendOps
-    from msinfer.worker.cpu import CpuOps, load_kernels
-    load_kernels(threads)
-    return CpuOps

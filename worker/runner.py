@@ -47,7 +47,7 @@ class ModelRunner:
         """threads: of the CPU kernels (worker.cpu), as many as the worker gives MindSpore (0: all cores)."""
         import mindspore as ms
         from msinfer.worker.model import CausalLM
-        from msinfer.worker.ops import select_ops
+        from msinfer.worker.device import select_ops
         from msinfer.worker.loader import load_checkpoint
         from msinfer.worker.lora import with_lora
 

@@ -1,0 +1,148 @@
+"""A roofline for the CPU engine: this machine's memory bandwidth and float32 matmul rate, each
+step kind's bytes and FLOPs for a dense model, the lower bound they set, and the step times
+`msinfer bench` measures beside it.
+
+    python scripts/roofline.py [--model DIR] [--dtype float32] [--batch-size 1,16,64] [--prefill 512]
+
+The machine (numpy, on every core of the process's affinity):
+    bandwidth  a triad z = x + y over arrays far larger than the caches, one slice per thread
+               (numpy releases the GIL in the loop): bytes read and written / second
+    float32    a 2048 x 2048 matmul (numpy's BLAS, its own threads): 2 n^3 / second, the rate a
+               tuned kernel reaches on this machine, not the instruction set's peak
+
+A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens with nothing cached):
+    bytes      every weight once (the tied embedding counted once, as the LM head's) + the KV cache
+               the step reads (decode: B x L x layers x 2 x kv_heads x head_dim x dtype bytes)
+    FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
+               or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
+               pairs (decode: B x L; prefill: T (T + 1) / 2)
+    bound      max(bytes / bandwidth, FLOPs / float32 rate)
+
+The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of 32 tokens, 64 new:
+context L = 64 on average) and prefill_ms (one prompt of T tokens), on the CPU kernels. Dense
+models only: a mixture of experts' step reads the experts its tokens chose, not all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, NEW = 32, 64
+
+
+def bandwidth(threads: int, mib: int = 256, rounds: int = 5) -> float:
+    """Bytes a second of z = x + y (2 reads and a write per element), `threads` slices at once."""
+    n = mib * 2**20 // 4
+    x, y, z = (np.ones(n, np.float32) for _ in range(3))
+    bounds = np.linspace(0, n, threads + 1).astype(int)
+    parts = [(x[a:b], y[a:b], z[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: np.add(p[0], p[1], out=p[2]), parts))
+            best = min(best, time.perf_counter() - t0)
+    return 3 * n * 4 / best
+
+
+def matmul_rate(n: int = 2048, rounds: int = 5) -> float:
+    a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
+    a @ b
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
+    except (OSError, StopIteration):
+        return "unknown CPU"
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{model.strip()}; {len(os.sched_getaffinity(0))} cores; {' '.join(shown)}"
+
+
+def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step: every weight once, `kv_read` cached tokens' K and V, `tokens`
+    rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs attended."""
+    from msinfer.sharding.layout import plan_tensors
+    layer_macs = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)
+                     if len(p.full_shape) == 2 and ".layers." in p.name)
+    head_macs = cfg.vocab_size * cfg.hidden_size
+    weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * dtype_bytes
+    kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    flops = 2 * tokens * layer_macs + 2 * sampled * head_macs + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
+    return weights + kv, flops
+
+
+def bench(model: Path, dtype: str, batches: list[int], prefill: int, out: Path) -> dict:
+    """`msinfer bench`'s rows: (batch, input_len) -> row."""
+    rows = {}
+    for sizes, lengths, new in ((",".join(map(str, batches)), str(PROMPT), str(NEW)), ("1", str(prefill), "1")):
+        d = out / f"in{lengths}"
+        cmd = [sys.executable, "-m", "msinfer.launcher.cli", "bench", "--model", str(model), "--batch-size", sizes,
+               "--input-len", lengths, "--output-len", new, "--dtype", dtype, "--repeats", "3",
+               "--max-model-len", str(max(prefill, PROMPT + NEW) + 16), "--output", str(d), "--no-progress"]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if p.returncode != 0:
+            sys.exit(f"roofline: msinfer bench failed ({p.returncode}):\n{p.stderr[-2000:]}")
+        for row in json.loads((d / "bench.json").read_text())["cases"]:
+            rows[row["batch_size"], row["input_len"]] = row
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="a dense Hugging Face checkpoint (default: the demo model)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batch-size", default="1,16,64", help="decode batch sizes (default 1,16,64)")
+    ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
+    args = ap.parse_args()
+    from msinfer.sharding.config import ModelConfig
+    if args.model is None:
+        sys.path.insert(0, str(ROOT))
+        from scripts.make_demo_model import ensure_demo_model
+        args.model = Path(ensure_demo_model())
+    cfg = ModelConfig.from_dir(args.model)
+    if cfg.is_moe or cfg.mla is not None:
+        sys.exit("roofline: dense models only (a mixture of experts reads the experts its tokens chose)")
+    batches = [int(b) for b in args.batch_size.split(",")]
+    dbytes = 2 if args.dtype == "bfloat16" else 4
+    cores = len(os.sched_getaffinity(0))
+    bw = max(bandwidth(t) for t in sorted({1, cores}))
+    rate = matmul_rate()
+    print(f"machine   {cpu_flags()}")
+    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = bench(args.model, args.dtype, batches, args.prefill, Path(tmp))
+    print(f"model     {args.model} ({cfg.architecture}, {args.dtype})")
+    print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'measured ms':>13}{'ratio':>7}")
+    cases = [(f"decode B={b} L={PROMPT + NEW // 2}", rows[b, PROMPT].get("decode_ms_per_step"),
+              step_cost(cfg, dbytes, b, b * (PROMPT + NEW // 2), b * (PROMPT + NEW // 2), b)) for b in batches]
+    T = args.prefill
+    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1)))
+    for name, measured, (nbytes, flops) in cases:
+        bound = 1e3 * max(nbytes / bw, flops / rate)
+        shown = f"{measured:.1f}" if measured else "-"
+        ratio = f"{measured / bound:.2f}" if measured else "-"
+        print(f"{name:<26}{nbytes / 1e6:>8.0f}{flops / 1e9:>8.2f}{bound:>10.1f}{shown:>13}{ratio:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

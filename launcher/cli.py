@@ -61,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = _parser().parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        SIGNALS.install()
+    if threading.current_thread() is threading.main_thread() and args.command in ("run", "simulate", "bench"):
+        SIGNALS.install()           # the commands that run for long (the others end as signals end processes)
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # "PyTorch was not found": no torch is needed

@@ -63,8 +63,8 @@ def parse_deadline(value: str, now: float | None = None) -> float:
             if seconds <= 0:
                 here = datetime.fromtimestamp(now).isoformat('T', 'seconds')
                 raise ValueError(f"{value!r} is in the past (it is {here} here)")
-    if seconds <= 0:
-        raise ValueError(f"a deadline must be later than now, got {value!r}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"a deadline must be a finite time later than now, got {value!r}")
     return now + seconds
 
 

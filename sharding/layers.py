@@ -146,7 +146,23 @@ def input_quantizer(scheme, name: str, row_parallel_ranks: int = 0, kernel=None)
     return PerTokenInt8(row_parallel_ranks, scheme.act_divisor, half_away=bool(scheme.modelslim), kernel=kernel)
 
 
-class LinearBase(nn.Cell):
+class InputQuantized:
+    """A layer that quantizes its inputs before its matmul where the checkpoint is W8A8
+    (`quantize_inputs`, called before the first call; its `input_quant`, which the cell sets to
+    None in its __init__, otherwise: a class attribute would stand in MindSpore's way of adding
+    the quantizer as a child cell)."""
+
+    def input_split(self) -> int:
+        """The ranks a row of its input is split over (their maximum is shared), 0 for none."""
+        return 0
+
+    def quantize_inputs(self, scheme, name: str, kernel=None) -> None:
+        """name: the layer's checkpoint name; kernel: the device's per-token one (dev.quant_rows_op)."""
+        self.input_quant = input_quantizer(scheme, name, self.input_split(), kernel)
+        named(self.input_quant, name)
+
+
+class LinearBase(InputQuantized, nn.Cell):
     """Y = X W^T + b on [tokens, in]; `tp_dim` is the weight dimension this layer splits."""
     tp_dim: int | None = None
 
@@ -158,11 +174,8 @@ class LinearBase(nn.Cell):
         self.bias = new_param((out_size,), dtype, "bias") if bias else None
         self.input_quant = None
 
-    def quantize_inputs(self, scheme, name: str, kernel=None) -> None:
-        """W8A8: its inputs quantized before its matmul (set before the first call); name: the
-        layer's checkpoint name."""
-        self.input_quant = input_quantizer(scheme, name, self.tp.size if self.tp_dim == 1 else 0, kernel)
-        named(self.input_quant, name)
+    def input_split(self) -> int:
+        return self.tp.size if self.tp_dim == 1 else 0
 
     def weight_loader(self, param: Parameter, src, name: str, shard_id=None) -> None:
         full = list(param.shape)
@@ -346,7 +359,7 @@ class VocabParallelEmbedding(nn.Cell):
         return self.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(InputQuantized, VocabParallelEmbedding):
     """Logits of this rank's vocabulary rows, [N, per]: no gather (the sampler works shard by
     shard, worker.device_sampler); a padded shard's extra columns hold zeros."""
 
@@ -357,10 +370,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied.weight
         self.matmul = linear() if linear else ops.MatMul(transpose_b=True)
         self.input_quant = None
-
-    def quantize_inputs(self, scheme, name: str, kernel=None) -> None:
-        self.input_quant = input_quantizer(scheme, name, kernel=kernel)
-        named(self.input_quant, name)
 
     def construct(self, x):
         if self.input_quant is not None:

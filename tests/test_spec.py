@@ -115,7 +115,8 @@ def test_missing_required_keys_named(tmp_path):
     ("run", "deadline", "2020-01-01T00:00", "'2020-01-01T00:00' is in the past"),
     ("run", "deadline", "'2020-01-01T00:00:00+00:00'", "'2020-01-01T00:00:00+00:00' is in the past"),
     ("run", "deadline", "soon", "expected a duration ('90s', '45m', '2h', '1h30m') or a date and time"),
-    ("run", "deadline", "0s", "a deadline must be later than now, got '0s'"),
+    ("run", "deadline", "0s", "a deadline must be a finite time later than now, got '0s'"),
+    ("run", "deadline", "nan", "a deadline must be a finite time later than now, got 'nan'"),
 ])
 def test_range_and_type_checks(tmp_path, section, key, value, expected):
     text = MINIMAL.replace("model:\n", "model:\n  graph_mode: true\n") if section != "model" else MINIMAL

@@ -346,6 +346,28 @@ def test_scripts_fail_in_one_line_when_inputs_are_missing(script, args, env, mes
     assert r.stderr.count("\n") == 1 and message in r.stderr and "error:" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_requeued_slurm_job_resumes_instead_of_starting_over(restarts, tmp_path):
+    """Slurm runs a requeued job's script again with the same options, SLURM_RESTART_COUNT set: the
+    script drops --overwrite then, so the run resumes. srun and scontrol here record what they
+    are asked (the real ones: test_an_sbatch_array_of_two_...)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/srun.log\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nhostname\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "job.yaml").write_text("{}\n")
+    env = slurm_env(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin", MSINFER_NODE_SCRIPT=NODE_SH,
+                    SLURM_RESTART_COUNT=restarts)
+    r = run_script(SLURM_SH, "--head-ip", "10.0.0.1", "job.yaml", "--overwrite", "--set", "a=b",
+                   cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    (head,) = (tmp_path / "srun.log").read_text().splitlines()
+    assert head.endswith("job.yaml --set a=b" if restarts == "1" else "job.yaml --overwrite --set a=b"), head
+    assert ("restart 1 of this job: --overwrite dropped, the run resumes" in r.stderr) == (restarts == "1")
+
+
 def test_node_script_needs_ray(tmp_path):
     lone = tmp_path / "msinfer-node.sh"                 # no .venv beside it, no ray on PATH
     shutil.copy(NODE_SH, lone)

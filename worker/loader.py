@@ -166,8 +166,8 @@ def weight_source(name: str, get, quant, has=lambda n: True):
     if not names:
         if not has(name) and optional(name, quant):
             return np.zeros(source_shape(get(name[:-len("bias")] + "weight"))[0], np.float32)
-        scale = name[:-len(".weight")] + FP8_SCALE
-        if quant is not None and quant.fp8_block is not None and name.endswith(".weight") and has(scale):
+        scale = fp8_scale(name, quant, has)
+        if scale is not None:
             try:
                 return Fp8BlockWeight(name, get(name), get(scale), quant.fp8_block)
             except QuantizationError as e:
@@ -183,6 +183,15 @@ def weight_source(name: str, get, quant, has=lambda n: True):
         return QuantizedWeight(name, quant.scheme_for(module), ints, scale, shape, quant.packed)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from None
+
+
+def fp8_scale(name: str, quant, has) -> str | None:
+    """The `weight_scale_inv` of weight `name` where the checkpoint is FP8 in blocks and holds one
+    for it (that layer is FP8: sharding.quant.Fp8BlockWeight), else None."""
+    if quant is None or quant.fp8_block is None or not name.endswith(".weight"):
+        return None
+    scale = name[:-len(".weight")] + FP8_SCALE
+    return scale if has(scale) else None
 
 
 def optional(name: str, quant) -> bool:
@@ -280,8 +289,7 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
                 raise CheckpointError(f"{model_dir}: weight tensor '{n}' is missing from the checkpoint"
                                       + (f" ({quant.scheme_for(p.name[:-len('.weight')]).describe()})" if names else ""))
         path, header = found[names[0] if names else p.name]
-        fp8_scale = p.name[:-len(".weight")] + FP8_SCALE if p.name.endswith(".weight") else None
-        if names or (quant is not None and quant.fp8_block is not None and fp8_scale in found):
+        if names or fp8_scale(p.name, quant, found.__contains__):
             def get(n: str):
                 return packed_shapes[n] if n in packed_shapes else found[n][1]
             shape = tuple(weight_source(p.name, get, quant, found.__contains__).get_shape())
@@ -289,7 +297,8 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
             shape = header.get_shape()
             if header.get_dtype().startswith("F8"):
                 raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} values without "
-                                      f"their scales ('{fp8_scale}'), or the config has no FP8 quantization_config")
+                                      f"their scales ('{p.name.rsplit('.', 1)[0]}{FP8_SCALE}'), or the config has no "
+                                      f"FP8 quantization_config")
             if header.get_dtype() in ("I8", "U8", "I32"):
                 raise CheckpointError(f"{path.name}: tensor '{p.name}' holds {header.get_dtype()} integers, not "
                                       f"floats: " + ("the checkpoint's quantization (its quantization_config or "

@@ -118,6 +118,7 @@ class Drain:
         self.requested: float | None = None                     # time.monotonic() of the signal
         self.reason = ""
         self.rates: deque = deque(maxlen=RATE_WINDOW)           # seconds per expected token, per record
+        self.quantile: float | None = None                      # of rates, until the next one comes
         self.left = 0                                           # records not dealt: they would not fit
         self.misfits = 0                                        # of those, in a row
         self.stopped = ""                                       # why the run ended before its records did
@@ -136,15 +137,20 @@ class Drain:
         return end is None or time.time() < end
 
     def rate(self) -> float | None:
-        if len(self.rates) < 4:
-            return None
-        ordered = sorted(self.rates)
-        return ordered[min(len(ordered) - 1, int(RATE_QUANTILE * len(ordered)))]
+        """The RATE_QUANTILE of the seconds per expected token measured (None before 4 records),
+        sorted once per record finished, not per record dealt."""
+        if self.quantile is None and len(self.rates) >= 4:
+            ordered = sorted(self.rates)
+            self.quantile = ordered[min(len(ordered) - 1, int(RATE_QUANTILE * len(ordered)))]
+        return self.quantile
 
     def fits(self, rec) -> bool:
         """Whether `rec`, dealt now, is expected to finish before the deadline's end."""
-        end, rate = self.end(), self.rate()
-        if end is None or rate is None or self.length is None:
+        end = self.end()
+        if end is None or self.length is None:          # no deadline: every record is dealt
+            return True
+        rate = self.rate()
+        if rate is None:
             return True
         if time.time() + rate * max(1, self.length(rec)) <= end:
             self.misfits = 0
@@ -154,8 +160,10 @@ class Drain:
         return False
 
     def finished(self, rec, seconds: float) -> None:
-        if self.length is not None:
+        """A record's seconds from dealing to result; measured only for a deadline's estimate."""
+        if self.deadline is not None and self.length is not None:
             self.rates.append(seconds / max(1, self.length(rec)))
+            self.quantile = None
 
     def over(self) -> bool:
         """Whether the run stops now, finished or not."""

@@ -871,16 +871,21 @@ def make_drain(spec: JobSpec) -> Drain:
         if slurm is not None:
             deadlines.append((slurm[0], f"the Slurm allocation's end, from {slurm[1]}"))
     deadline, source = min(deadlines) if deadlines else (None, "")
+    return Drain(spec.fault.drain_s, deadline, source, record_length(spec))
+
+
+def record_length(spec: JobSpec):
+    """record -> the tokens it is expected to run for under `spec` (launcher.inputs.expected_length):
+    what longest-first dealing orders by and what a deadline's estimate multiplies."""
     default, score = spec.sampling.max_new_tokens, spec.task == "score"
-    return Drain(spec.fault.drain_s, deadline, source, lambda rec: expected_length(rec, default, score))
+    return lambda rec: expected_length(rec, default, score)
 
 
 def dealing_order(spec: JobSpec, records):
     """The records in the order they are dealt: input.order (see launcher.inputs.longest_first)."""
     if spec.input.order == "arrival":
         return records
-    default, score = spec.sampling.max_new_tokens, spec.task == "score"
-    return longest_first(records, spec.input.lookahead, lambda rec: expected_length(rec, default, score))
+    return longest_first(records, spec.input.lookahead, record_length(spec))
 
 
 def check_npus(ranks: int, address: str | None) -> None:

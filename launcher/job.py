@@ -98,7 +98,8 @@ class Plan:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
-            held = ("int8 weights with a scale per channel stay int8 (the CPU kernels), the rest are "
+            by = "the CPU kernels" if self.engine.device == "cpu" else "Ascend's quantized matmuls"
+            held = (f"int8 weights with a scale per channel stay int8 ({by}), the rest are "
                     if holds_int8(self.engine.device, self.engine.ops) and m.quant.schemes else "the weights are ")
             lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load, "
                          f"and counted so")
@@ -232,9 +233,11 @@ def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline:
 
 
 def holds_int8(device: str, ops: str) -> bool:
-    """Whether the workers keep a quantized checkpoint's int8 weights as they are: the CPU kernels
-    do (worker.cpu.CpuOps.pack_int8); the portable and Ascend paths (emulated too) dequantize them."""
-    return device == "cpu" and ops != "portable"
+    """Whether the workers keep a quantized checkpoint's int8 weights with a scale per channel as
+    they are: the CPU kernels do (worker.cpu.CpuOps.pack_int8), and so do Ascend's quantized
+    matmuls (worker.ascend.AscendInt8Linear, emulated too) unless the start-up self-check finds
+    them wanting; the portable operators dequantize them."""
+    return ops != "portable"
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -728,21 +731,32 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
 
 def card_replanner(plan: Plan):
     """For replicas on cards (launcher.replica.Replica.card_planner): the card as its ranks measured
-    it (total bytes, bytes in use before msinfer, where the figure comes from) -> the job's
-    EngineConfig with the KV cache that card holds (card_plan). The measured size wins over
-    parallel.device_memory_gb, and a difference is reported; a card too small for the weights and
-    one sequence of max_model_len stops the job (LaunchError, exit 2)."""
+    it (total bytes, bytes in use before msinfer, where the figure comes from, and whether its int8
+    matmuls passed the start-up kernel check) -> the job's EngineConfig with the KV cache that card
+    holds (card_plan). The measured size wins over parallel.device_memory_gb, and a difference is
+    reported; int8 layers the card cannot multiply are held dequantized, and the cache makes room
+    for them; a card too small for the weights and one sequence of max_model_len stops the job
+    (LaunchError, exit 2)."""
     from msinfer.launcher.replica import LaunchError
     spec, gib = plan.spec, 1024 ** 3
     dbytes = dtype_bytes(plan.engine.dtype)
     base = dataclasses.replace(plan.engine, num_blocks=spec.scheduler.kv_cache_blocks or 0)
 
-    def replan(total: int, in_use: int, source: str) -> EngineConfig:
+    def replan(total: int, in_use: int, source: str, int8: bool = True) -> EngineConfig:
+        weights, note = plan.weight_bytes_per_rank, None
+        if not int8:
+            weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
+                                         spec.parallel.expert_parallel, plan.engine.pipeline)
+            note = (f"the cards' int8 matmuls failed the start-up kernel check: the quantized layers are held "
+                    f"dequantized to {plan.engine.dtype}, {weights / gib:.2f} GiB of weights a rank where the plan "
+                    f"counted {plan.weight_bytes_per_rank / gib:.2f}, and the KV cache is sized around them")
+            print(f"msinfer: note: {note}", file=sys.stderr, flush=True)
         try:
-            card = card_plan(spec, plan.model, base, plan.weight_bytes_per_rank, dbytes, measured=(total, in_use))
+            card = card_plan(spec, plan.model, base, weights, dbytes, measured=(total, in_use))
         except LayoutError as e:
             raise LaunchError(f"{e} (measured by the workers: {source})") from None
-        figures = {**card.figures(), "source": source, "plan": plan.card.figures()}
+        figures = {**card.figures(), "source": source, "plan": plan.card.figures(),
+                   **({"int8_note": note} if note else {})}
         asked = spec.parallel.device_memory_gb
         if asked is not None and abs(asked * gib - total) > 0.01 * total:
             figures["note"] = (f"parallel.device_memory_gb is {asked:g}, the cards measure {total / gib:.3g} GiB: "

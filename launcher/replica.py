@@ -242,7 +242,7 @@ class Replica:
                                                                    for w in self.workers]) if c]
             if cards:                   # the smallest card and the most in use bound every rank's cache
                 engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
-                                                  cards[0]["source"])
+                                                  cards[0]["source"], all(c.get("int8", True) for c in cards))
                 setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
                 configs = per_rank(engine_config)
         if local:

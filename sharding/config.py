@@ -414,7 +414,7 @@ MASK_PENALTY = -10000.0        # vllm-mindspore attention_mask.py: the additive 
 
 
 VARIANT_ENV = "MSINFER_ASCEND_EMULATE_VARIANT"
-VARIANTS = ("fa_cumulative", "pa_wrong")
+VARIANTS = ("fa_cumulative", "pa_wrong", "qbmm_float32_scale")
 MEMORY_ENV = "MSINFER_ASCEND_EMULATE_MEMORY_GB"
 
 
@@ -428,7 +428,8 @@ def emulate_variants(env: dict | None = None) -> tuple[str, ...]:
     contract only a card settles, so that tests prove the start-up self-check adapts
     (worker.kernel_check). fa_cumulative: FlashAttentionScore reads actual_seq_qlen/kvlen as
     cumulative ends (ACLNN's TND docstring); pa_wrong: PagedAttention reads every query token as
-    its sequence's last position (no causal mask within a chunk)."""
+    its sequence's last position (no causal mask within a chunk); qbmm_float32_scale:
+    QuantBatchMatmul refuses scales of int64 (float32 bits), taking float32 ones only."""
     text = (os.environ if env is None else env).get(VARIANT_ENV, "")
     chosen = tuple(v.strip() for v in text.split(",") if v.strip())
     unknown = [v for v in chosen if v not in VARIANTS]

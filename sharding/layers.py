@@ -85,6 +85,11 @@ class PerTokenInt8(nn.Cell):
     def construct(self, x):
         if self.kernel is not None:
             return self.kernel(x, self.meta)
+        levels, s = self.levels(x)
+        return (levels * s).astype(x.dtype)
+
+    def levels(self, x):
+        """(each row's int8 levels [M, K], float32; its scale [M, 1] float32)."""
         xf = x.astype(mstype.float32)
         amax = ops.abs(xf).max(axis=-1, keepdims=True)
         if self.gather is not None:
@@ -92,7 +97,7 @@ class PerTokenInt8(nn.Cell):
         s = amax / self.divisor
         s = s + (s == 0).astype(mstype.float32) * self.eps
         r = round_half_away(xf / s) if self.half_away else ops.round(xf / s)
-        return (ops.clip(r, -128.0, 127.0) * s).astype(x.dtype)
+        return ops.clip(r, -128.0, 127.0), s
 
 
 def round_half_away(y):
@@ -173,6 +178,19 @@ class LinearBase(InputQuantized, nn.Cell):
         self.weight = new_param((out_size, in_size), dtype, "weight")
         self.bias = new_param((out_size,), dtype, "bias") if bias else None
         self.input_quant = None
+        self.quant_scheme = None     # the checkpoint's scheme of this layer (CausalLM.quantize_inputs)
+        # a device that multiplies int8 weights itself (`hold_int8`): its cell (x, int8 weight
+        # [out, in], their scales) -> y, which quantizes a W8A8 layer's inputs itself
+        self.int8_matmul = self.weight_scale = None
+
+    def hold_int8(self, matmul: nn.Cell, levels: np.ndarray, scales) -> None:
+        """Keep the weight as its int8 levels [out, in] and their scales (a Tensor in the dtype the
+        device's `matmul` takes), multiplied by `matmul`, which quantizes the inputs itself (with
+        the layer's input quantizer's parameters, where it has one)."""
+        self.weight = Parameter(Tensor(levels, mstype.int8), name=self.weight.name, requires_grad=False)
+        self.weight_scale = Parameter(scales, name=self.weight.name + "_scale", requires_grad=False)
+        self.int8_matmul = matmul
+        named(matmul, self.weight.name.rsplit(".", 1)[0])     # (the quantizer's parameters are renamed)
 
     def input_split(self) -> int:
         return self.tp.size if self.tp_dim == 1 else 0
@@ -187,10 +205,16 @@ class LinearBase(InputQuantized, nn.Cell):
         copy_into(param, read_shard(src, dim, self.tp.rank * (size or 0), size))
 
     def construct(self, x):
+        y = self.product(x)
+        return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y
+
+    def product(self, x):
+        """x W^T, the inputs quantized first where the checkpoint says so."""
+        if self.int8_matmul is not None:
+            return self.int8_matmul(x, self.weight, self.weight_scale)
         if self.input_quant is not None:
             x = self.input_quant(x)
-        y = self.matmul(x, self.weight)
-        return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y
+        return self.matmul(x, self.weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -217,9 +241,7 @@ class RowParallelLinear(LinearBase):
         self.all_reduce = ops.AllReduce() if tp.size > 1 and reduce else None
 
     def construct(self, x):
-        if self.input_quant is not None:
-            x = self.input_quant(x)
-        y = self.matmul(x, self.weight)
+        y = self.product(x)
         if self.all_reduce is not None:
             y = self.all_reduce(y)
         return y + ops.broadcast_to(self.bias, y.shape) if self.bias is not None else y

@@ -318,7 +318,8 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
                    experts: bool | None = None, stage: Stage = Stage(), int8: bool = False) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
     all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
-    row as they are (the CPU kernels: a byte a weight and 4 a row), the rest in dtype_bytes, as is
+    row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
+    quantized matmuls take 2, 4 or 8 bytes a row, sharding.quant.Scheme.int8_kind), the rest in dtype_bytes, as is
     latent attention's kv_b_proj: its weight is absorbed into the query as a whole, not a matmul's."""
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
@@ -331,7 +332,7 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
         held_int8 = (int8 and cfg.quant and module and ".experts." not in p.name
                      and not (cfg.mla is not None and module.endswith(".kv_b_proj")))
         scheme = cfg.quant.scheme_for(module) if held_int8 else None
-        if scheme is not None and scheme.bits == 8 and not scheme.group_size and module != "lm_head":
+        if scheme is not None and scheme.int8_kind and module != "lm_head":
             total += n + 4 * p.rank_shape[0]
         else:
             total += n * dtype_bytes

@@ -79,6 +79,15 @@ class Scheme:
     def name(self) -> str:
         return self.modelslim or f"W{self.bits}A{8 if self.act_int8 else 16}"
 
+    @property
+    def int8_kind(self) -> str | None:
+        """How a device that multiplies int8 weights itself runs a layer of this scheme: "weight"
+        (int8 weights per channel, float inputs), "dynamic" (and int8 inputs per token), "static"
+        (ModelSlim W8A8: a per-layer input scale and offset); None: int4 groups, held dequantized."""
+        if self.bits != 8 or self.group_size:
+            return None
+        return "static" if self.static else "dynamic" if self.act_int8 else "weight"
+
     def describe(self) -> str:
         if self.static:
             return f"{self.name} (int8 weights, int8 inputs with a static scale and offset per layer)"
@@ -388,6 +397,19 @@ class Dequantized(np.ndarray):
         out = values.view(Dequantized)
         out.row_scales = row_scales
         return out
+
+
+def int8_levels(w: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """A loaded weight [N, K] and each row's scale (Dequantized.row_scales) -> its int8 levels q
+    with w == q * scales[:, None] exactly; None where a row has no scale (NaN: loaded from a float
+    tensor), a scale is not positive, or w is not exactly that (an adapter merged into it): then the
+    device keeps the float weight."""
+    if np.isnan(scales).any() or not (scales > 0).all():
+        return None
+    q = np.rint(w.astype(np.float32) / scales[:, None])
+    if q.min(initial=0) < -128 or q.max(initial=0) > 127:
+        return None
+    return q.astype(np.int8) if np.array_equal((q * scales[:, None]).astype(w.dtype), w) else None
 
 
 def scale_values(s: np.ndarray) -> np.ndarray:

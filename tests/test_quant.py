@@ -472,21 +472,89 @@ def test_modelslim_checkpoints_match_the_reference_of_their_arithmetic(name, kin
     assert same >= 0.5 * len(PROMPTS) * N_NEW, same
 
 
+def int8_weights(runner) -> list[str]:
+    import mindspore as ms
+    return [p.name for p in runner.model.get_parameters() if p.dtype == ms.int8]
+
+
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
 def test_weight_only_checkpoints_on_the_portable_and_emulated_ascend_paths(scheme, quantized):
-    """The paths that dequantize the weights as they load: the portable operators in float32 and
-    the emulated Ascend kernels in float16 give transformers' tokens, and logits within each
-    path's tolerance (tests/test_ascend.py), on a weight-only checkpoint."""
+    """The portable operators in float32 (weights dequantized as they load) and the emulated Ascend
+    kernels in float16 (int8 weights per channel through WeightQuantBatchMatmul, int4 groups
+    dequantized) give transformers' tokens, and logits within each path's tolerance
+    (tests/test_ascend.py), on a weight-only checkpoint."""
     from tests.test_ascend import ATOL, assert_greedy_parity
     from tests.test_ascend import runner_for as path_runner
     path = quantized("qwen3_qknorm_odd_head_dim", scheme)
     for kind in ("portable", "ascend-emulated"):
-        rec = Recording(path_runner(path, kind))
+        runner = path_runner(path, kind)
+        # the four projections of each of the two layers
+        assert len(int8_weights(runner)) == (8 if (kind, scheme) == ("ascend-emulated", "w8a16") else 0)
+        rec = Recording(runner)
         out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             ref_tokens, ref_logits = hf_quantized(path, prompt)
             assert_greedy_parity(f"{scheme} {kind} prompt {i}", out[i], [step[i] for step in rec.logits], ref_tokens,
                                  ref_logits, ATOL[kind])
+
+
+def forced_logits(runner, references: list) -> list[float]:
+    """Each step's largest logit difference from `references` (per prompt: (tokens, logits)) with
+    the reference's tokens fed back (teacher forcing), so that a near tie in float16 does not part
+    the sequences."""
+    rec = Recording(runner)
+    d = Driver(rec)
+    d.prefill(dict(enumerate(PROMPTS)))
+    for step in range(N_NEW):
+        for i, (tokens, _) in enumerate(references):
+            d.seqs[i]["gen"][-1] = tokens[step]
+        if step < N_NEW - 1:
+            d.decode()
+    return [max(np.abs(rec.logits[step][i] - logits[step]).max() for i, (_, logits) in enumerate(references))
+            for step in range(N_NEW)]
+
+
+# float16 rounds each layer's input before it is quantized, which moves a few levels: ~0.1 at most
+# on these models (measured: 0.06-0.10 on both Ascend paths, with and without the int8 kernels)
+INT8_FLOAT16_ATOL = 0.2
+
+
+@pytest.mark.parametrize("name,kind", [("qwen3_qknorm_odd_head_dim", "w8a8"), ("llama_mha_bias", "W8A8"),
+                                       ("qwen3_qknorm_odd_head_dim", "W8A8_DYNAMIC")])
+def test_w8a8_layers_run_on_ascends_quantized_matmuls(name, kind, quantized, checkpoint, tmp_path, monkeypatch):
+    """On the emulated Ascend path (float16), compressed-tensors W8A8 and ModelSlim W8A8 (static
+    input scale and offset, a bias) and W8A8_DYNAMIC layers keep their int8 weights and run
+    QuantBatchMatmul on int8 inputs (per-token levels in primitives, QuantV2, DynamicQuantExt):
+    each step's logits, teacher-forced, are the reference arithmetic's in float32 within float16's
+    rounding, where an error in the scales (per token, per row) is O(1). plan counts the int8
+    weights (a byte each, their scales at 4 bytes a row: held 2-8) and says which matmuls hold them;
+    with portable operators the weights are dequantized, and counted so."""
+    from tests.test_ascend import ascend_spec
+    from tests.test_ascend import runner_for as path_runner
+    if kind == "w8a8":
+        path = quantized(name, kind)
+        references = [hf_quantized(path, prompt) for prompt in PROMPTS]
+    else:
+        src = checkpoint(name)
+        path = modelslim_checkpoint(src, src.parent / f"{name}-ms{kind}", kind)
+        references = [modelslim_reference(path, prompt) for prompt in PROMPTS]
+    runner = path_runner(path, "ascend-emulated")
+    assert len(int8_weights(runner)) == 8
+    assert max(forced_logits(runner, references)) < INT8_FLOAT16_ATOL
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    plan = plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1}, sampling={"max_new_tokens": N_NEW},
+                                model={"max_model_len": 128, "dtype": "float16"},
+                                scheduler={"max_batched_tokens": 128}), check_io=False)
+    held = runner.load_stats["bytes"]
+    rows = sum(p.shape[0] for p in runner.model.get_parameters() if p.name.endswith("weight_scale"))
+    # (and ModelSlim's input scale and offset, 8 bytes a layer, which plan leaves out)
+    assert abs(plan.weight_bytes_per_rank - held) <= 4 * rows + 8 * 8, (plan.weight_bytes_per_rank, held)
+    assert held < 0.7 * plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1},
+                                             sampling={"max_new_tokens": N_NEW},
+                                             model={"max_model_len": 128, "dtype": "float16", "ops": "portable"},
+                                             scheduler={"max_batched_tokens": 128}),
+                                 check_io=False).weight_bytes_per_rank
+    assert "stay int8 (Ascend's quantized matmuls)" in plan.describe()
 
 
 def experts_int4_checkpoint(src, out):
@@ -553,3 +621,72 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
         assert one[i] == ref_tokens and two[i] == ref_tokens, f"prompt {i}"
         for step in (0, N_NEW - 1):
             assert np.abs(rec.logits[step][i] - ref_logits[step]).max() < LOGIT_ATOL
+
+
+def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint, monkeypatch):
+    """A float16 ModelSlim W8A8 layer hands QuantBatchMatmul its deq_scale as int64 float32 bits
+    (golden-stick's reading); with a stand-in that takes float32 scales only (the
+    qbmm_float32_scale variant), the start-up check finds the float32 reading, the layers keep
+    their int8 weights and the logits are the documented stand-ins' to the last bit. A kernel that
+    matches under no reading is marked portable, and its layers keep dequantized weights."""
+    import mindspore as ms
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.sharding.quant import MODELSLIM_SCHEMES
+    from msinfer.worker import ascend, kernel_check
+    from msinfer.worker.runner import ModelRunner
+    from tests.test_ascend import runner_for as path_runner
+    monkeypatch.setenv("MSINFER_CACHE", str(checkpoint("llama_mha_bias").parent / "kernel-cache-int8"))
+    src = checkpoint("llama_mha_bias")
+    path = modelslim_checkpoint(src, src.parent / "llama_mha_bias-msW8A8", "W8A8")
+
+    def logits(runner):
+        rec = Recording(runner)
+        Driver(rec).generate(dict(enumerate(PROMPTS)), 3)
+        return rec.logits
+    checked = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                       dtype="float16", emulate_variants=("qbmm_float32_scale",)))
+    verdicts = kernel_check.conventions(checked.kernel_check)
+    assert verdicts["QuantBatchMatmul"] == "float32" and checked.kernel_check["QuantBatchMatmul"]["cases"] == ["static"]
+    assert len(int8_weights(checked)) == 8
+    for a, b in zip(logits(checked), logits(path_runner(path, "ascend-emulated"))):
+        np.testing.assert_array_equal(a, b)
+
+    class Unscaled(ascend.QuantBatchMatmul):          # leaves out the weights' scales
+        def construct(self, x1, x2, scale, offset=None, bias=None, pertokenScaleOptional=None):
+            return super().construct(x1, x2, ms.ops.ones_like(scale.astype(ms.float32)), offset, bias,
+                                     pertokenScaleOptional)
+    monkeypatch.setattr(ascend.StandIns, "QuantBatchMatmul", Unscaled)
+    results = kernel_check.check_quant(ascend.EmulatedAscendOps, 64, "float16", ("dynamic", "dynamic-kernel"))
+    assert results["QuantBatchMatmul"]["convention"] == "portable"
+    seam = ascend.EmulatedAscendOps.with_conventions(kernel_check.conventions(results))
+    assert seam.int8_linear(MODELSLIM_SCHEMES["W8A8_DYNAMIC"], None, ms.float16) is None
+    # before the weights load, the card's plan learns it (the actor's card_memory stage)
+    ec = EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16")
+    assert kernel_check.int8_usable(ec, 1) is False
+
+
+def test_a_card_whose_int8_matmuls_fail_the_check_plans_the_dequantized_weights(checkpoint, tmp_path, monkeypatch):
+    """The card plan, re-made with the cards' measurements (launcher.job.card_replanner), counts a
+    quantized checkpoint's int8 layers dequantized where the cards' int8 matmuls failed the check,
+    says so, and gives the KV cache no more than the rest."""
+    from msinfer.launcher.job import card_replanner
+    from tests.test_ascend import ascend_spec
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    src = checkpoint("llama_mha_bias")
+    path = modelslim_checkpoint(src, src.parent / "llama_mha_bias-msW8A8", "W8A8")
+
+    def plan(ops="auto"):
+        return plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1}, sampling={"max_new_tokens": N_NEW},
+                                    model={"max_model_len": 128, "dtype": "float16", "ops": ops},
+                                    scheduler={"max_batched_tokens": 128}), check_io=False)
+    planned = plan()
+    replan, card = card_replanner(planned), planned.card
+    block = card.kv // card.blocks
+    # a card with room for the int8 weights and 8 blocks past them
+    total = int((card.runtime + card.activations + card.weights + 8.5 * block) / card.fraction)
+    held, dequantized = replan(total, 0, "measured", True).card, replan(total, 0, "measured", False).card
+    assert held["weights"] == planned.weight_bytes_per_rank and "int8_note" not in held and held["blocks"] >= 6
+    float_weights = plan("portable").weight_bytes_per_rank
+    assert dequantized["weights"] == float_weights > 1.4 * held["weights"]
+    assert "failed the start-up kernel check" in dequantized["int8_note"]
+    assert held["blocks"] - dequantized["blocks"] >= (float_weights - held["weights"]) // block >= 1

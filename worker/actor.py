@@ -124,7 +124,18 @@ class Worker:
     def card_memory(self, engine_config) -> dict:
         """Start-up stage between join and load on a card: its total memory and what is in use on
         it already (bytes), as the device reports them (MindSpore's get_device_properties), or an
-        emulated card's size (EngineConfig.emulate_memory, nothing in use); {} where unknown."""
+        emulated card's size (EngineConfig.emulate_memory, nothing in use); {} where unknown. For
+        a quantized checkpoint, `int8`: whether the card's int8 matmuls pass the start-up kernel
+        check (worker.kernel_check.int8_usable), which decides the weights' bytes."""
+        card = self.measure_card(engine_config)
+        if card:
+            from msinfer.worker.kernel_check import int8_usable
+            usable = int8_usable(engine_config, self.tp.size)
+            if usable is not None:
+                card["int8"] = usable
+        return card
+
+    def measure_card(self, engine_config) -> dict:
         if engine_config.emulate:
             m = engine_config.emulate_memory
             return {} if m is None else {"total": m, "in_use": 0, "source": "MSINFER_ASCEND_EMULATE_MEMORY_GB"}

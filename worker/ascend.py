@@ -14,6 +14,9 @@ on cards (../shared/ASCEND.md has the sources):
     MoeInitRoutingV2     the (token, expert) pairs sorted by expert, the tokens' rows gathered
     GroupedMatmulV4      each expert's rows times its weights [E, in, out] (gate/up, then down)
     MoeTokenUnpermute    each token's k rows back, weighted and summed
+    QuantBatchMatmul     a W8A8 layer's int8 inputs times its int8 weights, scaled per output
+                         (and per token): after DynamicQuantExt (per token) or QuantV2 (static)
+    WeightQuantBatchMatmul  a W8A16 layer's float inputs times its int8 weights
 
 Rotary runs in MindSpore primitives on the card (MsOps.rotary): msinfer's position schemes give
 each token its own cos/sin rows, and ApplyRotaryPosEmb's contract for per-token tables (vllm-
@@ -41,11 +44,13 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
+from msinfer.sharding.layers import round_half_away
 from msinfer.worker.ops import (MsOps, PortableLatentAttention, cache_index, latent_paged_attention,
                                 packed_attention, paged_attention, rms_norm)
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")
+QUANT_KERNELS = ("QuantBatchMatmul", "WeightQuantBatchMatmul", "DynamicQuantExt", "QuantV2")
 
 
 def flash_mask(dtype) -> Tensor:
@@ -227,6 +232,78 @@ class AscendExperts(nn.Cell):
                                    group_type=0, group_list_type=1)[0]
 
 
+def float_bits(scales: np.ndarray) -> np.ndarray:
+    """Scales as int64 holding their float32 bits: what QuantBatchMatmul takes for float16 outputs
+    (golden-stick numpy_quant_common.py trans_fp32_to_i64; vllm-mindspore a8w8.py on 310P)."""
+    return np.ascontiguousarray(scales, np.float32).view(np.uint32).astype(np.int64)
+
+
+class AscendInt8Linear(nn.Cell):
+    """(x [M, in], w [out, in] int8, scales [out]) -> x W^T [M, out] in the compute dtype, for a
+    layer held as its int8 levels with a scale per output (CausalLM.hold_int8), by `kind`
+    (sharding.quant.Scheme.int8_kind):
+
+        weight   WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)
+                 (x, w, antiquant_scale [out] in the compute dtype, antiquant_offset zeros): golden-stick
+                 (ptq/hal.py, the one source that calls it) passes -zero point as the offset, zeros
+                 for symmetric weights
+        dynamic  each token's int8 levels and scale, then QuantBatchMatmul(False, True, dtype)(levels,
+                 w, scale [out] float32, None, None, pertokenScaleOptional [M] float32), as MindFormers'
+                 a8dynw8.py calls it. The levels come from DynamicQuantExt(x, None) where its arithmetic
+                 is the checkpoint's (max|x| / 127, halves away from zero: ModelSlim W8A8_DYNAMIC) and the
+                 row is whole on this rank; else from the layer's quantizer in primitives
+                 (sharding.layers.PerTokenInt8: compressed-tensors' max|x| / 127.5 and halves to even;
+                 a row split over ranks takes their maximum)
+        static   QuantV2(x, 1 / input_scale, input_offset, False, "ROUND", int8), both [in] in the
+                 compute dtype (MindFormers a8w8.py reads ModelSlim's so: the reciprocal, offset
+                 float), then QuantBatchMatmul(False, True, dtype)(levels, w, deq_scale [out], None,
+                 None); the layer adds quant_bias * deq_scale after it (the same sum as the kernel's
+                 int32 bias before the scale). deq_scale is float32 for bfloat16 outputs and int64
+                 holding its float32 bits for float16 ones (golden-stick hal.py)
+
+    convention "float32" (the start-up self-check's second reading, worker.kernel_check): every
+    QuantBatchMatmul scale float32. The weights stay [out, in] as the checkpoint has them
+    (transpose_x2 / transpose_weight), as all three projects keep them."""
+
+    def __init__(self, kernels, kind: str, quantizer, dtype, convention: str = "ok"):
+        super().__init__()
+        self.kind, self.dtype, self.convention = kind, dtype, convention
+        self.quantizer = quantizer
+        if kind == "weight":
+            self.matmul = kernels.WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True,
+                                                         antiquant_group_size=0)
+            return
+        self.matmul = kernels.QuantBatchMatmul(transpose_x1=False, transpose_x2=True, dtype=dtype)
+        self.dynamic_quant = self.quant = None
+        if kind == "static":
+            self.quant = kernels.QuantV2()
+        elif quantizer.divisor == 127.0 and quantizer.half_away and quantizer.gather is None:
+            self.dynamic_quant = kernels.DynamicQuantExt()
+
+    def scales(self, scales: np.ndarray) -> Tensor:
+        """Each output's scale as this kind's kernel takes it."""
+        if self.kind == "weight":
+            return Tensor(np.asarray(scales, np.float32), self.dtype)
+        if self.kind == "static" and self.dtype == ms.float16 and self.convention == "ok":
+            return Tensor(float_bits(scales))
+        return Tensor(np.asarray(scales, np.float32), ms.float32)
+
+    def construct(self, x, w, scale):
+        if self.kind == "weight":
+            return self.matmul(x, w, scale, ops.zeros_like(scale), None, None, None)
+        if self.kind == "static":
+            k = (x.shape[-1],)
+            levels = self.quant(x, ops.broadcast_to((1.0 / self.quantizer.scale).astype(x.dtype), k),
+                                ops.broadcast_to(self.quantizer.offset.astype(x.dtype), k), False, "ROUND", ms.int8)
+            return self.matmul(levels, w, scale, None, None, None)
+        if self.dynamic_quant is not None:
+            levels, per_token = self.dynamic_quant(x, None)
+        else:
+            levels, per_token = self.quantizer.levels(x)
+            levels = levels.astype(ms.int8)
+        return self.matmul(levels, w, scale, None, None, per_token.reshape(-1).astype(ms.float32))
+
+
 class AscendOps(MsOps):
     """The fused Ascend kernels (module docstring); MsOps for the rest."""
     name = "ascend"
@@ -271,6 +348,19 @@ class AscendOps(MsOps):
     @classmethod
     def moe_op(cls):
         return AscendExperts(cls.kernels)
+
+    @classmethod
+    def int8_linear(cls, scheme, quantizer, dtype):
+        """AscendInt8Linear for a layer of `scheme`, or None where its weights stay dequantized:
+        int4 groups (WeightQuantBatchMatmul takes them packed two to a byte, as qint4x2, which
+        MindSpore's CPU cannot run: not emulated, so not called), and a kernel the self-check
+        found wanting."""
+        kind = scheme.int8_kind
+        kernel = "WeightQuantBatchMatmul" if kind == "weight" else "QuantBatchMatmul"
+        convention = cls.conventions.get(kernel, "ok")
+        if kind is None or convention == "portable":
+            return None
+        return AscendInt8Linear(cls.kernels, kind, quantizer, dtype, convention)
 
     @staticmethod
     def cache_param(shape: tuple, dtype, name: str):
@@ -488,6 +578,106 @@ class MoeTokenUnpermute(nn.Cell):
         return (rows * ops.broadcast_to(probs.astype(rows.dtype).expand_dims(-1), rows.shape)).sum(1)
 
 
+def _bits_to_float(bits):
+    """int64 holding a positive float32's bits -> that float32 (MindSpore 2.10 has no bit cast)."""
+    b = bits.astype(ms.float64)
+    exponent = ops.floor(b / 8388608.0)
+    return ((1.0 + (b - exponent * 8388608.0) / 8388608.0) * ops.pow(2.0, exponent - 127.0)).astype(ms.float32)
+
+
+class QuantBatchMatmul(nn.Cell):
+    """Stand-in (CANN's QuantBatchMatmulV3 formulas, hicann/ops-nn matmul/quant_batch_matmul_v3):
+    x1 [M, K] int8 times x2 [N, K] (transpose_x2) or [K, N] int8, summed exactly; plus an int32
+    bias; times scale [N] (float32, bfloat16, or int64 holding float32 bits) and
+    pertokenScaleOptional [M] float32; plus offset; in `dtype`. The products are summed in float32
+    here (exact while |sum| < 2^24). With the qbmm_float32_scale variant an int64 scale is refused,
+    as a card whose kernel takes float32 scales only would."""
+
+    def __init__(self, transpose_x1=False, transpose_x2=False, dtype=ms.float16):
+        super().__init__()
+        if transpose_x1:
+            raise NotImplementedError("the QuantBatchMatmul stand-in emulates transpose_x1 False only")
+        self.transpose_x2, self.dtype = transpose_x2, dtype
+        self.float32_scales = "qbmm_float32_scale" in VARIANTS_IN_FORCE
+
+    def construct(self, x1, x2, scale, offset=None, bias=None, pertokenScaleOptional=None):
+        if x1.dtype != ms.int8 or x2.dtype != ms.int8:
+            raise TypeError("QuantBatchMatmul takes int8 x1 and x2")
+        if self.float32_scales and scale.dtype == ms.int64:
+            raise TypeError("QuantBatchMatmul: an int64 scale is not supported (qbmm_float32_scale)")
+        w = x2.astype(ms.float32)
+        y = ops.matmul(x1.astype(ms.float32), w.T if self.transpose_x2 else w)
+        if bias is not None:
+            y = y + ops.broadcast_to(bias.astype(ms.float32).reshape(1, -1), y.shape)
+        s = _bits_to_float(scale) if scale.dtype == ms.int64 else scale.astype(ms.float32)
+        y = y * ops.broadcast_to(s.reshape(1, -1), y.shape)
+        if pertokenScaleOptional is not None:
+            y = y * ops.broadcast_to(pertokenScaleOptional.astype(ms.float32).reshape(-1, 1), y.shape)
+        if offset is not None:
+            y = y + ops.broadcast_to(offset.astype(ms.float32).reshape(1, -1), y.shape)
+        return y.astype(self.dtype)
+
+
+class WeightQuantBatchMatmul(nn.Cell):
+    """Stand-in (aclnnWeightQuantBatchMatmulV2, hicann/ops-nn): y = x @ ((weight + antiquant_offset) *
+    antiquant_scale) + bias, weight int8 [N, K] (transpose_weight) or [K, N], the scale and offset
+    [N] per output (antiquant_group_size 0; no output quantization), summed in float32, in x's dtype."""
+
+    def __init__(self, transpose_x=False, transpose_weight=False, antiquant_group_size=0):
+        super().__init__()
+        if transpose_x or antiquant_group_size:
+            raise NotImplementedError("the WeightQuantBatchMatmul stand-in emulates per-channel scales and "
+                                      "transpose_x False only")
+        self.transpose_weight = transpose_weight
+
+    def construct(self, x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None,
+                  bias=None):
+        if weight.dtype != ms.int8 or quant_scale is not None or quant_offset is not None:
+            raise TypeError("the WeightQuantBatchMatmul stand-in takes int8 weights and no output quantization")
+        shape = (-1, 1) if self.transpose_weight else (1, -1)
+        w = weight.astype(ms.float32)
+        if antiquant_offset is not None:
+            w = w + ops.broadcast_to(antiquant_offset.astype(ms.float32).reshape(shape), w.shape)
+        w = w * ops.broadcast_to(antiquant_scale.astype(ms.float32).reshape(shape), w.shape)
+        y = ops.matmul(x.astype(ms.float32), w.T if self.transpose_weight else w)
+        if bias is not None:
+            y = y + ops.broadcast_to(bias.astype(ms.float32).reshape(1, -1), y.shape)
+        return y.astype(x.dtype)
+
+
+class DynamicQuantExt(nn.Cell):
+    """Stand-in (its docstring): scale = max|x| / 127 over the last axis, y = round(x / scale) int8
+    (CANN's "round": halves away from zero); scale float32 [rows]. A row of zeros gives zeros."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, x, smooth_scales=None):
+        if smooth_scales is not None:
+            raise NotImplementedError("the DynamicQuantExt stand-in emulates smooth_scales None only")
+        xf = x.astype(ms.float32)
+        s = ops.abs(xf).max(axis=-1, keepdims=True) / 127.0
+        s = s + (s == 0).astype(ms.float32) * float(np.finfo(np.float32).eps)
+        y = ops.clip(round_half_away(xf / ops.broadcast_to(s, xf.shape)), -128.0, 127.0)
+        return y.astype(ms.int8), s.reshape(x.shape[:-1])
+
+
+class QuantV2(nn.Cell):
+    """Stand-in (its docstring, sqrt_mode False): y = round(scale * x + offset), scale and offset [K]
+    in x's dtype, rounding "ROUND" (halves away from zero), clamped to int8."""
+
+    def __init__(self):
+        super().__init__()
+
+    def construct(self, x, scale, offset, sqrt_mode=False, rounding_mode="ROUND", dst_type=ms.int8):
+        if sqrt_mode or rounding_mode != "ROUND" or dst_type != ms.int8:
+            raise NotImplementedError("the QuantV2 stand-in emulates sqrt_mode False, ROUND, int8 only")
+        xf = x.astype(ms.float32)
+        y = xf * ops.broadcast_to(scale.astype(ms.float32).reshape(1, -1), xf.shape)
+        y = y + ops.broadcast_to(offset.astype(ms.float32).reshape(1, -1), xf.shape)
+        return ops.clip(round_half_away(y), -128.0, 127.0).astype(ms.int8)
+
+
 class StandIns:
     """The stand-ins, under the names of mindspore.ops.auto_generate."""
     ReshapeAndCache = ReshapeAndCache
@@ -498,6 +688,10 @@ class StandIns:
     MoeInitRoutingV2 = MoeInitRoutingV2
     GroupedMatmulV4 = GroupedMatmulV4
     MoeTokenUnpermute = MoeTokenUnpermute
+    QuantBatchMatmul = QuantBatchMatmul
+    WeightQuantBatchMatmul = WeightQuantBatchMatmul
+    DynamicQuantExt = DynamicQuantExt
+    QuantV2 = QuantV2
 
 
 class EmulatedAscendOps(AscendOps):
@@ -517,7 +711,8 @@ def kernel_error(error: Exception, inputs: dict, kind: str, cfg, tp_heads: tuple
     and `model.ops: portable`. experts: (experts held, intermediate size of each) on this rank."""
     text = str(error)
     # (MoeTokenUnpermute runs as the primitive InnerMoeTokenUnpermute)
-    found = {m.start(): k for k in KERNELS + MOE_KERNELS for m in [re.search(rf"(?:\b|Inner){k}\b", text)] if m}
+    found = {m.start(): k for k in KERNELS + MOE_KERNELS + QUANT_KERNELS
+             for m in [re.search(rf"(?:\b|Inner){k}\b", text)] if m}
     if not found:
         return None
     kernel = found[min(found)]                   # the first named: MindSpore names the failing node first

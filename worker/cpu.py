@@ -20,6 +20,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 import numpy as np
 
+from msinfer.sharding.quant import int8_levels
 from msinfer.worker.ops import MsOps
 
 CSRC = Path(__file__).with_name("csrc")
@@ -192,12 +193,9 @@ class CpuOps(MsOps):
         has no scale (NaN: loaded from a float tensor, or an adapter was merged into it) or w is
         not exactly q * scale (then the float panels hold it)."""
         N, K = w.shape
-        if np.isnan(scales).any() or not (scales > 0).all():
+        q = int8_levels(w, scales)
+        if q is None:
             return None
-        q = np.rint(w.astype(np.float32) / scales[:, None])
-        if q.min(initial=0) < -128 or q.max(initial=0) > 127 or not np.array_equal((q * scales[:, None]).astype(w.dtype), w):
-            return None
-        q = q.astype(np.int8)
         if glu:
             q, scales = cls.interleave_glu(q), cls.interleave_glu(scales[:, None])[:, 0]
         packed = np.concatenate((np.ascontiguousarray(scales, np.float32).view(np.int8), cls.pack(q).reshape(-1)))

@@ -18,6 +18,17 @@ are the values) runs no FlashAttention; its chunk and decode cases check PagedAt
 mode (mla_v_dim) and ReshapeAndCache with one cache, the way worker.ascend.AscendLatentAttention
 calls them.
 
+A quantized checkpoint's int8 layers (`quant`, `quant_cases`) add, at [hidden, hidden]:
+
+    case      kernels                          conventions tried, in order
+    weight    WeightQuantBatchMatmul           the kernel, else portable
+    dynamic   QuantBatchMatmul after the       QuantBatchMatmul's scales as worker.ascend.
+              per-token levels (DynamicQuant-  AscendInt8Linear passes them (int64 float32 bits
+              Ext for ModelSlim's arithmetic)  for a static layer's float16 outputs), then float32
+    static    QuantBatchMatmul after QuantV2   scales throughout, else portable
+
+where "portable" keeps those layers' weights dequantized to the compute dtype (the float matmul).
+
 A kernel that matches under no convention is replaced, in that operation only, by the portable
 operators (worker/ops.py; AscendOps.with_conventions); PagedAttention must pass both its cases.
 The verdicts are cached per (MindSpore version, CANN version, device kind, shapes, dtype) in
@@ -40,7 +51,7 @@ import numpy as np
 
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("ok",), "ReshapeAndCache": ("ok",),
-               "RmsNorm": ("ok",)}
+               "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"), "WeightQuantBatchMatmul": ("ok",)}
 # each case's sequences: (tokens cached, tokens new)
 CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
 CHECK_VERSION = 1              # of this module's cases: a change makes the cached verdicts stale
@@ -65,26 +76,29 @@ def cann_version() -> str:
     return ""
 
 
-def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
+def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0,
+              quant: tuple[str, ...] = ()) -> dict:
     import mindspore as ms
     from msinfer.worker import ascend
     variants = ascend.VARIANTS_IN_FORCE if ops.kernels is ascend.StandIns else ()
     device = ops.name + (f" [{','.join(variants)}]" if variants else "")
     return {"mindspore": ms.__version__, "cann": cann_version(), "device": device, "heads": heads,
             "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
-            "check": CHECK_VERSION, **({"latent_values": values} if values else {})}
+            "check": CHECK_VERSION, **({"latent_values": values} if values else {}),
+            **({"quant": list(quant)} if quant else {})}
 
 
-def cached_check(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
+def cached_check(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0,
+                 quant: tuple[str, ...] = ()) -> dict:
     """`check_kernels`' verdicts, from the cache when this key was checked before (`cached`: True)."""
-    key = check_key(ops, heads, kv_heads, head_dim, block_size, dtype, values)
+    key = check_key(ops, heads, kv_heads, head_dim, block_size, dtype, values, quant)
     try:
         found = json.loads(cache_path(key).read_text())
         if found.get("key") == key:
             return {**found["results"], "cached": True}
     except (OSError, ValueError, AttributeError, KeyError):
         pass
-    results = check_kernels(ops, heads, kv_heads, head_dim, block_size, dtype, values)
+    results = check_kernels(ops, heads, kv_heads, head_dim, block_size, dtype, values, quant)
     store(key, results)
     return {**results, "cached": False}
 
@@ -116,9 +130,19 @@ def describe(results: dict) -> str:
     return "kernel check" + (" (cached)" if results.get("cached") else "") + ": " + ", ".join(parts)
 
 
-def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0) -> dict:
+def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0,
+                  quant: tuple[str, ...] = ()) -> dict:
     """{kernel: {"convention", "max_error", "seconds", "cases"}} for the seam `ops` (AscendOps or
-    EmulatedAscendOps) at this rank's shapes (module docstring); values > 0: latent attention's."""
+    EmulatedAscendOps) at this rank's shapes (module docstring); values > 0: latent attention's;
+    quant: the int8 cases of a quantized checkpoint (`quant_cases`)."""
+    out = _attention_kernels(ops, heads, kv_heads, head_dim, block_size, dtype, values)
+    if quant:
+        out.update(check_quant(ops, heads * head_dim, dtype, quant))
+    return out
+
+
+def _attention_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
+                       values: int) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     t0 = time.perf_counter()
@@ -153,6 +177,106 @@ def check_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size: int
     error = _norm_error(ops, heads * head_dim, dtype, rng)
     out["RmsNorm"] = _verdict("ok" if error <= TOLERANCE[dtype] else "portable", error, t0, ["norm"])
     return out
+
+
+def int8_held(results: dict) -> bool:
+    """Whether the check's verdicts keep a quantized checkpoint's int8 layers int8 (no int8 matmul
+    found wanting)."""
+    return all(results.get(k, {}).get("convention") != "portable"
+               for k in ("QuantBatchMatmul", "WeightQuantBatchMatmul"))
+
+
+def int8_usable(ec, tp_size: int) -> bool | None:
+    """Before the weights load, for the card plan: whether these cards keep a quantized
+    checkpoint's int8 layers int8 (the check's int8 verdicts, from the cache or run now and cached
+    for the load's own check), for EngineConfig `ec` at rank 0's shapes. None: a float checkpoint,
+    no int8 layers, or no check."""
+    from msinfer.sharding.config import ModelConfig, resolve_dtype
+    from msinfer.worker import ascend
+    from msinfer.worker.device import select_ops
+    cfg = ModelConfig.from_dir(ec.model_dir)
+    if not ec.kernel_check or cfg.quant is None or not quant_cases(cfg):
+        return None
+    if ec.emulate:
+        ascend.set_variants(ec.emulate_variants)
+    ops = select_ops(ec.device, ec.ops, emulate=ec.emulate)
+    if not hasattr(ops, "with_conventions"):
+        return None
+    dtype = resolve_dtype(ec.dtype, cfg, ec.device, ec.emulate, ec.ops)
+    return int8_held(cached_check(ops, *check_shapes(cfg, tp_size, ec.block_size, dtype)))
+
+
+def quant_cases(cfg) -> tuple[str, ...]:
+    """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
+    Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
+    (ModelSlim's, through DynamicQuantExt), "static"; () for a float one."""
+    if cfg.quant is None:
+        return ()
+    kinds = {s.int8_kind + ("-kernel" if s.int8_kind == "dynamic" and s.modelslim else "")
+             for s in cfg.quant.schemes if s.int8_kind}
+    return tuple(sorted(kinds))
+
+
+def check_quant(ops, hidden: int, dtype: str, cases: tuple[str, ...]) -> dict:
+    """The verdicts of the int8 matmuls (module docstring): for each kernel, the first convention
+    under which every case of it matches its reference."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for kernel, mine in (("WeightQuantBatchMatmul", [c for c in cases if c == "weight"]),
+                         ("QuantBatchMatmul", [c for c in cases if c != "weight"])):
+        if not mine:
+            continue
+        t0 = time.perf_counter()
+        for convention in CONVENTIONS[kernel]:
+            worst = max(_int8_error(ops.with_conventions({kernel: convention}), case, hidden, dtype, rng)
+                        for case in mine)
+            if worst <= TOLERANCE[dtype]:
+                break
+        else:
+            convention = "portable"
+        out[kernel] = _verdict(convention, worst, t0, mine)
+    return out
+
+
+def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
+    """One int8 case: x [5, hidden] times int8 weights [hidden, hidden] with a scale per row, through
+    the seam's int8 matmul as a quantized layer calls it, against the documented arithmetic in
+    float64 (inputs quantized as the case's scheme says)."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from msinfer.sharding.layers import input_quantizer
+    from msinfer.sharding.quant import MODELSLIM_SCHEMES, Scheme
+    mdt = getattr(ms, dtype)
+    scheme = {"weight": Scheme(8, 0, False), "dynamic": Scheme(8, 0, True),
+              "dynamic-kernel": MODELSLIM_SCHEMES["W8A8_DYNAMIC"], "static": MODELSLIM_SCHEMES["W8A8"]}[case]
+    quantizer = input_quantizer(scheme, "check") if scheme.act_int8 else None
+    matmul = seam.int8_linear(scheme, quantizer, mdt)
+    if matmul is None:
+        return float("inf")
+    x = _numpy(Tensor(rng.standard_normal((5, hidden)), mdt))          # as the device holds it
+    levels = rng.integers(-127, 128, (hidden, hidden)).astype(np.int8)
+    scales = rng.uniform(0.5, 1.5, hidden) / (127 * np.sqrt(hidden))
+    if case == "static":
+        scale, offset = 0.02, 3.0
+        quantizer.scale.set_data(Tensor(np.array([scale], np.float32)))
+        quantizer.offset.set_data(Tensor(np.array([offset], np.float32)))
+        inputs = np.clip(_half_away(x / scale + offset), -128, 127)
+    elif case != "weight":
+        s = np.abs(x).max(-1, keepdims=True) / scheme.act_divisor
+        inputs = np.clip(_half_away(x / s) if scheme.modelslim else np.rint(x / s), -128, 127) * s
+    else:
+        inputs = x
+    want = inputs @ (levels.astype(np.float64) * scales[:, None]).T
+    try:
+        got = _numpy(ms.jit(matmul.construct, **seam.jit_options)(Tensor(x, mdt), Tensor(levels),
+                                                                  matmul.scales(scales.astype(np.float32))))
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    return _error(got, want)
+
+
+def _half_away(y: np.ndarray) -> np.ndarray:
+    return np.sign(y) * np.floor(np.abs(y) + 0.5)
 
 
 def _verdict(convention: str, error: float, t0: float, cases: list[str]) -> dict:
@@ -325,19 +449,20 @@ def check_device(ec, cfg, tp_size: int) -> tuple[dict, str]:
              for k, v in results.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    H, KV, D, bs, dtype, values = shapes
+    H, KV, D, bs, dtype, values, quant = shapes
     head = (f"{ops.name}: {H} heads, {KV} KV heads, head_dim {D}"
             + (f" (latent attention: values the first {values})" if values else "")
-            + f", block_size {bs}, {dtype} (rank 0 of tp {tp_size}); tolerance {TOLERANCE[dtype]:g} of the "
-              f"reference's largest magnitude")
+            + f", block_size {bs}, {dtype}" + (f", int8 matmuls {', '.join(quant)}" if quant else "")
+            + f" (rank 0 of tp {tp_size}); tolerance {TOLERANCE[dtype]:g} of the reference's largest magnitude")
     return results, head + "\n" + table
 
 
 def check_shapes(cfg, tp_size: int, block_size: int, dtype: str) -> tuple:
-    """(heads, KV heads, head_dim, block_size, dtype, values) of rank 0 as its kernels see them;
-    latent attention: one KV head of the cache width, values its kv_lora_rank."""
+    """(heads, KV heads, head_dim, block_size, dtype, values, int8 cases) of rank 0 as its kernels
+    see them; latent attention: one KV head of the cache width, values its kv_lora_rank."""
     from msinfer.sharding.layout import TPInfo, kv_head_range
     if cfg.mla is not None:
-        return cfg.num_heads // tp_size, 1, cfg.mla.cache_width, block_size, dtype, cfg.mla.kv_lora_rank
+        return (cfg.num_heads // tp_size, 1, cfg.mla.cache_width, block_size, dtype, cfg.mla.kv_lora_rank,
+                quant_cases(cfg))
     lo, hi = kv_head_range(cfg, TPInfo(0, tp_size))
-    return cfg.num_heads // tp_size, hi - lo, cfg.head_dim, block_size, dtype, 0
+    return cfg.num_heads // tp_size, hi - lo, cfg.head_dim, block_size, dtype, 0, quant_cases(cfg)

@@ -20,7 +20,7 @@ from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearB
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
                                      StaticInt8, VocabParallelEmbedding, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
-from msinfer.sharding.quant import QuantizationError
+from msinfer.sharding.quant import QuantizationError, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
 from msinfer.worker.ops import MASKED, packed_attention
@@ -404,7 +404,8 @@ class CausalLM(nn.Cell):
 
     def quantize_inputs(self) -> None:
         """W8A8 (sharding.quant): each layer whose scheme quantizes its inputs does so before its
-        matmul. The checkpoint layers one matmul fuses (q, k, v; gate, up) must agree."""
+        matmul. The checkpoint layers one matmul fuses (q, k, v; gate, up) must agree. Each layer
+        keeps its scheme (`quant_scheme`) for a device that multiplies int8 weights itself."""
         layers: dict[int, tuple] = {}
         for name, (layer, param, _) in self.named_loaders().items():
             if name.endswith(".weight") and param is getattr(layer, "weight", None):
@@ -416,6 +417,7 @@ class CausalLM(nn.Cell):
                 raise QuantizationError(f"'{name}' shares one matmul with layers whose inputs the checkpoint "
                                         f"quantizes differently")
             (act, scheme), = acts.items()
+            layer.quant_scheme = scheme
             if act:
                 layer.quantize_inputs(scheme, name[:-len(".weight")], self.dev.quant_rows_op)
 
@@ -498,6 +500,8 @@ class CausalLM(nn.Cell):
                         setattr(cell, attr, Parameter(Tensor(data), name=w.name, requires_grad=False))
                 continue
             w = getattr(cell, "weight", None)
+            if self.dev.int8_linear is not None and isinstance(cell, LinearBase) and self.hold_int8(cell):
+                continue
             if (self.dev.pack_weight is None or not isinstance(cell, (LinearBase, VocabParallelEmbedding))
                     or not getattr(cell, "device_order", True)):
                 continue
@@ -510,10 +514,38 @@ class CausalLM(nn.Cell):
                 done[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = done[w.name]
 
+    def hold_int8(self, cell: LinearBase) -> bool:
+        """A layer whose weight loaded as int8 levels with a scale per row (sharding.quant.Dequantized)
+        keeps them as they are, multiplied by the device's int8 matmul (`dev.int8_linear`), where
+        the device has one for the layer's scheme (AscendOps: per its kernel self-check). Whether it does."""
+        w, scheme = cell.weight, cell.quant_scheme
+        scales = getattr(w, "row_scales", None)
+        if scheme is None or scales is None or not getattr(cell, "device_order", True):
+            return False
+        matmul = self.dev.int8_linear(scheme, cell.input_quant, self.dtype)
+        levels = int8_levels(w.asnumpy(), scales) if matmul is not None else None
+        if levels is None:
+            return False
+        name = w.name
+        cell.hold_int8(matmul, levels, matmul.scales(scales))
+        self.packed[name] = lambda t, s=scales.astype(np.float32): t.astype(np.float32) * s[:, None]
+        return True
+
+    def held_parameters(self) -> list[Parameter]:
+        """The parameters the checkpoint's weights are held in, once packed: what the loader wrote
+        and the scales of int8 weights (`hold_int8`)."""
+        held = {id(p): p for _, p, _ in self.named_loaders().values()}
+        held.update((id(c.weight_scale), c.weight_scale) for _, c in self.cells_and_names()
+                    if isinstance(c, LinearBase) and c.weight_scale is not None)
+        return list(held.values())
+
     def weights(self) -> dict[str, np.ndarray]:
-        """name -> value of every parameter but the KV cache, in the Hugging Face layout."""
+        """name -> value of every parameter but the KV cache, in the Hugging Face layout (an int8
+        weight dequantized, its scales not listed)."""
+        scales = {id(c.weight_scale) for _, c in self.cells_and_names()
+                  if isinstance(c, LinearBase) and c.weight_scale is not None}
         return {p.name: self.packed[p.name](p.asnumpy()) if p.name in self.packed else p.asnumpy()
-                for p in self.get_parameters() if "cache" not in p.name}
+                for p in self.get_parameters() if "cache" not in p.name and id(p) not in scales}
 
     def named_loaders(self):
         """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""

@@ -168,6 +168,10 @@ class MsOps:
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
     quant_rows_op = None          # a W8A8 input's per-token int8 levels in one kernel (CpuOps)
+    # (scheme, the layer's input quantizer or None, compute dtype) -> a cell (x, int8 weight [out,
+    # in], its scales) -> y with a `scales(row scales) -> Tensor` method, or None where the device
+    # keeps that scheme's weights float (AscendOps; CausalLM.hold_int8)
+    int8_linear = None
     # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
     # MindSpore primitives, worker.device_sampler)
     sampler_kernels = None

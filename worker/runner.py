@@ -84,8 +84,7 @@ class ModelRunner:
                                               ec.allow_pickle, self.cfg.quant)
         self.model.pack_weights()
         if self.load_stats["bytes"]:          # as held: packing may change a weight's bytes (int8, tiles)
-            held = {id(p): p for _, p, _ in self.model.named_loaders().values()}
-            self.load_stats["bytes"] = sum(p.nbytes for p in held.values())
+            self.load_stats["bytes"] = sum(p.nbytes for p in self.model.held_parameters())
         self.load_s = time.perf_counter() - t0
         # One function per step kind (see CausalLM); the CPU kernels' attention is the same for both
         # kinds, so their prefill steps run the decode graph (not latent attention's, which differs:

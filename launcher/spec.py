@@ -247,7 +247,8 @@ class SamplingSpec(Section):
 class SchedulerSpec(Section):
     max_batch_size: int = Field(32, ge=1)
     # prompt tokens per prefill step, packed: a static graph keeps every intermediate of its step
-    # (~1 MB a token for the demo model), and 1024 was no faster than 512 on the CPU here
+    # (~1 MB a token for the demo model), and 512 to 4096 prefill equally fast on the CPU here
+    # (docs/benchmarks.md, "The prefill budget on the CPU")
     max_batched_tokens: int = Field(512, ge=1)
     block_size: int = Field(16, ge=1)
     kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len

@@ -33,10 +33,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from msinfer.launcher.bench_report import CSV_NAME, JSON_NAME, PNG_NAME, BenchRun, bench_meta, format_table, \
     plot_results
 from msinfer.launcher.errors import EXIT_JOB_FAILED, OutputError, UserError
+
+if TYPE_CHECKING:
+    from msinfer.launcher.job import Plan
+    from msinfer.sharding.config import ModelConfig
 
 
 class BenchError(UserError):
@@ -132,14 +137,14 @@ def make_cases(batch_sizes, input_lens, output_lens, kv_bytes_per_token: int) ->
 @dataclass
 class BenchPlan:
     model_dir: str
-    model: object                      # sharding.config.ModelConfig
+    model: ModelConfig
     tp: int
     device: str
     dtype: str
     max_model_len: int
     cases: list[Case]
     rejected: dict[Case, str]          # cases that cannot run, with the reason
-    job: object                        # launcher.job.Plan of the job every case runs as
+    job: Plan                          # of the job every case runs as
     weight_bytes_per_rank: int
     skip_load: bool
     repeats: int

@@ -57,7 +57,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import ray
 from ray.exceptions import RayError, RayTaskError
@@ -69,6 +69,14 @@ from msinfer.launcher.errors import UserError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done
 from msinfer.launcher.replica import LaunchError, NoRoom, Replica
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from msinfer.launcher.drain import Drain
+    from msinfer.launcher.tokenizer import Tokenizer
+    from msinfer.sharding.config import EngineConfig
 
 
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
@@ -126,7 +134,7 @@ class JobFailed(UserError):
 
 @dataclass
 class ControllerConfig:
-    engine_config: object                  # worker.runner.EngineConfig
+    engine_config: EngineConfig
     engine_setup: EngineSetup | None = None    # what each replica's engine needs
     tensor_parallel: int = 1
     data_parallel: int = 1
@@ -140,8 +148,8 @@ class ControllerConfig:
     startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
     worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
     worker_options: dict = field(default_factory=dict)
-    tokenizer: object = False              # the job's tokenizer, for an engine in this process (False: none)
-    card_planner: object = None            # on cards: launcher.job.card_replanner (launcher.replica.Replica)
+    tokenizer: Tokenizer | None | bool = False   # the job's, for an engine in this process (False: it loads its own)
+    card_planner: Callable[..., EngineConfig] | None = None   # on cards: launcher.job.card_replanner (Replica)
 
 
 @dataclass
@@ -150,7 +158,7 @@ class Slot:
     index: int
     replica: Replica
     outstanding: dict = field(default_factory=dict)    # serial -> (serial, Record): dealt, no result yet
-    pending: object = None                 # its exchange in flight (an ObjectRef; a LocalEngine's Future)
+    pending: ObjectRef | Future | None = None   # its exchange in flight (a LocalEngine's: a Future)
     sent: float = 0.0                      # when that exchange was sent
     want: int = 0                          # records it can take, as its last exchange said
     starting: Future | None = None
@@ -171,7 +179,7 @@ class Controller:
     seen: dict = field(default_factory=dict)           # hashes of the prompt beginnings seen, oldest first
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
     on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
-    ledger: object = None                              # the Ledger actor (with an engine setup)
+    ledger: ActorHandle | None = None                  # the Ledger actor (with an engine setup)
     failures: dict = field(default_factory=dict)       # serial -> [(failure number, why)] it was running in
     blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
     quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
@@ -180,7 +188,7 @@ class Controller:
     on_latency: Callable[[float], None] | None = None  # a record's seconds from its first dealing to its result
     no_room_since: dict = field(default_factory=dict)  # replica -> when its restart first found no room
     room_waits: list = field(default_factory=list)     # (replica, seconds it waited for room), ended waits
-    stop: object = None                                # launcher.drain.Drain: when to stop early (a run's)
+    stop: Drain | None = None                          # when to stop early (a run's)
     abandoned: int = 0                                 # records dealt and not finished when the loop stopped
 
     def _new_replica(self, index: int) -> Replica:

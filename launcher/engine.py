@@ -32,6 +32,7 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -39,6 +40,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
 from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.sharding.config import EngineConfig, ModelConfig
 
 STEP_KINDS = ("prefill", "decode")
 # per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
@@ -56,9 +63,9 @@ class EngineFailed(RuntimeError):
 @dataclass
 class EngineSetup:
     """What every engine of a job needs, sent once when it starts."""
-    spec: object                    # launcher.spec.JobSpec
-    model: object                   # sharding.config.ModelConfig
-    engine_config: object           # worker.runner.EngineConfig: the cache's blocks, max_model_len
+    spec: JobSpec
+    model: ModelConfig
+    engine_config: EngineConfig     # the cache's blocks, max_model_len
     output_format: str = "msinfer"
     stream: bool = False            # report the text of running sequences as it grows
     local: bool = False             # run the engine in the driver's process (LocalEngine)
@@ -69,7 +76,7 @@ class EngineSetup:
     # the longest an exchange waits with nothing to report (an engine still computing its
     # records answers this often, to tell the driver its room for more)
     wait_s: float = 1.0
-    ledger: object = None           # launcher.controller.Ledger's actor: which records each replica runs
+    ledger: ActorHandle | None = None   # launcher.controller.Ledger's actor: which records each replica runs
 
     @staticmethod
     def intervals(data_parallel: int, local: bool) -> dict:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -27,6 +28,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine_host, submit_step
 from msinfer.worker.actor import CommScheduler, Worker
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from msinfer.launcher.engine import EngineSetup
+    from msinfer.launcher.tokenizer import Tokenizer
+    from msinfer.sharding.config import EngineConfig
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -157,19 +165,20 @@ class Replica:
     startup_timeout_s: float = 900     # each start-up stage's deadline (fault.startup_timeout_s)
     worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
-    engine_setup: object = None         # launcher.engine.EngineSetup: start the replica's engine too
-    tokenizer: object = False           # a local engine's tokenizer, loaded already (False: load it)
-    on_stage: object = None             # on_stage(name) as each start-up stage begins (the progress bar)
-    # on cards: (total, in use, source) as the ranks measured them -> the EngineConfig whose KV cache
-    # that card holds (launcher.job.card_replanner); raises LaunchError where the card is too small
-    card_planner: object = None
+    engine_setup: EngineSetup | None = None   # start the replica's engine too
+    tokenizer: Tokenizer | None | bool = False   # a local engine's, loaded already (False: it loads its own)
+    on_stage: Callable[[str], None] | None = None   # as each start-up stage begins (the progress bar)
+    # on cards: (total, in use, source, int8 matmuls usable) as the ranks measured them -> the
+    # EngineConfig whose KV cache that card holds (launcher.job.card_replanner); raises LaunchError
+    # where the card is too small
+    card_planner: Callable[..., EngineConfig] | None = None
     workers: list = field(default_factory=list)
-    engine: object = None               # its engine: rank 0's actor handle, or a LocalEngine
-    scheduler: object = None            # stage 0's MindSpore scheduler actor (tp > 1)
+    engine: ActorHandle | LocalEngine | None = None   # its engine: rank 0's actor, or in this process
+    scheduler: ActorHandle | None = None   # stage 0's MindSpore scheduler actor (tp > 1)
     schedulers: list = field(default_factory=list)     # every stage's
     pgs: list = field(default_factory=list)            # a placement group per pipeline stage
     pp: int = 1                         # pipeline stages (EngineConfig.pipeline)
-    pipeline: object = None             # launcher.engine.Pipeline of `submit`
+    pipeline: Pipeline | None = None    # of `submit`
     ranks: list = field(default_factory=list)
     setup_info: list = field(default_factory=list)
     submitted: int = 0                  # steps submitted: the next one's index (Worker.step)

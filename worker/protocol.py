@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class StepOutput:
     # pipeline parallel: a stage but the last returns its hidden states ([tokens, hidden] float32,
     # the step's tokens in order) for the next stage instead of tokens; the last stage returns the
     # tokens it sampled by sequence (seq_id -> token) as well, for the first stage's SAMPLED
-    hidden: object = None
+    hidden: np.ndarray | None = None
     sampled: dict | None = None
 
 

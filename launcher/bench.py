@@ -202,7 +202,7 @@ def plan_bench(args) -> BenchPlan:
     except ValueError as e:
         raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
     dbytes = dtype_bytes(dtype)
-    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes_per_token(dbytes))
+    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, dbytes))
     weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, args.ops))
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),

@@ -88,7 +88,7 @@ class Plan:
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage,
                                      int8=holds_int8(self.engine.device, self.engine.ops))
-            kv = kv_block_bytes(m, tp, self.engine.block_size, dbytes, hi - lo) * (self.engine.blocks() + 1)
+            kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
                          + f": weights {weights / gib:.3f} GiB + KV cache {kv / gib:.3f} GiB per rank")
@@ -126,7 +126,7 @@ def latent_summary(m: ModelConfig, dbytes: int) -> str:
     a = m.mla
     heads = m.num_heads * (a.qk_head_dim + a.v_head_dim)
     return (f"latent: kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim} = {a.cache_width} values "
-            f"per token per layer, x {m.num_layers} layers x {dbytes} bytes = {m.kv_bytes_per_token(dbytes)} bytes per "
+            f"per token per layer, x {m.num_layers} layers x {dbytes} bytes = {m.kv_bytes(1, dbytes)} bytes per "
             f"token, {heads / a.cache_width:.0f}x less than {m.num_heads} heads' K and V; every rank caches the "
             f"latents of its layers whole")
 
@@ -216,13 +216,6 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
     return (f"{ranks} worker(s) x (weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB) = "
             f"{ranks * (weights + kv) / gib:.1f} GiB is more than {HOST_MEMORY_FRACTION:.0%} of this machine's "
             f"{have / gib:.1f} GiB")
-
-
-def kv_block_bytes(m: ModelConfig, tp: int, block_size: int, dbytes: int, layers: int | None = None) -> int:
-    """K and V (or MLA's latent) of every layer (of `layers` layers: a pipeline stage's) for one
-    cache block, on one rank."""
-    layers = m.num_layers if layers is None else layers
-    return layers * m.cache_values(tp) * dbytes * block_size
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple, int8: bool = False) -> int:
@@ -352,7 +345,7 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
     # whole rows gathered once for a step whose sampling changes its logits on the host
     activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
-    block = kv_block_bytes(m, tp, engine.block_size, dbytes, largest_stage(m, engine))
+    block = m.kv_bytes(engine.block_size, dbytes, tp, largest_stage(m, engine))
     return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
@@ -421,7 +414,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
-    kv = kv_block_bytes(m, tp, engine.block_size, dbytes, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
+    kv = m.kv_bytes(engine.block_size, dbytes, tp, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp

@@ -358,9 +358,11 @@ class ModelConfig:
             return self.mla.cache_width
         return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """The KV cache's bytes per token of the whole model (every layer, every head once)."""
-        return self.num_layers * self.cache_values() * dtype_bytes
+    def kv_bytes(self, tokens: int = 1, dtype_bytes: int = 4, tp: int = 1, layers: int | None = None) -> int:
+        """The KV cache's bytes for `tokens` tokens on one rank of tensor parallel `tp` (its heads,
+        `cache_values`) over `layers` layers (None: all: a pipeline stage holds its own): the
+        whole model's per token with the defaults, a cache block's with tokens = block_size."""
+        return (self.num_layers if layers is None else layers) * self.cache_values(tp) * dtype_bytes * tokens
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from msinfer.launcher.cli import main
-from msinfer.launcher.job import kv_block_bytes, plan_job
+from msinfer.launcher.job import plan_job
 from msinfer.sharding.config import ModelConfig, ModelConfigError
 from msinfer.sharding.layout import LayoutError
 from msinfer.worker.protocol import SeqStep
@@ -68,11 +68,11 @@ def test_plan_of_deepseek_v3_counts_the_latent_cache_and_names_the_stages_that_f
     plan = plan_job(deepseek_v3_spec(tmp_path), sizing=True)
     text = plan.describe()
     assert "576 values per token per layer, x 61 layers x 2 bytes = 70272 bytes per token, 71x less" in text
-    assert plan.model.kv_bytes_per_token(2) == 576 * 61 * 2
+    assert plan.model.kv_bytes(1, 2) == 576 * 61 * 2
     assert "multi-token prediction layer(s) (model.layers.61" in text
     # a rank of the last stage (16 layers): 16 x 576 values x 2 bytes a token, whatever tp is
-    assert kv_block_bytes(plan.model, 8, 16, 2, 16) == 16 * 576 * 2 * 16 == kv_block_bytes(plan.model, 1, 16, 2, 16)
-    assert plan.kv_bytes_per_rank == kv_block_bytes(plan.model, 8, 16, 2, 16) * (plan.engine.blocks() + 1)
+    assert plan.model.kv_bytes(16, 2, 8, 16) == 16 * 576 * 2 * 16 == plan.model.kv_bytes(16, 2, 1, 16)
+    assert plan.kv_bytes_per_rank == plan.model.kv_bytes(16, 2, 8, 16) * (plan.engine.blocks() + 1)
     with pytest.raises(LayoutError, match="parallel.pipeline_parallel 4 fits at tensor_parallel 8"):
         plan_job(deepseek_v3_spec(tmp_path, "parallel.pipeline_parallel=2"), sizing=True)
 

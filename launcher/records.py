@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
-from msinfer.launcher.scheduler import Sequence
+from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer
 from msinfer.launcher.writer import error_result, ok_result, score_result
 from msinfer.worker.protocol import SamplingParams
@@ -104,11 +104,10 @@ class RecordCodec:
             if bad:
                 raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
                                   f"(0..{self.vocab_size - 1})")
-            if continuation and len(ids) > max_len:
+            if not fits(len(ids), bool(continuation), max_len):
                 raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
-                                  f"model.max_model_len is {max_len}")
-            if not continuation and len(ids) >= max_len:
-                raise RecordError(f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
+                                  f"model.max_model_len is {max_len}" if continuation else
+                                  f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                   f"is {max_len}, which must also leave room for generated tokens")
             if continuation and sampling.n > 1:
                 raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a scored record "

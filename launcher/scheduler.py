@@ -44,6 +44,12 @@ from collections import deque
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SamplingParams, SeqStep
 
 
+def fits(num_tokens: int, scoring: bool, max_model_len: int) -> bool:
+    """Whether a sequence of num_tokens prompt tokens fits within max_model_len: a scored one
+    whole (prompt and continuation), a generated one with room for at least one new token."""
+    return num_tokens <= max_model_len if scoring else num_tokens < max_model_len
+
+
 DECODE = (1, True)         # a decode's entry in Sequence.in_flight: one token fed, one sampled
 
 
@@ -498,11 +504,10 @@ class Scheduler:
             seq.error = "empty prompt"
         elif seq.is_scoring and seq.num_score_tokens >= seq.num_tokens:
             seq.error = "scoring needs at least one prompt token before the continuation"
-        elif seq.is_scoring and seq.num_tokens > seq.max_model_len:
-            seq.error = f"prompt and continuation of {seq.num_tokens} tokens do not fit within {limit}"
-        elif not seq.is_scoring and seq.num_tokens >= seq.max_model_len:
-            seq.error = (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a generated "
-                         f"token within {limit}")
+        elif not fits(seq.num_tokens, seq.is_scoring, seq.max_model_len):
+            seq.error = (f"prompt and continuation of {seq.num_tokens} tokens do not fit within {limit}"
+                         if seq.is_scoring else f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a "
+                                                f"generated token within {limit}")
         else:
             return False
         self.finish(seq, "error")

@@ -67,7 +67,7 @@ from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFai
                                      wait_any)
 from msinfer.launcher.errors import UserError
 from msinfer.launcher.inputs import Record
-from msinfer.launcher.records import Done
+from msinfer.launcher.records import Done, error_result
 from msinfer.launcher.replica import LaunchError, NoRoom, Replica
 
 if TYPE_CHECKING:
@@ -493,7 +493,6 @@ class Controller:
 def quarantined_done(serial: int, rec: Record, failures: list, setup: EngineSetup) -> Done:
     """The error line of a quarantined record, in the job's output format."""
     from msinfer.launcher.openai_batch import openai_line
-    from msinfer.launcher.writer import error_result
     causes = "; ".join(dict.fromkeys(why for _, why in failures))
     message = (f"record '{rec.id}' was running when a replica failed, {len(failures)} times ({causes}); it is "
                f"quarantined: not computed again (fault.max_record_failures)")

@@ -18,7 +18,6 @@ from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer
-from msinfer.launcher.writer import error_result, ok_result, score_result
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
 
@@ -283,3 +282,32 @@ class RecordCodec:
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,
                     result.get("completion_tokens") or 0, ttft, cause, cached)
+
+
+# ---- result lines -------------------------------------------------------------------------------
+
+def ok_result(id: str, token_ids: list[int], text: str | None, finish_reason: str, prompt_tokens: int,
+              extra: dict | None = None) -> dict:
+    """`output_text` only when there is a tokenizer to decode with (`text` is not None)."""
+    result = {"id": id}
+    if text is not None:
+        result["output_text"] = text
+    result.update(output_token_ids=list(token_ids), finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                  completion_tokens=len(token_ids))
+    result.update(extra or {})
+    result["error"] = None
+    return result
+
+
+def score_result(id: str, continuation_ids: list[int], logprobs: list[float], prompt_tokens: int) -> dict:
+    """A scored record (task: score): log p of each continuation token given everything before it."""
+    if len(logprobs) != len(continuation_ids):
+        return error_result(id, "InternalError", f"{len(logprobs)} log-probabilities for "
+                                                 f"{len(continuation_ids)} continuation tokens")
+    return {"id": id, "continuation_token_ids": list(continuation_ids), "continuation_logprobs": list(logprobs),
+            "continuation_logprob_sum": float(sum(logprobs)), "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0, "error": None}
+
+
+def error_result(id: str, type: str, message: str) -> dict:
+    return {"id": id, "error": {"type": type, "message": message}}

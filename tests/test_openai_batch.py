@@ -9,7 +9,7 @@ import pytest
 
 from msinfer.launcher.inputs import parse_openai
 from msinfer.launcher.openai_batch import openai_line
-from msinfer.launcher.writer import error_result, ok_result
+from msinfer.launcher.records import error_result, ok_result
 
 CHAT = "/v1/chat/completions"
 

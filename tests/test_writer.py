@@ -9,8 +9,9 @@ import pytest
 
 from msinfer.launcher.errors import OutputError, UserError
 from msinfer.launcher import writer as writer_module
-from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, error_result, lock_path,
-                                     ok_result, status_path, summary_path, write_json_atomic)
+from msinfer.launcher.records import error_result, ok_result
+from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, lock_path, status_path, summary_path,
+                                     write_json_atomic)
 
 
 def lines(path):

@@ -16,6 +16,7 @@ from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
 from msinfer.sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
+from tests.checkpoints import VARIANTS
 
 ms.set_device("CPU")
 rng = np.random.default_rng(0)
@@ -203,3 +204,41 @@ def check_tp_problem(config, tp, ep) -> bool:
     except LayoutError:
         return True
     return False
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_the_plan_and_the_loaders_agree_on_every_tensor_and_its_slice(name, checkpoint):
+    """The planner's tensor list (sharding.layout.plan_tensors: what plan checks and sizes) and the
+    network's loaders (CausalLM.named_loaders and each layer's weight_loader) are two statements of
+    one layout. For every test architecture, at tp 1 and 2 (a mixture of experts sliced and expert
+    parallel), whole and as each stage of pp 2: they name the same tensors, and rank 0's
+    parameters hold exactly the slices the plan gives it (every checkpoint tensor filled with
+    values no other holds, loaded through the layers' own weight_loader)."""
+    from msinfer.sharding.layout import Stage, stage_layers
+    from msinfer.worker.model import CausalLM
+    from msinfer.worker.ops import MsOps
+    from msinfer.worker.positions import make_scheme
+    c = ModelConfig.from_dir(checkpoint(name))
+    freq = make_scheme("rope").freq_matrix(c)
+    for tp in (1, 2):
+        for ep in (False, True) if c.is_moe else (False,):
+            for stage in (Stage(), *(Stage.of(stage_layers(c.num_layers, 2), s) for s in range(2))):
+                where = f"{name} tp {tp} ep {ep} layers {stage.layers(c.num_layers)}"
+                plans = [p for p in plan_tensors(c, tp, ep, stage) if np.prod(p.rank_shape) > 0]   # held here
+                model = CausalLM(c, TPInfo(0, tp, ep), ms.float32, MsOps, 2, freq, 16, stage)
+                table = model.named_loaders()
+                assert sorted(table) == sorted(p.name for p in plans), where
+                want: dict[str, list] = {}
+                start = 1
+                for p in plans:
+                    src = np.arange(start, start + np.prod(p.full_shape), dtype=np.float32).reshape(p.full_shape)
+                    start += src.size
+                    layer, param, shard = table[p.name]
+                    layer.weight_loader(param, src, p.name, shard)
+                    want.setdefault(param.name, []).append(src[tuple(slice(0, n) for n in p.rank_shape)].ravel())
+                assert start < 2 ** 24, "values past float32's whole numbers"
+                held = {param.name: param.asnumpy().ravel() for _, param, _ in table.values()}
+                for pname, parts in want.items():
+                    got = held[pname]
+                    np.testing.assert_array_equal(np.sort(got[got != 0]), np.sort(np.concatenate(parts)),
+                                                  err_msg=f"{where}: {pname}")

@@ -65,7 +65,8 @@ def node_facts() -> dict:
 
 
 class CommScheduler:
-    """MindSpore's scheduler role for one group; lives until the actor is killed."""
+    """MindSpore's communication scheduler (its cluster's rendezvous, MS_ROLE=MS_SCHED) for one
+    group; not the batch scheduler (launcher.scheduler). Lives until the actor is killed."""
 
     def __init__(self, world: int):
         self.world = world

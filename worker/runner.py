@@ -1,5 +1,6 @@
-"""The engine of one rank: builds the network, loads its shard, allocates the KV cache once, and
-runs compiled prefill and decode steps.
+"""One rank's model runner (the engine, scheduler and sampling loop are the launcher's, beside rank
+0): builds the network, loads its shard, allocates the KV cache once, and runs compiled prefill
+and decode steps.
 
 Every index a step needs (positions, cache slots, context rows, which logits to return) is built
 here from each sequence's new tokens, its count of cached tokens and its block table. With

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         drained = summary.get("drained")
         if drained:
             lost = [f"{n} record(s) {what}" for n, what in ((drained["records_in_flight_abandoned"], "in flight given up"),
-                                                               (drained["records_not_dealt"], "not dealt for lack of time")) if n]
+                                                               (drained["records_not_dealt"], "not started")) if n]
             _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
                  f"{spec.output.path}, and running the same job again resumes after them", prefix="msinfer: ")
             return EXIT_DRAINED

@@ -41,9 +41,10 @@ while healthy replicas serve the rest.
 
 Stopping early (`stop`, a launcher.drain.Drain): once it says no more dealing (a signal, or a
 deadline near), nothing more is dealt, not even the records of a failed replica, and a replica
-that fails is not restarted; the loop ends when the records in flight have finished, or when the
-drain's time is up, whichever is first. Before that, a record a deadline leaves no time for is
-not dealt.
+that fails is not restarted; each engine hands back the records it has queued and not started
+(its next exchange's give_back), which count as not dealt; the loop ends when the records under
+way have finished, or when the drain's time is up, whichever is first. Before that, a record a
+deadline leaves no time for is not dealt.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class Slot:
     restarts: int = 0
     held: deque = field(default_factory=deque)         # (serial, Record) read while dealing to another, for it
     kv_usage: float = 0.0                  # share of its engine's KV cache blocks in use, as it last said
+    given_back: bool = False               # a drain asked its engine for the records not started yet
 
 
 @dataclass
@@ -311,8 +313,10 @@ class Controller:
                     self.dealt_at.setdefault(c[0], now)
                 more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held))
                 suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
+                give_back = not dealing and not slot.given_back          # (a drain's first exchange)
+                slot.given_back |= give_back
                 slot.pending = slot.replica.engine.exchange.remote(pickle.dumps(chunk, protocol=5) if chunk else None,
-                                                                  more, suspects)
+                                                                  more, suspects, give_back)
                 slot.sent, slot.want = time.perf_counter(), 0
             while self.quarantine:
                 done, rec = self.quarantine.popleft()
@@ -359,7 +363,7 @@ class Controller:
     def _receive(self, slot: Slot, ref, on_done, on_stream) -> None:
         slot.pending = None
         try:
-            done, slot.want, streamed, slot.kv_usage = pickle.loads(fetch(ref))
+            done, slot.want, streamed, slot.kv_usage, returned = pickle.loads(fetch(ref))
         except RayTaskError as e:
             if isinstance(e.cause, UserError):      # a SystemicError: not this replica's fault
                 raise e.cause from None
@@ -382,6 +386,10 @@ class Controller:
         if on_stream is not None:
             for key, text in streamed:
                 on_stream(key, text)
+        for serial in returned:             # a drain's: not started, so not dealt after all
+            if slot.outstanding.pop(serial, None) is not None:
+                self.dealt_at.pop(serial, None)
+                self.stop.left += 1
 
     # ---- faults ---------------------------------------------------------------------------------
     def _fail(self, slot: Slot, error: Exception) -> None:

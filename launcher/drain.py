@@ -119,7 +119,7 @@ class Drain:
         self.reason = ""
         self.rates: deque = deque(maxlen=RATE_WINDOW)           # seconds per expected token, per record
         self.quantile: float | None = None                      # of rates, until the next one comes
-        self.left = 0                                           # records not dealt: they would not fit
+        self.left = 0        # records not dealt: they would not fit, or an engine gave them back unstarted
         self.misfits = 0                                        # of those, in a row
         self.stopped = ""                                       # why the run ended before its records did
 

@@ -251,6 +251,9 @@ class Engine:
         self.probation: deque = deque()
         self.on_probation: int | None = None  # the serial of the one admitted
         self.ledger_lost = False
+        # a drain: the records not started yet go back to the driver (`exchange`'s give_back)
+        self.giving_back = False
+        self.returned: list[int] = []         # their serials, for the next exchange to report
 
     # ---- the driver's calls ---------------------------------------------------------------------
     def attach(self, workers: list) -> None:
@@ -269,20 +272,22 @@ class Engine:
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
         self.scheduler.set_limits(spec.scheduler.max_batch_size, spec.scheduler.max_batched_tokens)
 
-    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> bytes:
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = (), give_back: bool = False) -> bytes:
         """Takes records (a pickled list of (serial, Record)), returns (results, want, streamed
-        text, kv_usage) pickled, once there is something to report: results that waited flush_s or make a
-        batch, room for half a queue of new records while the driver has `more`, nothing left to
-        do, or wait_s passed. A SystemicError while reading a record (a cause that is
-        not the record's) is raised to the driver, which stops the job. `suspects`: serials of
-        records that were running when a replica failed; they run one at a time (`probation`)."""
+        text, kv_usage, serials given back) pickled, once there is something to report: results
+        that waited flush_s or make a batch, room for half a queue of new records while the driver
+        has `more`, records given back, nothing left to do, or wait_s passed. A SystemicError while
+        reading a record (a cause that is not the record's) is raised to the driver, which stops
+        the job. `suspects`: serials of records that were running when a replica failed; they run
+        one at a time (`probation`). `give_back` (a drain): the records none of whose sequences
+        holds anything yet leave the queue, and their serials go back to the driver, unanswered."""
         cpu0 = time.thread_time()
         try:
-            return self._exchange(payload, more, set(suspects))
+            return self._exchange(payload, more, set(suspects), give_back)
         finally:
             self.exchange_cpu += time.thread_time() - cpu0
 
-    def _exchange(self, payload: bytes | None, more: bool, suspects: set) -> bytes:
+    def _exchange(self, payload: bytes | None, more: bool, suspects: set, give_back: bool = False) -> bytes:
         # every record of the call encoded before the loop sees any: admitted together, they
         # share a prefill step instead of trickling into several
         items = [(serial, self.codec.sequences(rec, serial))
@@ -298,6 +303,10 @@ class Engine:
                     else:
                         self.inbox.extend(item)
                 self.cond.notify_all()
+        if give_back:
+            with self.cond:
+                self.giving_back = True
+                self.cond.notify_all()
         # with nothing left to deal, the driver needs no word of the room for more
         deadline = time.perf_counter() + (self.wait_s if more else 4 * self.wait_s)
         with self.cond:
@@ -310,13 +319,19 @@ class Engine:
                     break
                 if (more and self.want >= self.target // 2) or not self.unfinished or now >= deadline:
                     break
+                if self.returned or self.giving_back:
+                    if self.returned:
+                        break
+                    self.cond.wait(self.flush_s)
+                    continue
                 if self.stream_out and now - self.outbox_t >= self.flush_s:
                     break
                 self.cond.wait(min(self.flush_s, deadline - now))
             out, self.outbox = self.outbox, []
             streamed, self.stream_out = self.stream_out, []
+            returned, self.returned = self.returned, []
             self.outbox_t = time.perf_counter()
-            return pickle.dumps((out, self.want, streamed, self.kv_usage), protocol=5)
+            return pickle.dumps((out, self.want, streamed, self.kv_usage, returned), protocol=5)
 
     @property
     def want(self) -> int:
@@ -368,8 +383,11 @@ class Engine:
                     if self.on_probation is None and self.probation:
                         self.on_probation, seqs = self.probation.popleft()
                         new += seqs
+                    giving_back = self.giving_back
                 for seq in new:
                     self.scheduler.add(seq)
+                if giving_back:
+                    self._give_back()
                 while (len(self.in_flight) < self.max_in_flight and self.scheduler.has_work()
                        and self._submit()):
                     pass
@@ -383,6 +401,31 @@ class Engine:
             with self.cond:
                 self.failure = e
                 self.cond.notify_all()
+
+    def _give_back(self) -> None:
+        """A drain: the records none of whose sequences holds anything yet leave the queue (those on
+        probation too), their serials for the driver; a record with a sample under way stays whole."""
+        by_serial: dict[int, list] = {}
+        for seq in self.scheduler.withdraw_unstarted():
+            by_serial.setdefault(seq.serial, []).append(seq)
+        returned = []
+        for serial, seqs in by_serial.items():
+            if len(seqs) == seqs[0].sampling.n:
+                returned.append(serial)
+            else:
+                for seq in seqs:
+                    self.scheduler.add(seq)
+        with self.cond:
+            returned += [serial for serial, _ in self.probation]
+            self.probation.clear()
+            for serial in returned:
+                self.unfinished -= 1
+                if serial in self.reported:         # (preempted): the ledger hears it ended here
+                    self.reported.discard(serial)
+                    self.ended.append(serial)
+            self.returned += returned
+            self.giving_back = False
+            self.cond.notify_all()
 
     def _submit(self) -> bool:
         """Schedules and submits the next step (ahead of the one in flight, if any); False when
@@ -623,8 +666,8 @@ class EngineHost:
         me = ray.get_runtime_context().current_actor if setup.engine_config.pipeline else LocalRank(self.step)
         self.engine.attach([me, *peers])
 
-    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> bytes:
-        return self.engine.exchange(payload, more, suspects)
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = (), give_back: bool = False) -> bytes:
+        return self.engine.exchange(payload, more, suspects, give_back)
 
     def configure(self, spec, stream: bool = False) -> None:
         self.engine.configure(spec, stream)

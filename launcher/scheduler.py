@@ -324,6 +324,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def withdraw_unstarted(self) -> list[Sequence]:
+        """Takes out of the queue, and returns, every sequence that holds nothing yet: no step ran
+        it, or one did and it was preempted before its first token (a drain hands their records
+        back, launcher.engine)."""
+        taken = [s for s in self.waiting if not s.output_token_ids and not s.block_table and not s.in_flight]
+        if taken:
+            gone = {id(s) for s in taken}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        return taken
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

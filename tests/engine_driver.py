@@ -72,7 +72,7 @@ def exchange_until_done(engine, records, more=False, timeout=60) -> list:
     done, payload = [], pickle.dumps(list(enumerate(records)))
     t_end = time.monotonic() + timeout
     while len(done) < len(records) and time.monotonic() < t_end:
-        out, want, _, _ = pickle.loads(engine.exchange(payload, more))
+        out, want, _, _, _ = pickle.loads(engine.exchange(payload, more))
         payload = None
         done += out
         assert want >= 0

@@ -267,11 +267,12 @@ def test_missing_spec_file_exits_2(cli, tmp_path):
 
 
 def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cli, model, tmp_path):
-    """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; the first SIGTERM's
-    drain is test_run_interrupt_and_run_again's). A SIGTERM while draining stops at once: exit 143,
-    status interrupted, every line whole. With run.deadline 25 s away, the run stops dealing the
-    records it has no time for and ends before the deadline: exit 75, status drained. Then a run
-    without a deadline finishes: every record once, with the tokens the stand-ins give its prompt."""
+    """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; 150 ms a step in the
+    first run; the first SIGTERM's drain is test_run_interrupt_and_run_again's). A SIGTERM while
+    draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 25 s
+    away, the run stops dealing the records it has no time for and ends before the deadline: exit
+    75, status drained. Then a run without a deadline finishes: every record once, with the tokens
+    the stand-ins give its prompt."""
     from msinfer.launcher.job import plan_job
     from msinfer.launcher.simulate import StandIn, StandInRunner
     from msinfer.launcher.spec import load_spec
@@ -280,7 +281,8 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     out = Path(f"{job.output}.simulate.jsonl")
     command = ("simulate", job.spec_path, "--step-ms", "25", "--no-progress")
 
-    proc = cli.start(*command)
+    # a drain hands back the records queued; the 4 in flight take 6 s here: time to see it drain
+    proc = cli.start(*command, "--step-ms", "150")
     wait_for(lambda: line_count(out) >= 1, 120, "a result", proc)
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: (_json(Path(f"{out}.status.json")) or {}).get("state") == "draining", 30, "draining", proc)

@@ -255,7 +255,7 @@ def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):
 
     @ray.remote
     class Raises:
-        def exchange(self, payload, more, suspects=()):
+        def exchange(self, payload, more, suspects=(), give_back=False):
             raise SystemicError("the tokenizer cannot encode records: ImportError: jinja2")
 
     class Stub:
@@ -375,3 +375,42 @@ def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint)
             assert len(r["logprobs"]) == cut
         assert runs[True][rid]["logprobs"] == runs[False][rid]["logprobs"]
     assert stopped >= 2
+
+
+def test_a_drain_takes_back_the_records_an_engine_has_not_started_and_the_rest_finish(checkpoint):
+    """The exchange that starts a drain (give_back) takes out of the engine every record none of
+    whose sequences holds anything yet (queued; a record of n samples with one under way stays
+    whole), and reports their serials, unanswered; every other record finishes with its result:
+    each record exactly once, one way or the other (the real network, a small test checkpoint)."""
+    import pickle
+    import time
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from tests.engine_driver import in_process_rank
+    path = checkpoint("llama_gqa_tied")
+    spec = JobSpec.model_validate({
+        "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+        "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 32, "ignore_eos": True},
+        "scheduler": {"max_batch_size": 2}})
+    plan = plan_job(spec, check_io=False)
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
+    engine.attach([in_process_rank(plan.engine)])
+    records = [parse_record({"id": f"r{i}", "prompt_token_ids": [5 + i, 17, 33], **(
+        {"sampling": {"n": 2, "temperature": 1.0}} if i == 1 else {})}, i + 1) for i in range(24)]
+    try:
+        # returns with the first results, or after its wait with none: either way under way
+        answered, returned = [], []
+        out, _, _, _, back = pickle.loads(engine.exchange(pickle.dumps(list(enumerate(records))), False))
+        answered += out
+        t_end = time.monotonic() + 120
+        give_back = True
+        while len(answered) + len(returned) < len(records) and time.monotonic() < t_end:
+            out, _, _, _, back = pickle.loads(engine.exchange(None, False, (), give_back))
+            give_back = False
+            answered += out
+            returned += back
+    finally:
+        engine.close()
+    done = [d.serial for d in answered]
+    assert sorted(done + returned) == list(range(len(records))) and not set(done) & set(returned)
+    assert 0 in done and len(returned) >= len(records) // 2, (done, returned)      # batch 2: most queued
+    assert all(not d.failed for d in answered) and engine.unfinished == 0

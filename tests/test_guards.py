@@ -60,13 +60,13 @@ class FakeReplica:
         self.engine = SimpleNamespace(exchange=Call(self.exchange), engine_stats=Call(lambda: completed({})))
         return []
 
-    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = ()) -> Future:
+    def exchange(self, payload: bytes | None, more: bool, suspects: tuple = (), give_back: bool = False) -> Future:
         if self.index == 1 and not FakeReplica.doomed:
             FakeReplica.doomed.append(Future())
             return FakeReplica.doomed[0]
         done = [Done(serial, rec.id, False, len(rec.prompt_token_ids), 1, None)
                 for serial, rec in (pickle.loads(payload) if payload else ())]
-        return completed(pickle.dumps((done, 4, [], 0.0), protocol=5))
+        return completed(pickle.dumps((done, 4, [], 0.0, []), protocol=5))
 
     def shutdown(self) -> None:
         self.engine = None
@@ -138,14 +138,14 @@ class RoomlessReplica:
                                       engine_stats=Call(lambda: completed({})))
         return []
 
-    def failing(self, payload, more, suspects=()) -> Future:
+    def failing(self, payload, more, suspects=(), give_back=False) -> Future:
         f = Future()
         f.set_exception(EngineFailed("a worker process died"))
         return f
 
-    def exchange(self, payload, more, suspects=()) -> Future:
+    def exchange(self, payload, more, suspects=(), give_back=False) -> Future:
         done = [Done(serial, rec.id, False, 1, 1, None) for serial, rec in (pickle.loads(payload) if payload else ())]
-        return completed(pickle.dumps((done, 1, [], 0.0), protocol=5))
+        return completed(pickle.dumps((done, 1, [], 0.0, []), protocol=5))
 
     def shutdown(self) -> None:
         self.engine = None

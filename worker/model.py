@@ -531,19 +531,22 @@ class CausalLM(nn.Cell):
         self.packed[name] = lambda t, s=scales.astype(np.float32): t.astype(np.float32) * s[:, None]
         return True
 
+    def int8_scales(self) -> list[Parameter]:
+        """The scales of the weights held as int8 (`hold_int8`)."""
+        return [c.weight_scale for _, c in self.cells_and_names()
+                if isinstance(c, LinearBase) and c.weight_scale is not None]
+
     def held_parameters(self) -> list[Parameter]:
         """The parameters the checkpoint's weights are held in, once packed: what the loader wrote
-        and the scales of int8 weights (`hold_int8`)."""
+        and the scales of int8 weights."""
         held = {id(p): p for _, p, _ in self.named_loaders().values()}
-        held.update((id(c.weight_scale), c.weight_scale) for _, c in self.cells_and_names()
-                    if isinstance(c, LinearBase) and c.weight_scale is not None)
+        held.update((id(p), p) for p in self.int8_scales())
         return list(held.values())
 
     def weights(self) -> dict[str, np.ndarray]:
         """name -> value of every parameter but the KV cache, in the Hugging Face layout (an int8
         weight dequantized, its scales not listed)."""
-        scales = {id(c.weight_scale) for _, c in self.cells_and_names()
-                  if isinstance(c, LinearBase) and c.weight_scale is not None}
+        scales = {id(p) for p in self.int8_scales()}
         return {p.name: self.packed[p.name](p.asnumpy()) if p.name in self.packed else p.asnumpy()
                 for p in self.get_parameters() if "cache" not in p.name and id(p) not in scales}
 

@@ -249,7 +249,10 @@ class AscendInt8Linear(nn.Cell):
                  for symmetric weights
         dynamic  each token's int8 levels and scale, then QuantBatchMatmul(False, True, dtype)(levels,
                  w, scale [out] float32, None, None, pertokenScaleOptional [M] float32), as MindFormers'
-                 a8dynw8.py calls it. The levels come from DynamicQuantExt(x, None) where its arithmetic
+                 a8dynw8.py calls it but for the scale's dtype: MindFormers passes bfloat16 for a
+                 bfloat16 model; float32 keeps the checkpoint's scale, and CANN lists it for A2/A3
+                 cards (hicann/ops-nn matmul/quant_batch_matmul_v3/README.md: scale UINT64, FLOAT32,
+                 INT64 or BF16; pertoken FLOAT32). The levels come from DynamicQuantExt(x, None) where its arithmetic
                  is the checkpoint's (max|x| / 127, halves away from zero: ModelSlim W8A8_DYNAMIC) and the
                  row is whole on this rank; else from the layer's quantizer in primitives
                  (sharding.layers.PerTokenInt8: compressed-tensors' max|x| / 127.5 and halves to even;

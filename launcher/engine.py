@@ -319,9 +319,9 @@ class Engine:
                     break
                 if (more and self.want >= self.target // 2) or not self.unfinished or now >= deadline:
                     break
-                if self.returned or self.giving_back:
-                    if self.returned:
-                        break
+                if self.returned:
+                    break
+                if self.giving_back:            # the loop hands them over at its next pass
                     self.cond.wait(self.flush_s)
                     continue
                 if self.stream_out and now - self.outbox_t >= self.flush_s:

@@ -86,8 +86,9 @@ class Plan:
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
-            weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage,
-                                     int8=holds_int8(self.engine.device, self.engine.ops))
+            int8, int8_experts = holds_int8(self.engine.device, self.engine.ops)
+            weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
+                                     int8_experts=int8_experts)
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
@@ -98,15 +99,12 @@ class Plan:
             lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
-            by = "the CPU kernels" if self.engine.device == "cpu" else "Ascend's quantized matmuls"
-            held = (f"int8 weights with a scale per channel stay int8 ({by}), the rest are "
-                    if holds_int8(self.engine.device, self.engine.ops) and m.quant.schemes else "the weights are ")
-            lines.append(f"quantized   {m.quant.describe()}; {held}dequantized to {self.engine.dtype} as they load, "
-                         f"and counted so")
+            lines.append("quantized   " + quant_summary(m, self.engine.device, self.engine.ops, self.engine.dtype))
         if m.is_moe:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),
-                                                          self.engine.pipeline))
+                                                          self.engine.pipeline,
+                                                          holds_int8(self.engine.device, self.engine.ops)))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -146,9 +144,23 @@ def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
     return f"{heads}, {mlp}, vocab rows {m.vocab_size}/{tp}, norms replicated"
 
 
-def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = ()) -> str:
+def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
+    """A quantized checkpoint's schemes, and which of its int8 weights the workers keep int8."""
+    int8, int8_experts = holds_int8(device, ops)
+    int8 = int8 and bool(m.quant.schemes)
+    scheme = m.expert_scheme
+    by = "the CPU kernels" if device == "cpu" else "Ascend's quantized matmuls"
+    if scheme is not None and scheme.int8_kind == "weight":
+        by += ("; the experts' through GroupedMatmulV4's antiquant form" if int8_experts else
+               "; the experts' int8 weights are dequantized: no grouped int8 kernel here")
+    held = f"int8 weights with a scale per channel stay int8 ({by}), the rest are " if int8 else "the weights are "
+    return f"{m.quant.describe()}; {held}dequantized to {dtype} as they load, and counted so"
+
+
+def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
+                    int8: tuple[bool, bool] = (False, False)) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
-    pipeline stage), and the sizes each allows."""
+    pipeline stage; int8: holds_int8's), and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
     stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
     gib = 1024 ** 3
@@ -158,8 +170,8 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             sizes = ", ".join(map(str, valid_tp_sizes(m, ep=flag)))
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
-        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage)
-        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage)
+        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1])
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0])
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -218,19 +230,21 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
             f"{have / gib:.1f} GiB")
 
 
-def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple, int8: bool = False) -> int:
+def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
+                       int8: tuple[bool, bool] = (False, False)) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much); int8: as bytes_per_rank's."""
-    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8)
+    one-stage replica holds as much); int8: holds_int8's (linear layers, experts)."""
+    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1])
                for st in range(max(1, len(pipeline))))
 
 
-def holds_int8(device: str, ops: str) -> bool:
+def holds_int8(device: str, ops: str) -> tuple[bool, bool]:
     """Whether the workers keep a quantized checkpoint's int8 weights with a scale per channel as
-    they are: the CPU kernels do (worker.cpu.CpuOps.pack_int8), and so do Ascend's quantized
-    matmuls (worker.ascend.AscendInt8Linear, emulated too) unless the start-up self-check finds
-    them wanting; the portable operators dequantize them."""
-    return ops != "portable"
+    they are, (in linear layers, in weight-only experts): the CPU kernels do in linear layers
+    (worker.cpu.CpuOps.pack_int8); Ascend's quantized matmuls do in both (worker.ascend.
+    AscendInt8Linear, AscendExperts; emulated too) unless the start-up self-check finds them
+    wanting; the portable operators dequantize them."""
+    return ops != "portable", ops != "portable" and device == "ascend"
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -735,12 +749,15 @@ def card_replanner(plan: Plan):
     dbytes = dtype_bytes(plan.engine.dtype)
     base = dataclasses.replace(plan.engine, num_blocks=spec.scheduler.kv_cache_blocks or 0)
 
-    def replan(total: int, in_use: int, source: str, int8: bool = True) -> EngineConfig:
+    def replan(total: int, in_use: int, source: str, int8: tuple[bool, bool] = (True, True)) -> EngineConfig:
         weights, note = plan.weight_bytes_per_rank, None
-        if not int8:
+        planned = holds_int8(plan.engine.device, plan.engine.ops)
+        held = (planned[0] and int8[0], planned[1] and int8[1])
+        if held != planned:
             weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
-                                         spec.parallel.expert_parallel, plan.engine.pipeline)
-            note = (f"the cards' int8 matmuls failed the start-up kernel check: the quantized layers are held "
+                                         spec.parallel.expert_parallel, plan.engine.pipeline, held)
+            what = " and ".join(w for w, p, h in zip(("layers", "experts"), planned, held) if p and not h)
+            note = (f"the cards' int8 matmuls failed the start-up kernel check: the quantized {what} are held "
                     f"dequantized to {plan.engine.dtype}, {weights / gib:.2f} GiB of weights a rank where the plan "
                     f"counted {plan.weight_bytes_per_rank / gib:.2f}, and the KV cache is sized around them")
             print(f"msinfer: note: {note}", file=sys.stderr, flush=True)

@@ -168,9 +168,9 @@ class Replica:
     engine_setup: EngineSetup | None = None   # start the replica's engine too
     tokenizer: Tokenizer | None | bool = False   # a local engine's, loaded already (False: it loads its own)
     on_stage: Callable[[str], None] | None = None   # as each start-up stage begins (the progress bar)
-    # on cards: (total, in use, source, int8 matmuls usable) as the ranks measured them -> the
-    # EngineConfig whose KV cache that card holds (launcher.job.card_replanner); raises LaunchError
-    # where the card is too small
+    # on cards: (total, in use, source, int8 matmuls usable (of linear layers, of experts)) as the
+    # ranks measured them -> the EngineConfig whose KV cache that card holds (launcher.job.
+    # card_replanner); raises LaunchError where the card is too small
     card_planner: Callable[..., EngineConfig] | None = None
     workers: list = field(default_factory=list)
     engine: ActorHandle | LocalEngine | None = None   # its engine: rank 0's actor, or in this process
@@ -251,7 +251,9 @@ class Replica:
                                                                    for w in self.workers]) if c]
             if cards:                   # the smallest card and the most in use bound every rank's cache
                 engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
-                                                  cards[0]["source"], all(c.get("int8", True) for c in cards))
+                                                  cards[0]["source"],
+                                                  tuple(all(c.get("int8", (True, True))[i] for c in cards)
+                                                        for i in range(2)))
                 setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
                 configs = per_rank(engine_config)
         if local:

@@ -135,6 +135,14 @@ class ModelConfig:
         return bool(self.sparse_layers)
 
     @property
+    def expert_scheme(self):
+        """The quantization scheme of the first sparse layer's experts (sharding.quant.Scheme), or
+        None: float experts or no experts."""
+        if self.quant is None or not self.sparse_layers:
+            return None
+        return self.quant.scheme_for(f"model.layers.{min(self.sparse_layers)}.mlp.experts.0.gate_proj")
+
+    @property
     def shared_expert_key(self) -> str:
         """The shared expert's name in the checkpoint (under mlp.); Qwen2-MoE's alone has a gate."""
         return "shared_experts" if self.family in MLA_FAMILIES else "shared_expert"

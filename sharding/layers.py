@@ -295,7 +295,10 @@ class FusedExperts(nn.Cell):
     nothing, and sliced experts give partial sums over I, so the caller all-reduces the parts.
     `op` is the device's grouped kernel (tokens grouped by expert, each expert's weights read
     once for its tokens); without one every held expert runs on every token, weighted zero where
-    not routed (portable: any device, E/k times the routed work)."""
+    not routed (portable: any device, E/k times the routed work). A weight-only int8 checkpoint's
+    experts leave their scales per output channel in w13's and w2's `row_scales` ([E, 2I], [E, H];
+    NaN where a row loaded from floats) and their scheme in `quant_scheme`, for a device whose
+    grouped kernel multiplies int8 levels (`hold_int8`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, op=None, glu_group: int = 0):
         super().__init__()
@@ -307,7 +310,11 @@ class FusedExperts(nn.Cell):
         self.glu = op is not None and glu_group > 0 and self.inter % glu_group == 0
         self.op = op() if op else None
         self.meta = Tensor(np.array([self.first, int(self.glu)], np.int32))
-        self.host: dict[str, list] = {}      # parameter name -> [its data as the loader fills it, tensors in]
+        self.host: dict[str, list] = {}      # parameter name -> [its data as the loader fills it, tensors in,
+                                             # its rows' int8 scales]
+        self.quant_scheme = None             # the experts' scheme, where one int8 scheme loaded them all
+        self.schemes: set = set()
+        self.w13_scale = self.w2_scale = None
         if self.op is None:
             self.batch_matmul = ops.BatchMatMul(transpose_b=True)
             self.expert_ids = Tensor(np.arange(self.first, self.first + self.count, dtype=np.int32))
@@ -320,22 +327,40 @@ class FusedExperts(nn.Cell):
         sliced = not self.tp.expert_parallel
         start = self.tp.rank * self.inter
         if param.name not in self.host:
-            self.host[param.name] = [np.zeros(param.shape, np.float32), 0]
+            self.host[param.name] = [np.zeros(param.shape, np.float32), 0, np.full(param.shape[:2], np.nan, np.float32)]
         entry = self.host[param.name]
-        buf = entry[0]
+        buf, scales = entry[0], entry[2]
+        self.schemes.add(getattr(src, "scheme", None))
         if part < 2:
             check_shape(name, src, (self.full, self.hidden))
             rows = read_shard(src, 0 if sliced else None, start, self.inter)
-            buf[e, part * self.inter:(part + 1) * self.inter] = rows
+            at = (e, slice(part * self.inter, (part + 1) * self.inter))
         else:
             check_shape(name, src, (self.hidden, self.full))
-            buf[e] = read_shard(src, 1 if sliced else None, start, self.inter)
+            rows = read_shard(src, 1 if sliced else None, start, self.inter)
+            at = (e, slice(None))
+        buf[at] = rows
+        scales[at] = getattr(rows, "row_scales", np.nan)
         entry[1] += 1
         if entry[1] == (2 if part < 2 else 1) * self.count:
-            copy_into(param, self.host.pop(param.name)[0])
+            data, _, row_scales = self.host.pop(param.name)
+            copy_into(param, data)
+            param.row_scales = row_scales
+            self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
+
+    def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale, w2_scale) -> None:
+        """Keep the experts' weights as int8 levels in the device's layout (w13, w2 as its grouped
+        kernel takes them) with their scales per output channel (Tensors [E, 2I], [E, H] in the
+        dtype the kernel takes)."""
+        self.w13 = Parameter(Tensor(w13, mstype.int8), name=self.w13.name, requires_grad=False)
+        self.w2 = Parameter(Tensor(w2, mstype.int8), name=self.w2.name, requires_grad=False)
+        self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
+        self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)
 
     def construct(self, x, ids, weights):
         if self.op is not None:
+            if self.w13_scale is not None:
+                return self.op(x, ids, weights, self.w13, self.w2, self.meta, self.w13_scale, self.w2_scale)
             return self.op(x, ids, weights, self.w13, self.w2, self.meta)
         n, e = x.shape[0], self.count
         # dense routing weights [E, N]: weights[n, j] where ids[n, j] is local expert e

@@ -568,32 +568,36 @@ def test_w8a8_layers_run_on_ascends_quantized_matmuls(name, kind, quantized, che
     assert "stay int8 (Ascend's quantized matmuls)" in plan.describe()
 
 
-def experts_int4_checkpoint(src, out):
-    """A mixture of experts whose experts alone are int4 per group of 16 (compressed-tensors'
-    pack-quantized layout, its own packing), weight-only; and beside it (`out`-float) the same
-    model with those experts' dequantized values in float, the reference: with float inputs a
-    weight-only checkpoint computes what its dequantized weights do."""
+def experts_quantized_checkpoint(src, out, weights=None):
+    """A mixture of experts whose experts alone are quantized weight-only (`weights`: a
+    compressed-tensors weight scheme, int4 per group of 16 unless given; compressed-tensors'
+    pack-quantized layout, its own packing); and beside it (`out`-float) the same model with
+    those experts' dequantized values in float, the reference: with float inputs a weight-only
+    checkpoint computes what its dequantized weights do."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.numpy import load_file, save_file
     from scripts.quantize_model import INT4_GROUP16
+    weights = weights or INT4_GROUP16
     reference = out.with_name(out.name + "-float")
     if (out / "config.json").is_file():
         return out, reference
-    args = QuantizationArgs.model_validate(INT4_GROUP16)
+    args = QuantizationArgs.model_validate(weights)
+    bits, group = weights["num_bits"], weights.get("group_size")
     tensors = load_file(src / "model.safetensors")
     quantized, dequantized = dict(tensors), dict(tensors)
     for key, w in tensors.items():
         if ".experts." not in key or not key.endswith("_proj.weight"):
             continue
-        v = torch.from_numpy(w.astype(np.float32)).reshape(w.shape[0], -1, 16)
+        v = torch.from_numpy(w.astype(np.float32)).reshape(w.shape[0], -1, group or w.shape[1])
         scale, _ = calculate_qparams(v.amin(-1), v.amax(-1), args)
-        q = torch.clamp(torch.round(v / scale.unsqueeze(-1)), -8, 7).reshape(w.shape).to(torch.int8)
+        q = torch.clamp(torch.round(v / scale.unsqueeze(-1)), -2 ** (bits - 1), 2 ** (bits - 1) - 1)
+        q = q.reshape(w.shape).to(torch.int8)
         module = key[:-len(".weight")]
         del quantized[key]
-        quantized[module + ".weight_packed"] = pack_to_int32(q, 4).numpy()
+        quantized[module + ".weight_packed"] = pack_to_int32(q, bits).numpy()
         quantized[module + ".weight_scale"] = scale.numpy().astype(np.float32)
         quantized[module + ".weight_shape"] = np.array(w.shape, np.int64)
         dequantized[key] = (q.float().reshape(v.shape) * scale.unsqueeze(-1)).reshape(w.shape).numpy()
@@ -603,7 +607,7 @@ def experts_int4_checkpoint(src, out):
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                      "quantization_status": "compressed", "ignore": [], "config_groups": {
-                                         "experts": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": INT4_GROUP16}}}
+                                         "experts": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": weights}}}
     (out / "config.json").write_text(json.dumps(config))
     return out, reference
 
@@ -615,7 +619,7 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
     from msinfer.launcher.replica import Replica, wait_gone
     from msinfer.sharding.config import EngineConfig
     src = checkpoint("qwen3_moe_top2_dense_layer")
-    path, reference = experts_int4_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
+    path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
     assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
     rec = Recording(runner_for(path))
     one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
@@ -632,6 +636,75 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
         assert one[i] == ref_tokens and two[i] == ref_tokens, f"prompt {i}"
         for step in (0, N_NEW - 1):
             assert np.abs(rec.logits[step][i] - ref_logits[step]).max() < LOGIT_ATOL
+
+
+def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint, tmp_path, monkeypatch):
+    """Qwen3-MoE whose experts alone are int8 per channel, weight-only, on the emulated Ascend path
+    (float16): the start-up self-check passes GroupedMatmulV4's antiquant form, the experts keep
+    their int8 levels, and each step's logits, teacher-forced, are transformers' on the experts'
+    dequantized weights within float16's tolerance. plan counts the int8 experts, as the load
+    holds them; the CPU kernels and the portable operators hold them dequantized, and plan says
+    so. A grouped kernel that drops the scales fails the check: the experts are held
+    dequantized, with the same logits, and the card plan counts them so."""
+    import mindspore as ms
+    from msinfer.launcher.job import card_replanner
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker import ascend
+    from msinfer.worker.runner import ModelRunner
+    from scripts.quantize_model import INT8_CHANNEL
+    from tests.test_ascend import ATOL, ascend_spec
+    src = checkpoint("qwen3_moe_top2_dense_layer")
+    path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int8_experts", INT8_CHANNEL)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.expert_scheme.name == "W8A16" and cfg.quant.scheme_for("model.layers.0.self_attn.q_proj") is None
+    references = [hf_quantized(reference, prompt) for prompt in PROMPTS]
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
+
+    def run():
+        return ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                        dtype="float16"))
+    runner = run()
+    assert runner.kernel_check["GroupedMatmulV4"]["convention"] == "ok"
+    assert runner.kernel_check["GroupedMatmulV4"]["cases"] == ["experts"]
+    assert int8_weights(runner) == [f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")]
+    assert max(forced_logits(runner, references)) < ATOL["ascend-emulated"]
+
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+
+    def plan(**model):
+        return plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1}, sampling={"max_new_tokens": N_NEW},
+                                    model={"max_model_len": 128, "dtype": "float16", **model},
+                                    scheduler={"max_batched_tokens": 128}), check_io=False)
+    planned, dequantized = plan(), plan(ops="portable")
+    held = runner.load_stats["bytes"]
+    rows = sum(p.shape[0] * p.shape[1] for p in runner.model.int8_scales())
+    assert abs(planned.weight_bytes_per_rank - held) <= 2 * rows, (planned.weight_bytes_per_rank, held)
+    assert "the experts' through GroupedMatmulV4's antiquant form" in planned.describe()
+    assert "experts'" not in dequantized.describe()
+    assert dequantized.weight_bytes_per_rank > held + rows
+    monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
+    cpu = plan_job(spec_for(path, tmp_path), check_io=False)
+    assert "experts' int8 weights are dequantized" in cpu.describe()
+
+    class Unscaled(ascend.GroupedMatmulV4):          # leaves out the experts' scales
+        def construct(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None,
+                      antiquant_offset=None, *args, **kwargs):
+            if antiquant_scale is not None:
+                antiquant_scale = [ms.ops.ones_like(antiquant_scale[0])]
+            return super().construct(x, weight, bias, scale, offset, antiquant_scale, antiquant_offset, *args,
+                                     **kwargs)
+    monkeypatch.setattr(ascend.StandIns, "GroupedMatmulV4", Unscaled)
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache-unscaled"))
+    failed = run()
+    assert failed.kernel_check["GroupedMatmulV4"]["convention"] == "portable"
+    assert int8_weights(failed) == []
+    assert max(forced_logits(failed, references)) < ATOL["ascend-emulated"]
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    replan, card = card_replanner(planned), planned.card
+    total = int((card.runtime + card.activations + card.weights + 8.5 * card.kv // card.blocks) / card.fraction)
+    figures = replan(total, 0, "measured", (True, False)).card
+    assert figures["weights"] == dequantized.weight_bytes_per_rank
+    assert "the quantized experts are held dequantized" in figures["int8_note"]
 
 
 def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint, monkeypatch):
@@ -673,7 +746,7 @@ def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint
     assert seam.int8_linear(MODELSLIM_SCHEMES["W8A8_DYNAMIC"], None, ms.float16) is None
     # before the weights load, the card's plan learns it (the actor's card_memory stage)
     ec = EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True, dtype="float16")
-    assert kernel_check.int8_usable(ec, 1) is False
+    assert kernel_check.int8_usable(ec, 1) == (False, True)       # (linear layers, experts: none here)
 
 
 def test_a_card_whose_int8_matmuls_fail_the_check_plans_the_dequantized_weights(checkpoint, tmp_path, monkeypatch):
@@ -695,7 +768,7 @@ def test_a_card_whose_int8_matmuls_fail_the_check_plans_the_dequantized_weights(
     block = card.kv // card.blocks
     # a card with room for the int8 weights and 8 blocks past them
     total = int((card.runtime + card.activations + card.weights + 8.5 * block) / card.fraction)
-    held, dequantized = replan(total, 0, "measured", True).card, replan(total, 0, "measured", False).card
+    held, dequantized = replan(total, 0, "measured").card, replan(total, 0, "measured", (False, True)).card
     assert held["weights"] == planned.weight_bytes_per_rank and "int8_note" not in held and held["blocks"] >= 6
     float_weights = plan("portable").weight_bytes_per_rank
     assert dequantized["weights"] == float_weights > 1.4 * held["weights"]

@@ -126,8 +126,9 @@ class Worker:
         """Start-up stage between join and load on a card: its total memory and what is in use on
         it already (bytes), as the device reports them (MindSpore's get_device_properties), or an
         emulated card's size (EngineConfig.emulate_memory, nothing in use); {} where unknown. For
-        a quantized checkpoint, `int8`: whether the card's int8 matmuls pass the start-up kernel
-        check (worker.kernel_check.int8_usable), which decides the weights' bytes."""
+        a quantized checkpoint, `int8`: whether the card's int8 matmuls (of linear layers, of
+        experts) pass the start-up kernel check (worker.kernel_check.int8_usable), which decides
+        the weights' bytes."""
         card = self.measure_card(engine_config)
         if card:
             from msinfer.worker.kernel_check import int8_usable

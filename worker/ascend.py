@@ -202,7 +202,13 @@ class AscendExperts(nn.Cell):
     weights each token's k rows and sums them. Pairs whose expert another rank holds (expert
     parallel) sort after every held expert's rows, as expert E, and the grouped matmuls leave
     those rows out (group_list counts E experts): their rows are zeroed (nan_to_num, as
-    vllm-mindspore's TP_MIX_EP path, L327-328 and L359-398) and weighted 0."""
+    vllm-mindspore's TP_MIX_EP path, L327-328 and L359-398) and weighted 0.
+
+    Experts held as int8 levels (w13, w2 int8 in the same layout; w13_scale [E, 2I], w2_scale
+    [E, H] in the compute dtype: a weight-only checkpoint's scale per output channel) run
+    GroupedMatmulV4's antiquant form: antiquant_scale [[E, N]] and a zero antiquant_offset, as
+    golden-stick's WeightQuantMatmul calls it on experts (ptq/hal.py; CANN's aclnnGroupedMatmulV4:
+    y = x (w + offset) scale, x float16 or bfloat16, weight INT8, scale and offset in x's dtype)."""
 
     def __init__(self, kernels):
         super().__init__()
@@ -210,7 +216,7 @@ class AscendExperts(nn.Cell):
         self.grouped_matmul = kernels.GroupedMatmulV4()
         self.unpermute = kernels.MoeTokenUnpermute()
 
-    def construct(self, x, ids, weights, w13, w2, meta):
+    def construct(self, x, ids, weights, w13, w2, meta, w13_scale=None, w2_scale=None):
         E = w13.shape[0]
         local = ids - meta[0]
         held = ops.logical_and(local >= 0, local < E)
@@ -220,16 +226,20 @@ class AscendExperts(nn.Cell):
                                                     drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=2,
                                                     expert_tokens_before_capacity_flag=True)
         group_list = counts[:E].astype(ms.int64)
-        h = self.matmul(rows, w13, group_list)
+        h = self.matmul(rows, w13, group_list, w13_scale)
         inter = w13.shape[2] // 2
         h = ops.silu(h[:, :inter]) * h[:, inter:]
-        y = ops.nan_to_num(self.matmul(h, w2, group_list), 0.0, 0.0, 0.0)
+        y = ops.nan_to_num(self.matmul(h, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
         return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
                               restore_shape=None)
 
-    def matmul(self, x, w, group_list):
-        return self.grouped_matmul([x], [w], None, None, None, None, None, None, group_list, split_item=3,
-                                   group_type=0, group_list_type=1)[0]
+    def matmul(self, x, w, group_list, scale=None):
+        """Each group's rows of x times its expert's w: float, or int8 levels with `scale` [E, N]."""
+        if scale is None:
+            return self.grouped_matmul([x], [w], None, None, None, None, None, None, group_list, split_item=3,
+                                       group_type=0, group_list_type=1)[0]
+        return self.grouped_matmul([x], [w], None, None, None, [scale], [ops.zeros_like(scale)], None, group_list,
+                                   split_item=3, group_type=0, group_list_type=1)[0]
 
 
 def float_bits(scales: np.ndarray) -> np.ndarray:
@@ -364,6 +374,15 @@ class AscendOps(MsOps):
         if kind is None or convention == "portable":
             return None
         return AscendInt8Linear(cls.kernels, kind, quantizer, dtype, convention)
+
+    @classmethod
+    def int8_experts(cls, scheme) -> bool:
+        """Whether experts of `scheme` keep their int8 levels (AscendExperts' antiquant form): int8
+        weights with a scale per channel and float inputs (W8A16), unless the self-check found
+        GroupedMatmulV4's antiquant form wanting. int4 groups stay dequantized (qint4x2, as for
+        int8_linear)."""
+        return (scheme is not None and scheme.int8_kind == "weight"
+                and cls.conventions.get("GroupedMatmulV4") != "portable")
 
     @staticmethod
     def cache_param(shape: tuple, dtype, name: str):
@@ -541,7 +560,9 @@ class GroupedMatmulV4(nn.Cell):
     """Stand-in for split_item 3, group_type 0: x [[M, in]] with its rows grouped in order,
     weight [[E, in, out]]; group_list [E] int64 holds each group's rows (group_list_type 1) or
     their running sums (0). Row r of group e gives x[r] @ weight[e]; rows past the groups give
-    zeros here (the kernel leaves them unwritten). Returns [[M, out]]."""
+    zeros here (the kernel leaves them unwritten). Returns [[M, out]]. The antiquant form
+    (aclnnGroupedMatmulV4's "伪量化" case): weight int8, antiquant_scale and antiquant_offset
+    [[E, out]] in x's dtype, x float16 or bfloat16: x @ ((weight + offset) * scale), in x's dtype."""
 
     def __init__(self):
         super().__init__()
@@ -554,6 +575,17 @@ class GroupedMatmulV4(nn.Cell):
             raise NotImplementedError("the GroupedMatmulV4 stand-in emulates split_item 3, group_type 0, no bias, "
                                       "scale or activation only")
         x, w = x[0], weight[0]
+        if w.dtype == ms.int8:
+            if antiquant_scale is None or antiquant_offset is None or x.dtype not in (ms.float16, ms.bfloat16):
+                raise TypeError("GroupedMatmulV4: int8 weights with float16 or bfloat16 x take antiquant_scale "
+                                "and antiquant_offset (the stand-in emulates no other quantized form)")
+            shape = (w.shape[0], 1, w.shape[2])
+            w = ((w.astype(ms.float32) + antiquant_offset[0].astype(ms.float32).reshape(shape))
+                 * antiquant_scale[0].astype(ms.float32).reshape(shape))
+            return [self.grouped(x.astype(ms.float32), w, group_list, group_list_type).astype(x.dtype)]
+        return [self.grouped(x, w, group_list, group_list_type)]
+
+    def grouped(self, x, w, group_list, group_list_type):
         E, M = w.shape[0], x.shape[0]
         ends = group_list.astype(ms.int32)
         if group_list_type == 1:
@@ -563,7 +595,7 @@ class GroupedMatmulV4(nn.Cell):
         every = ops.BatchMatMul()(ops.broadcast_to(x.expand_dims(0), (E,) + x.shape), w)      # [E, M, out]
         pick = ops.equal(ops.broadcast_to(group.reshape(1, M), (E, M)),
                          ops.broadcast_to(ops.arange(E, dtype=ms.int32).reshape(E, 1), (E, M))).astype(x.dtype)
-        return [(every * ops.broadcast_to(pick.expand_dims(-1), every.shape)).sum(0)]
+        return (every * ops.broadcast_to(pick.expand_dims(-1), every.shape)).sum(0)
 
 
 class MoeTokenUnpermute(nn.Cell):

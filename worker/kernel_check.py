@@ -26,8 +26,12 @@ A quantized checkpoint's int8 layers (`quant`, `quant_cases`) add, at [hidden, h
               per-token levels (DynamicQuant-  AscendInt8Linear passes them (int64 float32 bits
               Ext for ModelSlim's arithmetic)  for a static layer's float16 outputs), then float32
     static    QuantBatchMatmul after QuantV2   scales throughout, else portable
+    experts   GroupedMatmulV4's antiquant      the kernel, else portable
+              form (weight-only int8 experts,
+              worker.ascend.AscendExperts)
 
-where "portable" keeps those layers' weights dequantized to the compute dtype (the float matmul).
+where "portable" keeps those layers' weights dequantized to the compute dtype (the float matmul;
+for the experts, GroupedMatmulV4's float form, which this check does not cover).
 
 A kernel that matches under no convention is replaced, in that operation only, by the portable
 operators (worker/ops.py; AscendOps.with_conventions); PagedAttention must pass both its cases.
@@ -51,7 +55,10 @@ import numpy as np
 
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("ok",), "ReshapeAndCache": ("ok",),
-               "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"), "WeightQuantBatchMatmul": ("ok",)}
+               "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"), "WeightQuantBatchMatmul": ("ok",),
+               "GroupedMatmulV4": ("ok",)}
+INT8_KERNELS = {"WeightQuantBatchMatmul": ("weight",), "QuantBatchMatmul": ("dynamic", "dynamic-kernel", "static"),
+                "GroupedMatmulV4": ("experts",)}
 # each case's sequences: (tokens cached, tokens new)
 CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
 CHECK_VERSION = 1              # of this module's cases: a change makes the cached verdicts stale
@@ -179,18 +186,19 @@ def _attention_kernels(ops, heads: int, kv_heads: int, head_dim: int, block_size
     return out
 
 
-def int8_held(results: dict) -> bool:
-    """Whether the check's verdicts keep a quantized checkpoint's int8 layers int8 (no int8 matmul
-    found wanting)."""
-    return all(results.get(k, {}).get("convention") != "portable"
-               for k in ("QuantBatchMatmul", "WeightQuantBatchMatmul"))
+def int8_held(results: dict) -> tuple[bool, bool]:
+    """Whether the check's verdicts keep a quantized checkpoint's int8 weights int8, (in its
+    linear layers: no int8 matmul found wanting; in its experts)."""
+    def held(*kernels):
+        return all(results.get(k, {}).get("convention") != "portable" for k in kernels)
+    return held("QuantBatchMatmul", "WeightQuantBatchMatmul"), held("GroupedMatmulV4")
 
 
-def int8_usable(ec, tp_size: int) -> bool | None:
+def int8_usable(ec, tp_size: int) -> tuple[bool, bool] | None:
     """Before the weights load, for the card plan: whether these cards keep a quantized
-    checkpoint's int8 layers int8 (the check's int8 verdicts, from the cache or run now and cached
-    for the load's own check), for EngineConfig `ec` at rank 0's shapes. None: a float checkpoint,
-    no int8 layers, or no check."""
+    checkpoint's int8 weights int8, as int8_held says (the check's int8 verdicts, from the cache or
+    run now and cached for the load's own check), for EngineConfig `ec` at rank 0's shapes. None:
+    a float checkpoint, no int8 layers, or no check."""
     from msinfer.sharding.config import ModelConfig, resolve_dtype
     from msinfer.worker import ascend
     from msinfer.worker.device import select_ops
@@ -209,11 +217,14 @@ def int8_usable(ec, tp_size: int) -> bool | None:
 def quant_cases(cfg) -> tuple[str, ...]:
     """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
     Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
-    (ModelSlim's, through DynamicQuantExt), "static"; () for a float one."""
+    (ModelSlim's, through DynamicQuantExt), "static", "experts" (weight-only int8 experts); ()
+    for a float one."""
     if cfg.quant is None:
         return ()
     kinds = {s.int8_kind + ("-kernel" if s.int8_kind == "dynamic" and s.modelslim else "")
              for s in cfg.quant.schemes if s.int8_kind}
+    if cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "weight":
+        kinds.add("experts")
     return tuple(sorted(kinds))
 
 
@@ -222,8 +233,8 @@ def check_quant(ops, hidden: int, dtype: str, cases: tuple[str, ...]) -> dict:
     under which every case of it matches its reference."""
     rng = np.random.default_rng(1)
     out = {}
-    for kernel, mine in (("WeightQuantBatchMatmul", [c for c in cases if c == "weight"]),
-                         ("QuantBatchMatmul", [c for c in cases if c != "weight"])):
+    for kernel, theirs in INT8_KERNELS.items():
+        mine = [c for c in cases if c in theirs]
         if not mine:
             continue
         t0 = time.perf_counter()
@@ -247,6 +258,8 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     from msinfer.sharding.layers import input_quantizer
     from msinfer.sharding.quant import MODELSLIM_SCHEMES, Scheme
     mdt = getattr(ms, dtype)
+    if case == "experts":
+        return _experts_error(seam, hidden, mdt, rng)
     scheme = {"weight": Scheme(8, 0, False), "dynamic": Scheme(8, 0, True),
               "dynamic-kernel": MODELSLIM_SCHEMES["W8A8_DYNAMIC"], "static": MODELSLIM_SCHEMES["W8A8"]}[case]
     quantizer = input_quantizer(scheme, "check") if scheme.act_int8 else None
@@ -273,6 +286,34 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     return _error(got, want)
+
+
+def _experts_error(seam, hidden: int, mdt, rng, experts: int = 3) -> float:
+    """The experts case: 7 rows grouped 3, 0 and 4 over `experts` experts' int8 weights [E,
+    hidden, hidden] (the kernel's [in, out]) with a scale per output, through the grouped matmul
+    as worker.ascend.AscendExperts calls it, against their dequantized product in float64. Two
+    rows past the groups ride along (the kernel leaves their outputs unwritten: not compared)."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from msinfer.sharding.quant import Scheme
+    if not seam.int8_experts(Scheme(8, 0, False)):
+        return float("inf")
+    counts = np.array([3, 0, 4][:experts] + [0] * max(0, experts - 3), np.int64)
+    x = _numpy(Tensor(rng.standard_normal((int(counts.sum()) + 2, hidden)), mdt))
+    levels = rng.integers(-127, 128, (experts, hidden, hidden)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (experts, hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
+    want = np.zeros_like(x)
+    ends = np.cumsum(counts)
+    for e in range(experts):
+        rows = slice(ends[e] - counts[e], ends[e])
+        want[rows] = x[rows] @ (levels[e].astype(np.float64) * scales[e][None, :])
+    cell = seam.moe_op()
+    try:
+        got = _numpy(ms.jit(cell.matmul, **seam.jit_options)(Tensor(x, mdt), Tensor(levels), Tensor(counts),
+                                                             Tensor(scales, mdt)))
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    return _error(got[:int(counts.sum())], want[:int(counts.sum())])
 
 
 def _half_away(y: np.ndarray) -> np.ndarray:

@@ -493,6 +493,8 @@ class CausalLM(nn.Cell):
         done: dict[str, Parameter] = {}
         for _, cell in self.cells_and_names():
             if isinstance(cell, FusedExperts):
+                if self.dev.int8_experts is not None and self.hold_int8_experts(cell):
+                    continue
                 for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts else ():
                     w = getattr(cell, attr)
                     if w.name not in self.packed:
@@ -531,10 +533,36 @@ class CausalLM(nn.Cell):
         self.packed[name] = lambda t, s=scales.astype(np.float32): t.astype(np.float32) * s[:, None]
         return True
 
+    def hold_int8_experts(self, cell: FusedExperts) -> bool:
+        """Experts whose weights all loaded as int8 levels with a scale per row keep them, in the
+        device's expert layout (`dev.pack_experts`: the Ascend path's transposes alone, so each
+        output channel keeps its scale), multiplied by the device's grouped kernel, where it takes
+        the experts' scheme (`dev.int8_experts`). Whether they do."""
+        if not self.dev.int8_experts(cell.quant_scheme):
+            return False
+        held = []
+        for w in (cell.w13, cell.w2):
+            scales = getattr(w, "row_scales", None)
+            values = w.asnumpy()
+            levels = None if scales is None else int8_levels(values.reshape(-1, values.shape[-1]), scales.reshape(-1))
+            if levels is None:
+                return False
+            held.append((levels.reshape(values.shape), scales))
+        (l13, s13), (l2, s2) = held
+        p13, unpack13 = self.dev.pack_experts(l13)
+        p2, unpack2 = self.dev.pack_experts(l2)
+        names = cell.w13.name, cell.w2.name
+        cell.hold_int8(p13, p2, Tensor(s13, self.dtype), Tensor(s2, self.dtype))
+        for name, unpack, s in zip(names, (unpack13, unpack2), (s13, s2)):
+            self.packed[name] = lambda t, u=unpack, s=s: u(t).astype(np.float32) * s[..., None]
+        return True
+
     def int8_scales(self) -> list[Parameter]:
-        """The scales of the weights held as int8 (`hold_int8`)."""
-        return [c.weight_scale for _, c in self.cells_and_names()
-                if isinstance(c, LinearBase) and c.weight_scale is not None]
+        """The scales of the weights held as int8 (`hold_int8`, `hold_int8_experts`)."""
+        return ([c.weight_scale for _, c in self.cells_and_names()
+                 if isinstance(c, LinearBase) and c.weight_scale is not None]
+                + [p for _, c in self.cells_and_names() if isinstance(c, FusedExperts) and c.w13_scale is not None
+                   for p in (c.w13_scale, c.w2_scale)])
 
     def held_parameters(self) -> list[Parameter]:
         """The parameters the checkpoint's weights are held in, once packed: what the loader wrote

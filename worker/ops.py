@@ -172,6 +172,9 @@ class MsOps:
     # in], its scales) -> y with a `scales(row scales) -> Tensor` method, or None where the device
     # keeps that scheme's weights float (AscendOps; CausalLM.hold_int8)
     int8_linear = None
+    # (the experts' scheme or None) -> whether the device's moe_op multiplies experts held as int8
+    # levels with a scale per output channel (AscendOps; CausalLM.hold_int8_experts)
+    int8_experts = None
     # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
     # MindSpore primitives, worker.device_sampler)
     sampler_kernels = None

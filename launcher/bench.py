@@ -170,10 +170,10 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
-    from msinfer.launcher.job import holds_int8, host_memory_problem, plan_job, stage_weight_bytes
+    from msinfer.launcher.job import host_memory_problem, plan_job, resolve_layout
     from msinfer.launcher.spec import JobSpec
-    from msinfer.sharding.config import ModelConfig, ascend_emulated, dtype_bytes, resolve_device, resolve_dtype
-    from msinfer.sharding.layout import LayoutError, check_tp, stage_layers
+    from msinfer.sharding.config import ModelConfig, dtype_bytes
+    from msinfer.sharding.layout import LayoutError
     from msinfer.worker.loader import CheckpointError
 
     batch_sizes = parse_sizes(args.batch_size, "--batch-size")
@@ -190,20 +190,13 @@ def plan_bench(args) -> BenchPlan:
     max_len = m.max_position_embeddings if args.max_model_len is None else \
         parse_one(args.max_model_len, "--max-model-len", minimum=2)
     ep = bool(args.expert_parallel)
-    try:
-        check_tp(m, tp, ep)
-        pipeline = stage_layers(m.num_layers, pp)
+    try:       # the job's own resolution (plan_job's), before the cases size its spec
+        layout = resolve_layout(m, tp, pp, ep, args.device, args.dtype, args.ops)
     except LayoutError as e:
         raise BenchError(flag_names(str(e))) from None
-    device = resolve_device(args.device)
-    emulate = device == "ascend" and ascend_emulated()
-    try:
-        dtype = resolve_dtype(args.dtype, m, device, emulate, args.ops)
-    except ValueError as e:
-        raise BenchError(str(e).replace("model.dtype", "--dtype")) from None
-    dbytes = dtype_bytes(dtype)
-    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, dbytes))
-    weights = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, args.ops))
+    device, emulate, dtype, pipeline, weights = (layout.device, layout.emulate, layout.dtype, layout.pipeline,
+                                                 layout.weight_bytes)
+    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, dtype_bytes(dtype)))
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),
                                                            default=m.num_layers) / m.num_layers
@@ -258,7 +251,8 @@ def flag_names(message: str) -> str:
                       "--pipeline-parallel"), ("parallel.expert_parallel",
                       "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
                       ("scheduler.max_batched_tokens", "--max-batched-tokens"),
-                      ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache")):
+                      ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache"),
+                      ("model.dtype", "--dtype"), ("model.ops", "--ops")):
         message = message.replace(key, flag)
     return message
 

@@ -363,6 +363,34 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a replica's ranks run and what each holds, resolved from the choices a spec or
+    `msinfer bench`'s flags make (`resolve_layout`)."""
+    device: str                 # "cpu" or "ascend"
+    emulate: bool               # ascend's kernels stood in on the CPU
+    dtype: str                  # the compute dtype
+    pipeline: tuple             # each stage's decoder layers, [lo, hi)
+    weight_bytes: int           # a rank's weights, in the stage that holds the most
+
+
+def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtype: str, ops: str,
+                   pipeline_layers=None) -> Layout:
+    """The device, compute dtype, pipeline stages and weight bytes a rank holds for these choices
+    (spec keys parallel.* and model.dtype / model.ops); raises LayoutError naming the spec key
+    where a choice does not fit the model."""
+    check_tp(m, tp, ep)
+    pipeline = stage_layers(m.num_layers, pp, pipeline_layers)
+    device = resolve_device(device)
+    emulate = device == "ascend" and ascend_emulated()
+    try:
+        dtype = resolve_dtype(dtype, m, device, emulate, ops)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops))
+    return Layout(device, emulate, dtype, pipeline, weights)
+
+
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False,
              sizing: bool = False) -> Plan:
     """Every check that can fail, before Ray starts. Raises a UserError-like exception.
@@ -377,8 +405,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
-    check_tp(m, tp, ep)
-    pipeline = stage_layers(m.num_layers, spec.parallel.pipeline_parallel, spec.parallel.pipeline_layers)
+    layout = resolve_layout(m, tp, spec.parallel.pipeline_parallel, ep, spec.parallel.device, spec.model.dtype,
+                            spec.model.ops, spec.parallel.pipeline_layers)
+    device, emulate, dtype, pipeline = layout.device, layout.emulate, layout.dtype, layout.pipeline
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
@@ -390,12 +419,6 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         check_output(spec.output.path, keep_folder=make_output)
         if spec.output.metrics_port is not None:
             check_port(spec.output.metrics_host, spec.output.metrics_port)
-    device = resolve_device(spec.parallel.device)
-    emulate = device == "ascend" and ascend_emulated()
-    try:
-        dtype = resolve_dtype(spec.model.dtype, m, device, emulate, spec.model.ops)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
     notes = []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
@@ -422,8 +445,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
-    dbytes = dtype_bytes(dtype)
-    weight_bytes = stage_weight_bytes(m, tp, dbytes, ep, pipeline, holds_int8(device, spec.model.ops))
+    dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
     card = None
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)

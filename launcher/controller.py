@@ -69,7 +69,7 @@ from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFai
 from msinfer.launcher.errors import UserError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, error_result
-from msinfer.launcher.replica import LaunchError, NoRoom, Replica
+from msinfer.launcher.replica import LaunchError, NoRoom, Replica, ReplicaConfig
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -135,22 +135,12 @@ class JobFailed(UserError):
 
 @dataclass
 class ControllerConfig:
-    engine_config: EngineConfig
-    engine_setup: EngineSetup | None = None    # what each replica's engine needs
-    tensor_parallel: int = 1
+    engine_config: EngineConfig                # each rank's (Replica.start)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)   # what each replica is made of
     data_parallel: int = 1
-    device: str = "cpu"
-    placement: str = "pack"
-    cpus_per_worker: float = 1
-    threads_per_worker: int = 0
     max_restarts: int = 3
     max_record_failures: int = 2
     step_timeout_s: float = 600.0
-    startup_timeout_s: float = 900.0       # each start-up stage of a replica (launcher.replica)
-    worker_cls: type | None = None         # None: worker.actor.Worker (launcher.simulate: stand-ins)
-    worker_options: dict = field(default_factory=dict)
-    tokenizer: Tokenizer | None | bool = False   # the job's, for an engine in this process (False: it loads its own)
-    card_planner: Callable[..., EngineConfig] | None = None   # on cards: launcher.job.card_replanner (Replica)
 
 
 @dataclass
@@ -194,22 +184,18 @@ class Controller:
     abandoned: int = 0                                 # records dealt and not finished when the loop stopped
 
     def _new_replica(self, index: int) -> Replica:
-        c = self.cfg
-        extra = {"worker_cls": c.worker_cls, "worker_options": c.worker_options} if c.worker_cls else {}
-        return Replica(index, c.tensor_parallel, c.device, c.placement, c.cpus_per_worker, c.threads_per_worker,
-                       startup_timeout_s=c.startup_timeout_s, engine_setup=c.engine_setup, tokenizer=c.tokenizer,
-                       on_stage=self.on_stage, card_planner=c.card_planner, **extra)
+        return Replica(index, self.cfg.replica, self.on_stage)
 
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""
         # (replicas need Ray, which the job has started; stand-in replicas without it keep no ledger)
-        if self.cfg.engine_setup is not None and self.cfg.engine_setup.ledger is None and ray.is_initialized():
+        if self.cfg.replica.engine_setup is not None and self.cfg.replica.engine_setup.ledger is None and ray.is_initialized():
             # on the driver's node: a ledger lost with another node would take every engine's
             # next report with it (the driver's node lost ends the job anyway)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.ledger = Ledger.options(scheduling_strategy=here).remote()
-            self.cfg.engine_setup = dataclasses.replace(self.cfg.engine_setup, ledger=self.ledger)
-        want = self.cfg.engine_setup.queue_target
+            self.cfg.replica.engine_setup = dataclasses.replace(self.cfg.replica.engine_setup, ledger=self.ledger)
+        want = self.cfg.replica.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
         futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
         try:
@@ -276,7 +262,7 @@ class Controller:
         Returns whether every record was handed on (False where `stop` ended the loop first;
         `abandoned` then counts the records dealt and not finished)."""
         exhausted = False
-        setup = self.cfg.engine_setup
+        setup = self.cfg.replica.engine_setup
         route = (setup is not None and len(self.slots) > 1 and setup.spec.scheduler.prefix_caching
                  and setup.spec.scheduler.route_by_prefix)
         hold = setup.queue_target if route else 0
@@ -424,7 +410,7 @@ class Controller:
         if draining:                        # nothing more is dealt: no need of it
             return
         slot.replica = self._new_replica(slot.index)
-        slot.want = self.cfg.engine_setup.queue_target
+        slot.want = self.cfg.replica.engine_setup.queue_target
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 
     def _quarantine(self, slot: Slot, number: int, reason: str) -> bool:
@@ -448,7 +434,7 @@ class Controller:
                 continue
             _, rec = slot.outstanding.pop(serial)
             self.blamed.update(n for n, _ in seen)
-            self.quarantine.append((quarantined_done(serial, rec, seen, self.cfg.engine_setup), rec))
+            self.quarantine.append((quarantined_done(serial, rec, seen, self.cfg.replica.engine_setup), rec))
             self.quarantined += 1
             found = True
         return found

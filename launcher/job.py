@@ -444,6 +444,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path,
                           trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
+    if engine.on_cpu:          # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
+        pp, dp = spec.parallel.pipeline_parallel, spec.parallel.data_parallel
+        engine = dataclasses.replace(engine, threads=threads_per_worker(tp * pp * dp if not spec.ray.address else tp))
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
     card = None
@@ -733,29 +736,27 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
     it grows."""
     from msinfer.launcher.controller import Controller, ControllerConfig
     from msinfer.launcher.engine import EngineSetup
+    from msinfer.launcher.replica import ReplicaConfig
 
     spec = plan.spec
-    tp, dp, pp = spec.parallel.tensor_parallel, spec.parallel.data_parallel, spec.parallel.pipeline_parallel
+    tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
     # one replica on an embedded Ray: its engine in this process (launcher.engine.LocalEngine)
     local = dp == 1 and not spec.ray.address
-    cfg = dict(
-        engine_config=plan.engine, tokenizer=plan.tokenizer if local else False,
+    replica = ReplicaConfig(
+        tensor_parallel=tp, device=plan.device, placement=spec.parallel.placement,
+        cpus_per_worker=spec.ray.num_cpus_per_worker, startup_timeout_s=spec.fault.startup_timeout_s,
         engine_setup=EngineSetup(spec, plan.model, plan.engine, plan.output_format, stream, local,
                                  **EngineSetup.intervals(dp, local)),
-        tensor_parallel=tp, data_parallel=dp, device=plan.device,
-        placement=spec.parallel.placement, cpus_per_worker=spec.ray.num_cpus_per_worker,
-        # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
-        threads_per_worker=threads_per_worker(tp * pp * dp if not spec.ray.address else tp) if plan.engine.on_cpu
-        else 0,
-        max_restarts=spec.fault.max_replica_restarts, max_record_failures=spec.fault.max_record_failures,
-        step_timeout_s=spec.fault.step_timeout_s,
-        startup_timeout_s=spec.fault.startup_timeout_s,
+        tokenizer=plan.tokenizer if local else False,
         card_planner=card_replanner(plan) if plan.card is not None and simulate is None else None)
     if simulate is not None:
         from msinfer.launcher.simulate import StandInWorker
-        cfg.update(worker_cls=simulate.worker_cls or StandInWorker, worker_options={"timing": simulate}, device="cpu",
-                   cpus_per_worker=STAND_IN_CPUS, threads_per_worker=0)
-    return Controller(ControllerConfig(**cfg))
+        replica = dataclasses.replace(replica, worker_cls=simulate.worker_cls or StandInWorker,
+                                      worker_options={"timing": simulate}, device="cpu", cpus_per_worker=STAND_IN_CPUS)
+    return Controller(ControllerConfig(plan.engine, replica, data_parallel=dp,
+                                       max_restarts=spec.fault.max_replica_restarts,
+                                       max_record_failures=spec.fault.max_record_failures,
+                                       step_timeout_s=spec.fault.step_timeout_s))
 
 
 def card_replanner(plan: Plan):

@@ -155,23 +155,29 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 @dataclass
-class Replica:
-    index: int
-    tp_size: int
+class ReplicaConfig:
+    """What every replica of a job is made of: the driver's part of the configuration
+    (launcher.controller.ControllerConfig.replica); each rank's is the EngineConfig its start takes."""
+    tensor_parallel: int = 1
     device: str = "cpu"                 # "cpu" | "ascend" | "auto"
     placement: str = "pack"             # "pack" | "spread"
     cpus_per_worker: float = 1
-    threads_per_worker: int = 0
     startup_timeout_s: float = 900     # each start-up stage's deadline (fault.startup_timeout_s)
     worker_cls: type = Worker           # launcher.simulate.StandInWorker for `msinfer simulate`
     worker_options: dict = field(default_factory=dict)     # its constructor's keyword arguments
     engine_setup: EngineSetup | None = None   # start the replica's engine too
     tokenizer: Tokenizer | None | bool = False   # a local engine's, loaded already (False: it loads its own)
-    on_stage: Callable[[str], None] | None = None   # as each start-up stage begins (the progress bar)
     # on cards: (total, in use, source, int8 matmuls usable (of linear layers, of experts)) as the
     # ranks measured them -> the EngineConfig whose KV cache that card holds (launcher.job.
     # card_replanner); raises LaunchError where the card is too small
     card_planner: Callable[..., EngineConfig] | None = None
+
+
+@dataclass
+class Replica:
+    index: int
+    cfg: ReplicaConfig = field(default_factory=ReplicaConfig)
+    on_stage: Callable[[str], None] | None = None   # as each start-up stage begins (the progress bar)
     workers: list = field(default_factory=list)
     engine: ActorHandle | LocalEngine | None = None   # its engine: rank 0's actor, or in this process
     scheduler: ActorHandle | None = None   # stage 0's MindSpore scheduler actor (tp > 1)
@@ -184,9 +190,9 @@ class Replica:
     submitted: int = 0                  # steps submitted: the next one's index (Worker.step)
 
     def bundle(self) -> dict:
-        if self.device == "ascend":
-            return {"NPU": 1, "CPU": self.cpus_per_worker}
-        return {"CPU": self.cpus_per_worker}
+        if self.cfg.device == "ascend":
+            return {"NPU": 1, "CPU": self.cfg.cpus_per_worker}
+        return {"CPU": self.cfg.cpus_per_worker}
 
     def start(self, engine_config) -> list[dict]:
         """Places the group, starts its communication cluster, loads every rank's shard. Each stage
@@ -194,25 +200,25 @@ class Replica:
         With pipeline stages (engine_config.pipeline), each stage is a group of tp_size ranks of
         its own: its own placement group (packed on one node with `pack`), its own MindSpore
         cluster; `workers` lists them stage after stage."""
-        strategy = "STRICT_PACK" if self.placement == "pack" else "SPREAD"
+        strategy = "STRICT_PACK" if self.cfg.placement == "pack" else "SPREAD"
         self.pp = pp = max(1, len(engine_config.pipeline))
-        tp = self.tp_size
+        tp = self.cfg.tensor_parallel
         self._announce("placing workers")
         self.pgs = [placement_group([self.bundle() for _ in range(tp)], strategy=strategy) for _ in range(pp)]
-        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=pp, timeout=self.startup_timeout_s)
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=pp, timeout=self.cfg.startup_timeout_s)
         if len(ready) < pp:
             need = self.bundle()
             raise NoRoom(
                 f"replica {self.index}: Ray could not place {tp * pp} workers of {need} "
                 f"({strategy}{f', {pp} stages of {tp}' if pp > 1 else ''}) within fault.startup_timeout_s="
-                f"{self.startup_timeout_s:g}s; cluster resources: {ray.cluster_resources()}")
+                f"{self.cfg.startup_timeout_s:g}s; cluster resources: {ray.cluster_resources()}")
 
         def on(stage, bundle):
             return PlacementGroupSchedulingStrategy(self.pgs[stage], placement_group_bundle_index=bundle)
 
-        local = self.engine_setup is not None and self.engine_setup.local
-        hosted = self.engine_setup is not None and not local       # the engine in rank 0's process
-        res = {"resources": {"NPU": 1}} if self.device == "ascend" else {}
+        local = self.cfg.engine_setup is not None and self.cfg.engine_setup.local
+        hosted = self.cfg.engine_setup is not None and not local       # the engine in rank 0's process
+        res = {"resources": {"NPU": 1}} if self.cfg.device == "ascend" else {}
         self.submitted, self.pipeline = 0, None
         # 2 steps in flight (of up to pp micro-batches each, launcher.engine.Pipeline) + a query;
         # rank 0 with an engine: an exchange and queries (its steps are local calls without stages)
@@ -221,12 +227,12 @@ class Replica:
         for st in range(pp):
             for r in range(tp):
                 host = hosted and st == 0 and r == 0
-                cls = ray.remote(engine_host(self.worker_cls) if host else self.worker_cls)
-                self.workers.append(cls.options(num_cpus=self.cpus_per_worker, scheduling_strategy=on(st, r),
+                cls = ray.remote(engine_host(self.cfg.worker_cls) if host else self.cfg.worker_cls)
+                self.workers.append(cls.options(num_cpus=self.cfg.cpus_per_worker, scheduling_strategy=on(st, r),
                                                 max_concurrency=calls + (1 if host else 0), **res)
-                                    .remote(r, tp, self.device, self.threads_per_worker, **self.worker_options))
+                                    .remote(r, tp, self.cfg.device, **self.cfg.worker_options))
         addresses = [(None, None)] * pp
-        if tp > 1 and self.worker_cls.communicates:
+        if tp > 1 and self.cfg.worker_cls.communicates:
             self.schedulers = [ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(st, 0))
                                .remote(tp) for st in range(pp)]
             self.scheduler = self.schedulers[0]
@@ -245,19 +251,19 @@ class Replica:
                     [w.join.remote(configs[i], *addresses[i // tp]) for i, w in enumerate(self.workers)])
         if addresses[0][1] is not None:
             self._stage("communication pre-flight", [w.preflight.remote() for w in self.workers])
-        setup = self.engine_setup
-        if self.card_planner is not None:
+        setup = self.cfg.engine_setup
+        if self.cfg.card_planner is not None:
             cards = [c for c in self._stage("measuring the card", [w.card_memory.remote(engine_config)
                                                                    for w in self.workers]) if c]
             if cards:                   # the smallest card and the most in use bound every rank's cache
-                engine_config = self.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
+                engine_config = self.cfg.card_planner(min(c["total"] for c in cards), max(c["in_use"] for c in cards),
                                                   cards[0]["source"],
                                                   tuple(all(c.get("int8", (True, True))[i] for c in cards)
                                                         for i in range(2)))
                 setup = dataclasses.replace(setup, engine_config=engine_config) if setup is not None else None
                 configs = per_rank(engine_config)
         if local:
-            self.engine = LocalEngine(setup, self.index, self.tokenizer)
+            self.engine = LocalEngine(setup, self.index, self.cfg.tokenizer)
         loads = [w.load.remote(configs[i]) for i, w in enumerate(self.workers)]
         if hosted:      # its tokenizer loads while the weights do
             loads.append(self.workers[0].start_engine.remote(setup, self.index, self.workers[1:]))
@@ -275,17 +281,17 @@ class Replica:
     def _stage(self, stage: str, refs: list) -> list:
         """The results of one start-up stage (a call per rank), within startup_timeout_s."""
         self._announce(STAGE_NAMES.get(stage.split(" and ")[0], stage))
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.startup_timeout_s)
         if pending:
             late = [r for r, ref in enumerate(refs) if ref in pending]
             nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})
             where = f" (on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
-            tp = self.tp_size
+            tp = self.cfg.tensor_parallel
             names = ", ".join(f"stage {r // tp} rank {r % tp}" if self.pp > 1 and r < tp * self.pp
                               else str(r) for r in late)
             raise StartupTimeout(
                 f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {names}{where} did not "
-                f"finish {stage} within fault.startup_timeout_s={self.startup_timeout_s:g}s (a hung HCCL/MCCL "
+                f"finish {stage} within fault.startup_timeout_s={self.cfg.startup_timeout_s:g}s (a hung HCCL/MCCL "
                 f"init, an unreachable node or a stalled load); the job stops")
         return ray.get(refs)
 

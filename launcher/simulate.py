@@ -156,8 +156,8 @@ class StandInWorker(Worker):
     """A rank that runs a StandInRunner: no device, no communication group, no weights."""
     communicates = False
 
-    def __init__(self, rank: int, world: int, device: str, threads: int = 0, timing: StandIn = StandIn()):
-        super().__init__(rank, world, "cpu", threads)
+    def __init__(self, rank: int, world: int, device: str, timing: StandIn = StandIn()):
+        super().__init__(rank, world, "cpu")
         self.timing = timing
 
     def info(self) -> dict:

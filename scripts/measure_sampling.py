@@ -55,8 +55,8 @@ def main() -> None:
     path = ensure_demo_model()
     B = max(args.batches)
     max_len = PROMPT_LEN + 2 * args.steps + 8
-    runner = ModelRunner(EngineConfig(str(path), dtype="float32", max_model_len=max_len, max_batch_size=B),
-                         threads=args.threads)
+    runner = ModelRunner(EngineConfig(str(path), dtype="float32", max_model_len=max_len, max_batch_size=B,
+                                      threads=args.threads))
     blocks = -(-max_len // runner.block_size)
     modes = {"greedy": lambda i: SamplingParams(),
              "greedy_logprobs": lambda i: SamplingParams(logprobs=5),

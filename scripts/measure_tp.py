@@ -25,7 +25,7 @@ import ray  # noqa: E402
 
 from msinfer.launcher.inputs import Record  # noqa: E402
 from msinfer.launcher.job import make_controller, plan_job  # noqa: E402
-from msinfer.launcher.replica import Replica, init_ray  # noqa: E402
+from msinfer.launcher.replica import Replica, ReplicaConfig, init_ray  # noqa: E402
 from msinfer.launcher.spec import JobSpec  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
 from msinfer.worker.protocol import SeqStep  # noqa: E402
@@ -34,8 +34,8 @@ from msinfer.sharding.config import EngineConfig  # noqa: E402
 
 def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
     t0 = time.perf_counter()
-    r = Replica(0, tp, threads_per_worker=max(1, 2 // tp))
-    r.start(EngineConfig(str(path), max_model_len=256, max_batch_size=batch))
+    r = Replica(0, ReplicaConfig(tp))
+    r.start(EngineConfig(str(path), max_model_len=256, max_batch_size=batch, threads=max(1, 2 // tp)))
     ready_s = time.perf_counter() - t0
     try:
         per = 256 // 16

@@ -393,9 +393,9 @@ def test_tp2_on_the_emulated_ascend_path(checkpoint, hf_greedy, ray_local):
     """Ranks on Ray's (emulated) NPUs: each worker gets its card through ASCEND_RT_VISIBLE_DEVICES as
     on a node; MQA replicates the single KV head on both ranks. (The portable operators share this
     path's embedding and collectives; test_moe runs a tp 2 mixture of experts on it too.)"""
-    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     name = "llama_mqa"
-    r = Replica(0, 2, device="ascend")
+    r = Replica(0, ReplicaConfig(2, device="ascend"))
     try:
         r.start(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=4, **PATHS["ascend-emulated"]))
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)

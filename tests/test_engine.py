@@ -51,7 +51,7 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
     max_new_tokens asks for; async scheduling (the next step submitted while one runs) changes
     no token; a bad record is its own error result and the others go on."""
     from msinfer.launcher.engine import Engine, EngineSetup
-    from msinfer.launcher.replica import Replica
+    from msinfer.launcher.replica import Replica, ReplicaConfig
 
     records = [{"id": f"r{i}", "prompt_token_ids": [10 + i] * (3 + i), "sampling": {"max_new_tokens": 2 + i % 5}}
                for i in range(9)] + [{"id": "bad", "prompt_token_ids": [10**7]}]
@@ -59,8 +59,8 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
     for async_scheduling in (True, False):
         spec = job_spec(demo, tmp_path, records, scheduler={"async_scheduling": async_scheduling})
         plan = plan_job(spec, weights=False)
-        replica = Replica(0, 1, worker_cls=StandInWorker, worker_options={"timing": StandIn(step_ms=2)},
-                          cpus_per_worker=0.01)
+        replica = Replica(0, ReplicaConfig(1, worker_cls=StandInWorker, worker_options={"timing": StandIn(step_ms=2)},
+                                           cpus_per_worker=0.01))
         replica.start(plan.engine)
         engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0)
         try:

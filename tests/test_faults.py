@@ -488,7 +488,7 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
     StartupTimeout naming replica, rank and stage, and its processes are gone."""
     import sys
     from ray import cloudpickle
-    from msinfer.launcher.replica import Replica, StartupTimeout
+    from msinfer.launcher.replica import Replica, ReplicaConfig, StartupTimeout
     from msinfer.launcher.simulate import StandInWorker
     from msinfer.sharding.config import EngineConfig
 
@@ -500,7 +500,7 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
     # long enough for the processes to start on a busy machine (the suite runs two tests at once)
-    r = Replica(3, 2, worker_cls=NeverJoins, startup_timeout_s=8, cpus_per_worker=0.01)
+    r = Replica(3, ReplicaConfig(2, worker_cls=NeverJoins, startup_timeout_s=8, cpus_per_worker=0.01))
     t0 = time.perf_counter()
     with pytest.raises(StartupTimeout, match=r"replica 3: rank 1 \(on node [0-9.]+\) did not finish device and "
                                              r"communication init within fault.startup_timeout_s=8s"):

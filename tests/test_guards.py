@@ -16,6 +16,7 @@ from msinfer.launcher.controller import Controller, ControllerConfig, route_key
 from msinfer.launcher.engine import EngineFailed, EngineSetup
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, RecordCodec
+from msinfer.launcher.replica import ReplicaConfig
 from msinfer.launcher.scheduler import Scheduler, Sequence
 from msinfer.launcher.spec import JobSpec
 from msinfer.sharding.config import EngineConfig
@@ -90,7 +91,8 @@ def test_records_held_for_a_replica_that_fails_are_dealt_again_and_each_is_done_
                   if route_key(Record("x", 1, prompt_token_ids=p + [0])) % 2 == 1)    # replica 1's
     records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=prefix + [i]) for i in range(16)]
     FakeReplica.doomed = []
-    controller = FakeController(ControllerConfig(None, EngineSetup(spec, None, None), data_parallel=2))
+    controller = FakeController(ControllerConfig(None, ReplicaConfig(engine_setup=EngineSetup(spec, None, None)),
+                                                 data_parallel=2))
     held_when_it_failed = []
     passes = 0
 
@@ -165,7 +167,8 @@ def test_a_replica_without_room_waits_while_others_serve_and_is_charged_when_non
 
     from msinfer.launcher.controller import JobFailed
     RoomlessReplica.starts, RoomlessReplica.doomed = Counter(), dp - 1
-    controller = RoomlessController(ControllerConfig(None, EngineSetup(job_spec(), None, None), data_parallel=dp,
+    setup = EngineSetup(job_spec(), None, None)
+    controller = RoomlessController(ControllerConfig(None, ReplicaConfig(engine_setup=setup), data_parallel=dp,
                                                      max_restarts=1))
     records = [Record(f"r{i:03d}", i + 1, prompt_token_ids=[i + 1]) for i in range(300)]
     done = []
@@ -198,8 +201,9 @@ def test_a_drain_deals_nothing_more_and_a_replica_failing_in_it_is_neither_resta
     records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=[i + 1]) for i in range(40)]
     read = []
     FakeReplica.doomed = []
-    controller = FakeController(ControllerConfig(None, EngineSetup(job_spec(scheduler={"max_batch_size": 2}), None,
-                                                                   None), data_parallel=2, max_restarts=0))
+    setup = EngineSetup(job_spec(scheduler={"max_batch_size": 2}), None, None)
+    controller = FakeController(ControllerConfig(None, ReplicaConfig(engine_setup=setup), data_parallel=2,
+                                                 max_restarts=0))
     controller.stop = drain = Drain(drain_s=60)
     done, read_at_request = [], []
 

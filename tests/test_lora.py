@@ -72,9 +72,9 @@ def test_tp1_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, c
 def test_tp2_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, checkpoint, ray_local):
     """Each rank merges only its slice: its rows of B for q/k/v and gate/up, its columns of A for
     o_proj and down_proj."""
-    from msinfer.launcher.replica import Replica
+    from msinfer.launcher.replica import Replica, ReplicaConfig
     adapter_dir, expected = adapter
-    r = Replica(0, 2)
+    r = Replica(0, ReplicaConfig(2))
     try:
         r.start(engine_config(checkpoint(NAME), adapter_dir))
         out = Driver(r).generate(dict(enumerate(PROMPTS)), N_NEW)

@@ -35,9 +35,9 @@ def test_experts_sliced_or_whole_per_rank_generate_what_transformers_generates(n
     the pairs of experts another rank holds). Each rank holds exactly the rows, columns or whole
     experts its layout gives it. DeepSeek's routing (groups chosen before the experts) runs on
     every rank before the experts split, and its latent attention splits by heads."""
-    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     path = checkpoint(name)
-    r = Replica(0, tp, device=device)
+    r = Replica(0, ReplicaConfig(tp, device=device))
     emulated = device == "ascend"           # the fused kernels' float16, against transformers' float32
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, expert_parallel=ep, device=device,
                          emulate=emulated, dtype="float16" if emulated else "float32", kernel_check=False))

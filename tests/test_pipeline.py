@@ -111,7 +111,7 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
     a penalty), log-probabilities, prompt log-probabilities, prompts that share a cached block,
     structured outputs (a regex, a choice: the last stage's token masks) and scored
     continuations get what a replica of one stage gives them."""
-    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     name = "qwen2_tied_5_layers"
     path = checkpoint(name)
     shared = [(5 * j) % 200 + 3 for j in range(16)]
@@ -130,7 +130,7 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
     one, _ = run_engine(one_plan, records)
     one.update(run_engine(plan_job(one_plan.spec.model_copy(update={"task": "score"}), check_io=False), scored)[0])
     plan = plan_job(spec_for(path, tmp_path, tensor_parallel=2, pipeline_parallel=2), check_io=False)
-    r = Replica(0, 2)
+    r = Replica(0, ReplicaConfig(2))
     r.start(plan.engine)
     try:
         assert [(x["stage"], x["rank"]) for x in r.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]

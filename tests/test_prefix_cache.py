@@ -58,10 +58,10 @@ def test_with_prefix_caching_off_every_prompt_token_is_prefilled(checkpoint, hf_
 
 
 def test_tp2_ranks_read_the_blocks_they_share_from_their_own_shards(checkpoint, hf_greedy, ray_local):
-    from msinfer.launcher.replica import Replica
+    from msinfer.launcher.replica import Replica, ReplicaConfig
     path = checkpoint(NAME)
     plan = plan_job(spec_for(path), check_io=False)
-    replica = Replica(0, 2)
+    replica = Replica(0, ReplicaConfig(2))
     try:
         replica.start(plan.engine)
         lines, engine = run(plan, shared_prefix_records(), replica.workers)

@@ -151,13 +151,13 @@ def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(name, pat
     emulated Ascend path (float16) the attention's int8 weights go through QuantBatchMatmul, o_proj's
     inputs quantized in primitives with the row's maximum gathered: every log-probability within
     float16's rounding."""
-    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     from msinfer.sharding.config import EngineConfig
     from msinfer.worker.protocol import SamplingParams
     from tests.test_ascend import PATHS
     path = quantized(name, "mixed")
     ascend = path_kind == "ascend-emulated"
-    r = Replica(0, 2, device="ascend" if ascend else "cpu")
+    r = Replica(0, ReplicaConfig(2, device="ascend" if ascend else "cpu"))
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, **(PATHS[path_kind] if ascend else {})))
     if ascend:          # the int8 weights held, their scales float32 (a W8A8 layer's), as plan counts them
         from msinfer.sharding.layout import bytes_per_rank
@@ -616,14 +616,14 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
     """Qwen3-MoE with int4 experts (weight-only), against transformers on the same model with the
     experts' dequantized weights: at tp 1, and at tp 2 with each expert sliced (its rank's half of
     the packed ints and of the group scales of down_proj's inputs)."""
-    from msinfer.launcher.replica import Replica, wait_gone
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     from msinfer.sharding.config import EngineConfig
     src = checkpoint("qwen3_moe_top2_dense_layer")
     path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
     assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
     rec = Recording(runner_for(path))
     one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
-    r = Replica(0, 2)
+    r = Replica(0, ReplicaConfig(2))
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
     try:
         two = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)

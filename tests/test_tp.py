@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from msinfer.launcher.replica import Replica, wait_gone
+from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
 from tests.conftest import PROMPTS
 from tests.engine_driver import Driver
 from tests.test_parity import runner_for
@@ -18,7 +18,7 @@ N_NEW = 8
 
 
 def start(path, tp):
-    r = Replica(0, tp)
+    r = Replica(0, ReplicaConfig(tp))
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
     return r
 
@@ -114,7 +114,7 @@ def test_tp3_on_the_demo_model_answers_like_transformers_and_follows_structured_
                                    "sampling": {"max_new_tokens": 16},
                                    "scheduler": {"max_batch_size": 2, "max_batched_tokens": 128}})
     plan = plan_job(spec, check_io=False)
-    r = Replica(0, 3)
+    r = Replica(0, ReplicaConfig(3))
     r.start(plan.engine)
     try:
         lines, engine = run_engine(plan, [

@@ -83,11 +83,10 @@ class CommScheduler:
 class Worker:
     communicates = True          # joins its group's MindSpore communication cluster (tp > 1)
 
-    def __init__(self, rank: int, world: int, device: str, threads: int = 0):
+    def __init__(self, rank: int, world: int, device: str):
         transformers_without_torch()
         self.tp = TPInfo(rank, world)
         self.device = select_device(device, rank=rank)
-        self.threads = threads
         self.runner = None
         self.environment: dict = {}          # card variables this worker set (worker.device.card_environment)
         self.turn = threading.Condition()       # steps run one at a time, in order (see step)
@@ -110,9 +109,9 @@ class Worker:
             ms.set_device(self.device.target)
         else:
             ms.set_device(self.device.target, self.device.device_id)
-        if self.threads:
+        if engine_config.threads:
             from mindspore.device_context.cpu import threads_num
-            threads_num(self.threads)
+            threads_num(engine_config.threads)
         if self.tp.size > 1:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
         self.comm_s = time.perf_counter() - t0
@@ -158,7 +157,7 @@ class Worker:
         t0 = time.perf_counter()
         from msinfer.worker.runner import ModelRunner
         self.tp = TPInfo(self.tp.rank, self.tp.size, engine_config.expert_parallel)
-        self.runner = ModelRunner(engine_config, self.tp, self.threads)
+        self.runner = ModelRunner(engine_config, self.tp)
         card = {}
         if engine_config.card is not None:      # the card's plan (measured where the card said) and what it holds
             card["memory"] = {**engine_config.card, "weights_loaded": self.runner.load_stats["bytes"],

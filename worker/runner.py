@@ -44,8 +44,7 @@ def shape_key(inputs: dict) -> str:
 
 
 class ModelRunner:
-    def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo(), threads: int = 0):
-        """threads: of the CPU kernels (worker.cpu), as many as the worker gives MindSpore (0: all cores)."""
+    def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo()):
         import mindspore as ms
         from msinfer.worker.model import CausalLM
         from msinfer.worker.device import select_ops
@@ -65,7 +64,7 @@ class ModelRunner:
         if ec.emulate:
             from msinfer.worker.ascend import set_variants
             set_variants(ec.emulate_variants)
-        self.dev = select_ops(ec.device, ec.ops, threads, ec.emulate)
+        self.dev = select_ops(ec.device, ec.ops, ec.threads, ec.emulate)
         self.dynamic = self.dev.dynamic_shapes if ec.shapes == "auto" else ec.shapes == "dynamic"
         # (PyNative with the fused kernels is refused by the plan, not here: tests record the
         # kernels' calls eagerly on the emulated path)

@@ -407,7 +407,7 @@ class Engine:
         probation too), their serials for the driver; a record with a sample under way stays whole."""
         by_serial: dict[int, list] = {}
         for seq in self.scheduler.withdraw_unstarted():
-            by_serial.setdefault(seq.serial, []).append(seq)
+            by_serial.setdefault(seq.record.serial, []).append(seq)
         returned = []
         for serial, seqs in by_serial.items():
             if len(seqs) == seqs[0].sampling.n:
@@ -456,7 +456,7 @@ class Engine:
         if self.setup.ledger is None or self.ledger_lost:
             return
         with self.cond:                       # (_put, in either thread, takes finished ones out)
-            new = {s.serial for s in seqs} - self.reported
+            new = {s.record.serial for s in seqs} - self.reported
             if not new:
                 return
             self.reported |= new
@@ -529,17 +529,17 @@ class Engine:
         live = [seq for seq in seqs if not seq.is_finished] if self.stream else None
         if is_prefill:                      # a sequence's first token comes from a prefill
             for seq, tok in zip(seqs, out.token_ids):
-                if tok >= 0 and seq.t_first is None and not seq.is_finished:
-                    seq.t_first = now
+                if tok >= 0 and seq.record.t_first is None and not seq.is_finished:
+                    seq.record.t_first = now
         for seq, lp in zip(seqs, out.logprobs or ()):
             if lp is not None and not seq.is_finished:
-                seq.logprobs.append(lp)
+                seq.record.logprobs.append(lp)
         for seq, scores in zip(seqs, out.scores or ()):
             if scores and not seq.is_finished:  # log-probabilities of the continuation (or prompt) tokens it saw
-                (seq.continuation_logprobs if seq.is_scoring else seq.prompt_logprobs).extend(scores)
+                (seq.record.continuation_logprobs if seq.is_scoring else seq.record.prompt_logprobs).extend(scores)
         finished = self.scheduler.postprocess(seqs, out.token_ids)
         for seq in seqs:                    # stop_string skips the finished
-            if seq.stop_matcher is not None and self.codec.stop_string(seq):
+            if seq.record.stop_matcher is not None and self.codec.stop_string(seq):
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
         if live and self.codec.tok is not None:
@@ -549,7 +549,7 @@ class Engine:
     def _finished(self, seqs: list) -> None:
         results = []
         for seq in seqs:
-            samples = seq.samples
+            samples = seq.record.samples
             if samples is None:
                 results.append(self.codec.result(seq))
             elif samples.closed:                # a sibling failed: the record's error is out already
@@ -593,7 +593,7 @@ class Engine:
 def stream_key(seq) -> str:
     """What streamed text is reported under: the record's id, and the sample's index when the
     record has n > 1 samples."""
-    return seq.key if seq.samples is None else f"{seq.key}[{seq.sampling.index}]"
+    return seq.key if seq.record.samples is None else f"{seq.key}[{seq.sampling.index}]"
 
 
 class PoolCall:

@@ -44,6 +44,24 @@ class Samples:
         self.closed = False                 # its result has been made (or its error reported)
 
 
+@dataclasses.dataclass
+class RecordState:
+    """What the engine keeps for a sequence's record beside the scheduler's state (Sequence.record):
+    where its result goes and what the result line is built from."""
+    serial: int = 0                     # the driver's number for its record
+    request: tuple | None = None        # how its OpenAI Batch line answers it (RecordCodec.request), or None
+    samples: Samples | None = None      # its record's n samples, n > 1
+    stop_matcher: StopStringMatcher | None = None   # its stop strings
+    cut_text: str | None = None         # its output text, cut before the stop string it hit
+    logprobs: list = dataclasses.field(default_factory=list)    # per generated token: (logprob, [(token, logprob)])
+    continuation_logprobs: list = dataclasses.field(default_factory=list)   # scoring: per continuation token
+    # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
+    # (logprob, [(token, logprob)])
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
+    t_added: float = 0.0                # perf_counter when the engine received it
+    t_first: float | None = None        # perf_counter of its first token
+
+
 class RecordCodec:
     """Records to sequences and finished sequences to result lines, for one job spec."""
 
@@ -121,14 +139,14 @@ class RecordCodec:
         for i in range(sampling.n):
             params = dataclasses.replace(sampling, index=i) if i else sampling
             seq = Sequence(ids, params, rec.id, () if sampling.ignore_eos else self.eos, max_len)
-            seq.serial, seq.request, seq.t_added = serial, request, now
             seq.num_score_tokens = len(continuation)
-            seq.stop_matcher = StopStringMatcher(sampling.stop) if sampling.stop and self.tok else None
+            seq.record = RecordState(serial, request, t_added=now, stop_matcher=StopStringMatcher(sampling.stop)
+                                     if sampling.stop and self.tok else None)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
             for seq in seqs:
-                seq.samples = samples
+                seq.record.samples = samples
                 seq.prefix_wait = seq is not seqs[0]    # the prompt is prefilled once, by the first
         return seqs
 
@@ -196,34 +214,34 @@ class RecordCodec:
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
         """Whether the sequence's output now holds one of its stop strings (its text is then cut
-        before it, in `seq.cut_text`); not before min_tokens tokens."""
+        before it, in `seq.record.cut_text`); not before min_tokens tokens."""
         out = len(seq.output_token_ids)
-        if seq.stop_matcher is None or seq.is_finished or not out or out < seq.sampling.min_tokens:
+        if seq.record.stop_matcher is None or seq.is_finished or not out or out < seq.sampling.min_tokens:
             return False
         text = self.tok.decode(seq.text_token_ids)
-        cut = seq.stop_matcher.check(text)
+        cut = seq.record.stop_matcher.check(text)
         if cut is None:
             return False
-        seq.cut_text = text[:cut]
+        seq.record.cut_text = text[:cut]
         return True
 
     def text(self, seq: Sequence) -> str:
-        return seq.cut_text if seq.cut_text is not None else self.tok.decode(seq.text_token_ids)
+        return seq.record.cut_text if seq.record.cut_text is not None else self.tok.decode(seq.text_token_ids)
 
     # ---- results out ----------------------------------------------------------------------------
     def result(self, seq: Sequence) -> Done:
         if seq.finish_reason in ("error", "abort"):
-            return self._done(seq.serial, error_result(seq.key, "InvalidRecord",
-                                                       seq.error or f"sequence {seq.finish_reason}"), seq.request)
+            message = seq.error or f"sequence {seq.finish_reason}"
+            return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request)
         if seq.is_scoring:
             n = seq.num_score_tokens
-            return self._done(seq.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
-                                                       seq.continuation_logprobs,
-                                                       seq.num_prompt_tokens - n))
+            return self._done(seq.record.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
+                                                              seq.record.continuation_logprobs,
+                                                              seq.num_prompt_tokens - n))
         extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
         result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
                            seq.finish_reason, seq.num_prompt_tokens, extra)
-        return self._done(seq.serial, result, seq.request, self.ttft([seq]), seq.num_cached_tokens)
+        return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens)
 
     def samples_result(self, samples: Samples) -> Done:
         """The one result of a record's n samples: `outputs`, one entry per sample in order."""
@@ -235,7 +253,7 @@ class RecordCodec:
         result = {"id": first.key, "outputs": outputs, "prompt_tokens": first.num_prompt_tokens,
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
                   "error": None}
-        return self._done(first.serial, result, first.request, self.ttft(samples.seqs),
+        return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs))
 
     def logprob_entry(self, token: int, lp: float, top: list) -> dict:
@@ -248,10 +266,10 @@ class RecordCodec:
         return {"token_id": token, "token": text(token), "logprob": lp, "top": [[t, v, text(t)] for t, v in top]}
 
     def logprobs(self, seq: Sequence) -> dict:
-        if not seq.logprobs:
+        if not seq.record.logprobs:
             return {}
         return {"logprobs": [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.output_token_ids,
-                                                                                   seq.logprobs)]}
+                                                                                   seq.record.logprobs)]}
 
     def prompt_logprobs(self, seq: Sequence) -> dict:
         """As vLLM gives them: per prompt token, its log-probability given the ones before it
@@ -259,15 +277,15 @@ class RecordCodec:
         likely alternatives. A preempted sequence computes them again: the first are kept."""
         if seq.sampling.prompt_logprobs is None:
             return {}
-        got = seq.prompt_logprobs[:seq.num_prompt_tokens - 1]
+        got = seq.record.prompt_logprobs[:seq.num_prompt_tokens - 1]
         if seq.sampling.prompt_logprobs:
             got = [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.prompt_token_ids[1:], got)]
         return {"prompt_logprobs": [None, *got]}
 
     @staticmethod
     def ttft(seqs: list[Sequence]) -> float | None:
-        firsts = [seq.t_first for seq in seqs if seq.t_first is not None]
-        return min(firsts) - seqs[0].t_added if firsts else None
+        firsts = [seq.record.t_first for seq in seqs if seq.record.t_first is not None]
+        return min(firsts) - seqs[0].record.t_added if firsts else None
 
     def error(self, serial: int, rec: Record, message: str) -> Done:
         return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec))

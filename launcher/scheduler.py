@@ -90,18 +90,7 @@ class Sequence:
         self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
         self.error: str | None = None
-        # what the engine around the scheduler keeps per sequence (launcher.engine, launcher.records)
-        self.serial = 0                                 # the driver's number for its record
-        self.request = None                             # how its OpenAI Batch line answers it, or None
-        self.samples = None                             # its record's n samples (launcher.records.Samples), n > 1
-        self.stop_matcher = None                        # its stop strings (launcher.tokenizer.StopStringMatcher)
-        self.cut_text: str | None = None                # its output text, cut before the stop string it hit
-        self.logprobs: list = []                        # per generated token: (logprob, [(token, logprob)])
-        self.continuation_logprobs: list[float] = []    # scoring: per continuation token
-        self.prompt_logprobs: list = []                 # sampling.prompt_logprobs: per prompt token after the first,
-                                                        # its logprob (k = 0) or (logprob, [(token, logprob)])
-        self.t_added = 0.0                              # perf_counter when the engine received it
-        self.t_first: float | None = None               # perf_counter of its first token
+        self.record = None          # what the engine keeps for its record (launcher.records.RecordState)
 
     @property
     def num_prompt_tokens(self) -> int:

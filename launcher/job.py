@@ -436,13 +436,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             emulation["card_env"] = card_environment(spec.fault.startup_timeout_s, spec.fault.step_timeout_s)
     except ValueError as e:
         raise SpecError(str(e)) from None
-    engine = EngineConfig(**emulation, model_dir=spec.model.path, dtype=dtype, device=device,
-                          max_model_len=spec.model.max_model_len, max_batch_size=spec.scheduler.max_batch_size,
-                          num_blocks=spec.scheduler.kv_cache_blocks or 0, block_size=spec.scheduler.block_size,
-                          graph_mode=spec.model.graph_mode, position_scheme=spec.model.positions.scheme,
-                          allow_pickle=spec.model.allow_pickle, ops=spec.model.ops, shapes=spec.model.shapes,
-                          emulate=emulate, tokenizer_path=spec.model.tokenizer_path,
-                          trust_remote_code=spec.model.trust_remote_code, expert_parallel=ep, pipeline=pipeline)
+    engine = EngineConfig(**{**same_named(spec), **emulation}, model_dir=spec.model.path, dtype=dtype,
+                          device=device, num_blocks=spec.scheduler.kv_cache_blocks or 0,
+                          position_scheme=spec.model.positions.scheme, emulate=emulate,
+                          tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
     if engine.on_cpu:          # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         pp, dp = spec.parallel.pipeline_parallel, spec.parallel.data_parallel
@@ -490,6 +487,16 @@ def check_structured(sampling, tokenizer) -> None:
         error = str(e)
     if error:
         raise SpecError(f"sampling.structured_outputs: {error.strip()}")
+
+
+def same_named(spec: JobSpec) -> dict:
+    """The spec's model:, parallel: and scheduler: keys that EngineConfig has a field of the same
+    name for, with their values: such a key reaches every rank as it is, so a new one takes its
+    spec field, that EngineConfig field and the code that reads it. plan_job overrides the few
+    it resolves (dtype, device)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
+    return {name: getattr(section, name) for section in (spec.model, spec.parallel, spec.scheduler)
+            for name in type(section).model_fields if name in names}
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:

@@ -286,3 +286,29 @@ def test_env_expansion_does_not_touch_other_strings(tmp_path, monkeypatch):
     spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  stop: ['${UNSET_X}']\n"))
     assert spec.sampling.stop == ["${UNSET_X}"]
     assert os.path.isabs(spec.output.path)
+
+
+def test_every_spec_key_named_like_an_engine_config_field_reaches_the_ranks(checkpoint, tmp_path):
+    """A model:, parallel: or scheduler: key that shares its name with an EngineConfig field reaches
+    every rank's EngineConfig as set (launcher.job.same_named), so a new key that the workers read
+    takes its spec field, the EngineConfig field and its reader: each key here is set away from its
+    default, and the planned engine holds it."""
+    import dataclasses
+    from msinfer.launcher.job import plan_job, same_named
+    from msinfer.sharding.config import EngineConfig
+    path = checkpoint("qwen3_moe_top2_dense_layer")
+    spec = JobSpec.model_validate({
+        "model": {"path": str(path), "max_model_len": 96, "allow_pickle": True, "trust_remote_code": True,
+                  "graph_mode": False, "ops": "portable", "shapes": "dynamic"},
+        "parallel": {"expert_parallel": True},
+        "scheduler": {"max_batch_size": 3, "block_size": 32},
+        "sampling": {"max_new_tokens": 8},
+        "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out.jsonl")}})
+    shared = same_named(spec)
+    keys = {"max_model_len", "allow_pickle", "trust_remote_code", "graph_mode", "ops", "shapes", "expert_parallel",
+            "max_batch_size", "block_size"}
+    assert keys <= set(shared)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    engine = plan_job(spec, check_io=False).engine
+    for name in keys:
+        assert shared[name] != defaults[name] and getattr(engine, name) == shared[name], name

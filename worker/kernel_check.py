@@ -288,32 +288,30 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     return _error(got, want)
 
 
-def _experts_error(seam, hidden: int, mdt, rng, experts: int = 3) -> float:
-    """The experts case: 7 rows grouped 3, 0 and 4 over `experts` experts' int8 weights [E,
-    hidden, hidden] (the kernel's [in, out]) with a scale per output, through the grouped matmul
-    as worker.ascend.AscendExperts calls it, against their dequantized product in float64. Two
-    rows past the groups ride along (the kernel leaves their outputs unwritten: not compared)."""
+def _experts_error(seam, hidden: int, mdt, rng) -> float:
+    """The experts case: 7 rows grouped 3, 0 and 4 over 3 experts' int8 weights [3, hidden,
+    hidden] (the kernel's [in, out]) with a scale per output, through the grouped matmul as
+    worker.ascend.AscendExperts calls it, against their dequantized product in float64. Two rows
+    past the groups ride along (the kernel leaves their outputs unwritten: not compared)."""
     import mindspore as ms
     from mindspore import Tensor
     from msinfer.sharding.quant import Scheme
     if not seam.int8_experts(Scheme(8, 0, False)):
         return float("inf")
-    counts = np.array([3, 0, 4][:experts] + [0] * max(0, experts - 3), np.int64)
-    x = _numpy(Tensor(rng.standard_normal((int(counts.sum()) + 2, hidden)), mdt))
-    levels = rng.integers(-127, 128, (experts, hidden, hidden)).astype(np.int8)
-    scales = (rng.uniform(0.5, 1.5, (experts, hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
-    want = np.zeros_like(x)
-    ends = np.cumsum(counts)
-    for e in range(experts):
-        rows = slice(ends[e] - counts[e], ends[e])
-        want[rows] = x[rows] @ (levels[e].astype(np.float64) * scales[e][None, :])
-    cell = seam.moe_op()
+    counts = np.array([3, 0, 4], np.int64)
+    ends, rows = np.cumsum(counts), int(counts.sum())
+    x = _numpy(Tensor(rng.standard_normal((rows + 2, hidden)), mdt))
+    levels = rng.integers(-127, 128, (len(counts), hidden, hidden)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (len(counts), hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
+    want = np.zeros((rows, hidden))
+    for e, (end, n) in enumerate(zip(ends, counts)):
+        want[end - n:end] = x[end - n:end] @ (levels[e].astype(np.float64) * scales[e][None, :])
     try:
-        got = _numpy(ms.jit(cell.matmul, **seam.jit_options)(Tensor(x, mdt), Tensor(levels), Tensor(counts),
-                                                             Tensor(scales, mdt)))
+        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(Tensor(x, mdt), Tensor(levels), Tensor(counts),
+                                                                      Tensor(scales, mdt)))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
-    return _error(got[:int(counts.sum())], want[:int(counts.sum())])
+    return _error(got[:rows], want)
 
 
 def _half_away(y: np.ndarray) -> np.ndarray:

@@ -441,6 +441,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           position_scheme=spec.model.positions.scheme, emulate=emulate,
                           tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline)
     engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
+    # the compile cache is verified on the CPU (the emulated Ascend path included), not on a card
+    engine = dataclasses.replace(engine, compile_cache=spec.model.compile_cache and engine.on_cpu)
     if engine.on_cpu:          # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
         pp, dp = spec.parallel.pipeline_parallel, spec.parallel.data_parallel
         engine = dataclasses.replace(engine, threads=threads_per_worker(tp * pp * dp if not spec.ray.address else tp))

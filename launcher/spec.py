@@ -79,6 +79,8 @@ class ModelSpec(Section):
     graph_mode: bool = True
     ops: Literal["auto", "portable"] = "auto"      # auto: the device's fastest operators (CPU kernels, Ascend's fused)
     shapes: Literal["auto", "dynamic", "buckets"] = "auto"   # auto: dynamic where the operators take them
+    # each rank's step graphs saved and loaded again by a later run (worker/graph_cache.py); on the CPU
+    compile_cache: bool = True
     lora: LoraSpec | None = None
     positions: PositionsSpec = Field(default_factory=PositionsSpec)
     _paths = field_validator("path", "tokenizer")(_expand)

@@ -489,6 +489,7 @@ class EngineConfig:
     num_blocks: int = 0                # 0: enough for max_batch_size sequences of max_model_len
     block_size: int = 16
     graph_mode: bool = True            # False: PyNative, for debugging
+    compile_cache: bool = False        # the step graphs in MindSpore's compile cache (worker.graph_cache)
     threads: int = 0                   # a rank's intra-op threads, MindSpore's and the CPU kernels' (0: all cores)
     position_scheme: str = "rope"
     position_options: dict = field(default_factory=dict)   # the scheme's options, e.g. {"ratio": 0.25}

@@ -109,3 +109,30 @@ def test_check_device_prints_each_fused_kernels_convention_on_the_emulated_card(
     assert "ascend (emulated): 4 heads, 2 KV heads, head_dim 16, block_size 16, float16" in p.stdout
     cpu = cli.run("check-device", job.spec_path, "--set", "parallel.device=cpu")
     assert cpu.returncode == 2 and "check-device checks Ascend's fused kernels" in said(cpu)
+
+
+def test_a_second_run_loads_its_graphs_from_the_compile_cache(cli, model, tmp_path):
+    """The first run compiles each rank's step graphs in folders of their own under
+    $MSINFER_CACHE/compile (worker/graph_cache.py), each marked complete, and MindSpore saves the
+    first (it saves no later shape of the same function); a second run of the same job saves
+    nothing anew (MindSpore loaded what it had saved: a graph it compiled again would be written
+    again) and gives the same results."""
+    from tests.conftest import cache_with_kernels
+    cache = Path(cache_with_kernels(tmp_path / "cache"))
+    env = {"MSINFER_CACHE": str(cache)}
+    job = Job(tmp_path / "job", model, records(5), sampling={"max_new_tokens": 6, "temperature": 0.0})
+    command = ("run", job.spec_path, "--no-progress", "--overwrite")
+
+    def saved() -> dict:
+        return {p: p.stat().st_mtime_ns for p in (cache / "compile").rglob("*.mindir")}
+    p = cli.run(*command, env=env)
+    assert p.returncode == 0, p.stderr
+    first, graphs = job.results(), job.summary()["steps"]["graphs"]
+    folders = [f for f in (cache / "compile").iterdir()]
+    assert len(folders) == len(graphs) >= 1
+    assert all((f / "complete").exists() for f in folders)
+    before = saved()
+    assert before
+    p = cli.run(*command, env=env)
+    assert p.returncode == 0, p.stderr
+    assert saved() == before and job.results() == first

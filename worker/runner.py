@@ -11,6 +11,8 @@ few times and then run from cache, and padded tokens write to a scratch block no
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import types
 
@@ -22,6 +24,7 @@ from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, St
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
 from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
+from msinfer.worker.graph_cache import compiling, graph_folder
 
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 # A step may run in an already compiled larger shape, padded, until the padding it has cost that way
@@ -99,6 +102,7 @@ class ModelRunner:
         self.compile_s: dict[str, float] = {}
         self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes the step graphs have run
         self.compiled_graphs: set[tuple] = set()             # (kind, and shapes when static) of each graph run
+        self.graph_parts: tuple | None = None                # what every graph's cache folder is keyed by
         self.model_s = 0.0                                   # seconds on the device, all steps (see step)
         self.synced = 0.0                                    # when the last copy to the host ended
         self.last_call: tuple = ({}, "decode")               # the inputs and kind of the last network call
@@ -332,8 +336,11 @@ class ModelRunner:
         if self.dev.phases:
             self.model.phase = self.dev.phases[kind]
         self.last_call = (inputs, kind)
+        folder = self.graph_folder(graph) if graph not in self.compiled_graphs and self.ec.compile_cache else None
         try:
-            out = fn(*(inputs[name] for name in STEP_INPUTS), *extra, *((inputs["hidden"],) if "hidden" in inputs else ()))
+            with compiling(folder):
+                out = fn(*(inputs[name] for name in STEP_INPUTS), *extra,
+                         *((inputs["hidden"],) if "hidden" in inputs else ()))
         except RuntimeError as e:
             raise self.kernel_error(e, inputs, kind) from e
         if graph not in self.compiled_graphs:
@@ -343,6 +350,22 @@ class ModelRunner:
         if not kind.startswith("score"):
             self.graphs.add(shape)
         return out
+
+    def graph_folder(self, graph: tuple):
+        """The compile cache's folder of step graph `graph` (worker.graph_cache): keyed by the model,
+        this rank's EngineConfig (less the card's measured figures and the threads), its place in
+        the replica, the device's ops and kernel conventions, its parameters' names, dtypes and
+        shapes as loaded (which layers hold int8 weights depends on the checkpoint's values), the
+        CPU kernels' library and msinfer's environment variables (a CPU feature overridden)."""
+        import dataclasses
+        if self.graph_parts is None:
+            params = sorted((p.name, str(p.dtype), tuple(p.shape)) for p in self.model.get_parameters())
+            ec = dataclasses.replace(self.ec, card=None, card_env={}, threads=0)
+            self.graph_parts = (repr(self.cfg), repr(ec), self.tp, self.dtype, self.dev.__name__,
+                                getattr(self.dev, "conventions", {}), params, self.dynamic,
+                                getattr(sys.modules.get("msinfer.worker.cpu"), "_LIBRARY", None),
+                                sorted((k, v) for k, v in os.environ.items() if k.startswith("MSINFER_")))
+        return graph_folder(*self.graph_parts, graph)
 
     def kernel_error(self, error: RuntimeError, inputs: dict, kind: str) -> Exception:
         """On the Ascend path, a failure MindSpore blames on a fused kernel becomes a KernelError

@@ -76,7 +76,6 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from msinfer.launcher.drain import Drain
-    from msinfer.launcher.tokenizer import Tokenizer
     from msinfer.sharding.config import EngineConfig
 
 
@@ -189,13 +188,14 @@ class Controller:
     def start(self) -> None:
         """Starts every replica and its engine at once; returns when all are ready."""
         # (replicas need Ray, which the job has started; stand-in replicas without it keep no ledger)
-        if self.cfg.replica.engine_setup is not None and self.cfg.replica.engine_setup.ledger is None and ray.is_initialized():
+        replica = self.cfg.replica
+        if replica.engine_setup is not None and replica.engine_setup.ledger is None and ray.is_initialized():
             # on the driver's node: a ledger lost with another node would take every engine's
             # next report with it (the driver's node lost ends the job anyway)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.ledger = Ledger.options(scheduling_strategy=here).remote()
-            self.cfg.replica.engine_setup = dataclasses.replace(self.cfg.replica.engine_setup, ledger=self.ledger)
-        want = self.cfg.replica.engine_setup.queue_target
+            replica.engine_setup = dataclasses.replace(replica.engine_setup, ledger=self.ledger)
+        want = replica.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
         futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
         try:

@@ -197,7 +197,7 @@ class Replica:
     def start(self, engine_config) -> list[dict]:
         """Places the group, starts its communication cluster, loads every rank's shard. Each stage
         must end within startup_timeout_s, or StartupTimeout names the ranks and the stage.
-        With pipeline stages (engine_config.pipeline), each stage is a group of tp_size ranks of
+        With pipeline stages (engine_config.pipeline), each stage is a group of tensor_parallel ranks of
         its own: its own placement group (packed on one node with `pack`), its own MindSpore
         cluster; `workers` lists them stage after stage."""
         strategy = "STRICT_PACK" if self.cfg.placement == "pack" else "SPREAD"

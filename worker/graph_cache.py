@@ -55,10 +55,20 @@ def graph_folder(*parts) -> Path:
     return cache_root() / key
 
 
+def entry_script_readable() -> bool:
+    """Whether MindSpore's compile cache can hash the process's entry script (sys.argv[0], which
+    it opens; none at all it accepts)."""
+    from mindspore.graph import api
+    path = getattr(api, "entry_script_path", None)
+    return path is None or os.path.isfile(path)
+
+
 @contextlib.contextmanager
 def compiling(folder: Path | None):
-    """MindSpore's compile cache on, in `folder`, for the one graph compiled inside; a no-op for None."""
-    if folder is None:
+    """MindSpore's compile cache on, in `folder`, for the one graph compiled inside; a no-op for
+    None, and where MindSpore could not read its entry script (a process started as `python -c`:
+    it would fail the compile on a file named "-c")."""
+    if folder is None or not entry_script_readable():
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,8 @@ class DemoModelError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer")
+    from msinfer.sharding.config import cache_root
+    return cache_root()
 
 
 def demo_model_path() -> Path:

@@ -428,6 +428,13 @@ VARIANTS = ("fa_cumulative", "pa_wrong", "qbmm_float32_scale")
 MEMORY_ENV = "MSINFER_ASCEND_EMULATE_MEMORY_GB"
 
 
+def cache_root() -> Path:
+    """Where msinfer keeps what it builds or learns once per machine (the CPU kernels, the kernel
+    self-check's verdicts, the compiled step graphs, the demo model): $MSINFER_CACHE, else
+    ~/.cache/msinfer."""
+    return Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer")
+
+
 def ascend_emulated(env: dict | None = None) -> bool:
     return (os.environ if env is None else env).get(EMULATE_ENV, "") not in ("", "0")
 

@@ -20,6 +20,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 import numpy as np
 
+from msinfer.sharding.config import cache_root
 from msinfer.sharding.quant import int8_levels
 from msinfer.worker.ops import MsOps
 
@@ -45,7 +46,7 @@ def kernel_library(name: str) -> str:
             cpu = next((line for line in f if line.startswith("flags")), "")
     sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))     # the .cc and the headers it includes
     key = hashlib.sha256(sources + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
-    root = Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernels"
+    root = cache_root() / "kernels"
     lib = root / f"{name}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return str(lib)

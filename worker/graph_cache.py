@@ -28,12 +28,10 @@ import os
 import shutil
 from pathlib import Path
 
+from msinfer.sharding.config import cache_root
+
 ENABLE, PATH = "MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH"
 PACKAGE = Path(__file__).resolve().parent.parent
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "compile"
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +50,7 @@ def graph_folder(*parts) -> Path:
     """The folder of the graph that `parts` describe (their reprs, which must name everything the
     compiled graph depends on beyond msinfer's source)."""
     key = hashlib.sha256(repr((source_digest(), *parts)).encode()).hexdigest()[:32]
-    return cache_root() / key
+    return cache_root() / "compile" / key
 
 
 def entry_script_readable() -> bool:

@@ -65,7 +65,8 @@ CHECK_VERSION = 1              # of this module's cases: a change makes the cach
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MSINFER_CACHE") or Path.home() / ".cache" / "msinfer") / "kernel_check"
+    from msinfer.sharding.config import cache_root
+    return cache_root() / "kernel_check"
 
 
 def cann_version() -> str:

@@ -436,16 +436,16 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             emulation["card_env"] = card_environment(spec.fault.startup_timeout_s, spec.fault.step_timeout_s)
     except ValueError as e:
         raise SpecError(str(e)) from None
-    engine = EngineConfig(**{**same_named(spec), **emulation}, model_dir=spec.model.path, dtype=dtype,
-                          device=device, num_blocks=spec.scheduler.kv_cache_blocks or 0,
-                          position_scheme=spec.model.positions.scheme, emulate=emulate,
-                          tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline)
-    engine = dataclasses.replace(engine, **model_extensions(spec, m, plans, notes))
-    # the compile cache is verified on the CPU (the emulated Ascend path included), not on a card
-    engine = dataclasses.replace(engine, compile_cache=spec.model.compile_cache and engine.on_cpu)
-    if engine.on_cpu:          # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
-        pp, dp = spec.parallel.pipeline_parallel, spec.parallel.data_parallel
-        engine = dataclasses.replace(engine, threads=threads_per_worker(tp * pp * dp if not spec.ray.address else tp))
+    on_cpu = device == "cpu" or emulate           # (EngineConfig.on_cpu)
+    workers_here = tp * spec.parallel.pipeline_parallel * spec.parallel.data_parallel if not spec.ray.address else tp
+    # the compile cache is verified on the CPU (emulated Ascend included), not on a card; threads:
+    # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
+    resolved = {**same_named(spec), **emulation, "compile_cache": spec.model.compile_cache and on_cpu,
+                "threads": threads_per_worker(workers_here) if on_cpu else 0}
+    engine = EngineConfig(**resolved, model_dir=spec.model.path, dtype=dtype, device=device,
+                          num_blocks=spec.scheduler.kv_cache_blocks or 0, position_scheme=spec.model.positions.scheme,
+                          emulate=emulate, tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline,
+                          **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
     card = None

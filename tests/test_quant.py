@@ -27,6 +27,19 @@ N_NEW = 8
 _HF: dict = {}
 
 
+def steps_held(name: str, tokens: list, ref_tokens: list, ref_logits: list, tol: float) -> int:
+    """How many steps of a W8A8 sequence compare with the reference's: every token is the
+    reference's up to the first step where the reference's two most likely tokens are within `tol`
+    (the logits' noise: one input moved a whole int8 level by float32 rounding), where either may
+    come, and the sequences then part. A token that differs elsewhere fails."""
+    for step, (got, want) in enumerate(zip(tokens, ref_tokens)):
+        if got != want:
+            top = np.sort(ref_logits[step])[-2:]
+            assert top[1] - top[0] < tol, f"{name}: step {step} gave {got}, not {want} ({top[1] - top[0]:.3g} ahead)"
+            return step + 1
+    return len(ref_tokens)
+
+
 def hf_quantized(path, prompt, n=N_NEW, act_quant=True):
     """transformers' greedy tokens and per-step logits on a compressed-tensors checkpoint;
     act_quant=False: the same dequantized weights with the inputs left float."""
@@ -92,26 +105,37 @@ def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(nam
     logits within float32's noise. W8A8 rounds each input to an int8 level, so a float32
     difference of 1e-6 in a value that lies within that of a level's edge moves it a level (and
     the sequence's later logits by ~1e-2): most rows are the reference's to 2e-4, none of them
-    is the reference's with float inputs (which really differs), and every token is the same.
-    plan counts the weights as the CPU kernels hold them (int8 per channel as int8)."""
+    is the reference's with float inputs (which really differs), and every token is the same up
+    to a step where the reference's top two tokens are within that noise (`steps_held`).
+    plan counts the weights as the CPU kernels hold them (int8 per channel as int8). On a CPU with
+    AVX512-VNNI, W8A8 layers multiply int8 inputs by int8 weights (CpuInt8Linear)."""
     path = quantized(name, scheme)
     rec = Recording(runner_for(path))
     held = rec.runner.load_stats["bytes"]
     assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == held
     assert (held < plan_job(spec_for(quantized(name, "w4a16"), tmp_path), check_io=False).weight_bytes_per_rank) \
         == scheme.startswith("w8")
+    from msinfer.sharding.layers import LinearBase
+    from msinfer.worker.cpu import CpuInt8Linear, CpuOps
+    vnni = [type(c.int8_matmul) for _, c in rec.runner.model.cells_and_names() if isinstance(c, LinearBase)]
+    assert (CpuInt8Linear in vnni) == (CpuOps.vnni and scheme == "w8a8"), vnni
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
-    same = float_inputs = 0
+    same = float_inputs = compared = 0
+    tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL
     for i, prompt in enumerate(PROMPTS):
         ref_tokens, ref_logits = hf_quantized(path, prompt)
-        assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
-        for step in range(N_NEW):
+        if scheme != "w8a8":
+            assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
+        steps = steps_held(f"{name} {scheme} prompt {i}", out[i], ref_tokens, ref_logits, tol)
+        compared += steps
+        for step in range(steps):
             diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
-            assert diff < (0.1 if scheme == "w8a8" else LOGIT_ATOL), f"{name} {scheme} prompt {i} step {step}: {diff}"
+            assert diff < tol, f"{name} {scheme} prompt {i} step {step}: {diff}"
             same += diff < LOGIT_ATOL
             if scheme == "w8a8":
                 float_inputs += np.abs(rec.logits[step][i] - hf_quantized(path, prompt, act_quant=False)[1][step]).max() < LOGIT_ATOL
-    assert same >= 0.5 * len(PROMPTS) * N_NEW and float_inputs == 0, (same, float_inputs)
+    assert compared >= 0.75 * len(PROMPTS) * N_NEW and same >= 0.5 * compared and float_inputs == 0, \
+        (compared, same, float_inputs)
 
 
 @pytest.mark.parametrize("name,scheme", [("deepseek_v3_yarn_groups", "w8a8"), ("deepseek_v2_groups_no_q_lora", "w4a16")])
@@ -121,20 +145,29 @@ def test_quantized_deepseek_gives_the_tokens_of_transformers_running_the_same_sc
     of 16), the dense and shared MLPs too, the fused experts float (scripts/quantize_model.py).
     Decode absorbs kv_b_proj into the query and reads the latents from the cache; with W8A8 the
     cache holds each latent quantized per token, as kv_b_proj's input is, so prefill and decode
-    compute what transformers does. plan counts the weights as they are held."""
+    compute what transformers does: its tokens up to a near tie (`steps_held`), and a third of the
+    rows or more within float32's noise (W4A16: every token, half the rows). plan counts the weights as they are held."""
     path = quantized(name, scheme)
     rec = Recording(runner_for(path))
     assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == rec.runner.load_stats["bytes"]
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
-    same = 0
+    same = compared = 0
+    tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL
     for i, prompt in enumerate(PROMPTS):
         ref_tokens, ref_logits = hf_prepared(checkpoint(name), scheme, prompt)
-        assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
-        for step in range(N_NEW):
+        if scheme != "w8a8":
+            assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
+        steps = steps_held(f"{name} {scheme} prompt {i}", out[i], ref_tokens, ref_logits, tol)
+        compared += steps
+        for step in range(steps):
             diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
-            assert diff < (0.1 if scheme == "w8a8" else LOGIT_ATOL), f"{name} {scheme} prompt {i} step {step}: {diff}"
+            assert diff < tol, f"{name} {scheme} prompt {i} step {step}: {diff}"
             same += diff < LOGIT_ATOL
-    assert same >= 0.5 * len(PROMPTS) * N_NEW, same
+    # A step's logits move by ~1e-2 once a float32 rounding difference moves one of its int8 inputs
+    # a level. Latent attention quantizes more inputs a layer (q_a, q_b, kv_a, the latent, o) than
+    # Llama's: rows within 2e-4 were 13 of 24 on one CPU and 10 of 24 on another (other kernels).
+    assert compared >= 0.75 * len(PROMPTS) * N_NEW and same >= compared / (3 if scheme == "w8a8" else 2), \
+        (compared, same)
 
 
 @pytest.mark.parametrize("name,path_kind", [("llama_mha_bias", "cpu"), ("deepseek_v3_yarn_groups", "cpu"),
@@ -176,15 +209,16 @@ def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(name, pat
         pids = r.pids()
         r.shutdown()
     assert wait_gone(pids)
-    same = 0
+    same = compared = 0
     for i, prompt in enumerate(PROMPTS):
         tokens, logits = (hf_prepared(checkpoint(name), "mixed", prompt) if name.startswith("deepseek")
                           else hf_quantized(path, prompt))
-        assert out[i] == tokens, f"prompt {i}"
-        for step, lg in enumerate(logits):
+        held = steps_held(f"prompt {i}", out[i], tokens, logits, 0.1)
+        compared += held
+        for step, lg in enumerate(logits[:held]):
             ref = float(lg[tokens[step]] - np.logaddexp.reduce(lg.astype(np.float64)))
             same += abs(steps[step][i][0] - ref) < (0.05 if ascend else 1e-4)
-    assert same >= (1.0 if ascend else 0.5) * len(PROMPTS) * N_NEW, same
+    assert compared >= 0.75 * len(PROMPTS) * N_NEW and same >= (1.0 if ascend else 0.5) * compared, (compared, same)
 
 
 def test_unpacking_reads_what_compressed_tensors_packs():

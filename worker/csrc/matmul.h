@@ -52,6 +52,19 @@ inline vreg loadr(const int8_t* p) {
   return (vreg)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
+// bfloat16 lanes (a bfloat16 checkpoint's weights in panels, CpuOps.pack_weight) widened to the
+// float32 they are exactly: the products and sums are the float32 panels' own, from half the bytes.
+#ifdef __AVX512F__
+inline vreg loadr(const uint16_t* p) {
+  return (vreg)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#else
+inline vreg loadr(const uint16_t* p) {
+  return (vreg)_mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
 inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
 
 // c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
@@ -175,6 +188,168 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
     }
   });
 }
+
+// ---- Linear over int8 inputs and int8 weights, with AVX512-VNNI -----------------------------
+// A W8A8 layer (int8 weights per output channel, inputs int8 per token) on a CPU with VNNI: the
+// input rows are quantized here, as sharding.layers.PerTokenInt8 quantizes them (max|x| / divisor,
+// halves to even or away from zero, clamped to -128..127), and VPDPBUSD sums four int8 products
+// into an int32 lane per instruction: the sum is exact, then scaled once by the row's and the
+// column's scale. VPDPBUSD multiplies unsigned by signed bytes, so the weight is stored as
+// level + 128 (uint8) and each row's sum of 128 x its levels is taken off the result.
+//   w [N, Kq] (CpuOps.pack_vnni; Kq = K rounded up to 4): panels of 32 columns, each [Kq/4][32][4]:
+// per group of 4 k, the 4 bytes of column c at 4c, so one 64-byte load holds 16 columns' 4 k.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MSINFER_VNNI 1
+#ifndef VROWS
+#define VROWS 6
+#endif
+constexpr int64_t kRowsVnni = VROWS, kRowBlockVnni = 9 * kRowsVnni;
+
+// 16 lanes of x from p (the first n), float32, the others zeros.
+inline __m512 load16(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+inline __m512 load16(const _Float16* p, __mmask16 n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(n, p)); }
+
+// rows of x [M, K] -> q [M, Kq] (zeros past K), each row's scale s and 128 x the sum of its levels.
+// amax: each row's max|x| as the caller took it (a row split over ranks), or nullptr. The
+// quotient x / s is IEEE division, as PerTokenInt8's, so the levels are the same.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kq, float divisor, bool away, const float* amax,
+                   int8_t* q, float* s, int32_t* comp) {
+  parallel_for(M, 16, [&](int64_t m) {
+    const T* r = x + m * K;
+    auto lanes = [&](int64_t k) { return static_cast<__mmask16>(k + 16 <= K ? 0xffff : (1u << (K - k)) - 1); };
+    float a;
+    if (amax != nullptr) {
+      a = amax[m];
+    } else {
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(r + k, lanes(k))));
+      a = _mm512_reduce_max_ps(mx);
+    }
+    float sc = a / divisor;
+    if (sc == 0.f) sc = std::numeric_limits<float>::epsilon();
+    const __m512 vs = _mm512_set1_ps(sc), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+    const __m512 half = _mm512_set1_ps(0.5f), sign = _mm512_set1_ps(-0.f);
+    __m512i sum = _mm512_setzero_si512();
+    int8_t* o = q + m * Kq;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 n = lanes(k);
+      const __m512 v = _mm512_div_ps(load16(r + k, n), vs);
+      __m512 l;
+      if (away) {   // sign(v) * floor(|v| + 0.5)
+        l = _mm512_roundscale_ps(_mm512_add_ps(_mm512_abs_ps(v), half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        l = _mm512_or_ps(l, _mm512_and_ps(v, sign));
+      } else {      // halves to even
+        l = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      }
+      const __m512i li = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, l)));
+      sum = _mm512_add_epi32(sum, li);
+      _mm_mask_storeu_epi8(o + k, n, _mm512_cvtepi32_epi8(li));
+    }
+    std::fill(o + K, o + Kq, int8_t(0));
+    s[m] = sc;
+    comp[m] = 128 * _mm512_reduce_add_epi32(sum);
+  });
+}
+
+// c[R][32] = rows a[R][Kq] (int8, row stride lda) times a panel b [Kq/4][32][4] (uint8), scaled by
+// each row's s and each column's scale; prefetching as `micro` does.
+template <typename T, int R, bool Glu>
+__attribute__((noinline)) void micro_vnni(const int8_t* a, int64_t lda, const uint8_t* b, int64_t KQ, T* c,
+                                          int64_t ldc, const char* pf, int64_t pf_step, bool cached,
+                                          const float* scale, const float* s, const int32_t* comp) {
+  __m512i acc[R][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < KQ; ++g) {
+    const uint8_t* bg = b + g * 128;
+    __builtin_prefetch(pf + g * pf_step);
+    if (cached) {
+      __builtin_prefetch(bg + 16 * 128);
+      __builtin_prefetch(bg + 16 * 128 + 64);
+    }
+    const __m512i b0 = _mm512_loadu_si512(bg), b1 = _mm512_loadu_si512(bg + 64);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      int32_t four;
+      std::memcpy(&four, a + i * lda + 4 * g, 4);
+      const __m512i ai = _mm512_set1_epi32(four);
+      acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], b0, ai);
+      acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], b1, ai);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  for (int i = 0; i < R; ++i) {
+    const __m512i off = _mm512_set1_epi32(comp[i]);
+    const __m512 si = _mm512_set1_ps(s[i]);
+    alignas(64) float t[kPanel];
+    _mm512_store_ps(t, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][0], off)), si), s0));
+    _mm512_store_ps(t + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][1], off)), si), s1));
+    T* o = c + i * ldc;
+    if constexpr (Glu) {
+#pragma omp simd
+      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
+    } else {
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
+    }
+  }
+}
+
+// y [M, N] (Glu: [M, N/2]) from the quantized rows (q [M, Kq], s, comp) and w (CpuOps.pack_vnni),
+// N a multiple of 32; work shared as linear_rows shares it.
+template <typename T, bool Glu>
+void vnni_rows(const int8_t* q, const float* s, const int32_t* comp, const uint8_t* w, const float* scales, T* y,
+               int64_t M, int64_t Kq, int64_t N) {
+  constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
+  const int64_t ldy = Glu ? N / 2 : N, KQ = Kq / 4;
+  const int64_t panels = N / kPanel, blocks = (M + kRowBlockVnni - 1) / kRowBlockVnni;
+  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
+  const int64_t panel_bytes = Kq * kPanel;
+  parallel_for(blocks * runs, 1, [&](int64_t item) {
+    const int64_t m0 = item % blocks * kRowBlockVnni, m1 = std::min(M, m0 + kRowBlockVnni);
+    const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
+    const int64_t groups = (m1 - m0 + kRowsVnni - 1) / kRowsVnni;
+    const int64_t share = (panel_bytes + groups - 1) / groups;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* b = w + p * panel_bytes;
+      const char* next = reinterpret_cast<const char*>(b + panel_bytes);
+      for (int64_t m = m0, g = 0; m < m1; ++g) {
+        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);
+        const char* pf = next + g * share;
+        int64_t step = (share + KQ - 1) / KQ;
+        if (p + 1 >= p1) step = 0;
+        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = 128;
+        with_count<kRowsVnni>(r, [&](auto rows) {
+          micro_vnni<T, rows, Glu>(q + m * Kq, Kq, b, KQ, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1,
+                                   scales + p * kPanel, s + m, comp + m);
+        });
+        m += r;
+      }
+    }
+  });
+}
+
+// y = quantized x times w, for rows 0..M-1: rows after the last non-zero one (a step's padding)
+// are zeros and not computed.
+template <typename T, bool Glu>
+void linear_vnni(const T* x, const uint8_t* w, const float* scales, float divisor, bool away, const float* amax,
+                 T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t W = Glu ? N / 2 : N, Kq = (K + 3) / 4 * 4;
+  int64_t L = M;
+  while (L > 0 && std::all_of(x + (L - 1) * K, x + L * K, [](T v) { return v == T(0); })) --L;
+  std::fill(y + L * W, y + M * W, T(0));
+  if (L == 0) return;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> s;
+  thread_local std::vector<int32_t> comp;
+  q.resize(L * Kq);
+  s.resize(L);
+  comp.resize(L);
+  quantize_rows(x, L, K, Kq, divisor, away, amax, q.data(), s.data(), comp.data());
+  vnni_rows<T, Glu>(q.data(), s.data(), comp.data(), w, scales, y, L, Kq, N);
+}
+#endif
 
 // ---- Linear over bfloat16 weights, in AMX tiles ---------------------------------------------
 // Most checkpoints store their weights in bfloat16, so a float32 network holds weights whose
@@ -382,10 +557,15 @@ void rows_of(const T* x, const int32_t* idx, T* out, int64_t N, int64_t M, int64
   }
 }
 
-// Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight);
-// ids outside [0, V) (another rank's vocabulary) give zeros.
+inline float value_of(uint16_t bits) { return bf16_value(bits); }     // bfloat16 panels
 template <typename T>
-void embed(const T* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
+inline T value_of(T v) { return v; }
+
+// Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight), W
+// the table's element (T, or uint16_t: bfloat16 for a float32 T); ids outside [0, V) (another
+// rank's vocabulary) give zeros.
+template <typename T, typename W = T>
+void embed(const W* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
   parallel_for(N, 64, [&](int64_t n) {
     T* o = out + n * H;
     const int64_t id = ids[n];
@@ -394,8 +574,8 @@ void embed(const T* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t
       return;
     }
     const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
-    const T* b = w + col * H + (id - col);
-    for (int64_t k = 0; k < H; ++k) o[k] = b[k * width];
+    const W* b = w + col * H + (id - col);
+    for (int64_t k = 0; k < H; ++k) o[k] = value_of(b[k * width]);
   });
 }
 

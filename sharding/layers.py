@@ -88,13 +88,17 @@ class PerTokenInt8(nn.Cell):
         levels, s = self.levels(x)
         return (levels * s).astype(x.dtype)
 
+    def row_max(self, x):
+        """Each row's max|x| [M, 1] float32, over every rank that holds a part of the row."""
+        amax = ops.abs(x.astype(mstype.float32)).max(axis=-1, keepdims=True)
+        if self.gather is not None:
+            amax = self.gather(amax).reshape(self.ranks, -1, 1).max(axis=0)
+        return amax
+
     def levels(self, x):
         """(each row's int8 levels [M, K], float32; its scale [M, 1] float32)."""
         xf = x.astype(mstype.float32)
-        amax = ops.abs(xf).max(axis=-1, keepdims=True)
-        if self.gather is not None:
-            amax = self.gather(amax).reshape(self.ranks, -1, 1).max(axis=0)
-        s = amax / self.divisor
+        s = self.row_max(xf) / self.divisor
         s = s + (s == 0).astype(mstype.float32) * self.eps
         r = round_half_away(xf / s) if self.half_away else ops.round(xf / s)
         return ops.clip(r, -128.0, 127.0), s

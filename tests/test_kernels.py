@@ -169,6 +169,58 @@ def test_quant_rows_gives_each_rows_int8_levels_as_compressed_tensors_and_models
     assert not y[1].any()
 
 
+@pytest.fixture(scope="module")
+def vnni(kernels):
+    if not kernels.vnni:
+        pytest.skip("no AVX512-VNNI on this CPU: W8A8 layers use int8 panels and float32 products")
+    return kernels
+
+
+def _per_token(x: np.ndarray, divisor: float, away: bool, amax=None):
+    """x's rows quantized as sharding.layers.PerTokenInt8 does, in float32: (levels, scales)."""
+    a = np.abs(x).max(1, keepdims=True) if amax is None else amax
+    s = (a / np.float32(divisor)).astype(np.float32)
+    s[s == 0] = np.finfo(np.float32).eps
+    v = x / s
+    return np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5) if away else np.rint(v), -128, 127), s
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("M,K,N,glu,divisor,away,split", [(1, 40, 64, False, 127.5, False, False),
+                                                           (17, 66, 96, False, 127.0, True, True),
+                                                           (19, 64, 128, True, 127.5, False, False)])
+def test_int8_inputs_and_weights_with_vnni_give_the_exact_sum_of_the_levels_scaled(vnni, M, K, N, glu, divisor,
+                                                                                  away, split, dtype):
+    """A W8A8 layer with VNNI (CpuInt8Linear): x's rows quantized as the layer's quantizer does
+    (with the row's maximum over the ranks that split it, given), the int8 products summed
+    exactly, times the row's and the column's scale; trailing padding rows are zeros; the packed
+    weight unpacks to its levels."""
+    from msinfer.sharding.layers import PerTokenInt8
+    from msinfer.worker.cpu import CpuInt8Linear
+    rng = np.random.default_rng(M + K + N)
+    x = rng.standard_normal((M, K)).astype(dtype)
+    x[0, :4] = 0.5                               # halves, once scaled: the rounding mode decides them
+    if M > 1:
+        x[-2:] = 0
+    q = rng.integers(-128, 128, size=(N, K)).astype(np.int8)
+    s = rng.uniform(1e-3, 1e-2, size=N).astype(np.float32)
+    cell = CpuInt8Linear(PerTokenInt8(0, divisor, away), glu)
+    data, unpack = cell.pack(q)
+    assert data.dtype == np.int8 and data.shape == (N, -(-K // 4) * 4)
+    np.testing.assert_array_equal(unpack(data), q)
+    xf = x.astype(np.float32)
+    amax = np.abs(xf).max(1, keepdims=True) * (1.5 if split else 1)    # another rank's part is larger
+    levels, xs = _per_token(xf, divisor, away, amax if split else None)
+    h = (levels.astype(np.float64) @ q.astype(np.float64).T) * xs * s
+    ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+    args = (Tensor(x), Tensor(data), cell.scales(s), cell.quantizer.meta) + ((Tensor(amax),) if split else ())
+    y = cell.op(*args).asnumpy().astype(np.float64)
+    tol = 1e-6 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    if M > 1:
+        assert not y[-2:].any()
+
+
 def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((70, 24)).astype(np.float32)       # panels of 32, 32 and 6 rows
@@ -237,18 +289,49 @@ def test_an_embedding_in_bfloat16_tiles_gives_its_float32_rows(tiles):
     np.testing.assert_array_equal(got, want)
 
 
-def test_only_bfloat16_weights_of_whole_tiles_go_to_tiles(kernels):
-    """A weight with any value that is not a bfloat16 (a float32 checkpoint, a merged adapter) or
-    with N or K not a multiple of 32 stays in float32 panels, exact."""
+def test_only_bfloat16_weights_go_to_bfloat16_tiles_or_panels(kernels):
+    """A bfloat16 weight goes to AMX tiles (int16) where the CPU has them and both dimensions are
+    whole tiles, else to bfloat16 panels (uint16, half float32's bytes); a weight with any value
+    that is not a bfloat16 (a float32 checkpoint, a merged adapter) stays in float32 panels.
+    Each unpacks to the weight exactly."""
     rng = np.random.default_rng(4)
     exact = _bfloat16(rng.standard_normal((64, 64)))
     inexact = exact.copy()
     inexact[5, 7] = np.nextafter(inexact[5, 7], np.float32(9))
-    assert (kernels.pack_weight(exact)[0].dtype == np.int16) == kernels.amx
-    for w in (inexact, _bfloat16(rng.standard_normal((48, 64))), _bfloat16(rng.standard_normal((64, 40)))):
+    odd = (_bfloat16(rng.standard_normal((48, 64))), _bfloat16(rng.standard_normal((64, 40))))
+    for w, want in ((exact, np.int16 if kernels.amx else np.uint16), (inexact, np.float32),
+                    *((w, np.uint16) for w in odd)):
         packed, unpack = kernels.pack_weight(w)
-        assert packed.dtype == np.float32
+        assert packed.dtype == want
         np.testing.assert_array_equal(unpack(packed), w)
+
+
+@pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (17, 64, 96, False), (19, 40, 96, True)])
+def test_bfloat16_panels_give_the_float32_panels_result_bit_for_bit(kernels, M, K, N, glu, monkeypatch):
+    """Without AMX tiles, a bfloat16 weight in bfloat16 panels (widened in the registers) gives
+    exactly what its float32 panels give, with a last narrower panel, padding rows and the gate/up
+    activation; the embedding lookup over such a table gives its rows. MSINFER_BF16_PANELS=0
+    (CpuOps.bf16_panels False) keeps float32 panels."""
+    monkeypatch.setattr(kernels, "amx", False)
+    rng = np.random.default_rng(M + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[-1:] = 0 if M > 1 else x[-1:]
+    w = _bfloat16(rng.standard_normal((N, K)) * 0.1)
+    packed, _ = kernels.pack_weight(w, glu)
+    monkeypatch.setattr(kernels, "bf16_panels", False)
+    f32, _ = kernels.pack_weight(w, glu)
+    assert packed.dtype == np.uint16 and packed.nbytes * 2 == f32.nbytes and f32.dtype == np.float32
+    op = kernels.glu_linear_op() if glu else kernels.linear_op()
+    y = op(Tensor(x), Tensor(packed)).asnumpy()
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, op(Tensor(x), Tensor(f32)).asnumpy())
+    h = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+    np.testing.assert_allclose(y, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+    if not glu:
+        ids = np.array([0, N - 1, 33, N, -1], np.int32)
+        want = np.stack([w[i] if 0 <= i < N else np.zeros(K, np.float32) for i in ids])
+        np.testing.assert_array_equal(kernels.embed_op()(Tensor(packed), Tensor(ids)).asnumpy(), want)
 
 
 def _rms(x, w, eps):

@@ -51,26 +51,34 @@ def test_greedy_tokens_and_logits_match_transformers(name, checkpoint, hf_greedy
             assert diff < LOGIT_ATOL, f"{name} prompt {i} step {step}: max |logit diff| {diff}"
 
 
-def test_a_bfloat16_checkpoint_runs_on_amx_tiles_and_gives_the_tokens_of_float32_panels(checkpoint, monkeypatch):
-    """Where the CPU has AMX, the weights of a bfloat16 checkpoint go to bfloat16 tiles (int16
-    parameters): every matmul and the tied embedding. The parity test above holds them to
-    transformers' logits; without tiles the same tokens come out of float32 panels."""
+def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_panels(checkpoint, monkeypatch):
+    """The weights of a bfloat16 checkpoint stay bfloat16, half float32's bytes, in every matmul
+    and the tied embedding: in AMX tiles (int16 parameters) where the CPU has them, else in
+    bfloat16 panels (uint16), widened to float32 as they are read. The parity test above holds
+    them to transformers' logits. With MSINFER_AMX=0 and MSINFER_BF16_PANELS=0 (how a user turns
+    them off) the weights are float32 panels and give the same tokens; bfloat16 panels give the
+    very same logits, as their products and sums are the float32 panels' own."""
     import mindspore as ms
     from msinfer.worker.cpu import CpuOps, load_kernels
     name = "llama_gqa_tied_bfloat16"
-    tiled = runner_for(checkpoint(name))
-    if not CpuOps.amx:
-        pytest.skip("no AMX on this CPU: bfloat16 weights stay in float32 panels")
-    int16 = [p.name for p in tiled.model.get_parameters() if p.dtype == ms.int16]
-    assert len(int16) == 4 * tiled.cfg.num_layers + 1          # qkv, o, gate_up, down; embedding = LM head
-    monkeypatch.setenv("MSINFER_AMX", "0")                     # how a user turns tiles off
-    panels = ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8))
+    halved = Recording(runner_for(checkpoint(name)))
+    kind = ms.int16 if CpuOps.amx else ms.uint16
+    held = [p.name for p in halved.runner.model.get_parameters() if p.dtype == kind]
+    assert len(held) == 4 * halved.runner.cfg.num_layers + 1          # qkv, o, gate_up, down; embedding = LM head
+    monkeypatch.setenv("MSINFER_AMX", "0")
+    monkeypatch.setenv("MSINFER_BF16_PANELS", "0")
+    panels = Recording(ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8)))
     monkeypatch.undo()
     load_kernels()
-    assert not any(p.dtype == ms.int16 for p in panels.model.get_parameters())
+    assert not any(p.dtype in (ms.int16, ms.uint16) for p in panels.runner.model.get_parameters())
+    assert halved.runner.load_stats["bytes"] < panels.runner.load_stats["bytes"]
     prompts = dict(enumerate(PROMPTS))
-    assert Driver(tiled).generate(prompts, N_NEW) == Driver(panels).generate(prompts, N_NEW)
-    np.testing.assert_array_equal(tiled.model.weights()["lm_head.weight"], panels.model.weights()["lm_head.weight"])
+    assert Driver(halved).generate(prompts, N_NEW) == Driver(panels).generate(prompts, N_NEW)
+    if not CpuOps.amx:
+        for a, b in zip(halved.logits, panels.logits):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(halved.runner.model.weights()["lm_head.weight"],
+                                  panels.runner.model.weights()["lm_head.weight"])
 
 
 def test_prefill_decode_and_scoring_alternate_in_any_order(checkpoint, hf_greedy):

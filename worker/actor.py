@@ -208,8 +208,8 @@ class Worker:
         for p in self.runner.model.get_parameters():
             if "cache" not in p.name and p.name != "freq_matrix":
                 values = rng.standard_normal(p.shape, np.float32) * scale
-                if p.dtype == ms.int16:          # bfloat16 tiles (CpuOps.pack_weight)
-                    values = bfloat16_bits(values).view(np.int16)
+                if p.dtype in (ms.int16, ms.uint16):     # bfloat16 tiles or panels (CpuOps.pack_weight)
+                    values = bfloat16_bits(values).view(np.int16 if p.dtype == ms.int16 else np.uint16)
                 p.set_data(Tensor(values, dtype=p.dtype))
                 filled += p.nbytes
         return filled

@@ -293,6 +293,11 @@ class AscendInt8Linear(nn.Cell):
         elif quantizer.divisor == 127.0 and quantizer.half_away and quantizer.gather is None:
             self.dynamic_quant = kernels.DynamicQuantExt()
 
+    @staticmethod
+    def pack(levels: np.ndarray):
+        """The weight as the kernels take it: the levels [out, in] themselves; and the unpack."""
+        return levels, lambda t: t
+
     def scales(self, scales: np.ndarray) -> Tensor:
         """Each output's scale as this kind's kernel takes it."""
         if self.kind == "weight":
@@ -363,7 +368,7 @@ class AscendOps(MsOps):
         return AscendExperts(cls.kernels)
 
     @classmethod
-    def int8_linear(cls, scheme, quantizer, dtype):
+    def int8_linear(cls, scheme, quantizer, dtype, glu: bool = False):
         """AscendInt8Linear for a layer of `scheme`, or None where its weights stay dequantized:
         int4 groups (WeightQuantBatchMatmul takes them packed two to a byte, as qint4x2, which
         MindSpore's CPU cannot run: not emulated, so not called), and a kernel the self-check
@@ -371,7 +376,7 @@ class AscendOps(MsOps):
         kind = scheme.int8_kind
         kernel = "WeightQuantBatchMatmul" if kind == "weight" else "QuantBatchMatmul"
         convention = cls.conventions.get(kernel, "ok")
-        if kind is None or convention == "portable":
+        if kind is None or convention == "portable" or glu:
             return None
         return AscendInt8Linear(cls.kernels, kind, quantizer, dtype, convention)
 

@@ -21,6 +21,7 @@ from mindspore import Tensor, nn, ops
 import numpy as np
 
 from msinfer.sharding.config import cache_root
+from msinfer.sharding.layers import PerTokenInt8
 from msinfer.sharding.quant import int8_levels
 from msinfer.worker.ops import MsOps
 
@@ -108,6 +109,19 @@ class CpuOps(MsOps):
     def silu_mul(gate_up):
         return _SILU_MUL(gate_up)
 
+    # Whether Linear and LinearGlu take a W8A8 layer's inputs as int8 with AVX512-VNNI
+    # (kernels.cc, linear_vnni): set by load_kernels; MSINFER_VNNI=0 turns it off.
+    vnni = False
+
+    @classmethod
+    def int8_linear(cls, scheme, quantizer, dtype, glu: bool = False):
+        """CpuInt8Linear for a W8A8 layer whose inputs are quantized per token (compressed-tensors
+        W8A8, ModelSlim W8A8_DYNAMIC) where the CPU has VNNI; None elsewhere: the weight then goes
+        to int8 panels (`pack_int8`) and its inputs through `quant_rows_op`, in float32 FMAs."""
+        if not cls.vnni or scheme is None or scheme.int8_kind != "dynamic" or not isinstance(quantizer, PerTokenInt8):
+            return None
+        return CpuInt8Linear(quantizer, glu)
+
     @staticmethod
     def quant_rows_op():
         """(x [N, K], (divisor, half away from zero) [2] float32) -> each row to its int8 levels
@@ -161,13 +175,16 @@ class CpuOps(MsOps):
         """(w [V, H] packed, ids [N]) -> rows [N, H], zeros for ids outside [0, V); float32 from a
         table in bfloat16 tiles."""
         return _custom("Embed", lambda w, ids: [ids[0], w[1]],
-                       lambda w, ids: ms.float32 if w.element_type() == ms.int16 else w)
+                       lambda w, ids: ms.float32 if w.element_type() in (ms.int16, ms.uint16) else w)
 
     sampler_kernels = None      # set by load_kernels: SamplerKernels
 
     # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by
     # load_kernels; MSINFER_AMX=0 turns it off.
     amx = False
+    # Whether, without tiles, a bfloat16 checkpoint's weights stay bfloat16 in the panels (uint16,
+    # widened to float32 in the registers); MSINFER_BF16_PANELS=0 keeps them in float32 panels.
+    bf16_panels = True
 
     @classmethod
     def pack_weight(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
@@ -177,14 +194,20 @@ class CpuOps(MsOps):
         float32's bytes). A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint's,
         unless an adapter was merged into it), with N and K multiples of 32, goes to bfloat16 AMX
         tiles where the CPU has them (int16, half the bytes; products still at float32 accuracy);
-        any other to panels of its own dtype. glu: gate and up rows of LinearGlu, interleaved
-        GLU_GROUP at a time."""
+        elsewhere (or of other shapes) to panels of its bfloat16 bits (uint16, half the bytes,
+        widened to float32 as they are read: the float32 panels' result); any other weight to
+        panels of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a
+        time."""
         if scales is not None and (packed := cls.pack_int8(w, scales, glu)) is not None:
             return packed
         if cls.takes_tiles(w):
             if glu:
                 return cls.pack_tiles(cls.interleave_glu(w)), lambda t: cls.deinterleave_glu(cls.unpack_tiles(t))
             return cls.pack_tiles(w), cls.unpack_tiles
+        if cls.bf16_panels and w.dtype == np.float32 and is_bfloat16(w):
+            unpack = cls.unpack_glu if glu else cls.unpack
+            bits = bfloat16_bits(w)
+            return (cls.pack_glu(bits) if glu else cls.pack(bits)), lambda t: bfloat16_values(unpack(t))
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
 
     @classmethod
@@ -208,6 +231,25 @@ class CpuOps(MsOps):
             return cls.deinterleave_glu(values) if glu else values
         return packed.reshape(N, K + 4), unpack
 
+    @staticmethod
+    def pack_vnni(q: np.ndarray) -> np.ndarray:
+        """int8 levels [N, K], N a multiple of PANEL -> int8 [N, Kq] (Kq: K rounded up to 4) holding
+        level + 128 as uint8 bits, in panels of 32 columns [Kq/4][32][4] (kernels.cc, linear_vnni):
+        per 4 k, each column's 4 bytes together, the order VPDPBUSD sums them in."""
+        N, K = q.shape
+        Kq = -(-K // 4) * 4
+        u = np.full((N, Kq), 128, np.uint8)
+        u[:, :K] = (q.astype(np.int16) + 128).astype(np.uint8)
+        panels = u.reshape(N // PANEL, PANEL, Kq // 4, 4).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(panels).reshape(N, Kq).view(np.int8)
+
+    @staticmethod
+    def unpack_vnni(t: np.ndarray, K: int) -> np.ndarray:
+        """The inverse of `pack_vnni`, for K columns: int8 levels [N, K]."""
+        N, Kq = t.shape
+        u = t.view(np.uint8).reshape(N // PANEL, Kq // 4, PANEL, 4).transpose(0, 2, 1, 3).reshape(N, Kq)
+        return (u[:, :K].astype(np.int16) - 128).astype(np.int8)
+
     @classmethod
     def takes_tiles(cls, w: np.ndarray) -> bool:
         """Whether weights [..., N, K] go to bfloat16 tiles: every value a bfloat16 in float32, N and
@@ -228,7 +270,7 @@ class CpuOps(MsOps):
         """The inverse of `pack_tiles`."""
         N, K = t.shape
         bits = t.view(np.uint16).reshape(N // 16, K // 32, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(N, K)
-        return (bits.astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_values(bits)
 
     @staticmethod
     def pack(w: np.ndarray) -> np.ndarray:
@@ -274,9 +316,50 @@ class CpuOps(MsOps):
         return np.concatenate((pairs[:, 0].reshape(I, K), pairs[:, 1].reshape(I, K)))
 
 
+class CpuInt8Linear(nn.Cell):
+    """(x [M, K], w [N, Kq] int8 by `pack`, scales [N] float32) -> x W^T [M, N] (glu: silu(x gate^T)
+    * (x up^T) [M, N/2]) for a W8A8 layer held as its int8 levels (CausalLM.hold_int8): one kernel
+    call quantizes x's rows as the layer's quantizer (sharding.layers.PerTokenInt8) would and sums
+    the int8 products exactly with AVX512-VNNI (kernels.cc, linear_vnni). A row split over
+    tensor-parallel ranks takes the maximum the quantizer gathers over them."""
+
+    def __init__(self, quantizer, glu: bool = False):
+        super().__init__()
+        self.quantizer, self.glu = quantizer, glu
+        self.op = _custom("LinearGlu" if glu else "Linear", lambda x, w, *_: [x[0], w[0] // 2 if glu else w[0]])
+
+    def scales(self, scales: np.ndarray) -> Tensor:
+        """Each output's scale as the kernel takes it (interleaved as `pack` interleaves rows)."""
+        scales = np.asarray(scales, np.float32)
+        return Tensor(CpuOps.interleave_glu(scales[:, None])[:, 0] if self.glu else scales)
+
+    def pack(self, levels: np.ndarray):
+        """int8 levels [N, K] -> (`CpuOps.pack_vnni` of them, its unpack to levels), or None where
+        N is not whole panels (the layer then stays in int8 panels)."""
+        if levels.shape[0] % (2 * PANEL if self.glu else PANEL):
+            return None
+        rows = CpuOps.interleave_glu(levels) if self.glu else levels
+        K = levels.shape[1]
+
+        def unpack(t: np.ndarray) -> np.ndarray:
+            q = CpuOps.unpack_vnni(t, K)
+            return CpuOps.deinterleave_glu(q) if self.glu else q
+        return CpuOps.pack_vnni(rows), unpack
+
+    def construct(self, x, w, scales):
+        if self.quantizer.gather is None:
+            return self.op(x, w, scales, self.quantizer.meta)
+        return self.op(x, w, scales, self.quantizer.meta, self.quantizer.row_max(x))
+
+
 def bfloat16_bits(w: np.ndarray) -> np.ndarray:
     """The bfloat16 bits (uint16) of float32 values, truncated: exact for values that are bfloat16."""
     return (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def bfloat16_values(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bfloat16 bits (uint16): the inverse of `bfloat16_bits`."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def is_bfloat16(w: np.ndarray) -> bool:
@@ -345,6 +428,8 @@ def load_kernels(threads: int = 0) -> None:
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
+    CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
+    CpuOps.bf16_panels = os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])

@@ -282,7 +282,7 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
         inputs = x
     want = inputs @ (levels.astype(np.float64) * scales[:, None]).T
     try:
-        got = _numpy(ms.jit(matmul.construct, **seam.jit_options)(Tensor(x, mdt), Tensor(levels),
+        got = _numpy(ms.jit(matmul.construct, **seam.jit_options)(Tensor(x, mdt), Tensor(matmul.pack(levels)[0]),
                                                                   matmul.scales(scales.astype(np.float32))))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")

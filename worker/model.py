@@ -524,13 +524,15 @@ class CausalLM(nn.Cell):
         scales = getattr(w, "row_scales", None)
         if scheme is None or scales is None or not getattr(cell, "device_order", True):
             return False
-        matmul = self.dev.int8_linear(scheme, cell.input_quant, self.dtype)
+        matmul = self.dev.int8_linear(scheme, cell.input_quant, self.dtype, getattr(cell, "glu", False))
         levels = int8_levels(w.asnumpy(), scales) if matmul is not None else None
-        if levels is None:
+        packed = matmul.pack(levels) if levels is not None else None
+        if packed is None:
             return False
         name = w.name
-        cell.hold_int8(matmul, levels, matmul.scales(scales))
-        self.packed[name] = lambda t, s=scales.astype(np.float32): t.astype(np.float32) * s[:, None]
+        data, unpack = packed
+        cell.hold_int8(matmul, data, matmul.scales(scales))
+        self.packed[name] = lambda t, u=unpack, s=scales.astype(np.float32): u(t).astype(np.float32) * s[:, None]
         return True
 
     def hold_int8_experts(self, cell: FusedExperts) -> bool:

@@ -168,9 +168,10 @@ class MsOps:
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
     quant_rows_op = None          # a W8A8 input's per-token int8 levels in one kernel (CpuOps)
-    # (scheme, the layer's input quantizer or None, compute dtype) -> a cell (x, int8 weight [out,
-    # in], its scales) -> y with a `scales(row scales) -> Tensor` method, or None where the device
-    # keeps that scheme's weights float (AscendOps; CausalLM.hold_int8)
+    # (scheme, the layer's input quantizer or None, compute dtype, glu: a LinearGlu layer) -> a cell
+    # (x, int8 weight as its `pack(levels [out, in]) -> (data, unpack) or None` gives it, its
+    # scales as its `scales(row scales) -> Tensor` gives them) -> y, or None where the device keeps
+    # that scheme's weights float (AscendOps; CpuOps for W8A8 with VNNI; CausalLM.hold_int8)
     int8_linear = None
     # (the experts' scheme or None) -> whether the device's moe_op multiplies experts held as int8
     # levels with a scale per output channel (AscendOps; CausalLM.hold_int8_experts)

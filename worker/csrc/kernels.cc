@@ -6,6 +6,8 @@
 //                   from the KV cache (no gathered copy, no mask)
 //   Linear          x w^T over a weight packed in column panels (every matmul of the network), or
 //                   over a bfloat16 weight in AMX tiles, at float32 accuracy (see amx_rows)
+//                   or, for a W8A8 layer, over int8 weights and its inputs quantized to int8 per
+//                   token, summed exactly with AVX512-VNNI (see linear_vnni)
 //   LinearGlu       silu(x gate^T) * (x up^T), the MLP's first half, over gate and up packed together
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
@@ -162,10 +164,39 @@ static bool tiles_usable(const char* x_dtype, int64_t N, int64_t K) {
 }
 
 // The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y. w is float32 or float16
-// in panels, or int16: bfloat16 in AMX tiles (x float32), or int8 [N, K + 4]: the N column
-// scales (float32), then int8 panels (CpuOps.pack_int8).
+// in panels, or uint16: bfloat16 in panels (x float32), or int16: bfloat16 in AMX tiles (x
+// float32), or int8 [N, K + 4]: the N column scales (float32), then int8 panels (CpuOps.pack_int8).
+//   With 5 or 6 params, a W8A8 layer on a CPU with AVX512-VNNI (linear_vnni): x [M, K], w [N, Kq]
+// int8 (CpuOps.pack_vnni), scales [N] float32, meta [2] float32 (divisor, half away from zero),
+// and optionally amax [M, 1] float32 (each row's max|x| over the ranks that split it), then y.
+template <bool Glu>
+int linear_vnni_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  const bool max_given = nparam == 6;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || shapes[3][0] != 2 || std::strcmp(dtypes[1], "int8") ||
+      std::strcmp(dtypes[2], "float32") || std::strcmp(dtypes[3], "float32"))
+    return 1;
+  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  if (shapes[1][1] != (K + 3) / 4 * 4 || shapes[2][0] != N || N % kPanel ||
+      (max_given && (shapes[4][0] != M || std::strcmp(dtypes[4], "float32"))))
+    return 2;
+#ifdef MSINFER_VNNI
+  const float* meta = static_cast<const float*>(params[3]);
+  const float* amax = max_given ? static_cast<const float*>(params[4]) : nullptr;
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    linear_vnni<T, Glu>(static_cast<const T*>(params[0]), static_cast<const uint8_t*>(params[1]),
+                        static_cast<const float*>(params[2]), meta[0], meta[1] != 0.f, amax,
+                        static_cast<T*>(params[nparam - 1]), M, K, N);
+  });
+  return 0;
+#else
+  return 3;
+#endif
+}
+
 template <bool Glu>
 int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (nparam == 5 || nparam == 6) return linear_vnni_entry<Glu>(nparam, params, ndims, shapes, dtypes);
   const bool int8 = std::strcmp(dtypes[1], "int8") == 0;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] + (int8 ? 4 : 0) != shapes[1][1] ||
       (Glu && shapes[1][0] % kPanel))
@@ -178,6 +209,13 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
       linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<T*>(params[2]), M, K, N,
                      [&](const T* xs, T* ys, int64_t L) { linear_rows<T, Glu, int8_t>(xs, w, ys, L, K, N); });
     });
+    return 0;
+  }
+  if (std::strcmp(dtypes[1], "uint16") == 0) {                 // bfloat16 panels, x float32
+    if (std::strcmp(dtypes[0], "float32")) return 2;
+    const uint16_t* w = static_cast<const uint16_t*>(params[1]);
+    linear<float, Glu>(static_cast<const float*>(params[0]), static_cast<float*>(params[2]), M, K, N,
+                       [&](const float* xs, float* ys, int64_t L) { linear_rows<float, Glu, uint16_t>(xs, w, ys, L, K, N); });
     return 0;
   }
   if (std::strcmp(dtypes[1], "int16") == 0) {
@@ -237,7 +275,8 @@ extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes
   return linear_entry<true>(nparam, params, ndims, shapes, dtypes);
 }
 
-// w [V, H] panel-major (or int16: bfloat16 tiles, giving float32), ids [N] int32 -> [N, H]
+// w [V, H] panel-major (or uint16: bfloat16 panels; int16: bfloat16 tiles; both giving float32), ids
+// [N] int32 -> [N, H]
 extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                      void* extra) {
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 1) return 1;
@@ -245,6 +284,11 @@ extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, co
     if (shapes[0][0] % 32 || shapes[0][1] % 32) return 2;
     embed_bf16(static_cast<const uint16_t*>(params[0]), static_cast<const int32_t*>(params[1]),
                static_cast<float*>(params[2]), shapes[1][0], shapes[0][0], shapes[0][1]);
+    return 0;
+  }
+  if (std::strcmp(dtypes[0], "uint16") == 0) {                 // bfloat16 panels -> float32
+    embed(static_cast<const uint16_t*>(params[0]), static_cast<const int32_t*>(params[1]),
+          static_cast<float*>(params[2]), shapes[1][0], shapes[0][0], shapes[0][1]);
     return 0;
   }
   with_dtype(dtypes[0], [&](auto tag) {
@@ -377,6 +421,16 @@ extern "C" int SampleRows(int nparam, void** params, int* ndims, int64_t** shape
 extern "C" int AmxReady() {
 #ifdef MSINFER_AMX
   return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// Whether Linear and LinearGlu take int8 inputs quantized per token (linear_vnni): the library was
+// built for a CPU with AVX512-VNNI.
+extern "C" int VnniReady() {
+#ifdef MSINFER_VNNI
+  return 1;
 #else
   return 0;
 #endif

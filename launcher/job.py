@@ -153,6 +153,11 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     if scheme is not None and scheme.int8_kind == "weight":
         by += ("; the experts' through GroupedMatmulV4's antiquant form" if int8_experts else
                "; the experts' int8 weights are dequantized: no grouped int8 kernel here")
+    elif m.expert_inputs("gate_proj") or m.expert_inputs("down_proj"):
+        by += ("; the experts' int8 weights are dequantized and their inputs quantized per token"
+               + ("" if device == "ascend" and ops != "portable" else
+                  ", every expert on every token (the grouped kernel does not quantize)" if device == "cpu" and
+                  ops != "portable" else ""))
     held = f"int8 weights with a scale per channel stay int8 ({by}), the rest are " if int8 else "the weights are "
     return f"{m.quant.describe()}; {held}dequantized to {dtype} as they load, and counted so"
 

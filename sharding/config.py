@@ -142,6 +142,14 @@ class ModelConfig:
             return None
         return self.quant.scheme_for(f"model.layers.{min(self.sparse_layers)}.mlp.experts.0.gate_proj")
 
+    def expert_inputs(self, proj: str):
+        """The scheme of the experts' `proj` (gate_proj: with up_proj, the token's row; down_proj:
+        silu(gate) * up) where it quantizes the inputs per token, else None."""
+        if self.quant is None or not self.sparse_layers:
+            return None
+        scheme = self.quant.scheme_for(f"model.layers.{min(self.sparse_layers)}.mlp.experts.0.{proj}")
+        return scheme if scheme is not None and scheme.act_int8 else None
+
     @property
     def shared_expert_key(self) -> str:
         """The shared expert's name in the checkpoint (under mlp.); Qwen2-MoE's alone has a gate."""
@@ -207,11 +215,7 @@ class ModelConfig:
             quant=quant, **moe,
         )
         if quant is not None:
-            act = next((i for i in cfg.sparse_layers
-                        if (sch := quant.scheme_for(f"model.layers.{i}.mlp.experts.0.gate_proj")) and sch.act_int8), None)
-            if act is not None:
-                raise ModelConfigError(f"{source}: quantization_config quantizes the inputs of layer {act}'s experts "
-                                       f"to int8 (W8A8); msinfer runs quantized experts weight-only (W8A16, W4A16)")
+            check_expert_inputs(cfg, source)
         return cfg
 
     @staticmethod
@@ -371,6 +375,35 @@ class ModelConfig:
         `cache_values`) over `layers` layers (None: all: a pipeline stage holds its own): the
         whole model's per token with the defaults, a cache block's with tokens = block_size."""
         return (self.num_layers if layers is None else layers) * self.cache_values(tp) * dtype_bytes * tokens
+
+
+def check_expert_inputs(cfg: "ModelConfig", source: str) -> None:
+    """Raises ModelConfigError where the checkpoint quantizes its experts' inputs in a way the
+    experts do not run (sharding.layers.FusedExperts): other than per token, unlike from one sparse
+    layer to the next (their layers share one compiled graph), or gate_proj's unlike up_proj's."""
+    schemes = {(i, proj): cfg.quant.scheme_for(f"model.layers.{i}.mlp.experts.0.{proj}")
+               for i in cfg.sparse_layers for proj in ("gate_proj", "up_proj", "down_proj")}
+    for (i, proj), sch in schemes.items():
+        if sch is not None and sch.act_int8 and sch.int8_kind != "dynamic":
+            raise ModelConfigError(f"{source}: quantization_config gives layer {i}'s experts' {proj} "
+                                   f"{sch.describe()}; msinfer quantizes experts' inputs per token only "
+                                   f"(compressed-tensors W8A8, ModelSlim W8A8_DYNAMIC)")
+
+    def inputs(sch):          # how a projection's inputs are quantized (None: float inputs)
+        return (sch.act_divisor, sch.modelslim) if sch is not None and sch.act_int8 else None
+    if not cfg.sparse_layers:
+        return
+    base = min(cfg.sparse_layers)
+    first = {proj: inputs(schemes[base, proj]) for proj in ("gate_proj", "up_proj", "down_proj")}
+    for (i, proj), sch in schemes.items():
+        if inputs(sch) != first[proj]:
+            raise ModelConfigError(f"{source}: quantization_config quantizes the inputs of layer {i}'s experts' "
+                                   f"{proj} otherwise than layer {base}'s; msinfer takes one way for every sparse "
+                                   f"layer's experts (their layers share one compiled graph)")
+    if first["gate_proj"] != first["up_proj"]:
+        raise ModelConfigError(f"{source}: quantization_config quantizes the inputs of the experts' gate_proj "
+                               f"and up_proj differently; they share one input")
+
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -607,5 +640,3 @@ def ops_problem(device: str, ops: str, shapes: str, graph_mode: bool = True) -> 
                 "infer_boost, which the internal kernels need to read sequence lengths (vllm-mindspore: PyNative "
                 "does not support the TH layout); set model.graph_mode: true, or model.ops: portable")
     return None
-
-

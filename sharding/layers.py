@@ -302,7 +302,13 @@ class FusedExperts(nn.Cell):
     not routed (portable: any device, E/k times the routed work). A weight-only int8 checkpoint's
     experts leave their scales per output channel in w13's and w2's `row_scales` ([E, 2I], [E, H];
     NaN where a row loaded from floats) and their scheme in `quant_scheme`, for a device whose
-    grouped kernel multiplies int8 levels (`hold_int8`)."""
+    grouped kernel multiplies int8 levels (`hold_int8`).
+    Where the checkpoint quantizes the experts' inputs per token (compressed-tensors W8A8, ModelSlim
+    W8A8_DYNAMIC: cfg.expert_inputs), each token's row is quantized before gate|up (`x_quant`: one
+    row for every expert) and each (token, expert) row of silu(gate) * up before down (`h_quant`,
+    over I: sliced experts take the row's maximum over the ranks, as a row-parallel layer does),
+    as each expert's Linear layers quantize them; the weights are their dequantized values. `op`
+    must then quantize h itself (the device's moe_quant_inputs: AscendExperts' h_quant)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, op=None, glu_group: int = 0):
         super().__init__()
@@ -322,6 +328,12 @@ class FusedExperts(nn.Cell):
         if self.op is None:
             self.batch_matmul = ops.BatchMatMul(transpose_b=True)
             self.expert_ids = Tensor(np.arange(self.first, self.first + self.count, dtype=np.int32))
+        x_scheme, h_scheme = cfg.expert_inputs("gate_proj"), cfg.expert_inputs("down_proj")
+        split = tp.size if tp.size > 1 and not tp.expert_parallel else 0
+        self.x_quant = input_quantizer(x_scheme, "experts") if x_scheme else None
+        self.h_quant = input_quantizer(h_scheme, "experts", split) if h_scheme else None
+        if self.op is not None and self.h_quant is not None:
+            self.op.h_quant = self.h_quant
 
     def weight_loader(self, param, src, name, shard_id):
         """shard_id (e, part): local expert e's gate (0), up (1) or down (2) projection. The
@@ -362,6 +374,8 @@ class FusedExperts(nn.Cell):
         self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)
 
     def construct(self, x, ids, weights):
+        if self.x_quant is not None:
+            x = self.x_quant(x)
         if self.op is not None:
             if self.w13_scale is not None:
                 return self.op(x, ids, weights, self.w13, self.w2, self.meta, self.w13_scale, self.w2_scale)
@@ -374,6 +388,8 @@ class FusedExperts(nn.Cell):
         xs = ops.broadcast_to(x.expand_dims(0), (e, n, self.hidden))
         h = self.batch_matmul(xs, self.w13)                                     # [E, N, 2I]
         h = ops.silu(h[:, :, :self.inter]) * h[:, :, self.inter:]
+        if self.h_quant is not None:
+            h = self.h_quant(h.reshape(e * n, self.inter)).reshape(e, n, self.inter)
         y = self.batch_matmul(h, self.w2)                                        # [E, N, H]
         return (y * ops.broadcast_to(dense.expand_dims(-1), y.shape)).sum(0)
 

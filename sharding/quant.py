@@ -315,9 +315,10 @@ def parse_modelslim(d, source: str) -> Quantization:
         if name.endswith(".weight") and kind != "FLOAT":
             if kind not in MODELSLIM_SCHEMES:
                 raise refuse(f"'{name}' is {kind}")
-            if ".experts." in name or name.startswith(("lm_head", "model.embed_tokens")):
-                raise refuse(f"'{name}' is {kind}: msinfer reads ModelSlim's experts, embedding and LM head as "
-                             f"FLOAT only")
+            if name.startswith(("lm_head", "model.embed_tokens")):
+                raise refuse(f"'{name}' is {kind}: msinfer reads ModelSlim's embedding and LM head as FLOAT only")
+            if ".experts." in name and kind != "W8A8_DYNAMIC":
+                raise refuse(f"'{name}' is {kind}: msinfer reads ModelSlim's experts as W8A8_DYNAMIC or FLOAT")
             described.append((name, kind))
     if not described:
         raise refuse("quantizes no layer")

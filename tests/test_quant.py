@@ -318,8 +318,8 @@ def test_plan_refuses_a_broken_quantized_checkpoint_naming_the_tensor(quantized,
     ({"model.layers.0.mlp.down_proj.weight": "W8A8", "kv_cache_type": "C8"}, "kv_cache_type 'C8'"),
     ({"model.layers.0.mlp.down_proj.weight": "W8A8", "model.layers.0.input_layernorm.bias": "FLOAT"},
      "anti-outlier norm biases"),
-    ({"model.layers.0.mlp.experts.0.down_proj.weight": "W8A8_DYNAMIC"}, "experts, embedding and LM head as FLOAT"),
-    ({"lm_head.weight": "W8A8"}, "experts, embedding and LM head as FLOAT"),
+    ({"model.layers.0.mlp.experts.0.down_proj.weight": "W8A8"}, "experts as W8A8_DYNAMIC or FLOAT"),
+    ({"lm_head.weight": "W8A8"}, "embedding and LM head as FLOAT only"),
     ({"model.layers.0.mlp.down_proj.weight": "FLOAT"}, "quantizes no layer"),
 ])
 def test_a_modelslim_description_msinfer_does_not_read_is_refused_by_name(described, said):
@@ -328,15 +328,24 @@ def test_a_modelslim_description_msinfer_does_not_read_is_refused_by_name(descri
         parse_modelslim({"model_quant_type": "W8A8", **described}, "quant_model_description.json")
 
 
-def test_int8_inputs_on_experts_are_refused():
+def test_experts_quantized_other_than_per_token_or_unevenly_are_refused():
+    """Experts' inputs are quantized per token only (ModelSlim's static W8A8 is refused), the same
+    way in every sparse layer (the sparse layers share one compiled graph)."""
     from scripts.quantize_model import INT8_CHANNEL, INT8_TOKEN
     config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "quantization_config": {**GOOD, "format": "int-quantized", "config_groups": {"g": {
                   "targets": ["Linear"], "weights": INT8_CHANNEL, "input_activations": INT8_TOKEN}}}}
-    with pytest.raises(ModelConfigError, match="inputs of layer 0's experts to int8 \\(W8A8\\)"):
-        ModelConfig.from_dict(config)
+    assert ModelConfig.from_dict(config).expert_inputs("gate_proj").act_int8
+    uneven = json.loads(json.dumps(config))
+    uneven["quantization_config"]["ignore"] = ["re:.*layers\\.1\\.mlp\\.experts.*"]
+    with pytest.raises(ModelConfigError, match="inputs of layer 1's experts' gate_proj otherwise than layer 0's"):
+        ModelConfig.from_dict(uneven)
+    with pytest.raises(QuantizationError, match="experts.0.gate_proj.weight' is W8A8: msinfer reads ModelSlim's "
+                                                "experts as W8A8_DYNAMIC or FLOAT"):
+        from msinfer.sharding.quant import parse_modelslim
+        parse_modelslim({"model.layers.0.mlp.experts.0.gate_proj.weight": "W8A8"}, "quant_model_description.json")
 
 
 # ---- FP8 in blocks (DeepSeek's release, Qwen3's -FP8) -----------------------------------------------
@@ -738,6 +747,146 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     figures = replan(total, 0, "measured", (True, False)).card
     assert figures["weights"] == dequantized.weight_bytes_per_rank
     assert "the quantized experts are held dequantized" in figures["int8_note"]
+
+
+def experts_w8a8_checkpoint(src, out, fmt: str):
+    """A mixture of experts whose experts alone are int8 per output channel with int8 inputs per
+    token: `fmt` "modelslim" (W8A8_DYNAMIC in quant_model_description.json: max|w| / 127, weight_scale
+    and weight_offset [N, 1]; the rest FLOAT) or "compressed-tensors" (int-quantized, the
+    experts' group W8A8: compressed-tensors' own scales); and beside it (`out`-float) the model
+    with the experts' dequantized weights (`experts_w8a8_reference` quantizes their inputs)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.numpy import load_file, save_file
+    from scripts.quantize_model import INT8_CHANNEL, INT8_TOKEN
+    reference = out.with_name(out.name + "-float")
+    if (out / "config.json").is_file():
+        return out, reference
+    tensors = load_file(src / "model.safetensors")
+    quantized, dequantized = dict(tensors), dict(tensors)
+    described = {"model_quant_type": "W8A8_DYNAMIC"}
+    for key, w in tensors.items():
+        if ".experts." not in key or not key.endswith("_proj.weight"):
+            described[key] = "FLOAT"
+            continue
+        module = key[:-len(".weight")]
+        if fmt == "modelslim":
+            scale = (np.abs(w.astype(np.float64)).max(1, keepdims=True) / 127).astype(np.float32)
+            quantized[module + ".weight_offset"] = np.zeros_like(scale)
+            described[key] = "W8A8_DYNAMIC"
+        else:
+            v = torch.from_numpy(w.astype(np.float32))
+            scale = calculate_qparams(v.amin(-1, keepdim=True), v.amax(-1, keepdim=True),
+                                      QuantizationArgs.model_validate(INT8_CHANNEL))[0].numpy().astype(np.float32)
+        q = np.clip(np.round(w.astype(np.float64) / scale), -128, 127).astype(np.int8)
+        quantized[key], quantized[module + ".weight_scale"] = q, scale
+        dequantized[key] = q.astype(np.float32) * scale
+    for folder, data in ((reference, dequantized), (out, quantized)):
+        shutil.copytree(src, folder)
+        save_file(data, folder / "model.safetensors")
+    if fmt == "modelslim":
+        (out / "quant_model_description.json").write_text(json.dumps(described))
+    else:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "ignore": [], "config_groups": {"experts": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": INT8_CHANNEL,
+                                                        "input_activations": INT8_TOKEN}}}
+        (out / "config.json").write_text(json.dumps(config))
+    return out, reference
+
+
+def experts_w8a8_reference(reference, prompt, divisor: float, away: bool, n=N_NEW):
+    """transformers in float64 on the experts' dequantized weights, each expert quantizing its
+    inputs as its Linear layers would: the token's row before gate|up and the row of
+    silu(gate) * up before down, to round(x / s) * s, s = max|x| / divisor per row (halves away
+    from zero: ModelSlim's; to even: compressed-tensors'), clamped to -128..127."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    key = ("experts-w8a8", str(reference), divisor, tuple(prompt))
+    if key in _HF:
+        return _HF[key]
+
+    def levels(x):
+        s = x.abs().amax(-1, keepdim=True) / divisor
+        s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+        r = round_half_away(x / s) if away else torch.round(x / s)
+        return torch.clamp(r, -128, 127) * s
+
+    def forward_of(m):
+        def forward(hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for e in range(m.gate_up_proj.shape[0]):
+                tok, pos = torch.where(top_k_index == e)
+                if len(tok):
+                    gate, up = F.linear(levels(hidden_states[tok]), m.gate_up_proj[e]).chunk(2, dim=-1)
+                    y = F.linear(levels(m.act_fn(gate) * up), m.down_proj[e]) * top_k_weights[tok, pos, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
+            return out
+        return forward
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float64).eval()
+    for m in model.modules():
+        if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter):
+            m.forward = forward_of(m)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    _HF[key] = (out.sequences[0, len(prompt):].tolist(), [lg[0].float().numpy() for lg in out.logits])
+    return _HF[key]
+
+
+@pytest.mark.parametrize("fmt,path_kind", [("modelslim", "cpu"), ("compressed-tensors", "ascend-emulated")])
+def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says(fmt, path_kind, checkpoint,
+                                                                                 ray_local, tmp_path):
+    """Qwen3-MoE whose experts are W8A8 (ModelSlim W8A8_DYNAMIC; compressed-tensors int8 per channel
+    with int8 inputs per token): each expert quantizes the token's row before gate|up and the row
+    of silu(gate) * up before down, by the checkpoint's arithmetic. Teacher-forced logits are the
+    reference's within the noise of a level (float32 on the CPU, where the experts run the
+    portable way; float16 on the emulated Ascend path, where the grouped kernel's rows are
+    quantized); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU, sliced
+    experts share the row's maximum over both ranks. Input quantization is not a no-op here:
+    the same weights with float inputs give logits further from these (by more than twice the
+    noise in float32; in float16, whose rounding is of a level's order, further over the steps).
+    plan says how the experts run."""
+    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
+    from msinfer.sharding.config import EngineConfig
+    from tests.test_ascend import runner_for as path_runner
+    src = checkpoint("qwen3_moe_top2_dense_layer")
+    path, reference = experts_w8a8_checkpoint(src, src.parent / f"qwen3_moe_w8a8_experts_{fmt}", fmt)
+    cfg = ModelConfig.from_dir(path)
+    divisor, away = (127.0, True) if fmt == "modelslim" else (127.5, False)
+    assert cfg.expert_inputs("down_proj").act_divisor == divisor and cfg.quant.scheme_for("lm_head") is None
+    references = [experts_w8a8_reference(reference, prompt, divisor, away) for prompt in PROMPTS]
+    floats = [hf_quantized(reference, prompt) for prompt in PROMPTS]
+    runner = runner_for(path) if path_kind == "cpu" else path_runner(path, path_kind)
+    tol = INT8_FLOAT16_ATOL if path_kind != "cpu" else 0.1
+    forced = forced_logits(runner, references)
+    assert max(forced) < tol, forced
+    if path_kind == "cpu":           # float32: most steps within its noise (a level moved elsewhere)
+        assert sum(f < LOGIT_ATOL for f in forced) >= len(forced) / 2, forced
+    unquantized = forced_logits(runner, floats)
+    if path_kind == "cpu":
+        assert max(unquantized) > 2 * max(forced), "the inputs were not quantized"
+    else:                    # float16's rounding is of the order of a level's effect here
+        assert sum(unquantized) > sum(forced), "the inputs were not quantized"
+    out = Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW)
+    for i, (tokens, logits) in enumerate(references):
+        steps_held(f"prompt {i}", out[i], tokens, logits, tol)
+    assert "inputs quantized per token" in plan_job(spec_for(path, tmp_path), check_io=False).describe()
+    if path_kind != "cpu":
+        return
+    r = Replica(0, ReplicaConfig(2))
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
+    try:
+        two = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids)
+    for i, (tokens, logits) in enumerate(references):
+        steps_held(f"tp 2, prompt {i}", two[i], tokens, logits, tol)
 
 
 def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint, monkeypatch):

@@ -215,6 +215,10 @@ class AscendExperts(nn.Cell):
         self.init_routing = kernels.MoeInitRoutingV2()
         self.grouped_matmul = kernels.GroupedMatmulV4()
         self.unpermute = kernels.MoeTokenUnpermute()
+        # Experts whose inputs the checkpoint quantizes per token (FusedExperts sets it): each
+        # sorted row of silu(gate) * up to its int8 levels and back before down, in primitives
+        # (sharding.layers.PerTokenInt8); the weights dequantized, float grouped matmuls.
+        self.h_quant = None
 
     def construct(self, x, ids, weights, w13, w2, meta, w13_scale=None, w2_scale=None):
         E = w13.shape[0]
@@ -229,6 +233,8 @@ class AscendExperts(nn.Cell):
         h = self.matmul(rows, w13, group_list, w13_scale)
         inter = w13.shape[2] // 2
         h = ops.silu(h[:, :inter]) * h[:, inter:]
+        if self.h_quant is not None:
+            h = self.h_quant(h)
         y = ops.nan_to_num(self.matmul(h, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
         return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
                               restore_shape=None)
@@ -362,6 +368,8 @@ class AscendOps(MsOps):
     @classmethod
     def moe_router(cls, k):
         return AscendRouter(cls.kernels, k)
+
+    moe_quant_inputs = True
 
     @classmethod
     def moe_op(cls):

@@ -270,7 +270,9 @@ class SparseMoeBlock(nn.Cell):
             self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, tp, ms.float32)
             self.gate.device_order = False
         self.gate_fp32 = cfg.routing is not None
-        self.experts = FusedExperts(cfg, tp, dtype, dev.moe_op, GLU_GROUP)
+        int8_inputs = cfg.expert_inputs("gate_proj") or cfg.expert_inputs("down_proj")
+        self.experts = FusedExperts(cfg, tp, dtype, dev.moe_op if dev.moe_quant_inputs or not int8_inputs else None,
+                                    GLU_GROUP)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_size:
             self.shared_expert = MLP(cfg, tp, dtype, dev, cfg.shared_expert_size, reduce=False)
@@ -495,7 +497,7 @@ class CausalLM(nn.Cell):
             if isinstance(cell, FusedExperts):
                 if self.dev.int8_experts is not None and self.hold_int8_experts(cell):
                     continue
-                for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts else ():
+                for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts and cell.op else ():
                     w = getattr(cell, attr)
                     if w.name not in self.packed:
                         data, self.packed[w.name] = self.dev.pack_experts(w.asnumpy(), glu)

@@ -655,17 +655,10 @@ def experts_quantized_checkpoint(src, out, weights=None):
     return out, reference
 
 
-def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoint, ray_local):
-    """Qwen3-MoE with int4 experts (weight-only), against transformers on the same model with the
-    experts' dequantized weights: at tp 1, and at tp 2 with each expert sliced (its rank's half of
-    the packed ints and of the group scales of down_proj's inputs)."""
+def generate_tp2(path) -> dict:
+    """Greedy tokens of PROMPTS from a replica of 2 CPU ranks, whose processes are gone after."""
     from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     from msinfer.sharding.config import EngineConfig
-    src = checkpoint("qwen3_moe_top2_dense_layer")
-    path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
-    assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
-    rec = Recording(runner_for(path))
-    one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     r = Replica(0, ReplicaConfig(2))
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
     try:
@@ -674,6 +667,19 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
         pids = r.pids()
         r.shutdown()
     assert wait_gone(pids)
+    return two
+
+
+def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoint, ray_local):
+    """Qwen3-MoE with int4 experts (weight-only), against transformers on the same model with the
+    experts' dequantized weights: at tp 1, and at tp 2 with each expert sliced (its rank's half of
+    the packed ints and of the group scales of down_proj's inputs)."""
+    src = checkpoint("qwen3_moe_top2_dense_layer")
+    path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
+    assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
+    rec = Recording(runner_for(path))
+    one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    two = generate_tp2(path)
     for i, prompt in enumerate(PROMPTS):
         ref_tokens, ref_logits = hf_quantized(reference, prompt)
         assert one[i] == ref_tokens and two[i] == ref_tokens, f"prompt {i}"
@@ -850,8 +856,6 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     the same weights with float inputs give logits further from these (by more than twice the
     noise in float32; in float16, whose rounding is of a level's order, further over the steps).
     plan says how the experts run."""
-    from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
-    from msinfer.sharding.config import EngineConfig
     from tests.test_ascend import runner_for as path_runner
     src = checkpoint("qwen3_moe_top2_dense_layer")
     path, reference = experts_w8a8_checkpoint(src, src.parent / f"qwen3_moe_w8a8_experts_{fmt}", fmt)
@@ -877,14 +881,7 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     assert "inputs quantized per token" in plan_job(spec_for(path, tmp_path), check_io=False).describe()
     if path_kind != "cpu":
         return
-    r = Replica(0, ReplicaConfig(2))
-    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4))
-    try:
-        two = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
-    finally:
-        pids = r.pids()
-        r.shutdown()
-    assert wait_gone(pids)
+    two = generate_tp2(path)
     for i, (tokens, logits) in enumerate(references):
         steps_held(f"tp 2, prompt {i}", two[i], tokens, logits, tol)
 

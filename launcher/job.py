@@ -150,14 +150,18 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     int8 = int8 and bool(m.quant.schemes)
     scheme = m.expert_scheme
     by = "the CPU kernels" if device == "cpu" else "Ascend's quantized matmuls"
-    if scheme is not None and scheme.int8_kind == "weight":
-        by += ("; the experts' through GroupedMatmulV4's antiquant form" if int8_experts else
-               "; the experts' int8 weights are dequantized: no grouped int8 kernel here")
-    elif m.expert_inputs("gate_proj") or m.expert_inputs("down_proj"):
-        by += ("; the experts' int8 weights are dequantized and their inputs quantized per token"
-               + ("" if device == "ascend" and ops != "portable" else
-                  ", every expert on every token (the grouped kernel does not quantize)" if device == "cpu" and
-                  ops != "portable" else ""))
+    kind = scheme.int8_kind if scheme is not None else None
+    int8_inputs = bool(m.expert_inputs("gate_proj") and m.expert_inputs("down_proj"))
+    held = int8_experts and (kind == "weight" or (kind == "dynamic" and int8_inputs))
+    if held:
+        form = "per-token form, their inputs int8 per token" if kind == "dynamic" else "antiquant form"
+        by += f"; the experts' through GroupedMatmulV4's {form}"
+    elif kind in ("weight", "dynamic"):
+        by += "; the experts' int8 weights are dequantized: no grouped int8 kernel here"
+    if not held and (m.expert_inputs("gate_proj") or m.expert_inputs("down_proj")):
+        by += ("; the experts' inputs are quantized per token"
+               + (", every expert on every token (the CPU's grouped kernel does not quantize)"
+                  if device == "cpu" and ops != "portable" else ""))
     held = f"int8 weights with a scale per channel stay int8 ({by}), the rest are " if int8 else "the weights are "
     return f"{m.quant.describe()}; {held}dequantized to {dtype} as they load, and counted so"
 
@@ -245,7 +249,7 @@ def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline:
 
 def holds_int8(device: str, ops: str) -> tuple[bool, bool]:
     """Whether the workers keep a quantized checkpoint's int8 weights with a scale per channel as
-    they are, (in linear layers, in weight-only experts): the CPU kernels do in linear layers
+    they are, (in linear layers, in experts): the CPU kernels do in linear layers
     (worker.cpu.CpuOps.pack_int8); Ascend's quantized matmuls do in both (worker.ascend.
     AscendInt8Linear, AscendExperts; emulated too) unless the start-up self-check finds them
     wanting; the portable operators dequantize them."""

@@ -307,8 +307,9 @@ class FusedExperts(nn.Cell):
     W8A8_DYNAMIC: cfg.expert_inputs), each token's row is quantized before gate|up (`x_quant`: one
     row for every expert) and each (token, expert) row of silu(gate) * up before down (`h_quant`,
     over I: sliced experts take the row's maximum over the ranks, as a row-parallel layer does),
-    as each expert's Linear layers quantize them; the weights are their dequantized values. `op`
-    must then quantize h itself (the device's moe_quant_inputs: AscendExperts' h_quant)."""
+    as each expert's Linear layers quantize them. `op` must then quantize its rows itself (the
+    device's moe_quant_inputs: AscendExperts' x_quant and h_quant): with the weights dequantized,
+    to the levels and back; held int8 (`hold_int8`), to the levels and a scale per row."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, op=None, glu_group: int = 0):
         super().__init__()
@@ -332,8 +333,8 @@ class FusedExperts(nn.Cell):
         split = tp.size if tp.size > 1 and not tp.expert_parallel else 0
         self.x_quant = input_quantizer(x_scheme, "experts") if x_scheme else None
         self.h_quant = input_quantizer(h_scheme, "experts", split) if h_scheme else None
-        if self.op is not None and self.h_quant is not None:
-            self.op.h_quant = self.h_quant
+        if self.op is not None:              # the device's cell quantizes its sorted rows
+            self.op.x_quant, self.op.h_quant = self.x_quant, self.h_quant
 
     def weight_loader(self, param, src, name, shard_id):
         """shard_id (e, part): local expert e's gate (0), up (1) or down (2) projection. The
@@ -372,9 +373,10 @@ class FusedExperts(nn.Cell):
         self.w2 = Parameter(Tensor(w2, mstype.int8), name=self.w2.name, requires_grad=False)
         self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
         self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)
+        self.op.int8_inputs = self.x_quant is not None      # W8A8: the per-token form (AscendExperts)
 
     def construct(self, x, ids, weights):
-        if self.x_quant is not None:
+        if self.x_quant is not None and self.op is None:
             x = self.x_quant(x)
         if self.op is not None:
             if self.w13_scale is not None:

@@ -322,7 +322,8 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
     quantized matmuls take 2, 4 or 8 bytes a row, sharding.quant.Scheme.int8_kind), the rest in dtype_bytes, as is
     latent attention's kv_b_proj: its weight is absorbed into the query as a whole, not a matmul's.
-    int8_experts: so are the experts' weight-only int8 weights (Ascend's GroupedMatmulV4)."""
+    int8_experts: so are the experts' int8 weights per channel (Ascend's GroupedMatmulV4: weight-only
+    or with int8 inputs per token)."""
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
         expert = ".experts." in p.name
@@ -336,7 +337,7 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
                      and not (cfg.mla is not None and module.endswith(".kv_b_proj")))
         scheme = cfg.quant.scheme_for(module) if held_int8 else None
         kind = scheme.int8_kind if scheme is not None else None
-        if (kind == "weight" if expert else kind) and module != "lm_head":
+        if (kind in ("weight", "dynamic") if expert else kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
         else:
             total += n * dtype_bytes

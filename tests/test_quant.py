@@ -845,13 +845,14 @@ def experts_w8a8_reference(reference, prompt, divisor: float, away: bool, n=N_NE
 
 @pytest.mark.parametrize("fmt,path_kind", [("modelslim", "cpu"), ("compressed-tensors", "ascend-emulated")])
 def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says(fmt, path_kind, checkpoint,
-                                                                                 ray_local, tmp_path):
+                                                                                 ray_local, tmp_path, monkeypatch):
     """Qwen3-MoE whose experts are W8A8 (ModelSlim W8A8_DYNAMIC; compressed-tensors int8 per channel
     with int8 inputs per token): each expert quantizes the token's row before gate|up and the row
     of silu(gate) * up before down, by the checkpoint's arithmetic. Teacher-forced logits are the
     reference's within the noise of a level (float32 on the CPU, where the experts run the
-    portable way; float16 on the emulated Ascend path, where the grouped kernel's rows are
-    quantized); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU, sliced
+    portable way; float16 on the emulated Ascend path, where the start-up check passes
+    GroupedMatmulV4's per-token form and the experts keep their int8 weights, the sorted rows
+    quantized to levels and a scale each); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU, sliced
     experts share the row's maximum over both ranks. Input quantization is not a no-op here:
     the same weights with float inputs give logits further from these (by more than twice the
     noise in float32; in float16, whose rounding is of a level's order, further over the steps).
@@ -864,7 +865,16 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     assert cfg.expert_inputs("down_proj").act_divisor == divisor and cfg.quant.scheme_for("lm_head") is None
     references = [experts_w8a8_reference(reference, prompt, divisor, away) for prompt in PROMPTS]
     floats = [hf_quantized(reference, prompt) for prompt in PROMPTS]
-    runner = runner_for(path) if path_kind == "cpu" else path_runner(path, path_kind)
+    if path_kind == "cpu":
+        runner = runner_for(path)
+    else:                            # the start-up check passes GroupedMatmulV4's per-token form
+        monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
+        runner = path_runner(path, path_kind, kernel_check=True)
+        monkeypatch.undo()
+        check = runner.kernel_check["GroupedMatmulV4"]
+        assert check["convention"] == "ok" and check["cases"] == ["experts-dynamic"], check
+        assert [w for w in int8_weights(runner) if ".experts." in w] == [
+            f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")]
     tol = INT8_FLOAT16_ATOL if path_kind != "cpu" else 0.1
     forced = forced_logits(runner, references)
     assert max(forced) < tol, forced
@@ -878,7 +888,7 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     out = Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW)
     for i, (tokens, logits) in enumerate(references):
         steps_held(f"prompt {i}", out[i], tokens, logits, tol)
-    assert "inputs quantized per token" in plan_job(spec_for(path, tmp_path), check_io=False).describe()
+    assert "experts' inputs are quantized per token" in plan_job(spec_for(path, tmp_path), check_io=False).describe()
     if path_kind != "cpu":
         return
     two = generate_tp2(path)

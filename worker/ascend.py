@@ -208,17 +208,26 @@ class AscendExperts(nn.Cell):
     [E, H] in the compute dtype: a weight-only checkpoint's scale per output channel) run
     GroupedMatmulV4's antiquant form: antiquant_scale [[E, N]] and a zero antiquant_offset, as
     golden-stick's WeightQuantMatmul calls it on experts (ptq/hal.py; CANN's aclnnGroupedMatmulV4:
-    y = x (w + offset) scale, x float16 or bfloat16, weight INT8, scale and offset in x's dtype)."""
+    y = x (w + offset) scale, x float16 or bfloat16, weight INT8, scale and offset in x's dtype).
+    Experts with int8 inputs per token (W8A8: int8_inputs) run its per-token form on the rows'
+    int8 levels: y = (x w) * scale * per_token_scale (MindSpore's grouped_matmul_v4 doc), with
+    the rows quantized after the routing sorts them, once for each projection, as golden-stick's
+    MoE wrappers and vllm-ascend's w8a8_dynamic.py do (a sorted row is a token's row, so its
+    levels are the token's)."""
 
     def __init__(self, kernels):
         super().__init__()
         self.init_routing = kernels.MoeInitRoutingV2()
         self.grouped_matmul = kernels.GroupedMatmulV4()
         self.unpermute = kernels.MoeTokenUnpermute()
-        # Experts whose inputs the checkpoint quantizes per token (FusedExperts sets it): each
-        # sorted row of silu(gate) * up to its int8 levels and back before down, in primitives
-        # (sharding.layers.PerTokenInt8); the weights dequantized, float grouped matmuls.
-        self.h_quant = None
+        # Experts whose inputs the checkpoint quantizes per token (FusedExperts sets them): the
+        # quantizers of the sorted rows before gate|up and of silu(gate) * up before down
+        # (sharding.layers.PerTokenInt8). With the experts' weights float, each row to its levels
+        # and back; with them int8 (int8_inputs), the levels and each row's scale go to the
+        # grouped matmul's per-token form.
+        self.x_quant = self.h_quant = None
+        self.int8_inputs = False
+        self.dynamic_quant = kernels.DynamicQuantExt()
 
     def construct(self, x, ids, weights, w13, w2, meta, w13_scale=None, w2_scale=None):
         E = w13.shape[0]
@@ -230,17 +239,37 @@ class AscendExperts(nn.Cell):
                                                     drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=2,
                                                     expert_tokens_before_capacity_flag=True)
         group_list = counts[:E].astype(ms.int64)
-        h = self.matmul(rows, w13, group_list, w13_scale)
+        h = self.project(rows, self.x_quant, w13, group_list, w13_scale)
         inter = w13.shape[2] // 2
         h = ops.silu(h[:, :inter]) * h[:, inter:]
-        if self.h_quant is not None:
-            h = self.h_quant(h)
-        y = ops.nan_to_num(self.matmul(h, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
+        y = ops.nan_to_num(self.project(h, self.h_quant, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
         return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
                               restore_shape=None)
 
-    def matmul(self, x, w, group_list, scale=None):
-        """Each group's rows of x times its expert's w: float, or int8 levels with `scale` [E, N]."""
+    def project(self, x, quantizer, w, group_list, scale):
+        """The grouped rows x through one projection, their inputs quantized where `quantizer` is
+        set: to int8 levels and a scale per row for the per-token form (int8_inputs; DynamicQuantExt
+        where its arithmetic is the checkpoint's, max|x| / 127 and halves away from zero, and the
+        row is whole on this rank, else the quantizer's primitives), or to the levels and back."""
+        if quantizer is None:
+            return self.matmul(x, w, group_list, scale)
+        if not self.int8_inputs:
+            return self.matmul(quantizer(x), w, group_list, scale)
+        if quantizer.divisor == 127.0 and quantizer.half_away and quantizer.gather is None:
+            levels, per_token = self.dynamic_quant(x, None)
+        else:
+            levels, per_token = quantizer.levels(x)
+            levels = levels.astype(ms.int8)
+        return self.matmul(levels, w, group_list, scale, per_token.reshape(-1).astype(ms.float32)).astype(x.dtype)
+
+    def matmul(self, x, w, group_list, scale=None, per_token=None):
+        """Each group's rows of x times its expert's w: float; int8 levels with `scale` [E, N] (the
+        antiquant form, x float); or int8 x and w with `scale` and each row's `per_token` scale [M]
+        float32 (the per-token form: scale bfloat16 for a bfloat16 output, float32 for float16, as
+        golden-stick's DynamicQuantMatmul passes it, ptq/hal.py)."""
+        if per_token is not None:
+            return self.grouped_matmul([x], [w], None, [scale], None, None, None, [per_token], group_list,
+                                       split_item=3, group_type=0, group_list_type=1)[0]
         if scale is None:
             return self.grouped_matmul([x], [w], None, None, None, None, None, None, group_list, split_item=3,
                                        group_type=0, group_list_type=1)[0]
@@ -390,11 +419,11 @@ class AscendOps(MsOps):
 
     @classmethod
     def int8_experts(cls, scheme) -> bool:
-        """Whether experts of `scheme` keep their int8 levels (AscendExperts' antiquant form): int8
-        weights with a scale per channel and float inputs (W8A16), unless the self-check found
-        GroupedMatmulV4's antiquant form wanting. int4 groups stay dequantized (qint4x2, as for
-        int8_linear)."""
-        return (scheme is not None and scheme.int8_kind == "weight"
+        """Whether experts of `scheme` keep their int8 levels: int8 weights with a scale per
+        channel, with float inputs (W8A16: AscendExperts' antiquant form) or int8 inputs per token
+        (W8A8: its per-token form), unless the self-check found GroupedMatmulV4 wanting. int4
+        groups stay dequantized (qint4x2, as for int8_linear)."""
+        return (scheme is not None and scheme.int8_kind in ("weight", "dynamic")
                 and cls.conventions.get("GroupedMatmulV4") != "portable")
 
     @staticmethod
@@ -584,10 +613,12 @@ class GroupedMatmulV4(nn.Cell):
                   pre_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
                   activation_quant_offset=None, split_item=0, group_type=-1, group_list_type=0, act_type=0,
                   output_dtype=None):
-        if split_item != 3 or group_type != 0 or bias is not None or scale is not None or act_type != 0:
-            raise NotImplementedError("the GroupedMatmulV4 stand-in emulates split_item 3, group_type 0, no bias, "
-                                      "scale or activation only")
+        if split_item != 3 or group_type != 0 or bias is not None or act_type != 0:
+            raise NotImplementedError("the GroupedMatmulV4 stand-in emulates split_item 3, group_type 0, no bias "
+                                      "or activation only")
         x, w = x[0], weight[0]
+        if scale is not None or pre_token_scale is not None:
+            return [self.per_token(x, w, scale, pre_token_scale, group_list, group_list_type)]
         if w.dtype == ms.int8:
             if antiquant_scale is None or antiquant_offset is None or x.dtype not in (ms.float16, ms.bfloat16):
                 raise TypeError("GroupedMatmulV4: int8 weights with float16 or bfloat16 x take antiquant_scale "
@@ -597,6 +628,27 @@ class GroupedMatmulV4(nn.Cell):
                  * antiquant_scale[0].astype(ms.float32).reshape(shape))
             return [self.grouped(x.astype(ms.float32), w, group_list, group_list_type).astype(x.dtype)]
         return [self.grouped(x, w, group_list, group_list_type)]
+
+    def per_token(self, x, w, scale, pre_token_scale, group_list, group_list_type):
+        """The per-token form (MindSpore's grouped_matmul_v4 doc: y = (x w) * scale * per_token_scale):
+        x and weight int8, scale [[E, out]] bfloat16 (the output bfloat16) or float32 (float16),
+        pre_token_scale [[M]] float32, given together; the int8 products summed in float32 here."""
+        if scale is None or pre_token_scale is None or x.dtype != ms.int8 or w.dtype != ms.int8:
+            raise TypeError("GroupedMatmulV4: scale and pre_token_scale go together, with int8 x and weight")
+        s = scale[0]
+        if s.dtype not in (ms.bfloat16, ms.float32):
+            raise TypeError("GroupedMatmulV4: a per-token scale form takes a bfloat16 or float32 scale")
+        out = ms.bfloat16 if s.dtype == ms.bfloat16 else ms.float16
+        y = self.grouped(x.astype(ms.float32), w.astype(ms.float32), group_list, group_list_type)
+        M = x.shape[0]
+        E, N = s.shape
+        ends = group_list.astype(ms.int32)
+        if group_list_type == 1:
+            ends = ops.cumsum(ends, 0)
+        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= ops.arange(M, dtype=ms.int32).reshape(M, 1)) \
+            .astype(ms.int32).sum(1)
+        rows = ops.gather(ops.concat((s.astype(ms.float32), ops.zeros((1, N), ms.float32))), group, 0)   # [M, N]
+        return (y * rows * pre_token_scale[0].astype(ms.float32).reshape(M, 1)).astype(out)
 
     def grouped(self, x, w, group_list, group_list_type):
         E, M = w.shape[0], x.shape[0]

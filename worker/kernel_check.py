@@ -58,7 +58,7 @@ CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("
                "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"), "WeightQuantBatchMatmul": ("ok",),
                "GroupedMatmulV4": ("ok",)}
 INT8_KERNELS = {"WeightQuantBatchMatmul": ("weight",), "QuantBatchMatmul": ("dynamic", "dynamic-kernel", "static"),
-                "GroupedMatmulV4": ("experts",)}
+                "GroupedMatmulV4": ("experts", "experts-dynamic")}
 # each case's sequences: (tokens cached, tokens new)
 CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
 CHECK_VERSION = 1              # of this module's cases: a change makes the cached verdicts stale
@@ -218,7 +218,8 @@ def int8_usable(ec, tp_size: int) -> tuple[bool, bool] | None:
 def quant_cases(cfg) -> tuple[str, ...]:
     """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
     Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
-    (ModelSlim's, through DynamicQuantExt), "static", "experts" (weight-only int8 experts); ()
+    (ModelSlim's, through DynamicQuantExt), "static", "experts" (weight-only int8 experts),
+    "experts-dynamic" (int8 experts with int8 inputs per token); ()
     for a float one."""
     if cfg.quant is None:
         return ()
@@ -226,6 +227,8 @@ def quant_cases(cfg) -> tuple[str, ...]:
              for s in cfg.quant.schemes if s.int8_kind}
     if cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "weight":
         kinds.add("experts")
+    elif cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "dynamic" and cfg.expert_inputs("down_proj"):
+        kinds.add("experts-dynamic")
     return tuple(sorted(kinds))
 
 
@@ -259,8 +262,8 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     from msinfer.sharding.layers import input_quantizer
     from msinfer.sharding.quant import MODELSLIM_SCHEMES, Scheme
     mdt = getattr(ms, dtype)
-    if case == "experts":
-        return _experts_error(seam, hidden, mdt, rng)
+    if case in ("experts", "experts-dynamic"):
+        return _experts_error(seam, hidden, mdt, rng, case == "experts-dynamic")
     scheme = {"weight": Scheme(8, 0, False), "dynamic": Scheme(8, 0, True),
               "dynamic-kernel": MODELSLIM_SCHEMES["W8A8_DYNAMIC"], "static": MODELSLIM_SCHEMES["W8A8"]}[case]
     quantizer = input_quantizer(scheme, "check") if scheme.act_int8 else None
@@ -289,27 +292,39 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     return _error(got, want)
 
 
-def _experts_error(seam, hidden: int, mdt, rng) -> float:
-    """The experts case: 7 rows grouped 3, 0 and 4 over 3 experts' int8 weights [3, hidden,
+def _experts_error(seam, hidden: int, mdt, rng, per_token: bool = False) -> float:
+    """The experts cases: 7 rows grouped 3, 0 and 4 over 3 experts' int8 weights [3, hidden,
     hidden] (the kernel's [in, out]) with a scale per output, through the grouped matmul as
     worker.ascend.AscendExperts calls it, against their dequantized product in float64. Two rows
-    past the groups ride along (the kernel leaves their outputs unwritten: not compared)."""
+    past the groups ride along (the kernel leaves their outputs unwritten: not compared). Weight-only:
+    float rows (the antiquant form); per_token: int8 rows with a scale each (the per-token form,
+    the weights' scale float32 for a float16 output, bfloat16 for bfloat16)."""
     import mindspore as ms
     from mindspore import Tensor
     from msinfer.sharding.quant import Scheme
-    if not seam.int8_experts(Scheme(8, 0, False)):
+    if not seam.int8_experts(Scheme(8, 0, per_token)):
         return float("inf")
     counts = np.array([3, 0, 4], np.int64)
     ends, rows = np.cumsum(counts), int(counts.sum())
-    x = _numpy(Tensor(rng.standard_normal((rows + 2, hidden)), mdt))
     levels = rng.integers(-127, 128, (len(counts), hidden, hidden)).astype(np.int8)
     scales = (rng.uniform(0.5, 1.5, (len(counts), hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
+    if per_token:
+        x = rng.integers(-127, 128, (rows + 2, hidden)).astype(np.int8)
+        tokens = rng.uniform(0.5, 1.5, rows + 2).astype(np.float32) / 127
+        sdt = ms.bfloat16 if mdt == ms.bfloat16 else ms.float32
+        extra = (Tensor(scales, sdt), Tensor(tokens))
+        scales = _numpy(extra[0]).astype(np.float32)                   # as the kernel holds them
+    else:
+        x = _numpy(Tensor(rng.standard_normal((rows + 2, hidden)), mdt))
+        extra = (Tensor(scales, mdt),)
     want = np.zeros((rows, hidden))
     for e, (end, n) in enumerate(zip(ends, counts)):
-        want[end - n:end] = x[end - n:end] @ (levels[e].astype(np.float64) * scales[e][None, :])
+        want[end - n:end] = x[end - n:end].astype(np.float64) @ (levels[e].astype(np.float64) * scales[e][None, :])
+    if per_token:
+        want *= tokens[:rows, None]
     try:
-        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(Tensor(x, mdt), Tensor(levels), Tensor(counts),
-                                                                      Tensor(scales, mdt)))
+        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(Tensor(x, ms.int8 if per_token else mdt),
+                                                                      Tensor(levels), Tensor(counts), *extra))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     return _error(got[:rows], want)

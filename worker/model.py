@@ -542,8 +542,11 @@ class CausalLM(nn.Cell):
         device's expert layout (`dev.pack_experts`: the Ascend path's transposes alone, so each
         output channel keeps its scale), multiplied by the device's grouped kernel, where it takes
         the experts' scheme (`dev.int8_experts`). Whether they do."""
-        if not self.dev.int8_experts(cell.quant_scheme):
+        scheme = cell.quant_scheme
+        if not self.dev.int8_experts(scheme):
             return False
+        if scheme.int8_kind == "dynamic" and (cell.x_quant is None or cell.h_quant is None):
+            return False                 # int8 inputs to one projection only: both stay float
         held = []
         for w in (cell.w13, cell.w2):
             scales = getattr(w, "row_scales", None)
@@ -556,7 +559,10 @@ class CausalLM(nn.Cell):
         p13, unpack13 = self.dev.pack_experts(l13)
         p2, unpack2 = self.dev.pack_experts(l2)
         names = cell.w13.name, cell.w2.name
-        cell.hold_int8(p13, p2, Tensor(s13, self.dtype), Tensor(s2, self.dtype))
+        # weight-only: the antiquant scale in the compute dtype; int8 inputs: the per-token form's
+        # scale, bfloat16 for a bfloat16 output and float32 for float16 (golden-stick, ptq/hal.py)
+        sdt = self.dtype if scheme.int8_kind == "weight" or self.dtype == ms.bfloat16 else ms.float32
+        cell.hold_int8(p13, p2, Tensor(s13, sdt), Tensor(s2, sdt))
         for name, unpack, s in zip(names, (unpack13, unpack2), (s13, s2)):
             self.packed[name] = lambda t, u=unpack, s=s: u(t).astype(np.float32) * s[..., None]
         return True

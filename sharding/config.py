@@ -405,7 +405,6 @@ def check_expert_inputs(cfg: "ModelConfig", source: str) -> None:
                                f"and up_proj differently; they share one input")
 
 
-
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 

@@ -167,8 +167,8 @@ class MsOps:
     # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
-    # whether moe_op's cell quantizes the inputs of down per token (its h_quant) where the experts'
-    # inputs are int8 (AscendOps); without, such experts run the portable way (FusedExperts)
+    # whether moe_op's cell quantizes its sorted rows per token (its x_quant and h_quant) where the
+    # experts' inputs are int8 (AscendOps); without, such experts run the portable way (FusedExperts)
     moe_quant_inputs = False
     quant_rows_op = None          # a W8A8 input's per-token int8 levels in one kernel (CpuOps)
     # (scheme, the layer's input quantizer or None, compute dtype, glu: a LinearGlu layer) -> a cell

@@ -127,6 +127,40 @@ __attribute__((noinline)) void micro(const T* a, int64_t lda, const B* b, int64_
 // first panel is prefetched ahead of its own first group.
 constexpr int64_t kRun = 8;
 
+// The work items above for a matmul of M rows over `panels` column panels, each panel `steps`
+// steps of `step_bytes` (the micro-kernel's k, or group of k) from w: for each of an item's
+// panels p below `full` and each group of its rows m..m+r-1 (r <= Rows, the groups of equal
+// size), group(p, m, r, pf, pf_step, cached), the prefetch as `micro` takes it; then
+// tail(m0, m1, p1) for the item's rows and the end of its run (the panels from `full` on).
+template <int64_t Rows, int64_t RowBlock, typename Group, typename Tail>
+void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t step_bytes, const char* w,
+                 Group&& group, Tail&& tail) {
+  const int64_t blocks = (M + RowBlock - 1) / RowBlock;
+  // The panels are split into runs of near-equal length, as many as the threads can share evenly
+  // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
+  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
+  const int64_t panel_bytes = steps * step_bytes;
+  parallel_for(blocks * runs, 1, [&](int64_t item) {
+    const int64_t m0 = item % blocks * RowBlock, m1 = std::min(M, m0 + RowBlock);
+    const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
+    const int64_t groups = (m1 - m0 + Rows - 1) / Rows;
+    const int64_t share = (panel_bytes + groups - 1) / groups;
+    for (int64_t p = p0; p < std::min(p1, full); ++p) {
+      const char* b = w + p * panel_bytes;
+      for (int64_t m = m0, g = 0; m < m1; ++g) {
+        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
+        const char* pf = b + panel_bytes + g * share;                        // the next panel's share
+        int64_t step = (share + steps - 1) / steps;
+        if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
+        if (p == p0 && g == 0) pf = b + 4096, step = step_bytes;
+        group(p, m, r, pf, step, groups > 1);
+        m += r;
+      }
+    }
+    tail(m0, m1, p1);
+  });
+}
+
 // Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
 // silu(gate) * up, computed as each tile leaves the registers.
 // B int8_t (CpuOps.pack_int8): w holds the N column scales (float32), then the int8 panels.
@@ -140,32 +174,14 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;       // of y, per panel
   const int64_t ldy = Glu ? N / 2 : N;
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  // The panels are split into runs of near-equal length, as many as the threads can share evenly
-  // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
-  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
-  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(B));
-  parallel_for(blocks * runs, 1, [&](int64_t item) {
-    const int64_t m0 = item % blocks * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
-    const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
-    const int64_t groups = (m1 - m0 + kRows - 1) / kRows;
-    const int64_t share = (panel_bytes + groups - 1) / groups;
-    for (int64_t p = p0; p < std::min(p1, full); ++p) {
-      const B* b = w + p * kPanel * K;
-      const float* scale = scales ? scales + p * kPanel : nullptr;
-      const char* next = reinterpret_cast<const char*>(b + kPanel * K);
-      for (int64_t m = m0, g = 0; m < m1; ++g) {
-        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
-        const char* pf = next + g * share;
-        int64_t step = (share + K - 1) / K;
-        if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
-        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = kPanel * sizeof(B);
-        with_count<kRows>(r, [&](auto rows) {
-          micro<T, B, rows, Glu>(x + m * K, K, b, K, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1, scale);
-        });
-        m += r;
-      }
-    }
+  auto group = [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
+    with_count<kRows>(r, [&](auto rows) {
+      micro<T, B, rows, Glu>(x + m * K, K, w + p * kPanel * K, K, y + m * ldy + p * out_cols, ldy, pf, step, cached,
+                             scales ? scales + p * kPanel : nullptr);
+    });
+  };
+  panel_items<kRows, kRowBlock>(M, panels, full, K, kPanel * sizeof(B), reinterpret_cast<const char*>(w), group,
+                                [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     // the last, narrower panel: padded to 32 columns, computed into a scratch tile
     const int64_t col = full * kPanel, width = N - col;
@@ -302,32 +318,16 @@ template <typename T, bool Glu>
 void vnni_rows(const int8_t* q, const float* s, const int32_t* comp, const uint8_t* w, const float* scales, T* y,
                int64_t M, int64_t Kq, int64_t N) {
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
-  const int64_t ldy = Glu ? N / 2 : N, KQ = Kq / 4;
-  const int64_t panels = N / kPanel, blocks = (M + kRowBlockVnni - 1) / kRowBlockVnni;
-  const int64_t runs = std::max<int64_t>(1, (panels + kRun - 1) / kRun / g_threads) * g_threads;
-  const int64_t panel_bytes = Kq * kPanel;
-  parallel_for(blocks * runs, 1, [&](int64_t item) {
-    const int64_t m0 = item % blocks * kRowBlockVnni, m1 = std::min(M, m0 + kRowBlockVnni);
-    const int64_t p0 = item / blocks * panels / runs, p1 = (item / blocks + 1) * panels / runs;
-    const int64_t groups = (m1 - m0 + kRowsVnni - 1) / kRowsVnni;
-    const int64_t share = (panel_bytes + groups - 1) / groups;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* b = w + p * panel_bytes;
-      const char* next = reinterpret_cast<const char*>(b + panel_bytes);
-      for (int64_t m = m0, g = 0; m < m1; ++g) {
-        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);
-        const char* pf = next + g * share;
-        int64_t step = (share + KQ - 1) / KQ;
-        if (p + 1 >= p1) step = 0;
-        if (p == p0 && g == 0) pf = reinterpret_cast<const char*>(b) + 4096, step = 128;
+  const int64_t ldy = Glu ? N / 2 : N, KQ = Kq / 4, panels = N / kPanel;
+  panel_items<kRowsVnni, kRowBlockVnni>(
+      M, panels, panels, KQ, 4 * kPanel, reinterpret_cast<const char*>(w),
+      [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
         with_count<kRowsVnni>(r, [&](auto rows) {
-          micro_vnni<T, rows, Glu>(q + m * Kq, Kq, b, KQ, y + m * ldy + p * out_cols, ldy, pf, step, groups > 1,
-                                   scales + p * kPanel, s + m, comp + m);
+          micro_vnni<T, rows, Glu>(q + m * Kq, Kq, w + p * Kq * kPanel, KQ, y + m * ldy + p * out_cols, ldy, pf, step,
+                                   cached, scales + p * kPanel, s + m, comp + m);
         });
-        m += r;
-      }
-    }
-  });
+      },
+      [](int64_t, int64_t, int64_t) {});
 }
 
 // y = quantized x times w, for rows 0..M-1: rows after the last non-zero one (a step's padding)

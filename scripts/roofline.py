@@ -11,8 +11,9 @@ The machine (numpy, on every core of the process's affinity):
                tuned kernel reaches on this machine, not the instruction set's peak
 
 A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens with nothing cached):
-    bytes      every weight once (the tied embedding counted once, as the LM head's) + the KV cache
-               the step reads (decode: B x L x layers x 2 x kv_heads x head_dim x dtype bytes)
+    bytes      every weight once, at the bytes the kernels hold it in (a bfloat16 checkpoint's
+               weights stay bfloat16 in a float32 network: 2; the tied embedding counted once, as
+               the LM head's) + the KV cache the step reads (decode: B x L x layers x 2 x kv_heads x head_dim x dtype bytes)
     FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
@@ -77,14 +78,25 @@ def cpu_flags() -> str:
     return f"{model.strip()}; {len(os.sched_getaffinity(0))} cores; {' '.join(shown)}"
 
 
-def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int) -> tuple[float, float]:
-    """(bytes, FLOPs) of one step: every weight once, `kv_read` cached tokens' K and V, `tokens`
-    rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs attended."""
+def weight_bytes(cfg, dtype: str) -> int:
+    """Bytes a weight element takes as the CPU kernels hold it: a bfloat16 checkpoint's weights stay
+    bfloat16 in a float32 network (worker/cpu.py CpuOps.pack_weight, bfloat16 panels or AMX tiles,
+    unless MSINFER_BF16_PANELS=0), otherwise the network's dtype."""
+    if dtype == "bfloat16" or (cfg.torch_dtype == "bfloat16" and os.environ.get("MSINFER_BF16_PANELS", "1") != "0"):
+        return 2
+    return 4
+
+
+def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
+              w_bytes: int | None = None) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step: every weight once (w_bytes each, default dtype_bytes),
+    `kv_read` cached tokens' K and V, `tokens` rows through the layers, `sampled` through the LM
+    head, `pairs` (query, key) pairs attended."""
     from msinfer.sharding.layout import plan_tensors
     layer_macs = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)
                      if len(p.full_shape) == 2 and ".layers." in p.name)
     head_macs = cfg.vocab_size * cfg.hidden_size
-    weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * dtype_bytes
+    weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * (w_bytes or dtype_bytes)
     kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     flops = 2 * tokens * layer_macs + 2 * sampled * head_macs + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
     return weights + kv, flops
@@ -123,6 +135,7 @@ def main() -> int:
         sys.exit("roofline: dense models only (a mixture of experts reads the experts its tokens chose)")
     batches = [int(b) for b in args.batch_size.split(",")]
     dbytes = 2 if args.dtype == "bfloat16" else 4
+    wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     bw = max(bandwidth(t) for t in sorted({1, cores}))
     rate = matmul_rate()
@@ -130,12 +143,12 @@ def main() -> int:
     print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)")
     with tempfile.TemporaryDirectory() as tmp:
         rows = bench(args.model, args.dtype, batches, args.prefill, Path(tmp))
-    print(f"model     {args.model} ({cfg.architecture}, {args.dtype})")
+    print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes)")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'measured ms':>13}{'ratio':>7}")
     cases = [(f"decode B={b} L={PROMPT + NEW // 2}", rows[b, PROMPT].get("decode_ms_per_step"),
-              step_cost(cfg, dbytes, b, b * (PROMPT + NEW // 2), b * (PROMPT + NEW // 2), b)) for b in batches]
+              step_cost(cfg, dbytes, b, b * (PROMPT + NEW // 2), b * (PROMPT + NEW // 2), b, wbytes)) for b in batches]
     T = args.prefill
-    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1)))
+    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
     for name, measured, (nbytes, flops) in cases:
         bound = 1e3 * max(nbytes / bw, flops / rate)
         shown = f"{measured:.1f}" if measured else "-"

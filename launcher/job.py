@@ -86,9 +86,9 @@ class Plan:
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
-            int8, int8_experts = holds_int8(self.engine.device, self.engine.ops)
+            int8, int8_experts, int4 = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
-                                     int8_experts=int8_experts)
+                                     int8_experts=int8_experts, int4=int4)
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
@@ -145,8 +145,8 @@ def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
 
 
 def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
-    """A quantized checkpoint's schemes, and which of its int8 weights the workers keep int8."""
-    int8, int8_experts = holds_int8(device, ops)
+    """A quantized checkpoint's schemes, and which of its quantized weights the workers keep so."""
+    int8, int8_experts, int4 = holds_int8(device, ops)
     int8 = int8 and bool(m.quant.schemes)
     scheme = m.expert_scheme
     by = "the CPU kernels" if device == "cpu" else "Ascend's quantized matmuls"
@@ -162,12 +162,14 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
         by += ("; the experts' inputs are quantized per token"
                + (", every expert on every token (the CPU's grouped kernel does not quantize)"
                   if device == "cpu" and ops != "portable" else ""))
-    held = f"int8 weights with a scale per channel stay int8 ({by}), the rest are " if int8 else "the weights are "
+    grouped = int4 and any(s.int4_groups for s in m.quant.schemes)
+    kept = "int8 weights with a scale per channel stay int8" + (" and int4 groups int4, two a byte" if grouped else "")
+    held = f"{kept} ({by}), the rest are " if int8 else "the weights are "
     return f"{m.quant.describe()}; {held}dequantized to {dtype} as they load, and counted so"
 
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
-                    int8: tuple[bool, bool] = (False, False)) -> str:
+                    int8: tuple[bool, bool, bool] = (False, False, False)) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
     pipeline stage; int8: holds_int8's), and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
@@ -180,7 +182,7 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
         experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1])
-        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0])
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2])
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -240,20 +242,22 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
-                       int8: tuple[bool, bool] = (False, False)) -> int:
+                       int8: tuple[bool, bool, bool] = (False, False, False)) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much); int8: holds_int8's (linear layers, experts)."""
-    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1])
+    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups)."""
+    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
+                              int4=int8[2])
                for st in range(max(1, len(pipeline))))
 
 
-def holds_int8(device: str, ops: str) -> tuple[bool, bool]:
-    """Whether the workers keep a quantized checkpoint's int8 weights with a scale per channel as
-    they are, (in linear layers, in experts): the CPU kernels do in linear layers
-    (worker.cpu.CpuOps.pack_int8); Ascend's quantized matmuls do in both (worker.ascend.
-    AscendInt8Linear, AscendExperts; emulated too) unless the start-up self-check finds them
-    wanting; the portable operators dequantize them."""
-    return ops != "portable", ops != "portable" and device == "ascend"
+def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool]:
+    """Whether the workers keep a quantized checkpoint's weights as they are, (int8 with a scale
+    per channel in linear layers, the same in experts, int4 groups in linear layers): the CPU
+    kernels do the first (worker.cpu.CpuOps.pack_int8); Ascend's quantized matmuls do all three
+    (worker.ascend.AscendInt8Linear, AscendExperts, AscendInt4Linear; emulated too) unless the
+    start-up self-check finds them wanting; the portable operators dequantize them."""
+    ascend = ops != "portable" and device == "ascend"
+    return ops != "portable", ascend, ascend
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -793,7 +797,7 @@ def card_replanner(plan: Plan):
     def replan(total: int, in_use: int, source: str, int8: tuple[bool, bool] = (True, True)) -> EngineConfig:
         weights, note = plan.weight_bytes_per_rank, None
         planned = holds_int8(plan.engine.device, plan.engine.ops)
-        held = (planned[0] and int8[0], planned[1] and int8[1])
+        held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0])
         if held != planned:
             weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
                                          spec.parallel.expert_parallel, plan.engine.pipeline, held)

@@ -44,13 +44,16 @@ def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
 
 def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> None:
     """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype.
-    Int8 weights with a scale per row (sharding.quant.Dequantized) leave their scales in the
-    parameter's `row_scales` (NaN for rows loaded from anything else)."""
-    scales = getattr(data, "row_scales", None)
-    if scales is not None or hasattr(param, "row_scales"):
-        if not hasattr(param, "row_scales"):
-            param.row_scales = np.full(param.shape[0], np.nan, np.float32)
-        param.row_scales[slice(None) if rows is None else rows] = np.nan if scales is None else scales
+    Quantized weights (sharding.quant.Dequantized) leave their scales in the parameter's
+    `row_scales` (a scale per row) or `group_scales` (per row and group of inputs), NaN for rows
+    loaded from anything else."""
+    for attr in ("row_scales", "group_scales"):
+        scales = getattr(data, attr, None)
+        if scales is None and not hasattr(param, attr):
+            continue
+        if not hasattr(param, attr):
+            setattr(param, attr, np.full((param.shape[0], *scales.shape[1:]), np.nan, np.float32))
+        getattr(param, attr)[slice(None) if rows is None else rows] = np.nan if scales is None else scales
     if rows is None:
         param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
         return
@@ -188,10 +191,12 @@ class LinearBase(InputQuantized, nn.Cell):
         self.int8_matmul = self.weight_scale = None
 
     def hold_int8(self, matmul: nn.Cell, levels: np.ndarray, scales) -> None:
-        """Keep the weight as its int8 levels [out, in] and their scales (a Tensor in the dtype the
-        device's `matmul` takes), multiplied by `matmul`, which quantizes the inputs itself (with
-        the layer's input quantizer's parameters, where it has one)."""
-        self.weight = Parameter(Tensor(levels, mstype.int8), name=self.weight.name, requires_grad=False)
+        """Keep the weight as its levels, as the device's `matmul` takes them (int8 [out, in], or
+        its own packing in its `weight_dtype`: worker.ascend.AscendInt4Linear), and their scales (a
+        Tensor in the dtype `matmul` takes), multiplied by `matmul`, which quantizes the inputs
+        itself (with the layer's input quantizer's parameters, where it has one)."""
+        dtype = getattr(matmul, "weight_dtype", mstype.int8)
+        self.weight = Parameter(Tensor(levels, dtype), name=self.weight.name, requires_grad=False)
         self.weight_scale = Parameter(scales, name=self.weight.name + "_scale", requires_grad=False)
         self.int8_matmul = matmul
         named(matmul, self.weight.name.rsplit(".", 1)[0])     # (the quantizer's parameters are renamed)

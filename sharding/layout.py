@@ -316,14 +316,15 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
                    experts: bool | None = None, stage: Stage = Stage(), int8: bool = False,
-                   int8_experts: bool = False) -> int:
+                   int8_experts: bool = False, int4: bool = False) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
     all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
     row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
     quantized matmuls take 2, 4 or 8 bytes a row, sharding.quant.Scheme.int8_kind), the rest in dtype_bytes, as is
     latent attention's kv_b_proj: its weight is absorbed into the query as a whole, not a matmul's.
     int8_experts: so are the experts' int8 weights per channel (Ascend's GroupedMatmulV4: weight-only
-    or with int8 inputs per token)."""
+    or with int8 inputs per token). int4: so are linear layers' int4 groups (Ascend's
+    WeightQuantBatchMatmul: two levels a byte, a scale per group in dtype_bytes)."""
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
         expert = ".experts." in p.name
@@ -333,11 +334,14 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
         for s in p.rank_shape:
             n *= s
         module = p.name[:-len(".weight")] if p.name.endswith(".weight") else None
-        held_int8 = (cfg.quant and module and (int8_experts if expert else int8)
+        held_int8 = (cfg.quant and module and (int8_experts if expert else int8 or int4)
                      and not (cfg.mla is not None and module.endswith(".kv_b_proj")))
         scheme = cfg.quant.scheme_for(module) if held_int8 else None
         kind = scheme.int8_kind if scheme is not None else None
-        if (kind in ("weight", "dynamic") if expert else kind) and module != "lm_head":
+        if int4 and not expert and scheme is not None and scheme.int4_groups and module != "lm_head":
+            out, cols = p.rank_shape
+            total += n // 2 + out * (cols // scheme.group_size) * dtype_bytes
+        elif (kind in ("weight", "dynamic") if expert else int8 and kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
         else:
             total += n * dtype_bytes

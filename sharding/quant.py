@@ -83,10 +83,17 @@ class Scheme:
     def int8_kind(self) -> str | None:
         """How a device that multiplies int8 weights itself runs a layer of this scheme: "weight"
         (int8 weights per channel, float inputs), "dynamic" (and int8 inputs per token), "static"
-        (ModelSlim W8A8: a per-layer input scale and offset); None: int4 groups, held dequantized."""
+        (ModelSlim W8A8: a per-layer input scale and offset); None: weights per group (int4 groups:
+        `int4_groups`)."""
         if self.bits != 8 or self.group_size:
             return None
         return "static" if self.static else "dynamic" if self.act_int8 else "weight"
+
+    @property
+    def int4_groups(self) -> bool:
+        """Int4 weights with a scale per group of inputs, float inputs (W4A16): what Ascend's
+        WeightQuantBatchMatmul multiplies packed two to a byte (worker.ascend.AscendInt4Linear)."""
+        return self.bits == 4 and self.group_size > 0 and not self.act_int8
 
     def describe(self) -> str:
         if self.static:
@@ -380,23 +387,28 @@ class QuantizedWeight(_WeightView):
             if c0 % g or (c1 - c0) % g:
                 raise QuantizationError(f"tensor '{self.name}': columns {c0}-{c1} split a group of {g}")
             s = np.asarray(self.scale[r0:r1, c0 // g:c1 // g]).astype(np.float32)
-            s = np.repeat(s, g, axis=1)
-        else:
-            s = scale_values(np.asarray(self.scale[r0:r1, 0:1]))
-            return Dequantized.of(q.astype(np.float32) * s, s[:, 0])
-        return q.astype(np.float32) * s
+            return Dequantized.of(q.astype(np.float32) * np.repeat(s, g, axis=1), group_scales=s)
+        s = scale_values(np.asarray(self.scale[r0:r1, 0:1]))
+        return Dequantized.of(q.astype(np.float32) * s, row_scales=s[:, 0])
 
 
 class Dequantized(np.ndarray):
-    """A per-channel int8 weight's region, dequantized, that keeps its rows' scales
-    (`row_scales`): sharding.layers.copy_into records them beside the parameter, for a device
-    that multiplies int8 weights itself (worker.cpu.CpuOps.pack_int8)."""
+    """A quantized weight's region, dequantized, that keeps its scales: `row_scales` [rows] (a
+    scale per output channel) or `group_scales` [rows, groups] (a scale per group of inputs).
+    sharding.layers.copy_into records them beside the parameter, for a device that multiplies
+    the weights as the checkpoint holds them (worker.cpu.CpuOps.pack_int8, worker.ascend's
+    quantized matmuls). Only the one given is set."""
     row_scales: np.ndarray
+    group_scales: np.ndarray
 
     @staticmethod
-    def of(values: np.ndarray, row_scales: np.ndarray) -> "Dequantized":
+    def of(values: np.ndarray, row_scales: np.ndarray | None = None,
+           group_scales: np.ndarray | None = None) -> "Dequantized":
         out = values.view(Dequantized)
-        out.row_scales = row_scales
+        if row_scales is not None:
+            out.row_scales = row_scales
+        if group_scales is not None:
+            out.group_scales = group_scales
         return out
 
 
@@ -411,6 +423,20 @@ def int8_levels(w: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
     if q.min(initial=0) < -128 or q.max(initial=0) > 127:
         return None
     return q.astype(np.int8) if np.array_equal((q * scales[:, None]).astype(w.dtype), w) else None
+
+
+def int4_levels(w: np.ndarray, group_scales: np.ndarray) -> np.ndarray | None:
+    """A loaded weight [N, K] and its group scales [N, K / g] (Dequantized.group_scales) -> its
+    int4 levels q in -8..7 (int8 [N, K]) with w == q * its group's scale exactly; None where
+    int8_levels gives None, or a level is outside int4."""
+    groups = group_scales.shape[1] if group_scales.ndim == 2 else 0
+    if not groups or w.shape[1] % groups or np.isnan(group_scales).any() or not (group_scales > 0).all():
+        return None
+    s = np.repeat(group_scales, w.shape[1] // groups, axis=1)
+    q = np.rint(w.astype(np.float32) / s)
+    if q.min(initial=0) < -8 or q.max(initial=0) > 7:
+        return None
+    return q.astype(np.int8) if np.array_equal((q * s).astype(w.dtype), w) else None
 
 
 def scale_values(s: np.ndarray) -> np.ndarray:

@@ -186,6 +186,22 @@ def test_plan_sizes_a_model_from_its_config_alone_and_names_the_stages_that_fit(
         plan_job(spec)                  # what `msinfer run` plans
 
 
+def test_int4_groups_held_two_a_byte_fit_llama_405b_on_one_node(tmp_path):
+    """configs/ascend-llama-405b-w4a16-tp8.yaml: a W4A16 Llama-3.1-405B (groups of 128) at tp 8 on
+    64 GiB cards holds its int4 weights two a byte with a bfloat16 scale a group (WeightQuantBatch-
+    Matmul), 25.1 GiB a card, and fits one node; in bfloat16, or with its int4 weights dequantized
+    (the portable operators), it needs pipeline_parallel 2."""
+    from msinfer.launcher.spec import load_spec
+    from tests.conftest import ROOT
+    name = ROOT / "configs" / "ascend-llama-405b-w4a16-tp8.yaml"
+    plan = plan_job(load_spec(name, [f"output.path={tmp_path / 'out.jsonl'}"]), sizing=True)
+    assert 25 * 1024 ** 3 < plan.weight_bytes_per_rank < 25.2 * 1024 ** 3 and plan.card.blocks > 512
+    assert "int4 groups int4, two a byte (Ascend's quantized matmuls)" in plan.describe()
+    portable = load_spec(name, [f"output.path={tmp_path / 'out.jsonl'}", "model.ops=portable"])
+    with pytest.raises(LayoutError, match="weights 94.5\\d GiB .*pipeline_parallel 2 fits at tensor_parallel 8"):
+        plan_job(portable, sizing=True)
+
+
 def test_simulate_runs_stages_and_reports_each_stages_idle_share(checkpoint, tmp_path, ray_local):
     """`msinfer simulate` with 2 stand-in stages: every record once, the same stand-in tokens as
     one stage, and the pipeline's bubble as each stage's idle share."""

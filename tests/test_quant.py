@@ -194,7 +194,7 @@ def test_tp2_splits_int8_inputs_and_int4_groups_as_one_rank_reads_them(name, pat
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, **(PATHS[path_kind] if ascend else {})))
     if ascend:          # the int8 weights held, their scales float32 (a W8A8 layer's), as plan counts them
         from msinfer.sharding.layout import bytes_per_rank
-        held = bytes_per_rank(ModelConfig.from_dir(path), 2, 2, int8=True)
+        held = bytes_per_rank(ModelConfig.from_dir(path), 2, 2, int8=True, int4=True)
         assert [s["param_bytes"] for s in r.setup_info] == [held, held]
     steps = []
 
@@ -534,16 +534,20 @@ def int8_weights(runner) -> list[str]:
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
 def test_weight_only_checkpoints_on_the_portable_and_emulated_ascend_paths(scheme, quantized):
     """The portable operators in float32 (weights dequantized as they load) and the emulated Ascend
-    kernels in float16 (int8 weights per channel through WeightQuantBatchMatmul, int4 groups
-    dequantized) give transformers' tokens, and logits within each path's tolerance
-    (tests/test_ascend.py), on a weight-only checkpoint."""
+    kernels in float16 (WeightQuantBatchMatmul: int8 weights per channel as they are, int4 groups
+    two to a byte [in, out / 2]) give transformers' tokens, and logits within each path's
+    tolerance (tests/test_ascend.py), on a weight-only checkpoint."""
     from tests.test_ascend import ATOL, assert_greedy_parity
     from tests.test_ascend import runner_for as path_runner
     path = quantized("qwen3_qknorm_odd_head_dim", scheme)
     for kind in ("portable", "ascend-emulated"):
         runner = path_runner(path, kind)
         # the four projections of each of the two layers
-        assert len(int8_weights(runner)) == (8 if (kind, scheme) == ("ascend-emulated", "w8a16") else 0)
+        assert len(int8_weights(runner)) == (8 if kind == "ascend-emulated" else 0)
+        if kind == "ascend-emulated" and scheme == "w4a16":
+            down = next(p for p in runner.model.get_parameters() if p.name.endswith("0.mlp.down_proj.weight"))
+            cfg = runner.cfg
+            assert tuple(down.shape) == (cfg.intermediate_size, cfg.hidden_size // 2)
         rec = Recording(runner)
         out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
@@ -896,6 +900,40 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
         steps_held(f"tp 2, prompt {i}", two[i], tokens, logits, tol)
 
 
+def test_the_self_check_settles_in_which_nibble_weightquantbatchmatmul_reads_an_int4_level(quantized,
+                                                                                           monkeypatch):
+    """A W4A16 layer packs two int4 levels a byte, column 2j in the low nibble (MindSpore's own test
+    of the kernel); on a card that reads 2j from the high nibble (the wqbmm_int4_high_first
+    variant), the start-up check finds that reading, the layers keep their int4 weights, packed
+    the other way, and the logits are the low-nibble card's to the last bit."""
+    from tests.test_ascend import runner_for as path_runner
+    path = quantized("qwen3_qknorm_odd_head_dim", "w4a16")
+    monkeypatch.setenv("MSINFER_CACHE", str(path.parent / "kernel-cache-int4"))
+    swapped = checked_runner(path, "wqbmm_int4_high_first")
+    verdict = swapped.kernel_check["WeightQuantBatchMatmul"]
+    assert verdict["convention"] == "high-first" and verdict["cases"] == ["weight-int4/16"]
+    assert len(int8_weights(swapped)) == 8
+    plain = path_runner(path, "ascend-emulated")        # (the stand-ins as documented, no check)
+    for a, b in zip(three_steps(swapped), three_steps(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
+def three_steps(runner) -> list:
+    """The logits of three greedy steps of PROMPTS."""
+    rec = Recording(runner)
+    Driver(rec).generate(dict(enumerate(PROMPTS)), 3)
+    return rec.logits
+
+
+def checked_runner(path, variant: str):
+    """A runner of the emulated Ascend path in float16 with its start-up check, on stand-ins that
+    follow `variant`'s reading of a kernel."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    return ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                    dtype="float16", emulate_variants=(variant,)))
+
+
 def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint, monkeypatch):
     """A float16 ModelSlim W8A8 layer hands QuantBatchMatmul its deq_scale as int64 float32 bits
     (golden-stick's reading); with a stand-in that takes float32 scales only (the
@@ -906,22 +944,15 @@ def test_the_self_check_settles_how_quantbatchmatmul_takes_its_scales(checkpoint
     from msinfer.sharding.config import EngineConfig
     from msinfer.sharding.quant import MODELSLIM_SCHEMES
     from msinfer.worker import ascend, kernel_check
-    from msinfer.worker.runner import ModelRunner
     from tests.test_ascend import runner_for as path_runner
     monkeypatch.setenv("MSINFER_CACHE", str(checkpoint("llama_mha_bias").parent / "kernel-cache-int8"))
     src = checkpoint("llama_mha_bias")
     path = modelslim_checkpoint(src, src.parent / "llama_mha_bias-msW8A8", "W8A8")
-
-    def logits(runner):
-        rec = Recording(runner)
-        Driver(rec).generate(dict(enumerate(PROMPTS)), 3)
-        return rec.logits
-    checked = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
-                                       dtype="float16", emulate_variants=("qbmm_float32_scale",)))
+    checked = checked_runner(path, "qbmm_float32_scale")
     verdicts = kernel_check.conventions(checked.kernel_check)
     assert verdicts["QuantBatchMatmul"] == "float32" and checked.kernel_check["QuantBatchMatmul"]["cases"] == ["static"]
     assert len(int8_weights(checked)) == 8
-    for a, b in zip(logits(checked), logits(path_runner(path, "ascend-emulated"))):
+    for a, b in zip(three_steps(checked), three_steps(path_runner(path, "ascend-emulated"))):
         np.testing.assert_array_equal(a, b)
 
     class Unscaled(ascend.QuantBatchMatmul):          # leaves out the weights' scales

@@ -16,7 +16,8 @@ on cards (../shared/ASCEND.md has the sources):
     MoeTokenUnpermute    each token's k rows back, weighted and summed
     QuantBatchMatmul     a W8A8 layer's int8 inputs times its int8 weights, scaled per output
                          (and per token): after DynamicQuantExt (per token) or QuantV2 (static)
-    WeightQuantBatchMatmul  a W8A16 layer's float inputs times its int8 weights
+    WeightQuantBatchMatmul  a W8A16 layer's float inputs times its int8 weights, a W4A16 layer's
+                         times its int4 groups (qint4x2, two to a byte)
 
 Rotary runs in MindSpore primitives on the card (MsOps.rotary): msinfer's position schemes give
 each token its own cos/sin rows, and ApplyRotaryPosEmb's contract for per-token tables (vllm-
@@ -357,6 +358,62 @@ class AscendInt8Linear(nn.Cell):
         return self.matmul(levels, w, scale, None, None, per_token.reshape(-1).astype(ms.float32))
 
 
+def pack_int4(levels: np.ndarray, high_first: bool = False) -> np.ndarray:
+    """int4 levels [out, in] (int8 holding -8..7) -> [in, out / 2] int8, two levels a byte along
+    out: column 2j in the low nibble, 2j + 1 in the high one (golden-stick's and MindSpore's own
+    tests' np_int4data_pack_to_int8, on the transposed weight); high_first: the other way round."""
+    t = np.ascontiguousarray(levels.T).astype(np.int16)
+    lo, hi = (t[:, 1::2], t[:, 0::2]) if high_first else (t[:, 0::2], t[:, 1::2])
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).astype(np.uint8).view(np.int8)
+
+
+def unpack_int4(packed: np.ndarray, high_first: bool = False) -> np.ndarray:
+    """pack_int4 undone: [in, out / 2] -> int8 levels [out, in]."""
+    u = np.asarray(packed).view(np.uint8).astype(np.int16)
+    lo, hi = ((u & 0xF) ^ 8) - 8, ((u >> 4) ^ 8) - 8
+    first, second = (hi, lo) if high_first else (lo, hi)
+    t = np.empty((u.shape[0], 2 * u.shape[1]), np.int8)
+    t[:, 0::2], t[:, 1::2] = first, second
+    return np.ascontiguousarray(t.T)
+
+
+class AscendInt4Linear(nn.Cell):
+    """(x [M, in], w [in, out / 2] int4 pairs, scales [in / g, out]) -> x W^T [M, out] in the
+    compute dtype, for a W4A16 layer held as its int4 levels with a scale per group of g inputs
+    (CausalLM.hold_int8):
+
+        WeightQuantBatchMatmul(transpose_x=False, transpose_weight=False, antiquant_group_size=g)
+        (x, w, antiquant_scale [in / g, out] in the compute dtype, antiquant_offset zeros)
+
+    The weight is handed over as MindSpore's own test of the kernel's int4 groups
+    (tests/st/ops/ascend, test_ms_int4_weight_quant_pergroup) and golden-stick's W4A16 deployment
+    (AxW4ParamProcessor) hand it: the checkpoint's [out, in] transposed to [in, out], packed two
+    to a byte along out (`pack_int4`), a qint4x2 tensor [in, out / 2]; the scales [in / g, out]
+    (aclnnWeightQuantBatchMatmulV2's per-group antiquantScale, (ceil(K / g), N)).
+    convention "high-first" (the start-up self-check's second reading, worker.kernel_check):
+    column 2j in the high nibble. weight_dtype: qint4x2 on a card; the emulated path holds the same
+    bytes as int8 (MindSpore's CPU operators take no qint4x2 tensor) and its stand-in unpacks them."""
+
+    def __init__(self, kernels, group: int, dtype, weight_dtype, convention: str = "ok"):
+        super().__init__()
+        self.matmul = kernels.WeightQuantBatchMatmul(transpose_x=False, transpose_weight=False,
+                                                     antiquant_group_size=group)
+        self.dtype, self.weight_dtype, self.high_first = dtype, weight_dtype, convention == "high-first"
+
+    def pack(self, levels: np.ndarray):
+        """The weight as the kernel takes it (None for an odd number of outputs), and the unpack."""
+        if levels.shape[0] % 2:
+            return None
+        return pack_int4(levels, self.high_first), lambda t: unpack_int4(t, self.high_first)
+
+    def scales(self, group_scales: np.ndarray) -> Tensor:
+        """The group scales [out, in / g] as the kernel takes them: [in / g, out], compute dtype."""
+        return Tensor(np.ascontiguousarray(np.asarray(group_scales, np.float32).T), self.dtype)
+
+    def construct(self, x, w, scale):
+        return self.matmul(x, w, scale, ops.zeros_like(scale), None, None, None)
+
+
 class AscendOps(MsOps):
     """The fused Ascend kernels (module docstring); MsOps for the rest."""
     name = "ascend"
@@ -404,17 +461,22 @@ class AscendOps(MsOps):
     def moe_op(cls):
         return AscendExperts(cls.kernels)
 
+    # the dtype a W4A16 layer's packed weight is held in: qint4x2, as the kernel takes it
+    # (EmulatedAscendOps: int8, the same bytes)
+    int4_dtype = ms.qint4x2
+
     @classmethod
     def int8_linear(cls, scheme, quantizer, dtype, glu: bool = False):
-        """AscendInt8Linear for a layer of `scheme`, or None where its weights stay dequantized:
-        int4 groups (WeightQuantBatchMatmul takes them packed two to a byte, as qint4x2, which
-        MindSpore's CPU cannot run: not emulated, so not called), and a kernel the self-check
+        """AscendInt8Linear for a layer of `scheme` (AscendInt4Linear for int4 groups), or None
+        where its weights stay dequantized: other weights per group, and a kernel the self-check
         found wanting."""
-        kind = scheme.int8_kind
-        kernel = "WeightQuantBatchMatmul" if kind == "weight" else "QuantBatchMatmul"
+        kind = "int4" if scheme.int4_groups else scheme.int8_kind
+        kernel = "QuantBatchMatmul" if kind in ("dynamic", "static") else "WeightQuantBatchMatmul"
         convention = cls.conventions.get(kernel, "ok")
         if kind is None or convention == "portable" or glu:
             return None
+        if kind == "int4":
+            return AscendInt4Linear(cls.kernels, scheme.group_size, dtype, cls.int4_dtype, convention)
         return AscendInt8Linear(cls.kernels, kind, quantizer, dtype, convention)
 
     @classmethod
@@ -422,7 +484,7 @@ class AscendOps(MsOps):
         """Whether experts of `scheme` keep their int8 levels: int8 weights with a scale per
         channel, with float inputs (W8A16: AscendExperts' antiquant form) or int8 inputs per token
         (W8A8: its per-token form), unless the self-check found GroupedMatmulV4 wanting. int4
-        groups stay dequantized (qint4x2, as for int8_linear)."""
+        groups stay dequantized."""
         return (scheme is not None and scheme.int8_kind in ("weight", "dynamic")
                 and cls.conventions.get("GroupedMatmulV4") != "portable")
 
@@ -720,20 +782,45 @@ class QuantBatchMatmul(nn.Cell):
 
 class WeightQuantBatchMatmul(nn.Cell):
     """Stand-in (aclnnWeightQuantBatchMatmulV2, hicann/ops-nn): y = x @ ((weight + antiquant_offset) *
-    antiquant_scale) + bias, weight int8 [N, K] (transpose_weight) or [K, N], the scale and offset
-    [N] per output (antiquant_group_size 0; no output quantization), summed in float32, in x's dtype."""
+    antiquant_scale) + bias, summed in float32, in x's dtype, no output quantization:
+    - antiquant_group_size 0: weight int8 [N, K] (transpose_weight) or [K, N], the scale and
+      offset [N] per output;
+    - antiquant_group_size g (transpose_weight False): the scale and offset [K / g, N], row i for
+      inputs i*g .. i*g + g - 1; weight int8 [K, N], or int4 levels packed two to a byte [K, N / 2]
+      (a qint4x2 tensor on a card: the emulated path holds the same bytes as int8, and a weight of
+      half the scale's columns is read as such), column 2j in the low nibble (MindSpore's own test
+      of the kernel packs them so); with the wqbmm_int4_high_first variant, in the high one."""
 
     def __init__(self, transpose_x=False, transpose_weight=False, antiquant_group_size=0):
         super().__init__()
-        if transpose_x or antiquant_group_size:
-            raise NotImplementedError("the WeightQuantBatchMatmul stand-in emulates per-channel scales and "
-                                      "transpose_x False only")
-        self.transpose_weight = transpose_weight
+        if transpose_x or (antiquant_group_size and transpose_weight):
+            raise NotImplementedError("the WeightQuantBatchMatmul stand-in emulates transpose_x False, and "
+                                      "groups with transpose_weight False")
+        self.transpose_weight, self.group = transpose_weight, antiquant_group_size
+        self.high_first = "wqbmm_int4_high_first" in VARIANTS_IN_FORCE
+
+    def int4(self, weight):
+        """int4 pairs [K, N / 2] (int8 bytes) -> their levels [K, N], float32."""
+        b = weight.astype(ms.float32)
+        hi = ops.floor(b / 16.0)                 # the high nibble, signed: b >> 4
+        lo = b - 16.0 * hi                       # the low one, 0..15
+        lo = lo - 16.0 * (lo >= 8.0).astype(ms.float32)
+        pair = (hi, lo) if self.high_first else (lo, hi)
+        return ops.stack(pair, axis=-1).reshape(weight.shape[0], -1)
 
     def construct(self, x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None,
                   bias=None):
         if weight.dtype != ms.int8 or quant_scale is not None or quant_offset is not None:
             raise TypeError("the WeightQuantBatchMatmul stand-in takes int8 weights and no output quantization")
+        if self.group:
+            w = self.int4(weight) if 2 * weight.shape[1] == antiquant_scale.shape[-1] else weight.astype(ms.float32)
+            scale = ops.repeat_interleave(antiquant_scale.astype(ms.float32), self.group, 0)
+            if antiquant_offset is not None:
+                w = w + ops.repeat_interleave(antiquant_offset.astype(ms.float32), self.group, 0)
+            y = ops.matmul(x.astype(ms.float32), w * scale)
+            if bias is not None:
+                y = y + ops.broadcast_to(bias.astype(ms.float32).reshape(1, -1), y.shape)
+            return y.astype(x.dtype)
         shape = (-1, 1) if self.transpose_weight else (1, -1)
         w = weight.astype(ms.float32)
         if antiquant_offset is not None:
@@ -798,6 +885,7 @@ class EmulatedAscendOps(AscendOps):
     """AscendOps with the stand-ins: the Ascend path on the CPU (MSINFER_ASCEND_EMULATE=1)."""
     name = "ascend (emulated)"
     kernels = StandIns
+    int4_dtype = ms.int8             # MindSpore's CPU operators take no qint4x2 tensor: the same bytes
 
 
 class KernelError(RuntimeError):

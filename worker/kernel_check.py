@@ -29,6 +29,15 @@ A quantized checkpoint's int8 layers (`quant`, `quant_cases`) add, at [hidden, h
     experts   GroupedMatmulV4's antiquant      the kernel, else portable
               form (weight-only int8 experts,
               worker.ascend.AscendExperts)
+    experts-  GroupedMatmulV4's per-token      the kernel, else portable
+    dynamic   form (int8 experts, int8 inputs)
+    weight-   WeightQuantBatchMatmul's int4    column 2j in a byte's low nibble (MindSpore's own
+    int4/g    groups of g (W4A16, worker.      test of the kernel, golden-stick), in the high one,
+              ascend.AscendInt4Linear)         else portable
+
+A kernel's cases share its verdict: WeightQuantBatchMatmul's int8 case passes under either
+nibble order, and a W4A16 checkpoint's check runs at its own group size, which the card may
+refuse (then its layers are held dequantized).
 
 where "portable" keeps those layers' weights dequantized to the compute dtype (the float matmul;
 for the experts, GroupedMatmulV4's float form, which this check does not cover).
@@ -55,13 +64,15 @@ import numpy as np
 
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("ok",), "ReshapeAndCache": ("ok",),
-               "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"), "WeightQuantBatchMatmul": ("ok",),
+               "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"),
+               "WeightQuantBatchMatmul": ("ok", "high-first"),
                "GroupedMatmulV4": ("ok",)}
-INT8_KERNELS = {"WeightQuantBatchMatmul": ("weight",), "QuantBatchMatmul": ("dynamic", "dynamic-kernel", "static"),
+INT8_KERNELS = {"WeightQuantBatchMatmul": ("weight", "weight-int4"),
+                "QuantBatchMatmul": ("dynamic", "dynamic-kernel", "static"),
                 "GroupedMatmulV4": ("experts", "experts-dynamic")}
 # each case's sequences: (tokens cached, tokens new)
 CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
-CHECK_VERSION = 2              # of this module's cases: a change makes the cached verdicts stale
+CHECK_VERSION = 3              # of this module's cases: a change makes the cached verdicts stale
 
 
 def cache_dir() -> Path:
@@ -218,13 +229,14 @@ def int8_usable(ec, tp_size: int) -> tuple[bool, bool] | None:
 def quant_cases(cfg) -> tuple[str, ...]:
     """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
     Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
-    (ModelSlim's, through DynamicQuantExt), "static", "experts" (weight-only int8 experts),
-    "experts-dynamic" (int8 experts with int8 inputs per token); ()
-    for a float one."""
+    (ModelSlim's, through DynamicQuantExt), "static", "weight-int4/g" (int4 groups of g),
+    "experts" (weight-only int8 experts), "experts-dynamic" (int8 experts with int8 inputs per
+    token); () for a float one."""
     if cfg.quant is None:
         return ()
     kinds = {s.int8_kind + ("-kernel" if s.int8_kind == "dynamic" and s.modelslim else "")
              for s in cfg.quant.schemes if s.int8_kind}
+    kinds.update(f"weight-int4/{s.group_size}" for s in cfg.quant.schemes if s.int4_groups)
     if cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "weight":
         kinds.add("experts")
     elif cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "dynamic" and cfg.expert_inputs("down_proj"):
@@ -238,7 +250,7 @@ def check_quant(ops, hidden: int, dtype: str, cases: tuple[str, ...]) -> dict:
     rng = np.random.default_rng(1)
     out = {}
     for kernel, theirs in INT8_KERNELS.items():
-        mine = [c for c in cases if c in theirs]
+        mine = [c for c in cases if c.split("/")[0] in theirs]
         if not mine:
             continue
         t0 = time.perf_counter()
@@ -264,6 +276,8 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     mdt = getattr(ms, dtype)
     if case in ("experts", "experts-dynamic"):
         return _experts_error(seam, hidden, mdt, rng, case == "experts-dynamic")
+    if case.startswith("weight-int4/"):
+        return _int4_error(seam, int(case.split("/")[1]), hidden, mdt, rng)
     scheme = {"weight": Scheme(8, 0, False), "dynamic": Scheme(8, 0, True),
               "dynamic-kernel": MODELSLIM_SCHEMES["W8A8_DYNAMIC"], "static": MODELSLIM_SCHEMES["W8A8"]}[case]
     quantizer = input_quantizer(scheme, "check") if scheme.act_int8 else None
@@ -287,6 +301,30 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
     try:
         got = _numpy(ms.jit(matmul.construct, **seam.jit_options)(Tensor(x, mdt), Tensor(matmul.pack(levels)[0]),
                                                                   matmul.scales(scales.astype(np.float32))))
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    return _error(got, want)
+
+
+def _int4_error(seam, group: int, hidden: int, mdt, rng) -> float:
+    """The int4 case: x [5, hidden] times int4 levels [hidden, hidden] with a scale per group of
+    `group` inputs (hidden rounded up to whole groups), through the seam's matmul as a W4A16 layer
+    calls it, against the dequantized product in float64."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from msinfer.sharding.quant import Scheme
+    K = -(-hidden // group) * group
+    matmul = seam.int8_linear(Scheme(4, group, False), None, mdt)
+    if matmul is None:
+        return float("inf")
+    x = _numpy(Tensor(rng.standard_normal((5, K)), mdt))
+    levels = rng.integers(-8, 8, (hidden, K)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (hidden, K // group)) / (8 * np.sqrt(K))).astype(np.float32)
+    held = _numpy(matmul.scales(scales)).astype(np.float64).T          # as the kernel holds them
+    want = x.astype(np.float64) @ (levels * np.repeat(held, group, axis=1)).T
+    try:
+        got = _numpy(ms.jit(matmul.construct, **seam.jit_options)(
+            Tensor(x, mdt), Tensor(matmul.pack(levels)[0], matmul.weight_dtype), matmul.scales(scales)))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     return _error(got, want)

@@ -20,7 +20,7 @@ from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearB
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
                                      StaticInt8, VocabParallelEmbedding, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
-from msinfer.sharding.quant import QuantizationError, int8_levels
+from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
 from msinfer.worker.device_sampler import VocabSampler
 from msinfer.worker.ops import MASKED, packed_attention
@@ -519,22 +519,30 @@ class CausalLM(nn.Cell):
             cell.weight = done[w.name]
 
     def hold_int8(self, cell: LinearBase) -> bool:
-        """A layer whose weight loaded as int8 levels with a scale per row (sharding.quant.Dequantized)
-        keeps them as they are, multiplied by the device's int8 matmul (`dev.int8_linear`), where
-        the device has one for the layer's scheme (AscendOps: per its kernel self-check). Whether it does."""
+        """A layer whose weight loaded as int8 levels with a scale per row, or int4 levels with a
+        scale per group of inputs (sharding.quant.Dequantized), keeps them as they are, multiplied
+        by the device's quantized matmul (`dev.int8_linear`), where the device has one for the
+        layer's scheme (AscendOps: per its kernel self-check). Whether it does."""
         w, scheme = cell.weight, cell.quant_scheme
-        scales = getattr(w, "row_scales", None)
-        if scheme is None or scales is None or not getattr(cell, "device_order", True):
+        if scheme is None or not getattr(cell, "device_order", True):
+            return False
+        grouped = scheme.int4_groups
+        scales = getattr(w, "group_scales" if grouped else "row_scales", None)
+        if scales is None:
             return False
         matmul = self.dev.int8_linear(scheme, cell.input_quant, self.dtype, getattr(cell, "glu", False))
-        levels = int8_levels(w.asnumpy(), scales) if matmul is not None else None
+        if matmul is None:
+            return False
+        levels = (int4_levels if grouped else int8_levels)(w.asnumpy(), scales)
         packed = matmul.pack(levels) if levels is not None else None
         if packed is None:
             return False
         name = w.name
         data, unpack = packed
         cell.hold_int8(matmul, data, matmul.scales(scales))
-        self.packed[name] = lambda t, u=unpack, s=scales.astype(np.float32): u(t).astype(np.float32) * s[:, None]
+        s = scales.astype(np.float32)
+        s = np.repeat(s, w.shape[1] // s.shape[1], axis=1) if grouped else s[:, None]
+        self.packed[name] = lambda t, u=unpack, s=s: u(t).astype(np.float32) * s
         return True
 
     def hold_int8_experts(self, cell: FusedExperts) -> bool:

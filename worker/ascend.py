@@ -386,7 +386,7 @@ class AscendInt4Linear(nn.Cell):
         (x, w, antiquant_scale [in / g, out] in the compute dtype, antiquant_offset zeros)
 
     The weight is handed over as MindSpore's own test of the kernel's int4 groups
-    (tests/st/ops/ascend, test_ms_int4_weight_quant_pergroup) and golden-stick's W4A16 deployment
+    (test_ms_int4_weight_quant_pergroup_1p_GE) and golden-stick's W4A16 deployment
     (AxW4ParamProcessor) hand it: the checkpoint's [out, in] transposed to [in, out], packed two
     to a byte along out (`pack_int4`), a qint4x2 tensor [in, out / 2]; the scales [in / g, out]
     (aclnnWeightQuantBatchMatmulV2's per-group antiquantScale, (ceil(K / g), N)).

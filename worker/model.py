@@ -540,9 +540,11 @@ class CausalLM(nn.Cell):
         name = w.name
         data, unpack = packed
         cell.hold_int8(matmul, data, matmul.scales(scales))
-        s = scales.astype(np.float32)
-        s = np.repeat(s, w.shape[1] // s.shape[1], axis=1) if grouped else s[:, None]
-        self.packed[name] = lambda t, u=unpack, s=s: u(t).astype(np.float32) * s
+        # (the group scales are repeated over their inputs when asked: kept repeated, they would
+        # take a float32 the weight's size)
+        g = w.shape[1] // scales.shape[1] if grouped else 0
+        self.packed[name] = lambda t, u=unpack, s=scales.astype(np.float32), g=g: \
+            u(t).astype(np.float32) * (np.repeat(s, g, axis=1) if g else s[:, None])
         return True
 
     def hold_int8_experts(self, cell: FusedExperts) -> bool:

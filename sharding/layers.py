@@ -462,8 +462,12 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.weight = new_param((size,), dtype, "weight")
         self.op = dev.rms_norm_op(eps)            # the device's (x, weight) -> normalized x cell
+        self.add_op = dev.add_rms_norm_op(eps)    # (x, delta, weight) -> (x + delta, normalized)
 
     weight_loader = staticmethod(load_replicated)
 
-    def construct(self, x):
-        return self.op(x, self.weight)
+    def construct(self, x, delta=None):
+        """x normalized; with `delta`, (x + delta, that normalized)."""
+        if delta is None:
+            return self.op(x, self.weight)
+        return self.add_op(x, delta, self.weight)

@@ -106,6 +106,26 @@ def test_zero_rows_give_zero_rows_and_the_others_are_unchanged(kernels, zero):
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+def test_a_residual_add_and_the_norm_after_it_in_one_kernel_give_what_the_two_give(kernels, dtype, tol):
+    """AddRmsNorm (a layer's residual add with the next norm): the sum the network's add gives
+    and the RmsNorm kernel's result on it, bit for bit, near numpy's; zero rows (padding) stay
+    zero in both outputs."""
+    rng = np.random.default_rng(5)
+    x, d = (rng.standard_normal((7, 3, 40)).astype(dtype) for _ in range(2))
+    x[-1], d[-1] = 0, 0
+    w = (1 + 0.1 * rng.standard_normal(40)).astype(dtype)
+    s, y = kernels.add_rms_norm_op(1e-6)(Tensor(x), Tensor(d), Tensor(w))
+    s, y = s.asnumpy(), y.asnumpy()
+    added = (Tensor(x) + Tensor(d)).asnumpy()
+    np.testing.assert_array_equal(s, added)
+    np.testing.assert_array_equal(y, kernels.rms_norm_op(1e-6)(Tensor(added), Tensor(w)).asnumpy())
+    ref = added.astype(np.float64)
+    ref = ref / np.sqrt((ref**2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    assert not s[-1].any() and not y[-1].any()
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
 def test_linear_glu_is_silu_of_the_gate_times_the_up_projection(kernels, dtype, tol):
     """The MLP's gate/up projection with its activation (LinearGlu): 19 rows (a group of 14 and
     one of 5, the last two padding), 3 panels of 16 gate and 16 up columns."""

@@ -65,7 +65,7 @@ def kernel_library(name: str) -> str:
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.
-_LIBRARY = _RMS_NORM = _SILU_MUL = _ROWS = None
+_LIBRARY = _RMS_NORM = _ADD_RMS_NORM = _SILU_MUL = _ROWS = None
 
 
 class CpuRmsNorm(nn.Cell):
@@ -75,6 +75,11 @@ class CpuRmsNorm(nn.Cell):
 
     def construct(self, x, weight):
         return _RMS_NORM(x, weight, self.eps)
+
+
+class CpuAddRmsNorm(CpuRmsNorm):
+    def construct(self, x, delta, weight):
+        return _ADD_RMS_NORM(x, delta, weight, self.eps)
 
 
 class CpuOps(MsOps):
@@ -96,6 +101,10 @@ class CpuOps(MsOps):
     @staticmethod
     def rms_norm_op(eps):
         return CpuRmsNorm(eps)
+
+    @staticmethod
+    def add_rms_norm_op(eps):
+        return CpuAddRmsNorm(eps)
 
     @staticmethod
     def rope_tables(cos, sin, heads):
@@ -423,7 +432,7 @@ def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""
-    global _LIBRARY, _RMS_NORM, _SILU_MUL, _ROWS
+    global _LIBRARY, _RMS_NORM, _ADD_RMS_NORM, _SILU_MUL, _ROWS
     _LIBRARY = kernel_library("kernels")
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
@@ -432,5 +441,6 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.bf16_panels = os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
+    _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
     _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])

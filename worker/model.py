@@ -315,9 +315,13 @@ class LayerBase(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
 
-    def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
-        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, ctx, prefill)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, h, delta, rope_q, rope_k, ctx, prefill: bool):
+        """(the residual stream before the layer before's output is added, that output) ->
+        the same pair after this layer: each residual add goes with the norm after it
+        (RMSNorm with a delta), one kernel where the device fuses them."""
+        h, x = self.input_layernorm(h, delta)
+        h, x = self.post_attention_layernorm(h, self.self_attn(x, rope_q, rope_k, ctx, prefill))
+        return h, self.mlp(x)
 
 
 class DecoderLayer(LayerBase):
@@ -437,11 +441,12 @@ class CausalLM(nn.Cell):
         else:                                # MLAttention rotates its rope parts itself
             rope_q = rope_k = (cos, sin)
         ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
+        delta = ops.zeros_like(x)
         for layer in self.layers:
-            x = layer(x, rope_q, rope_k, ctx, prefill)
+            x, delta = layer(x, delta, rope_q, rope_k, ctx, prefill)
         if not self.last:
-            return x.astype(ms.float32)
-        x = self.norm(self.dev.rows(x, out_index))
+            return (x + delta).astype(ms.float32)
+        _, x = self.norm(self.dev.rows(x, out_index), self.dev.rows(delta, out_index))
         return self.lm_head(x).astype(ms.float32)
 
     def prefill(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,

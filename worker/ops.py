@@ -1,6 +1,8 @@
 """The device seam: the handful of per-device operators the network uses, chosen once per worker.
 
-    rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32 (a cell per eps: `rms_norm_op`)
+    rms_norm      x * rsqrt(mean(x^2) + eps) * w, in float32 (a cell per eps: `rms_norm_op`); with
+                  a layer's residual add before it (`add_rms_norm_op`: the sum and its norm, in
+                  one kernel on the CPU, the add then the norm elsewhere)
     rotary        q*cos + rotate_half(q)*sin (the Hugging Face, non-interleaved layout)
     silu_mul      silu(gate) * up
     attention     the new K/V rows into the layer's cache, then attention: among the step's own
@@ -43,6 +45,18 @@ class RmsNorm(nn.Cell):
 
     def construct(self, x, weight):
         return rms_norm(x, weight, self.eps)[0]
+
+
+class AddThenNorm(nn.Cell):
+    """A residual add, then a device's norm cell: (x, delta, weight) -> (x + delta, its norm)."""
+
+    def __init__(self, norm: nn.Cell):
+        super().__init__()
+        self.norm = norm
+
+    def construct(self, x, delta, weight):
+        s = x + delta
+        return s, self.norm(s, weight)
 
 
 # The score of a position a token must not see. Finite, so that a padding token that sees nothing
@@ -207,6 +221,12 @@ class MsOps:
     def rms_norm_op(eps: float):
         """A cell (x [..., H], weight [H]) -> x normalized over H, times weight."""
         return RmsNorm(eps)
+
+    @classmethod
+    def add_rms_norm_op(cls, eps: float):
+        """A cell (x, delta, weight) -> (x + delta, rms_norm_op's result on it): a layer's
+        residual add and the norm after it."""
+        return AddThenNorm(cls.rms_norm_op(eps))
 
     @staticmethod
     def rope_tables(cos, sin, heads):

@@ -262,6 +262,20 @@ void rms_norm(const T* x, const T* w, float eps, T* out, int64_t rows, int64_t H
   parallel_for(rows, 64, [&](int64_t r) { norm_row(x + r * H, w, eps, out + r * H, H); });
 }
 
+// s = x + d rounded to T (the residual stream, as the network's add leaves it), then o =
+// rms_norm(s): a layer's residual add and the next norm in one pass over the rows.
+template <typename T>
+void add_rms_norm(const T* x, const T* d, const T* w, float eps, T* s, T* o, int64_t rows, int64_t H) {
+  parallel_for(rows, 64, [&](int64_t r) {
+    const T* xr = x + r * H;
+    const T* dr = d + r * H;
+    T* sr = s + r * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+    norm_row(sr, w, eps, o + r * H, H);
+  });
+}
+
 // silu(g) * u, with silu's result in T before the product, as the network computes it
 template <typename T>
 inline T silu_times(T g, T u) {

@@ -12,6 +12,7 @@
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
+//   AddRmsNorm      x + d (a layer's residual add) and RmsNorm of it, two outputs in one pass
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
 //   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
@@ -108,6 +109,21 @@ extern "C" int RmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, 
     using T = decltype(tag);
     rms_norm(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), eps, static_cast<T*>(params[3]),
              rows, H);
+  });
+  return 0;
+}
+
+// x [..., H], d [..., H], w [H], eps [1] float32 -> (x + d, rms_norm(x + d) * w), both [..., H]
+extern "C" int AddRmsNorm(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 6 || ndims[0] < 1 || ndims[1] != ndims[0] || std::strcmp(dtypes[0], dtypes[1])) return 1;
+  const int64_t H = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / std::max<int64_t>(H, 1);
+  if (numel(ndims[1], shapes[1]) != rows * H) return 1;
+  const float eps = *static_cast<const float*>(params[3]);
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm(static_cast<const T*>(params[0]), static_cast<const T*>(params[1]), static_cast<const T*>(params[2]),
+                 eps, static_cast<T*>(params[4]), static_cast<T*>(params[5]), rows, H);
   });
   return 0;
 }

@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """The `msinfer` command; `own_process`: the command's own process (entry), whose transformers
+    may be told that torch is absent (worker.actor.transformers_without_torch)."""
     t_start = time.perf_counter()
     args = _parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread() and args.command in ("run", "simulate", "bench"):
@@ -66,17 +68,27 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # "PyTorch was not found": no torch is needed
-    from msinfer.launcher.controller import JobFailed
     from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.spec import load_spec
+
+    spec = None
+    if args.command != "bench":
+        try:               # before the modules below (transformers, Ray: ~1.5 s), so a bad spec fails at once
+            spec = load_spec(args.spec, args.overrides)
+        except SpecError as e:
+            _say(str(e))
+            return EXIT_USER_ERROR
+    if own_process:
+        from msinfer.worker.actor import transformers_without_torch
+        transformers_without_torch()
+    from msinfer.launcher.controller import JobFailed
     from msinfer.launcher.job import USER_ERRORS, plan_job, run_job
     from msinfer.launcher.replica import LaunchError, StartupTimeout
-    from msinfer.launcher.spec import load_spec
 
     try:
         if args.command == "bench":
             from msinfer.launcher.bench import run_bench
             return run_bench(args)
-        spec = load_spec(args.spec, args.overrides)
         if args.command == "plan":
             print(plan_job(spec, sizing=True).describe())
             return 0
@@ -159,9 +171,7 @@ def merge_job(spec) -> dict:
 
 def entry() -> int:
     """The `msinfer` command's process (pyproject's console script): main, in a process of its own."""
-    from msinfer.worker.actor import transformers_without_torch
-    transformers_without_torch()
-    return main()
+    return main(own_process=True)
 
 
 def _say(message: str, prefix: str = "msinfer: error: ") -> None:

@@ -1,9 +1,10 @@
 """Ray placement of tensor-parallel groups ("replicas").
 
 One placement group per replica, one bundle per rank (`CPU` here, `NPU` + `CPU` on Ascend),
-packed on one node unless `placement: spread`. Each replica is its own MindSpore cluster: a
-scheduler actor on rank 0's bundle (so its address is rank 0's node) and one `Worker` per rank;
-for a job, its engine (launcher.engine) runs in rank 0's process.
+packed on one node unless `placement: spread`. Each replica is its own MindSpore cluster of one
+`Worker` per rank, which meet at rank 0's node: at a TCPStore in rank 0's process on the CPU, at a
+scheduler actor on rank 0's bundle on cards. For a job, its engine (launcher.engine) runs in rank
+0's process.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "
 
 
 # start-up stages as the progress bar names them; compiling happens in the first steps
-STAGE_NAMES = {"its communication scheduler's start": "starting workers", "process start": "starting workers",
+STAGE_NAMES = {"its communication scheduler's start": "starting workers",
+               "its communication rendezvous": "starting workers", "process start": "starting workers",
                "device and communication init": "joining the communication group",
                "communication pre-flight": "checking the communication group",
                "measuring the card": "measuring the cards",
@@ -180,7 +182,7 @@ class Replica:
     on_stage: Callable[[str], None] | None = None   # as each start-up stage begins (the progress bar)
     workers: list = field(default_factory=list)
     engine: ActorHandle | LocalEngine | None = None   # its engine: rank 0's actor, or in this process
-    scheduler: ActorHandle | None = None   # stage 0's MindSpore scheduler actor (tp > 1)
+    scheduler: ActorHandle | None = None   # stage 0's MindSpore scheduler actor (tp > 1 on cards)
     schedulers: list = field(default_factory=list)     # every stage's
     pgs: list = field(default_factory=list)            # a placement group per pipeline stage
     pp: int = 1                         # pipeline stages (EngineConfig.pipeline)
@@ -232,7 +234,11 @@ class Replica:
                                                 max_concurrency=calls + (1 if host else 0), **res)
                                     .remote(r, tp, self.cfg.device, **self.cfg.worker_options))
         addresses = [(None, None)] * pp
-        if tp > 1 and self.cfg.worker_cls.communicates:
+        communicates = tp > 1 and self.cfg.worker_cls.communicates
+        if communicates and engine_config.on_cpu:      # MCCL: rank 0 of each stage serves its group's store
+            addresses = self._stage("its communication rendezvous", [self.workers[st * tp].rendezvous.remote()
+                                                                     for st in range(pp)])
+        elif communicates:                              # HCCL: a MindSpore scheduler per stage
             self.schedulers = [ray.remote(CommScheduler).options(num_cpus=0, scheduling_strategy=on(st, 0))
                                .remote(tp) for st in range(pp)]
             self.scheduler = self.schedulers[0]
@@ -242,13 +248,14 @@ class Replica:
             if pp > 1:
                 r["stage"] = i // tp
             host, port = addresses[i // tp]
-            if port is not None:            # in the status file: where this group's scheduler listens
-                r["ms_scheduler"] = f"{host}:{port}"
+            if port is not None:            # in the status file: where this group's rendezvous listens
+                r["ms_rendezvous"] = f"{host}:{port}"
         def per_rank(ec) -> list:         # each rank's EngineConfig: its stage's
             return [dataclasses.replace(ec, stage=i // tp) if pp > 1 else ec for i in range(len(self.workers))]
         configs = per_rank(engine_config)
+        wait = {"timeout_s": self.cfg.startup_timeout_s} if communicates else {}
         self._stage("device and communication init",
-                    [w.join.remote(configs[i], *addresses[i // tp]) for i, w in enumerate(self.workers)])
+                    [w.join.remote(configs[i], *addresses[i // tp], **wait) for i, w in enumerate(self.workers)])
         if addresses[0][1] is not None:
             self._stage("communication pre-flight", [w.preflight.remote() for w in self.workers])
         setup = self.cfg.engine_setup

@@ -56,10 +56,10 @@ def whole_lines(path: Path) -> list[dict]:
 
 def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model, hf_greedy, tmp_path):
     """pp 2 x tp 2: SIGKILL of stage 1's rank 1 mid-job. The whole replica goes (the other ranks
-    and both stages' MindSpore schedulers too), a new one starts with schedulers on fresh ports,
-    listening on the node's address, and the lost records are computed again: every record
-    exactly once with transformers' tokens, the job exits 0. The prompts share a cached block
-    (prefix caching), and records 4-7 repeat the prompts of 0-3."""
+    and with them both stages' rendezvous, each rank 0's TCPStore), a new one starts with
+    rendezvous on fresh ports, listening on the node's address, and the lost records are computed
+    again: every record exactly once with transformers' tokens, the job exits 0. The prompts share
+    a cached block (prefix caching), and records 4-7 repeat the prompts of 0-3."""
     n = 8
     shared = [(7 * j) % 200 + 3 for j in range(16)]                # one full block of 16 tokens
     lines = [{"id": f"r{i:02d}", "prompt_token_ids": shared + [20 + i % 4] * (1 + i % 4)} for i in range(n)]
@@ -70,15 +70,16 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
         before = wait_for(lambda: running(job, 4), 180, "four running workers", proc)["workers"]
         old_pids = [w["pid"] for w in before]
         node_ip = before[0]["node_ip"]
-        ports = {w["stage"]: w["ms_scheduler"] for w in before}
+        ports = {w["stage"]: w["ms_rendezvous"] for w in before}
         assert len(set(ports.values())) == 2, ports                     # a communication group per stage
-        schedulers = []
-        for address in ports.values():
+        listeners = []
+        for stage, address in ports.items():
             host, port = address.rsplit(":", 1)
             assert host == node_ip and host not in ("0.0.0.0", "::", "")
             sock = listener(int(port))
-            assert sock is not None and sock.laddr.ip == node_ip, f"the MindSpore scheduler listens on {sock}"
-            schedulers.append(sock.pid)
+            assert sock is not None and sock.laddr.ip == node_ip, f"the rendezvous listens on {sock}"
+            assert sock.pid == next(w["pid"] for w in before if w["stage"] == stage and w["rank"] == 0)
+            listeners.append(sock.pid)
         wait_for(lambda: line_count(job.output) >= 1, 120, "a first result", proc)
 
         victim = next(w for w in before if w["stage"] == 1 and w["rank"] == 1)
@@ -86,8 +87,8 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
         after = wait_for(lambda: (s := running(job, 4)) and s["replica_restarts"] == 1
                          and not {w["pid"] for w in s["workers"]} & set(old_pids) and s, 180,
                          "the restarted replica", proc)["workers"]
-        assert wait_gone([*old_pids, *schedulers], 30), "the failed replica's processes outlived it"
-        assert not {w["ms_scheduler"] for w in after} & set(ports.values())
+        assert wait_gone([*old_pids, *listeners], 30), "the failed replica's processes outlived it"
+        assert not {w["ms_rendezvous"] for w in after} & set(ports.values())
         out, err = proc.communicate(timeout=180)
     finally:
         stop(proc)

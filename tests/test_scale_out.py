@@ -198,8 +198,8 @@ def test_tp2_spread_spans_both_nodes_and_generates_what_tp1_generates(two_nodes,
     ranks = sorted(summary["replicas"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     assert {r["node_id"] for r in ranks} == set(two_nodes["node_ids"]), ranks
-    # MindSpore's scheduler listens on rank 0's node, and both ranks were pointed at it
-    assert [r["ms_scheduler"].rsplit(":", 1)[0] for r in ranks] == [ranks[0]["node_ip"]] * 2
+    # the group's rendezvous (rank 0's TCPStore) listens on rank 0's node, and both ranks were pointed at it
+    assert [r["ms_rendezvous"].rsplit(":", 1)[0] for r in ranks] == [ranks[0]["node_ip"]] * 2
     assert {k: r["output_token_ids"] for k, r in results.items()} == {k: r["output_token_ids"] for k, r in tp1.items()}
 
 

@@ -1,7 +1,8 @@
-"""The Ray actors of one tensor-parallel group: a `Worker` per rank, and the MindSpore scheduler.
+"""The Ray actors of one tensor-parallel group: a `Worker` per rank, and on cards the MindSpore
+scheduler.
 
 The controller creates them (launcher/replica.py wraps these classes with `ray.remote`), then:
-    host, port = scheduler.start()            # on the node of rank 0
+    host, port = workers[0].rendezvous()      # CPU: rank 0's TCPStore; cards: scheduler.start()
     [w.join(engine_config, host, port)]       # every rank joins the group,
     [w.load(engine_config)]                   # then loads its shard
     [w.step(seqs, is_prefill, index)]         # every rank runs the same step and samples the same
@@ -18,8 +19,8 @@ import threading
 import time
 
 from msinfer.sharding.layout import TPInfo
-from msinfer.worker.device import (apply_environment, free_port, init_communication, preflight, select_device,
-                                   start_scheduler_thread)
+from msinfer.worker.device import (apply_environment, free_port, init_communication, join_through_store, preflight,
+                                   select_device, start_scheduler_thread)
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
 
@@ -96,9 +97,18 @@ class Worker:
         return {"rank": self.tp.rank, **node_facts(), "device": self.device.target.lower()
                 + ("" if self.device.device_id is None else f":{self.device.device_id}")}
 
-    def join(self, engine_config, sched_host: str | None, sched_port: int | None) -> float:
-        """Start-up stage 1: the device, and the group's communication cluster (tp > 1). Returns
-        its seconds."""
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 of a CPU group: where its TCPStore will listen (this node's address, a free port),
+        for every rank's `join` (worker.device.join_through_store)."""
+        import ray
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def join(self, engine_config, sched_host: str | None, sched_port: int | None, timeout_s: float = 300.0) -> float:
+        """Start-up stage 1: the device, and the group's communication cluster (tp > 1): on the CPU
+        (and Ascend emulated) through rank 0's TCPStore at sched_host:sched_port, on a card through
+        the group's MindSpore scheduler there. timeout_s: how long a rank waits for the others.
+        Returns its seconds."""
         t0 = time.perf_counter()
         if self.device.target == "Ascend" and not engine_config.emulate:     # before MindSpore starts
             self.environment = apply_environment(engine_config.card_env)
@@ -112,7 +122,9 @@ class Worker:
         if engine_config.threads:
             from mindspore.device_context.cpu import threads_num
             threads_num(engine_config.threads)
-        if self.tp.size > 1:
+        if self.tp.size > 1 and engine_config.on_cpu:
+            join_through_store(sched_host, sched_port, self.tp.size, self.tp.rank, timeout_s)
+        elif self.tp.size > 1:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
         self.comm_s = time.perf_counter() - t0
         return self.comm_s

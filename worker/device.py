@@ -6,10 +6,12 @@ set, Ray leaves the variable as the node had it and the worker finds its card by
 assigned; without any assignment we fall back to the card listed for this rank. On the CPU there
 is no device id.
 
-A tensor-parallel group is one MindSpore cluster started without msrun: one scheduler process
-(`MS_ROLE=MS_SCHED`) and one worker process per rank (`MS_ROLE=MS_WORKER`, `MS_NODE_ID`=rank),
-all pointed at the scheduler's host and port. Every process calls `communication.init()` once in
-its life, so a restarted group gets fresh processes and a fresh port.
+A tensor-parallel group is one MindSpore cluster started without msrun. On the CPU (MCCL), rank
+0 serves a TCPStore on its node and every rank joins through it (`join_through_store`). On cards
+(HCCL), one scheduler process (`MS_ROLE=MS_SCHED`) and one worker process per rank
+(`MS_ROLE=MS_WORKER`, `MS_NODE_ID`=rank) are all pointed at the scheduler's host and port
+(`init_communication`). Every process joins once in its life, so a restarted group gets fresh
+processes and a fresh port.
 """
 
 from __future__ import annotations
@@ -94,10 +96,10 @@ SCHEDULER_PORTS_FROM = 20000     # above Ray's default worker ports (10002-19999
 
 
 def free_port(host: str) -> int:
-    """A free port for a group's communication scheduler, outside the kernel's ephemeral range
-    (ip_local_port_range) where there is room: the port is chosen here and bound later by
-    MindSpore's scheduler, and an outgoing connection (Ray opens many) given that port as its
-    local one in between would leave the scheduler dead and its group's ranks waiting for it.
+    """A free port for a group's rendezvous, outside the kernel's ephemeral range
+    (ip_local_port_range) where there is room: the port is chosen here and bound later (by rank
+    0's TCPStore, or MindSpore's scheduler), and an outgoing connection (Ray opens many) given that
+    port as its local one in between would leave the group's ranks waiting for a listener.
     Outside that range only another listener can take it, so a random one rarely clashes."""
     low, high = ephemeral_ports()
     spans = [r for r in (range(SCHEDULER_PORTS_FROM, low), range(high + 1, 65536)) if len(r) >= 1000]
@@ -124,9 +126,30 @@ def ephemeral_ports() -> tuple[int, int]:
 
 
 def init_communication(host: str, port: int, world: int, rank: int) -> None:
+    """Joins a group through its MindSpore scheduler (MS_ROLE=MS_WORKER; the scheduler is
+    launcher.replica's CommScheduler): HCCL on cards."""
     os.environ.update(cluster_env("MS_WORKER", host, port, world, rank))
     from mindspore.communication import init
     init()
+
+
+def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: float) -> None:
+    """Joins a CPU (MCCL) group without a scheduler process: rank 0 serves a MindSpore TCPStore at
+    host:port (on its own node) and the other ranks connect to it, as torch's init_process_group
+    does. MindSpore's public `mint.distributed.init_process_group` takes a store for HCCL only;
+    `communication.management._init_with_store`, which it calls, takes MCCL too, and is what is
+    called here. Against the scheduler (`init_communication`), a group of 3 on 2 cores had its
+    first all-reduce done 3.0-3.1 s after init began instead of 6.5-6.6 s, and the scheduler's
+    process, which imports MindSpore (about 2 CPU-seconds), is not started. About 3 s remain:
+    MCCL's address exchange (ms_collective_node.cc) retries every 3 s, and the other ranks ask
+    for rank 0's address before rank 0 has put it (it waits for all of them to connect first)."""
+    from datetime import timedelta
+
+    from mindspore.communication.management import _init_with_store
+    from mindspore.mint.distributed import TCPStore
+    timeout = timedelta(seconds=max(1.0, timeout_s))
+    store = TCPStore(host_name=host, port=port, world_size=world, is_master=rank == 0, timeout=timeout)
+    _init_with_store(backend="mccl", timeout=timeout, world_size=world, rank=rank, store=store)
 
 
 def start_scheduler_thread(host: str, port: int, world: int) -> threading.Thread:

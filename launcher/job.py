@@ -55,6 +55,11 @@ class Plan:
     output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
     weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
 
+    @property
+    def bf16(self) -> bool:
+        """Whether the workers hold a bfloat16 checkpoint's matmul weights in bfloat16 (holds_bfloat16)."""
+        return holds_bfloat16(self.engine.device, self.engine.ops, self.spec.model.lora is not None)
+
     def describe(self) -> str:
         s, m = self.spec, self.model
         tp, dp, pp = s.parallel.tensor_parallel, s.parallel.data_parallel, s.parallel.pipeline_parallel
@@ -88,7 +93,7 @@ class Plan:
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
             int8, int8_experts, int4 = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
-                                     int8_experts=int8_experts, int4=int4)
+                                     int8_experts=int8_experts, int4=int4, bf16=self.bf16)
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
@@ -104,7 +109,8 @@ class Plan:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),
                                                           self.engine.pipeline,
-                                                          holds_int8(self.engine.device, self.engine.ops)))
+                                                          holds_int8(self.engine.device, self.engine.ops),
+                                                          self.bf16))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -169,9 +175,9 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
 
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
-                    int8: tuple[bool, bool, bool] = (False, False, False)) -> str:
+                    int8: tuple[bool, bool, bool] = (False, False, False), bf16: bool = False) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
-    pipeline stage; int8: holds_int8's), and the sizes each allows."""
+    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's), and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
     stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
     gib = 1024 ** 3
@@ -182,7 +188,7 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
         experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1])
-        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2])
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2], bf16=bf16)
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -242,11 +248,12 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
-                       int8: tuple[bool, bool, bool] = (False, False, False)) -> int:
+                       int8: tuple[bool, bool, bool] = (False, False, False), bf16: bool = False) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups)."""
+    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups);
+    bf16: holds_bfloat16's."""
     return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
-                              int4=int8[2])
+                              int4=int8[2], bf16=bf16)
                for st in range(max(1, len(pipeline))))
 
 
@@ -258,6 +265,16 @@ def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool]:
     start-up self-check finds them wanting; the portable operators dequantize them."""
     ascend = ops != "portable" and device == "ascend"
     return ops != "portable", ascend, ascend
+
+
+def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
+    """Whether the workers keep a bfloat16 checkpoint's linear and embedding weights in bfloat16
+    where they compute in float32: the CPU kernels do (in panels, or AMX tiles; worker.cpu.
+    CpuOps.pack_weight), unless MSINFER_BF16_PANELS=0 or an adapter is merged into the weights
+    (its sums are no bfloat16). With MSINFER_BF16_PANELS=0 on a CPU with AMX, the weights whose
+    sizes the tiles take are still held in bfloat16: the plan counts them at 4 bytes; nor does it
+    count the experts' AMX tiles (2 bytes) where the CPU has them."""
+    return device == "cpu" and ops != "portable" and not lora and os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -388,10 +405,10 @@ class Layout:
 
 
 def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtype: str, ops: str,
-                   pipeline_layers=None) -> Layout:
+                   pipeline_layers=None, lora: bool = False) -> Layout:
     """The device, compute dtype, pipeline stages and weight bytes a rank holds for these choices
-    (spec keys parallel.* and model.dtype / model.ops); raises LayoutError naming the spec key
-    where a choice does not fit the model."""
+    (spec keys parallel.* and model.dtype / model.ops / model.lora); raises LayoutError naming the
+    spec key where a choice does not fit the model."""
     check_tp(m, tp, ep)
     pipeline = stage_layers(m.num_layers, pp, pipeline_layers)
     device = resolve_device(device)
@@ -400,7 +417,8 @@ def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtyp
         dtype = resolve_dtype(dtype, m, device, emulate, ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops))
+    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
+                                 holds_bfloat16(device, ops, lora))
     return Layout(device, emulate, dtype, pipeline, weights)
 
 
@@ -419,7 +437,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
     layout = resolve_layout(m, tp, spec.parallel.pipeline_parallel, ep, spec.parallel.device, spec.model.dtype,
-                            spec.model.ops, spec.parallel.pipeline_layers)
+                            spec.model.ops, spec.parallel.pipeline_layers, spec.model.lora is not None)
     device, emulate, dtype, pipeline = layout.device, layout.emulate, layout.dtype, layout.pipeline
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)

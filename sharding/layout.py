@@ -316,7 +316,7 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
                    experts: bool | None = None, stage: Stage = Stage(), int8: bool = False,
-                   int8_experts: bool = False, int4: bool = False) -> int:
+                   int8_experts: bool = False, int4: bool = False, bf16: bool = False) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
     all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
     row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
@@ -324,7 +324,12 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     latent attention's kv_b_proj: its weight is absorbed into the query as a whole, not a matmul's.
     int8_experts: so are the experts' int8 weights per channel (Ascend's GroupedMatmulV4: weight-only
     or with int8 inputs per token). int4: so are linear layers' int4 groups (Ascend's
-    WeightQuantBatchMatmul: two levels a byte, a scale per group in dtype_bytes)."""
+    WeightQuantBatchMatmul: two levels a byte, a scale per group in dtype_bytes).
+    bf16: the weights of a bfloat16 checkpoint's linear layers and embedding that are not quantized
+    are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
+    worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent
+    attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`)."""
+    halved = bf16 and dtype_bytes == 4 and cfg.torch_dtype == "bfloat16"
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
         expert = ".experts." in p.name
@@ -343,6 +348,11 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
             total += n // 2 + out * (cols // scheme.group_size) * dtype_bytes
         elif (kind in ("weight", "dynamic") if expert else int8 and kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
+        elif (halved and not expert and module and len(p.rank_shape) == 2
+              and not (cfg.quant and cfg.quant.scheme_for(module) is not None)
+              and not (cfg.mla is not None and module.endswith(".kv_b_proj"))
+              and not (cfg.routing is not None and module.endswith(".mlp.gate"))):
+            total += n * 2
         else:
             total += n * dtype_bytes
     return total

@@ -57,17 +57,28 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
     bfloat16 panels (uint16), widened to float32 as they are read. The parity test above holds
     them to transformers' logits. With MSINFER_AMX=0 and MSINFER_BF16_PANELS=0 (how a user turns
     them off) the weights are float32 panels and give the same tokens; bfloat16 panels give the
-    very same logits, as their products and sums are the float32 panels' own."""
+    very same logits, as their products and sums are the float32 panels' own. `plan` counts the
+    weights a rank holds either way, as the rank counts them."""
     import mindspore as ms
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
     from msinfer.worker.cpu import CpuOps, load_kernels
     name = "llama_gqa_tied_bfloat16"
+
+    def planned() -> int:
+        spec = JobSpec.model_validate({"model": {"path": str(checkpoint(name)), "max_model_len": 128},
+                                       "sampling": {"max_new_tokens": N_NEW},
+                                       "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
+        return plan_job(spec, check_io=False).weight_bytes_per_rank
     halved = Recording(runner_for(checkpoint(name)))
+    assert planned() == halved.runner.load_stats["bytes"]
     kind = ms.int16 if CpuOps.amx else ms.uint16
     held = [p.name for p in halved.runner.model.get_parameters() if p.dtype == kind]
     assert len(held) == 4 * halved.runner.cfg.num_layers + 1          # qkv, o, gate_up, down; embedding = LM head
     monkeypatch.setenv("MSINFER_AMX", "0")
     monkeypatch.setenv("MSINFER_BF16_PANELS", "0")
     panels = Recording(ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8)))
+    assert planned() == panels.runner.load_stats["bytes"]
     monkeypatch.undo()
     load_kernels()
     assert not any(p.dtype in (ms.int16, ms.uint16) for p in panels.runner.model.get_parameters())

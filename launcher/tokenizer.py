@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
 from msinfer.launcher.inputs import Record
+from msinfer.worker.imports import before_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
                    "vocab.json", "vocab.txt", "merges.txt")
@@ -30,6 +31,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Tokeniz
 
 class Tokenizer:
     def __init__(self, path: str | Path, trust_remote_code: bool = False):
+        before_transformers()
         from transformers import AutoTokenizer
 
         self.path = str(path)

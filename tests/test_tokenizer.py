@@ -185,3 +185,28 @@ def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
     assert "".join(t for _, _, t in entry["top"]) == tok.decode(ids[:2])
     plain = RecordCodec(spec, model, None).logprob_entry(7, -0.5, [(7, -0.5)])
     assert plain == {"token_id": 7, "logprob": -0.5, "top": [[7, -0.5]]}
+
+
+@pytest.mark.slow          # two processes of their own
+def test_a_worker_imports_transformers_only_to_load_a_tokenizer_and_then_without_torch(tok_dir):
+    """A worker process (worker.imports.own_process, as Worker's constructor calls it) does not
+    import transformers until it loads a tokenizer (0.6-0.8 CPU-seconds saved on every rank that
+    loads none), and then transformers is told torch is absent, so no torch is imported. Without
+    own_process (a program using the Python API) the same load imports torch, where it is
+    installed, as transformers does."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from msinfer.worker.imports import own_process\n"
+            "if sys.argv[2] == 'worker': own_process()\n"
+            "import msinfer.worker.actor, msinfer.worker.runner\n"
+            "before = 'transformers' in sys.modules\n"
+            "from msinfer.launcher.tokenizer import load_tokenizer\n"
+            "assert load_tokenizer(sys.argv[1]).encode('hello')\n"
+            "print(before, 'transformers' in sys.modules, 'torch' in sys.modules)\n")
+    said = {kind: subprocess.run([sys.executable, "-c", code, str(tok_dir), kind], capture_output=True, text=True,
+                                 timeout=120) for kind in ("worker", "program")}
+    for p in said.values():
+        assert p.returncode == 0, p.stderr
+    assert said["worker"].stdout.split() == ["False", "True", "False"]
+    assert said["program"].stdout.split() == ["False", "True", "True"]

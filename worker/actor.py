@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import resource
-import sys
 import threading
 import time
 
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import (apply_environment, free_port, init_communication, join_through_store, preflight,
                                    select_device, start_scheduler_thread)
+from msinfer.worker.imports import own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
 
@@ -29,30 +29,6 @@ from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 POISON_ENV = "MSINFER_FAULT_POISON_TOKEN"
 POISON_TOKEN = int(os.environ[POISON_ENV]) if os.environ.get(POISON_ENV) else None
 POISON_EXIT = 134
-
-
-def transformers_without_torch() -> bool:
-    """For a process of msinfer's own (a worker, the `msinfer` command), before anything imports
-    transformers: its check for torch answers no, so that loading a tokenizer (an engine's, the
-    grammar's) does not import torch where it is installed. transformers imports it with its
-    configuration module, and a tokenizer uses none of it: the demo model's tokenizer loads in
-    1.8-3.0 s instead of 5.3 s, and the process holds no torch. Nothing is changed in a process
-    that imported transformers or torch already (the tests; a program using the Python API is not
-    ours: this is not called there). Returns whether it was applied."""
-    if any(m.split(".", 1)[0] in ("torch", "transformers") for m in sys.modules):
-        return False
-    try:
-        import transformers.utils as utils
-        from transformers.utils import import_utils
-    except ImportError:
-        return False
-    if not hasattr(import_utils, "is_torch_available"):
-        return False
-
-    def no_torch() -> bool:
-        return False
-    import_utils.is_torch_available = utils.is_torch_available = no_torch
-    return True
 
 
 def peak_rss_bytes() -> int:
@@ -85,7 +61,7 @@ class Worker:
     communicates = True          # joins its group's MindSpore communication cluster (tp > 1)
 
     def __init__(self, rank: int, world: int, device: str):
-        transformers_without_torch()
+        own_process()            # transformers without torch, should this process import it
         self.tp = TPInfo(rank, world)
         self.device = select_device(device, rank=rank)
         self.runner = None

@@ -25,6 +25,7 @@ from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
 from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
 from msinfer.worker.graph_cache import compiling, graph_folder
+from msinfer.worker.imports import before_transformers
 
 PREFILL_SPLIT_TOKENS = 1024            # see ModelRunner.execute
 # A step may run in an already compiled larger shape, padded, until the padding it has cost that way
@@ -457,6 +458,7 @@ class ModelRunner:
         which this rank loads the first time a sequence asks for one."""
         import llguidance
         if self.grammar_tokenizer is None:
+            before_transformers()
             import llguidance.hf
             import transformers
             tok = transformers.AutoTokenizer.from_pretrained(self.ec.tokenizer_path or self.ec.model_dir,

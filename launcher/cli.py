@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     """The `msinfer` command; `own_process`: the command's own process (entry), whose transformers
-    may be told that torch is absent (worker.imports.transformers_without_torch)."""
+    may be told that torch is absent (worker.imports.own_process)."""
     t_start = time.perf_counter()
     args = _parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread() and args.command in ("run", "simulate", "bench"):
@@ -78,12 +78,11 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         except SpecError as e:
             _say(str(e))
             return EXIT_USER_ERROR
-    if own_process:
-        from msinfer.worker.imports import transformers_without_torch
-        transformers_without_torch()
-    from msinfer.launcher.controller import JobFailed
+    if own_process:                 # transformers without torch, once a tokenizer needs it
+        from msinfer.worker.imports import own_process as mark
+        mark()
+    from msinfer.launcher.errors import JobFailed, LaunchError, StartupTimeout
     from msinfer.launcher.job import USER_ERRORS, plan_job, run_job
-    from msinfer.launcher.replica import LaunchError, StartupTimeout
 
     try:
         if args.command == "bench":

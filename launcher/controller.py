@@ -66,7 +66,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch,
                                      wait_any)
-from msinfer.launcher.errors import UserError
+from msinfer.launcher.errors import JobFailed, UserError  # noqa: F401  (raised here, and imported from here)
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, error_result
 from msinfer.launcher.replica import LaunchError, NoRoom, Replica, ReplicaConfig
@@ -121,15 +121,6 @@ class Ledger:
     def take(self, replica: int) -> list[int]:
         """What replica ran when it failed; it starts again with nothing."""
         return sorted(self.running.pop(replica, ()))
-
-
-class JobFailed(UserError):
-    """Replicas failed more often than fault.max_replica_restarts allows; `reason` says what failed
-    the last one."""
-
-    def __init__(self, message: str, reason: str = ""):
-        super().__init__(message)
-        self.reason = reason or message
 
 
 @dataclass

@@ -51,3 +51,27 @@ class TokenizerError(UserError):
 class SystemicError(UserError):
     """Records fail for a cause that is not theirs (a library the tokenizer needs is missing, a
     file cannot be read): the job stops instead of writing the same error for every record."""
+
+
+class JobFailed(UserError):
+    """Replicas failed more often than fault.max_replica_restarts allows; `reason` says what failed
+    the last one."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+# A replica's start (launcher.replica); here, so that the command catches them without importing
+# Ray before it needs it.
+class LaunchError(RuntimeError):
+    """Workers could not be placed or started; the message says which and why."""
+
+
+class StartupTimeout(LaunchError):
+    """A start-up stage of a replica outlived fault.startup_timeout_s."""
+
+
+class NoRoom(StartupTimeout):
+    """Ray found no room for a replica's workers within fault.startup_timeout_s (a node lost, and
+    no other with the resources free)."""

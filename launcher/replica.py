@@ -28,6 +28,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine_host, submit_step
+from msinfer.launcher.errors import LaunchError, NoRoom, StartupTimeout  # noqa: F401  (raised here, and imported from here)
 from msinfer.worker.actor import CommScheduler, Worker
 
 if TYPE_CHECKING:
@@ -48,19 +49,6 @@ STAGE_NAMES = {"its communication scheduler's start": "starting workers",
                "communication pre-flight": "checking the communication group",
                "measuring the card": "measuring the cards",
                "load": "loading weights, then compiling"}
-
-
-class LaunchError(RuntimeError):
-    """Workers could not be placed or started; the message says which and why."""
-
-
-class StartupTimeout(LaunchError):
-    """A start-up stage of a replica outlived fault.startup_timeout_s."""
-
-
-class NoRoom(StartupTimeout):
-    """Ray found no room for a replica's workers within fault.startup_timeout_s (a node lost, and
-    no other with the resources free)."""
 
 
 def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:

@@ -139,7 +139,7 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
     does. MindSpore's public `mint.distributed.init_process_group` takes a store for HCCL only;
     `communication.management._init_with_store`, which it calls, takes MCCL too, and is what is
     called here. Against the scheduler (`init_communication`), a group of 3 on 2 cores had its
-    first all-reduce done 3.0-3.1 s after init began instead of 6.5-6.6 s, and the scheduler's
+    first all-reduce done 3.1-3.2 s after init began instead of 6.6 s, and the scheduler's
     process, which imports MindSpore (about 2 CPU-seconds), is not started. About 3 s remain:
     MCCL's address exchange (ms_collective_node.cc) retries every 3 s, and the other ranks ask
     for rank 0's address before rank 0 has put it (it waits for all of them to connect first)."""

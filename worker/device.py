@@ -133,6 +133,9 @@ def init_communication(host: str, port: int, world: int, rank: int) -> None:
     init()
 
 
+_STORE = None       # the group's TCPStore (rank 0 serves it), held for the life of the process
+
+
 def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: float) -> None:
     """Joins a CPU (MCCL) group without a scheduler process: rank 0 serves a MindSpore TCPStore at
     host:port (on its own node) and the other ranks connect to it, as torch's init_process_group
@@ -147,9 +150,11 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
 
     from mindspore.communication.management import _init_with_store
     from mindspore.mint.distributed import TCPStore
+    global _STORE
     timeout = timedelta(seconds=max(1.0, timeout_s))
-    store = TCPStore(host_name=host, port=port, world_size=world, is_master=rank == 0, timeout=timeout)
-    _init_with_store(backend="mccl", timeout=timeout, world_size=world, rank=rank, store=store)
+    _STORE = TCPStore(host_name=host, port=port, world_size=world, is_master=rank == 0, timeout=timeout)
+    _init_with_store(backend="mccl", timeout=timeout, world_size=world, rank=rank, store=_STORE)
+
 
 
 def start_scheduler_thread(host: str, port: int, world: int) -> threading.Thread:

@@ -66,7 +66,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch,
                                      wait_any)
-from msinfer.launcher.errors import JobFailed, UserError  # noqa: F401  (raised here, and imported from here)
+from msinfer.launcher.errors import JobFailed, UserError  # noqa: F401  (raised here, imported from here)
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, error_result
 from msinfer.launcher.replica import LaunchError, NoRoom, Replica, ReplicaConfig

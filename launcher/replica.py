@@ -28,7 +28,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine_host, submit_step
-from msinfer.launcher.errors import LaunchError, NoRoom, StartupTimeout  # noqa: F401  (raised here, and imported from here)
+# raised here, and imported from here by the callers
+from msinfer.launcher.errors import LaunchError, NoRoom, StartupTimeout  # noqa: F401
 from msinfer.worker.actor import CommScheduler, Worker
 
 if TYPE_CHECKING:

@@ -9,11 +9,12 @@ _OWN_PROCESS = False        # this process is msinfer's own: see own_process
 
 
 def own_process() -> None:
-    """Marks this process as msinfer's own (a worker): when it first imports transformers (a
-    tokenizer's, a grammar's: `before_transformers`), transformers is told that torch is absent
-    (`transformers_without_torch`). Applied then, not now: a rank that loads no tokenizer (all
-    but an engine's, without structured outputs) never imports transformers, whose utilities
-    alone take 0.6-0.8 CPU-seconds to import."""
+    """Marks this process as msinfer's own (a worker, the `msinfer` command): when it first imports
+    transformers (a tokenizer's, a grammar's: `before_transformers`), transformers is told that
+    torch is absent (`transformers_without_torch`). Applied then, not now: a rank that loads no
+    tokenizer (all but an engine's, without structured outputs) never imports transformers, whose
+    utilities alone take 0.6-0.8 CPU-seconds to import; nor does a command that stops at a user
+    error before it loads one."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
 

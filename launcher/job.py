@@ -28,8 +28,8 @@ from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, dtype_bytes, emulate_variants, emulated_memory,
-                                    emulated_note, ops_problem, resolve_device, resolve_dtype)
+                                    ModelConfigError, ascend_emulated, bf16_panels_on, dtype_bytes, emulate_variants,
+                                    emulated_memory, emulated_note, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -274,7 +274,7 @@ def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
     (its sums are no bfloat16). With MSINFER_BF16_PANELS=0 on a CPU with AMX, the weights whose
     sizes the tiles take are still held in bfloat16: the plan counts them at 4 bytes; nor does it
     count the experts' AMX tiles (2 bytes) where the CPU has them."""
-    return device == "cpu" and ops != "portable" and not lora and os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
+    return device == "cpu" and ops != "portable" and not lora and bf16_panels_on()
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:

@@ -460,6 +460,12 @@ VARIANTS = ("fa_cumulative", "pa_wrong", "qbmm_float32_scale", "wqbmm_int4_high_
 MEMORY_ENV = "MSINFER_ASCEND_EMULATE_MEMORY_GB"
 
 
+def bf16_panels_on() -> bool:
+    """Whether the CPU kernels keep a bfloat16 checkpoint's weights in bfloat16 panels where the CPU
+    has no AMX tiles (worker.cpu.CpuOps.bf16_panels); MSINFER_BF16_PANELS=0 keeps float32 panels."""
+    return os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
+
+
 def cache_root() -> Path:
     """Where msinfer keeps what it builds or learns once per machine (the CPU kernels, the kernel
     self-check's verdicts, the compiled step graphs, the demo model): $MSINFER_CACHE, else

@@ -41,6 +41,13 @@ def node_facts() -> dict:
     return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
 
+def rendezvous_address() -> tuple[str, int]:
+    """Where a group's rendezvous listens: this node's address and a free port on it."""
+    import ray
+    host = ray.util.get_node_ip_address()
+    return host, free_port(host)
+
+
 class CommScheduler:
     """MindSpore's communication scheduler (its cluster's rendezvous, MS_ROLE=MS_SCHED) for one
     group; not the batch scheduler (launcher.scheduler). Lives until the actor is killed."""
@@ -50,9 +57,7 @@ class CommScheduler:
         self.thread = None
 
     def start(self) -> tuple[str, int]:
-        import ray
-        host = ray.util.get_node_ip_address()
-        port = free_port(host)
+        host, port = rendezvous_address()
         self.thread = start_scheduler_thread(host, port, self.world)
         return host, port
 
@@ -74,11 +79,9 @@ class Worker:
                 + ("" if self.device.device_id is None else f":{self.device.device_id}")}
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0 of a CPU group: where its TCPStore will listen (this node's address, a free port),
-        for every rank's `join` (worker.device.join_through_store)."""
-        import ray
-        host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        """Rank 0 of a CPU group: where its TCPStore will listen, for every rank's `join`
+        (worker.device.join_through_store)."""
+        return rendezvous_address()
 
     def join(self, engine_config, sched_host: str | None, sched_port: int | None, timeout_s: float = 300.0) -> float:
         """Start-up stage 1: the device, and the group's communication cluster (tp > 1): on the CPU

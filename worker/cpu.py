@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 import numpy as np
 
-from msinfer.sharding.config import cache_root
+from msinfer.sharding.config import bf16_panels_on, cache_root
 from msinfer.sharding.layers import PerTokenInt8
 from msinfer.sharding.quant import int8_levels
 from msinfer.worker.ops import MsOps
@@ -438,7 +438,7 @@ def load_kernels(threads: int = 0) -> None:
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
     CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
-    CpuOps.bf16_panels = os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
+    CpuOps.bf16_panels = bf16_panels_on()
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))

@@ -41,6 +41,13 @@ if TYPE_CHECKING:
 
 QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "false",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+# Ray starts its own processes with the jemalloc it ships (ray/core/libjemalloc.so) in LD_PRELOAD,
+# where LD_PRELOAD is unset, and its raylet takes it off the workers' environment unless this is
+# "1". A rank's graph compile spends about a fifth of its time in glibc's malloc: with jemalloc the
+# demo job's compile took 2.8-3.3 s instead of 3.9-4.2 s (docs/benchmarks.md). CANN's guide asks
+# for jemalloc on cards too. A user's own LD_PRELOAD (e.g. tcmalloc) is what the workers get
+# instead; RAY_LD_PRELOAD_ON_WORKERS=0 keeps glibc's malloc.
+WORKER_ALLOCATOR_ENV = {"RAY_LD_PRELOAD_ON_WORKERS": "1"}
 
 
 # start-up stages as the progress bar names them; compiling happens in the first steps
@@ -93,7 +100,7 @@ def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: 
     # The embedded instance's processes inherit this one's environment, so the variables go there:
     # a job-wide runtime_env would make Ray start the workers apart from its ready pool, through
     # its runtime-env agent (1.5-1.8 s more to a first actor here, three rounds each way)
-    for key, value in QUIET_ENV.items():
+    for key, value in {**QUIET_ENV, **WORKER_ALLOCATOR_ENV}.items():
         os.environ.setdefault(key, value)
     # address="local": a new embedded instance even when `ray start` runs on this machine
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,

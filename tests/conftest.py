@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.checkpoints import build_checkpoint  # noqa: E402
+from msinfer.worker.imports import import_mindspore  # noqa: E402
+
+import_mindspore()      # as a worker does (Worker.join): its objects frozen, out of every later collection
 
 PROMPTS = [[5, 17, 33, 9, 100, 7], [44, 3], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 
@@ -118,16 +121,20 @@ class Cli:
     def __init__(self, env: dict):
         self.env = env
 
+    def environment(self, env: dict | None) -> dict:
+        """The session's environment with `env` over it; a variable given as None is removed."""
+        return {k: v for k, v in {**self.env, **(env or {})}.items() if v is not None}
+
     def run(self, *args, timeout: float = 180, env: dict | None = None, prefix: tuple = (),
             cwd: Path | None = None) -> subprocess.CompletedProcess:
         p = subprocess.run([*prefix, *msinfer_command(), *map(str, args)], capture_output=True, text=True,
-                           env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
+                           env=self.environment(env), timeout=timeout, cwd=cwd)
         assert "Traceback" not in p.stderr, p.stderr
         return p
 
     def start(self, *args, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen([*msinfer_command(), *map(str, args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**self.env, **(env or {})},
+                                stderr=subprocess.PIPE, text=True, env=self.environment(env),
                                 start_new_session=True)
 
 

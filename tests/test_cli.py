@@ -146,7 +146,10 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     UTF-8, text without a tokenizer) and a --set override. SIGTERM in the middle: the job drains
     (exit 75), then the same command again: it skips what finished, computes the rest and exits 0;
     every record has exactly one result line, the good ones transformers' tokens, the bad ones an
-    error naming their id and problem."""
+    error naming their id and problem. Run as a user's shell runs it (no LD_PRELOAD: `make test`
+    preloads jemalloc), the ranks malloc with the jemalloc Ray ships; the interrupted run, with
+    RAY_LD_PRELOAD_ON_WORKERS=0, with glibc's."""
+    user = {"LD_PRELOAD": None}
     good = records(16)
     good[5]["sampling"] = {"max_new_tokens": 2}               # a record's own sampling beats --set
     bad = [line for line, _ in BAD_RECORDS]
@@ -154,7 +157,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     job = Job(tmp_path, model, lines)                          # the spec says max_new_tokens: 4
     command = ("run", job.spec_path, "--no-progress", "--set", "sampling.max_new_tokens=40")
 
-    proc = cli.start(*command)
+    proc = cli.start(*command, env={**user, "RAY_LD_PRELOAD_ON_WORKERS": "0"})
     wait_for(lambda: job.output.exists() and job.output.read_bytes().count(b'"error": null') >= 2,
              120, "two results", proc)
     proc.send_signal(signal.SIGTERM)              # a scheduler's stop: the records in flight finish
@@ -165,12 +168,13 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert "running the same job again resumes" in said(err)
     assert job.status()["state"] == "drained"
     assert job.summary()["drained"]["records_in_flight_abandoned"] == 0
+    assert [s["allocator"] for s in job.summary()["setup"]] == ["glibc"]
     kept = job.output.read_bytes()
     assert kept.endswith(b"\n")
     done_before = job.ids()
     assert len(done_before) < len(lines), "the interrupt came too late to test a resume"
 
-    p = cli.run(*command)
+    p = cli.run(*command, env=user)
     assert p.returncode == 0, p.stderr
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     assert printed["records_skipped"] == len(done_before)
@@ -192,6 +196,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     summary = job.summary()
     assert summary["spec"]["sampling"]["max_new_tokens"] == 40
     assert summary["records_skipped"] == len(done_before)
+    assert [s["allocator"] for s in summary["setup"]] == ["libjemalloc.so"]
     steps = summary["steps"]          # the controller's, the worker's and the network's share of each step
     for kind in ("prefill", "decode"):
         assert steps[f"{kind}_steps"] > 0

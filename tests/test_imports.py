@@ -59,3 +59,20 @@ def test_no_module_imports_one_that_imports_it_back():
     graph = import_graph()
     assert len(graph) > 40 and "msinfer.worker.ops" in graph["msinfer.worker.cpu"]
     assert cycles(graph) == []
+
+
+@pytest.mark.slow          # a process of its own
+def test_a_worker_imports_mindspore_with_its_objects_frozen_and_the_collector_back_on():
+    """worker.imports.import_mindspore, which Worker.join calls: what MindSpore's import made is in
+    the collector's permanent generation, which later collections (many while graphs compile) do
+    not walk, and the collector is on again afterwards; a second call returns the same module."""
+    import subprocess
+    import sys
+    code = ("import gc, sys\n"
+            "from msinfer.worker.imports import import_mindspore\n"
+            "ms = import_mindspore()\n"
+            "print(gc.isenabled(), gc.get_freeze_count(), ms is sys.modules['mindspore'], import_mindspore() is ms)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    enabled, frozen, imported, again = p.stdout.split()
+    assert enabled == imported == again == "True" and int(frozen) > 100_000

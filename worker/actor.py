@@ -20,7 +20,7 @@ import time
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import (apply_environment, free_port, init_communication, join_through_store, preflight,
                                    select_device, start_scheduler_thread)
-from msinfer.worker.imports import own_process
+from msinfer.worker.imports import import_mindspore, own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
 
@@ -33,6 +33,19 @@ POISON_EXIT = 134
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def allocator() -> str:
+    """The malloc this process runs on: the file name of a preloaded allocator it maps (jemalloc,
+    which Ray ships and its raylet passes to workers: launcher.replica.WORKER_ALLOCATOR_ENV; or a
+    user's own, e.g. tcmalloc), else "glibc"."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {os.path.basename(line.split()[-1]) for line in f if line.rstrip().endswith(".so")
+                     or ".so." in line}
+    except OSError:
+        return "unknown"
+    return next((n for n in sorted(names) if any(k in n for k in ("jemalloc", "tcmalloc", "mimalloc"))), "glibc")
 
 
 def node_facts() -> dict:
@@ -91,7 +104,7 @@ class Worker:
         t0 = time.perf_counter()
         if self.device.target == "Ascend" and not engine_config.emulate:     # before MindSpore starts
             self.environment = apply_environment(engine_config.card_env)
-        import mindspore as ms
+        ms = import_mindspore()
         if engine_config.emulate:             # Ascend's path on the CPU (worker/ascend.py)
             ms.set_device("CPU")
         elif self.device.device_id is None:
@@ -157,7 +170,7 @@ class Worker:
             card["environment_set"] = self.environment
         return {**card, "rank": self.tp.rank, "comm_init_s": self.comm_s, "load_s": self.runner.load_s,
                 "setup_s": self.comm_s + time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
-                "peak_rss_bytes": peak_rss_bytes(), "num_blocks": self.runner.num_blocks,
+                "peak_rss_bytes": peak_rss_bytes(), "allocator": allocator(), "num_blocks": self.runner.num_blocks,
                 "dtype": self.runner.dtype, **({"kernel_check": self.runner.kernel_check}
                                                if self.runner.kernel_check is not None else {})}
 

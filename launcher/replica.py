@@ -282,9 +282,17 @@ class Replica:
             self.on_stage(stage)
 
     def _stage(self, stage: str, refs: list) -> list:
-        """The results of one start-up stage (a call per rank), within startup_timeout_s."""
+        """The results of one start-up stage (a call per rank), within startup_timeout_s. A rank
+        whose call fails (its process died, say) fails the stage as soon as it does: the other
+        ranks may be waiting for it (a group's join), and would until the timeout."""
         self._announce(STAGE_NAMES.get(stage.split(" and ")[0], stage))
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.startup_timeout_s)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                break
+            ray.get(done)
         if pending:
             late = [r for r, ref in enumerate(refs) if ref in pending]
             nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})

@@ -510,3 +510,34 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
     pids = r.pids()
     r.shutdown()
     assert len(pids) == 2 and wait_gone(pids)
+
+
+def test_a_rank_that_dies_in_its_init_ends_the_start_at_once_while_the_others_wait_for_it(
+        model, tmp_path, ray_local):
+    """A rank whose process dies while the others wait for it in their communication init (here
+    stand-in workers: rank 1 exits, rank 0 waits an hour) fails the replica's start when it dies,
+    not after fault.startup_timeout_s (120 s here): the controller restarts the replica or stops
+    the job at once."""
+    import sys
+    from ray import cloudpickle
+    from ray.exceptions import RayActorError
+    from msinfer.launcher.replica import Replica, ReplicaConfig
+    from msinfer.launcher.simulate import StandInWorker
+    from msinfer.sharding.config import EngineConfig
+
+    class DiesInJoin(StandInWorker):
+        def join(self, engine_config, sched_host=None, sched_port=None):
+            if self.tp.rank == 1:
+                os._exit(1)
+            time.sleep(3600)
+            return 0.0
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
+    r = Replica(4, ReplicaConfig(2, worker_cls=DiesInJoin, startup_timeout_s=120, cpus_per_worker=0.01))
+    t0 = time.perf_counter()
+    with pytest.raises(RayActorError):
+        r.start(EngineConfig(str(model)))
+    assert time.perf_counter() - t0 < 60
+    pids = r.pids()
+    r.shutdown()
+    assert len(pids) == 2 and wait_gone(pids)

@@ -44,9 +44,9 @@ QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "
 # Ray starts its own processes with the jemalloc it ships (ray/core/libjemalloc.so) in LD_PRELOAD,
 # where LD_PRELOAD is unset, and its raylet takes it off the workers' environment unless this is
 # "1". A rank's graph compile spends about a fifth of its time in glibc's malloc: with jemalloc the
-# demo job's compile took 2.8-3.3 s instead of 3.9-4.2 s (docs/benchmarks.md). CANN's guide asks
-# for jemalloc on cards too. A user's own LD_PRELOAD (e.g. tcmalloc) is what the workers get
-# instead; RAY_LD_PRELOAD_ON_WORKERS=0 keeps glibc's malloc.
+# demo job's compile took 2.8-3.3 s instead of 3.9-4.2 s (docs/benchmarks.md). CANN's installation
+# guide recommends jemalloc for inference on cards too. A user's own LD_PRELOAD (e.g. tcmalloc) is
+# what the workers get instead; RAY_LD_PRELOAD_ON_WORKERS=0 keeps glibc's malloc.
 WORKER_ALLOCATOR_ENV = {"RAY_LD_PRELOAD_ON_WORKERS": "1"}
 
 

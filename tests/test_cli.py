@@ -274,7 +274,7 @@ def test_missing_spec_file_exits_2(cli, tmp_path):
 def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cli, model, tmp_path):
     """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; 150 ms a step in the
     first run; the first SIGTERM's drain is test_run_interrupt_and_run_again's). A SIGTERM while
-    draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 25 s
+    draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 20 s
     away, the run stops dealing the records it has no time for and ends before the deadline: exit
     75, status drained. Then a run without a deadline finishes: every record once, with the tokens
     the stand-ins give its prompt."""
@@ -300,12 +300,12 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     assert out.read_bytes().endswith(b"\n")
     first = line_count(out)
 
-    p = cli.run(*command, "--set", "run.deadline=25s")
+    p = cli.run(*command, "--set", "run.deadline=20s")
     ended = time.time()
     assert p.returncode == 75, p.stderr
-    assert "drained (the deadline (run.deadline 25s, " in said(p)
+    assert "drained (the deadline (run.deadline 20s, " in said(p)
     summary = _json(Path(f"{out}.summary.json"))
-    assert summary["drained"]["deadline_source"] == summary["deadline"]["source"] == "run.deadline 25s"
+    assert summary["drained"]["deadline_source"] == summary["deadline"]["source"] == "run.deadline 20s"
     assert ended < datetime.fromisoformat(summary["deadline"]["at"]).timestamp()       # the command too
     assert _json(Path(f"{out}.status.json"))["state"] == "drained"
     assert first <= line_count(out) < len(lines)

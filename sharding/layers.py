@@ -462,7 +462,7 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.weight = new_param((size,), dtype, "weight")
         self.op = dev.rms_norm_op(eps)            # the device's (x, weight) -> normalized x cell
-        self.add_op = dev.add_rms_norm_op(eps)    # (x, delta, weight) -> (x + delta, normalized)
+        self.add_op = dev.add_rms_norm_op(eps, self.op)    # (x, delta, weight) -> (x + delta, normalized)
 
     weight_loader = staticmethod(load_replicated)
 

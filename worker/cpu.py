@@ -103,8 +103,8 @@ class CpuOps(MsOps):
         return CpuRmsNorm(eps)
 
     @staticmethod
-    def add_rms_norm_op(eps):
-        return CpuAddRmsNorm(eps)
+    def add_rms_norm_op(eps, norm=None):
+        return CpuAddRmsNorm(eps)             # one kernel: the add and the norm
 
     @staticmethod
     def rope_tables(cos, sin, heads):

@@ -223,10 +223,10 @@ class MsOps:
         return RmsNorm(eps)
 
     @classmethod
-    def add_rms_norm_op(cls, eps: float):
+    def add_rms_norm_op(cls, eps: float, norm: nn.Cell | None = None):
         """A cell (x, delta, weight) -> (x + delta, rms_norm_op's result on it): a layer's
-        residual add and the norm after it."""
-        return AddThenNorm(cls.rms_norm_op(eps))
+        residual add and the norm after it. `norm`: the norm's own rms_norm_op cell, to reuse."""
+        return AddThenNorm(norm if norm is not None else cls.rms_norm_op(eps))
 
     @staticmethod
     def rope_tables(cos, sin, heads):

@@ -5,8 +5,13 @@ alternating round by round. Random weights, float32 and rounded to bfloat16 valu
 checkpoint's are; they go to AMX tiles where the CPU has them); the router's weights are random
 too, so tokens spread over the experts about evenly. With --portable also the portable
 operators' experts (every expert on every token), at 16 tokens only.
+    With --w8a8, the same layer's experts as a W8A8 checkpoint holds them (int8 weights with a
+scale per output channel, inputs quantized per token before gate|up and before down): held as
+int8 and multiplied with VNNI (worker.cpu.CpuExperts, where the CPU has it), dequantized to
+float32 panels with the rows taken to their levels and back, and the portable operators' way
+(every expert on every token, at 16 tokens only), against the float32 experts.
 
-    python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable]
+    python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable | --w8a8]
 """
 
 from __future__ import annotations
@@ -55,12 +60,48 @@ def build(cfg: ModelConfig, dev, sparse: bool, rng, bfloat16: bool = False):
     return cell
 
 
+def w8a8(cfg: ModelConfig, dev, rng, held: bool):
+    """A sparse block whose experts are W8A8 (compressed-tensors' arithmetic: max|x| / 127.5,
+    halves to even): int8 levels held as they are (`held`, CpuOps with VNNI) or dequantized."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from msinfer.sharding.layers import PerTokenInt8
+    from msinfer.worker.model import SparseMoeBlock
+    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev)
+    cell.set_train(False)
+    experts = cell.experts
+    gate = (rng.standard_normal(cell.gate.weight.shape, np.float32) / np.sqrt(cfg.hidden_size)).astype(np.float32)
+    packed_gate = dev.pack_weight(gate)[0] if dev.pack_weight is not None else gate
+    cell.gate.weight = Parameter(Tensor(packed_gate), name=cell.gate.weight.name, requires_grad=False)
+    levels, scales = {}, {}
+    for attr in ("w13", "w2"):
+        shape = getattr(experts, attr).shape
+        levels[attr] = rng.integers(-127, 128, shape).astype(np.int8)
+        scales[attr] = (rng.uniform(0.5, 1.5, shape[:2]) / (127 * np.sqrt(shape[2]))).astype(np.float32)
+    experts.x_quant, experts.h_quant = PerTokenInt8(0, 127.5), PerTokenInt8(0, 127.5)
+    if experts.op is not None:
+        experts.op.x_quant, experts.op.h_quant = experts.x_quant, experts.h_quant
+    if held:
+        p13, _ = dev.pack_experts(levels["w13"], experts.glu)
+        p2, _ = dev.pack_experts(levels["w2"])
+        experts.hold_int8(p13, p2, Tensor(dev.expert_scales(scales["w13"], experts.glu)),
+                          Tensor(dev.expert_scales(scales["w2"])))
+        return cell
+    for attr, glu in (("w13", experts.glu), ("w2", False)):
+        w = levels[attr].astype(np.float32) * scales[attr][..., None]
+        if dev.pack_experts is not None and experts.op is not None:
+            w, _ = dev.pack_experts(w, glu)
+        setattr(experts, attr, Parameter(Tensor(w), name=getattr(experts, attr).name, requires_grad=False))
+    return cell
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--portable", action="store_true")
+    ap.add_argument("--w8a8", action="store_true")
     args = ap.parse_args()
     import mindspore as ms
     from mindspore import Tensor
@@ -71,13 +112,19 @@ def main() -> None:
     load_kernels()
     cfg = ModelConfig.from_dict({**LAYER, "num_experts": args.experts})
     rng = np.random.default_rng(0)
-    sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng),
-             "routed bfloat16": build(cfg, CpuOps, True, rng, True),
-             "dense bfloat16": build(cfg, CpuOps, False, rng, True)}
+    if args.w8a8:
+        sides = {"routed": build(cfg, CpuOps, True, rng), "W8A8 dequantized": w8a8(cfg, CpuOps, rng, False),
+                 "W8A8 portable": w8a8(cfg, MsOps, rng, False)}
+        if CpuOps.vnni:
+            sides["W8A8 int8, VNNI"] = w8a8(cfg, CpuOps, rng, True)
+    else:
+        sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng),
+                 "routed bfloat16": build(cfg, CpuOps, True, rng, True),
+                 "dense bfloat16": build(cfg, CpuOps, False, rng, True)}
     if args.portable:
         sides["portable experts"] = build(cfg, MsOps, True, rng)
     inputs = {n: Tensor(rng.standard_normal((n, cfg.hidden_size), np.float32)) for n in (16, 256)}
-    cases = [(s, n) for s in sides for n in inputs if not (s == "portable experts" and n > 16)]
+    cases = [(s, n) for s in sides for n in inputs if not ("portable" in s and n > 16)]
     for s, n in cases:                                       # compile each shape first
         sides[s](inputs[n]).asnumpy()
     times = {c: [] for c in cases}
@@ -91,7 +138,7 @@ def main() -> None:
     print(f"{args.experts} experts of {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}; dense MLP "
           f"{cfg.intermediate_size}; active parameters per token {active / 1e6:.1f} M on both sides")
     for (s, n), ts in times.items():
-        print(f"{s:17s} {n:4d} tokens: ms per call " + " ".join(f"{t:.2f}" for t in ts)
+        print(f"{s:18s} {n:4d} tokens: ms per call " + " ".join(f"{t:.2f}" for t in ts)
               + f"  median {statistics.median(ts):.2f}")
 
 

@@ -313,8 +313,9 @@ class FusedExperts(nn.Cell):
     row for every expert) and each (token, expert) row of silu(gate) * up before down (`h_quant`,
     over I: sliced experts take the row's maximum over the ranks, as a row-parallel layer does),
     as each expert's Linear layers quantize them. `op` must then quantize its rows itself (the
-    device's moe_quant_inputs: AscendExperts' x_quant and h_quant): with the weights dequantized,
-    to the levels and back; held int8 (`hold_int8`), to the levels and a scale per row."""
+    device's moe_quant_inputs: AscendExperts' and CpuExperts' x_quant and h_quant): with the
+    weights dequantized, to the levels and back; held int8 (`hold_int8`), to the levels and a
+    scale per row."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, op=None, glu_group: int = 0):
         super().__init__()

@@ -241,6 +241,118 @@ def test_int8_inputs_and_weights_with_vnni_give_the_exact_sum_of_the_levels_scal
         assert not y[-2:].any()
 
 
+def _routed(N, K, E_all, rng, pad=2):
+    """Top-K ids of E_all experts for N tokens, the last `pad` of them padding."""
+    ids = np.stack([rng.choice(E_all, K, replace=False) for _ in range(N)]).astype(np.int32)
+    return ids, rng.random((N, K)).astype(np.float32)
+
+
+def _silu_times(g, u, dtype):
+    """silu(g) * u as the kernels compute it: silu rounded to dtype, then the product."""
+    g = g.astype(np.float32)
+    return (((g / (1 + np.exp(-g))).astype(dtype).astype(np.float32)) * u.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-6), (np.float16, 2e-3)])
+@pytest.mark.parametrize("first,divisor,away,split", [(0, 127.5, False, False), (3, 127.0, True, True)],
+                         ids=["all-held", "experts-3-to-6-held-split-rows"])
+def test_int8_experts_with_vnni_give_each_pairs_exact_level_sums_scaled(vnni, first, divisor, away, split, dtype,
+                                                                        tol):
+    """W8A8 experts with VNNI (CpuExperts' two calls). MoeUp: each (token, expert) pair's row of
+    silu(gate) * up, from the token's row quantized per token and the int8 products summed exactly,
+    times the row's and the column's scale (gate and up interleaved in the packing); zeros for a
+    padding token and for experts held elsewhere. MoeDown: each pair's row quantized (with the
+    row's maximum over the ranks that split it, given), through down, weighted and summed per
+    token. Against numpy, each call from the same input as the kernel's."""
+    from msinfer.sharding.layers import PerTokenInt8
+    from msinfer.worker.cpu import CpuExperts
+    rng = np.random.default_rng(first + int(split))
+    N, H, I, K, E_all = 21, 64, 48, 3, 8
+    E = E_all if first == 0 else 4
+    x = rng.standard_normal((N, H)).astype(dtype)
+    x[-2:] = 0
+    ids, weights = _routed(N, K, E_all, rng)
+    weights = weights.astype(dtype)
+    q13 = rng.integers(-128, 128, (E, 2 * I, H)).astype(np.int8)
+    q2 = rng.integers(-128, 128, (E, H, I)).astype(np.int8)
+    s13 = rng.uniform(1e-3, 1e-2, (E, 2 * I)).astype(np.float32)
+    s2 = rng.uniform(1e-3, 1e-2, (E, H)).astype(np.float32)
+    p13, unpack13 = vnni.pack_experts(q13, True)
+    p2, unpack2 = vnni.pack_experts(q2)
+    np.testing.assert_array_equal(unpack13(p13), q13)
+    np.testing.assert_array_equal(unpack2(p2), q2)
+    cell = CpuExperts()
+    xq, hq = PerTokenInt8(0, divisor, away), PerTokenInt8(0, divisor, away)
+    meta = Tensor(np.array([first, 1], np.int32))
+    h = cell.up(Tensor(x), Tensor(ids), Tensor(p13), meta, Tensor(vnni.expert_scales(s13, True)),
+                xq.meta).asnumpy()
+    assert h.shape == (N * K, I) and h.dtype == dtype
+    levels, xs = _per_token(x.astype(np.float32), divisor, away)
+    want = np.zeros((N * K, I), np.float32)
+    for n in range(N - 2):
+        for j in range(K):
+            e = ids[n, j] - first
+            if 0 <= e < E:
+                g = (q13[e].astype(np.float64) @ levels[n]).astype(np.float32) * xs[n, 0] * s13[e]
+                want[n * K + j] = _silu_times(g[:I].astype(dtype), g[I:].astype(dtype), dtype)
+    np.testing.assert_allclose(h.astype(np.float32), want, atol=tol * np.abs(want).max(), rtol=0)
+    assert not h[(N - 2) * K:].any()
+
+    amax = np.abs(h.astype(np.float32)).max(1, keepdims=True) * (1.5 if split else 1)
+    args = (Tensor(h), Tensor(ids), Tensor(weights), Tensor(p2), meta, Tensor(s2), hq.meta)
+    y = cell.down(*args, *((Tensor(amax),) if split else ())).asnumpy()
+    hl, hs = _per_token(h.astype(np.float32), divisor, away, amax if split else None)
+    ref = np.zeros((N, H))
+    for n in range(N):
+        for j in range(K):
+            e = ids[n, j] - first
+            if 0 <= e < E and h[n * K + j].any():
+                ref[n] += float(weights[n, j]) * ((q2[e].astype(np.float64) @ hl[n * K + j]) * hs[n * K + j, 0] * s2[e])
+    assert not y[-2:].any()
+    np.testing.assert_allclose(y.astype(np.float64), ref, atol=tol * np.abs(ref).max(), rtol=0)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-inputs", "inputs-to-levels-and-back"])
+def test_experts_in_two_calls_over_float_weights_give_the_one_call_result(kernels, quantized):
+    """CpuExperts over float weights: without quantizers, MoeExperts in one call; with them (int8
+    inputs per token, weights dequantized), MoeUp and MoeDown with each row taken to its levels and
+    back in between, which with the quantizers left out is MoeExperts' result to float32 accuracy,
+    and with them is numpy's quantize-and-back arithmetic."""
+    from msinfer.sharding.layers import PerTokenInt8
+    from msinfer.worker.cpu import CpuExperts
+    rng = np.random.default_rng(7)
+    N, H, I, K, E = 19, 40, 32, 2, 6
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    x[-2:] = 0
+    ids, weights = _routed(N, K, E, rng)
+    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.2).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) * 0.2).astype(np.float32)
+    p13, _ = kernels.pack_experts(w13, True)
+    p2, _ = kernels.pack_experts(w2)
+    args = (Tensor(x), Tensor(ids), Tensor(weights), Tensor(p13), Tensor(p2), Tensor(np.array([0, 1], np.int32)))
+    one = kernels.moe_op()(*args).asnumpy()
+    cell = CpuExperts()
+    if quantized:
+        cell.x_quant, cell.h_quant = PerTokenInt8(0, 127.5), PerTokenInt8(0, 127.5)
+    two = cell(*args).asnumpy()
+
+    def back(r):
+        levels, s = _per_token(r[None], 127.5, False)
+        return (levels * s)[0] if quantized else r
+    ref = np.zeros((N, H))
+    for n in range(N - 2):
+        for j in range(K):
+            e = ids[n, j]
+            g = w13[e] @ back(x[n])
+            ref[n] += weights[n, j] * (w2[e] @ back(_silu_times(g[:I], g[I:], np.float32)))
+    np.testing.assert_allclose(two, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+    assert not two[-2:].any()
+    if not quantized:
+        np.testing.assert_allclose(two, one, atol=1e-6 * np.abs(one).max(), rtol=0)
+    else:
+        assert np.abs(two - one).max() > 1e-3 * np.abs(one).max()       # the quantizers did something
+
+
 def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((70, 24)).astype(np.float32)       # panels of 32, 32 and 6 rows

@@ -859,11 +859,14 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     """Qwen3-MoE whose experts are W8A8 (ModelSlim W8A8_DYNAMIC; compressed-tensors int8 per channel
     with int8 inputs per token): each expert quantizes the token's row before gate|up and the row
     of silu(gate) * up before down, by the checkpoint's arithmetic. Teacher-forced logits are the
-    reference's within the noise of a level (float32 on the CPU, where the experts run the
-    portable way; float16 on the emulated Ascend path, where the start-up check passes
-    GroupedMatmulV4's per-token form and the experts keep their int8 weights, the sorted rows
-    quantized to levels and a scale each); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU, sliced
-    experts share the row's maximum over both ranks. Input quantization is not a no-op here:
+    reference's within the noise of a level (float32 on the CPU, where the experts keep their int8
+    weights on a CPU with VNNI and run the grouped kernels' int8 form, worker.cpu.CpuExperts, and
+    most steps are within float32's noise; without VNNI their weights are dequantized and their
+    rows' float32 sums, in another order than the reference's, move a level here and there;
+    float16 on the emulated Ascend path, where the start-up check passes GroupedMatmulV4's
+    per-token form and the experts keep their int8 weights, the sorted rows quantized to levels
+    and a scale each); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU,
+    sliced experts share the row's maximum over both ranks. Input quantization is not a no-op here:
     the same weights with float inputs give logits further from these (by more than twice the
     noise in float32; in float16, whose rounding is of a level's order, further over the steps).
     plan says how the experts run."""
@@ -876,7 +879,11 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     references = [experts_w8a8_reference(reference, prompt, divisor, away) for prompt in PROMPTS]
     floats = [hf_quantized(reference, prompt) for prompt in PROMPTS]
     if path_kind == "cpu":
+        from msinfer.worker.cpu import CpuOps
         runner = runner_for(path)
+        held = [w for w in int8_weights(runner) if ".experts." in w]
+        assert held == ([f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")]
+                        if CpuOps.vnni else []), held
     else:                            # the start-up check passes GroupedMatmulV4's per-token form
         monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
         runner = path_runner(path, path_kind, kernel_check=True)
@@ -888,8 +895,8 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     tol = INT8_FLOAT16_ATOL if path_kind != "cpu" else 0.1
     forced = forced_logits(runner, references)
     assert max(forced) < tol, forced
-    if path_kind == "cpu":           # float32: most steps within its noise (a level moved elsewhere)
-        assert sum(f < LOGIT_ATOL for f in forced) >= len(forced) / 2, forced
+    if path_kind == "cpu" and held:  # exact int8 sums: most steps within float32's noise (a level
+        assert sum(f < LOGIT_ATOL for f in forced) >= len(forced) / 2, forced      # moved elsewhere)
     unquantized = forced_logits(runner, floats)
     if path_kind == "cpu":
         assert max(unquantized) > 2 * max(forced), "the inputs were not quantized"
@@ -898,9 +905,14 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     out = Driver(runner).generate(dict(enumerate(PROMPTS)), N_NEW)
     for i, (tokens, logits) in enumerate(references):
         steps_held(f"prompt {i}", out[i], tokens, logits, tol)
-    assert "experts' inputs are quantized per token" in plan_job(spec_for(path, tmp_path), check_io=False).describe()
+    plan = plan_job(spec_for(path, tmp_path), check_io=False)
+    assert "experts' inputs are quantized per token" in plan.describe()
     if path_kind != "cpu":
         return
+    assert ("the experts' through the grouped kernels' int8 form (VNNI)" in plan.describe()) == bool(held)
+    rows = sum(p.shape[0] * p.shape[1] for p in runner.model.int8_scales())
+    assert abs(plan.weight_bytes_per_rank - runner.load_stats["bytes"]) <= rows, \
+        (plan.weight_bytes_per_rank, runner.load_stats["bytes"])
     two = generate_tp2(path)
     for i, (tokens, logits) in enumerate(references):
         steps_held(f"tp 2, prompt {i}", two[i], tokens, logits, tol)

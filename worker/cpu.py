@@ -160,18 +160,47 @@ class CpuOps(MsOps):
 
     @staticmethod
     def moe_op():
-        """(x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] packed by
-        `pack_experts`, meta (first expert held, glu) [2] int32) -> [N, H]: each held expert's
-        tokens gathered and passed through its weights once (sharding.layers.FusedExperts)."""
-        return _custom("MoeExperts", lambda x, *_: x)
+        """CpuExperts: (x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I]
+        packed by `pack_experts`, meta (first expert held, glu) [2] int32[, the int8 weights'
+        scales]) -> [N, H]: each held expert's tokens gathered and passed through its weights once
+        (sharding.layers.FusedExperts)."""
+        return CpuExperts()
+
+    # Experts whose inputs are quantized per token run as CpuExperts says.
+    moe_quant_inputs = True
+
+    @classmethod
+    def int8_experts(cls, scheme) -> bool:
+        """Whether experts of `scheme` keep their int8 levels: int8 weights per channel with int8
+        inputs per token (W8A8), where the CPU has VNNI (CpuExperts). Other int8 experts are
+        dequantized: the grouped kernel has no int8 panels."""
+        return cls.vnni and scheme is not None and scheme.int8_kind == "dynamic"
+
+    @staticmethod
+    def expert_scales(scales: np.ndarray, glu: bool = False) -> np.ndarray:
+        """Int8 experts' scales per output channel [E, N] in the order of `pack_experts`' columns:
+        float32, w13's gate and up interleaved with glu."""
+        scales = np.asarray(scales, np.float32)
+        return np.stack([CpuOps.interleave_glu(s[:, None])[:, 0] for s in scales]) if glu else scales
 
     @classmethod
     def pack_experts(cls, w: np.ndarray, glu: bool = False):
         """Stacked expert weights [E, N, K] -> every expert packed as `pack_weight` packs a weight,
         all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
-        and the unpack."""
+        and the unpack. Int8 levels go to `pack_vnni`'s layout (gate and up interleaved with glu),
+        or None where N is not whole panels."""
         if not len(w):
             return w, lambda t: t
+        if w.dtype == np.int8:
+            E, N, K = w.shape
+            if N % PANEL:
+                return None
+            rows = np.stack([cls.interleave_glu(e) for e in w]) if glu else w
+
+            def unpack(t: np.ndarray) -> np.ndarray:
+                q = np.stack([cls.unpack_vnni(e, K) for e in t])
+                return np.stack([cls.deinterleave_glu(e) for e in q]) if glu else q
+            return np.stack([cls.pack_vnni(e) for e in rows]), unpack
         if cls.takes_tiles(w):
             packed = [cls.pack_weight(e, glu) for e in w]          # each expert's values are bfloat16: tiles
         else:
@@ -359,6 +388,41 @@ class CpuInt8Linear(nn.Cell):
         if self.quantizer.gather is None:
             return self.op(x, w, scales, self.quantizer.meta)
         return self.op(x, w, scales, self.quantizer.meta, self.quantizer.row_max(x))
+
+
+class CpuExperts(nn.Cell):
+    """A sparse layer's held experts over the grouped kernels (kernels.cc; sharding.layers.
+    FusedExperts calls it). Float experts: MoeExperts, one call. Experts whose inputs the
+    checkpoint quantizes per token (FusedExperts sets `x_quant` and `h_quant`) run in two calls,
+    MoeUp (gate|up, silu(gate) * up of each (token, expert) pair) and MoeDown (down, and each
+    token's weighted sum), so that a row of silu(gate) * up split over tensor-parallel ranks
+    (sliced experts) is quantized with its maximum over all of them, as a row-parallel layer's is.
+    With their weights held as int8 levels (the scales given: W8A8 with VNNI, CpuOps.int8_experts),
+    the kernels quantize the rows as the quantizers would and sum the int8 products exactly
+    (linear_vnni's arithmetic); with float weights, the quantizers take the rows to their levels
+    and back in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = _custom("MoeExperts", lambda x, *_: x)
+        self.up = _custom("MoeUp", lambda x, ids, w13, *_: [x[0] * ids[1] if x[0] >= 0 else -1, w13[1] // 2])
+        self.down = _custom("MoeDown", lambda h, ids, weights, w2, *_: [ids[0], w2[1]])
+        self.x_quant = self.h_quant = None
+
+    def construct(self, x, ids, weights, w13, w2, meta, w13_scale=None, w2_scale=None):
+        if self.x_quant is None and self.h_quant is None:
+            return self.fused(x, ids, weights, w13, w2, meta)
+        if w13_scale is None:
+            if self.x_quant is not None:
+                x = self.x_quant(x)
+            h = self.up(x, ids, w13, meta)
+            if self.h_quant is not None:
+                h = self.h_quant(h)
+            return self.down(h, ids, weights, w2, meta)
+        h = self.up(x, ids, w13, meta, w13_scale, self.x_quant.meta)
+        if self.h_quant.gather is None:
+            return self.down(h, ids, weights, w2, meta, w2_scale, self.h_quant.meta)
+        return self.down(h, ids, weights, w2, meta, w2_scale, self.h_quant.meta, self.h_quant.row_max(h))
 
 
 def bfloat16_bits(w: np.ndarray) -> np.ndarray:

@@ -555,8 +555,9 @@ class CausalLM(nn.Cell):
     def hold_int8_experts(self, cell: FusedExperts) -> bool:
         """Experts whose weights all loaded as int8 levels with a scale per row keep them, in the
         device's expert layout (`dev.pack_experts`: the Ascend path's transposes alone, so each
-        output channel keeps its scale), multiplied by the device's grouped kernel, where it takes
-        the experts' scheme (`dev.int8_experts`). Whether they do."""
+        output channel keeps its scale; the CPU's VNNI panels, where the sizes are whole panels),
+        multiplied by the device's grouped kernel, where it takes the experts' scheme
+        (`dev.int8_experts`). Whether they do."""
         scheme = cell.quant_scheme
         if not self.dev.int8_experts(scheme):
             return False
@@ -571,13 +572,16 @@ class CausalLM(nn.Cell):
                 return False
             held.append((levels.reshape(values.shape), scales))
         (l13, s13), (l2, s2) = held
-        p13, unpack13 = self.dev.pack_experts(l13)
-        p2, unpack2 = self.dev.pack_experts(l2)
+        packed = self.dev.pack_experts(l13, cell.glu), self.dev.pack_experts(l2)
+        if None in packed:
+            return False                 # sizes the device's int8 layout does not take
+        (p13, unpack13), (p2, unpack2) = packed
         names = cell.w13.name, cell.w2.name
         # weight-only: the antiquant scale in the compute dtype; int8 inputs: the per-token form's
         # scale, bfloat16 for a bfloat16 output and float32 for float16 (golden-stick, ptq/hal.py)
         sdt = self.dtype if scheme.int8_kind == "weight" or self.dtype == ms.bfloat16 else ms.float32
-        cell.hold_int8(p13, p2, Tensor(s13, sdt), Tensor(s2, sdt))
+        cell.hold_int8(p13, p2, Tensor(self.dev.expert_scales(s13, cell.glu), sdt),
+                       Tensor(self.dev.expert_scales(s2), sdt))
         for name, unpack, s in zip(names, (unpack13, unpack2), (s13, s2)):
             self.packed[name] = lambda t, u=unpack, s=s: u(t).astype(np.float32) * s[..., None]
         return True

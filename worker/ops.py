@@ -181,8 +181,9 @@ class MsOps:
     # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
     # without: every expert on every token, sharding.layers.FusedExperts)
     moe_op = pack_experts = None
-    # whether moe_op's cell quantizes its sorted rows per token (its x_quant and h_quant) where the
-    # experts' inputs are int8 (AscendOps); without, such experts run the portable way (FusedExperts)
+    # whether moe_op's cell quantizes its rows per token (its x_quant and h_quant) where the
+    # experts' inputs are int8 (AscendOps, CpuOps); without, such experts run the portable way
+    # (FusedExperts)
     moe_quant_inputs = False
     quant_rows_op = None          # a W8A8 input's per-token int8 levels in one kernel (CpuOps)
     # (scheme, the layer's input quantizer or None, compute dtype, glu: a LinearGlu layer) -> a cell
@@ -191,8 +192,14 @@ class MsOps:
     # that scheme's weights float (AscendOps; CpuOps for W8A8 with VNNI; CausalLM.hold_int8)
     int8_linear = None
     # (the experts' scheme or None) -> whether the device's moe_op multiplies experts held as int8
-    # levels with a scale per output channel (AscendOps; CausalLM.hold_int8_experts)
+    # levels with a scale per output channel (AscendOps, CpuOps; CausalLM.hold_int8_experts)
     int8_experts = None
+
+    @staticmethod
+    def expert_scales(scales, glu: bool = False):
+        """Int8 experts' scales per output channel [E, N] in the order of the device's packed
+        columns (`pack_experts`): as they are, but for CpuOps."""
+        return scales
     # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
     # MindSpore primitives, worker.device_sampler)
     sampler_kernels = None

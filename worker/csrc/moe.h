@@ -1,4 +1,5 @@
-// A mixture of experts' routed experts (the MoeExperts kernel), over the matmuls of matmul.h.
+// A mixture of experts' routed experts (the MoeExperts, MoeUp and MoeDown kernels), over the
+// matmuls of matmul.h.
 
 #pragma once
 
@@ -16,6 +17,12 @@ namespace {
 // routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
 // Either weight may instead be bfloat16 AMX tiles (`tiles13`, `tiles2`; T float32, see amx_rows),
 // the gate and up columns of w13 then interleaved as LinearGlu's tiles are.
+//   Experts whose inputs are quantized per token (W8A8) run in two calls, so that a row of
+// silu(gate) * up split over tensor-parallel ranks can be quantized with its maximum over them in
+// between: moe_up gives each pair's row of silu(gate x) * up x [N k, I] (row n k + j; zeros for
+// pairs not held here), moe_down takes those rows through down and sums each token's. With
+// int8 weights (CpuOps.pack_vnni, a scale per output channel, VNNI) each call quantizes its rows
+// as linear_vnni does; with float weights the caller quantizes them (to the levels and back).
 template <typename T, bool Glu>
 void project(const T* x, const void* w, bool tiles, T* y, int64_t m, int64_t K, int64_t N) {
 #ifdef MSINFER_AMX
@@ -26,61 +33,192 @@ void project(const T* x, const void* w, bool tiles, T* y, int64_t m, int64_t K, 
   linear_rows<T, Glu>(x, static_cast<const T*>(w), y, m, K, N);
 }
 
+// The (token, expert) pairs of the held experts whose `live(n, j)` holds, grouped by expert: the
+// rows of expert e are start[e] .. start[e + 1] - 1, row r is pair pair[r] (n k + j), and pos[n k +
+// j] is the pair's row (-1: not routed here).
+struct Routing {
+  std::vector<int64_t> start, pair, pos;
+  int64_t rows() const { return start.back(); }
+};
+
+template <typename Live>
+Routing route(const int32_t* ids, int64_t N, int64_t K, int64_t E, int64_t first, Live live) {
+  Routing r{std::vector<int64_t>(E + 1, 0), {}, std::vector<int64_t>(N * K, -1)};
+  auto local = [&](int64_t p) {
+    const int64_t e = static_cast<int64_t>(ids[p]) - first;
+    return e >= 0 && e < E && live(p / K, p % K) ? e : -1;
+  };
+  for (int64_t p = 0; p < N * K; ++p)
+    if (const int64_t e = local(p); e >= 0) ++r.start[e + 1];
+  for (int64_t e = 0; e < E; ++e) r.start[e + 1] += r.start[e];
+  r.pair.resize(r.rows());
+  std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+  for (int64_t p = 0; p < N * K; ++p) {
+    if (const int64_t e = local(p); e >= 0) {
+      r.pos[p] = fill[e];
+      r.pair[fill[e]++] = p;
+    }
+  }
+  return r;
+}
+
+// Whether a row of length n is all zeros.
 template <typename T>
-void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, bool tiles13, const void* w2, bool tiles2,
-         T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
-  std::vector<int64_t> start(E + 1, 0), pos(N * K, -1);
-  auto local = [&](int64_t n, int64_t j) { return static_cast<int64_t>(ids[n * K + j]) - first; };
-  std::vector<char> live(N);
-  for (int64_t n = 0; n < N; ++n) {
-    const T* r = x + n * H;
-    live[n] = std::any_of(r, r + H, [](T v) { return v != T(0); });
-    if (!live[n]) continue;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = local(n, j);
-      if (e >= 0 && e < E) ++start[e + 1];
-    }
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  const int64_t R = start[E];
-  std::vector<int64_t> token(R), fill(start.begin(), start.end() - 1);
-  for (int64_t n = 0; n < N; ++n) {
-    if (!live[n]) continue;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = local(n, j);
-      if (e < 0 || e >= E) continue;
-      pos[n * K + j] = fill[e];
-      token[fill[e]++] = n;
-    }
-  }
-  std::vector<T> xs(R * H), hs(R * I), ys(R * H), gu(glu ? 0 : R * 2 * I);
-  parallel_for(R, 16, [&](int64_t r) { std::copy(x + token[r] * H, x + (token[r] + 1) * H, xs.data() + r * H); });
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t s = start[e], m = start[e + 1] - s;
-    if (m == 0) continue;
-    const char* wg = static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T));
-    const char* wd = static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T));
-    if (glu) {
-      project<T, true>(xs.data() + s * H, wg, tiles13, hs.data() + s * I, m, H, 2 * I);
-    } else {
-      project<T, false>(xs.data() + s * H, wg, tiles13, gu.data() + s * 2 * I, m, H, 2 * I);
-      silu_mul(gu.data() + s * 2 * I, hs.data() + s * I, m, I);
-    }
-    project<T, false>(hs.data() + s * I, wd, tiles2, ys.data() + s * H, m, I, H);
-  }
+bool zero_row(const T* r, int64_t n) {
+  return std::all_of(r, r + n, [](T v) { return v == T(0); });
+}
+
+// out [N, H]: each token's routed rows ys [R, H] weighted by wts and summed in float32, in the order
+// of its ids.
+template <typename T>
+void combine(const Routing& r, const T* ys, const T* wts, T* out, int64_t N, int64_t K, int64_t H) {
   parallel_for(N, 16, [&](int64_t n) {
     T* o = out + n * H;
     std::vector<float> acc(H, 0.f);
     for (int64_t j = 0; j < K; ++j) {
-      const int64_t r = pos[n * K + j];
-      if (r < 0) continue;
+      const int64_t row = r.pos[n * K + j];
+      if (row < 0) continue;
       const float w = static_cast<float>(wts[n * K + j]);
-      const T* y = ys.data() + r * H;
+      const T* y = ys + row * H;
 #pragma omp simd
       for (int64_t h = 0; h < H; ++h) acc[h] += w * static_cast<float>(y[h]);
     }
     for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(acc[h]);
   });
+}
+
+// The rows of src [*, n] that the routing's pairs read (row_of(pair)), gathered into dst [R, n].
+template <typename T, typename RowOf>
+void gather_rows(const Routing& r, const T* src, T* dst, int64_t n, RowOf row_of) {
+  parallel_for(r.rows(), 16, [&](int64_t i) {
+    const T* s = src + row_of(r.pair[i]) * n;
+    std::copy(s, s + n, dst + i * n);
+  });
+}
+
+// Expert e's gate|up over its rows xs (m of them, from `row`) -> hs [m, I]: silu(gate) * up.
+template <typename T>
+void gate_up(const T* xs, const void* w13, bool tiles13, T* hs, int64_t m, int64_t H, int64_t I, bool glu) {
+  if (glu) return project<T, true>(xs, w13, tiles13, hs, m, H, 2 * I);
+  std::vector<T> gu(m * 2 * I);
+  project<T, false>(xs, w13, tiles13, gu.data(), m, H, 2 * I);
+  silu_mul(gu.data(), hs, m, I);
+}
+
+template <typename T>
+void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, bool tiles13, const void* w2, bool tiles2,
+         T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+  std::vector<char> live(N);
+  for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
+  const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t) { return live[n]; });
+  const int64_t R = r.rows();
+  std::vector<T> xs(R * H), hs(R * I), ys(R * H);
+  gather_rows(r, x, xs.data(), H, [&](int64_t p) { return p / K; });
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = r.start[e], m = r.start[e + 1] - s;
+    if (m == 0) continue;
+    gate_up(xs.data() + s * H, static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T)), tiles13,
+            hs.data() + s * I, m, H, I, glu);
+    project<T, false>(hs.data() + s * I, static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T)), tiles2,
+                      ys.data() + s * H, m, I, H);
+  }
+  combine(r, ys.data(), wts, out, N, K, H);
+}
+
+// The quantization of a call's rows: int8 weights (VNNI) with their scales [E, rows of a weight]
+// and the rows' arithmetic (PerTokenInt8's divisor and rounding); amax: each row's maximum as the
+// caller took it over the ranks that split it, or nullptr.
+struct Int8Weights {
+  const float* scales;
+  float divisor;
+  bool away;
+  const float* amax;
+};
+
+// h [N k, I] (moe_up): row n k + j is silu(gate x[n]) * up x[n] by expert ids[n][j] where it is
+// held here and x[n] is not zeros; zeros elsewhere. q: the weights are int8 (VNNI), else float.
+template <typename T>
+void moe_up(const T* x, const int32_t* ids, const void* w13, bool tiles13, const Int8Weights* q, T* h, int64_t N,
+            int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+  std::vector<char> live(N);
+  for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
+  const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t) { return live[n]; });
+  const int64_t R = r.rows();
+  std::vector<T> xs(R * H), hs(R * I);
+  gather_rows(r, x, xs.data(), H, [&](int64_t p) { return p / K; });
+  if (q == nullptr) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t s = r.start[e], m = r.start[e + 1] - s;
+      if (m > 0)
+        gate_up(xs.data() + s * H, static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T)),
+                tiles13, hs.data() + s * I, m, H, I, glu);
+    }
+  } else {
+#ifdef MSINFER_VNNI
+    const int64_t Hq = (H + 3) / 4 * 4;
+    std::vector<int8_t> levels(R * Hq);
+    std::vector<float> s(R);
+    std::vector<int32_t> comp(R);
+    quantize_rows(xs.data(), R, H, Hq, q->divisor, q->away, nullptr, levels.data(), s.data(), comp.data());
+    std::vector<T> gu(glu ? 0 : R * 2 * I);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = r.start[e], m = r.start[e + 1] - b;
+      if (m == 0) continue;
+      const uint8_t* w = static_cast<const uint8_t*>(w13) + e * 2 * I * Hq;
+      if (glu) {
+        vnni_rows<T, true>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w, q->scales + e * 2 * I,
+                           hs.data() + b * I, m, Hq, 2 * I);
+      } else {
+        vnni_rows<T, false>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w, q->scales + e * 2 * I,
+                            gu.data() + b * 2 * I, m, Hq, 2 * I);
+        silu_mul(gu.data() + b * 2 * I, hs.data() + b * I, m, I);
+      }
+    }
+#endif
+  }
+  parallel_for(N * K, 16, [&](int64_t p) {
+    T* o = h + p * I;
+    if (r.pos[p] < 0) return std::fill(o, o + I, T(0));
+    const T* src = hs.data() + r.pos[p] * I;
+    std::copy(src, src + I, o);
+  });
+}
+
+// out [N, H] (moe_down): each token's rows of h [N k, I] (moe_up's) through down, weighted by wts
+// and summed. Rows of zeros are not routed: down of zeros is zeros, quantized or not.
+template <typename T>
+void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, bool tiles2, const Int8Weights* q,
+              T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first) {
+  const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t j) { return !zero_row(h + (n * K + j) * I, I); });
+  const int64_t R = r.rows();
+  std::vector<T> hs(R * I), ys(R * H);
+  gather_rows(r, h, hs.data(), I, [](int64_t p) { return p; });
+  if (q == nullptr) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t s = r.start[e], m = r.start[e + 1] - s;
+      if (m > 0)
+        project<T, false>(hs.data() + s * I, static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T)),
+                          tiles2, ys.data() + s * H, m, I, H);
+    }
+  } else {
+#ifdef MSINFER_VNNI
+    const int64_t Iq = (I + 3) / 4 * 4;
+    std::vector<int8_t> levels(R * Iq);
+    std::vector<float> s(R), amax(q->amax ? R : 0);
+    std::vector<int32_t> comp(R);
+    for (int64_t i = 0; i < static_cast<int64_t>(amax.size()); ++i) amax[i] = q->amax[r.pair[i]];
+    quantize_rows(hs.data(), R, I, Iq, q->divisor, q->away, q->amax ? amax.data() : nullptr, levels.data(), s.data(),
+                  comp.data());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = r.start[e], m = r.start[e + 1] - b;
+      if (m > 0)
+        vnni_rows<T, false>(levels.data() + b * Iq, s.data() + b, comp.data() + b,
+                            static_cast<const uint8_t*>(w2) + e * H * Iq, q->scales + e * H, ys.data() + b * H, m, Iq,
+                            H);
+    }
+#endif
+  }
+  combine(r, ys.data(), wts, out, N, K, H);
 }
 
 }  // namespace

@@ -29,8 +29,7 @@ from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_out
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, dtype_bytes, emulate_variants,
-                                    emulated_memory, emulated_note, ops_problem, resolve_device, resolve_dtype,
-                                    vnni_on)
+                                    emulated_memory, emulated_note, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -92,7 +91,7 @@ class Plan:
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
-            int8, int8_experts, int4 = holds_int8(self.engine.device, self.engine.ops, m)
+            int8, int8_experts, int4 = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
                                      int8_experts=int8_experts, int4=int4, bf16=self.bf16)
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
@@ -110,7 +109,7 @@ class Plan:
             lines.append("experts     " + experts_summary(m, tp, s.parallel.expert_parallel,
                                                           dtype_bytes(self.engine.dtype),
                                                           self.engine.pipeline,
-                                                          holds_int8(self.engine.device, self.engine.ops, m),
+                                                          holds_int8(self.engine.device, self.engine.ops),
                                                           self.bf16))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
@@ -153,7 +152,7 @@ def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
 
 def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     """A quantized checkpoint's schemes, and which of its quantized weights the workers keep so."""
-    int8, int8_experts, int4 = holds_int8(device, ops, m)
+    int8, int8_experts, int4 = holds_int8(device, ops)
     int8 = int8 and bool(m.quant.schemes)
     scheme = m.expert_scheme
     by = "the CPU kernels" if device == "cpu" else "Ascend's quantized matmuls"
@@ -161,14 +160,13 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     int8_inputs = bool(m.expert_inputs("gate_proj") and m.expert_inputs("down_proj"))
     held = int8_experts and (kind == "weight" or (kind == "dynamic" and int8_inputs))
     if held and device == "cpu":
-        by += "; the experts' through the grouped kernels' int8 form (VNNI)"
+        by += ("; the experts' through the grouped kernels"
+               + (", their int8 inputs summed with VNNI where the CPU has it" if kind == "dynamic" else ""))
     elif held:
         form = "per-token form, their inputs int8 per token" if kind == "dynamic" else "antiquant form"
         by += f"; the experts' through GroupedMatmulV4's {form}"
     elif kind in ("weight", "dynamic"):
-        by += ("; the experts' int8 weights are dequantized: "
-               + ("the CPU's grouped kernels multiply int8 weights only with int8 inputs, with VNNI"
-                  if device == "cpu" else "no grouped int8 kernel here"))
+        by += "; the experts' int8 weights are dequantized: no grouped int8 kernel here"
     if (not held or device == "cpu") and (m.expert_inputs("gate_proj") or m.expert_inputs("down_proj")):
         by += ("; the experts' inputs are quantized per token"
                + (", every expert on every token" if ops == "portable" else ""))
@@ -261,19 +259,15 @@ def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline:
                for st in range(max(1, len(pipeline))))
 
 
-def holds_int8(device: str, ops: str, m: ModelConfig) -> tuple[bool, bool, bool]:
-    """Whether the workers keep model m's quantized weights as they are, (int8 with a scale
+def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool]:
+    """Whether the workers keep a quantized checkpoint's weights as they are, (int8 with a scale
     per channel in linear layers, the same in experts, int4 groups in linear layers): the CPU
-    kernels do the first (worker.cpu.CpuOps.pack_int8), and the second for W8A8 experts (int8
-    inputs per token to both projections) where the CPU has VNNI (worker.cpu.CpuExperts); Ascend's
-    quantized matmuls do all three (worker.ascend.AscendInt8Linear, AscendExperts,
-    AscendInt4Linear; emulated too) unless the start-up self-check finds them wanting; the
-    portable operators dequantize them."""
+    kernels do the first two (worker.cpu.CpuOps.pack_int8; the experts' in the same panels, or
+    VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts); Ascend's quantized matmuls do all
+    three (worker.ascend.AscendInt8Linear, AscendExperts, AscendInt4Linear; emulated too) unless
+    the start-up self-check finds them wanting; the portable operators dequantize them."""
     ascend = ops != "portable" and device == "ascend"
-    scheme = m.expert_scheme
-    cpu_experts = (ops != "portable" and device == "cpu" and scheme is not None and scheme.int8_kind == "dynamic"
-                   and bool(m.expert_inputs("gate_proj") and m.expert_inputs("down_proj")) and vnni_on())
-    return ops != "portable", ascend or cpu_experts, ascend
+    return ops != "portable", ascend or (ops != "portable" and device == "cpu"), ascend
 
 
 def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
@@ -426,7 +420,7 @@ def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtyp
         dtype = resolve_dtype(dtype, m, device, emulate, ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops, m),
+    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
                                  holds_bfloat16(device, ops, lora))
     return Layout(device, emulate, dtype, pipeline, weights)
 
@@ -823,7 +817,7 @@ def card_replanner(plan: Plan):
 
     def replan(total: int, in_use: int, source: str, int8: tuple[bool, bool] = (True, True)) -> EngineConfig:
         weights, note = plan.weight_bytes_per_rank, None
-        planned = holds_int8(plan.engine.device, plan.engine.ops, plan.model)
+        planned = holds_int8(plan.engine.device, plan.engine.ops)
         held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0])
         if held != planned:
             weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,

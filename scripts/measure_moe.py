@@ -5,11 +5,12 @@ alternating round by round. Random weights, float32 and rounded to bfloat16 valu
 checkpoint's are; they go to AMX tiles where the CPU has them); the router's weights are random
 too, so tokens spread over the experts about evenly. With --portable also the portable
 operators' experts (every expert on every token), at 16 tokens only.
-    With --w8a8, the same layer's experts as a W8A8 checkpoint holds them (int8 weights with a
-scale per output channel, inputs quantized per token before gate|up and before down): held as
-int8 and multiplied with VNNI (worker.cpu.CpuExperts, where the CPU has it), dequantized to
-float32 panels with the rows taken to their levels and back, and the portable operators' way
-(every expert on every token, at 16 tokens only), against the float32 experts.
+    With --w8a8, the same layer's experts as an int8 checkpoint holds them (int8 weights with a
+scale per output channel), against the float32 experts: weight-only (W8A16) in int8 panels
+(MoeExperts); with inputs quantized per token before gate|up and before down (W8A8), in int8
+panels with the rows taken to their levels and back (a CPU without VNNI), in VNNI panels with
+the int8 products summed with VNNI (worker.cpu.CpuExperts, where the CPU has it), and the
+portable operators' way (every expert on every token, weights dequantized; at 16 tokens only).
 
     python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable | --w8a8]
 """
@@ -60,9 +61,10 @@ def build(cfg: ModelConfig, dev, sparse: bool, rng, bfloat16: bool = False):
     return cell
 
 
-def w8a8(cfg: ModelConfig, dev, rng, held: bool):
-    """A sparse block whose experts are W8A8 (compressed-tensors' arithmetic: max|x| / 127.5,
-    halves to even): int8 levels held as they are (`held`, CpuOps with VNNI) or dequantized."""
+def int8_experts(cfg: ModelConfig, dev, rng, held: str | None, inputs: bool = True):
+    """A sparse block whose experts are int8 per output channel, with int8 inputs per token
+    (W8A8, compressed-tensors' arithmetic: max|x| / 127.5, halves to even) or without (W8A16):
+    held as `held` says ("vnni", "panels": CpuOps.int8_experts' layouts) or dequantized (None)."""
     import mindspore as ms
     from mindspore import Parameter, Tensor
     from msinfer.sharding.layers import PerTokenInt8
@@ -78,10 +80,15 @@ def w8a8(cfg: ModelConfig, dev, rng, held: bool):
         shape = getattr(experts, attr).shape
         levels[attr] = rng.integers(-127, 128, shape).astype(np.int8)
         scales[attr] = (rng.uniform(0.5, 1.5, shape[:2]) / (127 * np.sqrt(shape[2]))).astype(np.float32)
-    experts.x_quant, experts.h_quant = PerTokenInt8(0, 127.5), PerTokenInt8(0, 127.5)
-    if experts.op is not None:
-        experts.op.x_quant, experts.op.h_quant = experts.x_quant, experts.h_quant
-    if held:
+    if inputs:
+        experts.x_quant, experts.h_quant = PerTokenInt8(0, 127.5), PerTokenInt8(0, 127.5)
+        if experts.op is not None:
+            experts.op.x_quant, experts.op.h_quant = experts.x_quant, experts.h_quant
+    if held == "panels":
+        experts.hold_int8(dev.pack_experts(levels["w13"], experts.glu, scales["w13"])[0],
+                          dev.pack_experts(levels["w2"], False, scales["w2"])[0])
+        return cell
+    if held == "vnni":
         p13, _ = dev.pack_experts(levels["w13"], experts.glu)
         p2, _ = dev.pack_experts(levels["w2"])
         experts.hold_int8(p13, p2, Tensor(dev.expert_scales(scales["w13"], experts.glu)),
@@ -113,10 +120,12 @@ def main() -> None:
     cfg = ModelConfig.from_dict({**LAYER, "num_experts": args.experts})
     rng = np.random.default_rng(0)
     if args.w8a8:
-        sides = {"routed": build(cfg, CpuOps, True, rng), "W8A8 dequantized": w8a8(cfg, CpuOps, rng, False),
-                 "W8A8 portable": w8a8(cfg, MsOps, rng, False)}
+        sides = {"routed": build(cfg, CpuOps, True, rng),
+                 "W8A16 int8 panels": int8_experts(cfg, CpuOps, rng, "panels", inputs=False),
+                 "W8A8 int8 panels": int8_experts(cfg, CpuOps, rng, "panels"),
+                 "W8A8 portable": int8_experts(cfg, MsOps, rng, None)}
         if CpuOps.vnni:
-            sides["W8A8 int8, VNNI"] = w8a8(cfg, CpuOps, rng, True)
+            sides["W8A8 int8, VNNI"] = int8_experts(cfg, CpuOps, rng, "vnni")
     else:
         sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng),
                  "routed bfloat16": build(cfg, CpuOps, True, rng, True),

@@ -466,18 +466,6 @@ def bf16_panels_on() -> bool:
     return os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
 
 
-def vnni_on() -> bool:
-    """Whether this machine's CPU kernels multiply W8A8 layers' int8 inputs and weights with
-    AVX512-VNNI (worker.cpu.CpuOps.vnni: the kernels built for a CPU with AVX512-VNNI and BW);
-    MSINFER_VNNI=0 turns it off. Read from /proc/cpuinfo, so that the driver's plan needs no
-    kernels; the workers' nodes are taken to be of the driver's kind."""
-    if os.environ.get("MSINFER_VNNI", "1") == "0" or not os.path.exists("/proc/cpuinfo"):
-        return False
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return "avx512_vnni" in flags and "avx512bw" in flags
-
-
 def cache_root() -> Path:
     """Where msinfer keeps what it builds or learns once per machine (the CPU kernels, the kernel
     self-check's verdicts, the compiled step graphs, the demo model): $MSINFER_CACHE, else

@@ -371,14 +371,15 @@ class FusedExperts(nn.Cell):
             param.row_scales = row_scales
             self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
 
-    def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale, w2_scale) -> None:
+    def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None) -> None:
         """Keep the experts' weights as int8 levels in the device's layout (w13, w2 as its grouped
         kernel takes them) with their scales per output channel (Tensors [E, 2I], [E, H] in the
-        dtype the kernel takes)."""
+        dtype the kernel takes; None where the layout holds them, the CPU's int8 panels)."""
         self.w13 = Parameter(Tensor(w13, mstype.int8), name=self.w13.name, requires_grad=False)
         self.w2 = Parameter(Tensor(w2, mstype.int8), name=self.w2.name, requires_grad=False)
-        self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
-        self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)
+        if w13_scale is not None:
+            self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
+            self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)
         self.op.int8_inputs = self.x_quant is not None      # W8A8: the per-token form (AscendExperts)
 
     def construct(self, x, ids, weights):

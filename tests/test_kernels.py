@@ -312,12 +312,15 @@ def test_int8_experts_with_vnni_give_each_pairs_exact_level_sums_scaled(vnni, fi
     np.testing.assert_allclose(y.astype(np.float64), ref, atol=tol * np.abs(ref).max(), rtol=0)
 
 
+@pytest.mark.parametrize("held", ["float", "int8-panels"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float-inputs", "inputs-to-levels-and-back"])
-def test_experts_in_two_calls_over_float_weights_give_the_one_call_result(kernels, quantized):
-    """CpuExperts over float weights: without quantizers, MoeExperts in one call; with them (int8
-    inputs per token, weights dequantized), MoeUp and MoeDown with each row taken to its levels and
-    back in between, which with the quantizers left out is MoeExperts' result to float32 accuracy,
-    and with them is numpy's quantize-and-back arithmetic."""
+def test_experts_in_two_calls_over_float_weights_give_the_one_call_result(kernels, quantized, held):
+    """CpuExperts over weights in float panels, or int8 levels with a scale per output channel in
+    int8 panels (a weight-only checkpoint's experts, or W8A8 ones without VNNI; their unpack gives
+    the dequantized values): without quantizers, MoeExperts in one call; with them (int8 inputs per
+    token), MoeUp and MoeDown with each row taken to its levels and back in between, which with the
+    quantizers left out is MoeExperts' result to float32 accuracy, and with them is numpy's
+    quantize-and-back arithmetic."""
     from msinfer.sharding.layers import PerTokenInt8
     from msinfer.worker.cpu import CpuExperts
     rng = np.random.default_rng(7)
@@ -325,10 +328,18 @@ def test_experts_in_two_calls_over_float_weights_give_the_one_call_result(kernel
     x = rng.standard_normal((N, H)).astype(np.float32)
     x[-2:] = 0
     ids, weights = _routed(N, K, E, rng)
-    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.2).astype(np.float32)
-    w2 = (rng.standard_normal((E, H, I)) * 0.2).astype(np.float32)
-    p13, _ = kernels.pack_experts(w13, True)
-    p2, _ = kernels.pack_experts(w2)
+    if held == "float":
+        w13 = (rng.standard_normal((E, 2 * I, H)) * 0.2).astype(np.float32)
+        w2 = (rng.standard_normal((E, H, I)) * 0.2).astype(np.float32)
+        (p13, unpack13), (p2, unpack2) = kernels.pack_experts(w13, True), kernels.pack_experts(w2)
+    else:
+        q13, q2 = (rng.integers(-128, 128, shape).astype(np.int8) for shape in ((E, 2 * I, H), (E, H, I)))
+        s13, s2 = (rng.uniform(1e-3, 3e-3, shape).astype(np.float32) for shape in ((E, 2 * I), (E, H)))
+        w13, w2 = q13 * s13[..., None], q2 * s2[..., None]
+        (p13, unpack13), (p2, unpack2) = kernels.pack_experts(q13, True, s13), kernels.pack_experts(q2, False, s2)
+        assert p13.dtype == np.int8 and p13.shape == (E, 2 * I, H + 4)          # a quarter of float32's bytes
+    np.testing.assert_array_equal(unpack13(p13), w13)
+    np.testing.assert_array_equal(unpack2(p2), w2)
     args = (Tensor(x), Tensor(ids), Tensor(weights), Tensor(p13), Tensor(p2), Tensor(np.array([0, 1], np.int32)))
     one = kernels.moe_op()(*args).asnumpy()
     cell = CpuExperts()

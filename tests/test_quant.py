@@ -702,8 +702,9 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     (float16): the start-up self-check passes GroupedMatmulV4's antiquant form, the experts keep
     their int8 levels, and each step's logits, teacher-forced, are transformers' on the experts'
     dequantized weights within float16's tolerance. plan counts the int8 experts, as the load
-    holds them; the CPU kernels and the portable operators hold them dequantized, and plan says
-    so. A grouped kernel that drops the scales fails the check, which leaves the experts
+    holds them; the portable operators hold them dequantized, and plan says so. The CPU kernels
+    keep them int8 too (int8 panels, their scales inside: worker.cpu.CpuOps.int8_experts), with
+    logits within float32's tolerance, and plan counts them so. A grouped kernel that drops the scales fails the check, which leaves the experts
     dequantized and the linear layers' int8 kernels as they were; the card plan counts them so
     and says which."""
     import mindspore as ms
@@ -741,8 +742,13 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     assert "experts'" not in dequantized.describe()
     assert dequantized.weight_bytes_per_rank > held + rows
     monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
+    cpu_runner = runner_for(path)
+    assert int8_weights(cpu_runner) == int8_weights(runner)
+    assert max(forced_logits(cpu_runner, references)) < LOGIT_ATOL
     cpu = plan_job(spec_for(path, tmp_path), check_io=False)
-    assert "experts' int8 weights are dequantized" in cpu.describe()
+    assert "the experts' through the grouped kernels" in cpu.describe()
+    assert cpu.weight_bytes_per_rank == cpu_runner.load_stats["bytes"], \
+        (cpu.weight_bytes_per_rank, cpu_runner.load_stats["bytes"])
 
     class Unscaled(ascend.GroupedMatmulV4):          # leaves out the experts' scales
         def construct(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None,
@@ -860,10 +866,9 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     with int8 inputs per token): each expert quantizes the token's row before gate|up and the row
     of silu(gate) * up before down, by the checkpoint's arithmetic. Teacher-forced logits are the
     reference's within the noise of a level (float32 on the CPU, where the experts keep their int8
-    weights on a CPU with VNNI and run the grouped kernels' int8 form, worker.cpu.CpuExperts, and
-    most steps are within float32's noise; without VNNI their weights are dequantized and their
-    rows' float32 sums, in another order than the reference's, move a level here and there;
-    float16 on the emulated Ascend path, where the start-up check passes GroupedMatmulV4's
+    weights and run the grouped kernels, worker.cpu.CpuExperts: with VNNI the int8 products are
+    summed exactly and most steps are within float32's noise; without, their float32 sums, in
+    another order than the reference's, move a level here and there; float16 on the emulated Ascend path, where the start-up check passes GroupedMatmulV4's
     per-token form and the experts keep their int8 weights, the sorted rows quantized to levels
     and a scale each); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU,
     sliced experts share the row's maximum over both ranks. Input quantization is not a no-op here:
@@ -882,8 +887,7 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
         from msinfer.worker.cpu import CpuOps
         runner = runner_for(path)
         held = [w for w in int8_weights(runner) if ".experts." in w]
-        assert held == ([f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")]
-                        if CpuOps.vnni else []), held
+        assert held == [f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")], held
     else:                            # the start-up check passes GroupedMatmulV4's per-token form
         monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
         runner = path_runner(path, path_kind, kernel_check=True)
@@ -895,8 +899,8 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     tol = INT8_FLOAT16_ATOL if path_kind != "cpu" else 0.1
     forced = forced_logits(runner, references)
     assert max(forced) < tol, forced
-    if path_kind == "cpu" and held:  # exact int8 sums: most steps within float32's noise (a level
-        assert sum(f < LOGIT_ATOL for f in forced) >= len(forced) / 2, forced      # moved elsewhere)
+    if path_kind == "cpu" and CpuOps.vnni:   # exact int8 sums: most steps within float32's noise
+        assert sum(f < LOGIT_ATOL for f in forced) >= len(forced) / 2, forced  # (a level moved elsewhere)
     unquantized = forced_logits(runner, floats)
     if path_kind == "cpu":
         assert max(unquantized) > 2 * max(forced), "the inputs were not quantized"
@@ -909,9 +913,8 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     assert "experts' inputs are quantized per token" in plan.describe()
     if path_kind != "cpu":
         return
-    assert ("the experts' through the grouped kernels' int8 form (VNNI)" in plan.describe()) == bool(held)
-    rows = sum(p.shape[0] * p.shape[1] for p in runner.model.int8_scales())
-    assert abs(plan.weight_bytes_per_rank - runner.load_stats["bytes"]) <= rows, \
+    assert "the experts' through the grouped kernels, their int8 inputs summed with VNNI" in plan.describe()
+    assert plan.weight_bytes_per_rank == runner.load_stats["bytes"], \
         (plan.weight_bytes_per_rank, runner.load_stats["bytes"])
     two = generate_tp2(path)
     for i, (tokens, logits) in enumerate(references):

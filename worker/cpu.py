@@ -170,11 +170,16 @@ class CpuOps(MsOps):
     moe_quant_inputs = True
 
     @classmethod
-    def int8_experts(cls, scheme) -> bool:
-        """Whether experts of `scheme` keep their int8 levels: int8 weights per channel with int8
-        inputs per token (W8A8), where the CPU has VNNI (CpuExperts). Other int8 experts are
-        dequantized: the grouped kernel has no int8 panels."""
-        return cls.vnni and scheme is not None and scheme.int8_kind == "dynamic"
+    def int8_experts(cls, scheme) -> str | None:
+        """How experts of `scheme` keep their int8 levels (int8 weights with a scale per output
+        channel; CausalLM.hold_int8_experts): "vnni" with int8 inputs per token (W8A8) where the
+        CPU has VNNI (`pack_vnni`'s panels, the int8 products summed exactly); "panels" for the
+        others (`pack_int8`'s panels, products in float32: weight-only, or W8A8 without VNNI);
+        None: not int8 per channel (int4 groups), dequantized."""
+        kind = scheme.int8_kind if scheme is not None else None
+        if kind not in ("weight", "dynamic"):
+            return None
+        return "vnni" if kind == "dynamic" and cls.vnni else "panels"
 
     @staticmethod
     def expert_scales(scales: np.ndarray, glu: bool = False) -> np.ndarray:
@@ -184,13 +189,18 @@ class CpuOps(MsOps):
         return np.stack([CpuOps.interleave_glu(s[:, None])[:, 0] for s in scales]) if glu else scales
 
     @classmethod
-    def pack_experts(cls, w: np.ndarray, glu: bool = False):
+    def pack_experts(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
         """Stacked expert weights [E, N, K] -> every expert packed as `pack_weight` packs a weight,
         all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
-        and the unpack. Int8 levels go to `pack_vnni`'s layout (gate and up interleaved with glu),
-        or None where N is not whole panels."""
+        and the unpack. Int8 levels with their `scales` [E, N] go to `pack_int8`'s panels (the
+        unpack gives their dequantized values); without, to `pack_vnni`'s layout (gate and up
+        interleaved with glu), or None where N is not whole panels."""
         if not len(w):
             return w, lambda t: t
+        if w.dtype == np.int8 and scales is not None:
+            packed = [cls.int8_panels(q, s, glu) for q, s in zip(w, scales)]
+            unpack = packed[0][1]
+            return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
         if w.dtype == np.int8:
             E, N, K = w.shape
             if N % PANEL:
@@ -254,10 +264,14 @@ class CpuOps(MsOps):
         bytes, then q in `pack`'s panels (`pack_glu`'s, glu), and the unpack); None where any row
         has no scale (NaN: loaded from a float tensor, or an adapter was merged into it) or w is
         not exactly q * scale (then the float panels hold it)."""
-        N, K = w.shape
         q = int8_levels(w, scales)
-        if q is None:
-            return None
+        return None if q is None else cls.int8_panels(q, scales, glu)
+
+    @classmethod
+    def int8_panels(cls, q: np.ndarray, scales: np.ndarray, glu: bool = False):
+        """int8 levels q [N, K] with a scale per row -> `pack_int8`'s layout and its unpack (to
+        the dequantized values)."""
+        N, K = q.shape
         if glu:
             q, scales = cls.interleave_glu(q), cls.interleave_glu(scales[:, None])[:, 0]
         packed = np.concatenate((np.ascontiguousarray(scales, np.float32).view(np.int8), cls.pack(q).reshape(-1)))
@@ -397,10 +411,11 @@ class CpuExperts(nn.Cell):
     MoeUp (gate|up, silu(gate) * up of each (token, expert) pair) and MoeDown (down, and each
     token's weighted sum), so that a row of silu(gate) * up split over tensor-parallel ranks
     (sliced experts) is quantized with its maximum over all of them, as a row-parallel layer's is.
-    With their weights held as int8 levels (the scales given: W8A8 with VNNI, CpuOps.int8_experts),
-    the kernels quantize the rows as the quantizers would and sum the int8 products exactly
-    (linear_vnni's arithmetic); with float weights, the quantizers take the rows to their levels
-    and back in between."""
+    With their weights held as int8 levels in VNNI panels (the scales given: W8A8 with VNNI,
+    CpuOps.int8_experts), the kernels quantize the rows as the quantizers would and sum the int8
+    products exactly (linear_vnni's arithmetic); with weights held otherwise (float panels, or
+    int8 panels with their scales inside), the quantizers take the rows to their levels and back
+    in between."""
 
     def __init__(self):
         super().__init__()

@@ -555,11 +555,12 @@ class CausalLM(nn.Cell):
     def hold_int8_experts(self, cell: FusedExperts) -> bool:
         """Experts whose weights all loaded as int8 levels with a scale per row keep them, in the
         device's expert layout (`dev.pack_experts`: the Ascend path's transposes alone, so each
-        output channel keeps its scale; the CPU's VNNI panels, where the sizes are whole panels),
-        multiplied by the device's grouped kernel, where it takes the experts' scheme
-        (`dev.int8_experts`). Whether they do."""
+        output channel keeps its scale; the CPU's VNNI panels, where the sizes are whole panels, or
+        its int8 panels with the scales inside), multiplied by the device's grouped kernel, where
+        it takes the experts' scheme (`dev.int8_experts`: the layout). Whether they do."""
         scheme = cell.quant_scheme
-        if not self.dev.int8_experts(scheme):
+        layout = self.dev.int8_experts(scheme)
+        if not layout:
             return False
         if scheme.int8_kind == "dynamic" and (cell.x_quant is None or cell.h_quant is None):
             return False                 # int8 inputs to one projection only: both stay float
@@ -572,11 +573,16 @@ class CausalLM(nn.Cell):
                 return False
             held.append((levels.reshape(values.shape), scales))
         (l13, s13), (l2, s2) = held
+        names = cell.w13.name, cell.w2.name
+        if layout == "panels":           # the CPU's int8 panels: the scales inside, products in float32
+            (p13, unpack13), (p2, unpack2) = self.dev.pack_experts(l13, cell.glu, s13), self.dev.pack_experts(l2, False, s2)
+            cell.hold_int8(p13, p2)
+            self.packed.update(zip(names, (unpack13, unpack2)))
+            return True
         packed = self.dev.pack_experts(l13, cell.glu), self.dev.pack_experts(l2)
         if None in packed:
             return False                 # sizes the device's int8 layout does not take
         (p13, unpack13), (p2, unpack2) = packed
-        names = cell.w13.name, cell.w2.name
         # weight-only: the antiquant scale in the compute dtype; int8 inputs: the per-token form's
         # scale, bfloat16 for a bfloat16 output and float32 for float16 (golden-stick, ptq/hal.py)
         sdt = self.dtype if scheme.int8_kind == "weight" or self.dtype == ms.bfloat16 else ms.float32

@@ -16,7 +16,8 @@
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
 //   MoeUp, MoeDown  the same in two calls, for experts whose inputs are quantized per token
-//                   (W8A8): over int8 weights with VNNI, or float weights (see moe.h)
+//                   (W8A8): over int8 weights with VNNI, or weights held as MoeExperts holds them
+//                   (see moe.h)
 //   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
@@ -256,97 +257,103 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
   return 0;
 }
 
-// x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, H], w2 [E, H, I] (panels of x's dtype, or
-// int16: bfloat16 tiles with x float32; see moe), meta [2] int32 (first expert held, glu) -> [N, H]
+// How the experts' weight [E, N, ...] (w_dtype, its shape) is held for x of x_dtype, N rows of K
+// inputs each: panels of x's dtype [E, N, K]; int16: bfloat16 tiles [E, N, K] (x float32, where
+// the CPU grants AMX); int8: int8 panels [E, N, K + 4] (CpuOps.pack_int8) or, with `vnni`, VNNI
+// panels [E, N, Kq] (CpuOps.pack_vnni, N a multiple of 32). False: none of these.
+static bool expert_pack(const char* x_dtype, const char* w_dtype, const int64_t* shape, int64_t N, int64_t K,
+                        bool vnni, Pack* pack) {
+  if (shape[1] != N) return false;
+  *pack = Pack::Int8;
+  if (vnni) return std::strcmp(w_dtype, "int8") == 0 && shape[2] == (K + 3) / 4 * 4 && N % kPanel == 0;
+  if (std::strcmp(w_dtype, "int8") == 0) return shape[2] == K + 4;
+  if (std::strcmp(w_dtype, "int16") == 0) {
+    *pack = Pack::Tiles;
+    return shape[2] == K && tiles_usable(x_dtype, N, K);
+  }
+  *pack = Pack::Panels;
+  return std::strcmp(w_dtype, x_dtype) == 0 && shape[2] == K;
+}
+
+// x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, .], w2 [E, H, .] (each as expert_pack
+// takes it, not VNNI), meta [2] int32 (first expert held, glu) -> [N, H]: moe
 extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                           void* extra) {
   if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3 || ndims[4] != 3) return 1;
-  const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[3][0], I = shapes[4][2];
+  const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[3][0], I = shapes[3][1] / 2;
   const int32_t* meta = static_cast<const int32_t*>(params[5]);
   const bool glu = meta[1] != 0;
-  const bool tiles13 = std::strcmp(dtypes[3], "int16") == 0, tiles2 = std::strcmp(dtypes[4], "int16") == 0;
-  if (shapes[1][0] != N || shapes[2][0] != N || shapes[2][1] != K || shapes[3][1] != 2 * I || shapes[3][2] != H ||
-      shapes[4][0] != E || shapes[4][1] != H || (glu && (2 * I) % kPanel) || std::strcmp(dtypes[1], "int32") ||
-      (!tiles13 && std::strcmp(dtypes[0], dtypes[3])) || (!tiles2 && std::strcmp(dtypes[0], dtypes[4])) ||
-      std::strcmp(dtypes[0], dtypes[2]))
+  Pack p13, p2;
+  if (shapes[1][0] != N || shapes[2][0] != N || shapes[2][1] != K || shapes[3][1] % 2 || shapes[4][0] != E ||
+      (glu && (2 * I) % kPanel) || std::strcmp(dtypes[1], "int32") || std::strcmp(dtypes[0], dtypes[2]) ||
+      !expert_pack(dtypes[0], dtypes[3], shapes[3], 2 * I, H, false, &p13) ||
+      !expert_pack(dtypes[0], dtypes[4], shapes[4], H, I, false, &p2))
     return 2;
-  if ((tiles13 && !tiles_usable(dtypes[0], 2 * I, H)) || (tiles2 && !tiles_usable(dtypes[0], H, I))) return 2;
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<const T*>(params[i]); };
-    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), params[3], tiles13, params[4], tiles2,
+    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), params[3], p13, params[4], p2,
            static_cast<T*>(params[6]), N, K, H, E, I, meta[0], glu);
   });
   return 0;
 }
 
-// Whether an expert weight's dtype is int8 (VNNI; then with scales [E, rows] and meta [2] float32
-// at params[i], params[i + 1]) or tiles (int16) or x's.
-static bool expert_weight(const char* x_dtype, const char* w_dtype, bool int8, bool* tiles) {
-  *tiles = std::strcmp(w_dtype, "int16") == 0;
-  return int8 ? std::strcmp(w_dtype, "int8") == 0 : (*tiles || std::strcmp(x_dtype, w_dtype) == 0);
-}
-
-// x [N, H], ids [N, k] int32, w13 [E, 2I, H] (panels of x's dtype, or int16: bfloat16 tiles; or
-// int8 [E, 2I, Hq] (CpuOps.pack_vnni) with scales [E, 2I] float32 and meta [2] float32 (divisor,
-// half away from zero) after meta), meta [2] int32 (first expert held, glu) -> h [N k, I]: moe_up
+// x [N, H], ids [N, k] int32, w13 [E, 2I, .] (as expert_pack takes it; with VNNI panels, then its
+// scales [E, 2I] float32 and meta [2] float32 (divisor, half away from zero) after meta), meta [2]
+// int32 (first expert held, glu) -> h [N k, I]: moe_up
 extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                      void* extra) {
-  const bool int8 = nparam == 7;
-  if ((nparam != 5 && !int8) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 3 || ndims[nparam - 1] != 2) return 1;
+  const bool vnni = nparam == 7;
+  if ((nparam != 5 && !vnni) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 3 || ndims[nparam - 1] != 2) return 1;
   const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[2][0], I = shapes[2][1] / 2;
   const int32_t* meta = static_cast<const int32_t*>(params[3]);
   const bool glu = meta[1] != 0;
-  bool tiles;
-  if (shapes[1][0] != N || std::strcmp(dtypes[1], "int32") || !expert_weight(dtypes[0], dtypes[2], int8, &tiles) ||
-      shapes[2][2] != (int8 ? (H + 3) / 4 * 4 : H) || shapes[nparam - 1][0] != N * K || shapes[nparam - 1][1] != I ||
-      (glu && (2 * I) % kPanel) || (int8 && ((2 * I) % kPanel || std::strcmp(dtypes[4], "float32") ||
-                                              shapes[4][0] != E || shapes[4][1] != 2 * I || shapes[5][0] != 2)))
+  Pack p13;
+  if (shapes[1][0] != N || std::strcmp(dtypes[1], "int32") || shapes[2][1] % 2 ||
+      !expert_pack(dtypes[0], dtypes[2], shapes[2], 2 * I, H, vnni, &p13) || shapes[nparam - 1][0] != N * K ||
+      shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) ||
+      (vnni && (std::strcmp(dtypes[4], "float32") || shapes[4][0] != E || shapes[4][1] != 2 * I || shapes[5][0] != 2)))
     return 2;
-  if (tiles && !tiles_usable(dtypes[0], 2 * I, H)) return 2;
 #ifndef MSINFER_VNNI
-  if (int8) return 3;
+  if (vnni) return 3;
 #endif
-  const float* qm = int8 ? static_cast<const float*>(params[5]) : nullptr;
-  const Int8Weights q{int8 ? static_cast<const float*>(params[4]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
+  const float* qm = vnni ? static_cast<const float*>(params[5]) : nullptr;
+  const Int8Weights q{vnni ? static_cast<const float*>(params[4]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
                       nullptr};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), params[2], tiles,
-              int8 ? &q : nullptr, static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
+    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), params[2], p13,
+              vnni ? &q : nullptr, static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
   });
   return 0;
 }
 
-// h [N k, I] (MoeUp's), ids [N, k] int32, weights [N, k], w2 [E, H, I] (panels of h's dtype, or
-// int16: bfloat16 tiles; or int8 [E, H, Iq] (CpuOps.pack_vnni) with scales [E, H] float32, meta [2]
-// float32 (divisor, half away from zero) and optionally amax [N k, 1] float32 (each row's maximum
-// over the ranks that split it) after meta), meta [2] int32 (first expert held, glu) -> [N, H]:
-// moe_down
+// h [N k, I] (MoeUp's), ids [N, k] int32, weights [N, k], w2 [E, H, .] (as expert_pack takes it;
+// with VNNI panels, then its scales [E, H] float32, meta [2] float32 (divisor, half away from
+// zero) and optionally amax [N k, 1] float32 (each row's maximum over the ranks that split it)
+// after meta), meta [2] int32 (first expert held, glu) -> [N, H]: moe_down
 extern "C" int MoeDown(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                        void* extra) {
-  const bool int8 = nparam == 8 || nparam == 9, max_given = nparam == 9;
-  if ((nparam != 6 && !int8) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3) return 1;
+  const bool vnni = nparam == 8 || nparam == 9, max_given = nparam == 9;
+  if ((nparam != 6 && !vnni) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3) return 1;
   const int64_t N = shapes[1][0], K = shapes[1][1], I = shapes[0][1], E = shapes[3][0], H = shapes[3][1];
-  bool tiles;
+  Pack p2;
   if (shapes[0][0] != N * K || shapes[2][0] != N || shapes[2][1] != K || std::strcmp(dtypes[1], "int32") ||
-      std::strcmp(dtypes[0], dtypes[2]) || !expert_weight(dtypes[0], dtypes[3], int8, &tiles) ||
-      shapes[3][2] != (int8 ? (I + 3) / 4 * 4 : I) || shapes[nparam - 1][0] != N || shapes[nparam - 1][1] != H ||
-      (int8 && (H % kPanel || std::strcmp(dtypes[5], "float32") || shapes[5][0] != E || shapes[5][1] != H ||
-                shapes[6][0] != 2)) ||
+      std::strcmp(dtypes[0], dtypes[2]) || !expert_pack(dtypes[0], dtypes[3], shapes[3], H, I, vnni, &p2) ||
+      shapes[nparam - 1][0] != N || shapes[nparam - 1][1] != H ||
+      (vnni && (std::strcmp(dtypes[5], "float32") || shapes[5][0] != E || shapes[5][1] != H || shapes[6][0] != 2)) ||
       (max_given && (shapes[7][0] != N * K || std::strcmp(dtypes[7], "float32"))))
     return 2;
-  if (tiles && !tiles_usable(dtypes[0], H, I)) return 2;
 #ifndef MSINFER_VNNI
-  if (int8) return 3;
+  if (vnni) return 3;
 #endif
-  const float* qm = int8 ? static_cast<const float*>(params[6]) : nullptr;
-  const Int8Weights q{int8 ? static_cast<const float*>(params[5]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
+  const float* qm = vnni ? static_cast<const float*>(params[6]) : nullptr;
+  const Int8Weights q{vnni ? static_cast<const float*>(params[5]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
                       max_given ? static_cast<const float*>(params[7]) : nullptr};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     moe_down<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]),
-                static_cast<const T*>(params[2]), params[3], tiles, int8 ? &q : nullptr,
+                static_cast<const T*>(params[2]), params[3], p2, vnni ? &q : nullptr,
                 static_cast<T*>(params[nparam - 1]), N, K, H, E, I, static_cast<const int32_t*>(params[4])[0]);
   });
   return 0;

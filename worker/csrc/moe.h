@@ -15,21 +15,33 @@ namespace {
 // grouped by expert and each expert's rows gathered, so an expert's weights pass once for all its
 // tokens and a step costs what its routed tokens cost. Zero rows of x (a step's padding) are not
 // routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
-// Either weight may instead be bfloat16 AMX tiles (`tiles13`, `tiles2`; T float32, see amx_rows),
-// the gate and up columns of w13 then interleaved as LinearGlu's tiles are.
+// Either weight may instead be bfloat16 AMX tiles (T float32, see amx_rows), the gate and up
+// columns of w13 then interleaved as LinearGlu's tiles are, or int8 panels (Pack).
 //   Experts whose inputs are quantized per token (W8A8) run in two calls, so that a row of
 // silu(gate) * up split over tensor-parallel ranks can be quantized with its maximum over them in
 // between: moe_up gives each pair's row of silu(gate x) * up x [N k, I] (row n k + j; zeros for
 // pairs not held here), moe_down takes those rows through down and sums each token's. With
 // int8 weights (CpuOps.pack_vnni, a scale per output channel, VNNI) each call quantizes its rows
-// as linear_vnni does; with float weights the caller quantizes them (to the levels and back).
+// as linear_vnni does; with weights held otherwise the caller quantizes them (to the levels and
+// back).
+// How an expert's weight [N, K] is held: panels of x's dtype, bfloat16 AMX tiles (int16; x
+// float32), or int8 panels with their N column scales before them (CpuOps.pack_int8: a weight-only
+// int8 checkpoint's experts, or W8A8 ones on a CPU without VNNI).
+enum class Pack { Panels, Tiles, Int8 };
+
+// The bytes of one expert's weight [N, K] held as `pack` (x's element of `size` bytes).
+inline int64_t expert_bytes(Pack pack, int64_t N, int64_t K, int64_t size) {
+  return pack == Pack::Int8 ? N * (K + 4) : N * K * (pack == Pack::Tiles ? 2 : size);
+}
+
 template <typename T, bool Glu>
-void project(const T* x, const void* w, bool tiles, T* y, int64_t m, int64_t K, int64_t N) {
+void project(const T* x, const void* w, Pack pack, T* y, int64_t m, int64_t K, int64_t N) {
 #ifdef MSINFER_AMX
   if constexpr (std::is_same_v<T, float>) {
-    if (tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
+    if (pack == Pack::Tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
   }
 #endif
+  if (pack == Pack::Int8) return linear_rows<T, Glu, int8_t>(x, static_cast<const int8_t*>(w), y, m, K, N);
   linear_rows<T, Glu>(x, static_cast<const T*>(w), y, m, K, N);
 }
 
@@ -96,17 +108,26 @@ void gather_rows(const Routing& r, const T* src, T* dst, int64_t n, RowOf row_of
   });
 }
 
-// Expert e's gate|up over its rows xs (m of them, from `row`) -> hs [m, I]: silu(gate) * up.
+// Expert e's gate|up (its weight w13 of the experts', held as pack13) over its m rows xs -> hs
+// [m, I]: silu(gate) * up.
 template <typename T>
-void gate_up(const T* xs, const void* w13, bool tiles13, T* hs, int64_t m, int64_t H, int64_t I, bool glu) {
-  if (glu) return project<T, true>(xs, w13, tiles13, hs, m, H, 2 * I);
+void gate_up(const T* xs, const void* w13, Pack pack13, int64_t e, T* hs, int64_t m, int64_t H, int64_t I,
+             bool glu) {
+  const void* w = static_cast<const char*>(w13) + e * expert_bytes(pack13, 2 * I, H, sizeof(T));
+  if (glu) return project<T, true>(xs, w, pack13, hs, m, H, 2 * I);
   std::vector<T> gu(m * 2 * I);
-  project<T, false>(xs, w13, tiles13, gu.data(), m, H, 2 * I);
+  project<T, false>(xs, w, pack13, gu.data(), m, H, 2 * I);
   silu_mul(gu.data(), hs, m, I);
 }
 
+// Expert e's down (its weight w2 of the experts', held as pack2) over its m rows hs -> ys [m, H].
 template <typename T>
-void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, bool tiles13, const void* w2, bool tiles2,
+void down(const T* hs, const void* w2, Pack pack2, int64_t e, T* ys, int64_t m, int64_t H, int64_t I) {
+  project<T, false>(hs, static_cast<const char*>(w2) + e * expert_bytes(pack2, H, I, sizeof(T)), pack2, ys, m, I, H);
+}
+
+template <typename T>
+void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, Pack pack13, const void* w2, Pack pack2,
          T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
   std::vector<char> live(N);
   for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
@@ -117,10 +138,8 @@ void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, bool til
   for (int64_t e = 0; e < E; ++e) {
     const int64_t s = r.start[e], m = r.start[e + 1] - s;
     if (m == 0) continue;
-    gate_up(xs.data() + s * H, static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T)), tiles13,
-            hs.data() + s * I, m, H, I, glu);
-    project<T, false>(hs.data() + s * I, static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T)), tiles2,
-                      ys.data() + s * H, m, I, H);
+    gate_up(xs.data() + s * H, w13, pack13, e, hs.data() + s * I, m, H, I, glu);
+    down(hs.data() + s * I, w2, pack2, e, ys.data() + s * H, m, H, I);
   }
   combine(r, ys.data(), wts, out, N, K, H);
 }
@@ -136,9 +155,10 @@ struct Int8Weights {
 };
 
 // h [N k, I] (moe_up): row n k + j is silu(gate x[n]) * up x[n] by expert ids[n][j] where it is
-// held here and x[n] is not zeros; zeros elsewhere. q: the weights are int8 (VNNI), else float.
+// held here and x[n] is not zeros; zeros elsewhere. q: the weights are int8 (VNNI), else held as
+// pack13 and x's rows taken as they are.
 template <typename T>
-void moe_up(const T* x, const int32_t* ids, const void* w13, bool tiles13, const Int8Weights* q, T* h, int64_t N,
+void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const Int8Weights* q, T* h, int64_t N,
             int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
   std::vector<char> live(N);
   for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
@@ -149,9 +169,7 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, bool tiles13, const
   if (q == nullptr) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = r.start[e], m = r.start[e + 1] - s;
-      if (m > 0)
-        gate_up(xs.data() + s * H, static_cast<const char*>(w13) + e * 2 * I * H * (tiles13 ? 2 : sizeof(T)),
-                tiles13, hs.data() + s * I, m, H, I, glu);
+      if (m > 0) gate_up(xs.data() + s * H, w13, pack13, e, hs.data() + s * I, m, H, I, glu);
     }
   } else {
 #ifdef MSINFER_VNNI
@@ -187,7 +205,7 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, bool tiles13, const
 // out [N, H] (moe_down): each token's rows of h [N k, I] (moe_up's) through down, weighted by wts
 // and summed. Rows of zeros are not routed: down of zeros is zeros, quantized or not.
 template <typename T>
-void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, bool tiles2, const Int8Weights* q,
+void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, Pack pack2, const Int8Weights* q,
               T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first) {
   const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t j) { return !zero_row(h + (n * K + j) * I, I); });
   const int64_t R = r.rows();
@@ -196,9 +214,7 @@ void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, bool
   if (q == nullptr) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = r.start[e], m = r.start[e + 1] - s;
-      if (m > 0)
-        project<T, false>(hs.data() + s * I, static_cast<const char*>(w2) + e * H * I * (tiles2 ? 2 : sizeof(T)),
-                          tiles2, ys.data() + s * H, m, I, H);
+      if (m > 0) down(hs.data() + s * I, w2, pack2, e, ys.data() + s * H, m, H, I);
     }
   } else {
 #ifdef MSINFER_VNNI

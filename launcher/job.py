@@ -29,7 +29,8 @@ from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_out
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, dtype_bytes, emulate_variants,
-                                    emulated_memory, emulated_note, ops_problem, resolve_device, resolve_dtype)
+                                    emulated_memory, emulated_note, int4_on, ops_problem, resolve_device,
+                                    resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -263,11 +264,13 @@ def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool]:
     """Whether the workers keep a quantized checkpoint's weights as they are, (int8 with a scale
     per channel in linear layers, the same in experts, int4 groups in linear layers): the CPU
     kernels do the first two (worker.cpu.CpuOps.pack_int8; the experts' in the same panels, or
-    VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts); Ascend's quantized matmuls do all
-    three (worker.ascend.AscendInt8Linear, AscendExperts, AscendInt4Linear; emulated too) unless
-    the start-up self-check finds them wanting; the portable operators dequantize them."""
+    VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts), and the third on a CPU with
+    AVX-512 (CpuInt4Linear; sharding.config.int4_on); Ascend's quantized matmuls do all three
+    (worker.ascend.AscendInt8Linear, AscendExperts, AscendInt4Linear; emulated too) unless the
+    start-up self-check finds them wanting; the portable operators dequantize them."""
     ascend = ops != "portable" and device == "ascend"
-    return ops != "portable", ascend or (ops != "portable" and device == "cpu"), ascend
+    cpu = ops != "portable" and device == "cpu"
+    return ops != "portable", ascend or cpu, ascend or (cpu and int4_on())
 
 
 def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:

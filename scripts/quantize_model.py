@@ -6,7 +6,7 @@ MoE experts that transformers holds fused (3-D parameters, not Linear layers, wh
 transformers 5 holds every MoE here): the config's `ignore` names them, so that it says what the
 checkpoint holds.
 
-    python scripts/quantize_model.py SRC DST --scheme w8a8     # w8a8 | w8a16 | w4a16 | mixed
+    python scripts/quantize_model.py SRC DST --scheme w8a8     # w8a8 | w8a16 | w4a16 | w4a16g64 | mixed
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from pathlib import Path
 
 INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 INT4_GROUP16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+INT4_GROUP64 = {**INT4_GROUP16, "group_size": 64}       # a real checkpoint's groups are 64-128
 INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 # scheme -> (format, {targets: (weights, input activations)})
 SCHEMES = {
     "w8a8": ("int-quantized", {"Linear": (INT8_CHANNEL, INT8_TOKEN)}),
     "w8a16": ("pack-quantized", {"Linear": (INT8_CHANNEL, None)}),
     "w4a16": ("pack-quantized", {"Linear": (INT4_GROUP16, None)}),
+    "w4a16g64": ("pack-quantized", {"Linear": (INT4_GROUP64, None)}),
     # attention W8A8 and the MLP W4A16: at tp 2 a row-parallel input of each kind is split
     "mixed": ("pack-quantized", {"re:.*self_attn\\..*": (INT8_CHANNEL, INT8_TOKEN),
                                  "re:.*mlp\\..*": (INT4_GROUP16, None)}),

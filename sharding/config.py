@@ -466,6 +466,17 @@ def bf16_panels_on() -> bool:
     return os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
 
 
+def int4_on() -> bool:
+    """Whether the CPU kernels hold W4A16 layers' int4 weights as they are (worker.cpu.CpuOps.int4:
+    the kernels built for a CPU with AVX-512); MSINFER_INT4=0 dequantizes them. Read from
+    /proc/cpuinfo, so that the driver's plan needs no kernels: it takes the workers' nodes to be
+    of the driver's kind."""
+    if os.environ.get("MSINFER_INT4", "1") == "0" or not os.path.exists("/proc/cpuinfo"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+
+
 def cache_root() -> Path:
     """Where msinfer keeps what it builds or learns once per machine (the CPU kernels, the kernel
     self-check's verdicts, the compiled step graphs, the demo model): $MSINFER_CACHE, else

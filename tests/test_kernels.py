@@ -241,6 +241,44 @@ def test_int8_inputs_and_weights_with_vnni_give_the_exact_sum_of_the_levels_scal
         assert not y[-2:].any()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("M,K,N,group,glu", [(1, 64, 64, 32, False), (13, 64, 64, 16, True), (17, 96, 96, 32, True),
+                                             (30, 256, 80, 128, False), (5, 32, 6, 16, False)])
+def test_int4_groups_give_the_float32_panels_result_of_their_dequantized_weight(kernels, M, K, N, group, glu,
+                                                                                dtype):
+    """A W4A16 layer (CpuInt4Linear): int4 levels two a byte with a scale per group of inputs,
+    each weight scaled to its dequantized value as it is read, give what the float32 panels of the
+    dequantized weight give, bit for bit (float32), and numpy's product; trailing padding rows are
+    zeros; the packing unpacks to the levels, at an eighth of float32's bytes. Up to 12 rows read
+    the int4 panels; 13 or more read each panel widened once to float32; a last panel narrower
+    than 32 columns (80, 6) is widened too."""
+    from msinfer.worker.cpu import CpuInt4Linear
+    if not kernels.int4:
+        pytest.skip("no AVX-512 on this CPU: W4A16 weights are dequantized")
+    rng = np.random.default_rng(M + K + N)
+    x = rng.standard_normal((M, K)).astype(dtype)
+    if M > 1:
+        x[-2:] = 0
+    q = rng.integers(-8, 8, size=(N, K)).astype(np.int8)
+    s = rng.uniform(1e-2, 3e-2, size=(N, K // group)).astype(np.float32)
+    w = q * np.repeat(s, group, axis=1)                          # float32: the loader's dequantized weight
+    cell = CpuInt4Linear(group, glu)
+    data, unpack = cell.pack(q)
+    assert data.dtype == np.uint8 and data.nbytes * 8 == w.nbytes
+    np.testing.assert_array_equal(unpack(data), q)
+    y = cell(Tensor(x), Tensor(data), cell.scales(s)).asnumpy()
+    panels = (kernels.glu_linear_op() if glu else kernels.linear_op())(
+        Tensor(x), Tensor((kernels.pack_glu if glu else kernels.pack)(w.astype(dtype)))).asnumpy()
+    if dtype == np.float32:
+        np.testing.assert_array_equal(y, panels)
+    h = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(y.astype(np.float64), ref, atol=tol * np.abs(ref).max(), rtol=0)
+    if M > 1:
+        assert not y[-2:].any()
+
+
 def _routed(N, K, E_all, rng, pad=2):
     """Top-K ids of E_all experts for N tokens, the last `pad` of them padding."""
     ids = np.stack([rng.choice(E_all, K, replace=False) for _ in range(N)]).astype(np.int32)

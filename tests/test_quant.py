@@ -107,18 +107,20 @@ def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(nam
     the sequence's later logits by ~1e-2): most rows are the reference's to 2e-4, none of them
     is the reference's with float inputs (which really differs), and every token is the same up
     to a step where the reference's top two tokens are within that noise (`steps_held`).
-    plan counts the weights as the CPU kernels hold them (int8 per channel as int8). On a CPU with
-    AVX512-VNNI, W8A8 layers multiply int8 inputs by int8 weights (CpuInt8Linear)."""
+    plan counts the weights as the CPU kernels hold them (int8 per channel as int8; int4 groups
+    as int4, two a byte, on a CPU with AVX-512: CpuInt4Linear). On a CPU with AVX512-VNNI, W8A8
+    layers multiply int8 inputs by int8 weights (CpuInt8Linear)."""
     path = quantized(name, scheme)
     rec = Recording(runner_for(path))
     held = rec.runner.load_stats["bytes"]
     assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == held
-    assert (held < plan_job(spec_for(quantized(name, "w4a16"), tmp_path), check_io=False).weight_bytes_per_rank) \
-        == scheme.startswith("w8")
     from msinfer.sharding.layers import LinearBase
-    from msinfer.worker.cpu import CpuInt8Linear, CpuOps
-    vnni = [type(c.int8_matmul) for _, c in rec.runner.model.cells_and_names() if isinstance(c, LinearBase)]
-    assert (CpuInt8Linear in vnni) == (CpuOps.vnni and scheme == "w8a8"), vnni
+    from msinfer.worker.cpu import CpuInt4Linear, CpuInt8Linear, CpuOps
+    int4 = plan_job(spec_for(quantized(name, "w4a16"), tmp_path), check_io=False).weight_bytes_per_rank
+    assert (held < int4) == (scheme.startswith("w8") and not CpuOps.int4), (held, int4)
+    kernels = [type(c.int8_matmul) for _, c in rec.runner.model.cells_and_names() if isinstance(c, LinearBase)]
+    assert (CpuInt8Linear in kernels) == (CpuOps.vnni and scheme == "w8a8"), kernels
+    assert (CpuInt4Linear in kernels) == (CpuOps.int4 and scheme == "w4a16"), kernels
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     same = float_inputs = compared = 0
     tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL

@@ -122,11 +122,19 @@ class CpuOps(MsOps):
     # (kernels.cc, linear_vnni): set by load_kernels; MSINFER_VNNI=0 turns it off.
     vnni = False
 
+    # Whether Linear and LinearGlu take W4A16 layers' int4 weights (kernels.cc, int4_rows): set by
+    # load_kernels (a CPU with AVX-512); MSINFER_INT4=0 turns it off.
+    int4 = False
+
     @classmethod
     def int8_linear(cls, scheme, quantizer, dtype, glu: bool = False):
         """CpuInt8Linear for a W8A8 layer whose inputs are quantized per token (compressed-tensors
-        W8A8, ModelSlim W8A8_DYNAMIC) where the CPU has VNNI; None elsewhere: the weight then goes
-        to int8 panels (`pack_int8`) and its inputs through `quant_rows_op`, in float32 FMAs."""
+        W8A8, ModelSlim W8A8_DYNAMIC) where the CPU has VNNI; CpuInt4Linear for a W4A16 layer (int4
+        groups) where it has AVX-512; None elsewhere: an int8 weight then goes to int8 panels
+        (`pack_int8`) and its inputs through `quant_rows_op`, in float32 FMAs; an int4 weight is
+        dequantized."""
+        if scheme is not None and scheme.int4_groups:
+            return CpuInt4Linear(scheme.group_size, glu) if cls.int4 else None
         if not cls.vnni or scheme is None or scheme.int8_kind != "dynamic" or not isinstance(quantizer, PerTokenInt8):
             return None
         return CpuInt8Linear(quantizer, glu)
@@ -440,6 +448,61 @@ class CpuExperts(nn.Cell):
         return self.down(h, ids, weights, w2, meta, w2_scale, self.h_quant.meta, self.h_quant.row_max(h))
 
 
+class CpuInt4Linear(nn.Cell):
+    """(x [M, K], w [N, K/2] uint8 by `pack`, scales [N, K/g] float32 by `scales`) -> x W^T [M, N]
+    (glu: silu(x gate^T) * (x up^T) [M, N/2]) for a W4A16 layer held as its int4 levels with a
+    scale per group of g inputs (CausalLM.hold_int8): each weight widened and scaled to its
+    dequantized float32 value as the kernel reads it (kernels.cc, int4_rows), so the result is the
+    float32 panels' from an eighth of their bytes."""
+
+    def __init__(self, group: int, glu: bool = False):
+        super().__init__()
+        self.group, self.glu = group, glu
+        self.weight_dtype = ms.uint8          # (LinearBase.hold_int8)
+        self.op = _custom("LinearGlu" if glu else "Linear", lambda x, w, *_: [x[0], w[0] // 2 if glu else w[0]])
+
+    def pack(self, levels: np.ndarray):
+        """int4 levels [N, K] (-8..7, int8) -> uint8 [N, K/2]: panels of 32 columns, each [K][16],
+        byte c of k holding column c + 8 in its low nibble and column c + 16 + 8 in its high one (a
+        last, narrower panel of W columns [K][W/2], column c + W/2 in the high nibble; gate and up
+        interleaved for glu); and its unpack to the levels. None where N is odd (glu: not whole
+        panels) or K is odd or not whole groups."""
+        N, K = levels.shape
+        if N % 2 or K % 2 or K % self.group or (self.glu and N % PANEL):
+            return None
+        rows = CpuOps.interleave_glu(levels) if self.glu else levels
+        u = (rows.astype(np.int16) + 8).astype(np.uint8)
+        packed = np.concatenate([self._nibbles(u[c:c + PANEL]).reshape(-1) for c in range(0, N, PANEL)])
+
+        def unpack(t: np.ndarray) -> np.ndarray:
+            flat, parts = t.reshape(-1), []
+            for c in range(0, N, PANEL):
+                W = min(PANEL, N - c)
+                b = flat[c * K // 2:(c + W) * K // 2].reshape(K, W // 2).T
+                parts.append(np.concatenate((b & 0x0F, b >> 4)))
+            q = (np.concatenate(parts).astype(np.int16) - 8).astype(np.int8)
+            return CpuOps.deinterleave_glu(q) if self.glu else q
+        return packed.reshape(N, K // 2), unpack
+
+    @staticmethod
+    def _nibbles(u: np.ndarray) -> np.ndarray:
+        """A panel's W columns of levels + 8 [W, K] -> [K][W/2] bytes: column c low, c + W/2 high."""
+        half = u.shape[0] // 2
+        return np.ascontiguousarray((u[:half] | (u[half:] << 4)).T)
+
+    def scales(self, group_scales: np.ndarray) -> Tensor:
+        """The group scales [N, K/g] in the panels' order: each panel's [K/g][32] ([K/g][W] for a
+        last, narrower one), float32, held as [N, K/g]."""
+        s = np.asarray(group_scales, np.float32)
+        if self.glu:
+            s = CpuOps.interleave_glu(s)
+        N, groups = s.shape
+        return Tensor(np.concatenate([s[c:c + PANEL].T.reshape(-1) for c in range(0, N, PANEL)]).reshape(N, groups))
+
+    def construct(self, x, w, scales):
+        return self.op(x, w, scales)
+
+
 def bfloat16_bits(w: np.ndarray) -> np.ndarray:
     """The bfloat16 bits (uint16) of float32 values, truncated: exact for values that are bfloat16."""
     return (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
@@ -517,6 +580,7 @@ def load_kernels(threads: int = 0) -> None:
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
     CpuOps.amx = bool(lib.AmxReady()) and os.environ.get("MSINFER_AMX", "1") != "0"
     CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
+    CpuOps.int4 = bool(lib.Int4Ready()) and os.environ.get("MSINFER_INT4", "1") != "0"
     CpuOps.bf16_panels = bf16_panels_on()
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)

@@ -7,7 +7,8 @@
 //   Linear          x w^T over a weight packed in column panels (every matmul of the network), or
 //                   over a bfloat16 weight in AMX tiles, at float32 accuracy (see amx_rows)
 //                   or, for a W8A8 layer, over int8 weights and its inputs quantized to int8 per
-//                   token, summed exactly with AVX512-VNNI (see linear_vnni)
+//                   token, summed exactly with AVX512-VNNI (see linear_vnni), or, for a W4A16
+//                   layer, over int4 weights with a scale per group (see int4_rows)
 //   LinearGlu       silu(x gate^T) * (x up^T), the MLP's first half, over gate and up packed together
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
@@ -213,9 +214,34 @@ int linear_vnni_entry(int nparam, void** params, int* ndims, int64_t** shapes, c
 #endif
 }
 
+// With 4 params, a W4A16 layer (int4_rows): x [M, K], w [N, K/2] uint8 (CpuInt4Linear.pack),
+// scales [N, K/G] float32 in the panels' order, then y.
+template <bool Glu>
+int linear_int4_entry(void** params, int* ndims, int64_t** shapes, const char** dtypes) {
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || std::strcmp(dtypes[1], "uint8") ||
+      std::strcmp(dtypes[2], "float32"))
+    return 1;
+  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0], groups = shapes[2][1];
+  if (shapes[1][1] * 2 != K || shapes[2][0] != N || N % 2 || (Glu && N % kPanel) || groups < 1 || K % groups)
+    return 2;
+#ifdef MSINFER_INT4
+  const uint8_t* w = static_cast<const uint8_t*>(params[1]);
+  const float* scales = static_cast<const float*>(params[2]);
+  with_dtype(dtypes[0], [&](auto tag) {
+    using T = decltype(tag);
+    linear<T, Glu>(static_cast<const T*>(params[0]), static_cast<T*>(params[3]), M, K, N,
+                   [&](const T* xs, T* ys, int64_t L) { int4_rows<T, Glu>(xs, w, scales, ys, L, K, N, K / groups); });
+  });
+  return 0;
+#else
+  return 3;
+#endif
+}
+
 template <bool Glu>
 int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam == 5 || nparam == 6) return linear_vnni_entry<Glu>(nparam, params, ndims, shapes, dtypes);
+  if (nparam == 4) return linear_int4_entry<Glu>(params, ndims, shapes, dtypes);
   const bool int8 = std::strcmp(dtypes[1], "int8") == 0;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] + (int8 ? 4 : 0) != shapes[1][1] ||
       (Glu && shapes[1][0] % kPanel))
@@ -527,6 +553,16 @@ extern "C" int AmxReady() {
 // built for a CPU with AVX512-VNNI.
 extern "C" int VnniReady() {
 #ifdef MSINFER_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether Linear and LinearGlu take int4 weights in groups (int4_rows): the library was built for
+// a CPU with AVX-512.
+extern "C" int Int4Ready() {
+#ifdef MSINFER_INT4
   return 1;
 #else
   return 0;

@@ -387,6 +387,157 @@ void linear_vnni(const T* x, const uint8_t* w, const float* scales, float diviso
 }
 #endif
 
+// ---- Linear over int4 weights in groups (W4A16), on AVX-512 -----------------------------------
+// A W4A16 layer (int4 levels, symmetric, a scale per group of G inputs of each output) held as
+// it is: an eighth of float32's bytes, which a decode step streams.
+//   w [N, K/2] uint8 (CpuInt4Linear.pack): panels of 32 columns, each [K][16]: byte c of k holds
+// column c in its low nibble and column c + 16 in its high one, each as level + 8; a last,
+// narrower panel of W columns (W even) [K][W/2] the same way, column c + W/2 in the high nibble.
+//   scales [N, K/G] float32: each panel's column scales group by group, [K/G][32] ([K/G][W]).
+// Each k's row of 32 weights is widened to float32 and multiplied by its group's scales before
+// the FMAs: the weight is then the dequantized weight's float32 value exactly (level x scale,
+// one rounding, as the loader dequantizes it), so the result is the float32 panels' bit for bit.
+#ifdef __AVX512F__
+#define MSINFER_INT4 1
+// 12 rows x 2 accumulators, the panel row's 2 vectors, its group's 2 scale vectors, a broadcast
+// and the nibble mask: 31 of the 32 zmm (14 rows, the float kernel's, would spill).
+constexpr int64_t kRowsInt4 = 12;
+
+template <typename T, int R, bool Glu>
+__attribute__((noinline)) void micro_int4(const float* a, int64_t lda, const uint8_t* b, int64_t K, int64_t G,
+                                          const float* scale, T* c, int64_t ldc, const char* pf, int64_t pf_step,
+                                          bool cached) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const __m512 s0 = _mm512_loadu_ps(scale + g * kPanel), s1 = _mm512_loadu_ps(scale + g * kPanel + 16);
+    for (int64_t k = k0; k < k0 + G; ++k) {
+      const uint8_t* bk = b + k * (kPanel / 2);
+      __builtin_prefetch(pf + k * pf_step);
+      if (cached) __builtin_prefetch(bk + 64 * (kPanel / 2));        // the panel, from L2, 64 k ahead
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk)));
+      const __m512 b0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, nibble), eight)), s0);
+      const __m512 b1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), s1);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float t[kPanel];
+    _mm512_store_ps(t, acc[i][0]);
+    _mm512_store_ps(t + 16, acc[i][1]);
+    T* o = c + i * ldc;
+    if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
+#pragma omp simd
+      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
+    } else {
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
+    }
+  }
+}
+
+// A full panel's int4 weights (b [K][16], scales [K/G][32]) -> their float32 values d [K][32],
+// as micro_int4 computes them.
+inline void dequantize_int4(const uint8_t* b, const float* scale, int64_t K, int64_t G, float* d) {
+  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const __m512 s0 = _mm512_loadu_ps(scale + g * kPanel), s1 = _mm512_loadu_ps(scale + g * kPanel + 16);
+    for (int64_t k = k0; k < k0 + G; ++k) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k * (kPanel / 2))));
+      _mm512_storeu_ps(d + k * kPanel,
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, nibble), eight)), s0));
+      _mm512_storeu_ps(d + k * kPanel + 16,
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), s1));
+    }
+  }
+}
+
+// Tells int4_rows' calls apart, so that a thread's dequantized panel is never one of an earlier
+// call's (whose weights may since have been freed and others put at the same address).
+std::atomic<uint64_t> g_int4_calls{0};
+
+// y [M, N] (Glu: [M, N/2]) = x [M, K] times the int4 weight w with its group scales (above), N
+// even (Glu: a multiple of 32) and K a multiple of G; work shared as linear_rows shares it (row
+// groups of up to kRows). A panel that one group of at most kRowsInt4 rows reads is widened as
+// micro_int4 reads it; any other is widened once into this thread's float32 panel, which the
+// float32 micro-kernel then reads for each group: widening it for each would cost as much as the
+// FMAs (at 16 rows, 284 tok/s against 368 for bfloat16 panels). The last, narrower panel is
+// dequantized into a float32 panel padded to 32 columns.
+template <typename T, bool Glu>
+void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t M, int64_t K, int64_t N, int64_t G) {
+  const uint64_t call = ++g_int4_calls;
+  constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
+  const int64_t ldy = Glu ? N / 2 : N, full = N / kPanel, panels = (N + kPanel - 1) / kPanel;
+  const float* xa;
+  thread_local std::vector<float> widened;
+  if constexpr (std::is_same_v<T, float>) {
+    xa = x;
+  } else {
+    widened.resize(M * K);
+    float* to = widened.data();
+    parallel_for(M, 16, [&](int64_t m) {
+      for (int64_t k = 0; k < K; ++k) to[m * K + k] = static_cast<float>(x[m * K + k]);
+    });
+    xa = to;
+  }
+  panel_items<kRows, kRowBlock>(
+      M, panels, full, K, kPanel / 2, reinterpret_cast<const char*>(w),
+      [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
+        const uint8_t* b = w + p * K * (kPanel / 2);
+        const float* sc = scales + p * (K / G) * kPanel;
+        if (!cached && r <= kRowsInt4) {
+          return with_count<kRowsInt4>(r, [&](auto rows) {
+            micro_int4<T, rows, Glu>(xa + m * K, K, b, K, G, sc, y + m * ldy + p * out_cols, ldy, pf, step, false);
+          });
+        }
+        thread_local std::vector<float> panel;
+        thread_local uint64_t panel_call = 0;
+        thread_local const uint8_t* panel_of = nullptr;
+        if (panel_call != call || panel_of != b) {
+          panel.resize(K * kPanel);
+          dequantize_int4(b, sc, K, G, panel.data());
+          panel_call = call, panel_of = b;
+        }
+        with_count<kRows>(r, [&](auto rows) {
+          micro<T, float, rows, Glu>(xa + m * K, K, panel.data(), K, y + m * ldy + p * out_cols, ldy, pf, step, true,
+                                     nullptr);
+        });
+      },
+      [&](int64_t m0, int64_t m1, int64_t p1) {
+        if (Glu || p1 <= full) return;
+        const int64_t col = full * kPanel, width = N - col, half = width / 2;
+        const uint8_t* b = w + col * K / 2;
+        const float* sc = scales + col * (K / G);
+        thread_local std::vector<float> pad;
+        thread_local std::vector<T> tile;
+        pad.assign(K * kPanel, 0.f);
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t c = 0; c < half; ++c) {
+            const uint8_t byte = b[k * half + c];
+            pad[k * kPanel + c] = static_cast<float>((byte & 0x0F) - 8) * sc[k / G * width + c];
+            pad[k * kPanel + c + half] = static_cast<float>((byte >> 4) - 8) * sc[k / G * width + c + half];
+          }
+        tile.resize(kRows * kPanel);
+        for (int64_t m = m0; m < m1; m += kRows) {
+          const int64_t r = std::min(kRows, m1 - m);
+          with_count<kRows>(r, [&](auto rows) {
+            micro<T, float, rows>(xa + m * K, K, pad.data(), K, tile.data(), kPanel,
+                                  reinterpret_cast<const char*>(pad.data()), 0, false, nullptr);
+          });
+          for (int64_t i = 0; i < r; ++i)
+            std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
+        }
+      });
+}
+#endif
+
 // ---- Linear over bfloat16 weights, in AMX tiles ---------------------------------------------
 // Most checkpoints store their weights in bfloat16, so a float32 network holds weights whose
 // last 16 bits are zero. For such a weight (CpuOps.pack_weight checks), x w^T is computed with

@@ -78,6 +78,19 @@ inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
 constexpr int kRegisters = sizeof(vreg) == 64 ? 32 : 16;
 constexpr bool kPanelFirst = kRows * kVecs + kVecs + 1 <= kRegisters;
 
+// A row of a panel's 32 results t into c's row o: as they are, or with Glu (columns 0-15 gate,
+// 16-31 up) silu(gate) * up in 16 columns.
+template <typename T, bool Glu>
+inline void store_row(const float* t, T* o) {
+  if constexpr (Glu) {
+#pragma omp simd
+    for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
+  } else {
+#pragma omp simd
+    for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
+  }
+}
+
 // c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
 // the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
 // the hardware prefetcher alone leaves the FMAs waiting on them. When several row groups read
@@ -130,14 +143,7 @@ __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, in
 #pragma omp simd
       for (int j = 0; j < kPanel; ++j) t[j] *= scale[j];
     }
-    T* o = c + i * ldc;
-    if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
-#pragma omp simd
-      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
-    } else {
-#pragma omp simd
-      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
-    }
+    store_row<T, Glu>(t, c + i * ldc);
   }
 }
 
@@ -337,14 +343,7 @@ __attribute__((noinline)) void micro_vnni(const int8_t* a, int64_t lda, const ui
     alignas(64) float t[kPanel];
     _mm512_store_ps(t, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][0], off)), si), s0));
     _mm512_store_ps(t + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][1], off)), si), s1));
-    T* o = c + i * ldc;
-    if constexpr (Glu) {
-#pragma omp simd
-      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
-    } else {
-#pragma omp simd
-      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
-    }
+    store_row<T, Glu>(t, c + i * ldc);
   }
 }
 
@@ -432,14 +431,7 @@ __attribute__((noinline)) void micro_int4(const float* a, int64_t lda, const uin
     alignas(64) float t[kPanel];
     _mm512_store_ps(t, acc[i][0]);
     _mm512_store_ps(t + 16, acc[i][1]);
-    T* o = c + i * ldc;
-    if constexpr (Glu) {            // columns 0-15 gate, 16-31 up: c[R][16] = silu(gate) * up
-#pragma omp simd
-      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(static_cast<T>(t[j]), static_cast<T>(t[j + kPanel / 2]));
-    } else {
-#pragma omp simd
-      for (int j = 0; j < kPanel; ++j) o[j] = static_cast<T>(t[j]);
-    }
+    store_row<T, Glu>(t, c + i * ldc);
   }
 }
 

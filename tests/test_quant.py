@@ -721,6 +721,8 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     cfg = ModelConfig.from_dir(path)
     assert cfg.expert_scheme.name == "W8A16" and cfg.quant.scheme_for("model.layers.0.self_attn.q_proj") is None
     references = [hf_quantized(reference, prompt) for prompt in PROMPTS]
+    cpu_runner = runner_for(path)           # (before MSINFER_CACHE moves: the CPU kernels are built there)
+    assert max(forced_logits(cpu_runner, references)) < LOGIT_ATOL
     monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
 
     runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
@@ -744,9 +746,7 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     assert "experts'" not in dequantized.describe()
     assert dequantized.weight_bytes_per_rank > held + rows
     monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
-    cpu_runner = runner_for(path)
     assert int8_weights(cpu_runner) == int8_weights(runner)
-    assert max(forced_logits(cpu_runner, references)) < LOGIT_ATOL
     cpu = plan_job(spec_for(path, tmp_path), check_io=False)
     assert "the experts' through the grouped kernels" in cpu.describe()
     assert cpu.weight_bytes_per_rank == cpu_runner.load_stats["bytes"], \

@@ -323,8 +323,9 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     quantized matmuls take 2, 4 or 8 bytes a row, sharding.quant.Scheme.int8_kind), the rest in dtype_bytes, as is
     latent attention's kv_b_proj: its weight is absorbed into the query as a whole, not a matmul's.
     int8_experts: so are the experts' int8 weights per channel, weight-only or with int8 inputs per
-    token (Ascend's GroupedMatmulV4; the CPU's grouped kernels, worker.cpu.CpuOps.int8_experts). int4: so are linear layers' int4 groups (Ascend's
-    WeightQuantBatchMatmul: two levels a byte, a scale per group in dtype_bytes).
+    token (Ascend's GroupedMatmulV4; the CPU's grouped kernels, worker.cpu.CpuOps.int8_experts).
+    int4: so are linear layers' int4 groups (Ascend's WeightQuantBatchMatmul, the CPU's
+    CpuInt4Linear: two levels a byte, a scale per group in dtype_bytes).
     bf16: the weights of a bfloat16 checkpoint's linear layers and embedding that are not quantized
     are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
     worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent

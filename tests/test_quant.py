@@ -706,9 +706,9 @@ def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint
     dequantized weights within float16's tolerance. plan counts the int8 experts, as the load
     holds them; the portable operators hold them dequantized, and plan says so. The CPU kernels
     keep them int8 too (int8 panels, their scales inside: worker.cpu.CpuOps.int8_experts), with
-    logits within float32's tolerance, and plan counts them so. A grouped kernel that drops the scales fails the check, which leaves the experts
-    dequantized and the linear layers' int8 kernels as they were; the card plan counts them so
-    and says which."""
+    logits within float32's tolerance, and plan counts them so. A grouped kernel that drops the
+    scales fails the check, which leaves the experts dequantized and the linear layers' int8
+    kernels as they were; the card plan counts them so and says which."""
     import mindspore as ms
     from msinfer.launcher.job import card_replanner
     from msinfer.sharding.config import EngineConfig
@@ -870,10 +870,11 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     reference's within the noise of a level (float32 on the CPU, where the experts keep their int8
     weights and run the grouped kernels, worker.cpu.CpuExperts: with VNNI the int8 products are
     summed exactly and most steps are within float32's noise; without, their float32 sums, in
-    another order than the reference's, move a level here and there; float16 on the emulated Ascend path, where the start-up check passes GroupedMatmulV4's
-    per-token form and the experts keep their int8 weights, the sorted rows quantized to levels
-    and a scale each); greedy tokens are the reference's up to a near tie. At tp 2 on the CPU,
-    sliced experts share the row's maximum over both ranks. Input quantization is not a no-op here:
+    another order than the reference's, move a level here and there; float16 on the emulated
+    Ascend path, where the start-up check passes GroupedMatmulV4's per-token form and the experts
+    keep their int8 weights, the sorted rows quantized to levels and a scale each); greedy tokens
+    are the reference's up to a near tie. At tp 2 on the CPU, sliced experts share the row's
+    maximum over both ranks. Input quantization is not a no-op here:
     the same weights with float inputs give logits further from these (by more than twice the
     noise in float32; in float16, whose rounding is of a level's order, further over the steps).
     plan says how the experts run."""
@@ -921,6 +922,26 @@ def test_experts_with_int8_inputs_quantize_each_tokens_rows_as_their_scheme_says
     two = generate_tp2(path)
     for i, (tokens, logits) in enumerate(references):
         steps_held(f"tp 2, prompt {i}", two[i], tokens, logits, tol)
+
+
+def test_w8a8_experts_that_vnni_panels_do_not_fit_stay_int8_in_int8_panels(checkpoint):
+    """W8A8 experts whose gate|up the VNNI panels cannot take (Qwen2-MoE's test experts: 24
+    columns each, 48 rows of gate|up, not whole panels of 32) stay int8 on the CPU all the same,
+    in int8 panels with their scales inside (CpuOps.pack_int8's layout, any CPU), the rows taken
+    to their levels and back between the two calls; their logits are the portable operators'
+    (every expert on every token, weights dequantized) within a level's noise (measured 5e-3)."""
+    import mindspore as ms
+    from tests.test_ascend import runner_for as path_runner
+    src = checkpoint("qwen2_moe_top4_shared_tied")
+    path, _ = experts_w8a8_checkpoint(src, src.parent / "qwen2_moe_w8a8_experts", "compressed-tensors")
+    cfg = ModelConfig.from_dir(path)
+    runner = runner_for(path)
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    held = {p.name: (p.dtype, p.shape) for p in runner.model.get_parameters() if ".experts." in p.name}
+    assert held == {**{f"layers.{i}.mlp.experts.w13": (ms.int8, (E, 2 * I, H + 4)) for i in cfg.sparse_layers},
+                    **{f"layers.{i}.mlp.experts.w2": (ms.int8, (E, H, I + 4)) for i in cfg.sparse_layers}}, held
+    for a, b in zip(three_steps(runner), three_steps(path_runner(path, "portable"))):
+        assert np.abs(a - b).max() < 0.05
 
 
 def test_the_self_check_settles_in_which_nibble_weightquantbatchmatmul_reads_an_int4_level(quantized,

@@ -555,7 +555,7 @@ class CausalLM(nn.Cell):
     def hold_int8_experts(self, cell: FusedExperts) -> bool:
         """Experts whose weights all loaded as int8 levels with a scale per row keep them, in the
         device's expert layout (`dev.pack_experts`: the Ascend path's transposes alone, so each
-        output channel keeps its scale; the CPU's VNNI panels, where the sizes are whole panels, or
+        output channel keeps its scale; the CPU's VNNI panels where the sizes are whole panels, else
         its int8 panels with the scales inside), multiplied by the device's grouped kernel, where
         it takes the experts' scheme (`dev.int8_experts`: the layout). Whether they do."""
         scheme = cell.quant_scheme
@@ -574,14 +574,15 @@ class CausalLM(nn.Cell):
             held.append((levels.reshape(values.shape), scales))
         (l13, s13), (l2, s2) = held
         names = cell.w13.name, cell.w2.name
-        if layout == "panels":           # the CPU's int8 panels: the scales inside, products in float32
-            (p13, unpack13), (p2, unpack2) = self.dev.pack_experts(l13, cell.glu, s13), self.dev.pack_experts(l2, False, s2)
+        packed = None if layout == "panels" else (self.dev.pack_experts(l13, cell.glu), self.dev.pack_experts(l2))
+        if packed is None or None in packed:
+            # the CPU's int8 panels, the scales inside, products in float32 (also where its VNNI
+            # panels do not take the sizes)
+            p13, unpack13 = self.dev.pack_experts(l13, cell.glu, s13)
+            p2, unpack2 = self.dev.pack_experts(l2, False, s2)
             cell.hold_int8(p13, p2)
             self.packed.update(zip(names, (unpack13, unpack2)))
             return True
-        packed = self.dev.pack_experts(l13, cell.glu), self.dev.pack_experts(l2)
-        if None in packed:
-            return False                 # sizes the device's int8 layout does not take
         (p13, unpack13), (p2, unpack2) = packed
         # weight-only: the antiquant scale in the compute dtype; int8 inputs: the per-token form's
         # scale, bfloat16 for a bfloat16 output and float32 for float16 (golden-stick, ptq/hal.py)

@@ -463,10 +463,10 @@ class CpuInt4Linear(nn.Cell):
 
     def pack(self, levels: np.ndarray):
         """int4 levels [N, K] (-8..7, int8) -> uint8 [N, K/2]: panels of 32 columns, each [K][16],
-        byte c of k holding column c + 8 in its low nibble and column c + 16 + 8 in its high one (a
-        last, narrower panel of W columns [K][W/2], column c + W/2 in the high nibble; gate and up
-        interleaved for glu); and its unpack to the levels. None where N is odd (glu: not whole
-        panels) or K is odd or not whole groups."""
+        byte c of k holding column c's level + 8 in its low nibble and column c + 16's in its high
+        one (a last, narrower panel of W columns [K][W/2], column c + W/2's in the high nibble; gate
+        and up interleaved for glu); and its unpack to the levels. None where N is odd (glu: not
+        whole panels) or K is odd or not whole groups."""
         N, K = levels.shape
         if N % 2 or K % 2 or K % self.group or (self.glu and N % PANEL):
             return None

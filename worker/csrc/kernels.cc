@@ -324,6 +324,18 @@ extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shape
   return 0;
 }
 
+// MoeUp's and MoeDown's parameters of int8 weights in VNNI panels, at params[i] (the weights'
+// scales [E, rows] float32) and params[i + 1] (meta [2] float32: divisor, half away from zero):
+// whether their shapes are so, and the Int8Weights they make (with each row's amax, or nullptr).
+static bool int8_params(const char** dtypes, int64_t** shapes, int i, int64_t E, int64_t rows) {
+  return std::strcmp(dtypes[i], "float32") == 0 && shapes[i][0] == E && shapes[i][1] == rows && shapes[i + 1][0] == 2;
+}
+
+static Int8Weights int8_weights(void** params, int i, const float* amax) {
+  const float* meta = static_cast<const float*>(params[i + 1]);
+  return {static_cast<const float*>(params[i]), meta[0], meta[1] != 0.f, amax};
+}
+
 // x [N, H], ids [N, k] int32, w13 [E, 2I, .] (as expert_pack takes it; with VNNI panels, then its
 // scales [E, 2I] float32 and meta [2] float32 (divisor, half away from zero) after meta), meta [2]
 // int32 (first expert held, glu) -> h [N k, I]: moe_up
@@ -337,15 +349,12 @@ extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, co
   Pack p13;
   if (shapes[1][0] != N || std::strcmp(dtypes[1], "int32") || shapes[2][1] % 2 ||
       !expert_pack(dtypes[0], dtypes[2], shapes[2], 2 * I, H, vnni, &p13) || shapes[nparam - 1][0] != N * K ||
-      shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) ||
-      (vnni && (std::strcmp(dtypes[4], "float32") || shapes[4][0] != E || shapes[4][1] != 2 * I || shapes[5][0] != 2)))
+      shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) || (vnni && !int8_params(dtypes, shapes, 4, E, 2 * I)))
     return 2;
 #ifndef MSINFER_VNNI
   if (vnni) return 3;
 #endif
-  const float* qm = vnni ? static_cast<const float*>(params[5]) : nullptr;
-  const Int8Weights q{vnni ? static_cast<const float*>(params[4]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
-                      nullptr};
+  const Int8Weights q = vnni ? int8_weights(params, 4, nullptr) : Int8Weights{};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), params[2], p13,
@@ -366,16 +375,14 @@ extern "C" int MoeDown(int nparam, void** params, int* ndims, int64_t** shapes, 
   Pack p2;
   if (shapes[0][0] != N * K || shapes[2][0] != N || shapes[2][1] != K || std::strcmp(dtypes[1], "int32") ||
       std::strcmp(dtypes[0], dtypes[2]) || !expert_pack(dtypes[0], dtypes[3], shapes[3], H, I, vnni, &p2) ||
-      shapes[nparam - 1][0] != N || shapes[nparam - 1][1] != H ||
-      (vnni && (std::strcmp(dtypes[5], "float32") || shapes[5][0] != E || shapes[5][1] != H || shapes[6][0] != 2)) ||
+      shapes[nparam - 1][0] != N || shapes[nparam - 1][1] != H || (vnni && !int8_params(dtypes, shapes, 5, E, H)) ||
       (max_given && (shapes[7][0] != N * K || std::strcmp(dtypes[7], "float32"))))
     return 2;
 #ifndef MSINFER_VNNI
   if (vnni) return 3;
 #endif
-  const float* qm = vnni ? static_cast<const float*>(params[6]) : nullptr;
-  const Int8Weights q{vnni ? static_cast<const float*>(params[5]) : nullptr, qm ? qm[0] : 0.f, qm && qm[1] != 0.f,
-                      max_given ? static_cast<const float*>(params[7]) : nullptr};
+  const Int8Weights q =
+      vnni ? int8_weights(params, 5, max_given ? static_cast<const float*>(params[7]) : nullptr) : Int8Weights{};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     moe_down<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]),

@@ -188,6 +188,44 @@ void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t
   });
 }
 
+// x [M, K] as the micro-kernels read it, float32: a float16 x is widened once here, not in their
+// k loop, where GCC converted the rows' values ahead of their FMAs and spilled more accumulators
+// to the stack (a float16 512 x 576 x 3072 matmul, 2 threads, AVX-512: 67 -> 91 GFLOP/s;
+// float32's 200). The widened rows are this thread's buffer until its next call.
+template <typename T>
+const float* float32_rows(const T* x, int64_t M, int64_t K) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    thread_local std::vector<float> widened;
+    widened.resize(M * K);
+    float* to = widened.data();                 // (this thread's buffer: the helpers write into it)
+    parallel_for(M, 16, [&](int64_t m) {
+      for (int64_t k = 0; k < K; ++k) to[m * K + k] = static_cast<float>(x[m * K + k]);
+    });
+    return to;
+  }
+}
+
+// Rows m0..m1-1 of y [., N], columns col.. (the last, narrower panel) = xa's rows times `pad`, that
+// panel padded to 32 columns [K][32] (B as micro takes it, scaled by `scale` where given),
+// computed into a scratch tile.
+template <typename T, typename B>
+void narrow_panel(const float* xa, const B* pad, const float* scale, T* y, int64_t m0, int64_t m1, int64_t K,
+                  int64_t N, int64_t col) {
+  thread_local std::vector<T> tile;
+  tile.resize(kRows * kPanel);
+  for (int64_t m = m0; m < m1; m += kRows) {
+    const int64_t r = std::min(kRows, m1 - m);
+    with_count<kRows>(r, [&](auto rows) {
+      micro<T, B, rows>(xa + m * K, K, pad, K, tile.data(), kPanel, reinterpret_cast<const char*>(pad), 0, false,
+                        scale);
+    });
+    for (int64_t i = 0; i < r; ++i)
+      std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + N - col, y + (m + i) * N + col);
+  }
+}
+
 // Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
 // silu(gate) * up, computed as each tile leaves the registers.
 // B int8_t (CpuOps.pack_int8): w holds the N column scales (float32), then the int8 panels.
@@ -201,21 +239,7 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;       // of y, per panel
   const int64_t ldy = Glu ? N / 2 : N;
   const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
-  // The micro-kernel reads x as float32: a float16 x is widened once here, not in its k loop,
-  // where GCC converted the rows' values ahead of their FMAs and spilled more accumulators to the
-  // stack (a float16 512 x 576 x 3072 matmul, 2 threads, AVX-512: 67 -> 91 GFLOP/s; float32's 200).
-  const float* xa;
-  thread_local std::vector<float> widened;
-  if constexpr (std::is_same_v<T, float>) {
-    xa = x;
-  } else {
-    widened.resize(M * K);
-    float* to = widened.data();                 // (this thread's buffer: the helpers write into it)
-    parallel_for(M, 16, [&](int64_t m) {
-      for (int64_t k = 0; k < K; ++k) to[m * K + k] = static_cast<float>(x[m * K + k]);
-    });
-    xa = to;
-  }
+  const float* xa = float32_rows(x, M, K);
   auto group = [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
     with_count<kRows>(r, [&](auto rows) {
       micro<T, B, rows, Glu>(xa + m * K, K, w + p * kPanel * K, K, y + m * ldy + p * out_cols, ldy, pf, step, cached,
@@ -225,25 +249,15 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
   panel_items<kRows, kRowBlock>(M, panels, full, K, kPanel * sizeof(B), reinterpret_cast<const char*>(w), group,
                                 [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
-    // the last, narrower panel: padded to 32 columns, computed into a scratch tile
+    // the last, narrower panel: padded to 32 columns
     const int64_t col = full * kPanel, width = N - col;
     const B* b = w + col * K;
     thread_local std::vector<B> pad;
-    thread_local std::vector<T> tile;
     float pad_scale[kPanel] = {};
     if (scales) std::copy(scales + col, scales + N, pad_scale);
     pad.assign(K * kPanel, B(0));
     for (int64_t k = 0; k < K; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
-    tile.resize(kRows * kPanel);
-    for (int64_t m = m0; m < m1; m += kRows) {
-      const int64_t r = std::min(kRows, m1 - m);
-      with_count<kRows>(r, [&](auto rows) {
-        micro<T, B, rows>(xa + m * K, K, pad.data(), K, tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()),
-                          0, false, scales ? pad_scale : nullptr);
-      });
-      for (int64_t i = 0; i < r; ++i)
-        std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
-    }
+    narrow_panel<T, B>(xa, pad.data(), scales ? pad_scale : nullptr, y, m0, m1, K, N, col);
   });
 }
 
@@ -467,18 +481,7 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
   const uint64_t call = ++g_int4_calls;
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
   const int64_t ldy = Glu ? N / 2 : N, full = N / kPanel, panels = (N + kPanel - 1) / kPanel;
-  const float* xa;
-  thread_local std::vector<float> widened;
-  if constexpr (std::is_same_v<T, float>) {
-    xa = x;
-  } else {
-    widened.resize(M * K);
-    float* to = widened.data();
-    parallel_for(M, 16, [&](int64_t m) {
-      for (int64_t k = 0; k < K; ++k) to[m * K + k] = static_cast<float>(x[m * K + k]);
-    });
-    xa = to;
-  }
+  const float* xa = float32_rows(x, M, K);
   panel_items<kRows, kRowBlock>(
       M, panels, full, K, kPanel / 2, reinterpret_cast<const char*>(w),
       [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
@@ -508,7 +511,6 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
         const uint8_t* b = w + col * K / 2;
         const float* sc = scales + col * (K / G);
         thread_local std::vector<float> pad;
-        thread_local std::vector<T> tile;
         pad.assign(K * kPanel, 0.f);
         for (int64_t k = 0; k < K; ++k)
           for (int64_t c = 0; c < half; ++c) {
@@ -516,16 +518,7 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
             pad[k * kPanel + c] = static_cast<float>((byte & 0x0F) - 8) * sc[k / G * width + c];
             pad[k * kPanel + c + half] = static_cast<float>((byte >> 4) - 8) * sc[k / G * width + c + half];
           }
-        tile.resize(kRows * kPanel);
-        for (int64_t m = m0; m < m1; m += kRows) {
-          const int64_t r = std::min(kRows, m1 - m);
-          with_count<kRows>(r, [&](auto rows) {
-            micro<T, float, rows>(xa + m * K, K, pad.data(), K, tile.data(), kPanel,
-                                  reinterpret_cast<const char*>(pad.data()), 0, false, nullptr);
-          });
-          for (int64_t i = 0; i < r; ++i)
-            std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
-        }
+        narrow_panel<T, float>(xa, pad.data(), nullptr, y, m0, m1, K, N, col);
       });
 }
 #endif

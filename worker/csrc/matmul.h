@@ -416,23 +416,29 @@ void linear_vnni(const T* x, const uint8_t* w, const float* scales, float diviso
 // and the nibble mask: 31 of the 32 zmm (14 rows, the float kernel's, would spill).
 constexpr int64_t kRowsInt4 = 12;
 
+// A k's 16 bytes of a panel -> its 32 weights in float32 times their group's scales (s0: columns
+// 0-15, s1: 16-31): the values the loader's dequantization gives.
+inline void widen_int4(const uint8_t* bk, __m512 s0, __m512 s1, __m512& w0, __m512& w1) {
+  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk)));
+  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, nibble), eight)), s0);
+  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), s1);
+}
+
+// c[R][32] = a[R][K] times a full int4 panel (b [K][16], its scales [K/G][32]), the panel streamed
+// from memory once (one group of rows reads it: int4_rows), prefetching as `micro` does.
 template <typename T, int R, bool Glu>
 __attribute__((noinline)) void micro_int4(const float* a, int64_t lda, const uint8_t* b, int64_t K, int64_t G,
-                                          const float* scale, T* c, int64_t ldc, const char* pf, int64_t pf_step,
-                                          bool cached) {
+                                          const float* scale, T* c, int64_t ldc, const char* pf, int64_t pf_step) {
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const __m512 s0 = _mm512_loadu_ps(scale + g * kPanel), s1 = _mm512_loadu_ps(scale + g * kPanel + 16);
     for (int64_t k = k0; k < k0 + G; ++k) {
-      const uint8_t* bk = b + k * (kPanel / 2);
       __builtin_prefetch(pf + k * pf_step);
-      if (cached) __builtin_prefetch(bk + 64 * (kPanel / 2));        // the panel, from L2, 64 k ahead
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk)));
-      const __m512 b0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, nibble), eight)), s0);
-      const __m512 b1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), s1);
+      __m512 b0, b1;
+      widen_int4(b + k * (kPanel / 2), s0, s1, b0, b1);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512 x = _mm512_set1_ps(a[i * lda + k]);
@@ -452,15 +458,13 @@ __attribute__((noinline)) void micro_int4(const float* a, int64_t lda, const uin
 // A full panel's int4 weights (b [K][16], scales [K/G][32]) -> their float32 values d [K][32],
 // as micro_int4 computes them.
 inline void dequantize_int4(const uint8_t* b, const float* scale, int64_t K, int64_t G, float* d) {
-  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const __m512 s0 = _mm512_loadu_ps(scale + g * kPanel), s1 = _mm512_loadu_ps(scale + g * kPanel + 16);
     for (int64_t k = k0; k < k0 + G; ++k) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k * (kPanel / 2))));
-      _mm512_storeu_ps(d + k * kPanel,
-                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, nibble), eight)), s0));
-      _mm512_storeu_ps(d + k * kPanel + 16,
-                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), s1));
+      __m512 w0, w1;
+      widen_int4(b + k * (kPanel / 2), s0, s1, w0, w1);
+      _mm512_storeu_ps(d + k * kPanel, w0);
+      _mm512_storeu_ps(d + k * kPanel + 16, w1);
     }
   }
 }
@@ -489,7 +493,7 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
         const float* sc = scales + p * (K / G) * kPanel;
         if (!cached && r <= kRowsInt4) {
           return with_count<kRowsInt4>(r, [&](auto rows) {
-            micro_int4<T, rows, Glu>(xa + m * K, K, b, K, G, sc, y + m * ldy + p * out_cols, ldy, pf, step, false);
+            micro_int4<T, rows, Glu>(xa + m * K, K, b, K, G, sc, y + m * ldy + p * out_cols, ldy, pf, step);
           });
         }
         thread_local std::vector<float> panel;

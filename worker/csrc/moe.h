@@ -108,16 +108,36 @@ void gather_rows(const Routing& r, const T* src, T* dst, int64_t n, RowOf row_of
   });
 }
 
+// The pairs of x's rows that are not zeros (a step's padding is) with the held experts, and those
+// rows gathered, a copy per pair: xs [R, H].
+template <typename T>
+Routing route_rows(const T* x, const int32_t* ids, int64_t N, int64_t K, int64_t H, int64_t E, int64_t first,
+                   std::vector<T>& xs) {
+  std::vector<char> live(N);
+  for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
+  Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t) { return live[n]; });
+  xs.resize(r.rows() * H);
+  gather_rows(r, x, xs.data(), H, [&](int64_t p) { return p / K; });
+  return r;
+}
+
+// An expert's silu(gate) * up for its m rows -> hs [m, I], from `proj(y, glu)`, its gate|up
+// projection into y: [m, I] with the activation where glu (std::true_type), else [m, 2I].
+template <typename T, typename Proj>
+void gate_up(T* hs, int64_t m, int64_t I, bool glu, Proj proj) {
+  if (glu) return proj(hs, std::true_type{});
+  std::vector<T> gu(m * 2 * I);
+  proj(gu.data(), std::false_type{});
+  silu_mul(gu.data(), hs, m, I);
+}
+
 // Expert e's gate|up (its weight w13 of the experts', held as pack13) over its m rows xs -> hs
 // [m, I]: silu(gate) * up.
 template <typename T>
 void gate_up(const T* xs, const void* w13, Pack pack13, int64_t e, T* hs, int64_t m, int64_t H, int64_t I,
              bool glu) {
   const void* w = static_cast<const char*>(w13) + e * expert_bytes(pack13, 2 * I, H, sizeof(T));
-  if (glu) return project<T, true>(xs, w, pack13, hs, m, H, 2 * I);
-  std::vector<T> gu(m * 2 * I);
-  project<T, false>(xs, w, pack13, gu.data(), m, H, 2 * I);
-  silu_mul(gu.data(), hs, m, I);
+  gate_up(hs, m, I, glu, [&](T* y, auto g) { project<T, decltype(g)::value>(xs, w, pack13, y, m, H, 2 * I); });
 }
 
 // Expert e's down (its weight w2 of the experts', held as pack2) over its m rows hs -> ys [m, H].
@@ -129,12 +149,10 @@ void down(const T* hs, const void* w2, Pack pack2, int64_t e, T* ys, int64_t m, 
 template <typename T>
 void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, Pack pack13, const void* w2, Pack pack2,
          T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
-  std::vector<char> live(N);
-  for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
-  const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t) { return live[n]; });
+  std::vector<T> xs;
+  const Routing r = route_rows(x, ids, N, K, H, E, first, xs);
   const int64_t R = r.rows();
-  std::vector<T> xs(R * H), hs(R * I), ys(R * H);
-  gather_rows(r, x, xs.data(), H, [&](int64_t p) { return p / K; });
+  std::vector<T> hs(R * I), ys(R * H);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t s = r.start[e], m = r.start[e + 1] - s;
     if (m == 0) continue;
@@ -160,12 +178,10 @@ struct Int8Weights {
 template <typename T>
 void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const Int8Weights* q, T* h, int64_t N,
             int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
-  std::vector<char> live(N);
-  for (int64_t n = 0; n < N; ++n) live[n] = !zero_row(x + n * H, H);
-  const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t) { return live[n]; });
+  std::vector<T> xs;
+  const Routing r = route_rows(x, ids, N, K, H, E, first, xs);
   const int64_t R = r.rows();
-  std::vector<T> xs(R * H), hs(R * I);
-  gather_rows(r, x, xs.data(), H, [&](int64_t p) { return p / K; });
+  std::vector<T> hs(R * I);
   if (q == nullptr) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = r.start[e], m = r.start[e + 1] - s;
@@ -178,19 +194,14 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const 
     std::vector<float> s(R);
     std::vector<int32_t> comp(R);
     quantize_rows(xs.data(), R, H, Hq, q->divisor, q->away, nullptr, levels.data(), s.data(), comp.data());
-    std::vector<T> gu(glu ? 0 : R * 2 * I);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t b = r.start[e], m = r.start[e + 1] - b;
       if (m == 0) continue;
       const uint8_t* w = static_cast<const uint8_t*>(w13) + e * 2 * I * Hq;
-      if (glu) {
-        vnni_rows<T, true>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w, q->scales + e * 2 * I,
-                           hs.data() + b * I, m, Hq, 2 * I);
-      } else {
-        vnni_rows<T, false>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w, q->scales + e * 2 * I,
-                            gu.data() + b * 2 * I, m, Hq, 2 * I);
-        silu_mul(gu.data() + b * 2 * I, hs.data() + b * I, m, I);
-      }
+      gate_up(hs.data() + b * I, m, I, glu, [&](T* y, auto g) {
+        vnni_rows<T, decltype(g)::value>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w,
+                                         q->scales + e * 2 * I, y, m, Hq, 2 * I);
+      });
     }
 #endif
   }

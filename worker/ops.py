@@ -192,7 +192,8 @@ class MsOps:
     # that scheme's weights float (AscendOps; CpuOps for W8A8 with VNNI; CausalLM.hold_int8)
     int8_linear = None
     # (the experts' scheme or None) -> whether the device's moe_op multiplies experts held as int8
-    # levels with a scale per output channel (AscendOps, CpuOps; CausalLM.hold_int8_experts)
+    # levels with a scale per output channel, truthy (CpuOps: the layout, "vnni" or "panels") or
+    # not (AscendOps, CpuOps; CausalLM.hold_int8_experts)
     int8_experts = None
 
     @staticmethod
@@ -200,6 +201,7 @@ class MsOps:
         """Int8 experts' scales per output channel [E, N] in the order of the device's packed
         columns (`pack_experts`): as they are, but for CpuOps."""
         return scales
+
     # the device sampler's passes over whole rows as kernels (worker.cpu.SamplerKernels; without:
     # MindSpore primitives, worker.device_sampler)
     sampler_kernels = None

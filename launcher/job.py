@@ -92,9 +92,9 @@ class Plan:
             stage = Stage.of(self.engine.pipeline, st)
             held = ["the embedding"] * stage.first + ["the final norm, LM head and sampler"] * stage.last
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
-            int8, int8_experts, int4 = holds_int8(self.engine.device, self.engine.ops)
+            int8, int8_experts, int4, int4_experts = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
-                                     int8_experts=int8_experts, int4=int4, bf16=self.bf16)
+                                     int8_experts=int8_experts, int4=int4, int4_experts=int4_experts, bf16=self.bf16)
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
@@ -153,7 +153,7 @@ def layout_summary(m: ModelConfig, tp: int, ep: bool = False) -> str:
 
 def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     """A quantized checkpoint's schemes, and which of its quantized weights the workers keep so."""
-    int8, int8_experts, int4 = holds_int8(device, ops)
+    int8, int8_experts, int4, int4_experts = holds_int8(device, ops)
     int8 = int8 and bool(m.quant.schemes)
     scheme = m.expert_scheme
     by = "the CPU kernels" if device == "cpu" else "Ascend's quantized matmuls"
@@ -168,6 +168,10 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
         by += f"; the experts' through GroupedMatmulV4's {form}"
     elif kind in ("weight", "dynamic"):
         by += "; the experts' int8 weights are dequantized: no grouped int8 kernel here"
+    elif scheme is not None and scheme.int4_groups:
+        by += ("; the experts' int4 groups through the grouped kernels" if int4_experts
+               else "; the experts' int4 weights are dequantized: " + ("no AVX-512, or MSINFER_INT4=0" if
+                                                                       device == "cpu" else "no grouped int4 kernel"))
     if (not held or device == "cpu") and (m.expert_inputs("gate_proj") or m.expert_inputs("down_proj")):
         by += ("; the experts' inputs are quantized per token"
                + (", every expert on every token" if ops == "portable" else ""))
@@ -178,7 +182,7 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
 
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
-                    int8: tuple[bool, bool, bool] = (False, False, False), bf16: bool = False) -> str:
+                    int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
     pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's), and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
@@ -190,7 +194,8 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             sizes = ", ".join(map(str, valid_tp_sizes(m, ep=flag)))
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
-        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1])
+        experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1],
+                                 int4_experts=int8[3])
         rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2], bf16=bf16)
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
@@ -251,26 +256,28 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
-                       int8: tuple[bool, bool, bool] = (False, False, False), bf16: bool = False) -> int:
+                       int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups);
-    bf16: holds_bfloat16's."""
+    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups in
+    linear layers, in experts); bf16: holds_bfloat16's."""
     return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
-                              int4=int8[2], bf16=bf16)
+                              int4=int8[2], int4_experts=int8[3], bf16=bf16)
                for st in range(max(1, len(pipeline))))
 
 
-def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool]:
+def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool, bool]:
     """Whether the workers keep a quantized checkpoint's weights as they are, (int8 with a scale
-    per channel in linear layers, the same in experts, int4 groups in linear layers): the CPU
-    kernels do the first two (worker.cpu.CpuOps.pack_int8; the experts' in the same panels, or
-    VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts), and the third on a CPU with
-    AVX-512 (CpuInt4Linear; sharding.config.int4_on); Ascend's quantized matmuls do all three
-    (worker.ascend.AscendInt8Linear, AscendExperts, AscendInt4Linear; emulated too) unless the
-    start-up self-check finds them wanting; the portable operators dequantize them."""
+    per channel in linear layers, the same in experts, int4 groups in linear layers, the same in
+    experts): the CPU kernels do the first two (worker.cpu.CpuOps.pack_int8; the experts' in the
+    same panels, or VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts), and the last two
+    on a CPU with AVX-512 (CpuInt4Linear, and its layout in the grouped kernel; sharding.config.
+    int4_on); Ascend's quantized matmuls do the first three (worker.ascend.AscendInt8Linear,
+    AscendExperts, AscendInt4Linear; emulated too) unless the start-up self-check finds them
+    wanting, and dequantize int4 experts; the portable operators dequantize them all."""
     ascend = ops != "portable" and device == "ascend"
     cpu = ops != "portable" and device == "cpu"
-    return ops != "portable", ascend or cpu, ascend or (cpu and int4_on())
+    int4_cpu = cpu and int4_on()
+    return ops != "portable", ascend or cpu, ascend or int4_cpu, int4_cpu
 
 
 def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
@@ -821,7 +828,7 @@ def card_replanner(plan: Plan):
     def replan(total: int, in_use: int, source: str, int8: tuple[bool, bool] = (True, True)) -> EngineConfig:
         weights, note = plan.weight_bytes_per_rank, None
         planned = holds_int8(plan.engine.device, plan.engine.ops)
-        held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0])
+        held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0], planned[3])
         if held != planned:
             weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
                                          spec.parallel.expert_parallel, plan.engine.pipeline, held)

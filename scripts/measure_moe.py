@@ -11,8 +11,12 @@ scale per output channel), against the float32 experts: weight-only (W8A16) in i
 panels with the rows taken to their levels and back (a CPU without VNNI), in VNNI panels with
 the int8 products summed with VNNI (worker.cpu.CpuExperts, where the CPU has it), and the
 portable operators' way (every expert on every token, weights dequantized; at 16 tokens only).
+    With --w4a16, the layer's experts as a W4A16 checkpoint holds them (int4 weights with a scale
+per group of 128 inputs, float inputs), held as the model holds them (worker.model.
+hold_int4_experts: two levels a byte on a CPU with AVX-512), against the same weights
+dequantized to float32 panels.
 
-    python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable | --w8a8]
+    python scripts/measure_moe.py [--rounds 5] [--steps 5] [--experts 128] [--portable | --w8a8 | --w4a16]
 """
 
 from __future__ import annotations
@@ -102,6 +106,33 @@ def int8_experts(cfg: ModelConfig, dev, rng, held: str | None, inputs: bool = Tr
     return cell
 
 
+def int4_experts(cfg: ModelConfig, dev, rng, held: bool, group: int = 128):
+    """A sparse block whose experts are W4A16 (int4 levels, a scale per group of `group` inputs),
+    their values loaded dequantized with the scales beside them, as the loader leaves them; held as
+    int4 (`hold_int4_experts`) or as float32 panels."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from msinfer.worker.model import SparseMoeBlock, hold_int4_experts
+    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev)
+    cell.set_train(False)
+    experts = cell.experts
+    gate = (rng.standard_normal(cell.gate.weight.shape, np.float32) / np.sqrt(cfg.hidden_size)).astype(np.float32)
+    cell.gate.weight = Parameter(Tensor(dev.pack_weight(gate)[0]), name=cell.gate.weight.name, requires_grad=False)
+    for attr, glu in (("w13", experts.glu), ("w2", False)):
+        p = getattr(experts, attr)
+        E, N, K = p.shape
+        scales = (rng.uniform(0.5, 1.5, (E, N, K // group)) / (7 * np.sqrt(K))).astype(np.float32)
+        w = rng.integers(-8, 8, p.shape).astype(np.float32) * np.repeat(scales, group, axis=-1)
+        if held:
+            p.set_data(Tensor(w))
+            p.group_scales = scales
+        else:
+            setattr(experts, attr, Parameter(Tensor(dev.pack_experts(w, glu)[0]), name=p.name, requires_grad=False))
+    if held and hold_int4_experts(dev, experts) is None:
+        raise SystemExit("the int4 experts' layout does not take this layer's sizes")
+    return cell
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -109,6 +140,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--portable", action="store_true")
     ap.add_argument("--w8a8", action="store_true")
+    ap.add_argument("--w4a16", action="store_true")
     args = ap.parse_args()
     import mindspore as ms
     from mindspore import Tensor
@@ -126,6 +158,12 @@ def main() -> None:
                  "W8A8 portable": int8_experts(cfg, MsOps, rng, None)}
         if CpuOps.vnni:
             sides["W8A8 int8, VNNI"] = int8_experts(cfg, CpuOps, rng, "vnni")
+    elif args.w4a16:
+        if not CpuOps.int4:
+            raise SystemExit("no AVX-512 on this CPU (or MSINFER_INT4=0): W4A16 experts are dequantized")
+        sides = {"W4A16 dequantized": int4_experts(cfg, CpuOps, rng, False),
+                 "W4A16 int4": int4_experts(cfg, CpuOps, rng, True),
+                 "W8A16 int8 panels": int8_experts(cfg, CpuOps, rng, "panels", inputs=False)}
     else:
         sides = {"routed": build(cfg, CpuOps, True, rng), "dense": build(cfg, CpuOps, False, rng),
                  "routed bfloat16": build(cfg, CpuOps, True, rng, True),

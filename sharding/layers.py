@@ -307,7 +307,8 @@ class FusedExperts(nn.Cell):
     not routed (portable: any device, E/k times the routed work). A weight-only int8 checkpoint's
     experts leave their scales per output channel in w13's and w2's `row_scales` ([E, 2I], [E, H];
     NaN where a row loaded from floats) and their scheme in `quant_scheme`, for a device whose
-    grouped kernel multiplies int8 levels (`hold_int8`).
+    grouped kernel multiplies int8 levels (`hold_int8`); a W4A16 checkpoint's, their scales per
+    group of inputs in `group_scales` ([E, 2I, H/g], [E, H, I/g]).
     Where the checkpoint quantizes the experts' inputs per token (compressed-tensors W8A8, ModelSlim
     W8A8_DYNAMIC: cfg.expert_inputs), each token's row is quantized before gate|up (`x_quant`: one
     row for every expert) and each (token, expert) row of silu(gate) * up before down (`h_quant`,
@@ -350,7 +351,8 @@ class FusedExperts(nn.Cell):
         sliced = not self.tp.expert_parallel
         start = self.tp.rank * self.inter
         if param.name not in self.host:
-            self.host[param.name] = [np.zeros(param.shape, np.float32), 0, np.full(param.shape[:2], np.nan, np.float32)]
+            self.host[param.name] = [np.zeros(param.shape, np.float32), 0, np.full(param.shape[:2], np.nan, np.float32),
+                                     None]
         entry = self.host[param.name]
         buf, scales = entry[0], entry[2]
         self.schemes.add(getattr(src, "scheme", None))
@@ -364,19 +366,27 @@ class FusedExperts(nn.Cell):
             at = (e, slice(None))
         buf[at] = rows
         scales[at] = getattr(rows, "row_scales", np.nan)
+        groups = getattr(rows, "group_scales", None)
+        if groups is not None and entry[3] is None:
+            entry[3] = np.full((*param.shape[:2], groups.shape[1]), np.nan, np.float32)
+        if entry[3] is not None and (groups is None or groups.shape[1] == entry[3].shape[2]):
+            entry[3][at] = np.nan if groups is None else groups
         entry[1] += 1
         if entry[1] == (2 if part < 2 else 1) * self.count:
-            data, _, row_scales = self.host.pop(param.name)
+            data, _, row_scales, group_scales = self.host.pop(param.name)
             copy_into(param, data)
             param.row_scales = row_scales
+            if group_scales is not None:
+                param.group_scales = group_scales
             self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
 
     def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None) -> None:
         """Keep the experts' weights as int8 levels in the device's layout (w13, w2 as its grouped
         kernel takes them) with their scales per output channel (Tensors [E, 2I], [E, H] in the
-        dtype the kernel takes; None where the layout holds them, the CPU's int8 panels)."""
-        self.w13 = Parameter(Tensor(w13, mstype.int8), name=self.w13.name, requires_grad=False)
-        self.w2 = Parameter(Tensor(w2, mstype.int8), name=self.w2.name, requires_grad=False)
+        dtype the kernel takes; None where the layout holds them, the CPU's int8 panels); or as
+        int4 levels two a byte (uint8) with their group scales (the CPU's int4 layout)."""
+        self.w13 = Parameter(Tensor(w13), name=self.w13.name, requires_grad=False)
+        self.w2 = Parameter(Tensor(w2), name=self.w2.name, requires_grad=False)
         if w13_scale is not None:
             self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
             self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)

@@ -682,14 +682,27 @@ def generate_tp2(path) -> dict:
     return two
 
 
-def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoint, ray_local):
+def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoint, ray_local, tmp_path):
     """Qwen3-MoE with int4 experts (weight-only), against transformers on the same model with the
     experts' dequantized weights: at tp 1, and at tp 2 with each expert sliced (its rank's half of
-    the packed ints and of the group scales of down_proj's inputs)."""
+    the packed ints and of the group scales of down_proj's inputs). On a CPU with AVX-512 the
+    experts stay int4, two levels a byte, in the grouped kernel (CpuOps.int8_experts), and plan
+    counts them as the load holds them: an eighth of their float32 bytes, and the scales."""
+    import mindspore as ms
+    from msinfer.worker.cpu import CpuOps
     src = checkpoint("qwen3_moe_top2_dense_layer")
     path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
-    assert ModelConfig.from_dir(path).quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
-    rec = Recording(runner_for(path))
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.quant.scheme_for("model.layers.0.mlp.experts.3.down_proj").name == "W4A16"
+    runner = runner_for(path)
+    int4 = [p.name for p in runner.model.get_parameters() if p.dtype == ms.uint8]
+    assert int4 == ([f"layers.{i}.mlp.experts.{w}" for i in cfg.sparse_layers for w in ("w13", "w2")]
+                    if CpuOps.int4 else []), int4
+    plan = plan_job(spec_for(path, tmp_path), check_io=False)
+    assert plan.weight_bytes_per_rank == runner.load_stats["bytes"], \
+        (plan.weight_bytes_per_rank, runner.load_stats["bytes"])
+    assert ("the experts' int4 groups through the grouped kernels" in plan.describe()) == CpuOps.int4
+    rec = Recording(runner)
     one = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     two = generate_tp2(path)
     for i, prompt in enumerate(PROMPTS):

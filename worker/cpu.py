@@ -179,11 +179,14 @@ class CpuOps(MsOps):
 
     @classmethod
     def int8_experts(cls, scheme) -> str | None:
-        """How experts of `scheme` keep their int8 levels (int8 weights with a scale per output
-        channel; CausalLM.hold_int8_experts): "vnni" with int8 inputs per token (W8A8) where the
-        CPU has VNNI (`pack_vnni`'s panels, the int8 products summed exactly); "panels" for the
-        others (`pack_int8`'s panels, products in float32: weight-only, or W8A8 without VNNI);
-        None: not int8 per channel (int4 groups), dequantized."""
+        """How experts of `scheme` keep their int levels (CausalLM.hold_int8_experts): "vnni" for
+        int8 weights with a scale per output channel and int8 inputs per token (W8A8) where the CPU
+        has VNNI (`pack_vnni`'s panels, the int8 products summed exactly); "panels" for the other
+        int8 ones (`pack_int8`'s panels, products in float32: weight-only, or W8A8 without VNNI);
+        "int4" for int4 weights with a scale per group of inputs (W4A16) where the CPU has AVX-512
+        (CpuInt4Linear's layout, each weight widened to its dequantized value); None: dequantized."""
+        if scheme is not None and scheme.int4_groups:
+            return "int4" if cls.int4 else None
         kind = scheme.int8_kind if scheme is not None else None
         if kind not in ("weight", "dynamic"):
             return None
@@ -192,8 +195,11 @@ class CpuOps(MsOps):
     @staticmethod
     def expert_scales(scales: np.ndarray, glu: bool = False) -> np.ndarray:
         """Int8 experts' scales per output channel [E, N] in the order of `pack_experts`' columns:
-        float32, w13's gate and up interleaved with glu."""
+        float32, w13's gate and up interleaved with glu. Int4 experts' group scales [E, N, groups]:
+        each expert's in CpuInt4Linear.scales' order."""
         scales = np.asarray(scales, np.float32)
+        if scales.ndim == 3:
+            return np.stack([CpuInt4Linear.panel_scales(s, glu) for s in scales])
         return np.stack([CpuOps.interleave_glu(s[:, None])[:, 0] for s in scales]) if glu else scales
 
     @classmethod
@@ -202,9 +208,18 @@ class CpuOps(MsOps):
         all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
         and the unpack. Int8 levels with their `scales` [E, N] go to `pack_int8`'s panels (the
         unpack gives their dequantized values); without, to `pack_vnni`'s layout (gate and up
-        interleaved with glu), or None where N is not whole panels."""
+        interleaved with glu), or None where N is not whole panels. Int4 levels with their group
+        scales [E, N, groups] go to CpuInt4Linear's layout, uint8 [E, N, K/2] (the unpack gives the
+        levels; the scales go apart, `expert_scales`), or None where it does not take the sizes."""
         if not len(w):
             return w, lambda t: t
+        if w.dtype == np.int8 and scales is not None and np.ndim(scales) == 3:
+            cell = CpuInt4Linear(w.shape[2] // scales.shape[2], glu)
+            packed = [cell.pack(q) for q in w]
+            if packed[0] is None:
+                return None
+            unpack = packed[0][1]
+            return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
         if w.dtype == np.int8 and scales is not None:
             packed = [cls.int8_panels(q, s, glu) for q, s in zip(w, scales)]
             unpack = packed[0][1]
@@ -423,7 +438,7 @@ class CpuExperts(nn.Cell):
     CpuOps.int8_experts), the kernels quantize the rows as the quantizers would and sum the int8
     products exactly (linear_vnni's arithmetic); with weights held otherwise (float panels, or
     int8 panels with their scales inside), the quantizers take the rows to their levels and back
-    in between."""
+    in between. Int4 experts (W4A16: float inputs) run in one call, their group scales given."""
 
     def __init__(self):
         super().__init__()
@@ -434,6 +449,8 @@ class CpuExperts(nn.Cell):
 
     def construct(self, x, ids, weights, w13, w2, meta, w13_scale=None, w2_scale=None):
         if self.x_quant is None and self.h_quant is None:
+            if w13_scale is not None:        # int4 weights and their group scales (W4A16)
+                return self.fused(x, ids, weights, w13, w2, meta, w13_scale, w2_scale)
             return self.fused(x, ids, weights, w13, w2, meta)
         if w13_scale is None:
             if self.x_quant is not None:
@@ -491,13 +508,18 @@ class CpuInt4Linear(nn.Cell):
         return np.ascontiguousarray((u[:half] | (u[half:] << 4)).T)
 
     def scales(self, group_scales: np.ndarray) -> Tensor:
-        """The group scales [N, K/g] in the panels' order: each panel's [K/g][32] ([K/g][W] for a
-        last, narrower one), float32, held as [N, K/g]."""
+        """The group scales [N, K/g] in the panels' order (`panel_scales`)."""
+        return Tensor(self.panel_scales(group_scales, self.glu))
+
+    @staticmethod
+    def panel_scales(group_scales: np.ndarray, glu: bool = False) -> np.ndarray:
+        """Group scales [N, K/g] -> each panel's [K/g][32] ([K/g][W] for a last, narrower one),
+        gate and up interleaved for glu, float32, held as [N, K/g]."""
         s = np.asarray(group_scales, np.float32)
-        if self.glu:
+        if glu:
             s = CpuOps.interleave_glu(s)
         N, groups = s.shape
-        return Tensor(np.concatenate([s[c:c + PANEL].T.reshape(-1) for c in range(0, N, PANEL)]).reshape(N, groups))
+        return np.concatenate([s[c:c + PANEL].T.reshape(-1) for c in range(0, N, PANEL)]).reshape(N, groups)
 
     def construct(self, x, w, scales):
         return self.op(x, w, scales)

@@ -350,6 +350,29 @@ SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
 PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
+def hold_int4_experts(dev, cell: FusedExperts) -> dict | None:
+    """Experts whose weights all loaded as int4 levels with a scale per group of inputs (W4A16)
+    keep them, two a byte, in the device's int4 expert layout (`dev.pack_experts` with the group
+    scales: the CPU's), their scales beside them (`dev.expert_scales`, float32). Returns each
+    weight's name -> the unpack to its dequantized values; None where they stay as they are (a
+    weight's values are not its levels times its scales, or the layout does not take the sizes)."""
+    held = []
+    for w, glu in ((cell.w13, cell.glu), (cell.w2, False)):
+        scales = getattr(w, "group_scales", None)
+        if scales is None:
+            return None
+        values = w.asnumpy()
+        levels = int4_levels(values.reshape(-1, values.shape[-1]), scales.reshape(-1, scales.shape[-1]))
+        packed = None if levels is None else dev.pack_experts(levels.reshape(values.shape), glu, scales)
+        if packed is None:
+            return None
+        held.append((w.name, packed, scales, values.shape[-1] // scales.shape[-1]))
+    (_, (p13, _), s13, _), (_, (p2, _), s2, _) = held
+    cell.hold_int8(p13, p2, Tensor(dev.expert_scales(s13, cell.glu)), Tensor(dev.expert_scales(s2)))
+    return {name: lambda t, u=unpack, s=s, g=g: u(t).astype(np.float32) * np.repeat(s, g, axis=-1)
+            for name, (_, unpack), s, g in held}
+
+
 class CausalLM(nn.Cell):
     """Inputs of one step (N tokens of B sequences, in M >= B rows; see ModelRunner.prepare):
         input_ids          [N]      int32   the new tokens, packed one sequence after another
@@ -562,6 +585,10 @@ class CausalLM(nn.Cell):
         layout = self.dev.int8_experts(scheme)
         if not layout:
             return False
+        if layout == "int4":
+            unpacks = hold_int4_experts(self.dev, cell)
+            self.packed.update(unpacks or {})
+            return unpacks is not None
         if scheme.int8_kind == "dynamic" and (cell.x_quant is None or cell.h_quant is None):
             return False                 # int8 inputs to one projection only: both stay float
         held = []

@@ -15,10 +15,11 @@
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
 //   AddRmsNorm      x + d (a layer's residual add) and RmsNorm of it, two outputs in one pass
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
-//   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it
+//   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it;
+//                   weights float, bfloat16, int8 per channel or int4 per group (W4A16)
 //   MoeUp, MoeDown  the same in two calls, for experts whose inputs are quantized per token
-//                   (W8A8): over int8 weights with VNNI, or weights held as MoeExperts holds them
-//                   (see moe.h)
+//                   (W8A8): over int8 weights with VNNI, or float or int8 weights held as
+//                   MoeExperts holds them (see moe.h)
 //   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
@@ -286,13 +287,23 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
 // How the experts' weight [E, N, ...] (w_dtype, its shape) is held for x of x_dtype, N rows of K
 // inputs each: panels of x's dtype [E, N, K]; int16: bfloat16 tiles [E, N, K] (x float32, where
 // the CPU grants AMX); int8: int8 panels [E, N, K + 4] (CpuOps.pack_int8) or, with `vnni`, VNNI
-// panels [E, N, Kq] (CpuOps.pack_vnni, N a multiple of 32). False: none of these.
+// panels [E, N, Kq] (CpuOps.pack_vnni, N a multiple of 32); uint8: int4 levels [E, N, K/2]
+// (CpuInt4Linear.pack, N and K even; where the library has int4_rows), whose group scales come
+// apart (group_scales). False: none of these.
 static bool expert_pack(const char* x_dtype, const char* w_dtype, const int64_t* shape, int64_t N, int64_t K,
                         bool vnni, Pack* pack) {
   if (shape[1] != N) return false;
   *pack = Pack::Int8;
   if (vnni) return std::strcmp(w_dtype, "int8") == 0 && shape[2] == (K + 3) / 4 * 4 && N % kPanel == 0;
   if (std::strcmp(w_dtype, "int8") == 0) return shape[2] == K + 4;
+  if (std::strcmp(w_dtype, "uint8") == 0) {
+    *pack = Pack::Int4;
+#ifdef MSINFER_INT4
+    return shape[2] * 2 == K && N % 2 == 0;
+#else
+    return false;
+#endif
+  }
   if (std::strcmp(w_dtype, "int16") == 0) {
     *pack = Pack::Tiles;
     return shape[2] == K && tiles_usable(x_dtype, N, K);
@@ -301,25 +312,48 @@ static bool expert_pack(const char* x_dtype, const char* w_dtype, const int64_t*
   return std::strcmp(w_dtype, x_dtype) == 0 && shape[2] == K;
 }
 
+// The group scales of int4 experts [E, N, groups] float32 (params[i]), for weights of K inputs:
+// whether their shape is so (K whole groups); the Held they complete.
+static bool group_scales(const char** dtypes, int* ndims, int64_t** shapes, int i, int64_t E, int64_t N, int64_t K,
+                         Held* held) {
+  if (std::strcmp(dtypes[i], "float32") || ndims[i] != 3 || shapes[i][0] != E || shapes[i][1] != N ||
+      shapes[i][2] < 1 || K % shapes[i][2])
+    return false;
+  held->groups = shapes[i][2];
+  return true;
+}
+
 // x [N, H], ids [N, k] int32, weights [N, k], w13 [E, 2I, .], w2 [E, H, .] (each as expert_pack
-// takes it, not VNNI), meta [2] int32 (first expert held, glu) -> [N, H]: moe
+// takes it, not VNNI), meta [2] int32 (first expert held, glu)[, with int4 weights their group
+// scales s13 [E, 2I, H/G] and s2 [E, H, I/G]] -> [N, H]: moe
 extern "C" int MoeExperts(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                           void* extra) {
-  if (nparam != 7 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3 || ndims[4] != 3) return 1;
+  const bool int4 = nparam == 9;
+  if ((nparam != 7 && !int4) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3 || ndims[4] != 3)
+    return 1;
   const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[3][0], I = shapes[3][1] / 2;
   const int32_t* meta = static_cast<const int32_t*>(params[5]);
   const bool glu = meta[1] != 0;
-  Pack p13, p2;
+  Held w13{params[3]}, w2{params[4]};
   if (shapes[1][0] != N || shapes[2][0] != N || shapes[2][1] != K || shapes[3][1] % 2 || shapes[4][0] != E ||
       (glu && (2 * I) % kPanel) || std::strcmp(dtypes[1], "int32") || std::strcmp(dtypes[0], dtypes[2]) ||
-      !expert_pack(dtypes[0], dtypes[3], shapes[3], 2 * I, H, false, &p13) ||
-      !expert_pack(dtypes[0], dtypes[4], shapes[4], H, I, false, &p2))
+      !expert_pack(dtypes[0], dtypes[3], shapes[3], 2 * I, H, false, &w13.pack) ||
+      !expert_pack(dtypes[0], dtypes[4], shapes[4], H, I, false, &w2.pack))
     return 2;
+  if (int4) {                 // both weights int4, with their scales
+    if (w13.pack != Pack::Int4 || w2.pack != Pack::Int4 || !group_scales(dtypes, ndims, shapes, 6, E, 2 * I, H, &w13) ||
+        !group_scales(dtypes, ndims, shapes, 7, E, H, I, &w2))
+      return 2;
+    w13.scales = static_cast<const float*>(params[6]);
+    w2.scales = static_cast<const float*>(params[7]);
+  } else if (w13.pack == Pack::Int4 || w2.pack == Pack::Int4) {
+    return 2;
+  }
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<const T*>(params[i]); };
-    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), params[3], p13, params[4], p2,
-           static_cast<T*>(params[6]), N, K, H, E, I, meta[0], glu);
+    moe<T>(in(0), static_cast<const int32_t*>(params[1]), in(2), w13, w2, static_cast<T*>(params[nparam - 1]), N, K, H,
+           E, I, meta[0], glu);
   });
   return 0;
 }
@@ -346,9 +380,10 @@ extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, co
   const int64_t N = shapes[0][0], H = shapes[0][1], K = shapes[1][1], E = shapes[2][0], I = shapes[2][1] / 2;
   const int32_t* meta = static_cast<const int32_t*>(params[3]);
   const bool glu = meta[1] != 0;
-  Pack p13;
+  Held w13{params[2]};
   if (shapes[1][0] != N || std::strcmp(dtypes[1], "int32") || shapes[2][1] % 2 ||
-      !expert_pack(dtypes[0], dtypes[2], shapes[2], 2 * I, H, vnni, &p13) || shapes[nparam - 1][0] != N * K ||
+      !expert_pack(dtypes[0], dtypes[2], shapes[2], 2 * I, H, vnni, &w13.pack) || w13.pack == Pack::Int4 ||
+      shapes[nparam - 1][0] != N * K ||
       shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) || (vnni && !int8_params(dtypes, shapes, 4, E, 2 * I)))
     return 2;
 #ifndef MSINFER_VNNI
@@ -357,8 +392,7 @@ extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, co
   const Int8Weights q = vnni ? int8_weights(params, 4, nullptr) : Int8Weights{};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), params[2], p13,
-              vnni ? &q : nullptr, static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
+    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), w13, vnni ? &q : nullptr, static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
   });
   return 0;
 }
@@ -372,9 +406,10 @@ extern "C" int MoeDown(int nparam, void** params, int* ndims, int64_t** shapes, 
   const bool vnni = nparam == 8 || nparam == 9, max_given = nparam == 9;
   if ((nparam != 6 && !vnni) || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 3) return 1;
   const int64_t N = shapes[1][0], K = shapes[1][1], I = shapes[0][1], E = shapes[3][0], H = shapes[3][1];
-  Pack p2;
+  Held w2{params[3]};
   if (shapes[0][0] != N * K || shapes[2][0] != N || shapes[2][1] != K || std::strcmp(dtypes[1], "int32") ||
-      std::strcmp(dtypes[0], dtypes[2]) || !expert_pack(dtypes[0], dtypes[3], shapes[3], H, I, vnni, &p2) ||
+      std::strcmp(dtypes[0], dtypes[2]) || !expert_pack(dtypes[0], dtypes[3], shapes[3], H, I, vnni, &w2.pack) ||
+      w2.pack == Pack::Int4 ||
       shapes[nparam - 1][0] != N || shapes[nparam - 1][1] != H || (vnni && !int8_params(dtypes, shapes, 5, E, H)) ||
       (max_given && (shapes[7][0] != N * K || std::strcmp(dtypes[7], "float32"))))
     return 2;
@@ -386,7 +421,7 @@ extern "C" int MoeDown(int nparam, void** params, int* ndims, int64_t** shapes, 
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     moe_down<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]),
-                static_cast<const T*>(params[2]), params[3], p2, vnni ? &q : nullptr,
+                static_cast<const T*>(params[2]), w2, vnni ? &q : nullptr,
                 static_cast<T*>(params[nparam - 1]), N, K, H, E, I, static_cast<const int32_t*>(params[4])[0]);
   });
   return 0;

@@ -16,7 +16,7 @@ namespace {
 // tokens and a step costs what its routed tokens cost. Zero rows of x (a step's padding) are not
 // routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
 // Either weight may instead be bfloat16 AMX tiles (T float32, see amx_rows), the gate and up
-// columns of w13 then interleaved as LinearGlu's tiles are, or int8 panels (Pack).
+// columns of w13 then interleaved as LinearGlu's tiles are, or int8 panels, or int4 levels (Pack).
 //   Experts whose inputs are quantized per token (W8A8) run in two calls, so that a row of
 // silu(gate) * up split over tensor-parallel ranks can be quantized with its maximum over them in
 // between: moe_up gives each pair's row of silu(gate x) * up x [N k, I] (row n k + j; zeros for
@@ -25,23 +25,45 @@ namespace {
 // as linear_vnni does; with weights held otherwise the caller quantizes them (to the levels and
 // back).
 // How an expert's weight [N, K] is held: panels of x's dtype, bfloat16 AMX tiles (int16; x
-// float32), or int8 panels with their N column scales before them (CpuOps.pack_int8: a weight-only
-// int8 checkpoint's experts, or W8A8 ones on a CPU without VNNI).
-enum class Pack { Panels, Tiles, Int8 };
+// float32), int8 panels with their N column scales before them (CpuOps.pack_int8: a weight-only
+// int8 checkpoint's experts, or W8A8 ones on a CPU without VNNI), or int4 levels two a byte
+// (CpuInt4Linear.pack: a W4A16 checkpoint's experts, on AVX-512) with a scale per group of inputs.
+enum class Pack { Panels, Tiles, Int8, Int4 };
 
 // The bytes of one expert's weight [N, K] held as `pack` (x's element of `size` bytes).
 inline int64_t expert_bytes(Pack pack, int64_t N, int64_t K, int64_t size) {
-  return pack == Pack::Int8 ? N * (K + 4) : N * K * (pack == Pack::Tiles ? 2 : size);
+  switch (pack) {
+    case Pack::Int8: return N * (K + 4);
+    case Pack::Int4: return N * K / 2;
+    case Pack::Tiles: return N * K * 2;
+    default: return N * K * size;
+  }
 }
 
+// The experts' stacked weight [E, N, K] as held, and with Pack::Int4 its group scales [E, N,
+// groups] float32 (CpuInt4Linear.scales' order, expert by expert).
+struct Held {
+  const void* w;
+  Pack pack;
+  const float* scales = nullptr;
+  int64_t groups = 0;
+};
+
+// y = x times expert e's weight of `held` ([N, K]) for m rows of x.
 template <typename T, bool Glu>
-void project(const T* x, const void* w, Pack pack, T* y, int64_t m, int64_t K, int64_t N) {
+void project(const T* x, const Held& held, int64_t e, T* y, int64_t m, int64_t K, int64_t N) {
+  const void* w = static_cast<const char*>(held.w) + e * expert_bytes(held.pack, N, K, sizeof(T));
 #ifdef MSINFER_AMX
   if constexpr (std::is_same_v<T, float>) {
-    if (pack == Pack::Tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
+    if (held.pack == Pack::Tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
   }
 #endif
-  if (pack == Pack::Int8) return linear_rows<T, Glu, int8_t>(x, static_cast<const int8_t*>(w), y, m, K, N);
+#ifdef MSINFER_INT4
+  if (held.pack == Pack::Int4)
+    return int4_rows<T, Glu>(x, static_cast<const uint8_t*>(w), held.scales + e * N * held.groups, y, m, K, N,
+                             K / held.groups);
+#endif
+  if (held.pack == Pack::Int8) return linear_rows<T, Glu, int8_t>(x, static_cast<const int8_t*>(w), y, m, K, N);
   linear_rows<T, Glu>(x, static_cast<const T*>(w), y, m, K, N);
 }
 
@@ -131,24 +153,22 @@ void gate_up(T* hs, int64_t m, int64_t I, bool glu, Proj proj) {
   silu_mul(gu.data(), hs, m, I);
 }
 
-// Expert e's gate|up (its weight w13 of the experts', held as pack13) over its m rows xs -> hs
-// [m, I]: silu(gate) * up.
+// Expert e's gate|up (its weight of the experts' w13) over its m rows xs -> hs [m, I]: silu(gate)
+// * up.
 template <typename T>
-void gate_up(const T* xs, const void* w13, Pack pack13, int64_t e, T* hs, int64_t m, int64_t H, int64_t I,
-             bool glu) {
-  const void* w = static_cast<const char*>(w13) + e * expert_bytes(pack13, 2 * I, H, sizeof(T));
-  gate_up(hs, m, I, glu, [&](T* y, auto g) { project<T, decltype(g)::value>(xs, w, pack13, y, m, H, 2 * I); });
+void gate_up(const T* xs, const Held& w13, int64_t e, T* hs, int64_t m, int64_t H, int64_t I, bool glu) {
+  gate_up(hs, m, I, glu, [&](T* y, auto g) { project<T, decltype(g)::value>(xs, w13, e, y, m, H, 2 * I); });
 }
 
-// Expert e's down (its weight w2 of the experts', held as pack2) over its m rows hs -> ys [m, H].
+// Expert e's down (its weight of the experts' w2) over its m rows hs -> ys [m, H].
 template <typename T>
-void down(const T* hs, const void* w2, Pack pack2, int64_t e, T* ys, int64_t m, int64_t H, int64_t I) {
-  project<T, false>(hs, static_cast<const char*>(w2) + e * expert_bytes(pack2, H, I, sizeof(T)), pack2, ys, m, I, H);
+void down(const T* hs, const Held& w2, int64_t e, T* ys, int64_t m, int64_t H, int64_t I) {
+  project<T, false>(hs, w2, e, ys, m, I, H);
 }
 
 template <typename T>
-void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, Pack pack13, const void* w2, Pack pack2,
-         T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+void moe(const T* x, const int32_t* ids, const T* wts, const Held& w13, const Held& w2, T* out, int64_t N, int64_t K,
+         int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
   std::vector<T> xs;
   const Routing r = route_rows(x, ids, N, K, H, E, first, xs);
   const int64_t R = r.rows();
@@ -156,8 +176,8 @@ void moe(const T* x, const int32_t* ids, const T* wts, const void* w13, Pack pac
   for (int64_t e = 0; e < E; ++e) {
     const int64_t s = r.start[e], m = r.start[e + 1] - s;
     if (m == 0) continue;
-    gate_up(xs.data() + s * H, w13, pack13, e, hs.data() + s * I, m, H, I, glu);
-    down(hs.data() + s * I, w2, pack2, e, ys.data() + s * H, m, H, I);
+    gate_up(xs.data() + s * H, w13, e, hs.data() + s * I, m, H, I, glu);
+    down(hs.data() + s * I, w2, e, ys.data() + s * H, m, H, I);
   }
   combine(r, ys.data(), wts, out, N, K, H);
 }
@@ -174,10 +194,10 @@ struct Int8Weights {
 
 // h [N k, I] (moe_up): row n k + j is silu(gate x[n]) * up x[n] by expert ids[n][j] where it is
 // held here and x[n] is not zeros; zeros elsewhere. q: the weights are int8 (VNNI), else held as
-// pack13 and x's rows taken as they are.
+// w13 says and x's rows taken as they are.
 template <typename T>
-void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const Int8Weights* q, T* h, int64_t N,
-            int64_t K, int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
+void moe_up(const T* x, const int32_t* ids, const Held& w13, const Int8Weights* q, T* h, int64_t N, int64_t K,
+            int64_t H, int64_t E, int64_t I, int64_t first, bool glu) {
   std::vector<T> xs;
   const Routing r = route_rows(x, ids, N, K, H, E, first, xs);
   const int64_t R = r.rows();
@@ -185,7 +205,7 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const 
   if (q == nullptr) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = r.start[e], m = r.start[e + 1] - s;
-      if (m > 0) gate_up(xs.data() + s * H, w13, pack13, e, hs.data() + s * I, m, H, I, glu);
+      if (m > 0) gate_up(xs.data() + s * H, w13, e, hs.data() + s * I, m, H, I, glu);
     }
   } else {
 #ifdef MSINFER_VNNI
@@ -197,7 +217,7 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const 
     for (int64_t e = 0; e < E; ++e) {
       const int64_t b = r.start[e], m = r.start[e + 1] - b;
       if (m == 0) continue;
-      const uint8_t* w = static_cast<const uint8_t*>(w13) + e * 2 * I * Hq;
+      const uint8_t* w = static_cast<const uint8_t*>(w13.w) + e * 2 * I * Hq;
       gate_up(hs.data() + b * I, m, I, glu, [&](T* y, auto g) {
         vnni_rows<T, decltype(g)::value>(levels.data() + b * Hq, s.data() + b, comp.data() + b, w,
                                          q->scales + e * 2 * I, y, m, Hq, 2 * I);
@@ -216,8 +236,8 @@ void moe_up(const T* x, const int32_t* ids, const void* w13, Pack pack13, const 
 // out [N, H] (moe_down): each token's rows of h [N k, I] (moe_up's) through down, weighted by wts
 // and summed. Rows of zeros are not routed: down of zeros is zeros, quantized or not.
 template <typename T>
-void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, Pack pack2, const Int8Weights* q,
-              T* out, int64_t N, int64_t K, int64_t H, int64_t E, int64_t I, int64_t first) {
+void moe_down(const T* h, const int32_t* ids, const T* wts, const Held& w2, const Int8Weights* q, T* out, int64_t N,
+              int64_t K, int64_t H, int64_t E, int64_t I, int64_t first) {
   const Routing r = route(ids, N, K, E, first, [&](int64_t n, int64_t j) { return !zero_row(h + (n * K + j) * I, I); });
   const int64_t R = r.rows();
   std::vector<T> hs(R * I), ys(R * H);
@@ -225,7 +245,7 @@ void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, Pack
   if (q == nullptr) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = r.start[e], m = r.start[e + 1] - s;
-      if (m > 0) down(hs.data() + s * I, w2, pack2, e, ys.data() + s * H, m, H, I);
+      if (m > 0) down(hs.data() + s * I, w2, e, ys.data() + s * H, m, H, I);
     }
   } else {
 #ifdef MSINFER_VNNI
@@ -240,7 +260,7 @@ void moe_down(const T* h, const int32_t* ids, const T* wts, const void* w2, Pack
       const int64_t b = r.start[e], m = r.start[e + 1] - b;
       if (m > 0)
         vnni_rows<T, false>(levels.data() + b * Iq, s.data() + b, comp.data() + b,
-                            static_cast<const uint8_t*>(w2) + e * H * Iq, q->scales + e * H, ys.data() + b * H, m, Iq,
+                            static_cast<const uint8_t*>(w2.w) + e * H * Iq, q->scales + e * H, ys.data() + b * H, m, Iq,
                             H);
     }
 #endif

@@ -54,7 +54,7 @@ def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> 
         if not hasattr(param, attr):
             setattr(param, attr, np.full((param.shape[0], *scales.shape[1:]), np.nan, np.float32))
         getattr(param, attr)[slice(None) if rows is None else rows] = np.nan if scales is None else scales
-    if rows is None:
+    if rows is None or tuple(data.shape) == tuple(param.shape):      # the whole of it: no copy of the old
         param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
         return
     buf = param.asnumpy()

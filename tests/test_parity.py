@@ -92,6 +92,30 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
                                   panels.runner.model.weights()["lm_head.weight"])
 
 
+def test_each_layers_loaded_float_weights_are_freed_before_the_next_layer_loads(checkpoint, monkeypatch):
+    """A bfloat16 checkpoint loads as float32 and is held in bfloat16 panels (the test above).
+    Each decoder layer is packed as its last tensor loads, and the float32 parameters it replaces
+    are gone by then, so that loading a rank never holds the whole model in float32: only the
+    layer being loaded (and, last, the embedding)."""
+    import weakref
+    from msinfer.sharding.layers import LinearBase
+    from msinfer.worker.model import CausalLM
+    loaded, alive = [], []
+    replaced: list = []
+    pack_layer = CausalLM.pack_layer
+
+    def spy(model, index):
+        layer = model.layers[model.layer_ids.index(index)]
+        replaced.extend(weakref.ref(c.weight) for _, c in layer.cells_and_names() if isinstance(c, LinearBase))
+        pack_layer(model, index)
+        loaded.append(index)
+        alive.append(sum(r() is not None for r in replaced))
+    monkeypatch.setattr(CausalLM, "pack_layer", spy)
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied_bfloat16")), max_model_len=64, max_batch_size=2))
+    assert loaded == list(range(runner.cfg.num_layers))
+    assert len(replaced) == 4 * runner.cfg.num_layers and alive == [0] * len(loaded)
+
+
 def test_prefill_decode_and_scoring_alternate_in_any_order(checkpoint, hf_greedy):
     """A generation, then a new prompt joining mid-way, then a scoring-style forward, then more
     decoding: every sequence gets exactly the tokens a fresh model gives it alone."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -201,10 +203,17 @@ def optional(name: str, quant) -> bool:
             and any(s.static for s in quant.schemes))
 
 
-def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, quant=None) -> dict:
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, quant=None,
+                    layer_done=None) -> dict:
     """Load every tensor `model.named_loaders()` expects (`quant`: the checkpoint's quantization,
-    ModelConfig.quant); returns {'tensors': n, 'bytes': held}."""
+    ModelConfig.quant); returns {'tensors': n, 'bytes': held}. `layer_done(i)` is called once the
+    last tensor of decoder layer i (model.layers.i.*) is in."""
     table = model.named_loaders()
+    names = list(table)
+    left = Counter(m.group(1) for m in map(LAYER_TENSOR.match, table) if m)
     with ExitStack() as stack:
         where: dict[str, tuple] = {}
         for path in safetensors_files(model_dir, allow_pickle):
@@ -226,7 +235,11 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
         def get(n: str):
             return where[n][0].get_slice(n)
 
-        for name, (layer, param, shard_id) in table.items():
+        held: dict[str, int] = {}          # name of each parameter loaded -> its bytes
+        for name in names:
+            # (popped: a layer's float parameters are freed once `layer_done` replaces them)
+            layer, param, shard_id = table.pop(name)
+            held[param.name] = param.nbytes
             try:
                 layer.weight_loader(param, weight_source(name, get, quant, where.__contains__), name, shard_id)
             except SafetensorError as e:
@@ -234,9 +247,11 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
                                       f"safetensors file ({e})") from None
             except OSError as e:
                 raise CheckpointError(f"{model_dir}: tensor '{name}' cannot be read ({e})") from None
-    unique = {id(param): param for _, param, _ in table.values()}
-    nbytes = sum(p.nbytes for p in unique.values())
-    return {"tensors": len(table), "bytes": nbytes}
+            if (m := LAYER_TENSOR.match(name)) is not None:
+                left[m.group(1)] -= 1
+                if not left[m.group(1)] and layer_done is not None:
+                    layer_done(int(m.group(1)))
+    return {"tensors": len(names), "bytes": sum(held.values())}
 
 
 class _Header:

@@ -11,6 +11,7 @@ never by a caller.
 
 from __future__ import annotations
 
+import gc
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
@@ -428,6 +429,7 @@ class CausalLM(nn.Cell):
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
+        self.held_weights: dict = {}         # name of a weight in the device's order -> its Parameter
         if cfg.quant is not None:
             self.quantize_inputs()
 
@@ -514,15 +516,17 @@ class CausalLM(nn.Cell):
         return (logits[:m], self.sampler.greedy(logits[:m]),
                 ops.concat((self.sampler.score(logits[m:], targets).expand_dims(-1), figures[:, 1:]), -1))
 
-    def pack_weights(self) -> None:
-        """Every matmul and embedding weight into the device's element order (`dev.pack_weight`),
-        and the experts' stacked weights into theirs (`dev.pack_experts`), once all are loaded;
-        the layers were built with the device's ops, which read that order.
-        A weight may change its dtype (bfloat16 tiles are int16), so it becomes a new Parameter of
-        the same name, set on every cell that holds it (a tied LM head shares the embedding's)."""
-        done: dict[str, Parameter] = {}
-        for _, cell in self.cells_and_names():
+    def pack_weights(self, cells: nn.Cell | None = None) -> None:
+        """Every matmul and embedding weight of `cells` (a cell and those in it; None: the whole
+        model) into the device's element order (`dev.pack_weight`), and the experts' stacked
+        weights into theirs (`dev.pack_experts`), once they are loaded; the layers were built with
+        the device's ops, which read that order. A weight packed by an earlier call is left as it
+        is. A weight may change its dtype (bfloat16 tiles are int16), so it becomes a new Parameter
+        of the same name, set on every cell that holds it (a tied LM head shares the embedding's)."""
+        for _, cell in (cells or self).cells_and_names():
             if isinstance(cell, FusedExperts):
+                if cell.w13.name in self.packed:                 # by an earlier call
+                    continue
                 if self.dev.int8_experts is not None and self.hold_int8_experts(cell):
                     continue
                 for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts and cell.op else ():
@@ -537,14 +541,25 @@ class CausalLM(nn.Cell):
             if (self.dev.pack_weight is None or not isinstance(cell, (LinearBase, VocabParallelEmbedding))
                     or not getattr(cell, "device_order", True)):
                 continue
-            if w.name not in done:
-                if w.name in self.packed:        # by an earlier call
+            if w.name not in self.held_weights:
+                if w.name in self.packed:        # held int8 by an earlier call
                     continue
                 # int8 weights with a scale per row stay int8 where the device multiplies them
                 scales = getattr(w, "row_scales", None) if isinstance(cell, (LinearBase, ParallelLMHead)) else None
                 data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False), scales)
-                done[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
-            cell.weight = done[w.name]
+                self.held_weights[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
+            cell.weight = self.held_weights[w.name]
+
+    def pack_layer(self, index: int) -> None:
+        """`pack_weights` of decoder layer `index` (the checkpoint's numbering), which the loader
+        calls as it finishes each layer: the float weights it loaded (dequantized, or float32
+        where the device holds bfloat16) are then freed layer by layer, so that loading takes the
+        packed model's memory and one layer's more, not the whole model in float. (A MindSpore
+        Parameter is in a reference cycle with its ParamInfo, `param_info.obj`, so the replaced
+        ones are freed by a collection: 3-5 ms in a worker, whose imports are frozen.)"""
+        if index in self.layer_ids:
+            self.pack_weights(self.layers[self.layer_ids.index(index)])
+            gc.collect()
 
     def hold_int8(self, cell: LinearBase) -> bool:
         """A layer whose weight loaded as int8 levels with a scale per row, or int4 levels with a

@@ -85,7 +85,7 @@ class ModelRunner:
             self.load_stats = {"tensors": 0, "bytes": 0}
         else:
             self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
-                                              ec.allow_pickle, self.cfg.quant)
+                                              ec.allow_pickle, self.cfg.quant, self.model.pack_layer)
         self.model.pack_weights()
         if self.load_stats["bytes"]:          # as held: packing may change a weight's bytes (int8, tiles)
             self.load_stats["bytes"] = sum(p.nbytes for p in self.model.held_parameters())

@@ -94,7 +94,8 @@ class Plan:
             where = "one node" if s.parallel.placement == "pack" else "any nodes"
             int8, int8_experts, int4, int4_experts = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
-                                     int8_experts=int8_experts, int4=int4, int4_experts=int4_experts, bf16=self.bf16)
+                                     int8_experts=int8_experts, int4=int4, int4_experts=int4_experts, bf16=self.bf16,
+                                     int4_scale_bytes=int4_scale_bytes(self.engine.device))
             kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
@@ -111,7 +112,7 @@ class Plan:
                                                           dtype_bytes(self.engine.dtype),
                                                           self.engine.pipeline,
                                                           holds_int8(self.engine.device, self.engine.ops),
-                                                          self.bf16))
+                                                          self.bf16, int4_scale_bytes(self.engine.device)))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -166,6 +167,8 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     elif held:
         form = "per-token form, their inputs int8 per token" if kind == "dynamic" else "antiquant form"
         by += f"; the experts' through GroupedMatmulV4's {form}"
+    elif int4_experts and scheme is not None and scheme.int4_groups and device != "cpu":
+        by += "; the experts' int4 groups through GroupedMatmulV4's antiquant form"
     elif kind in ("weight", "dynamic"):
         by += "; the experts' int8 weights are dequantized: no grouped int8 kernel here"
     elif scheme is not None and scheme.int4_groups:
@@ -182,9 +185,11 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
 
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
-                    int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False) -> str:
+                    int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
+                    scale_bytes: int = 0) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
-    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's), and the sizes each allows."""
+    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's, scale_bytes: int4_scale_bytes'),
+    and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
     stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
     gib = 1024 ** 3
@@ -195,8 +200,9 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
         experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1],
-                                 int4_experts=int8[3])
-        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2], bf16=bf16)
+                                 int4_experts=int8[3], int4_scale_bytes=scale_bytes)
+        rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2], bf16=bf16,
+                              int4_scale_bytes=scale_bytes)
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -256,12 +262,13 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
-                       int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False) -> int:
+                       int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
+                       scale_bytes: int = 0) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
     one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups in
-    linear layers, in experts); bf16: holds_bfloat16's."""
+    linear layers, in experts); bf16: holds_bfloat16's; scale_bytes: int4_scale_bytes'."""
     return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
-                              int4=int8[2], int4_experts=int8[3], bf16=bf16)
+                              int4=int8[2], int4_experts=int8[3], bf16=bf16, int4_scale_bytes=scale_bytes)
                for st in range(max(1, len(pipeline))))
 
 
@@ -271,13 +278,19 @@ def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool, bool]:
     experts): the CPU kernels do the first two (worker.cpu.CpuOps.pack_int8; the experts' in the
     same panels, or VNNI's for W8A8 where the CPU has it: CpuOps.int8_experts), and the last two
     on a CPU with AVX-512 (CpuInt4Linear, and its layout in the grouped kernel; sharding.config.
-    int4_on); Ascend's quantized matmuls do the first three (worker.ascend.AscendInt8Linear,
+    int4_on); Ascend's quantized matmuls do all four (worker.ascend.AscendInt8Linear,
     AscendExperts, AscendInt4Linear; emulated too) unless the start-up self-check finds them
-    wanting, and dequantize int4 experts; the portable operators dequantize them all."""
+    wanting; the portable operators dequantize them all."""
     ascend = ops != "portable" and device == "ascend"
     cpu = ops != "portable" and device == "cpu"
     int4_cpu = cpu and int4_on()
-    return ops != "portable", ascend or cpu, ascend or int4_cpu, int4_cpu
+    return ops != "portable", ascend or cpu, ascend or int4_cpu, ascend or int4_cpu
+
+
+def int4_scale_bytes(device: str) -> int:
+    """The bytes of an int4 group's scale where they are not the compute dtype's (0): the CPU
+    kernels hold them in float32 (worker.cpu.CpuInt4Linear, and the experts')."""
+    return 4 if device == "cpu" else 0
 
 
 def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
@@ -431,7 +444,7 @@ def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtyp
     except ValueError as e:
         raise LayoutError(str(e)) from None
     weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
-                                 holds_bfloat16(device, ops, lora))
+                                 holds_bfloat16(device, ops, lora), int4_scale_bytes(device))
     return Layout(device, emulate, dtype, pipeline, weights)
 
 
@@ -828,7 +841,7 @@ def card_replanner(plan: Plan):
     def replan(total: int, in_use: int, source: str, int8: tuple[bool, bool] = (True, True)) -> EngineConfig:
         weights, note = plan.weight_bytes_per_rank, None
         planned = holds_int8(plan.engine.device, plan.engine.ops)
-        held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0], planned[3])
+        held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0], planned[3] and int8[1])
         if held != planned:
             weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
                                          spec.parallel.expert_parallel, plan.engine.pipeline, held)

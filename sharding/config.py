@@ -456,7 +456,7 @@ MASK_PENALTY = -10000.0        # vllm-mindspore attention_mask.py: the additive 
 
 
 VARIANT_ENV = "MSINFER_ASCEND_EMULATE_VARIANT"
-VARIANTS = ("fa_cumulative", "pa_wrong", "qbmm_float32_scale", "wqbmm_int4_high_first")
+VARIANTS = ("fa_cumulative", "pa_wrong", "qbmm_float32_scale", "wqbmm_int4_high_first", "gmm_int4_high_first")
 MEMORY_ENV = "MSINFER_ASCEND_EMULATE_MEMORY_GB"
 
 

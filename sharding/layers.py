@@ -380,13 +380,14 @@ class FusedExperts(nn.Cell):
                 param.group_scales = group_scales
             self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
 
-    def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None) -> None:
+    def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None, dtype=None) -> None:
         """Keep the experts' weights as int8 levels in the device's layout (w13, w2 as its grouped
         kernel takes them) with their scales per output channel (Tensors [E, 2I], [E, H] in the
         dtype the kernel takes; None where the layout holds them, the CPU's int8 panels); or as
-        int4 levels two a byte (uint8) with their group scales (the CPU's int4 layout)."""
-        self.w13 = Parameter(Tensor(w13), name=self.w13.name, requires_grad=False)
-        self.w2 = Parameter(Tensor(w2), name=self.w2.name, requires_grad=False)
+        int4 levels two a byte with their group scales (the CPU's int4 layout, uint8; Ascend's, in
+        `dtype`: qint4x2). The weights' dtype: `dtype`, else the arrays'."""
+        self.w13 = Parameter(Tensor(w13, dtype), name=self.w13.name, requires_grad=False)
+        self.w2 = Parameter(Tensor(w2, dtype), name=self.w2.name, requires_grad=False)
         if w13_scale is not None:
             self.w13_scale = Parameter(w13_scale, name=self.w13.name + "_scale", requires_grad=False)
             self.w2_scale = Parameter(w2_scale, name=self.w2.name + "_scale", requires_grad=False)

@@ -317,7 +317,7 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
                    experts: bool | None = None, stage: Stage = Stage(), int8: bool = False,
                    int8_experts: bool = False, int4: bool = False, int4_experts: bool = False,
-                   bf16: bool = False) -> int:
+                   bf16: bool = False, int4_scale_bytes: int = 0) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
     all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
     row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
@@ -326,8 +326,9 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     int8_experts: so are the experts' int8 weights per channel, weight-only or with int8 inputs per
     token (Ascend's GroupedMatmulV4; the CPU's grouped kernels, worker.cpu.CpuOps.int8_experts).
     int4: so are linear layers' int4 groups (Ascend's WeightQuantBatchMatmul, the CPU's
-    CpuInt4Linear: two levels a byte, a scale per group in dtype_bytes). int4_experts: so are the
-    experts' int4 groups (the CPU's grouped kernel: its scales in float32).
+    CpuInt4Linear: two levels a byte and a scale per group). int4_experts: so are the experts' int4
+    groups (GroupedMatmulV4's antiquant form, the CPU's grouped kernel). A group's scale takes
+    int4_scale_bytes (the CPU kernels' float32: 4), or dtype_bytes where that is 0.
     bf16: the weights of a bfloat16 checkpoint's linear layers and embedding that are not quantized
     are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
     worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent
@@ -349,7 +350,7 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
         if ((int4_experts if expert else int4) and scheme is not None and scheme.int4_groups
                 and module != "lm_head"):
             out, cols = p.rank_shape
-            total += n // 2 + out * (cols // scheme.group_size) * (4 if expert else dtype_bytes)
+            total += n // 2 + out * (cols // scheme.group_size) * (int4_scale_bytes or dtype_bytes)
         elif (kind in ("weight", "dynamic") and int8_experts if expert else int8 and kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
         elif (halved and not expert and module and len(p.rank_shape) == 2

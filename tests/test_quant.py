@@ -712,6 +712,50 @@ def test_int4_experts_generate_what_their_dequantized_weights_generate(checkpoin
             assert np.abs(rec.logits[step][i] - ref_logits[step]).max() < LOGIT_ATOL
 
 
+def test_int4_experts_stay_int4_on_the_grouped_matmuls_antiquant_groups(checkpoint, tmp_path, monkeypatch):
+    """Qwen3-MoE whose experts alone are W4A16 (int4, groups of 16) on the emulated Ascend path
+    (float16): the start-up self-check passes GroupedMatmulV4's per-group antiquant form, the
+    experts keep their int4 levels two a byte ([in, out / 2] an expert), and each step's logits,
+    teacher-forced, are transformers' on the experts' dequantized weights within float16's
+    tolerance; plan counts them as the load holds them. On a card that reads column 2j from the
+    high nibble (the gmm_int4_high_first variant), the check finds that reading, the experts are
+    packed the other way, and the logits are the low-nibble card's to the last bit."""
+    import mindspore as ms
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    from tests.test_ascend import ATOL, ascend_spec
+    src = checkpoint("qwen3_moe_top2_dense_layer")
+    path, reference = experts_quantized_checkpoint(src, src.parent / "qwen3_moe_int4_experts")
+    cfg = ModelConfig.from_dir(path)
+    references = [hf_quantized(reference, prompt) for prompt in PROMPTS]
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, device="ascend", emulate=True,
+                                      dtype="float16"))
+    verdict = runner.kernel_check["GroupedMatmulV4"]
+    assert verdict["convention"] == "ok" and verdict["cases"] == ["experts-int4/16"]
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    held = {p.name: (p.dtype, p.shape) for p in runner.model.get_parameters() if ".experts.w" in p.name}
+    assert held == {f"layers.{i}.mlp.experts.{w}": (dtype, shape) for i in cfg.sparse_layers
+                    for w, dtype, shape in (("w13", ms.int8, (E, H, I)), ("w2", ms.int8, (E, I, H // 2)),
+                                            ("w13_scale", ms.float16, (E, H // 16, 2 * I)),
+                                            ("w2_scale", ms.float16, (E, I // 16, H)))}, held
+    assert max(forced_logits(runner, references)) < ATOL["ascend-emulated"]
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    plan = plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1}, sampling={"max_new_tokens": N_NEW},
+                                model={"max_model_len": 128, "dtype": "float16"}, scheduler={"max_batched_tokens": 128}),
+                    check_io=False)
+    assert plan.weight_bytes_per_rank == runner.load_stats["bytes"], (plan.weight_bytes_per_rank,
+                                                                      runner.load_stats["bytes"])
+    assert "the experts' int4 groups through GroupedMatmulV4's antiquant form" in plan.describe()
+    monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
+    swapped = checked_runner(path, "gmm_int4_high_first")
+    assert swapped.kernel_check["GroupedMatmulV4"]["convention"] == "high-first"
+    first = [Recording(r) for r in (swapped, runner)]
+    for rec in first:
+        Driver(rec).prefill(dict(enumerate(PROMPTS)))
+    np.testing.assert_array_equal(*(rec.logits[0] for rec in first))
+
+
 def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint, tmp_path, monkeypatch):
     """Qwen3-MoE whose experts alone are int8 per channel, weight-only, on the emulated Ascend path
     (float16): the start-up self-check passes GroupedMatmulV4's antiquant form, the experts keep

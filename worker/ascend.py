@@ -214,7 +214,10 @@ class AscendExperts(nn.Cell):
     int8 levels: y = (x w) * scale * per_token_scale (MindSpore's grouped_matmul_v4 doc), with
     the rows quantized after the routing sorts them, once for each projection, as golden-stick's
     MoE wrappers and vllm-ascend's w8a8_dynamic.py do (a sorted row is a token's row, so its
-    levels are the token's)."""
+    levels are the token's). Experts held as int4 levels (w13 [E, H, I], w2 [E, I, H / 2], two
+    levels a byte: AscendOps.pack_experts; qint4x2 on a card) run the antiquant form's groups:
+    antiquant_scale [[E, in / g, out]] in x's dtype (aclnnGroupedMatmulV4's 伪量化 pergroup case,
+    weight INT4, one tensor for all groups: [g, G, n])."""
 
     def __init__(self, kernels):
         super().__init__()
@@ -241,7 +244,7 @@ class AscendExperts(nn.Cell):
                                                     expert_tokens_before_capacity_flag=True)
         group_list = counts[:E].astype(ms.int64)
         h = self.project(rows, self.x_quant, w13, group_list, w13_scale)
-        inter = w13.shape[2] // 2
+        inter = h.shape[1] // 2                  # (not w13's: int4 pairs hold two columns a byte)
         h = ops.silu(h[:, :inter]) * h[:, inter:]
         y = ops.nan_to_num(self.project(h, self.h_quant, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
         return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
@@ -264,10 +267,11 @@ class AscendExperts(nn.Cell):
         return self.matmul(levels, w, group_list, scale, per_token.reshape(-1).astype(ms.float32)).astype(x.dtype)
 
     def matmul(self, x, w, group_list, scale=None, per_token=None):
-        """Each group's rows of x times its expert's w: float; int8 levels with `scale` [E, N] (the
-        antiquant form, x float); or int8 x and w with `scale` and each row's `per_token` scale [M]
-        float32 (the per-token form: scale bfloat16 for a bfloat16 output, float32 for float16, as
-        golden-stick's DynamicQuantMatmul passes it, ptq/hal.py)."""
+        """Each group's rows of x times its expert's w: float; int8 levels with `scale` [E, N], or
+        int4 pairs with `scale` [E, groups, N] (the antiquant form, x float); or int8 x and w with
+        `scale` and each row's `per_token` scale [M] float32 (the per-token form: scale bfloat16
+        for a bfloat16 output, float32 for float16, as golden-stick's DynamicQuantMatmul passes
+        it, ptq/hal.py)."""
         if per_token is not None:
             return self.grouped_matmul([x], [w], None, [scale], None, None, None, [per_token], group_list,
                                        split_item=3, group_type=0, group_list_type=1)[0]
@@ -480,13 +484,20 @@ class AscendOps(MsOps):
         return AscendInt8Linear(cls.kernels, kind, quantizer, dtype, convention)
 
     @classmethod
-    def int8_experts(cls, scheme) -> bool:
-        """Whether experts of `scheme` keep their int8 levels: int8 weights with a scale per
-        channel, with float inputs (W8A16: AscendExperts' antiquant form) or int8 inputs per token
-        (W8A8: its per-token form), unless the self-check found GroupedMatmulV4 wanting. int4
-        groups stay dequantized."""
-        return (scheme is not None and scheme.int8_kind in ("weight", "dynamic")
-                and cls.conventions.get("GroupedMatmulV4") != "portable")
+    def int8_experts(cls, scheme) -> bool | str:
+        """Whether experts of `scheme` keep their quantized levels, unless the self-check found
+        GroupedMatmulV4 wanting: True for int8 weights with a scale per channel, with float inputs
+        (W8A16: AscendExperts' antiquant form) or int8 inputs per token (W8A8: its per-token form);
+        "int4" for int4 weights with a scale per group of inputs (W4A16: the antiquant form's
+        groups, two levels a byte; CausalLM.hold_int8_experts); False for the others."""
+        if scheme is None or cls.conventions.get("GroupedMatmulV4") == "portable":
+            return False
+        return "int4" if scheme.int4_groups else scheme.int8_kind in ("weight", "dynamic")
+
+    @staticmethod
+    def int4_scale_dtype(dtype):
+        """The dtype of int4 experts' group scales: GroupedMatmulV4's antiquant scale is x's."""
+        return dtype
 
     @staticmethod
     def cache_param(shape: tuple, dtype, name: str):
@@ -495,11 +506,27 @@ class AscendOps(MsOps):
         from mindspore import Parameter, mint
         return Parameter(mint.zeros(shape, dtype=dtype), name=name, requires_grad=False)
 
-    @staticmethod
-    def pack_experts(w: np.ndarray, glu: bool = False):
+    @classmethod
+    def pack_experts(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
         """Stacked expert weights [E, out, in] (Hugging Face's [out, in] per expert) -> [E, in, out],
-        the layout GroupedMatmulV4 multiplies without a transpose; and the unpack."""
+        the layout GroupedMatmulV4 multiplies without a transpose; and the unpack. Int4 levels with
+        their group scales [E, out, in / g] -> [E, in, out / 2], each expert packed two levels a
+        byte along out as a W4A16 layer is (`pack_int4`; the self-check's "high-first" reading
+        swaps the nibbles), or None for an odd number of outputs; the unpack gives the levels."""
+        if scales is not None and np.ndim(scales) == 3:
+            if w.shape[1] % 2:
+                return None
+            high = cls.conventions.get("GroupedMatmulV4") == "high-first"
+            return (np.stack([pack_int4(q, high) for q in w]),
+                    lambda t: np.stack([unpack_int4(e, high) for e in np.asarray(t)]))
         return np.ascontiguousarray(w.swapaxes(1, 2)), lambda t: np.ascontiguousarray(t.swapaxes(1, 2))
+
+    @staticmethod
+    def expert_scales(scales, glu: bool = False):
+        """Int8 experts' scales per output channel [E, N] as they are; int4 experts' group scales
+        [E, N, groups] as GroupedMatmulV4's per-group antiquant scale takes them, [E, groups, N]."""
+        scales = np.asarray(scales, np.float32)
+        return np.ascontiguousarray(scales.swapaxes(1, 2)) if scales.ndim == 3 else scales
 
 
 # ---- stand-ins: the documented semantics in portable primitives, for emulation on the CPU -------
@@ -666,10 +693,16 @@ class GroupedMatmulV4(nn.Cell):
     their running sums (0). Row r of group e gives x[r] @ weight[e]; rows past the groups give
     zeros here (the kernel leaves them unwritten). Returns [[M, out]]. The antiquant form
     (aclnnGroupedMatmulV4's "伪量化" case): weight int8, antiquant_scale and antiquant_offset
-    [[E, out]] in x's dtype, x float16 or bfloat16: x @ ((weight + offset) * scale), in x's dtype."""
+    [[E, out]] in x's dtype, x float16 or bfloat16: x @ ((weight + offset) * scale), in x's dtype;
+    or per group (its pergroup case): weight int4 levels packed two to a byte [[E, in, out / 2]]
+    (a qint4x2 tensor on a card; the same bytes as int8 here, read as int4 where the weight has
+    half the scale's columns), column 2j in the low nibble (as WeightQuantBatchMatmul's; the
+    gmm_int4_high_first variant: the high one), antiquant_scale and antiquant_offset
+    [[E, in / g, out]], row i for inputs i*g .. i*g + g - 1."""
 
     def __init__(self):
         super().__init__()
+        self.high_first = "gmm_int4_high_first" in VARIANTS_IN_FORCE
 
     def construct(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
                   pre_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
@@ -685,9 +718,16 @@ class GroupedMatmulV4(nn.Cell):
             if antiquant_scale is None or antiquant_offset is None or x.dtype not in (ms.float16, ms.bfloat16):
                 raise TypeError("GroupedMatmulV4: int8 weights with float16 or bfloat16 x take antiquant_scale "
                                 "and antiquant_offset (the stand-in emulates no other quantized form)")
-            shape = (w.shape[0], 1, w.shape[2])
-            w = ((w.astype(ms.float32) + antiquant_offset[0].astype(ms.float32).reshape(shape))
-                 * antiquant_scale[0].astype(ms.float32).reshape(shape))
+            scale, offset = antiquant_scale[0].astype(ms.float32), antiquant_offset[0].astype(ms.float32)
+            if scale.ndim == 3:                  # per group: [E, in / g, out]
+                group = w.shape[1] // scale.shape[1]
+                if 2 * w.shape[2] == scale.shape[2]:
+                    w = ops.stack([int4_pairs(w[e], self.high_first) for e in range(w.shape[0])])
+                scale, offset = ops.repeat_interleave(scale, group, 1), ops.repeat_interleave(offset, group, 1)
+            else:
+                shape = (w.shape[0], 1, w.shape[2])
+                scale, offset = scale.reshape(shape), offset.reshape(shape)
+            w = (w.astype(ms.float32) + offset) * scale
             return [self.grouped(x.astype(ms.float32), w, group_list, group_list_type).astype(x.dtype)]
         return [self.grouped(x, w, group_list, group_list_type)]
 
@@ -780,6 +820,17 @@ class QuantBatchMatmul(nn.Cell):
         return y.astype(self.dtype)
 
 
+def int4_pairs(weight, high_first: bool = False):
+    """int4 pairs [K, N / 2] (int8 bytes) -> their levels [K, N], float32: column 2j from the low
+    nibble (high_first: the high one)."""
+    b = weight.astype(ms.float32)
+    hi = ops.floor(b / 16.0)                 # the high nibble, signed: b >> 4
+    lo = b - 16.0 * hi                       # the low one, 0..15
+    lo = lo - 16.0 * (lo >= 8.0).astype(ms.float32)
+    pair = (hi, lo) if high_first else (lo, hi)
+    return ops.stack(pair, axis=-1).reshape(weight.shape[0], -1)
+
+
 class WeightQuantBatchMatmul(nn.Cell):
     """Stand-in (aclnnWeightQuantBatchMatmulV2, hicann/ops-nn): y = x @ ((weight + antiquant_offset) *
     antiquant_scale) + bias, summed in float32, in x's dtype, no output quantization:
@@ -799,21 +850,13 @@ class WeightQuantBatchMatmul(nn.Cell):
         self.transpose_weight, self.group = transpose_weight, antiquant_group_size
         self.high_first = "wqbmm_int4_high_first" in VARIANTS_IN_FORCE
 
-    def int4(self, weight):
-        """int4 pairs [K, N / 2] (int8 bytes) -> their levels [K, N], float32."""
-        b = weight.astype(ms.float32)
-        hi = ops.floor(b / 16.0)                 # the high nibble, signed: b >> 4
-        lo = b - 16.0 * hi                       # the low one, 0..15
-        lo = lo - 16.0 * (lo >= 8.0).astype(ms.float32)
-        pair = (hi, lo) if self.high_first else (lo, hi)
-        return ops.stack(pair, axis=-1).reshape(weight.shape[0], -1)
-
     def construct(self, x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None,
                   bias=None):
         if weight.dtype != ms.int8 or quant_scale is not None or quant_offset is not None:
             raise TypeError("the WeightQuantBatchMatmul stand-in takes int8 weights and no output quantization")
         if self.group:
-            w = self.int4(weight) if 2 * weight.shape[1] == antiquant_scale.shape[-1] else weight.astype(ms.float32)
+            w = (int4_pairs(weight, self.high_first) if 2 * weight.shape[1] == antiquant_scale.shape[-1]
+                 else weight.astype(ms.float32))
             scale = ops.repeat_interleave(antiquant_scale.astype(ms.float32), self.group, 0)
             if antiquant_offset is not None:
                 w = w + ops.repeat_interleave(antiquant_offset.astype(ms.float32), self.group, 0)

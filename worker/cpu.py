@@ -193,6 +193,11 @@ class CpuOps(MsOps):
         return "vnni" if kind == "dynamic" and cls.vnni else "panels"
 
     @staticmethod
+    def int4_scale_dtype(dtype):
+        """The dtype of int4 experts' group scales: float32, whatever the compute dtype."""
+        return ms.float32
+
+    @staticmethod
     def expert_scales(scales: np.ndarray, glu: bool = False) -> np.ndarray:
         """Int8 experts' scales per output channel [E, N] in the order of `pack_experts`' columns:
         float32, w13's gate and up interleaved with glu. Int4 experts' group scales [E, N, groups]:

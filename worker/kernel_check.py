@@ -31,13 +31,16 @@ A quantized checkpoint's int8 layers (`quant`, `quant_cases`) add, at [hidden, h
               worker.ascend.AscendExperts)
     experts-  GroupedMatmulV4's per-token      the kernel, else portable
     dynamic   form (int8 experts, int8 inputs)
+    experts-  GroupedMatmulV4's antiquant      column 2j in a byte's low nibble (as
+    int4/g    form's groups of g (W4A16        WeightQuantBatchMatmul's), in the high one, else
+              experts, two levels a byte)      portable
     weight-   WeightQuantBatchMatmul's int4    column 2j in a byte's low nibble (MindSpore's own
     int4/g    groups of g (W4A16, worker.      test of the kernel, golden-stick), in the high one,
               ascend.AscendInt4Linear)         else portable
 
-A kernel's cases share its verdict: WeightQuantBatchMatmul's int8 case passes under either
-nibble order, and a W4A16 checkpoint's check runs at its own group size, which the card may
-refuse (then its layers are held dequantized).
+A kernel's cases share its verdict: WeightQuantBatchMatmul's and GroupedMatmulV4's int8 cases
+pass under either nibble order, and a W4A16 checkpoint's check runs at its own group size, which
+the card may refuse (then its layers are held dequantized).
 
 where "portable" keeps those layers' weights dequantized to the compute dtype (the float matmul;
 for the experts, GroupedMatmulV4's float form, which this check does not cover).
@@ -66,13 +69,13 @@ TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 CONVENTIONS = {"FlashAttentionScore": ("ok", "cumulative"), "PagedAttention": ("ok",), "ReshapeAndCache": ("ok",),
                "RmsNorm": ("ok",), "QuantBatchMatmul": ("ok", "float32"),
                "WeightQuantBatchMatmul": ("ok", "high-first"),
-               "GroupedMatmulV4": ("ok",)}
+               "GroupedMatmulV4": ("ok", "high-first")}
 INT8_KERNELS = {"WeightQuantBatchMatmul": ("weight", "weight-int4"),
                 "QuantBatchMatmul": ("dynamic", "dynamic-kernel", "static"),
-                "GroupedMatmulV4": ("experts", "experts-dynamic")}
+                "GroupedMatmulV4": ("experts", "experts-dynamic", "experts-int4")}
 # each case's sequences: (tokens cached, tokens new)
 CASES = {"prefill": [(0, 5), (0, 3)], "chunk": [(6, 3), (4, 1)], "decode": [(7, 1), (4, 1), (2, 1)]}
-CHECK_VERSION = 3              # of this module's cases: a change makes the cached verdicts stale
+CHECK_VERSION = 4              # of this module's cases: a change makes the cached verdicts stale
 
 
 def cache_dir() -> Path:
@@ -231,7 +234,7 @@ def quant_cases(cfg) -> tuple[str, ...]:
     Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
     (ModelSlim's, through DynamicQuantExt), "static", "weight-int4/g" (int4 groups of g),
     "experts" (weight-only int8 experts), "experts-dynamic" (int8 experts with int8 inputs per
-    token); () for a float one."""
+    token), "experts-int4/g" (int4 experts in groups of g); () for a float one."""
     if cfg.quant is None:
         return ()
     kinds = {s.int8_kind + ("-kernel" if s.int8_kind == "dynamic" and s.modelslim else "")
@@ -241,6 +244,8 @@ def quant_cases(cfg) -> tuple[str, ...]:
         kinds.add("experts")
     elif cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "dynamic" and cfg.expert_inputs("down_proj"):
         kinds.add("experts-dynamic")
+    elif cfg.expert_scheme is not None and cfg.expert_scheme.int4_groups:
+        kinds.add(f"experts-int4/{cfg.expert_scheme.group_size}")
     return tuple(sorted(kinds))
 
 
@@ -278,6 +283,8 @@ def _int8_error(seam, case: str, hidden: int, dtype: str, rng) -> float:
         return _experts_error(seam, hidden, mdt, rng, case == "experts-dynamic")
     if case.startswith("weight-int4/"):
         return _int4_error(seam, int(case.split("/")[1]), hidden, mdt, rng)
+    if case.startswith("experts-int4/"):
+        return _experts_int4_error(seam, int(case.split("/")[1]), hidden, mdt, rng)
     scheme = {"weight": Scheme(8, 0, False), "dynamic": Scheme(8, 0, True),
               "dynamic-kernel": MODELSLIM_SCHEMES["W8A8_DYNAMIC"], "static": MODELSLIM_SCHEMES["W8A8"]}[case]
     quantizer = input_quantizer(scheme, "check") if scheme.act_int8 else None
@@ -363,6 +370,39 @@ def _experts_error(seam, hidden: int, mdt, rng, per_token: bool = False) -> floa
     try:
         got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(Tensor(x, ms.int8 if per_token else mdt),
                                                                       Tensor(levels), Tensor(counts), *extra))
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+    return _error(got[:rows], want)
+
+
+def _experts_int4_error(seam, group: int, hidden: int, mdt, rng) -> float:
+    """The int4 experts case: 7 rows grouped 3, 0 and 4 over 3 experts' int4 levels [hidden, K]
+    ([out, in]; K: hidden rounded up to whole groups) with a scale per group of `group` inputs,
+    packed and scaled as worker.ascend.AscendExperts holds them, through its grouped matmul's
+    antiquant form, against their dequantized product in float64 (two rows past the groups ride
+    along, not compared)."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from msinfer.sharding.quant import Scheme
+    if seam.int8_experts(Scheme(4, group, False)) != "int4":
+        return float("inf")
+    K = -(-hidden // group) * group
+    counts = np.array([3, 0, 4], np.int64)
+    ends, rows = np.cumsum(counts), int(counts.sum())
+    levels = rng.integers(-8, 8, (len(counts), hidden, K)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (len(counts), hidden, K // group)) / (8 * np.sqrt(K))).astype(np.float32)
+    packed = seam.pack_experts(levels, False, scales)
+    if packed is None:
+        return float("inf")
+    held = Tensor(seam.expert_scales(scales), mdt)
+    dequantized = levels * np.repeat(_numpy(held).astype(np.float64).swapaxes(1, 2), group, axis=2)
+    x = _numpy(Tensor(rng.standard_normal((rows + 2, K)), mdt))
+    want = np.zeros((rows, hidden))
+    for e, (end, n) in enumerate(zip(ends, counts)):
+        want[end - n:end] = x[end - n:end].astype(np.float64) @ dequantized[e].T
+    try:
+        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(
+            Tensor(x, mdt), Tensor(packed[0], seam.int4_dtype), Tensor(counts), held))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     return _error(got[:rows], want)

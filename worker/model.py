@@ -351,10 +351,11 @@ SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
 PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
-def hold_int4_experts(dev, cell: FusedExperts) -> dict | None:
+def hold_int4_experts(dev, cell: FusedExperts, dtype=ms.float32) -> dict | None:
     """Experts whose weights all loaded as int4 levels with a scale per group of inputs (W4A16)
     keep them, two a byte, in the device's int4 expert layout (`dev.pack_experts` with the group
-    scales: the CPU's), their scales beside them (`dev.expert_scales`, float32). Returns each
+    scales: the CPU's, or GroupedMatmulV4's in `dev.int4_dtype`), their scales beside them
+    (`dev.expert_scales`, in `dev.int4_scale_dtype` of the compute dtype). Returns each
     weight's name -> the unpack to its dequantized values; None where they stay as they are (a
     weight's values are not its levels times its scales, or the layout does not take the sizes)."""
     held = []
@@ -369,7 +370,9 @@ def hold_int4_experts(dev, cell: FusedExperts) -> dict | None:
             return None
         held.append((w.name, packed, scales, values.shape[-1] // scales.shape[-1]))
     (_, (p13, _), s13, _), (_, (p2, _), s2, _) = held
-    cell.hold_int8(p13, p2, Tensor(dev.expert_scales(s13, cell.glu)), Tensor(dev.expert_scales(s2)))
+    sdt = dev.int4_scale_dtype(dtype)
+    cell.hold_int8(p13, p2, Tensor(dev.expert_scales(s13, cell.glu), sdt), Tensor(dev.expert_scales(s2), sdt),
+                   getattr(dev, "int4_dtype", None))
     return {name: lambda t, u=unpack, s=s, g=g: u(t).astype(np.float32) * np.repeat(s, g, axis=-1)
             for name, (_, unpack), s, g in held}
 
@@ -601,7 +604,7 @@ class CausalLM(nn.Cell):
         if not layout:
             return False
         if layout == "int4":
-            unpacks = hold_int4_experts(self.dev, cell)
+            unpacks = hold_int4_experts(self.dev, cell, self.dtype)
             self.packed.update(unpacks or {})
             return unpacks is not None
         if scheme.int8_kind == "dynamic" and (cell.x_quant is None or cell.h_quant is None):

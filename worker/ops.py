@@ -192,8 +192,9 @@ class MsOps:
     # that scheme's weights float (AscendOps; CpuOps for W8A8 with VNNI; CausalLM.hold_int8)
     int8_linear = None
     # (the experts' scheme or None) -> whether the device's moe_op multiplies experts held as int8
-    # levels with a scale per output channel, truthy (CpuOps: the layout, "vnni" or "panels") or
-    # not (AscendOps, CpuOps; CausalLM.hold_int8_experts)
+    # levels with a scale per output channel, or int4 levels with a scale per group of inputs:
+    # truthy (CpuOps: the layout, "vnni", "panels" or "int4"; AscendOps: True, or "int4") or not
+    # (CausalLM.hold_int8_experts; for "int4", worker.model.hold_int4_experts)
     int8_experts = None
 
     @staticmethod

@@ -718,10 +718,12 @@ def test_int4_experts_stay_int4_on_the_grouped_matmuls_antiquant_groups(checkpoi
     experts keep their int4 levels two a byte ([in, out / 2] an expert), and each step's logits,
     teacher-forced, are transformers' on the experts' dequantized weights within float16's
     tolerance; plan counts them as the load holds them. On a card that reads column 2j from the
-    high nibble (the gmm_int4_high_first variant), the check finds that reading, the experts are
-    packed the other way, and the logits are the low-nibble card's to the last bit."""
+    high nibble (the gmm_int4_high_first variant), the check finds that reading (its reference is
+    the dequantized product, so the experts packed the other way multiply right), and the seam it
+    gives packs the nibbles swapped."""
     import mindspore as ms
     from msinfer.sharding.config import EngineConfig
+    from msinfer.worker import ascend, kernel_check
     from msinfer.worker.runner import ModelRunner
     from tests.test_ascend import ATOL, ascend_spec
     src = checkpoint("qwen3_moe_top2_dense_layer")
@@ -748,12 +750,16 @@ def test_int4_experts_stay_int4_on_the_grouped_matmuls_antiquant_groups(checkpoi
                                                                       runner.load_stats["bytes"])
     assert "the experts' int4 groups through GroupedMatmulV4's antiquant form" in plan.describe()
     monkeypatch.delenv("MSINFER_ASCEND_EMULATE")
-    swapped = checked_runner(path, "gmm_int4_high_first")
-    assert swapped.kernel_check["GroupedMatmulV4"]["convention"] == "high-first"
-    first = [Recording(r) for r in (swapped, runner)]
-    for rec in first:
-        Driver(rec).prefill(dict(enumerate(PROMPTS)))
-    np.testing.assert_array_equal(*(rec.logits[0] for rec in first))
+    try:                    # a card that reads the other nibble first: the check's second reading
+        ascend.set_variants(("gmm_int4_high_first",))
+        swapped = kernel_check.check_quant(ascend.EmulatedAscendOps, H, "float16", ("experts-int4/16",))
+    finally:
+        ascend.set_variants(())
+    assert swapped["GroupedMatmulV4"]["convention"] == "high-first"
+    seam = ascend.EmulatedAscendOps.with_conventions(kernel_check.conventions(swapped))
+    levels = np.arange(-8, 8, dtype=np.int8).reshape(1, 4, 4)
+    low, high = (ops.pack_experts(levels, False, np.ones((1, 4, 1)))[0] for ops in (ascend.EmulatedAscendOps, seam))
+    np.testing.assert_array_equal(high.view(np.uint8), (low.view(np.uint8) >> 4) | (low.view(np.uint8) << 4))
 
 
 def test_int8_experts_stay_int8_on_the_grouped_matmuls_antiquant_form(checkpoint, tmp_path, monkeypatch):

@@ -351,6 +351,19 @@ SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
 PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
+def expert_levels(values: np.ndarray, scales: np.ndarray, levels_of) -> np.ndarray | None:
+    """Stacked experts' weights [E, N, K] -> their levels (int8 [E, N, K]), expert by expert
+    (`levels_of`: int8_levels or int4_levels of one [N, K] weight and its scales), so that the
+    float temporaries are one expert's, not the layer's; None where any expert has none."""
+    out = np.empty(values.shape, np.int8)
+    for e, (v, s) in enumerate(zip(values, scales)):
+        q = levels_of(v, s)
+        if q is None:
+            return None
+        out[e] = q
+    return out
+
+
 def hold_int4_experts(dev, cell: FusedExperts, dtype=ms.float32) -> dict | None:
     """Experts whose weights all loaded as int4 levels with a scale per group of inputs (W4A16)
     keep them, two a byte, in the device's int4 expert layout (`dev.pack_experts` with the group
@@ -364,8 +377,8 @@ def hold_int4_experts(dev, cell: FusedExperts, dtype=ms.float32) -> dict | None:
         if scales is None:
             return None
         values = w.asnumpy()
-        levels = int4_levels(values.reshape(-1, values.shape[-1]), scales.reshape(-1, scales.shape[-1]))
-        packed = None if levels is None else dev.pack_experts(levels.reshape(values.shape), glu, scales)
+        levels = expert_levels(values, scales, int4_levels)
+        packed = None if levels is None else dev.pack_experts(levels, glu, scales)
         if packed is None:
             return None
         held.append((w.name, packed, scales, values.shape[-1] // scales.shape[-1]))
@@ -612,11 +625,10 @@ class CausalLM(nn.Cell):
         held = []
         for w in (cell.w13, cell.w2):
             scales = getattr(w, "row_scales", None)
-            values = w.asnumpy()
-            levels = None if scales is None else int8_levels(values.reshape(-1, values.shape[-1]), scales.reshape(-1))
+            levels = None if scales is None else expert_levels(w.asnumpy(), scales, int8_levels)
             if levels is None:
                 return False
-            held.append((levels.reshape(values.shape), scales))
+            held.append((levels, scales))
         (l13, s13), (l2, s2) = held
         names = cell.w13.name, cell.w2.name
         packed = None if layout == "panels" else (self.dev.pack_experts(l13, cell.glu), self.dev.pack_experts(l2))

@@ -42,8 +42,10 @@ def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
         raise ShapeMismatch(f"tensor '{name}' has shape {list(got)}, the config implies {list(expected)}")
 
 
-def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> None:
+def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None, owned: bool = False) -> None:
     """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype.
+    owned: the caller gives `data` up, so a parameter of float32 or float16 taking it whole holds
+    it without a copy (Tensor.from_numpy; a float32 buffer into a float16 parameter is converted).
     Quantized weights (sharding.quant.Dequantized) leave their scales in the parameter's
     `row_scales` (a scale per row) or `group_scales` (per row and group of inputs), NaN for rows
     loaded from anything else."""
@@ -55,6 +57,10 @@ def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None) -> 
             setattr(param, attr, np.full((param.shape[0], *scales.shape[1:]), np.nan, np.float32))
         getattr(param, attr)[slice(None) if rows is None else rows] = np.nan if scales is None else scales
     if rows is None or tuple(data.shape) == tuple(param.shape):      # the whole of it: no copy of the old
+        if owned and param.dtype in (mstype.float32, mstype.float16):
+            value = np.ascontiguousarray(data, np.float32 if param.dtype == mstype.float32 else np.float16)
+            param.set_data(Tensor.from_numpy(value))
+            return
         param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
         return
     buf = param.asnumpy()
@@ -374,7 +380,7 @@ class FusedExperts(nn.Cell):
         entry[1] += 1
         if entry[1] == (2 if part < 2 else 1) * self.count:
             data, _, row_scales, group_scales = self.host.pop(param.name)
-            copy_into(param, data)
+            copy_into(param, data, owned=True)
             param.row_scales = row_scales
             if group_scales is not None:
                 param.group_scales = group_scales

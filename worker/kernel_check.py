@@ -231,15 +231,18 @@ def int8_usable(ec, tp_size: int) -> tuple[bool, bool] | None:
 
 def quant_cases(cfg) -> tuple[str, ...]:
     """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
-    Ascend path: "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
+    Ascend path (the linear layers' from the schemes they have, the experts' from theirs): "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
     (ModelSlim's, through DynamicQuantExt), "static", "weight-int4/g" (int4 groups of g),
     "experts" (weight-only int8 experts), "experts-dynamic" (int8 experts with int8 inputs per
     token), "experts-int4/g" (int4 experts in groups of g); () for a float one."""
     if cfg.quant is None:
         return ()
+    from msinfer.sharding.layout import plan_tensors
+    layers = {cfg.quant.scheme_for(p.name[:-len(".weight")]) for p in plan_tensors(cfg, 1)     # (not experts')
+              if p.name.endswith(".weight") and ".experts." not in p.name} - {None}
     kinds = {s.int8_kind + ("-kernel" if s.int8_kind == "dynamic" and s.modelslim else "")
-             for s in cfg.quant.schemes if s.int8_kind}
-    kinds.update(f"weight-int4/{s.group_size}" for s in cfg.quant.schemes if s.int4_groups)
+             for s in layers if s.int8_kind}
+    kinds.update(f"weight-int4/{s.group_size}" for s in layers if s.int4_groups)
     if cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "weight":
         kinds.add("experts")
     elif cfg.expert_scheme is not None and cfg.expert_scheme.int8_kind == "dynamic" and cfg.expert_inputs("down_proj"):

@@ -95,8 +95,8 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
 def test_each_layers_loaded_float_weights_are_freed_before_the_next_layer_loads(checkpoint, monkeypatch):
     """A bfloat16 checkpoint loads as float32 and is held in bfloat16 panels (the test above).
     Each decoder layer is packed as its last tensor loads, and the float32 parameters it replaces
-    are gone by then, so that loading a rank never holds the whole model in float32: only the
-    layer being loaded (and, last, the embedding)."""
+    are gone once CausalLM.UNCOLLECTED_BYTES of them wait (here: each layer's), so that loading a
+    rank never holds the whole model in float32."""
     import weakref
     from msinfer.sharding.layers import LinearBase
     from msinfer.worker.model import CausalLM
@@ -111,6 +111,7 @@ def test_each_layers_loaded_float_weights_are_freed_before_the_next_layer_loads(
         loaded.append(index)
         alive.append(sum(r() is not None for r in replaced))
     monkeypatch.setattr(CausalLM, "pack_layer", spy)
+    monkeypatch.setattr(CausalLM, "UNCOLLECTED_BYTES", 0)       # (this model's layers are small)
     runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied_bfloat16")), max_model_len=64, max_batch_size=2))
     assert loaded == list(range(runner.cfg.num_layers))
     assert len(replaced) == 4 * runner.cfg.num_layers and alive == [0] * len(loaded)

@@ -446,6 +446,7 @@ class CausalLM(nn.Cell):
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
         self.held_weights: dict = {}         # name of a weight in the device's order -> its Parameter
+        self.uncollected = 0                 # bytes of parameters replaced since the last collection (pack_layer)
         if cfg.quant is not None:
             self.quantize_inputs()
 
@@ -566,16 +567,27 @@ class CausalLM(nn.Cell):
                 self.held_weights[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = self.held_weights[w.name]
 
+    # The bytes of replaced parameters that pack_layer lets wait for a collection.
+    UNCOLLECTED_BYTES = 64 << 20
+
     def pack_layer(self, index: int) -> None:
         """`pack_weights` of decoder layer `index` (the checkpoint's numbering), which the loader
         calls as it finishes each layer: the float weights it loaded (dequantized, or float32
         where the device holds bfloat16) are then freed layer by layer, so that loading takes the
-        packed model's memory and one layer's more, not the whole model in float. (A MindSpore
-        Parameter is in a reference cycle with its ParamInfo, `param_info.obj`, so the replaced
-        ones are freed by a collection: 3-5 ms in a worker, whose imports are frozen.)"""
-        if index in self.layer_ids:
-            self.pack_weights(self.layers[self.layer_ids.index(index)])
+        packed model's memory and a layer's more (or UNCOLLECTED_BYTES), not the whole model in
+        float. A MindSpore Parameter is in a reference cycle with its ParamInfo (`param_info.obj`),
+        so the replaced ones are freed by a collection, run once UNCOLLECTED_BYTES of them wait:
+        3-5 ms in a worker, whose imports are frozen, but ~90 ms in a process that imported
+        MindSpore and transformers unfrozen (a test's), for a small model's every layer."""
+        if index not in self.layer_ids:
+            return
+        layer = self.layers[self.layer_ids.index(index)]
+        before = {id(p): p.nbytes for p in layer.get_parameters()}
+        self.pack_weights(layer)
+        self.uncollected += sum(n for i, n in before.items() if i not in {id(p) for p in layer.get_parameters()})
+        if self.uncollected >= self.UNCOLLECTED_BYTES:
             gc.collect()
+            self.uncollected = 0
 
     def hold_int8(self, cell: LinearBase) -> bool:
         """A layer whose weight loaded as int8 levels with a scale per row, or int4 levels with a

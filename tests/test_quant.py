@@ -744,8 +744,8 @@ def test_int4_experts_stay_int4_on_the_grouped_matmuls_antiquant_groups(checkpoi
     assert max(forced_logits(runner, references)) < ATOL["ascend-emulated"]
     monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
     plan = plan_job(ascend_spec(path, tmp_path, parallel={"tensor_parallel": 1}, sampling={"max_new_tokens": N_NEW},
-                                model={"max_model_len": 128, "dtype": "float16"}, scheduler={"max_batched_tokens": 128}),
-                    check_io=False)
+                                model={"max_model_len": 128, "dtype": "float16"},
+                                scheduler={"max_batched_tokens": 128}), check_io=False)
     assert plan.weight_bytes_per_rank == runner.load_stats["bytes"], (plan.weight_bytes_per_rank,
                                                                       runner.load_stats["bytes"])
     assert "the experts' int4 groups through GroupedMatmulV4's antiquant form" in plan.describe()

@@ -231,10 +231,11 @@ def int8_usable(ec, tp_size: int) -> tuple[bool, bool] | None:
 
 def quant_cases(cfg) -> tuple[str, ...]:
     """The int8 matmul cases (module docstring) the layers of a quantized checkpoint run on the
-    Ascend path (the linear layers' from the schemes they have, the experts' from theirs): "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel"
-    (ModelSlim's, through DynamicQuantExt), "static", "weight-int4/g" (int4 groups of g),
-    "experts" (weight-only int8 experts), "experts-dynamic" (int8 experts with int8 inputs per
-    token), "experts-int4/g" (int4 experts in groups of g); () for a float one."""
+    Ascend path (the linear layers' from the schemes they have, the experts' from theirs):
+    "weight", "dynamic" (compressed-tensors' per-token arithmetic), "dynamic-kernel" (ModelSlim's,
+    through DynamicQuantExt), "static", "weight-int4/g" (int4 groups of g), "experts" (weight-only
+    int8 experts), "experts-dynamic" (int8 experts with int8 inputs per token), "experts-int4/g"
+    (int4 experts in groups of g); () for a float one."""
     if cfg.quant is None:
         return ()
     from msinfer.sharding.layout import plan_tensors

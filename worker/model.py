@@ -584,7 +584,8 @@ class CausalLM(nn.Cell):
         layer = self.layers[self.layer_ids.index(index)]
         before = {id(p): p.nbytes for p in layer.get_parameters()}
         self.pack_weights(layer)
-        self.uncollected += sum(n for i, n in before.items() if i not in {id(p) for p in layer.get_parameters()})
+        after = {id(p) for p in layer.get_parameters()}
+        self.uncollected += sum(n for i, n in before.items() if i not in after)
         if self.uncollected >= self.UNCOLLECTED_BYTES:
             gc.collect()
             self.uncollected = 0

@@ -383,8 +383,8 @@ extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, co
   Held w13{params[2]};
   if (shapes[1][0] != N || std::strcmp(dtypes[1], "int32") || shapes[2][1] % 2 ||
       !expert_pack(dtypes[0], dtypes[2], shapes[2], 2 * I, H, vnni, &w13.pack) || w13.pack == Pack::Int4 ||
-      shapes[nparam - 1][0] != N * K ||
-      shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) || (vnni && !int8_params(dtypes, shapes, 4, E, 2 * I)))
+      shapes[nparam - 1][0] != N * K || shapes[nparam - 1][1] != I || (glu && (2 * I) % kPanel) ||
+      (vnni && !int8_params(dtypes, shapes, 4, E, 2 * I)))
     return 2;
 #ifndef MSINFER_VNNI
   if (vnni) return 3;
@@ -392,7 +392,8 @@ extern "C" int MoeUp(int nparam, void** params, int* ndims, int64_t** shapes, co
   const Int8Weights q = vnni ? int8_weights(params, 4, nullptr) : Int8Weights{};
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
-    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), w13, vnni ? &q : nullptr, static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
+    moe_up<T>(static_cast<const T*>(params[0]), static_cast<const int32_t*>(params[1]), w13, vnni ? &q : nullptr,
+              static_cast<T*>(params[nparam - 1]), N, K, H, E, I, meta[0], glu);
   });
   return 0;
 }

@@ -620,8 +620,17 @@ class LocalEngine:
     def __getattr__(self, name: str) -> PoolCall:
         return PoolCall(self.pool, getattr(self.engine, name))
 
+    # How long `kill` waits for the engine's loop to stop.
+    STOP_WAIT_S = 5.0
+
     def kill(self) -> None:
+        """Stops the engine's loop and waits for it (up to STOP_WAIT_S; it checks between steps):
+        a loop still in a Ray call when the job then shuts Ray down makes Ray end this process
+        (its core worker is gone, exit 1) before the job has said why it stopped."""
         self.engine.close()
+        thread = self.engine.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.STOP_WAIT_S)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -65,20 +65,28 @@ def build(cfg: ModelConfig, dev, sparse: bool, rng, bfloat16: bool = False):
     return cell
 
 
+def sparse_block(cfg: ModelConfig, dev, rng):
+    """The layer's sparse block on `dev`, its router's weights random (packed as the device packs
+    a weight), its experts' as built: the caller sets them."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from msinfer.worker.model import SparseMoeBlock
+    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev)
+    cell.set_train(False)
+    gate = (rng.standard_normal(cell.gate.weight.shape, np.float32) / np.sqrt(cfg.hidden_size)).astype(np.float32)
+    packed_gate = dev.pack_weight(gate)[0] if dev.pack_weight is not None else gate
+    cell.gate.weight = Parameter(Tensor(packed_gate), name=cell.gate.weight.name, requires_grad=False)
+    return cell
+
+
 def int8_experts(cfg: ModelConfig, dev, rng, held: str | None, inputs: bool = True):
     """A sparse block whose experts are int8 per output channel, with int8 inputs per token
     (W8A8, compressed-tensors' arithmetic: max|x| / 127.5, halves to even) or without (W8A16):
     held as `held` says ("vnni", "panels": CpuOps.int8_experts' layouts) or dequantized (None)."""
-    import mindspore as ms
     from mindspore import Parameter, Tensor
     from msinfer.sharding.layers import PerTokenInt8
-    from msinfer.worker.model import SparseMoeBlock
-    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev)
-    cell.set_train(False)
+    cell = sparse_block(cfg, dev, rng)
     experts = cell.experts
-    gate = (rng.standard_normal(cell.gate.weight.shape, np.float32) / np.sqrt(cfg.hidden_size)).astype(np.float32)
-    packed_gate = dev.pack_weight(gate)[0] if dev.pack_weight is not None else gate
-    cell.gate.weight = Parameter(Tensor(packed_gate), name=cell.gate.weight.name, requires_grad=False)
     levels, scales = {}, {}
     for attr in ("w13", "w2"):
         shape = getattr(experts, attr).shape
@@ -110,14 +118,10 @@ def int4_experts(cfg: ModelConfig, dev, rng, held: bool, group: int = 128):
     """A sparse block whose experts are W4A16 (int4 levels, a scale per group of `group` inputs),
     their values loaded dequantized with the scales beside them, as the loader leaves them; held as
     int4 (`hold_int4_experts`) or as float32 panels."""
-    import mindspore as ms
     from mindspore import Parameter, Tensor
-    from msinfer.worker.model import SparseMoeBlock, hold_int4_experts
-    cell = SparseMoeBlock(cfg, TPInfo(), ms.float32, dev)
-    cell.set_train(False)
+    from msinfer.worker.model import hold_int4_experts
+    cell = sparse_block(cfg, dev, rng)
     experts = cell.experts
-    gate = (rng.standard_normal(cell.gate.weight.shape, np.float32) / np.sqrt(cfg.hidden_size)).astype(np.float32)
-    cell.gate.weight = Parameter(Tensor(dev.pack_weight(gate)[0]), name=cell.gate.weight.name, requires_grad=False)
     for attr, glu in (("w13", experts.glu), ("w2", False)):
         p = getattr(experts, attr)
         E, N, K = p.shape

@@ -167,14 +167,14 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
     elif held:
         form = "per-token form, their inputs int8 per token" if kind == "dynamic" else "antiquant form"
         by += f"; the experts' through GroupedMatmulV4's {form}"
-    elif int4_experts and scheme is not None and scheme.int4_groups and device != "cpu":
-        by += "; the experts' int4 groups through GroupedMatmulV4's antiquant form"
     elif kind in ("weight", "dynamic"):
         by += "; the experts' int8 weights are dequantized: no grouped int8 kernel here"
+    elif scheme is not None and scheme.int4_groups and int4_experts:
+        by += "; the experts' int4 groups through " + ("the grouped kernels" if device == "cpu"
+                                                        else "GroupedMatmulV4's antiquant form")
     elif scheme is not None and scheme.int4_groups:
-        by += ("; the experts' int4 groups through the grouped kernels" if int4_experts
-               else "; the experts' int4 weights are dequantized: " + ("no AVX-512, or MSINFER_INT4=0" if
-                                                                       device == "cpu" else "no grouped int4 kernel"))
+        by += "; the experts' int4 weights are dequantized: " + ("no AVX-512, or MSINFER_INT4=0" if device == "cpu"
+                                                                 else "no grouped int4 kernel")
     if (not held or device == "cpu") and (m.expert_inputs("gate_proj") or m.expert_inputs("down_proj")):
         by += ("; the experts' inputs are quantized per token"
                + (", every expert on every token" if ops == "portable" else ""))

@@ -341,22 +341,25 @@ def _int4_error(seam, group: int, hidden: int, mdt, rng) -> float:
     return _error(got, want)
 
 
+# The experts cases' rows per expert: an expert with none between two with some.
+EXPERT_ROWS = np.array([3, 0, 4], np.int64)
+
+
 def _experts_error(seam, hidden: int, mdt, rng, per_token: bool = False) -> float:
     """The experts cases: 7 rows grouped 3, 0 and 4 over 3 experts' int8 weights [3, hidden,
     hidden] (the kernel's [in, out]) with a scale per output, through the grouped matmul as
-    worker.ascend.AscendExperts calls it, against their dequantized product in float64. Two rows
-    past the groups ride along (the kernel leaves their outputs unwritten: not compared). Weight-only:
-    float rows (the antiquant form); per_token: int8 rows with a scale each (the per-token form,
-    the weights' scale float32 for a float16 output, bfloat16 for bfloat16)."""
+    worker.ascend.AscendExperts calls it (_grouped_error). Weight-only: float rows (the antiquant
+    form); per_token: int8 rows with a scale each (the per-token form, the weights' scale float32
+    for a float16 output, bfloat16 for bfloat16)."""
     import mindspore as ms
     from mindspore import Tensor
     from msinfer.sharding.quant import Scheme
     if not seam.int8_experts(Scheme(8, 0, per_token)):
         return float("inf")
-    counts = np.array([3, 0, 4], np.int64)
-    ends, rows = np.cumsum(counts), int(counts.sum())
-    levels = rng.integers(-127, 128, (len(counts), hidden, hidden)).astype(np.int8)
-    scales = (rng.uniform(0.5, 1.5, (len(counts), hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
+    rows = int(EXPERT_ROWS.sum())
+    levels = rng.integers(-127, 128, (len(EXPERT_ROWS), hidden, hidden)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (len(EXPERT_ROWS), hidden)) / (127 * np.sqrt(hidden))).astype(np.float32)
+    tokens = None
     if per_token:
         x = rng.integers(-127, 128, (rows + 2, hidden)).astype(np.int8)
         tokens = rng.uniform(0.5, 1.5, rows + 2).astype(np.float32) / 127
@@ -366,47 +369,49 @@ def _experts_error(seam, hidden: int, mdt, rng, per_token: bool = False) -> floa
     else:
         x = _numpy(Tensor(rng.standard_normal((rows + 2, hidden)), mdt))
         extra = (Tensor(scales, mdt),)
-    want = np.zeros((rows, hidden))
-    for e, (end, n) in enumerate(zip(ends, counts)):
-        want[end - n:end] = x[end - n:end].astype(np.float64) @ (levels[e].astype(np.float64) * scales[e][None, :])
-    if per_token:
-        want *= tokens[:rows, None]
-    try:
-        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(Tensor(x, ms.int8 if per_token else mdt),
-                                                                      Tensor(levels), Tensor(counts), *extra))
-    except (RuntimeError, ValueError, TypeError):
-        return float("inf")
-    return _error(got[:rows], want)
+    weights = levels.astype(np.float64) * scales[:, None, :]
+    return _grouped_error(seam, x, weights, (Tensor(x, ms.int8 if per_token else mdt), Tensor(levels),
+                                             Tensor(EXPERT_ROWS), *extra), tokens)
 
 
 def _experts_int4_error(seam, group: int, hidden: int, mdt, rng) -> float:
     """The int4 experts case: 7 rows grouped 3, 0 and 4 over 3 experts' int4 levels [hidden, K]
     ([out, in]; K: hidden rounded up to whole groups) with a scale per group of `group` inputs,
     packed and scaled as worker.ascend.AscendExperts holds them, through its grouped matmul's
-    antiquant form, against their dequantized product in float64 (two rows past the groups ride
-    along, not compared)."""
+    antiquant form (_grouped_error)."""
     import mindspore as ms
     from mindspore import Tensor
     from msinfer.sharding.quant import Scheme
     if seam.int8_experts(Scheme(4, group, False)) != "int4":
         return float("inf")
     K = -(-hidden // group) * group
-    counts = np.array([3, 0, 4], np.int64)
-    ends, rows = np.cumsum(counts), int(counts.sum())
-    levels = rng.integers(-8, 8, (len(counts), hidden, K)).astype(np.int8)
-    scales = (rng.uniform(0.5, 1.5, (len(counts), hidden, K // group)) / (8 * np.sqrt(K))).astype(np.float32)
+    rows = int(EXPERT_ROWS.sum())
+    levels = rng.integers(-8, 8, (len(EXPERT_ROWS), hidden, K)).astype(np.int8)
+    scales = (rng.uniform(0.5, 1.5, (len(EXPERT_ROWS), hidden, K // group)) / (8 * np.sqrt(K))).astype(np.float32)
     packed = seam.pack_experts(levels, False, scales)
     if packed is None:
         return float("inf")
     held = Tensor(seam.expert_scales(scales), mdt)
-    dequantized = levels * np.repeat(_numpy(held).astype(np.float64).swapaxes(1, 2), group, axis=2)
+    weights = np.repeat(_numpy(held).astype(np.float64), group, axis=1) * levels.swapaxes(1, 2)     # [E, in, out]
     x = _numpy(Tensor(rng.standard_normal((rows + 2, K)), mdt))
-    want = np.zeros((rows, hidden))
-    for e, (end, n) in enumerate(zip(ends, counts)):
-        want[end - n:end] = x[end - n:end].astype(np.float64) @ dequantized[e].T
+    return _grouped_error(seam, x, weights, (Tensor(x, mdt), Tensor(packed[0], seam.int4_dtype),
+                                             Tensor(EXPERT_ROWS), held))
+
+
+def _grouped_error(seam, x: np.ndarray, weights: np.ndarray, args: tuple, row_scales=None) -> float:
+    """AscendExperts' grouped matmul (`seam.moe_op().matmul(*args)`, compiled as the steps are) on
+    x's rows grouped EXPERT_ROWS over the experts, against each row times its expert's dequantized
+    `weights` [E, in, out] (and its scale, `row_scales`) in float64. Two rows of x past the groups
+    ride along (the kernel leaves their outputs unwritten: not compared)."""
+    import mindspore as ms
+    rows = int(EXPERT_ROWS.sum())
+    want = np.zeros((rows, weights.shape[2]))
+    for e, (end, n) in enumerate(zip(np.cumsum(EXPERT_ROWS), EXPERT_ROWS)):
+        want[end - n:end] = x[end - n:end].astype(np.float64) @ weights[e]
+    if row_scales is not None:
+        want *= row_scales[:rows, None]
     try:
-        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(
-            Tensor(x, mdt), Tensor(packed[0], seam.int4_dtype), Tensor(counts), held))
+        got = _numpy(ms.jit(seam.moe_op().matmul, **seam.jit_options)(*args))
     except (RuntimeError, ValueError, TypeError):
         return float("inf")
     return _error(got[:rows], want)

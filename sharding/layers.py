@@ -19,7 +19,7 @@ from mindspore.common.initializer import initializer
 
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layout import TPInfo, kv_head_range, vocab_shard
-from msinfer.sharding.quant import source_shape
+from msinfer.sharding.quant import Dequantized, source_shape
 
 
 class ShapeMismatch(ValueError):
@@ -42,20 +42,29 @@ def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
         raise ShapeMismatch(f"tensor '{name}' has shape {list(got)}, the config implies {list(expected)}")
 
 
+def record_scales(holder, data, at, rows_shape: tuple) -> None:
+    """A quantized region's scales (sharding.quant.Dequantized: `row_scales`, a scale per row, or
+    `group_scales`, per row and group of inputs) kept in `holder`'s attributes of the same names
+    at `at`: arrays of `rows_shape` rows, made when the first comes, NaN for rows loaded from
+    anything else (or with other groups than the first's)."""
+    for attr in ("row_scales", "group_scales"):
+        scales = getattr(data, attr, None)
+        kept = getattr(holder, attr, None)
+        if scales is None and kept is None:
+            continue
+        if kept is None:
+            kept = np.full((*rows_shape, *scales.shape[1:]), np.nan, np.float32)
+            setattr(holder, attr, kept)
+        kept[at] = np.nan if scales is None or scales.shape[1:] != kept.shape[len(rows_shape):] else scales
+
+
 def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None, owned: bool = False) -> None:
     """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype.
     owned: the caller gives `data` up, so a parameter of float32 or float16 taking it whole holds
     it without a copy (Tensor.from_numpy; a float32 buffer into a float16 parameter is converted).
-    Quantized weights (sharding.quant.Dequantized) leave their scales in the parameter's
-    `row_scales` (a scale per row) or `group_scales` (per row and group of inputs), NaN for rows
-    loaded from anything else."""
-    for attr in ("row_scales", "group_scales"):
-        scales = getattr(data, attr, None)
-        if scales is None and not hasattr(param, attr):
-            continue
-        if not hasattr(param, attr):
-            setattr(param, attr, np.full((param.shape[0], *scales.shape[1:]), np.nan, np.float32))
-        getattr(param, attr)[slice(None) if rows is None else rows] = np.nan if scales is None else scales
+    Quantized weights (sharding.quant.Dequantized) leave their scales on the parameter
+    (`record_scales`)."""
+    record_scales(param, data, slice(None) if rows is None else rows, param.shape[:1])
     if rows is None or tuple(data.shape) == tuple(param.shape):      # the whole of it: no copy of the old
         if owned and param.dtype in (mstype.float32, mstype.float16):
             value = np.ascontiguousarray(data, np.float32 if param.dtype == mstype.float32 else np.float16)
@@ -356,11 +365,10 @@ class FusedExperts(nn.Cell):
         e, part = shard_id
         sliced = not self.tp.expert_parallel
         start = self.tp.rank * self.inter
-        if param.name not in self.host:
-            self.host[param.name] = [np.zeros(param.shape, np.float32), 0, np.full(param.shape[:2], np.nan, np.float32),
-                                     None]
+        if param.name not in self.host:         # (its scales, where quantized, ride on it to the parameter)
+            self.host[param.name] = [np.zeros(param.shape, np.float32).view(Dequantized), 0]
         entry = self.host[param.name]
-        buf, scales = entry[0], entry[2]
+        buf = entry[0]
         self.schemes.add(getattr(src, "scheme", None))
         if part < 2:
             check_shape(name, src, (self.full, self.hidden))
@@ -371,19 +379,10 @@ class FusedExperts(nn.Cell):
             rows = read_shard(src, 1 if sliced else None, start, self.inter)
             at = (e, slice(None))
         buf[at] = rows
-        scales[at] = getattr(rows, "row_scales", np.nan)
-        groups = getattr(rows, "group_scales", None)
-        if groups is not None and entry[3] is None:
-            entry[3] = np.full((*param.shape[:2], groups.shape[1]), np.nan, np.float32)
-        if entry[3] is not None and (groups is None or groups.shape[1] == entry[3].shape[2]):
-            entry[3][at] = np.nan if groups is None else groups
+        record_scales(buf, rows, at, param.shape[:2])
         entry[1] += 1
         if entry[1] == (2 if part < 2 else 1) * self.count:
-            data, _, row_scales, group_scales = self.host.pop(param.name)
-            copy_into(param, data, owned=True)
-            param.row_scales = row_scales
-            if group_scales is not None:
-                param.group_scales = group_scales
+            copy_into(param, self.host.pop(param.name)[0], owned=True)
             self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
 
     def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None, dtype=None) -> None:

@@ -27,13 +27,15 @@ class ShapeMismatch(ValueError):
 
 
 def read_shard(src, dim: int | None, start: int = 0, size: int | None = None) -> np.ndarray:
-    """Read rows/columns [start, start+size) of `dim` (None: all of it). Only that part leaves the disk."""
+    """Read rows/columns [start, start+size) of `dim` (None: all of it). Only that part leaves the disk.
+    The array is new, the caller's to give up (copy_into's `owned`): a checkpoint slice reads
+    into one, and a numpy array given as the source (tests, zeros standing in) is copied."""
     shape = source_shape(src)
-    if dim is None:
-        return np.asanyarray(src[tuple(slice(None) for _ in shape)])
     index = [slice(None)] * len(shape)
-    index[dim] = slice(start, start + size)
-    return np.asanyarray(src[tuple(index)])          # (a quantized weight's keeps its row scales)
+    if dim is not None:
+        index[dim] = slice(start, start + size)
+    part = src[tuple(index)]                      # (a quantized weight's region keeps its row scales)
+    return part.copy() if isinstance(src, np.ndarray) else np.asanyarray(part)
 
 
 def check_shape(name: str, src, expected: tuple[int, ...]) -> None:
@@ -75,6 +77,27 @@ def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None, own
     buf = param.asnumpy()
     buf[rows] = data.astype(buf.dtype, copy=False)
     param.set_data(Tensor(buf, dtype=param.dtype))
+
+
+def gather_part(host: dict, param: Parameter, data: np.ndarray, at, parts: int, rows_dims: int = 1) -> bool:
+    """Region `at` of `param` from `data`, gathered on the host and copied into the parameter once,
+    when the last of its `parts` regions is in (True then). `host`: the layer's parameters in
+    progress, by name. A part written into the parameter itself (copy_into with rows) copies
+    the whole parameter again: the q, k and v of a merged projection three times, gate and up
+    twice, and the many experts of a sparse layer once each. The buffer is float32 (the loader's
+    values, converted once to the parameter's dtype), and a quantized part's scales ride on it to
+    the parameter (`record_scales`; `rows_dims`: the leading dimensions they are kept over)."""
+    entry = host.get(param.name)
+    if entry is None:
+        entry = host[param.name] = [np.zeros(param.shape, np.float32).view(Dequantized), 0]
+    buf = entry[0]
+    buf[at] = data
+    record_scales(buf, data, at, param.shape[:rows_dims])
+    entry[1] += 1
+    if entry[1] < parts:
+        return False
+    copy_into(param, host.pop(param.name)[0], owned=True)
+    return True
 
 
 def new_param(shape, dtype, name: str) -> Parameter:
@@ -226,7 +249,7 @@ class LinearBase(InputQuantized, nn.Cell):
         check_shape(name, src, tuple(full))
         dim = self.tp_dim if (param is self.weight or self.tp_dim == 0) else None
         size = param.shape[dim] if dim is not None else None
-        copy_into(param, read_shard(src, dim, self.tp.rank * (size or 0), size))
+        copy_into(param, read_shard(src, dim, self.tp.rank * (size or 0), size), owned=True)
 
     def construct(self, x):
         y = self.product(x)
@@ -278,13 +301,15 @@ class MergedColumnParallelLinear(LinearBase):
     def __init__(self, in_size, out_sizes: list[int], bias, tp, dtype, linear=None):
         self.out_sizes = [o // tp.size for o in out_sizes]
         super().__init__(in_size, sum(self.out_sizes), bias, tp, dtype, linear)
+        self.host: dict[str, list] = {}      # the parameters being gathered (gather_part)
 
     def weight_loader(self, param, src, name, shard_id: int = 0):
         size = self.out_sizes[shard_id]
         offset = sum(self.out_sizes[:shard_id])
         expected = (size * self.tp.size,) + tuple(param.shape[1:])
         check_shape(name, src, expected)
-        copy_into(param, read_shard(src, 0, self.tp.rank * size, size), slice(offset, offset + size))
+        gather_part(self.host, param, read_shard(src, 0, self.tp.rank * size, size), slice(offset, offset + size),
+                    len(self.out_sizes))
 
 
 class QKVParallelLinear(LinearBase):
@@ -300,6 +325,7 @@ class QKVParallelLinear(LinearBase):
         self.total = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
         out = (self.q_heads + 2 * self.kv_heads) * cfg.head_dim
         super().__init__(cfg.hidden_size, out, bias, tp, dtype, linear)
+        self.host: dict[str, list] = {}      # the parameters being gathered (gather_part)
 
     def weight_loader(self, param, src, name, shard_id: str = "q"):
         D = self.head_dim
@@ -308,7 +334,7 @@ class QKVParallelLinear(LinearBase):
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         expected = (self.total[shard_id] * D,) + tuple(param.shape[1:])
         check_shape(name, src, expected)
-        copy_into(param, read_shard(src, 0, first_head * D, size), slice(offset, offset + size))
+        gather_part(self.host, param, read_shard(src, 0, first_head * D, size), slice(offset, offset + size), 3)
 
 
 class FusedExperts(nn.Cell):
@@ -343,8 +369,7 @@ class FusedExperts(nn.Cell):
         self.glu = op is not None and glu_group > 0 and self.inter % glu_group == 0
         self.op = op() if op else None
         self.meta = Tensor(np.array([self.first, int(self.glu)], np.int32))
-        self.host: dict[str, list] = {}      # parameter name -> [its data as the loader fills it, tensors in,
-                                             # its rows' int8 scales]
+        self.host: dict[str, list] = {}      # the parameters being gathered (gather_part)
         self.quant_scheme = None             # the experts' scheme, where one int8 scheme loaded them all
         self.schemes: set = set()
         self.w13_scale = self.w2_scale = None
@@ -365,10 +390,6 @@ class FusedExperts(nn.Cell):
         e, part = shard_id
         sliced = not self.tp.expert_parallel
         start = self.tp.rank * self.inter
-        if param.name not in self.host:         # (its scales, where quantized, ride on it to the parameter)
-            self.host[param.name] = [np.zeros(param.shape, np.float32).view(Dequantized), 0]
-        entry = self.host[param.name]
-        buf = entry[0]
         self.schemes.add(getattr(src, "scheme", None))
         if part < 2:
             check_shape(name, src, (self.full, self.hidden))
@@ -378,11 +399,7 @@ class FusedExperts(nn.Cell):
             check_shape(name, src, (self.hidden, self.full))
             rows = read_shard(src, 1 if sliced else None, start, self.inter)
             at = (e, slice(None))
-        buf[at] = rows
-        record_scales(buf, rows, at, param.shape[:2])
-        entry[1] += 1
-        if entry[1] == (2 if part < 2 else 1) * self.count:
-            copy_into(param, self.host.pop(param.name)[0], owned=True)
+        if gather_part(self.host, param, rows, at, (2 if part < 2 else 1) * self.count, rows_dims=2):
             self.quant_scheme = next(iter(self.schemes)) if len(self.schemes) == 1 else None
 
     def hold_int8(self, w13: np.ndarray, w2: np.ndarray, w13_scale=None, w2_scale=None, dtype=None) -> None:
@@ -435,7 +452,7 @@ class VocabParallelEmbedding(nn.Cell):
     def weight_loader(self, param, src, name, shard_id=None):
         check_shape(name, src, (self.vocab_size, param.shape[1]))
         rows = read_shard(src, 0, self.start, self.stop - self.start)
-        copy_into(param, rows, slice(0, self.stop - self.start))
+        copy_into(param, rows, slice(0, self.stop - self.start), owned=True)
 
     def construct(self, ids):
         if self.lookup is not None:
@@ -472,7 +489,7 @@ class ParallelLMHead(InputQuantized, VocabParallelEmbedding):
 def load_replicated(param, src, name: str, shard_id=None) -> None:
     """A cell's `weight_loader` for a tensor every rank holds whole, in the parameter's shape."""
     check_shape(name, src, tuple(param.shape))
-    copy_into(param, read_shard(src, None))
+    copy_into(param, read_shard(src, None), owned=True)
 
 
 class RMSNorm(nn.Cell):

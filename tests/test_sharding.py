@@ -91,6 +91,35 @@ def test_merged_column_holds_gate_and_up_slices_side_by_side():
     np.testing.assert_allclose(np.concatenate(up, 1), x @ U.T, rtol=1e-5, atol=1e-5)
 
 
+def test_a_merged_projection_takes_its_parts_in_any_order_in_its_dtype_with_their_scales():
+    """q, k and v arrive in any order (gathered on the host, sharding.layers.gather_part): the
+    float16 parameter holds each at its rows, and a quantized part's scales (per row) stand at its
+    rows of the parameter's, NaN at the float parts' rows."""
+    from msinfer.sharding.quant import Dequantized
+    D = 3
+    c = cfg(num_attention_heads=4, num_key_value_heads=2, hidden_size=12, head_dim=D)
+    W = {"q": rng.normal(size=(4 * D, 12)), "k": rng.normal(size=(2 * D, 12)), "v": rng.normal(size=(2 * D, 12))}
+    k_scales = rng.uniform(0.01, 0.02, 2 * D).astype(np.float32)
+
+    class QuantizedK:              # as sharding.quant.QuantizedWeight reads a region: with its scales
+        def get_shape(self):
+            return W["k"].shape
+
+        def __getitem__(self, index):
+            return Dequantized.of(W["k"][index].astype(np.float32), row_scales=k_scales[index[0]])
+
+    layer = QKVParallelLinear(c, False, TPInfo(0, 1), ms.float16)
+    for s in "vqk":
+        layer.weight_loader(layer.weight, QuantizedK() if s == "k" else W[s], s, s)
+    held = layer.weight.asnumpy()
+    assert held.dtype == np.float16
+    np.testing.assert_array_equal(held, np.concatenate([W[s] for s in "qkv"]).astype(np.float16))
+    scales = layer.weight.row_scales
+    np.testing.assert_array_equal(scales[4 * D:6 * D], k_scales)
+    assert np.isnan(scales[:4 * D]).all() and np.isnan(scales[6 * D:]).all()
+    assert not layer.host
+
+
 @pytest.mark.parametrize("heads,kv_heads,tp", [(4, 2, 2), (4, 1, 2), (4, 2, 4), (4, 4, 2)])
 def test_qkv_parallel_splits_query_heads_and_replicates_kv_heads_when_needed(heads, kv_heads, tp):
     D = 3

@@ -48,7 +48,8 @@ def record_scales(holder, data, at, rows_shape: tuple) -> None:
     """A quantized region's scales (sharding.quant.Dequantized: `row_scales`, a scale per row, or
     `group_scales`, per row and group of inputs) kept in `holder`'s attributes of the same names
     at `at`: arrays of `rows_shape` rows, made when the first comes, NaN for rows loaded from
-    anything else (or with other groups than the first's)."""
+    anything else (or with other groups than the first's). Its `levels` likewise, in an int8
+    array of the holder's shape, with `levels_known` (rows_shape) saying which rows they fill."""
     for attr in ("row_scales", "group_scales"):
         scales = getattr(data, attr, None)
         kept = getattr(holder, attr, None)
@@ -58,6 +59,22 @@ def record_scales(holder, data, at, rows_shape: tuple) -> None:
             kept = np.full((*rows_shape, *scales.shape[1:]), np.nan, np.float32)
             setattr(holder, attr, kept)
         kept[at] = np.nan if scales is None or scales.shape[1:] != kept.shape[len(rows_shape):] else scales
+    levels, known = getattr(data, "levels", None), getattr(data, "levels_known", None)
+    if levels is None and getattr(holder, "levels", None) is None:
+        return
+    if getattr(holder, "levels", None) is None:      # (known over the rows of a gathered buffer's)
+        holder.levels = np.zeros(tuple(holder.shape), np.int8)
+        holder.levels_known = np.zeros(rows_shape if known is None else known.shape, bool)
+    if levels is not None:
+        holder.levels[at] = levels
+    holder.levels_known[at] = levels is not None if known is None else known
+
+
+def carried_levels(holder) -> np.ndarray | None:
+    """The int levels a parameter loaded as (`record_scales`), where every row of it loaded from
+    the checkpoint's ints; else None (then they are found from the values: sharding.quant)."""
+    known = getattr(holder, "levels_known", None)
+    return holder.levels if known is not None and known.all() else None
 
 
 def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None, owned: bool = False) -> None:

@@ -387,51 +387,59 @@ class QuantizedWeight(_WeightView):
             if c0 % g or (c1 - c0) % g:
                 raise QuantizationError(f"tensor '{self.name}': columns {c0}-{c1} split a group of {g}")
             s = np.asarray(self.scale[r0:r1, c0 // g:c1 // g]).astype(np.float32)
-            return Dequantized.of(q.astype(np.float32) * np.repeat(s, g, axis=1), group_scales=s)
+            return Dequantized.of(q.astype(np.float32) * np.repeat(s, g, axis=1), group_scales=s, levels=q)
         s = scale_values(np.asarray(self.scale[r0:r1, 0:1]))
-        return Dequantized.of(q.astype(np.float32) * s, row_scales=s[:, 0])
+        return Dequantized.of(q.astype(np.float32) * s, row_scales=s[:, 0], levels=q)
 
 
 class Dequantized(np.ndarray):
     """A quantized weight's region, dequantized, that keeps its scales: `row_scales` [rows] (a
-    scale per output channel) or `group_scales` [rows, groups] (a scale per group of inputs).
+    scale per output channel) or `group_scales` [rows, groups] (a scale per group of inputs),
+    and its `levels` (int8, the region's shape), the ints the checkpoint holds.
     sharding.layers.copy_into records them beside the parameter, for a device that multiplies
     the weights as the checkpoint holds them (worker.cpu.CpuOps.pack_int8, worker.ascend's
-    quantized matmuls). Only the one given is set."""
+    quantized matmuls), which then need not find the levels again from the values. Only those
+    given are set."""
     row_scales: np.ndarray
     group_scales: np.ndarray
+    levels: np.ndarray
 
     @staticmethod
     def of(values: np.ndarray, row_scales: np.ndarray | None = None,
-           group_scales: np.ndarray | None = None) -> "Dequantized":
+           group_scales: np.ndarray | None = None, levels: np.ndarray | None = None) -> "Dequantized":
         out = values.view(Dequantized)
-        if row_scales is not None:
-            out.row_scales = row_scales
-        if group_scales is not None:
-            out.group_scales = group_scales
+        for name, value in (("row_scales", row_scales), ("group_scales", group_scales), ("levels", levels)):
+            if value is not None:
+                setattr(out, name, value)
         return out
 
 
-def int8_levels(w: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+def int8_levels(w: np.ndarray, scales: np.ndarray, levels: np.ndarray | None = None) -> np.ndarray | None:
     """A loaded weight [N, K] and each row's scale (Dequantized.row_scales) -> its int8 levels q
     with w == q * scales[:, None] exactly; None where a row has no scale (NaN: loaded from a float
     tensor), a scale is not positive, or w is not exactly that (an adapter merged into it): then the
-    device keeps the float weight."""
+    device keeps the float weight. `levels`: the levels the weight loaded as (`carried_levels`),
+    returned as they are."""
     if np.isnan(scales).any() or not (scales > 0).all():
         return None
+    if levels is not None:
+        return levels
     q = np.rint(w.astype(np.float32) / scales[:, None])
     if q.min(initial=0) < -128 or q.max(initial=0) > 127:
         return None
     return q.astype(np.int8) if np.array_equal((q * scales[:, None]).astype(w.dtype), w) else None
 
 
-def int4_levels(w: np.ndarray, group_scales: np.ndarray) -> np.ndarray | None:
+def int4_levels(w: np.ndarray, group_scales: np.ndarray, levels: np.ndarray | None = None) -> np.ndarray | None:
     """A loaded weight [N, K] and its group scales [N, K / g] (Dequantized.group_scales) -> its
     int4 levels q in -8..7 (int8 [N, K]) with w == q * its group's scale exactly; None where
-    int8_levels gives None, or a level is outside int4."""
+    int8_levels gives None, or a level is outside int4. `levels`: as int8_levels takes them."""
     groups = group_scales.shape[1] if group_scales.ndim == 2 else 0
-    if not groups or w.shape[1] % groups or np.isnan(group_scales).any() or not (group_scales > 0).all():
+    cols = (w if levels is None else levels).shape[1]
+    if not groups or cols % groups or np.isnan(group_scales).any() or not (group_scales > 0).all():
         return None
+    if levels is not None:
+        return levels if levels.min(initial=0) >= -8 and levels.max(initial=0) <= 7 else None
     s = np.repeat(group_scales, w.shape[1] // groups, axis=1)
     q = np.rint(w.astype(np.float32) / s)
     if q.min(initial=0) < -8 or q.max(initial=0) > 7:

@@ -91,33 +91,49 @@ def test_merged_column_holds_gate_and_up_slices_side_by_side():
     np.testing.assert_allclose(np.concatenate(up, 1), x @ U.T, rtol=1e-5, atol=1e-5)
 
 
-def test_a_merged_projection_takes_its_parts_in_any_order_in_its_dtype_with_their_scales():
+class Int8Source:
+    """A checkpoint tensor as sharding.quant.QuantizedWeight reads it: int8 levels with a scale per
+    row, each region dequantized, carrying its scales and levels."""
+
+    def __init__(self, rows: int, cols: int):
+        self.q = rng.integers(-127, 128, (rows, cols)).astype(np.int8)
+        self.scales = rng.uniform(0.01, 0.02, rows).astype(np.float32)
+
+    def get_shape(self):
+        return self.q.shape
+
+    def __getitem__(self, index):
+        from msinfer.sharding.quant import Dequantized
+        q = self.q[index]
+        return Dequantized.of(q * self.scales[index[0], None], row_scales=self.scales[index[0]], levels=q)
+
+
+def test_a_merged_projection_takes_its_parts_in_any_order_in_its_dtype_with_their_scales_and_levels():
     """q, k and v arrive in any order (gathered on the host, sharding.layers.gather_part): the
     float16 parameter holds each at its rows, and a quantized part's scales (per row) stand at its
-    rows of the parameter's, NaN at the float parts' rows."""
-    from msinfer.sharding.quant import Dequantized
+    rows of the parameter's, NaN at the float parts' rows. The int8 levels the parts loaded as go
+    to the device as they are (carried_levels) only where every part carries them."""
+    from msinfer.sharding.layers import carried_levels
     D = 3
     c = cfg(num_attention_heads=4, num_key_value_heads=2, hidden_size=12, head_dim=D)
-    W = {"q": rng.normal(size=(4 * D, 12)), "k": rng.normal(size=(2 * D, 12)), "v": rng.normal(size=(2 * D, 12))}
-    k_scales = rng.uniform(0.01, 0.02, 2 * D).astype(np.float32)
-
-    class QuantizedK:              # as sharding.quant.QuantizedWeight reads a region: with its scales
-        def get_shape(self):
-            return W["k"].shape
-
-        def __getitem__(self, index):
-            return Dequantized.of(W["k"][index].astype(np.float32), row_scales=k_scales[index[0]])
-
+    rows = {"q": 4 * D, "k": 2 * D, "v": 2 * D}
+    W = {s: rng.normal(size=(n, 12)) for s, n in rows.items()}
+    W["k"] = Int8Source(2 * D, 12)
     layer = QKVParallelLinear(c, False, TPInfo(0, 1), ms.float16)
     for s in "vqk":
-        layer.weight_loader(layer.weight, QuantizedK() if s == "k" else W[s], s, s)
+        layer.weight_loader(layer.weight, W[s], s, s)
     held = layer.weight.asnumpy()
     assert held.dtype == np.float16
-    np.testing.assert_array_equal(held, np.concatenate([W[s] for s in "qkv"]).astype(np.float16))
+    np.testing.assert_array_equal(held, np.concatenate([W["q"], W["k"][:, :], W["v"]]).astype(np.float16))
     scales = layer.weight.row_scales
-    np.testing.assert_array_equal(scales[4 * D:6 * D], k_scales)
+    np.testing.assert_array_equal(scales[4 * D:6 * D], W["k"].scales)
     assert np.isnan(scales[:4 * D]).all() and np.isnan(scales[6 * D:]).all()
-    assert not layer.host
+    assert not layer.host and carried_levels(layer.weight) is None      # q and v are floats: none carried
+    all_int8 = {s: Int8Source(n, 12) for s, n in rows.items()}
+    layer = QKVParallelLinear(c, False, TPInfo(0, 1), ms.float16)
+    for s in "kvq":
+        layer.weight_loader(layer.weight, all_int8[s], s, s)
+    np.testing.assert_array_equal(carried_levels(layer.weight), np.concatenate([all_int8[s].q for s in "qkv"]))
 
 
 @pytest.mark.parametrize("heads,kv_heads,tp", [(4, 2, 2), (4, 1, 2), (4, 2, 4), (4, 4, 2)])

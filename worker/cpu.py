@@ -263,7 +263,8 @@ class CpuOps(MsOps):
     bf16_panels = True
 
     @classmethod
-    def pack_weight(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
+    def pack_weight(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None,
+                    levels: np.ndarray | None = None):
         """A loaded weight [N, K] in the order the kernels read -> (packed array, its unpack).
         With `scales` (a quantized checkpoint's int8 weight, dequantized as it loaded, and the
         scale of each row: sharding.quant.Dequantized), int8 panels (`pack_int8`: a quarter of
@@ -274,7 +275,7 @@ class CpuOps(MsOps):
         widened to float32 as they are read: the float32 panels' result); any other weight to
         panels of its own dtype. glu: gate and up rows of LinearGlu, interleaved GLU_GROUP at a
         time."""
-        if scales is not None and (packed := cls.pack_int8(w, scales, glu)) is not None:
+        if scales is not None and (packed := cls.pack_int8(w, scales, glu, levels)) is not None:
             return packed
         if cls.takes_tiles(w):
             if glu:
@@ -287,12 +288,12 @@ class CpuOps(MsOps):
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
 
     @classmethod
-    def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False):
+    def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False, levels: np.ndarray | None = None):
         """w [N, K] = q * scales[:, None] with q int8 -> (int8 [N, K + 4]: the N scales as float32
         bytes, then q in `pack`'s panels (`pack_glu`'s, glu), and the unpack); None where any row
         has no scale (NaN: loaded from a float tensor, or an adapter was merged into it) or w is
         not exactly q * scale (then the float panels hold it)."""
-        q = int8_levels(w, scales)
+        q = int8_levels(w, scales, levels)
         return None if q is None else cls.int8_panels(q, scales, glu)
 
     @classmethod

@@ -19,7 +19,7 @@ import numpy as np
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                                     StaticInt8, VocabParallelEmbedding, load_replicated, new_param)
+                                     StaticInt8, VocabParallelEmbedding, carried_levels, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
@@ -351,13 +351,16 @@ SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
 PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
-def expert_levels(values: np.ndarray, scales: np.ndarray, levels_of) -> np.ndarray | None:
+def expert_levels(w: Parameter, scales: np.ndarray, levels_of) -> np.ndarray | None:
     """Stacked experts' weights [E, N, K] -> their levels (int8 [E, N, K]), expert by expert
     (`levels_of`: int8_levels or int4_levels of one [N, K] weight and its scales), so that the
-    float temporaries are one expert's, not the layer's; None where any expert has none."""
-    out = np.empty(values.shape, np.int8)
-    for e, (v, s) in enumerate(zip(values, scales)):
-        q = levels_of(v, s)
+    float temporaries are one expert's, not the layer's; None where any expert has none. The
+    levels they loaded as where they carry them (sharding.layers.carried_levels)."""
+    carried = carried_levels(w)
+    values = w.asnumpy() if carried is None else None
+    out = np.empty(w.shape, np.int8)
+    for e, s in enumerate(scales):
+        q = levels_of(None if values is None else values[e], s, None if carried is None else carried[e])
         if q is None:
             return None
         out[e] = q
@@ -376,12 +379,11 @@ def hold_int4_experts(dev, cell: FusedExperts, dtype=ms.float32) -> dict | None:
         scales = getattr(w, "group_scales", None)
         if scales is None:
             return None
-        values = w.asnumpy()
-        levels = expert_levels(values, scales, int4_levels)
+        levels = expert_levels(w, scales, int4_levels)
         packed = None if levels is None else dev.pack_experts(levels, glu, scales)
         if packed is None:
             return None
-        held.append((w.name, packed, scales, values.shape[-1] // scales.shape[-1]))
+        held.append((w.name, packed, scales, w.shape[-1] // scales.shape[-1]))
     (_, (p13, _), s13, _), (_, (p2, _), s2, _) = held
     sdt = dev.int4_scale_dtype(dtype)
     cell.hold_int8(p13, p2, Tensor(dev.expert_scales(s13, cell.glu), sdt), Tensor(dev.expert_scales(s2), sdt),
@@ -540,6 +542,7 @@ class CausalLM(nn.Cell):
         the device's ops, which read that order. A weight packed by an earlier call is left as it
         is. A weight may change its dtype (bfloat16 tiles are int16), so it becomes a new Parameter
         of the same name, set on every cell that holds it (a tied LM head shares the embedding's)."""
+        loaded = list((cells or self).get_parameters())
         for _, cell in (cells or self).cells_and_names():
             if isinstance(cell, FusedExperts):
                 if cell.w13.name in self.packed:                 # by an earlier call
@@ -563,9 +566,14 @@ class CausalLM(nn.Cell):
                     continue
                 # int8 weights with a scale per row stay int8 where the device multiplies them
                 scales = getattr(w, "row_scales", None) if isinstance(cell, (LinearBase, ParallelLMHead)) else None
-                data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False), scales)
+                data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), getattr(cell, "glu", False), scales,
+                                                                 carried_levels(w))
                 self.held_weights[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = self.held_weights[w.name]
+        for p in loaded:            # the int levels the weights loaded as (record_scales) are of no more
+            for attr in ("levels", "levels_known"):     # use, on those replaced (which wait for a
+                if getattr(p, attr, None) is not None:  # collection) and those kept as float alike
+                    delattr(p, attr)
 
     # The bytes of replaced parameters that pack_layer lets wait for a collection.
     UNCOLLECTED_BYTES = 64 << 20
@@ -605,7 +613,8 @@ class CausalLM(nn.Cell):
         matmul = self.dev.int8_linear(scheme, cell.input_quant, self.dtype, getattr(cell, "glu", False))
         if matmul is None:
             return False
-        levels = (int4_levels if grouped else int8_levels)(w.asnumpy(), scales)
+        carried = carried_levels(w)
+        levels = (int4_levels if grouped else int8_levels)(w.asnumpy() if carried is None else None, scales, carried)
         packed = matmul.pack(levels) if levels is not None else None
         if packed is None:
             return False
@@ -638,7 +647,7 @@ class CausalLM(nn.Cell):
         held = []
         for w in (cell.w13, cell.w2):
             scales = getattr(w, "row_scales", None)
-            levels = None if scales is None else expert_levels(w.asnumpy(), scales, int8_levels)
+            levels = None if scales is None else expert_levels(w, scales, int8_levels)
             if levels is None:
                 return False
             held.append((levels, scales))

@@ -77,31 +77,26 @@ def carried_levels(holder) -> np.ndarray | None:
     return holder.levels if known is not None and known.all() else None
 
 
-def copy_into(param: Parameter, data: np.ndarray, rows: slice | None = None, owned: bool = False) -> None:
-    """Copy host data into a parameter (or into `rows` of it), converting to the parameter's dtype.
-    owned: the caller gives `data` up, so a parameter of float32 or float16 taking it whole holds
-    it without a copy (Tensor.from_numpy; a float32 buffer into a float16 parameter is converted).
-    Quantized weights (sharding.quant.Dequantized) leave their scales on the parameter
-    (`record_scales`)."""
-    record_scales(param, data, slice(None) if rows is None else rows, param.shape[:1])
-    if rows is None or tuple(data.shape) == tuple(param.shape):      # the whole of it: no copy of the old
-        if owned and param.dtype in (mstype.float32, mstype.float16):
-            value = np.ascontiguousarray(data, np.float32 if param.dtype == mstype.float32 else np.float16)
-            param.set_data(Tensor.from_numpy(value))
-            return
-        param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
+def copy_into(param: Parameter, data: np.ndarray, owned: bool = False) -> None:
+    """Copy host data, the whole of a parameter, into it, converting to the parameter's dtype (a
+    region of it: `gather_part`). owned: the caller gives `data` up, so a parameter of float32 or
+    float16 holds it without a copy (Tensor.from_numpy; a float32 buffer into a float16 parameter
+    is converted). Quantized weights (sharding.quant.Dequantized) leave their scales on the
+    parameter (`record_scales`)."""
+    record_scales(param, data, slice(None), param.shape[:1])
+    if owned and param.dtype in (mstype.float32, mstype.float16):
+        value = np.ascontiguousarray(data, np.float32 if param.dtype == mstype.float32 else np.float16)
+        param.set_data(Tensor.from_numpy(value))
         return
-    buf = param.asnumpy()
-    buf[rows] = data.astype(buf.dtype, copy=False)
-    param.set_data(Tensor(buf, dtype=param.dtype))
+    param.set_data(Tensor(np.ascontiguousarray(data), dtype=param.dtype))
 
 
 def gather_part(host: dict, param: Parameter, data: np.ndarray, at, parts: int, rows_dims: int = 1) -> bool:
     """Region `at` of `param` from `data`, gathered on the host and copied into the parameter once,
     when the last of its `parts` regions is in (True then). `host`: the layer's parameters in
-    progress, by name. A part written into the parameter itself (copy_into with rows) copies
-    the whole parameter again: the q, k and v of a merged projection three times, gate and up
-    twice, and the many experts of a sparse layer once each. The buffer is float32 (the loader's
+    progress, by name. A part written into the parameter itself would copy the whole parameter
+    again: the q, k and v of a merged projection three times, gate and up twice, and the many
+    experts of a sparse layer once each. The buffer is float32 (the loader's
     values, converted once to the parameter's dtype), and a quantized part's scales ride on it to
     the parameter (`record_scales`; `rows_dims`: the leading dimensions they are kept over)."""
     entry = host.get(param.name)
@@ -465,11 +460,16 @@ class VocabParallelEmbedding(nn.Cell):
         self.start, self.stop, per = vocab_shard(vocab_size, tp)
         self.weight = new_param((per, hidden), dtype, "weight")
         self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+        self.host: dict[str, list] = {}      # a padded shard being gathered (gather_part)
 
     def weight_loader(self, param, src, name, shard_id=None):
         check_shape(name, src, (self.vocab_size, param.shape[1]))
-        rows = read_shard(src, 0, self.start, self.stop - self.start)
-        copy_into(param, rows, slice(0, self.stop - self.start), owned=True)
+        n = self.stop - self.start
+        rows = read_shard(src, 0, self.start, n)
+        if n == param.shape[0]:
+            copy_into(param, rows, owned=True)
+        else:                                # the last shard: its rows, then zeros to the shards' size
+            gather_part(self.host, param, rows, slice(0, n), 1)
 
     def construct(self, ids):
         if self.lookup is not None:

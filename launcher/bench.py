@@ -157,6 +157,13 @@ class BenchPlan:
     def engine(self):                  # sharding.config.EngineConfig
         return self.job.engine
 
+    @property
+    def compute(self) -> str:
+        """The compute dtype as the table's title says it: float32 on the CPU with its linear
+        layers in bfloat16 where model.dtype is bfloat16 there."""
+        matmuls = self.engine.matmul_dtype
+        return self.dtype if matmuls == self.dtype else f"{self.dtype}, linear layers in {matmuls}"
+
     def case_spec(self, case: Case):
         """The job spec a case runs with: its batch, its prefill budget, its output length."""
         spec = self.job.spec
@@ -402,7 +409,7 @@ def run_bench(args) -> int:
     print(f"msinfer bench: {len(plan.cases)} case(s), {len(runnable)} runnable, {plan.model.architecture} "
           f"tp {plan.tp}{' (experts whole per rank)' if plan.engine.expert_parallel else ''}"
           f"{f' x pp {len(plan.engine.pipeline)}' if plan.engine.pipeline else ''} on {plan.device}"
-          f"{' (emulated)' if plan.engine.emulate else ''} ({plan.dtype}, "
+          f"{' (emulated)' if plan.engine.emulate else ''} ({plan.compute}, "
           f"{'random weights' if plan.skip_load else 'checkpoint weights'}) -> {plan.out_dir}", file=sys.stderr)
     engine = BenchEngine(plan)
     bar = None
@@ -444,7 +451,7 @@ def run_bench(args) -> int:
         run.write()
         if engine.started_ray and ray.is_initialized():
             ray.shutdown()
-    title = (f"msinfer bench: {Path(plan.model_dir).name}, tp {plan.tp}, {plan.device} {plan.dtype}"
+    title = (f"msinfer bench: {Path(plan.model_dir).name}, tp {plan.tp}, {plan.device} {plan.compute}"
              f"{', random weights' if plan.skip_load else ''}")
     note = plot_results(plan.out_dir / PNG_NAME, run.rows, title)
     print(format_table(run.rows))

@@ -28,9 +28,9 @@ from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, bf16_panels_on, dtype_bytes, emulate_variants,
-                                    emulated_memory, emulated_note, int4_on, ops_problem, resolve_device,
-                                    resolve_dtype)
+                                    ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, dtype_bytes,
+                                    emulate_variants, emulated_memory, emulated_note, int4_on, ops_problem,
+                                    resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -75,7 +75,8 @@ class Plan:
             + (f"absent (about {self.checkpoint_bytes / gib:.2f} GiB in the config's dtype)" if self.weights_absent
                else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
-            f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}",
+            f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}"
+            f"{'' if self.engine.matmul_dtype == self.engine.dtype else f' (linear layers {self.engine.matmul_dtype})'}",
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
@@ -263,12 +264,14 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
 
 def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
                        int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
-                       scale_bytes: int = 0) -> int:
+                       scale_bytes: int = 0, pairs: bool = False) -> int:
     """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
     one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups in
-    linear layers, in experts); bf16: holds_bfloat16's; scale_bytes: int4_scale_bytes'."""
+    linear layers, in experts); bf16: holds_bfloat16's; scale_bytes: int4_scale_bytes'; pairs:
+    the linear layers computed in bfloat16 (Layout.matmul_dtype)."""
     return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
-                              int4=int8[2], int4_experts=int8[3], bf16=bf16, int4_scale_bytes=scale_bytes)
+                              int4=int8[2], int4_experts=int8[3], bf16=bf16, int4_scale_bytes=scale_bytes,
+                              pairs=pairs)
                for st in range(max(1, len(pipeline))))
 
 
@@ -428,6 +431,7 @@ class Layout:
     dtype: str                  # the compute dtype
     pipeline: tuple             # each stage's decoder layers, [lo, hi)
     weight_bytes: int           # a rank's weights, in the stage that holds the most
+    matmul_dtype: str = "float32"     # "bfloat16": the CPU kernels' linear layers in bfloat16
 
 
 def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtype: str, ops: str,
@@ -439,13 +443,15 @@ def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtyp
     pipeline = stage_layers(m.num_layers, pp, pipeline_layers)
     device = resolve_device(device)
     emulate = device == "ascend" and ascend_emulated()
+    matmul_dtype = "bfloat16" if cpu_bfloat16(dtype, device, emulate, ops) else "float32"
     try:
         dtype = resolve_dtype(dtype, m, device, emulate, ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
-                                 holds_bfloat16(device, ops, lora), int4_scale_bytes(device))
-    return Layout(device, emulate, dtype, pipeline, weights)
+                                 holds_bfloat16(device, ops, lora), int4_scale_bytes(device),
+                                 pairs=matmul_dtype == "bfloat16")
+    return Layout(device, emulate, dtype, pipeline, weights, matmul_dtype)
 
 
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False,
@@ -479,6 +485,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     notes = []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
+    if layout.matmul_dtype == "bfloat16":
+        notes.append("model.dtype bfloat16 on the CPU: each linear layer rounds its inputs and weights to bfloat16 "
+                     "and sums in float32 (AVX512-BF16 where the CPU has it); the embedding, the LM head, the norms, "
+                     "attention, the experts and the KV cache stay float32")
     if m.mtp_layers:
         notes.append(f"the checkpoint's {m.mtp_layers} multi-token prediction layer(s) (model.layers.{m.num_layers}"
                      f"{'' if m.mtp_layers == 1 else '-' + str(m.num_layers + m.mtp_layers - 1)}, "
@@ -499,7 +509,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
     resolved = {**same_named(spec), **emulation, "compile_cache": spec.model.compile_cache and on_cpu,
                 "threads": threads_per_worker(workers_here) if on_cpu else 0}
-    engine = EngineConfig(**resolved, model_dir=spec.model.path, dtype=dtype, device=device,
+    engine = EngineConfig(**resolved, model_dir=spec.model.path, dtype=dtype, matmul_dtype=layout.matmul_dtype,
+                          device=device,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, position_scheme=spec.model.positions.scheme,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline,
                           **model_extensions(spec, m, plans, notes))

@@ -539,6 +539,7 @@ def dtype_bytes(name: str) -> int:
 class EngineConfig:
     model_dir: str
     dtype: str = "float32"             # compute dtype of the network
+    matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels' linear layers in bfloat16 (cpu_bfloat16)
     device: str = "cpu"
     max_model_len: int = 2048
     max_batch_size: int = 32
@@ -610,12 +611,23 @@ def card_dtype(name: str, cfg: ModelConfig, device: str, ops: str = "auto") -> s
     return name
 
 
+def cpu_bfloat16(name: str, device: str, emulate: bool = False, ops: str = "auto") -> bool:
+    """Whether model.dtype `name` makes the CPU kernels compute the linear layers in bfloat16: so on
+    the CPU (not with its portable operators, nor on the emulated Ascend path). MindSpore's CPU
+    Gather and collectives have no bfloat16, so the rest of the network (embeddings, norms,
+    attention, the LM head and the KV cache) stays float32; each linear layer rounds its inputs
+    and weights to bfloat16 and sums their products in float32, as a card's bfloat16 matmul does
+    (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype)."""
+    return name == "bfloat16" and device == "cpu" and not emulate and ops != "portable"
+
+
 def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False, ops: str = "auto") -> str:
     """The dtype the workers compute in: a card's (`card_dtype`), or on this machine's CPU (the CPU,
     or Ascend emulated) what it runs: 'auto' is float32 there, except on the emulated fused
     kernels, which take what a card takes; bfloat16, which MindSpore's CPU kernels lack (Gather and
-    the collectives refuse it), is refused on the CPU and computed in float16 by the emulation
-    (`emulated_note`)."""
+    the collectives refuse it), is float32 with the linear layers in bfloat16 on the CPU kernels
+    (`cpu_bfloat16`), refused with the portable operators, and computed in float16 by the
+    emulation (`emulated_note`)."""
     on_cpu = device == "cpu" or emulate
     if not on_cpu:
         return card_dtype(name, cfg, device, ops)
@@ -626,7 +638,11 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = Fals
     if name == "auto":
         return "float32"
     if name == "bfloat16":
-        where = "the emulated Ascend path (it runs on the CPU)" if emulate else "the CPU"
+        if cpu_bfloat16(name, device, emulate, ops):
+            return "float32"
+        where = ("the emulated Ascend path (it runs on the CPU)" if emulate
+                 else "the CPU with model.ops portable (the CPU kernels, model.ops auto, compute its linear layers "
+                      "in bfloat16)")
         raise ValueError(f"model.dtype bfloat16 does not run on {where}: MindSpore's CPU Gather and collectives "
                          "have no bfloat16; use float32 or float16, or auto, which picks float32 there")
     return name

@@ -317,7 +317,7 @@ def add_experts(plans: list[TensorPlan], cfg: ModelConfig, t0: TPInfo, p: str) -
 def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: bool = False,
                    experts: bool | None = None, stage: Stage = Stage(), int8: bool = False,
                    int8_experts: bool = False, int4: bool = False, int4_experts: bool = False,
-                   bf16: bool = False, int4_scale_bytes: int = 0) -> int:
+                   bf16: bool = False, int4_scale_bytes: int = 0, pairs: bool = False) -> int:
     """Bytes of the weights one rank (of `stage`) holds; experts True / False: only the experts' /
     all but them. int8: the device holds a quantized checkpoint's int8 weights with a scale per
     row as they are (a byte a weight and 4 a row: the CPU kernels' float32 scales; Ascend's
@@ -332,7 +332,10 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     bf16: the weights of a bfloat16 checkpoint's linear layers and embedding that are not quantized
     are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
     worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent
-    attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`)."""
+    attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`). pairs: those of the
+    linear layers (not the embedding or the LM head) are held in bfloat16 pairs, whatever the
+    checkpoint's dtype: 4 bytes a row per 2 inputs, an odd one padded (the CPU kernels computing
+    the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
     halved = bf16 and dtype_bytes == 4 and cfg.torch_dtype == "bfloat16"
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
@@ -353,11 +356,15 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
             total += n // 2 + out * (cols // scheme.group_size) * (int4_scale_bytes or dtype_bytes)
         elif (kind in ("weight", "dynamic") and int8_experts if expert else int8 and kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
-        elif (halved and not expert and module and len(p.rank_shape) == 2
+        elif ((halved or pairs) and not expert and module and len(p.rank_shape) == 2
               and not (cfg.quant and cfg.quant.scheme_for(module) is not None)
               and not (cfg.mla is not None and module.endswith(".kv_b_proj"))
               and not (cfg.routing is not None and module.endswith(".mlp.gate"))):
-            total += n * 2
+            linear = module not in ("lm_head", "model.embed_tokens")
+            if pairs and linear:
+                total += 4 * p.rank_shape[0] * ((p.rank_shape[1] + 1) // 2)
+            else:
+                total += n * (2 if halved else dtype_bytes)
         else:
             total += n * dtype_bytes
     return total

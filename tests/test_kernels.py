@@ -562,6 +562,76 @@ def test_bfloat16_panels_give_the_float32_panels_result_bit_for_bit(kernels, M, 
         np.testing.assert_array_equal(kernels.embed_op()(Tensor(packed), Tensor(ids)).asnumpy(), want)
 
 
+def _bfloat16_rounded(a) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16, ties to even, in float64 arithmetic (not
+    by bits, as msinfer.worker.cpu.bfloat16_rounded does): the value of 8 significant bits."""
+    a = np.asarray(a, np.float64)
+    m, e = np.frexp(a)                                   # a = m 2^e, 0.5 <= |m| < 1
+    return (np.round(m * 256) / 256 * 2.0 ** e).astype(np.float32)     # np.round: ties to even
+
+
+@pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (16, 63, 96, False), (33, 24, 45, False),
+                                       (17, 57, 64, True)])
+def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M, K, N, glu):
+    """Linear and LinearGlu over bfloat16 pairs (`pack_pairs`, computing in bfloat16): x and w
+    rounded to the nearest bfloat16 (ties to even), each product exact, the sums in float32: the
+    float64 product of the rounded values within float32's rounding of the sums, with an odd K
+    (the last pair's high half zero), a last panel narrower than 32 columns, padding rows and the
+    gate/up activation. Where the CPU has
+    AVX512-BF16, VDPBF16PS and the FMA path (MSINFER_BF16_DOT=0, a CPU without it) give the
+    very same bits."""
+    from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values, set_bf16_dot
+    rng = np.random.default_rng(M + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[-1:] = 0 if M > 1 else x[-1:]
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    xr, wr = _bfloat16_rounded(x), _bfloat16_rounded(w)
+    np.testing.assert_array_equal(bfloat16_values(bfloat16_rounded(x)), xr)
+    packed = kernels.pack_pairs(w, glu)
+    assert packed.dtype == np.uint32 and packed.shape == (N, (K + 1) // 2)
+    np.testing.assert_array_equal(kernels.unpack_pairs(packed, K, glu), wr)
+    op = kernels.glu_linear_op() if glu else kernels.linear_op()
+    h = xr.astype(np.float64) @ wr.astype(np.float64).T
+    ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+    dot = kernels.bf16_dot
+    try:
+        results = {}
+        for way in ([True, False] if dot else [False]):
+            set_bf16_dot(way)
+            results[way] = op(Tensor(x), Tensor(packed)).asnumpy()
+    finally:
+        set_bf16_dot(dot)
+    y = results[False]
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+    if M > 1:
+        assert not y[-1].any()
+    if dot:
+        np.testing.assert_array_equal(results[True], y)
+
+
+def test_bfloat16_pairs_round_ties_to_even(kernels):
+    """x halfway between two bfloat16 values rounds to the one with an even last bit, as a card's
+    float32 -> bfloat16 cast does (truncating would give 1 for both): 1 + 2^-8 -> 1, 1 + 3 2^-8
+    -> 1 + 2^-6, and the same for their negatives; a denormal becomes zero, as VDPBF16PS reads
+    one, on both paths."""
+    from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values, set_bf16_dot
+    x = np.zeros((5, 2), np.float32)
+    x[:, 0] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -(1 + 3 * 2 ** -8), 3e-39]
+    want = np.array([1, 1 + 2 ** -6, -1, -(1 + 2 ** -6), 0], np.float32)
+    np.testing.assert_array_equal(bfloat16_values(bfloat16_rounded(x[:, 0])), want)
+    w = np.zeros((32, 2), np.float32)
+    w[0, 0] = 1
+    dot = kernels.bf16_dot
+    try:
+        for way in {dot, False}:
+            set_bf16_dot(way)
+            y = kernels.linear_op()(Tensor(x), Tensor(kernels.pack_pairs(w))).asnumpy()
+            np.testing.assert_array_equal(y[:, 0], want)
+    finally:
+        set_bf16_dot(dot)
+
+
 def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 

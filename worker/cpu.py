@@ -261,6 +261,9 @@ class CpuOps(MsOps):
     # Whether, without tiles, a bfloat16 checkpoint's weights stay bfloat16 in the panels (uint16,
     # widened to float32 in the registers); MSINFER_BF16_PANELS=0 keeps them in float32 panels.
     bf16_panels = True
+    # Whether Linear and LinearGlu take bfloat16 pairs (pack_pairs) with VDPBF16PS (AVX512-BF16):
+    # set by load_kernels (set_bf16_dot); without it the kernels take FMAs, to the same bits.
+    bf16_dot = False
 
     @classmethod
     def pack_weight(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None,
@@ -286,6 +289,24 @@ class CpuOps(MsOps):
             bits = bfloat16_bits(w)
             return (cls.pack_glu(bits) if glu else cls.pack(bits)), lambda t: bfloat16_values(unpack(t))
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
+
+    @classmethod
+    def pack_pairs(cls, w: np.ndarray, glu: bool = False) -> np.ndarray:
+        """w [N, K] float32 -> uint32 [N, ceil(K/2)]: its values rounded to
+        bfloat16 (`bfloat16_rounded`), each word a pair of k (the even one in the low 16 bits, zero
+        past K), in `pack`'s panels (`pack_glu`'s, glu). Linear and LinearGlu then round x to
+        bfloat16 too and sum the exact products in float32 (kernels.cc linear_pairs)."""
+        N, K = w.shape
+        bits = np.zeros((N, K + K % 2), np.uint16)
+        bits[:, :K] = bfloat16_rounded(w)
+        words = bits.view(np.uint32)                 # little-endian: k even in the low half
+        return cls.pack_glu(words) if glu else cls.pack(words)
+
+    @classmethod
+    def unpack_pairs(cls, t: np.ndarray, K: int, glu: bool = False) -> np.ndarray:
+        """The bfloat16 values (float32 [N, K]) that `pack_pairs` holds."""
+        words = np.ascontiguousarray(cls.unpack_glu(t) if glu else cls.unpack(t))
+        return bfloat16_values(words.view(np.uint16)[:, :K])
 
     @classmethod
     def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False, levels: np.ndarray | None = None):
@@ -536,6 +557,19 @@ def bfloat16_bits(w: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
+def bfloat16_rounded(w: np.ndarray) -> np.ndarray:
+    """The bits (uint16) of float32 values rounded to the nearest bfloat16, ties to even, as
+    kernels.cc's bf16_rounded rounds x: a NaN stays a quiet NaN, a denormal becomes a zero of its
+    sign (VDPBF16PS reads denormals as zero)."""
+    u = np.ascontiguousarray(w, np.float32).view(np.uint32)
+    a = u & np.uint32(0x7FFFFFFF)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan, tiny = a > np.uint32(0x7F800000), a < np.uint32(0x00800000)
+    bits[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    bits[tiny] = ((u[tiny] >> 16) & np.uint32(0x8000)).astype(np.uint16)
+    return bits
+
+
 def bfloat16_values(bits: np.ndarray) -> np.ndarray:
     """The float32 values of bfloat16 bits (uint16): the inverse of `bfloat16_bits`."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
@@ -599,6 +633,16 @@ def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
     return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
 
 
+def set_bf16_dot(on: bool) -> bool:
+    """Whether the kernels compute bfloat16 pairs (`CpuOps.pack_pairs`) with VDPBF16PS: `on` where
+    the library was built for a CPU with AVX512-BF16, else never (FMAs, to the same bits).
+    MSINFER_BF16_DOT=0 turns it off, as for a CPU without it. Returns what is now in force."""
+    lib = ctypes.CDLL(_LIBRARY)
+    CpuOps.bf16_dot = bool(on) and bool(lib.Bf16DotReady())
+    lib.SetBf16Dot(ctypes.c_int(int(CpuOps.bf16_dot)))
+    return CpuOps.bf16_dot
+
+
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""
@@ -610,6 +654,7 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
     CpuOps.int4 = bool(lib.Int4Ready()) and os.environ.get("MSINFER_INT4", "1") != "0"
     CpuOps.bf16_panels = bf16_panels_on()
+    set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))

@@ -81,6 +81,10 @@ class ModelRunner:
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size, self.stage)
         self.model.set_train(False)
+        if ec.matmul_dtype == "bfloat16":       # before the weights load: they are packed as each layer loads
+            if self.dev.pack_pairs is None:
+                raise ValueError(f"matmul_dtype bfloat16 needs the CPU kernels, not {self.dev.name}'s operators")
+            self.model.bf16_matmuls = True
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
             self.load_stats = {"tensors": 0, "bytes": 0}
         else:

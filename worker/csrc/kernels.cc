@@ -9,6 +9,8 @@
 //                   or, for a W8A8 layer, over int8 weights and its inputs quantized to int8 per
 //                   token, summed exactly with AVX512-VNNI (see linear_vnni), or, for a W4A16
 //                   layer, over int4 weights with a scale per group (see int4_rows)
+//                   or, computing in bfloat16, over bfloat16 pairs with x rounded to bfloat16,
+//                   summed in float32 with AVX512-BF16 (see linear_pairs)
 //   LinearGlu       silu(x gate^T) * (x up^T), the MLP's first half, over gate and up packed together
 //   Embed           rows of a packed embedding table
 //   Rows            rows of a matrix by index, zeros for an index out of range (padding)
@@ -186,7 +188,8 @@ static bool tiles_usable(const char* x_dtype, int64_t N, int64_t K) {
 
 // The entry points of Linear and LinearGlu: params x [M, K], w [N, K], y. w is float32 or float16
 // in panels, or uint16: bfloat16 in panels (x float32), or int16: bfloat16 in AMX tiles (x
-// float32), or int8 [N, K + 4]: the N column scales (float32), then int8 panels (CpuOps.pack_int8).
+// float32), or int8 [N, K + 4]: the N column scales (float32), then int8 panels (CpuOps.pack_int8),
+// or uint32 [N, ceil(K/2)]: bfloat16 pairs, x float32 rounded to bfloat16 (CpuOps.pack_pairs).
 //   With 5 or 6 params, a W8A8 layer on a CPU with AVX512-VNNI (linear_vnni): x [M, K], w [N, Kq]
 // int8 (CpuOps.pack_vnni), scales [N] float32, meta [2] float32 (divisor, half away from zero),
 // and optionally amax [M, 1] float32 (each row's max|x| over the ranks that split it), then y.
@@ -243,6 +246,15 @@ template <bool Glu>
 int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes) {
   if (nparam == 5 || nparam == 6) return linear_vnni_entry<Glu>(nparam, params, ndims, shapes, dtypes);
   if (nparam == 4) return linear_int4_entry<Glu>(params, ndims, shapes, dtypes);
+  if (nparam == 3 && std::strcmp(dtypes[1], "uint32") == 0) {     // bfloat16 pairs, x rounded (linear_pairs)
+    if (std::strcmp(dtypes[0], "float32") || ndims[0] != 2 || ndims[1] != 2) return 1;
+    const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+    if (shapes[1][1] != (K + 1) / 2 || (Glu && N % kPanel)) return 2;
+    const uint32_t* w = static_cast<const uint32_t*>(params[1]);
+    linear<float, Glu>(static_cast<const float*>(params[0]), static_cast<float*>(params[2]), M, K, N,
+                       [&](const float* xs, float* ys, int64_t L) { linear_pairs<Glu>(xs, w, ys, L, K, N); });
+    return 0;
+  }
   const bool int8 = std::strcmp(dtypes[1], "int8") == 0;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] + (int8 ? 4 : 0) != shapes[1][1] ||
       (Glu && shapes[1][0] % kPanel))
@@ -611,6 +623,19 @@ extern "C" int Int4Ready() {
   return 0;
 #endif
 }
+
+// Whether Linear and LinearGlu compute bfloat16 pairs (uint32 weights) with VDPBF16PS: the
+// library was built for a CPU with AVX512-BF16. Without it they take FMAs, to the same bits.
+extern "C" int Bf16DotReady() {
+#ifdef MSINFER_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// SetBf16Dot(0): bfloat16 pairs with FMAs even where VDPBF16PS is there (MSINFER_BF16_DOT=0).
+extern "C" void SetBf16Dot(int on) { g_bf16_dot = on != 0; }
 
 // How many threads the kernels use, the caller's included (the worker's MindSpore thread count).
 extern "C" void SetThreads(int threads) { g_threads = std::max(1, threads); }

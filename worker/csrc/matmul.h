@@ -100,6 +100,31 @@ inline void store_row(const float* t, T* o) {
 // Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
 // percent slower. B, the panel's element: x's own type, or int8_t, whose products are scaled by
 // `scale` (the panel's 32 column scales) as they leave the registers.
+template <typename B>
+inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached, const B* bk) {
+  __builtin_prefetch(pf + k * pf_step);
+  if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
+    __builtin_prefetch(bk + 16 * kPanel);
+    __builtin_prefetch(bk + 16 * kPanel + 16);
+  }
+}
+
+// Rows 0..R-1 of a tile's accumulators into c (row stride ldc), scaled by the 32 column scales
+// `scale` where given.
+template <typename T, int R, bool Glu>
+inline void store_tile(const vreg (&acc)[R][kVecs], T* c, int64_t ldc, const float* scale) {
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float t[kPanel];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) storer(t + j * kLanes, acc[i][j]);
+    if (scale != nullptr) {
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) t[j] *= scale[j];
+    }
+    store_row<T, Glu>(t, c + i * ldc);
+  }
+}
+
 template <typename T, typename B, int R, bool Glu = false>
 __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, int64_t K, T* c, int64_t ldc,
                                      const char* pf, int64_t pf_step, bool cached, const float* scale) {
@@ -110,11 +135,7 @@ __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, in
     for (int j = 0; j < kVecs; ++j) acc[i][j] = vreg{};
   for (int64_t k = 0; k < K; ++k) {
     const B* bk = b + k * kPanel;
-    __builtin_prefetch(pf + k * pf_step);
-    if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
-      __builtin_prefetch(bk + 16 * kPanel);
-      __builtin_prefetch(bk + 16 * kPanel + 16);
-    }
+    prefetch_step(pf, k, pf_step, cached, bk);
     float s[R];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) s[i] = a[i * lda + k];
@@ -135,16 +156,7 @@ __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, in
       }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    alignas(64) float t[kPanel];
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) storer(t + j * kLanes, acc[i][j]);
-    if (scale != nullptr) {
-#pragma omp simd
-      for (int j = 0; j < kPanel; ++j) t[j] *= scale[j];
-    }
-    store_row<T, Glu>(t, c + i * ldc);
-  }
+  store_tile<T, R, Glu>(acc, c, ldc, scale);
 }
 
 // Work items are runs of about kRun panels over one block of rows, taken run by run: the threads
@@ -527,6 +539,167 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
 }
 #endif
 
+// ---- Linear in bfloat16: bfloat16 inputs and weights, float32 sums ---------------------------
+// For a job computing in bfloat16 on the CPU: each value of x is rounded to bfloat16 (to nearest,
+// ties to even) and w holds bfloat16 values; every product is exact in float32 and the sums are
+// float32, as a bfloat16 matmul on a card or in AMX tiles sums them. w is uint32 [N, K2], K2 =
+// ceil(K / 2): word (c, j) holds w[c][2j] in its low 16 bits and w[c][2j + 1] in its high 16 bits
+// (zero past K), in `pack`'s panels of 32 columns [K2][32] (the last [K2][N mod 32];
+// CpuOps.pack_pairs). With AVX512-BF16, VDPBF16PS takes a word of x's pair, broadcast, against 16 columns'
+// words: 32 multiply-adds an instruction where a float32 FMA does 16. Without it (or with
+// SetBf16Dot(0)), FMAs over the widened halves add the same products in the same order: Intel
+// defines VDPBF16PS as the high pair's product added, then the low pair's, each sum rounded to
+// float32, with denormal inputs read as zero (x's are flushed when rounded, w's when packed), and
+// tests/test_kernels.py holds the two paths to the same bits on a CPU that has both.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MSINFER_BF16_DOT 1
+#endif
+bool g_bf16_dot = true;
+
+inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+// f rounded to the nearest bfloat16, ties to even: its 16 bits. A NaN stays a quiet NaN, and a
+// denormal becomes a zero of its sign, as VDPBF16PS reads a denormal input (so the FMA way, which
+// would not, sees the same values). Branch-free, so that a row's loop vectorizes.
+inline uint16_t bf16_rounded(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f), a = u & 0x7fffffffu;
+  const uint32_t nearest = (u + 0x7fffu + (u >> 16 & 1u)) >> 16, nan = u >> 16 | 0x40u, zero = u >> 16 & 0x8000u;
+  return static_cast<uint16_t>(a > 0x7f800000u ? nan : a < 0x00800000u ? zero : nearest);
+}
+
+typedef uint32_t vregw __attribute__((vector_size(sizeof(vreg))));
+typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
+
+// c[R][32] = a[R][2 K2] (float32 holding bfloat16 values, row stride lda) times a pair panel b
+// [K2][32] with FMAs: per word the high halves' products first, then the low halves'. The panel
+// row's high halves are widened, then every row's accumulators take them (each broadcast used at
+// once, as `micro` does on AVX-512), then the low halves (the row read again): the registers hold
+// the accumulators, one half of the panel row and a broadcast. Prefetching as `micro`.
+template <typename T, int R, bool Glu>
+__attribute__((noinline)) void micro_pairs(const float* a, int64_t lda, const uint32_t* b, int64_t K2, T* c,
+                                           int64_t ldc, const char* pf, int64_t pf_step, bool cached) {
+  vreg acc[R][kVecs] = {};
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint32_t* bk = b + k * kPanel;
+    prefetch_step(pf, k, pf_step, cached, bk);
+    const vregwu* u = reinterpret_cast<const vregwu*>(bk);           // read again for the low halves
+    vreg half[kVecs];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      const vregw h = u[j] & 0xffff0000u;
+      half[j] = reinterpret_cast<const vreg&>(h);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) acc[i][j] += a[i * lda + 2 * k + 1] * half[j];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      const vregw l = u[j] << 16;
+      half[j] = reinterpret_cast<const vreg&>(l);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) acc[i][j] += a[i * lda + 2 * k] * half[j];
+  }
+  store_tile<T, R, Glu>(acc, c, ldc, nullptr);
+}
+
+#ifdef MSINFER_BF16_DOT
+// The same with VDPBF16PS: a [R][K2] words of x's bfloat16 pairs (row stride lda).
+template <typename T, int R, bool Glu>
+__attribute__((noinline)) void micro_dot(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t K2, T* c,
+                                         int64_t ldc, const char* pf, int64_t pf_step, bool cached) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint32_t* bk = b + k * kPanel;
+    prefetch_step(pf, k, pf_step, cached, bk);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + k]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], s, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], s, b1);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float t[kPanel];
+    _mm512_store_ps(t, acc[i][0]);
+    _mm512_store_ps(t + 16, acc[i][1]);
+    store_row<T, Glu>(t, c + i * ldc);
+  }
+}
+#endif
+
+// y [M, N] (Glu: [M, N/2]) = x [M, K] rounded to bfloat16, times w in pair panels (above); a last
+// panel narrower than 32 columns is padded to 32 into a scratch panel, as linear_rows does.
+template <bool Glu>
+void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
+  const int64_t ldy = Glu ? N / 2 : N, K2 = (K + 1) / 2;
+  const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
+#ifdef MSINFER_BF16_DOT
+  const bool dot = g_bf16_dot;
+#else
+  const bool dot = false;
+#endif
+  // x rounded, 2 K2 values a row: bfloat16 bits for VDPBF16PS, else the float32 they are
+  thread_local std::vector<uint16_t> bits;
+  thread_local std::vector<float> values;
+  if (dot) bits.resize(M * 2 * K2); else values.resize(M * 2 * K2);
+  uint16_t* xb = bits.data();
+  float* xv = values.data();
+  parallel_for(M, 16, [&](int64_t m) {
+    const float* r = x + m * K;
+    if (dot) {
+      uint16_t* o = xb + m * 2 * K2;
+      for (int64_t k = 0; k < K; ++k) o[k] = bf16_rounded(r[k]);
+      if (K % 2) o[K] = 0;
+    } else {
+      float* o = xv + m * 2 * K2;
+      for (int64_t k = 0; k < K; ++k) o[k] = bf16_value(bf16_rounded(r[k]));
+      if (K % 2) o[K] = 0.f;
+    }
+  });
+  // rows m.. (r of them) times panel b [K2][32] into c (row stride ldc)
+  auto rows_times = [&](int64_t m, int64_t r, const uint32_t* b, float* c, int64_t ldc, const char* pf, int64_t step,
+                        bool cached) {
+    with_count<kRows>(r, [&](auto rows) {
+#ifdef MSINFER_BF16_DOT
+      if (dot) {
+        micro_dot<float, rows, Glu>(reinterpret_cast<const uint32_t*>(xb) + m * K2, K2, b, K2, c, ldc, pf, step,
+                                    cached);
+        return;
+      }
+#endif
+      micro_pairs<float, rows, Glu>(xv + m * 2 * K2, 2 * K2, b, K2, c, ldc, pf, step, cached);
+    });
+  };
+  auto group = [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
+    rows_times(m, r, w + p * kPanel * K2, y + m * ldy + p * out_cols, ldy, pf, step, cached);
+  };
+  panel_items<kRows, kRowBlock>(M, panels, full, K2, kPanel * sizeof(uint32_t), reinterpret_cast<const char*>(w),
+                                group, [&](int64_t m0, int64_t m1, int64_t p1) {
+    if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
+    const int64_t col = full * kPanel, width = N - col;
+    const uint32_t* b = w + col * K2;
+    thread_local std::vector<uint32_t> pad;
+    thread_local std::vector<float> tile;
+    pad.assign(K2 * kPanel, 0u);
+    tile.resize(kRows * kPanel);
+    for (int64_t k = 0; k < K2; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
+    for (int64_t m = m0; m < m1; m += kRows) {
+      const int64_t r = std::min(kRows, m1 - m);
+      rows_times(m, r, pad.data(), tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0, false);
+      for (int64_t i = 0; i < r; ++i)
+        std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
+    }
+  });
+}
+
 // ---- Linear over bfloat16 weights, in AMX tiles ---------------------------------------------
 // Most checkpoints store their weights in bfloat16, so a float32 network holds weights whose
 // last 16 bits are zero. For such a weight (CpuOps.pack_weight checks), x w^T is computed with
@@ -542,7 +715,6 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
 // (the layout TDPBF16PS reads its second operand in). N and K are multiples of 32.
 constexpr int64_t kTileBf16 = 16 * 32;      // elements of one tile
 
-inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
 
 #ifdef MSINFER_AMX
 // The process may use the tile registers once the kernel grants it (Linux 5.16 on).

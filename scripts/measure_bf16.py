@@ -1,0 +1,100 @@
+"""The linear layers of a demo-model step (30 layers of qkv 960 x 576, o_proj 576 x 576, gate/up
+2 x 1536 x 576 with its activation, down_proj 576 x 1536, each layer's weights distinct) at M
+rows, through the kernel library's Linear and LinearGlu entry points (ctypes, no MindSpore
+graph), three ways in turn: bfloat16 panels with float32 FMAs (what a float32 job runs on a
+bfloat16 checkpoint), bfloat16 pairs with VDPBF16PS (`model.dtype: bfloat16`, where the CPU has
+AVX512-BF16), and bfloat16 pairs with FMAs (the same bits without it). Prints ms and GFLOP/s
+per round, the median of `--repeats` passes each.
+
+    python scripts/measure_bf16.py [--rows 16] [--rounds 3] [--repeats 5] [--threads 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from msinfer.worker import cpu  # noqa: E402
+from msinfer.worker.cpu import CpuOps, bfloat16_bits, load_kernels, set_bf16_dot  # noqa: E402
+
+LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]   # (N, K, glu)
+
+
+class Call:
+    """One AOT call of `fn` (the custom operators' signature) over numpy arrays it keeps alive."""
+
+    def __init__(self, fn, *arrays: np.ndarray):
+        self.fn, self.arrays = fn, arrays
+        n = len(arrays)
+        self.params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+        self.ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+        self.dims = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+        self.shapes = (ctypes.POINTER(ctypes.c_int64) * n)(
+            *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in self.dims])
+        self.dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
+
+    def __call__(self) -> None:
+        if self.fn(len(self.arrays), self.params, self.ndims, self.shapes, self.dtypes, None, None):
+            raise RuntimeError("the kernel refused its arguments")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: every core)")
+    args = ap.parse_args()
+    load_kernels(args.threads)
+    lib = ctypes.CDLL(cpu._LIBRARY)
+    dot = CpuOps.bf16_dot
+    rng = np.random.default_rng(0)
+    M = args.rows
+    panels, pairs = [], []
+    for _ in range(30):
+        for N, K, glu in LAYER:
+            w = (bfloat16_bits((rng.standard_normal((N, K)) * 0.05).astype(np.float32)).astype(np.uint32) << 16)
+            w = w.view(np.float32)
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            fn = lib.LinearGlu if glu else lib.Linear
+            bits = bfloat16_bits(w)
+            panels.append(Call(fn, x, CpuOps.pack_glu(bits) if glu else CpuOps.pack(bits),
+                               np.zeros((M, N // 2 if glu else N), np.float32)))
+            pairs.append(Call(fn, x, CpuOps.pack_pairs(w, glu), np.zeros((M, N // 2 if glu else N), np.float32)))
+    flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30
+
+    def timed(calls) -> float:
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for call in calls:
+                call()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    print(f"{M} rows, AVX512-BF16 {'yes' if dot else 'no'}")
+    for r in range(args.rounds):
+        ways = [("bfloat16 panels, float32 FMAs", None, panels), ("bfloat16 pairs, VDPBF16PS", True, pairs),
+                ("bfloat16 pairs, FMAs", False, pairs)]
+        parts = []
+        for name, on, calls in ways:
+            if on is True and not dot:
+                continue
+            if on is not None:
+                set_bf16_dot(on)
+            s = timed(calls)
+            parts.append(f"{name} {s * 1e3:.2f} ms ({flops / s / 1e9:.0f} GFLOP/s)")
+        set_bf16_dot(dot)
+        print(f"round {r + 1}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,15 +9,21 @@ The machine (numpy, on every core of the process's affinity):
                (numpy releases the GIL in the loop): bytes read and written / second
     float32    a 2048 x 2048 matmul (numpy's BLAS, its own threads): 2 n^3 / second, the rate a
                tuned kernel reaches on this machine, not the instruction set's peak
+    bfloat16   with --dtype bfloat16: the kernels' Linear over bfloat16 pairs (worker/csrc/matmul.h
+               linear_pairs: VDPBF16PS where the CPU has AVX512-BF16), 512 x 576 rows times a
+               3072 x 576 weight that stays in cache, every core: the rate the linear layers can reach
 
 A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens with nothing cached):
     bytes      every weight once, at the bytes the kernels hold it in (a bfloat16 checkpoint's
                weights stay bfloat16 in a float32 network: 2; the tied embedding counted once, as
-               the LM head's) + the KV cache the step reads (decode: B x L x layers x 2 x kv_heads x head_dim x dtype bytes)
+               the LM head's) + the KV cache the step reads (decode: B x L x layers x 2 x kv_heads x
+               head_dim x 4: the CPU's KV cache is float32 in both dtypes)
     FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
-    bound      max(bytes / bandwidth, FLOPs / float32 rate)
+    bound      max(bytes / bandwidth, FLOPs / float32 rate); with --dtype bfloat16 (the linear
+               layers in bfloat16, the LM head and attention in float32) the decoder layers'
+               FLOPs at the bfloat16 rate and the rest at float32's
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of 32 tokens, 64 new:
 context L = 64 on average) and prefill_ms (one prompt of T tokens), on the CPU kernels. Dense
@@ -68,6 +74,27 @@ def matmul_rate(n: int = 2048, rounds: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def bfloat16_rate(rows: int = 512, rounds: int = 5) -> float:
+    """FLOP/s of the kernels' Linear over bfloat16 pairs, rows x 576 times 3072 x 576 (in cache)."""
+    import ctypes
+    sys.path.insert(0, str(ROOT))
+    from msinfer.worker import cpu
+    from msinfer.worker.cpu import CpuOps, load_kernels
+    from scripts.measure_bf16 import Call
+    load_kernels()
+    rng = np.random.default_rng(0)
+    K, N = 576, 3072
+    call = Call(ctypes.CDLL(cpu._LIBRARY).Linear, rng.standard_normal((rows, K)).astype(np.float32),
+                CpuOps.pack_pairs(rng.standard_normal((N, K)).astype(np.float32)), np.zeros((rows, N), np.float32))
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * K * N / best
+
+
 def cpu_flags() -> str:
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
@@ -81,25 +108,28 @@ def cpu_flags() -> str:
 def weight_bytes(cfg, dtype: str) -> int:
     """Bytes a weight element takes as the CPU kernels hold it: a bfloat16 checkpoint's weights stay
     bfloat16 in a float32 network (worker/cpu.py CpuOps.pack_weight, bfloat16 panels or AMX tiles,
-    unless MSINFER_BF16_PANELS=0), otherwise the network's dtype."""
+    unless MSINFER_BF16_PANELS=0), and with dtype bfloat16 the linear layers' are bfloat16 pairs
+    (CpuOps.pack_pairs; a float32 checkpoint's LM head is then counted at 2 bytes too, below its
+    4); otherwise float32's 4."""
     if dtype == "bfloat16" or (cfg.torch_dtype == "bfloat16" and os.environ.get("MSINFER_BF16_PANELS", "1") != "0"):
         return 2
     return 4
 
 
 def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
-              w_bytes: int | None = None) -> tuple[float, float]:
-    """(bytes, FLOPs) of one step: every weight once (w_bytes each, default dtype_bytes),
-    `kv_read` cached tokens' K and V, `tokens` rows through the layers, `sampled` through the LM
-    head, `pairs` (query, key) pairs attended."""
+              w_bytes: int | None = None) -> tuple[float, float, float]:
+    """(bytes, FLOPs of the decoder layers' linear layers, the other FLOPs) of one step: every
+    weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V,
+    `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs
+    attended."""
     from msinfer.sharding.layout import plan_tensors
     layer_macs = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)
                      if len(p.full_shape) == 2 and ".layers." in p.name)
     head_macs = cfg.vocab_size * cfg.hidden_size
     weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * (w_bytes or dtype_bytes)
     kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    flops = 2 * tokens * layer_macs + 2 * sampled * head_macs + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
-    return weights + kv, flops
+    others = 2 * sampled * head_macs + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
+    return weights + kv, 2 * tokens * layer_macs, others
 
 
 def bench(model: Path, dtype: str, batches: list[int], prefill: int, out: Path) -> dict:
@@ -134,13 +164,15 @@ def main() -> int:
     if cfg.is_moe or cfg.mla is not None:
         sys.exit("roofline: dense models only (a mixture of experts reads the experts its tokens chose)")
     batches = [int(b) for b in args.batch_size.split(",")]
-    dbytes = 2 if args.dtype == "bfloat16" else 4
+    dbytes = 4                                  # the network and its KV cache: float32 on the CPU
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     bw = max(bandwidth(t) for t in sorted({1, cores}))
     rate = matmul_rate()
+    layer_rate = bfloat16_rate() if args.dtype == "bfloat16" else rate
     print(f"machine   {cpu_flags()}")
-    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)")
+    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)"
+          + (f"; bfloat16 linear {layer_rate / 1e9:.1f} GFLOP/s (the kernels)" if args.dtype == "bfloat16" else ""))
     with tempfile.TemporaryDirectory() as tmp:
         rows = bench(args.model, args.dtype, batches, args.prefill, Path(tmp))
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes)")
@@ -149,11 +181,11 @@ def main() -> int:
               step_cost(cfg, dbytes, b, b * (PROMPT + NEW // 2), b * (PROMPT + NEW // 2), b, wbytes)) for b in batches]
     T = args.prefill
     cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
-    for name, measured, (nbytes, flops) in cases:
-        bound = 1e3 * max(nbytes / bw, flops / rate)
+    for name, measured, (nbytes, layers, others) in cases:
+        bound = 1e3 * max(nbytes / bw, layers / layer_rate + others / rate)
         shown = f"{measured:.1f}" if measured else "-"
         ratio = f"{measured / bound:.2f}" if measured else "-"
-        print(f"{name:<26}{nbytes / 1e6:>8.0f}{flops / 1e9:>8.2f}{bound:>10.1f}{shown:>13}{ratio:>7}")
+        print(f"{name:<26}{nbytes / 1e6:>8.0f}{(layers + others) / 1e9:>8.2f}{bound:>10.1f}{shown:>13}{ratio:>7}")
     return 0
 
 

@@ -539,7 +539,7 @@ def dtype_bytes(name: str) -> int:
 class EngineConfig:
     model_dir: str
     dtype: str = "float32"             # compute dtype of the network
-    matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels' linear layers in bfloat16 (cpu_bfloat16)
+    matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels' linear layers and LM head in bfloat16 (cpu_bfloat16)
     device: str = "cpu"
     max_model_len: int = 2048
     max_batch_size: int = 32
@@ -614,10 +614,10 @@ def card_dtype(name: str, cfg: ModelConfig, device: str, ops: str = "auto") -> s
 def cpu_bfloat16(name: str, device: str, emulate: bool = False, ops: str = "auto") -> bool:
     """Whether model.dtype `name` makes the CPU kernels compute the linear layers in bfloat16: so on
     the CPU (not with its portable operators, nor on the emulated Ascend path). MindSpore's CPU
-    Gather and collectives have no bfloat16, so the rest of the network (embeddings, norms,
-    attention, the LM head and the KV cache) stays float32; each linear layer rounds its inputs
-    and weights to bfloat16 and sums their products in float32, as a card's bfloat16 matmul does
-    (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype)."""
+    Gather and collectives have no bfloat16, so the network (norms, attention, the experts, the
+    KV cache) stays float32; each linear layer and the LM head round their inputs and weights to
+    bfloat16 and sum the products in float32, as a card's bfloat16 matmul does, and the
+    embedding's rows are bfloat16 (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype)."""
     return name == "bfloat16" and device == "cpu" and not emulate and ops != "portable"
 
 

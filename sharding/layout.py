@@ -332,10 +332,10 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     bf16: the weights of a bfloat16 checkpoint's linear layers and embedding that are not quantized
     are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
     worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent
-    attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`). pairs: those of the
-    linear layers (not the embedding or the LM head) are held in bfloat16 pairs, whatever the
-    checkpoint's dtype: 4 bytes a row per 2 inputs, an odd one padded (the CPU kernels computing
-    the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
+    attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`). pairs: those
+    weights are held in bfloat16 pairs, whatever the checkpoint's dtype: 4 bytes a row per 2
+    inputs, an odd one padded; the embedding and the LM head so where the hidden size is even (the
+    CPU kernels computing the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
     halved = bf16 and dtype_bytes == 4 and cfg.torch_dtype == "bfloat16"
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
@@ -360,8 +360,8 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
               and not (cfg.quant and cfg.quant.scheme_for(module) is not None)
               and not (cfg.mla is not None and module.endswith(".kv_b_proj"))
               and not (cfg.routing is not None and module.endswith(".mlp.gate"))):
-            linear = module not in ("lm_head", "model.embed_tokens")
-            if pairs and linear:
+            table = module in ("lm_head", "model.embed_tokens")
+            if pairs and not (table and p.rank_shape[1] % 2):
                 total += 4 * p.rank_shape[0] * ((p.rank_shape[1] + 1) // 2)
             else:
                 total += n * (2 if halved else dtype_bytes)

@@ -577,7 +577,7 @@ def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M
     rounded to the nearest bfloat16 (ties to even), each product exact, the sums in float32: the
     float64 product of the rounded values within float32's rounding of the sums, with an odd K
     (the last pair's high half zero), a last panel narrower than 32 columns, padding rows and the
-    gate/up activation. Where the CPU has
+    gate/up activation; the table's rows looked up as an embedding (`embed_pairs_op`). Where the CPU has
     AVX512-BF16, VDPBF16PS and the FMA path (MSINFER_BF16_DOT=0, a CPU without it) give the
     very same bits."""
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values, set_bf16_dot
@@ -608,6 +608,10 @@ def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M
         assert not y[-1].any()
     if dot:
         np.testing.assert_array_equal(results[True], y)
+    if not glu and K % 2 == 0:        # the same table as an embedding: its rows' bfloat16 values
+        ids = np.array([0, N - 1, 33, N, -1], np.int32)
+        want = np.stack([wr[i] if 0 <= i < N else np.zeros(K, np.float32) for i in ids])
+        np.testing.assert_array_equal(kernels.embed_pairs_op()(Tensor(packed), Tensor(ids)).asnumpy(), want)
 
 
 def test_bfloat16_pairs_round_ties_to_even(kernels):

@@ -15,7 +15,10 @@ from msinfer.sharding.config import EngineConfig
 from msinfer.worker.runner import ModelRunner
 
 LOGIT_ATOL = 2e-4   # float32 on both sides; observed differences are ~1e-5
-BF16_LOGIT_ATOL = 1e-3     # bfloat16 linear layers on both sides: ~1e-6, 3e-4 where a value rounds the other way
+# bfloat16 linear layers on both sides: most steps' logits within ~5e-7 (float32's are 0.014-0.05
+# away); once a value on a rounding boundary rounds the other way, that sequence's later steps
+# differ by 1e-4 to ~1.5e-2
+BF16_LOGIT_ATOL, BF16_FLIP_ATOL = 1e-3, 5e-2
 N_NEW = 8
 _RUNNERS: dict = {}
 
@@ -94,16 +97,19 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
 
 
 def transformers_in_bfloat16_linears(path):
-    """transformers' model (float32) computing each linear layer as the CPU kernels do with
-    model.dtype bfloat16: its inputs and weights rounded to the nearest bfloat16 (torch's cast:
-    ties to even), the products summed in float32; the LM head, the embedding, the experts and
-    everything else in float32. A mixture's router (a linear layer in msinfer) is rounded too."""
+    """transformers' model (float32) computing each linear layer and the LM head as the CPU
+    kernels do with model.dtype bfloat16: inputs and weights rounded to the nearest bfloat16
+    (torch's cast: ties to even), the products summed in float32; the embedding's rows rounded
+    (its table is the LM head's, or held as one); the experts and everything else in float32. A
+    mixture's router (a linear layer in msinfer) is rounded too."""
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    embed = model.get_input_embeddings()
+    embed.weight.data = embed.weight.data.bfloat16().float()
     for name, module in model.named_modules():
         router = type(module).__name__.endswith("Router") and getattr(module, "weight", None) is not None
-        if (isinstance(module, torch.nn.Linear) or router) and name != "lm_head" and ".experts." not in name:
+        if (isinstance(module, torch.nn.Linear) or router) and ".experts." not in name:
             module.weight.data = module.weight.data.bfloat16().float()
             module.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(), *args[1:]))
     return model
@@ -111,17 +117,22 @@ def transformers_in_bfloat16_linears(path):
 
 @pytest.mark.parametrize("name", ["llama_mha_bias", "qwen3_qknorm_odd_head_dim", "qwen2_moe_top4_shared_tied"])
 def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_same(name, checkpoint):
-    """model.dtype bfloat16 on the CPU kernels: every linear layer rounds its inputs and weights
-    to bfloat16 and sums in float32 (bfloat16 pairs, VDPBF16PS where the CPU has it), the rest of
-    the network in float32. Greedy tokens and logits equal transformers' with its linear layers
-    rounded the same way (bias, q/k norms, a router and a shared expert's gate narrower than a
-    panel; the experts stay float32), far closer than to float32's; the plan counts the weights the rank holds, half of
-    float32's; the portable operators refuse bfloat16 by name."""
+    """model.dtype bfloat16 on the CPU kernels: every linear layer and the LM head round their
+    inputs and weights to bfloat16 and sum in float32 (bfloat16 pairs, VDPBF16PS where the CPU
+    has it), the embedding's rows are bfloat16, the rest of the network float32. Against
+    transformers with its layers rounded the same way (bias, q/k norms, a router and a shared
+    expert's gate narrower than a panel, tied and untied LM heads; the experts stay float32):
+    the logits of most steps within BF16_LOGIT_ATOL, where float32's are all far outside it,
+    and the greedy tokens of all prompts but at most one. Exactness is the kernels' (tests/
+    test_kernels.py): here the two sides' attention and norms differ in float32's last bits,
+    and a value that lies on a bfloat16 rounding boundary may round the other way, after which
+    that sequence's logits differ by up to ~1e-2. The plan counts the weights the rank holds,
+    half of float32's; the portable operators refuse bfloat16 by name."""
     import mindspore as ms
     import torch
     from msinfer.launcher.job import LayoutError, plan_job
     from msinfer.launcher.spec import JobSpec
-    from msinfer.sharding.layers import LinearBase
+    from msinfer.sharding.layers import LinearBase, VocabParallelEmbedding
     path = checkpoint(name)
 
     def spec(**model):
@@ -134,9 +145,10 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
                                                matmul_dtype="bfloat16"))
     assert plan.weight_bytes_per_rank == runner.load_stats["bytes"]
     float32 = {p.name: p for p in runner_for(path).model.get_parameters()}
-    linear = {c.weight.name for _, c in runner.model.cells_and_names() if isinstance(c, LinearBase)}
+    linear = {c.weight.name for _, c in runner.model.cells_and_names()
+              if isinstance(c, (LinearBase, VocabParallelEmbedding))}
     pairs = {p.name: p for p in runner.model.get_parameters() if p.dtype == ms.uint32}
-    assert set(pairs) == linear and len(linear) >= 4 * runner.cfg.num_layers
+    assert set(pairs) == linear and len(linear) >= 4 * runner.cfg.num_layers + 1
     for key, p in pairs.items():            # half float32's bytes, an odd input padded
         rows, cols = float32[key].shape
         assert p.nbytes == 4 * rows * ((cols + 1) // 2) and p.nbytes <= float32[key].nbytes / 2 + 2 * rows
@@ -146,15 +158,24 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     Driver(f32).generate(dict(enumerate(PROMPTS)), N_NEW)
     model = transformers_in_bfloat16_linears(path)
+    diffs, aways, same = [], [], []
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert out[i] == ref.sequences[0, len(prompt):].tolist(), f"{name} prompt {i}"
-        for step in (0, N_NEW - 1):
+        tokens = ref.sequences[0, len(prompt):].tolist()
+        assert out[i][0] == tokens[0], f"{name} prompt {i}"
+        for step in range(N_NEW):
+            if out[i][:step] != tokens[:step]:          # (a near tie the two sides broke apart)
+                break
             diff = np.abs(rec.logits[step][i] - ref.logits[step][0].numpy()).max()
             away = np.abs(f32.logits[step][i] - ref.logits[step][0].numpy()).max()
-            assert diff < BF16_LOGIT_ATOL < away, f"{name} prompt {i} step {step}: {diff} (float32's: {away})"
+            assert diff < BF16_FLIP_ATOL, f"{name} prompt {i} step {step}: {diff} (float32's: {away})"
+            diffs.append(diff)
+            aways.append(away)
+        same.append(out[i] == tokens)
+    assert np.median(diffs) < BF16_LOGIT_ATOL < min(aways), (diffs, aways)
+    assert sum(same) >= len(PROMPTS) - 1, same
 
 
 def test_each_layers_loaded_float_weights_are_freed_before_the_next_layer_loads(checkpoint, monkeypatch):

@@ -253,6 +253,12 @@ class CpuOps(MsOps):
         return _custom("Embed", lambda w, ids: [ids[0], w[1]],
                        lambda w, ids: ms.float32 if w.element_type() in (ms.int16, ms.uint16) else w)
 
+    @staticmethod
+    def embed_pairs_op():
+        """(w [V, H/2] in bfloat16 pairs (`pack_pairs`, H even), ids [N]) -> float32 rows [N, H],
+        zeros for ids outside [0, V): the lookup of a table held for bfloat16 linear layers."""
+        return _custom("Embed", lambda w, ids: [ids[0], 2 * w[1]], lambda w, ids: ms.float32)
+
     sampler_kernels = None      # set by load_kernels: SamplerKernels
 
     # Whether Linear and Embed take bfloat16 weights in AMX tiles (kernels.cc, amx_rows): set by

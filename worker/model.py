@@ -448,8 +448,9 @@ class CausalLM(nn.Cell):
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
         self.held_weights: dict = {}         # name of a weight in the device's order -> its Parameter
-        # the linear layers' weights in bfloat16 pairs (dev.pack_pairs), computed in bfloat16: set by
-        # the runner from EngineConfig.matmul_dtype before the weights load
+        # the linear layers', the LM head's and the embedding's weights in bfloat16 pairs
+        # (dev.pack_pairs), computed in bfloat16: set by the runner from EngineConfig.matmul_dtype
+        # before the weights load
         self.bf16_matmuls = False
         self.uncollected = 0                 # bytes of parameters replaced since the last collection (pack_layer)
         if cfg.quant is not None:
@@ -570,14 +571,17 @@ class CausalLM(nn.Cell):
                 # int8 weights with a scale per row stay int8 where the device multiplies them
                 scales = getattr(w, "row_scales", None) if isinstance(cell, (LinearBase, ParallelLMHead)) else None
                 glu = getattr(cell, "glu", False)
-                if self.bf16_matmuls and isinstance(cell, LinearBase) and scales is None:
-                    K = w.shape[1]
+                if self.bf16_matmuls and scales is None and (isinstance(cell, LinearBase) or w.shape[1] % 2 == 0):
+                    K = w.shape[1]          # (an embedding's pairs: its lookup needs an even hidden size)
                     data = self.dev.pack_pairs(w.asnumpy(), glu)
                     self.packed[w.name] = lambda t, K=K, glu=glu: self.dev.unpack_pairs(t, K, glu)
                 else:
                     data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), glu, scales, carried_levels(w))
                 self.held_weights[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)
             cell.weight = self.held_weights[w.name]
+            if (cell.weight.dtype == ms.uint32 and isinstance(cell, VocabParallelEmbedding)
+                    and not isinstance(cell, ParallelLMHead)):       # a table in pairs (tied to the LM head or not)
+                cell.lookup = self.dev.embed_pairs_op()
         for p in loaded:            # the int levels the weights loaded as (record_scales) are of no more
             for attr in ("levels", "levels_known"):     # use, on those replaced (which wait for a
                 if getattr(p, attr, None) is not None:  # collection) and those kept as float alike

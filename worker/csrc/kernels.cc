@@ -453,7 +453,8 @@ extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes
   return linear_entry<true>(nparam, params, ndims, shapes, dtypes);
 }
 
-// w [V, H] panel-major (or uint16: bfloat16 panels; int16: bfloat16 tiles; both giving float32), ids
+// w [V, H] panel-major (or uint16: bfloat16 panels; int16: bfloat16 tiles; uint32 [V, H/2]:
+// bfloat16 pairs, H even; all giving float32), ids
 // [N] int32 -> [N, H]
 extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
                      void* extra) {
@@ -467,6 +468,12 @@ extern "C" int Embed(int nparam, void** params, int* ndims, int64_t** shapes, co
   if (std::strcmp(dtypes[0], "uint16") == 0) {                 // bfloat16 panels -> float32
     embed(static_cast<const uint16_t*>(params[0]), static_cast<const int32_t*>(params[1]),
           static_cast<float*>(params[2]), shapes[1][0], shapes[0][0], shapes[0][1]);
+    return 0;
+  }
+  if (std::strcmp(dtypes[0], "uint32") == 0) {                 // bfloat16 pairs -> float32, out [N, H]
+    if (ndims[2] != 2 || shapes[2][1] != 2 * shapes[0][1] || std::strcmp(dtypes[2], "float32")) return 2;
+    embed_pairs(static_cast<const uint32_t*>(params[0]), static_cast<const int32_t*>(params[1]),
+                static_cast<float*>(params[2]), shapes[1][0], shapes[0][0], shapes[2][1]);
     return 0;
   }
   with_dtype(dtypes[0], [&](auto tag) {

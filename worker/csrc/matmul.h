@@ -927,4 +927,25 @@ void embed(const W* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t
   });
 }
 
+// Rows ids[n] of a [V, H] table in bfloat16 pairs (CpuOps.pack_pairs, H even: [V, H/2] words in
+// panels), as float32; ids outside [0, V) (another rank's vocabulary) give zeros.
+void embed_pairs(const uint32_t* w, const int32_t* ids, float* out, int64_t N, int64_t V, int64_t H) {
+  const int64_t H2 = H / 2;
+  parallel_for(N, 64, [&](int64_t n) {
+    float* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, 0.f);
+      return;
+    }
+    const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
+    const uint32_t* b = w + col * H2 + (id - col);
+    for (int64_t j = 0; j < H2; ++j) {
+      const uint32_t word = b[j * width];
+      o[2 * j] = __builtin_bit_cast(float, word << 16);
+      o[2 * j + 1] = __builtin_bit_cast(float, word & 0xffff0000u);
+    }
+  });
+}
+
 }  // namespace

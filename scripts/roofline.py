@@ -22,8 +22,8 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
     bound      max(bytes / bandwidth, FLOPs / float32 rate); with --dtype bfloat16 (the linear
-               layers in bfloat16, the LM head and attention in float32) the decoder layers'
-               FLOPs at the bfloat16 rate and the rest at float32's
+               layers and the LM head in bfloat16, attention in float32) their FLOPs at the
+               bfloat16 rate and attention's at float32's
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of 32 tokens, 64 new:
 context L = 64 on average) and prefill_ms (one prompt of T tokens), on the CPU kernels. Dense
@@ -109,8 +109,7 @@ def weight_bytes(cfg, dtype: str) -> int:
     """Bytes a weight element takes as the CPU kernels hold it: a bfloat16 checkpoint's weights stay
     bfloat16 in a float32 network (worker/cpu.py CpuOps.pack_weight, bfloat16 panels or AMX tiles,
     unless MSINFER_BF16_PANELS=0), and with dtype bfloat16 the linear layers' are bfloat16 pairs
-    (CpuOps.pack_pairs; a float32 checkpoint's LM head is then counted at 2 bytes too, below its
-    4); otherwise float32's 4."""
+    (CpuOps.pack_pairs), the LM head's and the embedding's too; otherwise float32's 4."""
     if dtype == "bfloat16" or (cfg.torch_dtype == "bfloat16" and os.environ.get("MSINFER_BF16_PANELS", "1") != "0"):
         return 2
     return 4
@@ -118,7 +117,7 @@ def weight_bytes(cfg, dtype: str) -> int:
 
 def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
               w_bytes: int | None = None) -> tuple[float, float, float]:
-    """(bytes, FLOPs of the decoder layers' linear layers, the other FLOPs) of one step: every
+    """(bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of one step: every
     weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V,
     `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs
     attended."""
@@ -128,8 +127,8 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
     head_macs = cfg.vocab_size * cfg.hidden_size
     weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * (w_bytes or dtype_bytes)
     kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    others = 2 * sampled * head_macs + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
-    return weights + kv, 2 * tokens * layer_macs, others
+    attention = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
+    return weights + kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
 
 
 def bench(model: Path, dtype: str, batches: list[int], prefill: int, out: Path) -> dict:
@@ -182,7 +181,7 @@ def main() -> int:
     T = args.prefill
     cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
     for name, measured, (nbytes, layers, others) in cases:
-        bound = 1e3 * max(nbytes / bw, layers / layer_rate + others / rate)
+        bound = 1e3 * max(nbytes / bw, layers / layer_rate + others / rate)     # (others: attention)
         shown = f"{measured:.1f}" if measured else "-"
         ratio = f"{measured / bound:.2f}" if measured else "-"
         print(f"{name:<26}{nbytes / 1e6:>8.0f}{(layers + others) / 1e9:>8.2f}{bound:>10.1f}{shown:>13}{ratio:>7}")

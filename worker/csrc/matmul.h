@@ -853,16 +853,25 @@ void amx_rows(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K,
 }
 #endif
 
+// The lookups' loop: row(id, o) fills out's row n (H values) for each ids[n] in [0, V); ids
+// outside (another rank's vocabulary) give zeros.
+template <typename T, typename Row>
+void lookup_rows(const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H, Row&& row) {
+  parallel_for(N, 64, [&](int64_t n) {
+    T* o = out + n * H;
+    const int64_t id = ids[n];
+    if (id < 0 || id >= V) {
+      std::fill(o, o + H, T(0));
+      return;
+    }
+    row(id, o);
+  });
+}
+
 // Rows ids[n] of an embedding table in bfloat16 tiles (see above), as float32.
 void embed_bf16(const uint16_t* w, const int32_t* ids, float* out, int64_t N, int64_t V, int64_t H) {
   const int64_t KB = H / 32;
-  parallel_for(N, 64, [&](int64_t n) {
-    float* o = out + n * H;
-    const int64_t id = ids[n];
-    if (id < 0 || id >= V) {
-      std::fill(o, o + H, 0.f);
-      return;
-    }
+  lookup_rows(ids, out, N, V, H, [&](int64_t id, float* o) {
     const uint16_t* b = w + id / 16 * KB * kTileBf16 + id % 16 * 2;
     for (int64_t k = 0; k < H; ++k) o[k] = bf16_value(b[k / 32 * kTileBf16 + k % 32 / 2 * 32 + k % 2]);
   });
@@ -914,13 +923,7 @@ inline T value_of(T v) { return v; }
 // rank's vocabulary) give zeros.
 template <typename T, typename W = T>
 void embed(const W* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
-  parallel_for(N, 64, [&](int64_t n) {
-    T* o = out + n * H;
-    const int64_t id = ids[n];
-    if (id < 0 || id >= V) {
-      std::fill(o, o + H, T(0));
-      return;
-    }
+  lookup_rows(ids, out, N, V, H, [&](int64_t id, T* o) {
     const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
     const W* b = w + col * H + (id - col);
     for (int64_t k = 0; k < H; ++k) o[k] = value_of(b[k * width]);
@@ -931,13 +934,7 @@ void embed(const W* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t
 // panels), as float32; ids outside [0, V) (another rank's vocabulary) give zeros.
 void embed_pairs(const uint32_t* w, const int32_t* ids, float* out, int64_t N, int64_t V, int64_t H) {
   const int64_t H2 = H / 2;
-  parallel_for(N, 64, [&](int64_t n) {
-    float* o = out + n * H;
-    const int64_t id = ids[n];
-    if (id < 0 || id >= V) {
-      std::fill(o, o + H, 0.f);
-      return;
-    }
+  lookup_rows(ids, out, N, V, H, [&](int64_t id, float* o) {
     const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
     const uint32_t* b = w + col * H2 + (id - col);
     for (int64_t j = 0; j < H2; ++j) {

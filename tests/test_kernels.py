@@ -614,6 +614,25 @@ def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M
         np.testing.assert_array_equal(kernels.embed_pairs_op()(Tensor(packed), Tensor(ids)).asnumpy(), want)
 
 
+def test_random_weights_fill_each_weight_as_the_kernels_hold_it():
+    """`msinfer bench --skip-load` fills every weight with normal values of the scale asked, as the
+    kernels hold it (worker.actor.random_values): bfloat16 pairs two values a word (an integer
+    cast of the floats would be zeros, and the kernels skip zero rows), bfloat16 panels and tiles
+    their bits, float32 the values."""
+    import mindspore as ms
+    from msinfer.worker.actor import random_values
+    from msinfer.worker.cpu import bfloat16_values
+    rng = np.random.default_rng(0)
+    words = random_values((64, 100), ms.uint32, rng, 0.02)
+    assert words.dtype == np.uint32 and words.shape == (64, 100)
+    for bits, dtype in ((words.view(np.uint16), ms.uint32), (random_values((64, 200), ms.uint16, rng, 0.02), ms.uint16),
+                        (random_values((64, 200), ms.int16, rng, 0.02).view(np.uint16), ms.int16)):
+        values = bfloat16_values(bits)
+        assert values.shape == (64, 200) and abs(values.std() - 0.02) < 0.002 and (values != 0).all(), dtype
+    values = random_values((64, 200), ms.float32, rng, 0.02)
+    assert values.dtype == np.float32 and abs(values.std() - 0.02) < 0.002
+
+
 def test_bfloat16_pairs_round_ties_to_even(kernels):
     """x halfway between two bfloat16 values rounds to the one with an even last bit, as a card's
     float32 -> bfloat16 cast does (truncating would give 1 for both): 1 + 2^-8 -> 1, 1 + 3 2^-8

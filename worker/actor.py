@@ -203,18 +203,13 @@ class Worker:
     def fill_random(self, scale: float = 0.02, seed: int = 0) -> int:
         """Small random values in every weight, for EngineConfig(random_weights=True), which loads
         none (msinfer bench --skip-load). The KV cache stays as it is. Returns the bytes filled."""
-        import mindspore as ms
         import numpy as np
         from mindspore import Tensor
-        from msinfer.worker.cpu import bfloat16_bits
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
         for p in self.runner.model.get_parameters():
             if "cache" not in p.name and p.name != "freq_matrix":
-                values = rng.standard_normal(p.shape, np.float32) * scale
-                if p.dtype in (ms.int16, ms.uint16):     # bfloat16 tiles or panels (CpuOps.pack_weight)
-                    values = bfloat16_bits(values).view(np.int16 if p.dtype == ms.int16 else np.uint16)
-                p.set_data(Tensor(values, dtype=p.dtype))
+                p.set_data(Tensor(random_values(p.shape, p.dtype, rng, scale), dtype=p.dtype))
                 filled += p.nbytes
         return filled
 
@@ -225,3 +220,19 @@ class Worker:
     def stats(self) -> dict:
         return {"rank": self.tp.rank, "peak_rss_bytes": peak_rss_bytes(),
                 "compile_s": dict(self.runner.compile_s) if self.runner else {}}
+
+
+def random_values(shape, dtype, rng, scale: float):
+    """Normal values of standard deviation `scale` for a parameter of `shape` held as `dtype` (a
+    MindSpore dtype): bfloat16 bits where the kernels hold bfloat16 (int16 tiles, uint16 panels:
+    CpuOps.pack_weight; uint32 pairs, two values a word: CpuOps.pack_pairs), else the values."""
+    import mindspore as ms
+    import numpy as np
+    from msinfer.worker.cpu import bfloat16_bits
+    if dtype == ms.uint32:
+        shape = (*shape[:-1], 2 * shape[-1])
+    values = rng.standard_normal(shape, np.float32) * scale
+    if dtype in (ms.int16, ms.uint16, ms.uint32):
+        view = {ms.int16: np.int16, ms.uint16: np.uint16, ms.uint32: np.uint32}[dtype]
+        values = np.ascontiguousarray(bfloat16_bits(values)).view(view)
+    return values

@@ -298,10 +298,11 @@ class CpuOps(MsOps):
 
     @classmethod
     def pack_pairs(cls, w: np.ndarray, glu: bool = False) -> np.ndarray:
-        """w [N, K] float32 -> uint32 [N, ceil(K/2)]: its values rounded to
-        bfloat16 (`bfloat16_rounded`), each word a pair of k (the even one in the low 16 bits, zero
-        past K), in `pack`'s panels (`pack_glu`'s, glu). Linear and LinearGlu then round x to
-        bfloat16 too and sum the exact products in float32 (kernels.cc linear_pairs)."""
+        """w [N, K] float32 -> uint32 [N, ceil(K/2)]: its values rounded to bfloat16
+        (`bfloat16_rounded`), each word a pair of k (the even one in the low 16 bits, zero past
+        K), in `pack`'s panels (`pack_glu`'s, glu). Linear and LinearGlu then round x to bfloat16
+        too and sum the exact products in float32 (kernels.cc linear_pairs); Embed looks rows up
+        in such a table (`embed_pairs_op`, K even)."""
         N, K = w.shape
         bits = np.zeros((N, K + K % 2), np.uint16)
         bits[:, :K] = bfloat16_rounded(w)

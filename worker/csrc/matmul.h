@@ -91,15 +91,7 @@ inline void store_row(const float* t, T* o) {
   }
 }
 
-// c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
-// the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
-// the hardware prefetcher alone leaves the FMAs waiting on them. When several row groups read
-// the panel (`cached`: it was asked for during the previous panel's groups and is in L2), it
-// is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
-// coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
-// Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
-// percent slower. B, the panel's element: x's own type, or int8_t, whose products are scaled by
-// `scale` (the panel's 32 column scales) as they leave the registers.
+// A micro-kernel's prefetches at step k: pf + k * pf_step and, with `cached`, the panel (see micro).
 template <typename B>
 inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached, const B* bk) {
   __builtin_prefetch(pf + k * pf_step);
@@ -125,6 +117,15 @@ inline void store_tile(const vreg (&acc)[R][kVecs], T* c, int64_t ldc, const flo
   }
 }
 
+// c[R][32] (row stride ldc) = a[R][K] (row stride lda) times a full panel b [K][32]. Meanwhile
+// the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
+// the hardware prefetcher alone leaves the FMAs waiting on them. When several row groups read
+// the panel (`cached`: it was asked for during the previous panel's groups and is in L2), it
+// is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
+// coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
+// Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
+// percent slower. B, the panel's element: x's own type, or int8_t, whose products are scaled by
+// `scale` (the panel's 32 column scales) as they leave the registers.
 template <typename T, typename B, int R, bool Glu = false>
 __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, int64_t K, T* c, int64_t ldc,
                                      const char* pf, int64_t pf_step, bool cached, const float* scale) {
@@ -219,23 +220,41 @@ const float* float32_rows(const T* x, int64_t M, int64_t K) {
   }
 }
 
-// Rows m0..m1-1 of y [., N], columns col.. (the last, narrower panel) = xa's rows times `pad`, that
-// panel padded to 32 columns [K][32] (B as micro takes it, scaled by `scale` where given),
-// computed into a scratch tile.
-template <typename T, typename B>
-void narrow_panel(const float* xa, const B* pad, const float* scale, T* y, int64_t m0, int64_t m1, int64_t K,
-                  int64_t N, int64_t col) {
+// The last, narrower panel of w (width columns of `steps` rows, from b) padded to 32 columns
+// [steps][32] with zeros, in this thread's buffer until its next call.
+template <typename B>
+const B* padded_panel(const B* b, int64_t steps, int64_t width) {
+  thread_local std::vector<B> pad;
+  pad.assign(steps * kPanel, B(0));
+  for (int64_t k = 0; k < steps; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
+  return pad.data();
+}
+
+// Rows m0..m1-1 of y [., N], columns col.. (the last, narrower panel): times(m, r, tile) computes
+// rows m..m+r-1 (r <= kRows) of that panel padded to 32 columns into the scratch tile [r][32],
+// whose first N - col columns are then copied.
+template <typename T, typename Times>
+void narrow_rows(T* y, int64_t m0, int64_t m1, int64_t N, int64_t col, Times&& times) {
   thread_local std::vector<T> tile;
   tile.resize(kRows * kPanel);
   for (int64_t m = m0; m < m1; m += kRows) {
     const int64_t r = std::min(kRows, m1 - m);
-    with_count<kRows>(r, [&](auto rows) {
-      micro<T, B, rows>(xa + m * K, K, pad, K, tile.data(), kPanel, reinterpret_cast<const char*>(pad), 0, false,
-                        scale);
-    });
+    times(m, r, tile.data());
     for (int64_t i = 0; i < r; ++i)
       std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + N - col, y + (m + i) * N + col);
   }
+}
+
+// narrow_rows of xa's rows times `pad`, that panel padded to 32 columns [K][32] (B as micro takes
+// it, scaled by `scale` where given).
+template <typename T, typename B>
+void narrow_panel(const float* xa, const B* pad, const float* scale, T* y, int64_t m0, int64_t m1, int64_t K,
+                  int64_t N, int64_t col) {
+  narrow_rows(y, m0, m1, N, col, [&](int64_t m, int64_t r, T* tile) {
+    with_count<kRows>(r, [&](auto rows) {
+      micro<T, B, rows>(xa + m * K, K, pad, K, tile, kPanel, reinterpret_cast<const char*>(pad), 0, false, scale);
+    });
+  });
 }
 
 // Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
@@ -262,14 +281,10 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
                                 [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     // the last, narrower panel: padded to 32 columns
-    const int64_t col = full * kPanel, width = N - col;
-    const B* b = w + col * K;
-    thread_local std::vector<B> pad;
+    const int64_t col = full * kPanel;
     float pad_scale[kPanel] = {};
     if (scales) std::copy(scales + col, scales + N, pad_scale);
-    pad.assign(K * kPanel, B(0));
-    for (int64_t k = 0; k < K; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
-    narrow_panel<T, B>(xa, pad.data(), scales ? pad_scale : nullptr, y, m0, m1, K, N, col);
+    narrow_panel<T, B>(xa, padded_panel(w + col * K, K, N - col), scales ? pad_scale : nullptr, y, m0, m1, K, N, col);
   });
 }
 
@@ -635,7 +650,7 @@ __attribute__((noinline)) void micro_dot(const uint32_t* a, int64_t lda, const u
 #endif
 
 // y [M, N] (Glu: [M, N/2]) = x [M, K] rounded to bfloat16, times w in pair panels (above); a last
-// panel narrower than 32 columns is padded to 32 into a scratch panel, as linear_rows does.
+// panel narrower than 32 columns is padded to 32 (padded_panel, narrow_rows), as linear_rows does.
 template <bool Glu>
 void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_t K, int64_t N) {
   constexpr int64_t out_cols = Glu ? kPanel / 2 : kPanel;
@@ -684,19 +699,11 @@ void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_
   panel_items<kRows, kRowBlock>(M, panels, full, K2, kPanel * sizeof(uint32_t), reinterpret_cast<const char*>(w),
                                 group, [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
-    const int64_t col = full * kPanel, width = N - col;
-    const uint32_t* b = w + col * K2;
-    thread_local std::vector<uint32_t> pad;
-    thread_local std::vector<float> tile;
-    pad.assign(K2 * kPanel, 0u);
-    tile.resize(kRows * kPanel);
-    for (int64_t k = 0; k < K2; ++k) std::copy(b + k * width, b + (k + 1) * width, pad.data() + k * kPanel);
-    for (int64_t m = m0; m < m1; m += kRows) {
-      const int64_t r = std::min(kRows, m1 - m);
-      rows_times(m, r, pad.data(), tile.data(), kPanel, reinterpret_cast<const char*>(pad.data()), 0, false);
-      for (int64_t i = 0; i < r; ++i)
-        std::copy(tile.data() + i * kPanel, tile.data() + i * kPanel + width, y + (m + i) * N + col);
-    }
+    const int64_t col = full * kPanel;
+    const uint32_t* pad = padded_panel(w + col * K2, K2, N - col);
+    narrow_rows(y, m0, m1, N, col, [&](int64_t m, int64_t r, float* tile) {
+      rows_times(m, r, pad, tile, kPanel, reinterpret_cast<const char*>(pad), 0, false);
+    });
   });
 }
 
@@ -714,7 +721,6 @@ void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_
 // and k-pairs of 32k..32k+31, row i = (w[c][32k + 2i], w[c][32k + 2i + 1]) for each column c
 // (the layout TDPBF16PS reads its second operand in). N and K are multiples of 32.
 constexpr int64_t kTileBf16 = 16 * 32;      // elements of one tile
-
 
 #ifdef MSINFER_AMX
 // The process may use the tile registers once the kernel grants it (Linux 5.16 on).

@@ -68,7 +68,7 @@ def main() -> None:
             bits = bfloat16_bits(w)
             panels.append(Call(fn, x, CpuOps.pack_glu(bits) if glu else CpuOps.pack(bits),
                                np.zeros((M, N // 2 if glu else N), np.float32)))
-            pairs.append(Call(fn, x, CpuOps.pack_pairs(w, glu), np.zeros((M, N // 2 if glu else N), np.float32)))
+            pairs.append(Call(fn, x, CpuOps.pack_pairs(w, glu)[0], np.zeros((M, N // 2 if glu else N), np.float32)))
     flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30
 
     def timed(calls) -> float:

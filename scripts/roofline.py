@@ -85,7 +85,7 @@ def bfloat16_rate(rows: int = 512, rounds: int = 5) -> float:
     rng = np.random.default_rng(0)
     K, N = 576, 3072
     call = Call(ctypes.CDLL(cpu._LIBRARY).Linear, rng.standard_normal((rows, K)).astype(np.float32),
-                CpuOps.pack_pairs(rng.standard_normal((N, K)).astype(np.float32)), np.zeros((rows, N), np.float32))
+                CpuOps.pack_pairs(rng.standard_normal((N, K)).astype(np.float32))[0], np.zeros((rows, N), np.float32))
     call()
     best = float("inf")
     for _ in range(rounds):

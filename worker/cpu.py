@@ -297,8 +297,9 @@ class CpuOps(MsOps):
         return (cls.pack_glu(w), cls.unpack_glu) if glu else (cls.pack(w), cls.unpack)
 
     @classmethod
-    def pack_pairs(cls, w: np.ndarray, glu: bool = False) -> np.ndarray:
-        """w [N, K] float32 -> uint32 [N, ceil(K/2)]: its values rounded to bfloat16
+    def pack_pairs(cls, w: np.ndarray, glu: bool = False):
+        """w [N, K] float32 -> (uint32 [N, ceil(K/2)], its unpack to the bfloat16 values, float32
+        [N, K]), as `pack_weight` gives its pair: w's values rounded to bfloat16
         (`bfloat16_rounded`), each word a pair of k (the even one in the low 16 bits, zero past
         K), in `pack`'s panels (`pack_glu`'s, glu). Linear and LinearGlu then round x to bfloat16
         too and sum the exact products in float32 (kernels.cc linear_pairs); Embed looks rows up
@@ -307,13 +308,11 @@ class CpuOps(MsOps):
         bits = np.zeros((N, K + K % 2), np.uint16)
         bits[:, :K] = bfloat16_rounded(w)
         words = bits.view(np.uint32)                 # little-endian: k even in the low half
-        return cls.pack_glu(words) if glu else cls.pack(words)
 
-    @classmethod
-    def unpack_pairs(cls, t: np.ndarray, K: int, glu: bool = False) -> np.ndarray:
-        """The bfloat16 values (float32 [N, K]) that `pack_pairs` holds."""
-        words = np.ascontiguousarray(cls.unpack_glu(t) if glu else cls.unpack(t))
-        return bfloat16_values(words.view(np.uint16)[:, :K])
+        def unpack(t: np.ndarray) -> np.ndarray:
+            held = np.ascontiguousarray(cls.unpack_glu(t) if glu else cls.unpack(t))
+            return bfloat16_values(held.view(np.uint16)[:, :K])
+        return (cls.pack_glu(words) if glu else cls.pack(words)), unpack
 
     @classmethod
     def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False, levels: np.ndarray | None = None):

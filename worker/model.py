@@ -571,10 +571,9 @@ class CausalLM(nn.Cell):
                 # int8 weights with a scale per row stay int8 where the device multiplies them
                 scales = getattr(w, "row_scales", None) if isinstance(cell, (LinearBase, ParallelLMHead)) else None
                 glu = getattr(cell, "glu", False)
+                # (an embedding's pairs: its lookup needs an even hidden size)
                 if self.bf16_matmuls and scales is None and (isinstance(cell, LinearBase) or w.shape[1] % 2 == 0):
-                    K = w.shape[1]          # (an embedding's pairs: its lookup needs an even hidden size)
-                    data = self.dev.pack_pairs(w.asnumpy(), glu)
-                    self.packed[w.name] = lambda t, K=K, glu=glu: self.dev.unpack_pairs(t, K, glu)
+                    data, self.packed[w.name] = self.dev.pack_pairs(w.asnumpy(), glu)
                 else:
                     data, self.packed[w.name] = self.dev.pack_weight(w.asnumpy(), glu, scales, carried_levels(w))
                 self.held_weights[w.name] = Parameter(Tensor(data), name=w.name, requires_grad=False)

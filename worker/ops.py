@@ -179,7 +179,7 @@ class MsOps:
     linear_op = embed_op = pack_weight = None
     # linear weights computed in bfloat16, and an embedding's lookup over them (CpuOps;
     # EngineConfig.matmul_dtype)
-    pack_pairs = unpack_pairs = embed_pairs_op = None
+    pack_pairs = embed_pairs_op = None
     glu_linear_op = None      # gate/up projection and silu-mul in one (CpuOps)
     # a sparse layer's experts grouped by routing, and their weights' order (CpuOps, AscendOps;
     # without: every expert on every token, sharding.layers.FusedExperts)

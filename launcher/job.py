@@ -486,9 +486,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
     if layout.matmul_dtype == "bfloat16":
-        notes.append("model.dtype bfloat16 on the CPU: each linear layer and the LM head round their inputs and "
-                     "weights to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), the embedding's "
-                     "rows are bfloat16; the norms, attention, the experts and the KV cache stay float32")
+        notes.append("model.dtype bfloat16 on the CPU: each linear layer, expert and the LM head round their "
+                     "inputs and weights to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), the "
+                     "embedding's rows are bfloat16; the norms, attention and the KV cache stay float32")
     if m.mtp_layers:
         notes.append(f"the checkpoint's {m.mtp_layers} multi-token prediction layer(s) (model.layers.{m.num_layers}"
                      f"{'' if m.mtp_layers == 1 else '-' + str(m.num_layers + m.mtp_layers - 1)}, "

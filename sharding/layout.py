@@ -333,9 +333,9 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     are held in 2 bytes where dtype_bytes is 4 (the CPU kernels' bfloat16 panels or tiles,
     worker.cpu.CpuOps.pack_weight), but for those the device keeps in float32 as loaded: latent
     attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`). pairs: those
-    weights are held in bfloat16 pairs, whatever the checkpoint's dtype: 4 bytes a row per 2
-    inputs, an odd one padded; the embedding and the LM head so where the hidden size is even (the
-    CPU kernels computing the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
+    weights and the experts' are held in bfloat16 pairs, whatever the checkpoint's dtype: 4 bytes a
+    row per 2 inputs, an odd one padded; the embedding and the LM head so where the hidden size is
+    even (the CPU kernels computing the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
     halved = bf16 and dtype_bytes == 4 and cfg.torch_dtype == "bfloat16"
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
@@ -356,7 +356,7 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
             total += n // 2 + out * (cols // scheme.group_size) * (int4_scale_bytes or dtype_bytes)
         elif (kind in ("weight", "dynamic") and int8_experts if expert else int8 and kind) and module != "lm_head":
             total += n + 4 * p.rank_shape[0] * (n > 0)
-        elif ((halved or pairs) and not expert and module and len(p.rank_shape) == 2
+        elif (((halved and not expert) or pairs) and module and len(p.rank_shape) == 2
               and not (cfg.quant and cfg.quant.scheme_for(module) is not None)
               and not (cfg.mla is not None and module.endswith(".kv_b_proj"))
               and not (cfg.routing is not None and module.endswith(".mlp.gate"))):

@@ -614,6 +614,69 @@ def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M
         np.testing.assert_array_equal(kernels.embed_pairs_op()(Tensor(packed), Tensor(ids)).asnumpy(), want)
 
 
+@pytest.mark.parametrize("H,inter,first,glu", [(40, 32, 0, True), (41, 23, 0, False), (40, 32, 3, True)],
+                         ids=["fused-gate-up", "odd-sizes-unfused", "experts-3-to-6-held"])
+def test_grouped_experts_over_bfloat16_pairs_compute_each_projection_as_the_linear_layers_do(kernels, H, inter,
+                                                                                             first, glu):
+    """MoeExperts over experts in bfloat16 pairs (`pack_experts(pairs=True)`, computing in
+    bfloat16): each expert's rows go through gate|up and down as Linear (LinearGlu) over its pairs
+    computes them (the test above holds those to float64), rows of silu(gate) * up rounded to
+    bfloat16 again before down, each token's weighted sum in float32; held experts only, padding
+    rows zero, odd H and I padded. Against the float64 result of the rounded values, within the
+    flips of a rounding boundary between float32 and float64; both ways (VDPBF16PS, FMAs) the
+    same bits."""
+    from msinfer.worker.cpu import set_bf16_dot
+    rng = np.random.default_rng(H + inter + first)
+    N, K, E_all = 21, 3, 8
+    E = E_all if first == 0 else 4
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    x[-2:] = 0
+    ids = np.stack([rng.choice(E_all, K, replace=False) for _ in range(N)]).astype(np.int32)
+    weights = rng.random((N, K)).astype(np.float32)
+    w13 = (rng.standard_normal((E, 2 * inter, H)) * 0.2).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, inter)) * 0.2).astype(np.float32)
+    p13, unpack13 = kernels.pack_experts(w13, glu, pairs=True)
+    p2, unpack2 = kernels.pack_experts(w2, pairs=True)
+    assert p13.dtype == p2.dtype == np.uint32
+    assert p13.shape == (E, 2 * inter, (H + 1) // 2) and p2.shape == (E, H, (inter + 1) // 2)
+    np.testing.assert_array_equal(unpack13(p13), _bfloat16_rounded(w13))
+    np.testing.assert_array_equal(unpack2(p2), _bfloat16_rounded(w2))
+    args = (Tensor(x), Tensor(ids), Tensor(weights), Tensor(p13), Tensor(p2), Tensor(np.array([first, int(glu)], np.int32)))
+    dot = kernels.bf16_dot
+    try:
+        results = {}
+        for way in ([True, False] if dot else [False]):
+            set_bf16_dot(way)
+            results[way] = kernels.moe_op()(*args).asnumpy()
+        # each (token, expert) pair through the linear layers' kernels over the same pairs
+        up = kernels.glu_linear_op() if glu else kernels.linear_op()
+        down = kernels.linear_op()
+        composed = np.zeros((N, H), np.float32)
+        for n, j in np.ndindex(N - 2, K):
+            e = ids[n, j] - first
+            if 0 <= e < E:
+                h = up(Tensor(x[n:n + 1]), Tensor(p13[e])).asnumpy()
+                h = h if glu else h[:, :inter] / (1 + np.exp(-h[:, :inter])) * h[:, inter:]
+                composed[n] += weights[n, j] * down(Tensor(h.astype(np.float32)), Tensor(p2[e])).asnumpy()[0]
+    finally:
+        set_bf16_dot(dot)
+    y = results[False]
+    if dot:
+        np.testing.assert_array_equal(results[True], y)
+    assert not y[-2:].any()
+    np.testing.assert_allclose(y, composed, atol=1e-5 * np.abs(composed).max(), rtol=0)
+    ref = np.zeros((N, H))
+    for n, j in np.ndindex(N, K):
+        e = ids[n, j] - first
+        if 0 <= e < E:
+            g = _bfloat16_rounded(w13[e]).astype(np.float64) @ _bfloat16_rounded(x[n]).astype(np.float64)
+            act = _bfloat16_rounded(g[:inter] / (1 + np.exp(-g[:inter])) * g[inter:]).astype(np.float64)
+            ref[n] += float(weights[n, j]) * (_bfloat16_rounded(w2[e]).astype(np.float64) @ act)
+    np.testing.assert_allclose(y, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    unrounded = experts_reference(x, ids, weights, w13, w2, first)
+    assert np.abs(y - ref).max() < np.abs(y - unrounded).max() / 4       # the rounding is the pairs'
+
+
 def test_random_weights_fill_each_weight_as_the_kernels_hold_it():
     """`msinfer bench --skip-load` fills every weight with normal values of the scale asked, as the
     kernels hold it (worker.actor.random_values): bfloat16 pairs two values a word (an integer

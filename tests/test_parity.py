@@ -97,11 +97,11 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
 
 
 def transformers_in_bfloat16_linears(path):
-    """transformers' model (float32) computing each linear layer and the LM head as the CPU
-    kernels do with model.dtype bfloat16: inputs and weights rounded to the nearest bfloat16
-    (torch's cast: ties to even), the products summed in float32; the embedding's rows rounded
-    (its table is the LM head's, or held as one); the experts and everything else in float32. A
-    mixture's router (a linear layer in msinfer) is rounded too."""
+    """transformers' model (float32) computing each linear layer, each expert's projections and
+    the LM head as the CPU kernels do with model.dtype bfloat16: inputs and weights rounded to the
+    nearest bfloat16 (torch's cast: ties to even), the products summed in float32; the
+    embedding's rows rounded (its table is the LM head's, or held as one); everything else in
+    float32. A mixture's router (a linear layer in msinfer) is rounded too."""
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -112,7 +112,31 @@ def transformers_in_bfloat16_linears(path):
         if (isinstance(module, torch.nn.Linear) or router) and ".experts." not in name:
             module.weight.data = module.weight.data.bfloat16().float()
             module.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(), *args[1:]))
+        if hasattr(module, "gate_up_proj"):          # a mixture's experts, stacked
+            module.gate_up_proj.data = module.gate_up_proj.data.bfloat16().float()
+            module.down_proj.data = module.down_proj.data.bfloat16().float()
+            module.forward = experts_rounding_inputs(module)
     return model
+
+
+def experts_rounding_inputs(experts):
+    """The forward of transformers' stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    with each projection's input rows rounded to bfloat16: each token's routed experts' outputs,
+    weighted, summed."""
+    import torch
+
+    def forward(hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(experts.gate_up_proj.shape[0]):
+            token, pos = torch.where(top_k_index == e)
+            if len(token):
+                x = hidden[token].bfloat16().float()
+                gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = (experts.act_fn(gate) * up).bfloat16().float()
+                y = torch.nn.functional.linear(h, experts.down_proj[e]) * top_k_weights[token, pos, None]
+                out.index_add_(0, token, y)
+        return out
+    return forward
 
 
 @pytest.mark.parametrize("name", ["llama_mha_bias", "qwen3_qknorm_odd_head_dim", "qwen2_moe_top4_shared_tied"])
@@ -121,7 +145,7 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     inputs and weights to bfloat16 and sum in float32 (bfloat16 pairs, VDPBF16PS where the CPU
     has it), the embedding's rows are bfloat16, the rest of the network float32. Against
     transformers with its layers rounded the same way (bias, q/k norms, a router and a shared
-    expert's gate narrower than a panel, tied and untied LM heads; the experts stay float32):
+    expert's gate narrower than a panel, routed experts, tied and untied LM heads):
     the logits of most steps within BF16_LOGIT_ATOL, where float32's are all far outside it,
     and the greedy tokens of all prompts but at most one. Exactness is the kernels' (tests/
     test_kernels.py): here the two sides' attention and norms differ in float32's last bits,
@@ -132,7 +156,7 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     import torch
     from msinfer.launcher.job import LayoutError, plan_job
     from msinfer.launcher.spec import JobSpec
-    from msinfer.sharding.layers import LinearBase, VocabParallelEmbedding
+    from msinfer.sharding.layers import FusedExperts, LinearBase, VocabParallelEmbedding
     path = checkpoint(name)
 
     def spec(**model):
@@ -147,11 +171,14 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     float32 = {p.name: p for p in runner_for(path).model.get_parameters()}
     linear = {c.weight.name for _, c in runner.model.cells_and_names()
               if isinstance(c, (LinearBase, VocabParallelEmbedding))}
+    experts = {w.name for _, c in runner.model.cells_and_names() if isinstance(c, FusedExperts) for w in (c.w13, c.w2)}
+    assert len(experts) == (2 * runner.cfg.num_layers if "moe" in name else 0)
     pairs = {p.name: p for p in runner.model.get_parameters() if p.dtype == ms.uint32}
-    assert set(pairs) == linear and len(linear) >= 4 * runner.cfg.num_layers + 1
+    assert set(pairs) == linear | experts and len(linear) >= 4 * runner.cfg.num_layers + 1
     for key, p in pairs.items():            # half float32's bytes, an odd input padded
-        rows, cols = float32[key].shape
-        assert p.nbytes == 4 * rows * ((cols + 1) // 2) and p.nbytes <= float32[key].nbytes / 2 + 2 * rows
+        *lead, rows, cols = float32[key].shape
+        count = int(np.prod(lead))
+        assert p.nbytes == 4 * count * rows * ((cols + 1) // 2) and p.nbytes <= float32[key].nbytes / 2 + 2 * count * rows
     with pytest.raises(LayoutError, match="model.dtype bfloat16 does not run on the CPU with model.ops portable"):
         plan_job(spec(dtype="bfloat16", ops="portable"), check_io=False)
     rec, f32 = Recording(runner), Recording(runner_for(path))

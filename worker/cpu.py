@@ -208,10 +208,12 @@ class CpuOps(MsOps):
         return np.stack([CpuOps.interleave_glu(s[:, None])[:, 0] for s in scales]) if glu else scales
 
     @classmethod
-    def pack_experts(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None):
+    def pack_experts(cls, w: np.ndarray, glu: bool = False, scales: np.ndarray | None = None,
+                     pairs: bool = False):
         """Stacked expert weights [E, N, K] -> every expert packed as `pack_weight` packs a weight,
         all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
-        and the unpack. Int8 levels with their `scales` [E, N] go to `pack_int8`'s panels (the
+        and the unpack. With `pairs` (computing in bfloat16), float weights go to `pack_pairs`'
+        bfloat16 pairs, uint32 [E, N, ceil(K/2)]. Int8 levels with their `scales` [E, N] go to `pack_int8`'s panels (the
         unpack gives their dequantized values); without, to `pack_vnni`'s layout (gate and up
         interleaved with glu), or None where N is not whole panels. Int4 levels with their group
         scales [E, N, groups] go to CpuInt4Linear's layout, uint8 [E, N, K/2] (the unpack gives the
@@ -221,14 +223,11 @@ class CpuOps(MsOps):
         if w.dtype == np.int8 and scales is not None and np.ndim(scales) == 3:
             cell = CpuInt4Linear(w.shape[2] // scales.shape[2], glu)
             packed = [cell.pack(q) for q in w]
-            if packed[0] is None:
-                return None
-            unpack = packed[0][1]
-            return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
+            return None if packed[0] is None else stacked(packed)
         if w.dtype == np.int8 and scales is not None:
-            packed = [cls.int8_panels(q, s, glu) for q, s in zip(w, scales)]
-            unpack = packed[0][1]
-            return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
+            return stacked([cls.int8_panels(q, s, glu) for q, s in zip(w, scales)])
+        if pairs and w.dtype != np.int8:
+            return stacked([cls.pack_pairs(e, glu) for e in w])
         if w.dtype == np.int8:
             E, N, K = w.shape
             if N % PANEL:
@@ -240,11 +239,8 @@ class CpuOps(MsOps):
                 return np.stack([cls.deinterleave_glu(e) for e in q]) if glu else q
             return np.stack([cls.pack_vnni(e) for e in rows]), unpack
         if cls.takes_tiles(w):
-            packed = [cls.pack_weight(e, glu) for e in w]          # each expert's values are bfloat16: tiles
-        else:
-            packed = [(cls.pack_glu(e), cls.unpack_glu) if glu else (cls.pack(e), cls.unpack) for e in w]
-        unpack = packed[0][1]
-        return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
+            return stacked([cls.pack_weight(e, glu) for e in w])     # each expert's values are bfloat16: tiles
+        return stacked([(cls.pack_glu(e), cls.unpack_glu) if glu else (cls.pack(e), cls.unpack) for e in w])
 
     @staticmethod
     def embed_op():
@@ -556,6 +552,13 @@ class CpuInt4Linear(nn.Cell):
 
     def construct(self, x, w, scales):
         return self.op(x, w, scales)
+
+
+def stacked(packed: list) -> tuple:
+    """Each expert's (packed, unpack), all packed alike -> (the packed experts stacked, the unpack
+    of such a stack)."""
+    unpack = packed[0][1]
+    return np.stack([p for p, _ in packed]), lambda t: np.stack([unpack(e) for e in t])
 
 
 def bfloat16_bits(w: np.ndarray) -> np.ndarray:

@@ -448,9 +448,9 @@ class CausalLM(nn.Cell):
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
         self.held_weights: dict = {}         # name of a weight in the device's order -> its Parameter
-        # the linear layers', the LM head's and the embedding's weights in bfloat16 pairs
-        # (dev.pack_pairs), computed in bfloat16: set by the runner from EngineConfig.matmul_dtype
-        # before the weights load
+        # the linear layers', the experts', the LM head's and the embedding's weights in bfloat16
+        # pairs (dev.pack_pairs), computed in bfloat16 (quantized ones stay as they are): set by the
+        # runner from EngineConfig.matmul_dtype before the weights load
         self.bf16_matmuls = False
         self.uncollected = 0                 # bytes of parameters replaced since the last collection (pack_layer)
         if cfg.quant is not None:
@@ -553,10 +553,12 @@ class CausalLM(nn.Cell):
                     continue
                 if self.dev.int8_experts is not None and self.hold_int8_experts(cell):
                     continue
+                # experts that loaded as floats in bfloat16 pairs, computed in bfloat16 (dev.pack_pairs)
+                pairs = {"pairs": True} if self.bf16_matmuls and cell.schemes <= {None} else {}
                 for attr, glu in (("w13", cell.glu), ("w2", False)) if self.dev.pack_experts and cell.op else ():
                     w = getattr(cell, attr)
                     if w.name not in self.packed:
-                        data, self.packed[w.name] = self.dev.pack_experts(w.asnumpy(), glu)
+                        data, self.packed[w.name] = self.dev.pack_experts(w.asnumpy(), glu, **pairs)
                         setattr(cell, attr, Parameter(Tensor(data), name=w.name, requires_grad=False))
                 continue
             w = getattr(cell, "weight", None)

@@ -18,7 +18,8 @@
 //   AddRmsNorm      x + d (a layer's residual add) and RmsNorm of it, two outputs in one pass
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it;
-//                   weights float, bfloat16, int8 per channel or int4 per group (W4A16)
+//                   weights float, bfloat16 (tiles, or pairs computing in bfloat16), int8 per
+//                   channel or int4 per group (W4A16)
 //   MoeUp, MoeDown  the same in two calls, for experts whose inputs are quantized per token
 //                   (W8A8): over int8 weights with VNNI, or float or int8 weights held as
 //                   MoeExperts holds them (see moe.h)
@@ -301,7 +302,8 @@ int linear_entry(int nparam, void** params, int* ndims, int64_t** shapes, const 
 // the CPU grants AMX); int8: int8 panels [E, N, K + 4] (CpuOps.pack_int8) or, with `vnni`, VNNI
 // panels [E, N, Kq] (CpuOps.pack_vnni, N a multiple of 32); uint8: int4 levels [E, N, K/2]
 // (CpuInt4Linear.pack, N and K even; where the library has int4_rows), whose group scales come
-// apart (group_scales). False: none of these.
+// apart (group_scales); uint32: bfloat16 pairs [E, N, ceil(K/2)] (CpuOps.pack_pairs, x float32).
+// False: none of these.
 static bool expert_pack(const char* x_dtype, const char* w_dtype, const int64_t* shape, int64_t N, int64_t K,
                         bool vnni, Pack* pack) {
   if (shape[1] != N) return false;
@@ -315,6 +317,10 @@ static bool expert_pack(const char* x_dtype, const char* w_dtype, const int64_t*
 #else
     return false;
 #endif
+  }
+  if (std::strcmp(w_dtype, "uint32") == 0) {
+    *pack = Pack::Pairs;
+    return std::strcmp(x_dtype, "float32") == 0 && shape[2] == (K + 1) / 2;
   }
   if (std::strcmp(w_dtype, "int16") == 0) {
     *pack = Pack::Tiles;

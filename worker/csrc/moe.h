@@ -16,7 +16,8 @@ namespace {
 // tokens and a step costs what its routed tokens cost. Zero rows of x (a step's padding) are not
 // routed. Each token's k products are summed in float32 in the order of its ids, then rounded.
 // Either weight may instead be bfloat16 AMX tiles (T float32, see amx_rows), the gate and up
-// columns of w13 then interleaved as LinearGlu's tiles are, or int8 panels, or int4 levels (Pack).
+// columns of w13 then interleaved as LinearGlu's tiles are, or int8 panels, or int4 levels, or
+// bfloat16 pairs (T float32, the rows rounded to bfloat16 as linear_pairs rounds them) (Pack).
 //   Experts whose inputs are quantized per token (W8A8) run in two calls, so that a row of
 // silu(gate) * up split over tensor-parallel ranks can be quantized with its maximum over them in
 // between: moe_up gives each pair's row of silu(gate x) * up x [N k, I] (row n k + j; zeros for
@@ -27,8 +28,9 @@ namespace {
 // How an expert's weight [N, K] is held: panels of x's dtype, bfloat16 AMX tiles (int16; x
 // float32), int8 panels with their N column scales before them (CpuOps.pack_int8: a weight-only
 // int8 checkpoint's experts, or W8A8 ones on a CPU without VNNI), or int4 levels two a byte
-// (CpuInt4Linear.pack: a W4A16 checkpoint's experts, on AVX-512) with a scale per group of inputs.
-enum class Pack { Panels, Tiles, Int8, Int4 };
+// (CpuInt4Linear.pack: a W4A16 checkpoint's experts, on AVX-512) with a scale per group of inputs,
+// or bfloat16 pairs (uint32 [N, ceil(K/2)], CpuOps.pack_pairs: model.dtype bfloat16 on the CPU).
+enum class Pack { Panels, Tiles, Int8, Int4, Pairs };
 
 // The bytes of one expert's weight [N, K] held as `pack` (x's element of `size` bytes).
 inline int64_t expert_bytes(Pack pack, int64_t N, int64_t K, int64_t size) {
@@ -36,6 +38,7 @@ inline int64_t expert_bytes(Pack pack, int64_t N, int64_t K, int64_t size) {
     case Pack::Int8: return N * (K + 4);
     case Pack::Int4: return N * K / 2;
     case Pack::Tiles: return N * K * 2;
+    case Pack::Pairs: return N * ((K + 1) / 2) * 4;
     default: return N * K * size;
   }
 }
@@ -53,11 +56,12 @@ struct Held {
 template <typename T, bool Glu>
 void project(const T* x, const Held& held, int64_t e, T* y, int64_t m, int64_t K, int64_t N) {
   const void* w = static_cast<const char*>(held.w) + e * expert_bytes(held.pack, N, K, sizeof(T));
-#ifdef MSINFER_AMX
   if constexpr (std::is_same_v<T, float>) {
+    if (held.pack == Pack::Pairs) return linear_pairs<Glu>(x, static_cast<const uint32_t*>(w), y, m, K, N);
+#ifdef MSINFER_AMX
     if (held.pack == Pack::Tiles) return amx_rows<Glu>(x, static_cast<const uint16_t*>(w), y, m, K, N);
-  }
 #endif
+  }
 #ifdef MSINFER_INT4
   if (held.pack == Pack::Int4)
     return int4_rows<T, Glu>(x, static_cast<const uint8_t*>(w), held.scales + e * N * held.groups, y, m, K, N,

@@ -56,6 +56,46 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
     assert wait_gone(pids), "worker processes outlived the replica"
 
 
+def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(checkpoint, ray_local):
+    """model.dtype bfloat16 at tp 2 (a mixture: its experts sliced over I, a shared expert, the
+    tied embedding and LM head split by vocabulary): every rank holds its slices of the linear
+    layers, experts and the table in bfloat16 pairs, and the replica gives the greedy tokens of
+    transformers with its layers rounded as the kernels round them (tests/test_parity.py's
+    reference; the row-parallel sums add in another order, so, as at tp 1, a value on a
+    rounding boundary may round the other way: every prompt's first token, and all the tokens of
+    all prompts but one)."""
+    import torch
+    from tests.test_parity import transformers_in_bfloat16_linears
+    name = "qwen2_moe_top4_shared_tied"
+    path = checkpoint(name)
+    r = Replica(0, ReplicaConfig(2))
+    r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, matmul_dtype="bfloat16"))
+    try:
+        out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+        for held in ray_get([w.__ray_call__.remote(count_pairs) for w in r.workers]):
+            # 2 layers of qkv, o, the router, the shared expert's 3 and the experts' 2; the table
+            assert held == 2 * (6 + 2) + 1
+    finally:
+        pids = r.pids()
+        r.shutdown()
+    assert wait_gone(pids), "worker processes outlived the replica"
+    model = transformers_in_bfloat16_linears(path)
+    same = []
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert out[i][0] == ref[0], f"prompt {i}"
+        same.append(out[i] == ref)
+    assert sum(same) >= len(PROMPTS) - 1, same
+
+
+def count_pairs(worker) -> int:
+    """How many of the rank's parameters are bfloat16 pairs (uint32)."""
+    import mindspore as ms
+    return sum(p.dtype == ms.uint32 for p in worker.runner.model.get_parameters())
+
+
 def check_rank_holds_exactly_its_slices(replica, path):
     full = load_file(str(path / "model.safetensors"))
     params = [ray_get(w.loaded_params.remote()) for w in replica.workers]

@@ -179,7 +179,7 @@ def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
     from msinfer.launcher.job import host_memory_problem, plan_job, resolve_layout
     from msinfer.launcher.spec import JobSpec
-    from msinfer.sharding.config import ModelConfig, dtype_bytes
+    from msinfer.sharding.config import ModelConfig, kv_dtype_bytes
     from msinfer.sharding.layout import LayoutError
     from msinfer.worker.loader import CheckpointError
 
@@ -203,7 +203,7 @@ def plan_bench(args) -> BenchPlan:
         raise BenchError(flag_names(str(e))) from None
     device, emulate, dtype, pipeline, weights = (layout.device, layout.emulate, layout.dtype, layout.pipeline,
                                                  layout.weight_bytes)
-    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, dtype_bytes(dtype)))
+    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, kv_dtype_bytes(dtype, layout.matmul_dtype, m)))
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),
                                                            default=m.num_layers) / m.num_layers

@@ -61,6 +61,11 @@ class Plan:
         """Whether the workers hold a bfloat16 checkpoint's matmul weights in bfloat16 (holds_bfloat16)."""
         return holds_bfloat16(self.engine.device, self.engine.ops, self.spec.model.lora is not None)
 
+    @property
+    def pairs(self) -> bool:
+        """Whether the workers hold the matmul weights in bfloat16 pairs (computing in bfloat16)."""
+        return self.engine.matmul_dtype == "bfloat16"
+
     def describe(self) -> str:
         s, m = self.spec, self.model
         tp, dp, pp = s.parallel.tensor_parallel, s.parallel.data_parallel, s.parallel.pipeline_parallel
@@ -76,7 +81,8 @@ class Plan:
                else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}"
-            f"{'' if self.engine.matmul_dtype == self.engine.dtype else f' (linear layers {self.engine.matmul_dtype})'}",
+            + ("" if self.engine.matmul_dtype == self.engine.dtype else
+               f" (linear layers{' and KV cache' if self.engine.kv_bfloat16(m) else ''} {self.engine.matmul_dtype})"),
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
@@ -96,8 +102,8 @@ class Plan:
             int8, int8_experts, int4, int4_experts = holds_int8(self.engine.device, self.engine.ops)
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
                                      int8_experts=int8_experts, int4=int4, int4_experts=int4_experts, bf16=self.bf16,
-                                     int4_scale_bytes=int4_scale_bytes(self.engine.device))
-            kv = m.kv_bytes(self.engine.block_size, dbytes, tp, hi - lo) * (self.engine.blocks() + 1)
+                                     int4_scale_bytes=int4_scale_bytes(self.engine.device), pairs=self.pairs)
+            kv = m.kv_bytes(self.engine.block_size, self.engine.kv_dtype_bytes(m), tp, hi - lo) * (self.engine.blocks() + 1)
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
                          + f": weights {weights / gib:.3f} GiB + KV cache {kv / gib:.3f} GiB per rank")
@@ -113,7 +119,7 @@ class Plan:
                                                           dtype_bytes(self.engine.dtype),
                                                           self.engine.pipeline,
                                                           holds_int8(self.engine.device, self.engine.ops),
-                                                          self.bf16, int4_scale_bytes(self.engine.device)))
+                                                          self.bf16, int4_scale_bytes(self.engine.device), self.pairs))
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -187,10 +193,10 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
 
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
                     int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
-                    scale_bytes: int = 0) -> str:
+                    scale_bytes: int = 0, pairs: bool = False) -> str:
     """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
-    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's, scale_bytes: int4_scale_bytes'),
-    and the sizes each allows."""
+    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's, scale_bytes: int4_scale_bytes',
+    pairs: bytes_per_rank's), and the sizes each allows."""
     sizes = [hi - lo for lo, hi in pipeline]
     stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
     gib = 1024 ** 3
@@ -201,9 +207,9 @@ def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tu
             parts.append(f"{layout}: does not fit tp {tp} (tensor_parallel {sizes})")
             continue
         experts = bytes_per_rank(m, tp, dbytes, flag, experts=True, stage=stage, int8_experts=int8[1],
-                                 int4_experts=int8[3], int4_scale_bytes=scale_bytes)
+                                 int4_experts=int8[3], int4_scale_bytes=scale_bytes, pairs=pairs)
         rest = bytes_per_rank(m, tp, dbytes, flag, experts=False, stage=stage, int8=int8[0], int4=int8[2], bf16=bf16,
-                              int4_scale_bytes=scale_bytes)
+                              int4_scale_bytes=scale_bytes, pairs=pairs)
         chosen = " (chosen)" if flag == ep else ""
         parts.append(f"{layout}{chosen}: experts {experts / gib:.3f} GiB + the rest {rest / gib:.3f} GiB per rank")
     return (f"{m.num_experts} per sparse layer ({len(m.sparse_layers)} of {m.num_layers}), top "
@@ -418,7 +424,7 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
     # whole rows gathered once for a step whose sampling changes its logits on the host
     activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
-    block = m.kv_bytes(engine.block_size, dbytes, tp, largest_stage(m, engine))
+    block = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine))
     return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
 
 
@@ -488,7 +494,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if layout.matmul_dtype == "bfloat16":
         notes.append("model.dtype bfloat16 on the CPU: each linear layer, expert and the LM head round their "
                      "inputs and weights to bfloat16 and sum in float32 (AVX512-BF16 where the CPU has it), the "
-                     "embedding's rows are bfloat16; the norms, attention and the KV cache stay float32")
+                     "embedding's rows are bfloat16, the KV cache holds K and V rounded to bfloat16"
+                     + (" (latent attention's: float32)" if m.mla is not None else "")
+                     + "; the norms and attention compute in float32")
     if m.mtp_layers:
         notes.append(f"the checkpoint's {m.mtp_layers} multi-token prediction layer(s) (model.layers.{m.num_layers}"
                      f"{'' if m.mtp_layers == 1 else '-' + str(m.num_layers + m.mtp_layers - 1)}, "
@@ -520,7 +528,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
-    kv = m.kv_bytes(engine.block_size, dbytes, tp, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
+    kv = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp

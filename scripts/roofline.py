@@ -2,7 +2,8 @@
 step kind's bytes and FLOPs for a dense model, the lower bound they set, and the step times
 `msinfer bench` measures beside it.
 
-    python scripts/roofline.py [--model DIR] [--dtype float32] [--batch-size 1,16,64] [--prefill 512]
+    python scripts/roofline.py [--model DIR] [--dtype float32] [--batch-size 1,16,64] [--prompt 32]
+                               [--prefill 512]
 
 The machine (numpy, on every core of the process's affinity):
     bandwidth  a triad z = x + y over arrays far larger than the caches, one slice per thread
@@ -17,7 +18,7 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
     bytes      every weight once, at the bytes the kernels hold it in (a bfloat16 checkpoint's
                weights stay bfloat16 in a float32 network: 2; the tied embedding counted once, as
                the LM head's) + the KV cache the step reads (decode: B x L x layers x 2 x kv_heads x
-               head_dim x 4: the CPU's KV cache is float32 in both dtypes)
+               head_dim x 4 in float32, x 2 with --dtype bfloat16, whose cache holds bfloat16)
     FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
@@ -25,8 +26,9 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
                layers and the LM head in bfloat16, attention in float32) their FLOPs at the
                bfloat16 rate and attention's at float32's
 
-The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of 32 tokens, 64 new:
-context L = 64 on average) and prefill_ms (one prompt of T tokens), on the CPU kernels. Dense
+The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of --prompt tokens, 64
+new: context L = prompt + 32 on average) and prefill_ms (one prompt of T tokens), on the CPU
+kernels. Dense
 models only: a mixture of experts' step reads the experts its tokens chose, not all of them.
 """
 
@@ -118,7 +120,8 @@ def weight_bytes(cfg, dtype: str) -> int:
 def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
               w_bytes: int | None = None) -> tuple[float, float, float]:
     """(bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of one step: every
-    weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V,
+    weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V (dtype_bytes
+    a value),
     `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs
     attended."""
     from msinfer.sharding.layout import plan_tensors
@@ -131,14 +134,14 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
     return weights + kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
 
 
-def bench(model: Path, dtype: str, batches: list[int], prefill: int, out: Path) -> dict:
+def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path) -> dict:
     """`msinfer bench`'s rows: (batch, input_len) -> row."""
     rows = {}
-    for sizes, lengths, new in ((",".join(map(str, batches)), str(PROMPT), str(NEW)), ("1", str(prefill), "1")):
+    for sizes, lengths, new in ((",".join(map(str, batches)), str(prompt), str(NEW)), ("1", str(prefill), "1")):
         d = out / f"in{lengths}"
         cmd = [sys.executable, "-m", "msinfer.launcher.cli", "bench", "--model", str(model), "--batch-size", sizes,
                "--input-len", lengths, "--output-len", new, "--dtype", dtype, "--repeats", "3",
-               "--max-model-len", str(max(prefill, PROMPT + NEW) + 16), "--output", str(d), "--no-progress"]
+               "--max-model-len", str(max(prefill, prompt + NEW) + 16), "--output", str(d), "--no-progress"]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if p.returncode != 0:
             sys.exit(f"roofline: msinfer bench failed ({p.returncode}):\n{p.stderr[-2000:]}")
@@ -152,6 +155,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None, help="a dense Hugging Face checkpoint (default: the demo model)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--batch-size", default="1,16,64", help="decode batch sizes (default 1,16,64)")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help=f"decode prompts' tokens (default {PROMPT})")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
     args = ap.parse_args()
     from msinfer.sharding.config import ModelConfig
@@ -163,7 +167,7 @@ def main() -> int:
     if cfg.is_moe or cfg.mla is not None:
         sys.exit("roofline: dense models only (a mixture of experts reads the experts its tokens chose)")
     batches = [int(b) for b in args.batch_size.split(",")]
-    dbytes = 4                                  # the network and its KV cache: float32 on the CPU
+    kv_bytes = 2 if args.dtype == "bfloat16" else 4      # the KV cache's values (the network: float32)
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     bw = max(bandwidth(t) for t in sorted({1, cores}))
@@ -173,13 +177,14 @@ def main() -> int:
     print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)"
           + (f"; bfloat16 linear {layer_rate / 1e9:.1f} GFLOP/s (the kernels)" if args.dtype == "bfloat16" else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.model, args.dtype, batches, args.prefill, Path(tmp))
+        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp))
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes)")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'measured ms':>13}{'ratio':>7}")
-    cases = [(f"decode B={b} L={PROMPT + NEW // 2}", rows[b, PROMPT].get("decode_ms_per_step"),
-              step_cost(cfg, dbytes, b, b * (PROMPT + NEW // 2), b * (PROMPT + NEW // 2), b, wbytes)) for b in batches]
+    L = args.prompt + NEW // 2
+    cases = [(f"decode B={b} L={L}", rows[b, args.prompt].get("decode_ms_per_step"),
+              step_cost(cfg, kv_bytes, b, b * L, b * L, b, wbytes)) for b in batches]
     T = args.prefill
-    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, dbytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
+    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, kv_bytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
     for name, measured, (nbytes, layers, others) in cases:
         bound = 1e3 * max(nbytes / bw, layers / layer_rate + others / rate)     # (others: attention)
         shown = f"{measured:.1f}" if measured else "-"

@@ -539,7 +539,7 @@ def dtype_bytes(name: str) -> int:
 class EngineConfig:
     model_dir: str
     dtype: str = "float32"             # compute dtype of the network
-    matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels' linear layers and LM head in bfloat16 (cpu_bfloat16)
+    matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels compute in bfloat16 (cpu_bfloat16)
     device: str = "cpu"
     max_model_len: int = 2048
     max_batch_size: int = 32
@@ -580,6 +580,25 @@ class EngineConfig:
         """Whether the workers compute on this machine's CPU (the CPU, or Ascend emulated)."""
         return self.device == "cpu" or self.emulate
 
+    def kv_bfloat16(self, cfg: "ModelConfig") -> bool:
+        return kv_bfloat16(self.matmul_dtype, cfg)
+
+    def kv_dtype_bytes(self, cfg: "ModelConfig") -> int:
+        return kv_dtype_bytes(self.dtype, self.matmul_dtype, cfg)
+
+
+def kv_bfloat16(matmul_dtype: str, cfg: "ModelConfig") -> bool:
+    """Whether the KV cache holds bfloat16 values in a network computing in float32: the CPU
+    kernels computing in bfloat16 (matmul_dtype) round K and V to the nearest bfloat16 as they
+    write them, as a card's bfloat16 cache holds them, at half float32's bytes (worker/csrc
+    attention.h). Latent attention's cache stays float32."""
+    return matmul_dtype == "bfloat16" and cfg.mla is None
+
+
+def kv_dtype_bytes(dtype: str, matmul_dtype: str, cfg: "ModelConfig") -> int:
+    """Bytes of one value of the KV cache: of the compute dtype, or bfloat16 (`kv_bfloat16`)."""
+    return 2 if kv_bfloat16(matmul_dtype, cfg) else dtype_bytes(dtype)
+
 
 FUSED_DTYPES = ("bfloat16", "float16")        # what Ascend's fused attention kernels take
 
@@ -614,10 +633,11 @@ def card_dtype(name: str, cfg: ModelConfig, device: str, ops: str = "auto") -> s
 def cpu_bfloat16(name: str, device: str, emulate: bool = False, ops: str = "auto") -> bool:
     """Whether model.dtype `name` makes the CPU kernels compute the linear layers in bfloat16: so on
     the CPU (not with its portable operators, nor on the emulated Ascend path). MindSpore's CPU
-    Gather and collectives have no bfloat16, so the network (norms, attention, the experts, the
-    KV cache) stays float32; each linear layer and the LM head round their inputs and weights to
-    bfloat16 and sum the products in float32, as a card's bfloat16 matmul does, and the
-    embedding's rows are bfloat16 (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype)."""
+    Gather and collectives have no bfloat16, so the network (norms, attention) stays float32;
+    each linear layer, expert and the LM head round their inputs and weights to bfloat16 and sum
+    the products in float32, as a card's bfloat16 matmul does, the embedding's rows are bfloat16
+    (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype), and the KV cache holds bfloat16
+    values (EngineConfig.kv_bfloat16)."""
     return name == "bfloat16" and device == "cpu" and not emulate and ops != "portable"
 
 

@@ -728,18 +728,27 @@ def _rotate(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 4e-3)])
+@pytest.mark.parametrize("dtype,tol,cache", [(np.float32, 1e-5, None), (np.float16, 4e-3, None),
+                                             (np.float32, 1e-5, "bfloat16")])
 @pytest.mark.parametrize("H,KV,D,qk_norm", [(6, 2, 64, False), (8, 2, 24, True), (5, 1, 128, False)])
-def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kernels, H, KV, D, qk_norm, dtype, tol):
+def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kernels, H, KV, D, qk_norm, dtype, tol,
+                                                                           cache):
     """One step as the runner packs it: a prompt's chunk of 21 tokens (positions 5-25, a 16-token
     tile and a 5-token one) after 5 cached positions, three decode tokens with 40, 1 and 70
     positions, and a padding token; caches paged in blocks of 4 in shuffled order. The kernel
-    norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends."""
+    norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends. A bfloat16
+    cache (uint16 bits: a job computing in bfloat16) takes k and v rounded to the nearest
+    bfloat16 and is read widened: the result is the float64 one over the values it holds, and
+    the rows written are the float64 k and v rounded (all but a few on a rounding boundary,
+    which float32's rotary may put on the other side: those within one bfloat16 step)."""
+    from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
     rng = np.random.default_rng(H * D)
     bs, eps, blocks = 4, 1e-6, 80
     tables = rng.permutation(blocks - 1).astype(np.int32)[:76].reshape(4, 19)   # block 79: scratch
     kc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
     vc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
+    if cache == "bfloat16":
+        kc, vc = bfloat16_rounded(kc), bfloat16_rounded(vc)
     rows = np.array([0] * 21 + [1, 2, 3, 0], np.int32)
     pos = np.array(list(range(5, 26)) + [39, 0, 69, 0])
     lens = (pos + 1).astype(np.int32)
@@ -753,8 +762,9 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
     cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
     norm = np.array([eps, float(qk_norm)], np.float32)
     meta = np.array([bs, KV], np.int32)
-    out = kernels.attention_op(H * D)(*(Tensor(a) for a in (
-        qkv, qn, kn, norm, cos, sin, kc.copy(), vc.copy(), slots, tables, rows, lens, meta))).asnumpy()
+    caches = Tensor(kc.copy()), Tensor(vc.copy())
+    out = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv, qn, kn, norm, cos, sin)), *caches,
+                                      *(Tensor(a) for a in (slots, tables, rows, lens, meta))).asnumpy()
 
     f = np.float64
     q = qkv[:, : H * D].reshape(N, H, D).astype(f)
@@ -764,8 +774,20 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
         q, k = _rms(q, qn.astype(f), eps), _rms(k, kn.astype(f), eps)
     c, s = cos.astype(f)[:, None], sin.astype(f)[:, None]
     q, k = _rotate(q, c, s), _rotate(k, c, s)
-    K, V = kc.astype(f).reshape(-1, KV, D), vc.astype(f).reshape(-1, KV, D)
-    K[slots], V[slots] = k, v
+    if cache == "bfloat16":
+        held = [t.asnumpy().reshape(-1, KV, D) for t in caches]
+        others = np.ones(len(held[0]), bool)
+        others[slots] = False
+        for written, before, want_rows in zip(held, (kc, vc), (k, v)):
+            assert written.dtype == np.uint16
+            np.testing.assert_array_equal(written[others], before.reshape(-1, KV, D)[others])
+            want_bits = bfloat16_rounded(want_rows.astype(np.float32))
+            steps = np.abs(written[slots].astype(np.int32) - want_bits.astype(np.int32))
+            assert steps.max() <= 1 and (steps == 0).mean() > 0.99, (steps.max(), (steps == 0).mean())
+        K, V = (bfloat16_values(h).astype(f) for h in held)
+    else:
+        K, V = kc.astype(f).reshape(-1, KV, D), vc.astype(f).reshape(-1, KV, D)
+        K[slots], V[slots] = k, v
     want = np.zeros((N, H, D))
     for n in range(N - 1):
         ctx = tables[rows[n], np.arange(lens[n]) // bs] * bs + np.arange(lens[n]) % bs

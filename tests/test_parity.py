@@ -119,6 +119,21 @@ def transformers_in_bfloat16_linears(path):
     return model
 
 
+def generate_rounding_the_cache(model, prompt, n, **kwargs):
+    """transformers' greedy generate with its KV cache holding K and V rounded to bfloat16, as
+    msinfer's cache holds them in a job computing in bfloat16."""
+    import torch
+    from transformers import DynamicCache
+
+    class Rounded(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kw):
+            return super().update(key_states.bfloat16().float(), value_states.bfloat16().float(), layer_idx, *args,
+                                  **kw)
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, cache=Rounded(config=model.config), **kwargs)
+
+
 def experts_rounding_inputs(experts):
     """The forward of transformers' stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])
     with each projection's input rows rounded to bfloat16: each token's routed experts' outputs,
@@ -143,9 +158,10 @@ def experts_rounding_inputs(experts):
 def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_same(name, checkpoint):
     """model.dtype bfloat16 on the CPU kernels: every linear layer and the LM head round their
     inputs and weights to bfloat16 and sum in float32 (bfloat16 pairs, VDPBF16PS where the CPU
-    has it), the embedding's rows are bfloat16, the rest of the network float32. Against
-    transformers with its layers rounded the same way (bias, q/k norms, a router and a shared
-    expert's gate narrower than a panel, routed experts, tied and untied LM heads):
+    has it), the embedding's rows are bfloat16, the KV cache holds K and V rounded to bfloat16
+    (half float32's bytes, as the plan counts them), the rest of the network float32. Against
+    transformers with its layers and its cache rounded the same way (bias, q/k norms, a router
+    and a shared expert's gate narrower than a panel, routed experts, tied and untied LM heads):
     the logits of most steps within BF16_LOGIT_ATOL, where float32's are all far outside it,
     and the greedy tokens of all prompts but at most one. Exactness is the kernels' (tests/
     test_kernels.py): here the two sides' attention and norms differ in float32's last bits,
@@ -179,6 +195,10 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
         *lead, rows, cols = float32[key].shape
         count = int(np.prod(lead))
         assert p.nbytes == 4 * count * rows * ((cols + 1) // 2) and p.nbytes <= float32[key].nbytes / 2 + 2 * count * rows
+    caches = [c for layer in runner.model.layers for c in layer.self_attn.caches()]
+    assert len(caches) == 2 * runner.cfg.num_layers and all(c.dtype == ms.uint16 for c in caches)
+    assert runner.kv_bytes() == plan.model.kv_bytes(runner.block_size, 2) * (runner.num_blocks + 1)
+    assert plan.kv_bytes_per_rank == plan.model.kv_bytes(plan.engine.block_size, 2) * (plan.engine.blocks() + 1)
     with pytest.raises(LayoutError, match="model.dtype bfloat16 does not run on the CPU with model.ops portable"):
         plan_job(spec(dtype="bfloat16", ops="portable"), check_io=False)
     rec, f32 = Recording(runner), Recording(runner_for(path))
@@ -187,9 +207,7 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     model = transformers_in_bfloat16_linears(path)
     diffs, aways, same = [], [], []
     for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        ref = generate_rounding_the_cache(model, prompt, N_NEW, output_logits=True, return_dict_in_generate=True)
         tokens = ref.sequences[0, len(prompt):].tolist()
         assert out[i][0] == tokens[0], f"{name} prompt {i}"
         for step in range(N_NEW):

@@ -64,8 +64,7 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
     reference; the row-parallel sums add in another order, so, as at tp 1, a value on a
     rounding boundary may round the other way: every prompt's first token, and all the tokens of
     all prompts but one)."""
-    import torch
-    from tests.test_parity import transformers_in_bfloat16_linears
+    from tests.test_parity import generate_rounding_the_cache, transformers_in_bfloat16_linears
     name = "qwen2_moe_top4_shared_tied"
     path = checkpoint(name)
     r = Replica(0, ReplicaConfig(2))
@@ -82,9 +81,7 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
     model = transformers_in_bfloat16_linears(path)
     same = []
     for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
+        ref = generate_rounding_the_cache(model, prompt, N_NEW)[0, len(prompt):].tolist()
         assert out[i][0] == ref[0], f"prompt {i}"
         same.append(out[i] == ref)
     assert sum(same) >= len(PROMPTS) - 1, same

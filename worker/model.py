@@ -28,7 +28,10 @@ from msinfer.worker.ops import MASKED, packed_attention
 
 
 class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int):
+    """kv_dtype: the KV cache's element, dtype's or uint16 holding bfloat16 values (the CPU
+    kernels computing in bfloat16: K and V rounded as they are written)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int, kv_dtype=None):
         super().__init__()
         self.dev = dev
         self.qkv_proj = QKVParallelLinear(cfg, cfg.qkv_bias, tp, dtype, dev.linear_op)
@@ -42,8 +45,8 @@ class Attention(nn.Cell):
         else:
             self.q_norm = self.k_norm = None
         shape = dev.cache_shape(num_blocks, block_size, self.kv_heads, cfg.head_dim)
-        self.k_cache = dev.cache_param(shape, dtype, "k_cache")
-        self.v_cache = dev.cache_param(shape, dtype, "v_cache")
+        self.k_cache = dev.cache_param(shape, kv_dtype or dtype, "k_cache")
+        self.v_cache = dev.cache_param(shape, kv_dtype or dtype, "v_cache")
         if dev.fused_attention:      # one kernel from the qkv projection on: slices, norms and all
             self.attend = dev.attention_op(self.q_size)
             ones = Tensor(np.ones(cfg.head_dim), dtype)
@@ -102,9 +105,9 @@ class MLAttention(nn.Cell):
     so the device does not reorder it (`device_order`). Rotary is applied to the rope parts only,
     after DeepSeek's interleaved pairs are put in halves (the same scores: q and k permuted alike)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, block_size: int, kv_dtype=None):
         super().__init__()
-        m = cfg.mla
+        m = cfg.mla          # (the latents stay in dtype: kv_dtype is Attention's)
         H = self.heads = cfg.num_heads // tp.size
         self.scale = m.softmax_scale
         self.kv_heads = 1
@@ -310,8 +313,9 @@ class SparseMoeBlock(nn.Cell):
 
 
 class LayerBase(nn.Cell):
-    def build(self, cfg, tp, dtype, dev, num_blocks, block_size, mlp):
-        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, dev, num_blocks, block_size)
+    def build(self, cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype, mlp):
+        self.self_attn = (Attention if cfg.mla is None else MLAttention)(cfg, tp, dtype, dev, num_blocks, block_size,
+                                                                        kv_dtype)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
@@ -328,9 +332,9 @@ class LayerBase(nn.Cell):
 class DecoderLayer(LayerBase):
     # Compiled once and reused for every layer: a 30-layer step compiles in ~2/3 of the time.
     @ms.lazy_inline(policy="front")
-    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
+    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype=None):
         super().__init__()
-        self.build(cfg, tp, dtype, dev, num_blocks, block_size, MLP(cfg, tp, dtype, dev))
+        self.build(cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype, MLP(cfg, tp, dtype, dev))
 
 
 class SparseDecoderLayer(LayerBase):
@@ -338,9 +342,9 @@ class SparseDecoderLayer(LayerBase):
     serves the sparse layers and another the dense ones."""
 
     @ms.lazy_inline(policy="front")
-    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size):
+    def __init__(self, cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype=None):
         super().__init__()
-        self.build(cfg, tp, dtype, dev, num_blocks, block_size, SparseMoeBlock(cfg, tp, dtype, dev))
+        self.build(cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype, SparseMoeBlock(cfg, tp, dtype, dev))
 
 
 # The inputs of every compiled step, in order (see CausalLM). The names are the graph's input
@@ -417,7 +421,7 @@ class CausalLM(nn.Cell):
     [M] int32 computed in the same graph (a greedy step needs no other)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype, dev, num_blocks: int, freq_matrix: np.ndarray,
-                 block_size: int = 16, stage: Stage = Stage()):
+                 block_size: int = 16, stage: Stage = Stage(), kv_dtype=None):
         super().__init__()
         self.cfg = cfg
         self.stage = stage
@@ -429,7 +433,7 @@ class CausalLM(nn.Cell):
         if self.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev.embed_op)
         self.layers = nn.CellList([(SparseDecoderLayer if cfg.is_sparse(i) else DecoderLayer)(
-            cfg, tp, dtype, dev, num_blocks, block_size) for i in self.layer_ids])
+            cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype) for i in self.layer_ids])
         if self.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
             # tied: the embedding's weight; on a last stage without the embedding, a copy of its own

@@ -78,8 +78,11 @@ class ModelRunner:
         if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
             self.kernel_check = self.check_kernels()
         self.stage = Stage.of(ec.pipeline, ec.stage)
+        if ec.kv_bfloat16(self.cfg) and not self.dev.fused_attention:
+            raise ValueError(f"a bfloat16 KV cache needs the CPU kernels, not {self.dev.name}'s operators")
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
-                              self.scheme.freq_matrix(self.cfg), self.block_size, self.stage)
+                              self.scheme.freq_matrix(self.cfg), self.block_size, self.stage,
+                              ms.uint16 if ec.kv_bfloat16(self.cfg) else None)    # (the bits of bfloat16 values)
         self.model.set_train(False)
         if ec.matmul_dtype == "bfloat16":       # before the weights load: they are packed as each layer loads
             if self.dev.pack_pairs is None:

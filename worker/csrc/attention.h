@@ -65,21 +65,34 @@ void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff
     for (int c = 0; c < C; ++c) storev(a + r * lda + 16 * c, acc[r][c]);
 }
 
-template <typename T>
+// T: the queries' and the output's element; C: the KV cache's, T or Bf16 (a job computing in
+// bfloat16 on the CPU: K and V rounded as they are written, widened to float32 as they are read).
+template <typename T, typename C = T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
 
-  const T *q, *kc, *vc;               // q: the rotated queries, in `out` (see write())
+  const T* q;                         // the rotated queries, in `out` (see write())
+  const C *kc, *vc;
   const int32_t *tables, *rows, *lens;
   T* out;
   int64_t N, H, D, KV, MB, bs, G;
   float scale;
 
+  // n values of x into the cache at o: as they are, or rounded to bfloat16.
+  static void to_cache(const T* x, C* o, int64_t n) {
+    if constexpr (std::is_same_v<C, T>) {
+      std::copy(x, x + n, o);
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i].bits = bf16_rounded(static_cast<float>(x[i]));
+    }
+  }
+
   // Each token's rotated K (normed first if qn) and its V into the cache at its slot, its
-  // rotated q into `out`.
-  static void write(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
+  // rotated q into `out`. A cache of another element takes K once rotated, from a row of T.
+  static void write(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, C* kc, C* vc,
                     const int32_t* slots, T* out, int64_t N, int64_t H, int64_t KV, int64_t D) {
     parallel_for(N, 16, [&](int64_t n) {
+      thread_local std::vector<T> k_row;
       const T* c = cos + n * D / 2;
       const T* s = sin + n * D / 2;
       const T* q = qkv + n * (H + 2 * KV) * D;
@@ -87,7 +100,13 @@ struct PagedAttention {
       const T* v = k + KV * D;
       T* qo = out + n * H * D;
       const int64_t row = static_cast<int64_t>(slots[n]) * KV * D;
-      T* ko = kc + row;
+      T* ko;
+      if constexpr (std::is_same_v<C, T>) {
+        ko = kc + row;
+      } else {
+        k_row.resize(KV * D);
+        ko = k_row.data();
+      }
       if (qn) {
         for (int64_t h = 0; h < H; ++h) norm_row(q + h * D, qn, eps, qo + h * D, D);
         for (int64_t h = 0; h < KV; ++h) norm_row(k + h * D, kn, eps, ko + h * D, D);
@@ -96,12 +115,13 @@ struct PagedAttention {
       }
       rotate(q, H, D, c, s, qo);
       rotate(k, KV, D, c, s, ko);
-      std::copy(v, v + KV * D, vc + row);
+      if constexpr (!std::is_same_v<C, T>) to_cache(ko, kc + row, KV * D);
+      to_cache(v, vc + row, KV * D);
     });
   }
 
   // Cache rows (K; V at the same offset) of positions 0..len-1 of token n's sequence, KV head h.
-  void key_rows(int64_t n, int64_t h, int64_t len, std::vector<const T*>& krow) const {
+  void key_rows(int64_t n, int64_t h, int64_t len, std::vector<const C*>& krow) const {
     const int32_t* table = tables + static_cast<int64_t>(rows[n]) * MB;
     krow.resize(len);
     for (int64_t j = 0; j < len; ++j) {
@@ -114,7 +134,7 @@ struct PagedAttention {
   // of a position are one contiguous [KV][D] row block, so K and V are each read in one pass.
   void one(int64_t n) const {
     thread_local std::vector<float> qv, acc, s;
-    thread_local std::vector<const T*> krow;
+    thread_local std::vector<const C*> krow;
     T* o = out + n * H * D;
     const int64_t len = lens[n];
     if (len <= 0) {
@@ -126,7 +146,7 @@ struct PagedAttention {
     s.resize(H * len);
     for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
     key_rows(n, 0, len, krow);
-    const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(T));
+    const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(C));
     const std::ptrdiff_t voff = vc - kc;
     for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {   // the loops below prefetch 16 ahead
       prefetch(krow[t], block_bytes);
@@ -151,11 +171,11 @@ struct PagedAttention {
       }
     }
     for (; j < len; ++j) {
-      const T* k = krow[j];
+      const C* k = krow[j];
       if (j + kAhead < len) prefetch(krow[j + kAhead], block_bytes);
       for (int64_t hq = 0; hq < H; ++hq) {
         const float* qh = qv.data() + hq * D;
-        const T* kh = k + hq / G * D;
+        const C* kh = k + hq / G * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
@@ -184,11 +204,11 @@ struct PagedAttention {
         }
     }
     for (; j < len; ++j) {
-      const T* v = krow[j] + voff;
+      const C* v = krow[j] + voff;
       if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, block_bytes);
       for (int64_t hq = 0; hq < H; ++hq) {
         const float w = s[hq * len + j];
-        const T* vh = v + hq / G * D;
+        const C* vh = v + hq / G * D;
         float* a = acc.data() + hq * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(vh[d]);
@@ -202,7 +222,7 @@ struct PagedAttention {
   // across the tokens (16 lanes of one vector) rather than along D, so no horizontal sums.
   void tile(int64_t n0, int64_t count, int64_t h) const {
     thread_local std::vector<v16> qt, s;            // qt [g][d], s [g][j]: 16 tokens a vector
-    thread_local std::vector<const T*> krow;
+    thread_local std::vector<const C*> krow;
     const int64_t len = lens[n0 + count - 1];        // the last token sees the most
     static_assert(QT == 16, "a tile's tokens are the 16 lanes of a vector");
     int64_t tok_len[QT];
@@ -219,7 +239,7 @@ struct PagedAttention {
       const v16* qg = qt.data() + g0 * D;
       v16* sg = s.data() + g0 * len;
       with_count<3>(std::min<int64_t>(3, G - g0),
-                    [&](auto gc) { tile_scores<T, gc>(qg, D, krow.data(), len, sg, len); });
+                    [&](auto gc) { tile_scores<C, gc>(qg, D, krow.data(), len, sg, len); });
     }
     for (int64_t g = 0; g < G; ++g) {
       v16* sg = s.data() + g * len;
@@ -254,7 +274,7 @@ struct PagedAttention {
         for (int64_t c = 0; c < D16; c += 64)
           with_count<7>(r, [&](auto rows) {
             with_count<4>(std::min<int64_t>(4, (D16 - c) / 16), [&](auto vecs) {
-              tile_pv<T, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
+              tile_pv<C, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
             });
           });
         for (int64_t t = 0; t < r; ++t)
@@ -302,13 +322,13 @@ struct PagedAttention {
   }
 };
 
-template <typename T>
-void attend(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, T* kc, T* vc,
+template <typename T, typename C = T>
+void attend(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, C* kc, C* vc,
             const int32_t* slots, const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N,
             int64_t H, int64_t D, int64_t KV, int64_t MB, int64_t bs) {
-  PagedAttention<T>::write(qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, N, H, KV, D);
-  PagedAttention<T>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
-                    1.0f / std::sqrt(static_cast<float>(D))}.run();
+  PagedAttention<T, C>::write(qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, N, H, KV, D);
+  PagedAttention<T, C>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
+                       1.0f / std::sqrt(static_cast<float>(D))}.run();
 }
 
 }  // namespace

@@ -195,7 +195,29 @@ typedef uint32_t v16u32u __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint16_t v16u16u __attribute__((vector_size(32), aligned(2)));
 
+inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+// f rounded to the nearest bfloat16, ties to even: its 16 bits. A NaN stays a quiet NaN, and a
+// denormal becomes a zero of its sign, as VDPBF16PS reads a denormal input (so the FMA way, which
+// would not, sees the same values). Branch-free, so that a row's loop vectorizes.
+inline uint16_t bf16_rounded(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f), a = u & 0x7fffffffu;
+  const uint32_t nearest = (u + 0x7fffu + (u >> 16 & 1u)) >> 16, nan = u >> 16 | 0x40u, zero = u >> 16 & 0x8000u;
+  return static_cast<uint16_t>(a > 0x7f800000u ? nan : a < 0x00800000u ? zero : nearest);
+}
+
+// A bfloat16 value held as its 16 bits (MindSpore's uint16): an element of the KV cache of a job
+// computing in bfloat16, read widened to float32 and written rounded (`bf16_rounded`).
+struct Bf16 {
+  uint16_t bits;
+  explicit operator float() const { return bf16_value(bits); }
+};
+
 inline v16 loadv(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline v16 loadv(const Bf16* p) {
+  const v16u32 w = __builtin_convertvector(*reinterpret_cast<const v16u16u*>(p), v16u32) << 16;
+  return reinterpret_cast<const v16&>(w);
+}
 inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
 inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline void storev(_Float16* p, v16 x) { *reinterpret_cast<h16u*>(p) = __builtin_convertvector(x, h16); }

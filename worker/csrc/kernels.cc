@@ -39,7 +39,9 @@
 //   q_norm   [D], k_norm [D]    RMSNorm weights of q and k heads (Qwen3), used if norm[1] != 0
 //   norm     [2] float32        eps, and whether to norm q and k heads before the rotary
 //   cos, sin [N, D/2]           each token's rotary table
-//   k_cache  [S * KV, D]        the layer's cache, row slot * KV + kv_head (written in place)
+//   k_cache  [S * KV, D]        the layer's cache, row slot * KV + kv_head (written in place):
+//                               of qkv's dtype, or uint16 holding bfloat16 values for float32
+//                               qkv (K and V rounded to nearest as written, widened as read)
 //   v_cache  [S * KV, D]
 //   slots    [N] int32          the cache slot each token's K/V row goes to (padding: a scratch slot)
 //   tables   [M, MB] int32      block table of each sequence in the step
@@ -98,6 +100,16 @@ extern "C" int PagedAttention(int nparam, void** params, int* ndims, int64_t** s
   if (bs <= 0 || KV <= 0 || H <= 0 || H % KV != 0 || shapes[0][1] != (H + 2 * KV) * D || shapes[4][1] * 2 != D)
     return 2;
   auto i32 = [&](int i) { return static_cast<const int32_t*>(params[i]); };
+  if (std::strcmp(dtypes[6], dtypes[7])) return 2;
+  if (std::strcmp(dtypes[6], "uint16") == 0) {           // a bfloat16 cache (Bf16), x float32
+    if (std::strcmp(dtypes[0], "float32")) return 2;
+    auto in = [&](int i) { return static_cast<float*>(params[i]); };
+    auto cache = [&](int i) { return static_cast<Bf16*>(params[i]); };
+    attend<float, Bf16>(in(0), norm[1] != 0.f ? in(1) : nullptr, in(2), norm[0], in(4), in(5), cache(6), cache(7),
+                        i32(8), i32(9), i32(10), i32(11), in(13), N, H, D, KV, MB, bs);
+    return 0;
+  }
+  if (std::strcmp(dtypes[6], dtypes[0])) return 2;
   with_dtype(dtypes[0], [&](auto tag) {
     using T = decltype(tag);
     auto in = [&](int i) { return static_cast<T*>(params[i]); };

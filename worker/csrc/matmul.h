@@ -571,17 +571,6 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
 #endif
 bool g_bf16_dot = true;
 
-inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
-
-// f rounded to the nearest bfloat16, ties to even: its 16 bits. A NaN stays a quiet NaN, and a
-// denormal becomes a zero of its sign, as VDPBF16PS reads a denormal input (so the FMA way, which
-// would not, sees the same values). Branch-free, so that a row's loop vectorizes.
-inline uint16_t bf16_rounded(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f), a = u & 0x7fffffffu;
-  const uint32_t nearest = (u + 0x7fffu + (u >> 16 & 1u)) >> 16, nan = u >> 16 | 0x40u, zero = u >> 16 & 0x8000u;
-  return static_cast<uint16_t>(a > 0x7f800000u ? nan : a < 0x00800000u ? zero : nearest);
-}
-
 typedef uint32_t vregw __attribute__((vector_size(sizeof(vreg))));
 typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
 

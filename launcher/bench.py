@@ -160,9 +160,11 @@ class BenchPlan:
     @property
     def compute(self) -> str:
         """The compute dtype as the table's title says it: float32 on the CPU with its linear
-        layers in bfloat16 where model.dtype is bfloat16 there."""
+        layers (and KV cache, EngineConfig.kv_bfloat16) in bfloat16 where model.dtype is bfloat16
+        there."""
         matmuls = self.engine.matmul_dtype
-        return self.dtype if matmuls == self.dtype else f"{self.dtype}, linear layers in {matmuls}"
+        kv = " and KV cache" if self.engine.kv_bfloat16(self.model) else ""
+        return self.dtype if matmuls == self.dtype else f"{self.dtype}, linear layers{kv} in {matmuls}"
 
     def case_spec(self, case: Case):
         """The job spec a case runs with: its batch, its prefill budget, its output length."""

@@ -437,7 +437,7 @@ class Layout:
     dtype: str                  # the compute dtype
     pipeline: tuple             # each stage's decoder layers, [lo, hi)
     weight_bytes: int           # a rank's weights, in the stage that holds the most
-    matmul_dtype: str = "float32"     # "bfloat16": the CPU kernels' linear layers in bfloat16
+    matmul_dtype: str = "float32"     # "bfloat16": the CPU kernels compute in bfloat16 (cpu_bfloat16)
 
 
 def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtype: str, ops: str,

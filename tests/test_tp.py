@@ -59,11 +59,11 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
 def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(checkpoint, ray_local):
     """model.dtype bfloat16 at tp 2 (a mixture: its experts sliced over I, a shared expert, the
     tied embedding and LM head split by vocabulary): every rank holds its slices of the linear
-    layers, experts and the table in bfloat16 pairs, and the replica gives the greedy tokens of
-    transformers with its layers rounded as the kernels round them (tests/test_parity.py's
-    reference; the row-parallel sums add in another order, so, as at tp 1, a value on a
-    rounding boundary may round the other way: every prompt's first token, and all the tokens of
-    all prompts but one)."""
+    layers, experts and the table in bfloat16 pairs and its KV heads' cache in bfloat16, and the
+    replica gives the greedy tokens of transformers with its layers and cache rounded as the
+    kernels round them (tests/test_parity.py's reference; the row-parallel sums add in another
+    order, so, as at tp 1, a value on a rounding boundary may round the other way: every
+    prompt's first token, and all the tokens of all prompts but one)."""
     from tests.test_parity import generate_rounding_the_cache, transformers_in_bfloat16_linears
     name = "qwen2_moe_top4_shared_tied"
     path = checkpoint(name)
@@ -71,9 +71,10 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, matmul_dtype="bfloat16"))
     try:
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
-        for held in ray_get([w.__ray_call__.remote(count_pairs) for w in r.workers]):
+        for pairs, caches in ray_get([w.__ray_call__.remote(count_pairs) for w in r.workers]):
             # 2 layers of qkv, o, the router, the shared expert's 3 and the experts' 2; the table
-            assert held == 2 * (6 + 2) + 1
+            assert pairs == 2 * (6 + 2) + 1
+            assert caches == 2 * 2                  # each layer's K and V in bfloat16 bits
     finally:
         pids = r.pids()
         r.shutdown()
@@ -87,10 +88,12 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
     assert sum(same) >= len(PROMPTS) - 1, same
 
 
-def count_pairs(worker) -> int:
-    """How many of the rank's parameters are bfloat16 pairs (uint32)."""
+def count_pairs(worker) -> tuple[int, int]:
+    """How many of the rank's parameters are bfloat16 pairs (uint32), and bfloat16 bits (uint16:
+    its KV caches)."""
     import mindspore as ms
-    return sum(p.dtype == ms.uint32 for p in worker.runner.model.get_parameters())
+    params = list(worker.runner.model.get_parameters())
+    return sum(p.dtype == ms.uint32 for p in params), sum(p.dtype == ms.uint16 for p in params)
 
 
 def check_rank_holds_exactly_its_slices(replica, path):

@@ -205,7 +205,8 @@ def plan_bench(args) -> BenchPlan:
         raise BenchError(flag_names(str(e))) from None
     device, emulate, dtype, pipeline, weights = (layout.device, layout.emulate, layout.dtype, layout.pipeline,
                                                  layout.weight_bytes)
-    cases = make_cases(batch_sizes, input_lens, output_lens, m.kv_bytes(1, kv_dtype_bytes(dtype, layout.matmul_dtype, m)))
+    kv_per_token = m.kv_bytes(1, kv_dtype_bytes(dtype, layout.matmul_dtype, m))
+    cases = make_cases(batch_sizes, input_lens, output_lens, kv_per_token)
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),
                                                            default=m.num_layers) / m.num_layers

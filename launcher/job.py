@@ -103,7 +103,8 @@ class Plan:
             weights = bytes_per_rank(m, tp, dbytes, s.parallel.expert_parallel, stage=stage, int8=int8,
                                      int8_experts=int8_experts, int4=int4, int4_experts=int4_experts, bf16=self.bf16,
                                      int4_scale_bytes=int4_scale_bytes(self.engine.device), pairs=self.pairs)
-            kv = m.kv_bytes(self.engine.block_size, self.engine.kv_dtype_bytes(m), tp, hi - lo) * (self.engine.blocks() + 1)
+            kv = (m.kv_bytes(self.engine.block_size, self.engine.kv_dtype_bytes(m), tp, hi - lo)
+                  * (self.engine.blocks() + 1))
             lines.append(f"stage {st:<5} workers {st * tp}-{st * tp + tp - 1} on {where}, layers {lo}-{hi - 1} "
                          f"({hi - lo})" + (f" + {' and '.join(held)}" if held else "")
                          + f": weights {weights / gib:.3f} GiB + KV cache {kv / gib:.3f} GiB per rank")
@@ -528,7 +529,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if device == "ascend":
         card = card_plan(spec, m, engine, weight_bytes, dbytes)
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
-    kv = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine)) * (engine.blocks() + 1)  # + scratch
+    kv = (m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine))
+          * (engine.blocks() + 1))                                   # + scratch
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp

@@ -28,8 +28,8 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of --prompt tokens, 64
 new: context L = prompt + 32 on average) and prefill_ms (one prompt of T tokens), on the CPU
-kernels. Dense
-models only: a mixture of experts' step reads the experts its tokens chose, not all of them.
+kernels. Dense models only: a mixture of experts' step reads the experts its tokens chose, not
+all of them.
 """
 
 from __future__ import annotations
@@ -121,9 +121,8 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
               w_bytes: int | None = None) -> tuple[float, float, float]:
     """(bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of one step: every
     weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V (dtype_bytes
-    a value),
-    `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query, key) pairs
-    attended."""
+    a value), `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query,
+    key) pairs attended."""
     from msinfer.sharding.layout import plan_tensors
     layer_macs = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)
                      if len(p.full_shape) == 2 and ".layers." in p.name)

@@ -213,11 +213,12 @@ class CpuOps(MsOps):
         """Stacked expert weights [E, N, K] -> every expert packed as `pack_weight` packs a weight,
         all in bfloat16 tiles (when every value is a bfloat16 and the CPU has AMX) or all in panels;
         and the unpack. With `pairs` (computing in bfloat16), float weights go to `pack_pairs`'
-        bfloat16 pairs, uint32 [E, N, ceil(K/2)]. Int8 levels with their `scales` [E, N] go to `pack_int8`'s panels (the
-        unpack gives their dequantized values); without, to `pack_vnni`'s layout (gate and up
-        interleaved with glu), or None where N is not whole panels. Int4 levels with their group
-        scales [E, N, groups] go to CpuInt4Linear's layout, uint8 [E, N, K/2] (the unpack gives the
-        levels; the scales go apart, `expert_scales`), or None where it does not take the sizes."""
+        bfloat16 pairs, uint32 [E, N, ceil(K/2)]. Int8 levels with their `scales` [E, N] go to
+        `pack_int8`'s panels (the unpack gives their dequantized values); without, to `pack_vnni`'s
+        layout (gate and up interleaved with glu), or None where N is not whole panels. Int4 levels
+        with their group scales [E, N, groups] go to CpuInt4Linear's layout, uint8 [E, N, K/2] (the
+        unpack gives the levels; the scales go apart, `expert_scales`), or None where it does not
+        take the sizes."""
         if not len(w):
             return w, lambda t: t
         if w.dtype == np.int8 and scales is not None and np.ndim(scales) == 3:

@@ -17,6 +17,9 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define MSINFER_AMX 1
 #include <immintrin.h>
@@ -214,9 +217,17 @@ struct Bf16 {
 };
 
 inline v16 loadv(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+// (GCC turns the generic widening of 16 uint16 into two 8-lane halves and an insert: the
+// attention of 16 decode tokens at context 1024 over a bfloat16 cache in the CPU's caches took
+// 30-44 ms for the demo model's 30 layers that way, 22-26 ms with the one AVX-512 widening load.)
 inline v16 loadv(const Bf16* p) {
+#ifdef __AVX512F__
+  return (v16)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
   const v16u32 w = __builtin_convertvector(*reinterpret_cast<const v16u16u*>(p), v16u32) << 16;
   return reinterpret_cast<const v16&>(w);
+#endif
 }
 inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
 inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }

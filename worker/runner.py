@@ -78,16 +78,14 @@ class ModelRunner:
         if hasattr(self.dev, "with_conventions") and ec.kernel_check:   # the fused kernels: the card settles them
             self.kernel_check = self.check_kernels()
         self.stage = Stage.of(ec.pipeline, ec.stage)
-        if ec.kv_bfloat16(self.cfg) and not self.dev.fused_attention:
-            raise ValueError(f"a bfloat16 KV cache needs the CPU kernels, not {self.dev.name}'s operators")
+        if ec.matmul_dtype == "bfloat16" and self.dev.pack_pairs is None:
+            raise ValueError(f"matmul_dtype bfloat16 needs the CPU kernels, not {self.dev.name}'s operators")
         self.model = CausalLM(self.cfg, tp, getattr(ms, self.dtype), self.dev, self.num_blocks + 1,
                               self.scheme.freq_matrix(self.cfg), self.block_size, self.stage,
                               ms.uint16 if ec.kv_bfloat16(self.cfg) else None)    # (the bits of bfloat16 values)
         self.model.set_train(False)
-        if ec.matmul_dtype == "bfloat16":       # before the weights load: they are packed as each layer loads
-            if self.dev.pack_pairs is None:
-                raise ValueError(f"matmul_dtype bfloat16 needs the CPU kernels, not {self.dev.name}'s operators")
-            self.model.bf16_matmuls = True
+        # before the weights load: they are packed as each layer loads
+        self.model.bf16_matmuls = ec.matmul_dtype == "bfloat16"
         if ec.random_weights:   # the model's shapes only: timing runs without the checkpoint
             self.load_stats = {"tensors": 0, "bytes": 0}
         else:

@@ -169,7 +169,6 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     that sequence's logits differ by up to ~1e-2. The plan counts the weights the rank holds,
     half of float32's; the portable operators refuse bfloat16 by name."""
     import mindspore as ms
-    import torch
     from msinfer.launcher.job import LayoutError, plan_job
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.layers import FusedExperts, LinearBase, VocabParallelEmbedding

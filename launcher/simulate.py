@@ -202,7 +202,8 @@ def cpu_seconds(controller) -> dict:
 def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> dict:
     """The simulation's figures: throughput against the stand-ins' ceiling, and the CPU each
     process role spent while records were served (`cpu_seconds` before and after): the driver
-    (and its loop), the engines (also per step they ran), the stand-in workers."""
+    (and its loop), the engines (also per step they ran), the stand-in workers. CPU-seconds are
+    given to the millisecond: a small job's loop spends a few."""
     dp, tp, pp = spec.parallel.data_parallel, spec.parallel.tensor_parallel, spec.parallel.pipeline_parallel
     st = summary.get("steps") or {}
     steps = st.get("prefill_steps", 0) + st.get("decode_steps", 0)
@@ -222,12 +223,12 @@ def capacity(summary: dict, spec, timing: StandIn, cpu0: dict, cpu1: dict) -> di
         "tokens_per_s": summary.get("tokens_per_s"),
         "of_ceiling": round((summary.get("tokens_per_s") or 0.0) / ceiling, 3),
         "records_per_s": round(records / gen_s, 2) if gen_s else None,
-        "driver_cpu_s": round(driver_cpu_s, 2),
+        "driver_cpu_s": round(driver_cpu_s, 3),
         "driver_cpu_us_per_token": round(1e6 * driver_cpu_s / tokens, 2) if tokens else None,
         "driver_cpu_us_per_record": round(1e6 * driver_cpu_s / records, 1) if records else None,
-        "driver_loop_cpu_s": round(loop_cpu_s, 2),
+        "driver_loop_cpu_s": round(loop_cpu_s, 3),
         "driver_loop_cpu_us_per_record": round(1e6 * loop_cpu_s / records, 1) if records else None,
-        "engine_cpu_s": round(engine_cpu_s, 2),
+        "engine_cpu_s": round(engine_cpu_s, 3),
         "engine_cpu_ms_per_step": round(1e3 * engine_cpu_s / steps, 3) if steps else None,
-        "worker_cpu_s": round(worker_cpu_s, 2),
+        "worker_cpu_s": round(worker_cpu_s, 3),
     }

@@ -1,18 +1,19 @@
-"""A roofline for the CPU engine: this machine's memory bandwidth and float32 matmul rate, each
+"""A roofline for the CPU engine: this machine's memory bandwidth and multiply-add peak, each
 step kind's bytes and FLOPs for a dense model, the lower bound they set, and the step times
 `msinfer bench` measures beside it.
 
     python scripts/roofline.py [--model DIR] [--dtype float32] [--batch-size 1,16,64] [--prompt 32]
                                [--prefill 512]
 
-The machine (numpy, on every core of the process's affinity):
-    bandwidth  a triad z = x + y over arrays far larger than the caches, one slice per thread
-               (numpy releases the GIL in the loop): bytes read and written / second
-    float32    a 2048 x 2048 matmul (numpy's BLAS, its own threads): 2 n^3 / second, the rate a
-               tuned kernel reaches on this machine, not the instruction set's peak
-    bfloat16   with --dtype bfloat16: the kernels' Linear over bfloat16 pairs (worker/csrc/matmul.h
-               linear_pairs: VDPBF16PS where the CPU has AVX512-BF16), 512 x 576 rows times a
-               3072 x 576 weight that stays in cache, every core: the rate the linear layers can reach
+The machine (every core of the process's affinity):
+    bandwidth  a triad z = x + y in numpy over arrays far larger than the caches, one slice per
+               thread (numpy releases the GIL in the loop): bytes read and written / second
+    peak       the kernels' PeakFlops (worker/csrc/kernels.cc): 12 independent multiply-adds in
+               registers on each of the kernels' threads, float32 FMAs, and VDPBF16PS where the
+               CPU has AVX512-BF16: the instruction set's rate, which no matmul exceeds
+    beside it  numpy's 2048 x 2048 float32 matmul (its BLAS), and with --dtype bfloat16 the
+               kernels' Linear over bfloat16 pairs (worker/csrc/matmul.h linear_pairs), 512 x 576
+               rows times a 3072 x 576 weight that stays in cache: what a tuned matmul reaches
 
 A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens with nothing cached):
     bytes      every weight once, at the bytes the kernels hold it in (a bfloat16 checkpoint's
@@ -22,9 +23,10 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
     FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
-    bound      max(bytes / bandwidth, FLOPs / float32 rate); with --dtype bfloat16 (the linear
+    bound      max(bytes / bandwidth, FLOPs / float32 peak); with --dtype bfloat16 (the linear
                layers and the LM head in bfloat16, attention in float32) their FLOPs at the
-               bfloat16 rate and attention's at float32's
+               bfloat16 peak (float32's without AVX512-BF16, as the kernels then take FMAs) and
+               attention's at float32's
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of --prompt tokens, 64
 new: context L = prompt + 32 on average) and prefill_ms (one prompt of T tokens), on the CPU
@@ -76,10 +78,28 @@ def matmul_rate(n: int = 2048, rounds: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def peak_rate(kind: int, rounds: int = 5) -> float | None:
+    """FLOP/s of the kernels' PeakFlops loop: kind 0 float32 FMAs, 1 VDPBF16PS (None where the
+    kernels were built without it)."""
+    import ctypes
+    from msinfer.worker import cpu
+    from msinfer.worker.cpu import load_kernels
+    load_kernels()
+    fn = ctypes.CDLL(cpu._LIBRARY).PeakFlops
+    fn.restype, fn.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64, ctypes.c_float)
+    if fn(kind, 1, 0.5) < 0:
+        return None
+    best, flops = float("inf"), 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        flops = fn(kind, 2_000_000, 0.5)
+        best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
 def bfloat16_rate(rows: int = 512, rounds: int = 5) -> float:
     """FLOP/s of the kernels' Linear over bfloat16 pairs, rows x 576 times 3072 x 576 (in cache)."""
     import ctypes
-    sys.path.insert(0, str(ROOT))
     from msinfer.worker import cpu
     from msinfer.worker.cpu import CpuOps, load_kernels
     from scripts.measure_bf16 import Call
@@ -157,9 +177,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=PROMPT, help=f"decode prompts' tokens (default {PROMPT})")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
     from msinfer.sharding.config import ModelConfig
     if args.model is None:
-        sys.path.insert(0, str(ROOT))
         from scripts.make_demo_model import ensure_demo_model
         args.model = Path(ensure_demo_model())
     cfg = ModelConfig.from_dir(args.model)
@@ -170,11 +190,17 @@ def main() -> int:
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     bw = max(bandwidth(t) for t in sorted({1, cores}))
-    rate = matmul_rate()
-    layer_rate = bfloat16_rate() if args.dtype == "bfloat16" else rate
+    f32_peak = peak_rate(0)
+    bf16_peak = peak_rate(1) if os.environ.get("MSINFER_BF16_DOT", "1") != "0" else None   # (the kernels' override)
+    numpy_rate = matmul_rate()
+    rate = f32_peak
+    layer_rate = (bf16_peak or f32_peak) if args.dtype == "bfloat16" else f32_peak
     print(f"machine   {cpu_flags()}")
-    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; float32 matmul {rate / 1e9:.1f} GFLOP/s (numpy's BLAS)"
-          + (f"; bfloat16 linear {layer_rate / 1e9:.1f} GFLOP/s (the kernels)" if args.dtype == "bfloat16" else ""))
+    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; peak float32 FMAs {f32_peak / 1e9:.1f} GFLOP/s"
+          + (f", VDPBF16PS {bf16_peak / 1e9:.1f}" if bf16_peak else ", no VDPBF16PS") + " (the kernels' PeakFlops)")
+    print(f"          matmuls reach: float32 {numpy_rate / 1e9:.1f} GFLOP/s (numpy's BLAS, 2048 x 2048)"
+          + (f"; bfloat16 {bfloat16_rate() / 1e9:.1f} (the kernels' Linear over pairs, 512 rows)"
+             if args.dtype == "bfloat16" else ""))
     with tempfile.TemporaryDirectory() as tmp:
         rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp))
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes)")

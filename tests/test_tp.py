@@ -36,7 +36,9 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
         if name.endswith("_bfloat16"):   # qkv, o, gate_up, down of 2 layers; the embedding = LM head
-            for amx, tiles in ray_get([w.__ray_call__.remote(count_tiles) for w in r.workers]):
+            for w in r.workers:
+                amx, (tiles,) = ray_get([w.__ray_call__.remote(grants_amx),
+                                         w.__ray_call__.remote(count_dtypes, "int16")])
                 assert tiles == (2 * 4 + 1 if amx else 0)
         if name == "llama_mqa":
             check_rank_holds_exactly_its_slices(r, checkpoint(name))
@@ -71,7 +73,7 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
     r.start(EngineConfig(str(path), max_model_len=128, max_batch_size=4, matmul_dtype="bfloat16"))
     try:
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
-        for pairs, caches in ray_get([w.__ray_call__.remote(count_pairs) for w in r.workers]):
+        for pairs, caches in ray_get([w.__ray_call__.remote(count_dtypes, "uint32", "uint16") for w in r.workers]):
             # 2 layers of qkv, o, the router, the shared expert's 3 and the experts' 2; the table
             assert pairs == 2 * (6 + 2) + 1
             assert caches == 2 * 2                  # each layer's K and V in bfloat16 bits
@@ -86,14 +88,6 @@ def test_tp2_in_bfloat16_gives_the_tokens_of_transformers_rounding_the_same(chec
         assert out[i][0] == ref[0], f"prompt {i}"
         same.append(out[i] == ref)
     assert sum(same) >= len(PROMPTS) - 1, same
-
-
-def count_pairs(worker) -> tuple[int, int]:
-    """How many of the rank's parameters are bfloat16 pairs (uint32), and bfloat16 bits (uint16:
-    its KV caches)."""
-    import mindspore as ms
-    params = list(worker.runner.model.get_parameters())
-    return sum(p.dtype == ms.uint32 for p in params), sum(p.dtype == ms.uint16 for p in params)
 
 
 def check_rank_holds_exactly_its_slices(replica, path):
@@ -115,11 +109,17 @@ def check_rank_holds_exactly_its_slices(replica, path):
         assert p["layers.1.mlp.gate_up_proj.weight"].shape == (128, H)   # 2 x 128/2 rows
 
 
-def count_tiles(worker) -> tuple[bool, int]:
-    """Whether the rank's CPU gives it AMX tiles, and how many of its parameters are tiles (int16)."""
+def count_dtypes(worker, *dtypes: str) -> tuple[int, ...]:
+    """How many of the rank's parameters hold each dtype (MindSpore's names: int16 for AMX tiles,
+    uint32 for bfloat16 pairs, uint16 for a KV cache of bfloat16 bits)."""
     import mindspore as ms
+    params = list(worker.runner.model.get_parameters())
+    return tuple(sum(p.dtype == getattr(ms, d) for p in params) for d in dtypes)
+
+
+def grants_amx(worker) -> bool:
     from msinfer.worker.cpu import CpuOps
-    return CpuOps.amx, sum(p.dtype == ms.int16 for p in worker.runner.model.get_parameters())
+    return CpuOps.amx
 
 
 def ray_get(ref):

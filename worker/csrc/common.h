@@ -1,5 +1,10 @@
-// What every kernel of kernels.cc shares: the thread pool (parallel_for), 16-lane vectors, and the
+// What every kernel of the library shares: the thread pool (parallel_for), 16-lane vectors, and the
 // row-wise pieces (RMSNorm, rotary, softmax, silu * up).
+//
+// The library is two translation units compiled at once (kernels.cc and linear.cc, worker/cpu.py
+// kernel_library), each with its own copy of the kernels (an anonymous namespace). What they must
+// share is in namespace msinfer_shared, with external linkage (inline): the thread pool and its
+// size, and the switches and counters kernels.cc's entry points set for linear.cc's.
 
 #pragma once
 
@@ -32,7 +37,7 @@
 #pragma omp declare simd notinbranch
 extern "C" float expf(float);
 
-namespace {
+namespace msinfer_shared {
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -145,18 +150,34 @@ class Pool {
   std::atomic<bool> stop_{false};
 };
 
-int g_threads = 1;
+inline int g_threads = 1;        // SetThreads
 
 // fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
 // calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a
 // time: a claim is an atomic add on a line both cores write, ~0.1 us, as long as a row of RmsNorm.
-void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
+inline void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
   const int threads = static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain)));
   if (grain <= 1) return Pool::get().run(n, threads, fn);
   Pool::get().run((n + grain - 1) / grain, threads, [&](int64_t c) {
     for (int64_t i = c * grain; i < std::min(n, (c + 1) * grain); ++i) fn(i);
   });
 }
+
+// linear_pairs: VDPBF16PS where the library has it, unless SetBf16Dot(0) (MSINFER_BF16_DOT=0).
+inline bool g_bf16_dot = true;
+
+// Tells int4_rows' calls apart, so that a thread's dequantized panel is never one of an earlier
+// call's (whose weights may since have been freed and others put at the same address).
+inline std::atomic<uint64_t> g_int4_calls{0};
+
+}  // namespace msinfer_shared
+
+namespace {
+
+using msinfer_shared::g_bf16_dot;
+using msinfer_shared::g_int4_calls;
+using msinfer_shared::g_threads;
+using msinfer_shared::parallel_for;
 
 // Softmax over each of `rows` score rows of length len (row r at s + r * len), in place.
 inline void softmax_rows(float* s, int64_t rows, int64_t len) {
@@ -277,6 +298,16 @@ inline void rotate(const T* x, int64_t heads, int64_t D, const T* c, const T* s,
       o[i] = static_cast<T>(x1 * ci - x2 * si);
       o[i + half] = static_cast<T>(x2 * ci + x1 * si);
     }
+  }
+}
+
+// f(T{}) with T the element type MindSpore names: float16 or float32.
+template <typename F>
+void with_dtype(const char* dtype, F&& f) {
+  if (std::strcmp(dtype, "float16") == 0) {
+    f(_Float16{});
+  } else {
+    f(float{});
   }
 }
 

@@ -496,10 +496,6 @@ inline void dequantize_int4(const uint8_t* b, const float* scale, int64_t K, int
   }
 }
 
-// Tells int4_rows' calls apart, so that a thread's dequantized panel is never one of an earlier
-// call's (whose weights may since have been freed and others put at the same address).
-std::atomic<uint64_t> g_int4_calls{0};
-
 // y [M, N] (Glu: [M, N/2]) = x [M, K] times the int4 weight w with its group scales (above), N
 // even (Glu: a multiple of 32) and K a multiple of G; work shared as linear_rows shares it (row
 // groups of up to kRows). A panel that one group of at most kRowsInt4 rows reads is widened as
@@ -569,7 +565,6 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MSINFER_BF16_DOT 1
 #endif
-bool g_bf16_dot = true;
 
 typedef uint32_t vregw __attribute__((vector_size(sizeof(vreg))));
 typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));

@@ -718,7 +718,6 @@ def test_bfloat16_pairs_round_ties_to_even(kernels):
         set_bf16_dot(dot)
 
 
-
 def test_peak_flops_counts_the_multiply_adds_of_its_loop_and_refuses_what_the_build_lacks(kernels):
     """scripts/roofline.py divides PeakFlops' count by its time: the count is 2 FLOPs a product,
     16 products a float32 FMA and 32 a VDPBF16PS, 12 of them an iteration, 8 items a thread (the
@@ -731,6 +730,7 @@ def test_peak_flops_counts_the_multiply_adds_of_its_loop_and_refuses_what_the_bu
     dot = ctypes.CDLL(cpu._LIBRARY).Bf16DotReady()
     assert fn(1, 1000, 0.5) == (2 * 32 * 12 * 1000 * 8 * 2 if dot else -1)
     assert fn(2, 1000, 0.5) == -1
+
 
 def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w

@@ -1,5 +1,5 @@
-"""The CPU kernels of msinfer (worker/csrc: kernels.cc and linear.cc) as the device seam `CpuOps`: MindSpore AOT
-custom operators compiled with the machine's C++ compiler on first use and cached
+"""The CPU kernels of msinfer (worker/csrc: kernels.cc and linear.cc) as the device seam `CpuOps`:
+MindSpore AOT custom operators compiled with the machine's C++ compiler on first use and cached
 (`kernel_library`), one call where MindSpore's CPU backend runs 5-10 small kernels, attention
 with no gathered copy of K/V and no mask, and the weights reordered once loaded into the panels
 and bfloat16 tiles the kernels read (`CpuOps.pack_weight`, `pack_experts`).

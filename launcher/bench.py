@@ -163,8 +163,9 @@ class BenchPlan:
         layers (and KV cache, EngineConfig.kv_bfloat16) in bfloat16 where model.dtype is bfloat16
         there."""
         matmuls = self.engine.matmul_dtype
-        kv = " and KV cache" if self.engine.kv_bfloat16(self.model) else ""
-        return self.dtype if matmuls == self.dtype else f"{self.dtype}, linear layers{kv} in {matmuls}"
+        if matmuls == self.dtype:
+            return self.dtype
+        return f"{self.dtype}, {self.engine.in_matmul_dtype(self.model)} in {matmuls}"
 
     def case_spec(self, case: Case):
         """The job spec a case runs with: its batch, its prefill budget, its output length."""

@@ -586,6 +586,10 @@ class EngineConfig:
     def kv_dtype_bytes(self, cfg: "ModelConfig") -> int:
         return kv_dtype_bytes(self.dtype, self.matmul_dtype, cfg)
 
+    def in_matmul_dtype(self, cfg: "ModelConfig") -> str:
+        """What computes in matmul_dtype where it is not dtype, as `plan` and `bench` name it."""
+        return "linear layers and KV cache" if self.kv_bfloat16(cfg) else "linear layers"
+
 
 def kv_bfloat16(matmul_dtype: str, cfg: "ModelConfig") -> bool:
     """Whether the KV cache holds bfloat16 values in a network computing in float32: the CPU

@@ -148,8 +148,11 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     every record has exactly one result line, the good ones transformers' tokens, the bad ones an
     error naming their id and problem. Run as a user's shell runs it (no LD_PRELOAD: `make test`
     preloads jemalloc), the ranks malloc with the jemalloc Ray ships; the interrupted run, with
-    RAY_LD_PRELOAD_ON_WORKERS=0, with glibc's."""
-    user = {"LD_PRELOAD": None}
+    RAY_LD_PRELOAD_ON_WORKERS=0, with glibc's. The CPU ranks launch their steps without MindSpore's
+    graph pipeline (worker.device.CPU_ENVIRONMENT), unless the user's MS_DEV_RUNTIME_CONF (the
+    interrupted run's) says otherwise."""
+    from msinfer.worker.device import CPU_ENVIRONMENT
+    user = {"LD_PRELOAD": None, "MS_DEV_RUNTIME_CONF": None}
     good = records(16)
     good[5]["sampling"] = {"max_new_tokens": 2}               # a record's own sampling beats --set
     bad = [line for line, _ in BAD_RECORDS]
@@ -157,7 +160,8 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     job = Job(tmp_path, model, lines)                          # the spec says max_new_tokens: 4
     command = ("run", job.spec_path, "--no-progress", "--set", "sampling.max_new_tokens=40")
 
-    proc = cli.start(*command, env={**user, "RAY_LD_PRELOAD_ON_WORKERS": "0"})
+    proc = cli.start(*command, env={**user, "RAY_LD_PRELOAD_ON_WORKERS": "0",
+                                    "MS_DEV_RUNTIME_CONF": "graph_pipeline:True"})
     wait_for(lambda: job.output.exists() and job.output.read_bytes().count(b'"error": null') >= 2,
              120, "two results", proc)
     proc.send_signal(signal.SIGTERM)              # a scheduler's stop: the records in flight finish
@@ -169,6 +173,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert job.status()["state"] == "drained"
     assert job.summary()["drained"]["records_in_flight_abandoned"] == 0
     assert [s["allocator"] for s in job.summary()["setup"]] == ["glibc"]
+    assert [s.get("environment_set") for s in job.summary()["setup"]] == [None]     # the user's value stood
     kept = job.output.read_bytes()
     assert kept.endswith(b"\n")
     done_before = job.ids()
@@ -197,6 +202,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert summary["spec"]["sampling"]["max_new_tokens"] == 40
     assert summary["records_skipped"] == len(done_before)
     assert [s["allocator"] for s in summary["setup"]] == ["libjemalloc.so"]
+    assert [s.get("environment_set") for s in summary["setup"]] == [CPU_ENVIRONMENT]
     steps = summary["steps"]          # the controller's, the worker's and the network's share of each step
     for kind in ("prefill", "decode"):
         assert steps[f"{kind}_steps"] > 0

@@ -195,6 +195,15 @@ def card_environment(startup_timeout_s: float, step_timeout_s: float) -> dict[st
             "MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST": "FlashAttentionScore,PagedAttention"}
 
 
+# What a worker computing on the CPU sets before MindSpore starts, where the variable is not set
+# already (a user's value wins). MindSpore's graph pipeline hands each compiled step from the
+# calling thread to a queue thread that launches it while the caller spin-waits; on a CPU both
+# threads then compete with the kernels' own threads for the same cores (perf: the queue thread
+# and the caller's wait took ~12% of two cores a decode step, and the kernels' calling thread was
+# descheduled 15% of the time). Launched by the calling thread itself, a step has those cores.
+CPU_ENVIRONMENT = {"MS_DEV_RUNTIME_CONF": "graph_pipeline:False"}
+
+
 def apply_environment(values: dict[str, str], env: dict | None = None) -> dict[str, str]:
     """Sets each variable not set already; returns what was set."""
     env = os.environ if env is None else env

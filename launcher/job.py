@@ -894,6 +894,9 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
 
     spec = plan.spec
     started_ray = not ray.is_initialized()
+    if simulate is None and not spec.ray.address and plan.engine.device == "cpu" and plan.engine.ops != "portable":
+        from msinfer.worker.build import start_build
+        start_build()       # the CPU kernels' library, built while Ray starts (worker/build.py)
     workers = spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel * spec.parallel.data_parallel
     init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
              npus=workers if plan.engine.emulate and simulate is None else 0)

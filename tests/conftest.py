@@ -26,7 +26,7 @@ PROMPTS = [[5, 17, 33, 9, 100, 7], [44, 3], [8, 9, 10, 11, 12, 13, 14, 15, 16, 1
 def cache_with_kernels(folder: Path) -> str:
     """`folder` as an MSINFER_CACHE for a job of its own that shares the CPU kernel library this
     session built (named by its sources, flags and CPU) instead of building it again (~12 s)."""
-    from msinfer.worker.cpu import kernel_library
+    from msinfer.worker.build import kernel_library
     built = Path(kernel_library("kernels")).parent
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "kernels").exists():

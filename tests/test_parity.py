@@ -357,16 +357,38 @@ def test_float16_on_the_cpu_gives_transformers_greedy_tokens(checkpoint, hf_gree
 
 
 def test_the_cpu_kernels_say_what_they_need_when_they_cannot_be_built(tmp_path, monkeypatch):
-    import msinfer.worker.cpu as dev_ops
+    import msinfer.worker.build as build
     monkeypatch.setenv("MSINFER_CACHE", str(tmp_path))           # nothing built there yet
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(dev_ops.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="need a C.. compiler: install g.. or set CXX"):
-        dev_ops.kernel_library("kernels")
+        build.kernel_library("kernels")
+    assert build.start_build() is None                            # the driver leaves the error to the workers
     monkeypatch.setenv("CXX", "false")                            # a compiler that fails
     with pytest.raises(RuntimeError, match=r"building .*kernels\.cc with false failed"):
-        dev_ops.kernel_library("kernels")
+        build.kernel_library("kernels")
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_driver_builds_the_kernel_library_where_the_workers_look_for_it(tmp_path, monkeypatch):
+    """start_build (a job's driver, before Ray starts) builds in a process of its own the library
+    that a worker's kernel_library then finds, and nothing once it is built. The compiler is a
+    script that writes what it is asked to and logs each call."""
+    import msinfer.worker.build as build
+    log = tmp_path / "calls"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ "$1" != -o ]; do shift; done\necho built > "$2"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(cxx))
+    proc = build.start_build()
+    assert proc is not None and proc.wait(timeout=60) == 0
+    lib = build.library_path("kernels", str(cxx))
+    assert lib.read_text() == "built\n"
+    calls = log.read_text().splitlines()
+    assert len(calls) == len(list(build.CSRC.glob("*.cc"))) + 1 and "-shared" in calls[-1]   # compiled, linked
+    assert build.kernel_library("kernels") == str(lib) and build.start_build() is None
+    assert log.read_text().splitlines() == calls                                  # nothing built again
 
 
 def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(checkpoint):

@@ -1,6 +1,6 @@
 """The CPU kernels of msinfer (worker/csrc: kernels.cc and linear.cc) as the device seam `CpuOps`:
 MindSpore AOT custom operators compiled with the machine's C++ compiler on first use and cached
-(`kernel_library`), one call where MindSpore's CPU backend runs 5-10 small kernels, attention
+(worker/build.py), one call where MindSpore's CPU backend runs 5-10 small kernels, attention
 with no gathered copy of K/V and no mask, and the weights reordered once loaded into the panels
 and bfloat16 tiles the kernels read (`CpuOps.pack_weight`, `pack_experts`).
 """
@@ -8,72 +8,21 @@ and bfloat16 tiles the kernels read (`CpuOps.pack_weight`, `pack_experts`).
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import os
-from pathlib import Path
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 import numpy as np
 
-from msinfer.sharding.config import bf16_panels_on, cache_root
+from msinfer.sharding.config import bf16_panels_on
 from msinfer.sharding.layers import PerTokenInt8
 from msinfer.sharding.quant import int8_levels
+from msinfer.worker.build import kernel_library
 from msinfer.worker.ops import MsOps
 
-CSRC = Path(__file__).with_name("csrc")
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC",
-            "-pthread")
 PANEL = 32     # csrc/matmul.h kPanel: the column panels of a packed weight
 GLU_GROUP = PANEL // 2      # outputs per panel of LinearGlu
 TILE = 32      # csrc/matmul.h amx_rows: N and K of a weight in bfloat16 tiles are multiples of this
-
-
-def kernel_library(name: str) -> str:
-    """Path of csrc/*.cc built as one shared library `name` for this machine: the sources compiled
-    at once, a process each, then linked (kernels.cc and linear.cc: 11.3 s on 2 cores of a Zen 5,
-    against 15.6 s as one unit). Built once per version of the sources (the .cc files and their
-    headers), flags and CPU (-march=native), into $MSINFER_CACHE or ~/.cache/msinfer/kernels, by
-    one process at a time (a file lock; the others then find it built)."""
-    units = sorted(CSRC.glob("*.cc"))
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError(f"msinfer's CPU kernels ({CSRC}/*.cc) need a C++ compiler: install g++ or set CXX")
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
-    sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))     # the .cc files and their headers
-    key = hashlib.sha256(sources + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
-    root = cache_root() / "kernels"
-    lib = root / f"{name}-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return str(lib)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{name}.lock", "w") as lock:       # the ranks of a node build it once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not lib.exists():
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                objects = [Path(tmp) / f"{src.stem}.o" for src in units]
-                builds = [subprocess.Popen([cxx, *CXXFLAGS, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True) for src, obj in zip(units, objects)]
-                said = [b.communicate() for b in builds]
-                for src, b, (_, err) in zip(units, builds, said):
-                    if b.returncode:
-                        raise RuntimeError(f"building {src} with {cxx} failed:\n{err[-2000:]}")
-                out = Path(tmp) / lib.name
-                run = subprocess.run([cxx, "-shared", "-pthread", *map(str, objects), "-o", str(out)],
-                                     capture_output=True, text=True)
-                if run.returncode:
-                    raise RuntimeError(f"linking {lib.name} with {cxx} failed:\n{run.stderr[-2000:]}")
-                os.replace(out, lib)
-    return str(lib)
-
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.

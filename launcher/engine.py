@@ -14,9 +14,12 @@ number of records it can take (`want`), and streamed text.
 Where it lives: in rank 0's worker process (`engine_host` mixes `EngineHost` into rank 0's
 class), so that rank 0's steps cost it no Ray call (measured here: about 1 ms of the caller's
 CPU per call at a 256-sequence step) and a replica adds no process. Its Python shares the GIL
-with rank 0's step preparation and sampling there. One replica on an embedded Ray is the
-exception: its engine runs in the driver's process (`LocalEngine`), which has the tokenizer
-loaded already, and a start-up of rank 0 that loads it again would only delay the first result.
+with rank 0's step preparation and sampling there. One replica of several ranks on an embedded
+Ray is the exception: its engine runs in the driver's process (`LocalEngine`), which has the
+tokenizer loaded already; rank 0's process, busy with its share of the start-up, would only
+start later (tp 3 on this machine's 2 cores: the first result 1-3 s later, no more tokens a
+second). A replica of one rank keeps its engine: its steps then go without a Ray call (8% more
+tokens a second at tp 1 here, docs/benchmarks.md).
 
 A worker that dies, a step that outlives fault.step_timeout_s or an error in the loop fails the
 engine: its next `exchange` raises EngineFailed (or the driver's call finds rank 0 dead), and the
@@ -71,7 +74,8 @@ class EngineSetup:
     local: bool = False             # run the engine in the driver's process (LocalEngine)
     # how long a finished result may wait in the engine for others to join it: each exchange
     # costs the driver a Ray call (about 1 ms of its CPU on this machine), so results go in batches;
-    # a LocalEngine's exchange costs a thread hand-off, so its results go sooner
+    # a LocalEngine's exchange costs a thread hand-off, and a job's only engine makes few calls,
+    # so their results go sooner
     flush_s: float = 0.5
     # the longest an exchange waits with nothing to report (an engine still computing its
     # records answers this often, to tell the driver its room for more)
@@ -82,8 +86,9 @@ class EngineSetup:
     def intervals(data_parallel: int, local: bool) -> dict:
         """flush_s and wait_s for a job of `data_parallel` engines: the driver answers each
         exchange with a Ray call, so they grow with the engines' number and keep the driver's
-        calls at about 64 result batches and 16 empty answers a second, however many engines."""
-        return {"flush_s": 0.05 if local else max(0.5, data_parallel / 64),
+        calls at about 64 result batches and 16 empty answers a second, however many engines.
+        One engine sends results every 0.05 s at most, 20 calls a second."""
+        return {"flush_s": 0.05 if local or data_parallel == 1 else max(0.5, data_parallel / 64),
                 "wait_s": max(1.0, data_parallel / 16)}
 
     @property

@@ -827,8 +827,9 @@ def make_controller(plan: Plan, simulate=None, stream: bool = False):
 
     spec = plan.spec
     tp, dp = spec.parallel.tensor_parallel, spec.parallel.data_parallel
-    # one replica on an embedded Ray: its engine in this process (launcher.engine.LocalEngine)
-    local = dp == 1 and not spec.ray.address
+    # one replica of several ranks on an embedded Ray: its engine in this process
+    # (launcher.engine.LocalEngine); a replica of one rank hosts its engine (launcher.engine)
+    local = dp == 1 and not spec.ray.address and tp * spec.parallel.pipeline_parallel > 1
     replica = ReplicaConfig(
         tensor_parallel=tp, device=plan.device, placement=spec.parallel.placement,
         cpus_per_worker=spec.ray.num_cpus_per_worker, startup_timeout_s=spec.fault.startup_timeout_s,

@@ -136,14 +136,17 @@ def test_killed_controller_leaves_whole_lines_and_the_next_run_resumes(cli, mode
 def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(cli, model, tmp_path):
     """A stopped worker (SIGSTOP) is a wedged step: after fault.step_timeout_s it is a failure of
     its replica. With fault.max_replica_restarts: 0 that failure stops the job: exit 3, a message,
-    every finished record kept whole for the next run to resume after."""
+    every finished record kept whole for the next run to resume after. (Rank 0 of a replica of
+    two ranks, whose engine runs in the driver's process: a replica of one rank runs its engine
+    in that rank's process, which SIGSTOP stops too, and the driver then finds it unanswering
+    after step_timeout_s + 60 s.)"""
     n = 16
-    job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 40},
+    job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 40}, parallel={"tensor_parallel": 2},
               fault={"max_replica_restarts": 0, "step_timeout_s": 6})
     proc = cli.start("run", job.spec_path, "--no-progress")
     stopped = None
     try:
-        worker = wait_for(lambda: running(job, 1), 180, "a running worker", proc)["workers"][0]["pid"]
+        worker = wait_for(lambda: running(job, 2), 180, "running workers", proc)["workers"][0]["pid"]
         wait_for(lambda: line_count(job.output) >= 1, 120, "a first result", proc)
         os.kill(worker, signal.SIGSTOP)
         stopped = worker

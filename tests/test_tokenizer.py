@@ -187,6 +187,39 @@ def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
     assert plain == {"token_id": 7, "logprob": -0.5, "top": [[7, -0.5]]}
 
 
+def test_the_check_for_torch_reads_the_modules_while_another_thread_imports():
+    """transformers_without_torch looks through sys.modules while another thread of the process may
+    import (rank 0 loads its model while its engine loads the tokenizer): it must not fail with
+    "dictionary changed size during iteration". In a process of its own (where torch is not
+    among the first modules, so the look goes through most of them), a thread adds and drops
+    modules meanwhile, with the interpreter switching threads every microsecond."""
+    import subprocess
+    import sys
+    code = ("import sys, threading, types\n"
+            "import numpy\n"
+            "from msinfer.worker.imports import transformers_without_torch\n"
+            "stop = threading.Event()\n"
+            "names = [f'_churn_{i}' for i in range(64)]\n"
+            "def churn():\n"
+            "    while not stop.is_set():\n"
+            "        for n in names:\n"
+            "            sys.modules[n] = types.ModuleType(n)\n"
+            "        for n in names:\n"
+            "            del sys.modules[n]\n"
+            "sys.setswitchinterval(1e-6)\n"
+            "t = threading.Thread(target=churn)\n"
+            "t.start()\n"
+            "try:\n"
+            "    for _ in range(3000):\n"
+            "        transformers_without_torch()\n"
+            "finally:\n"
+            "    stop.set()\n"
+            "    t.join()\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["ok"], p.stderr[-2000:]
+
+
 @pytest.mark.slow          # two processes of their own
 def test_a_worker_imports_transformers_only_to_load_a_tokenizer_and_then_without_torch(tok_dir):
     """A worker process (worker.imports.own_process, as Worker's constructor calls it) does not

@@ -35,7 +35,9 @@ def transformers_without_torch() -> bool:
     1.8-3.0 s instead of 5.3 s, and the process holds no torch. Nothing is changed in a process
     that imported transformers or torch already (the tests; a program using the Python API is not
     ours: this is not called there). Returns whether it was applied."""
-    if any(m.split(".", 1)[0] in ("torch", "transformers") for m in sys.modules):
+    # a snapshot of the names (made in one C call): another thread may be importing meanwhile, as
+    # rank 0's load does while its engine starts and loads the tokenizer
+    if any(m.split(".", 1)[0] in ("torch", "transformers") for m in tuple(sys.modules)):
         return False
     try:
         import transformers.utils as utils

@@ -18,8 +18,8 @@ import threading
 import time
 
 from msinfer.sharding.layout import TPInfo
-from msinfer.worker.device import (CPU_ENVIRONMENT, apply_environment, free_port, init_communication, join_through_store,
-                                   preflight, select_device, start_scheduler_thread)
+from msinfer.worker.device import (CPU_ENVIRONMENT, apply_environment, free_port, init_communication,
+                                   join_through_store, preflight, select_device, start_scheduler_thread)
 from msinfer.worker.imports import import_mindspore, own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
@@ -83,7 +83,7 @@ class Worker:
         self.tp = TPInfo(rank, world)
         self.device = select_device(device, rank=rank)
         self.runner = None
-        self.environment: dict = {}          # variables this worker set (worker.device: card_environment, CPU_ENVIRONMENT)
+        self.environment: dict = {}          # what this worker set (worker.device: card_environment, CPU_ENVIRONMENT)
         self.turn = threading.Condition()       # steps run one at a time, in order (see step)
         self.next_index = 0
 

@@ -1,7 +1,7 @@
 // What every kernel of the library shares: the thread pool (parallel_for), 16-lane vectors, and the
 // row-wise pieces (RMSNorm, rotary, softmax, silu * up).
 //
-// The library is two translation units compiled at once (kernels.cc and linear.cc, worker/cpu.py
+// The library is two translation units compiled at once (kernels.cc and linear.cc, worker/build.py
 // kernel_library), each with its own copy of the kernels (an anonymous namespace). What they must
 // share is in namespace msinfer_shared, with external linkage (inline): the thread pool and its
 // size, and the switches and counters kernels.cc's entry points set for linear.cc's.

@@ -1,7 +1,7 @@
 // The CPU kernels' entry points for the matmuls (MindSpore AOT custom operators, see kernels.cc's
 // header for the library): Linear, LinearGlu, Embed, QuantRows and a mixture of experts'
 // MoeExperts, MoeUp and MoeDown. A translation unit of its own so that the library's two halves
-// compile at once (worker/cpu.py kernel_library): these hold most of its template instances.
+// compile at once (worker/build.py kernel_library): these hold most of its template instances.
 
 #include "common.h"
 #include "matmul.h"

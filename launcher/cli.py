@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         _say(str(e))
         return EXIT_USER_ERROR
     except KeyboardInterrupt as e:
+        e = SIGNALS.cause(e)
         resume = "every finished record is in the results file, and running the same job again resumes after them"
         if isinstance(e, Terminated) and e.drained:
             _say(f"drained ({e.signal_name} before any record was in flight): stopped; {resume}", prefix="msinfer: ")

@@ -198,13 +198,20 @@ class Drain:
 class Signals:
     """The command's SIGTERM and SIGUSR1 handler: with a run dealing (`armed`), the first signal
     drains it; otherwise, or on a second signal, it raises Terminated in the main thread (the run
-    stops at once, its results kept), `drained` where nothing was in flight to wait for."""
+    stops at once, its results kept), `drained` where nothing was in flight to wait for.
+
+    A signal that lands while the main thread waits in ray.get or ray.wait reaches the caller as a
+    plain KeyboardInterrupt: Ray's C++ wait runs the handler and raises its own exception in place
+    of the handler's. `cause` gives back the Terminated raised, so such a stop keeps its meaning
+    (exit code and status)."""
 
     def __init__(self):
         self.drain: Drain | None = None
         self.signalled = 0
+        self.raised: Terminated | None = None
 
     def install(self) -> None:
+        self.raised = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self.handle)
 
@@ -217,7 +224,15 @@ class Signals:
                   f"fault.drain_s ({self.drain.drain_s:g} s). A second {name} stops at once", file=sys.stderr,
                   flush=True)
             return
-        raise Terminated(name, drained=self.signalled == 1)
+        self.raised = Terminated(name, drained=self.signalled == 1)
+        raise self.raised
+
+    def cause(self, e: BaseException) -> BaseException:
+        """The Terminated this handler raised where `e` is the plain KeyboardInterrupt Ray raised in
+        its place; otherwise `e`."""
+        if type(e) is KeyboardInterrupt and self.raised is not None:
+            return self.raised
+        return e
 
 
 SIGNALS = Signals()

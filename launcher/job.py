@@ -974,12 +974,15 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         job.write_status("drained" if not complete else "done")
         return summary
     except BaseException as e:
+        stop = SIGNALS.cause(e)
         if job is not None:
             try:
-                job.write_status("drained" if getattr(e, "drained", False) else
-                                 "interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+                job.write_status("drained" if getattr(stop, "drained", False) else
+                                 "interrupted" if isinstance(stop, KeyboardInterrupt) else "failed")
             except Exception:
                 pass
+        if stop is not e:
+            raise stop from None
         raise
     finally:
         if job is not None:

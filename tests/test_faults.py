@@ -544,3 +544,48 @@ def test_a_rank_that_dies_in_its_init_ends_the_start_at_once_while_the_others_wa
     pids = r.pids()
     r.shutdown()
     assert len(pids) == 2 and wait_gone(pids)
+
+
+def test_a_signal_that_lands_in_a_ray_wait_keeps_its_exit_code(ray_local, monkeypatch, capsys, tmp_path):
+    """A SIGTERM that stops a run at once while the command's main thread waits in ray.get reaches
+    Python as the plain KeyboardInterrupt Ray raises in place of the handler's exception. The
+    command still answers as for that SIGTERM: 143 while draining, 75 before any record was in
+    flight, never Ctrl-C's 130."""
+    import threading
+    from types import SimpleNamespace
+    from msinfer.launcher import cli, job as job_module
+
+    @ray_local.remote(num_cpus=0)
+    def slow():
+        time.sleep(60)
+
+    spec = Job(tmp_path, tmp_path, records(1)).spec_path
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for draining, code, word in ((True, 143, "error: terminated (SIGTERM while draining: stopped at once);"),
+                                     (False, 75, "drained (SIGTERM before any record was in flight): stopped;")):
+            seen = []
+
+            def run(*a, **k):
+                # the first signal of a draining run has already been handled
+                cli.SIGNALS.drain = SimpleNamespace(requested="SIGTERM received") if draining else None
+                cli.SIGNALS.signalled = int(draining)
+                ref = slow.remote()
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                try:
+                    ray_local.get(ref, timeout=30)
+                except BaseException as e:
+                    seen.append(type(e))
+                    raise
+                finally:
+                    ray_local.cancel(ref, force=True)
+
+            monkeypatch.setattr(job_module, "run_job", run)
+            assert cli.main(["run", str(spec)]) == code
+            assert seen == [KeyboardInterrupt]          # what Ray raised, not the handler's Terminated
+            err = capsys.readouterr().err
+            assert err.startswith(f"msinfer: {word}") and "Traceback" not in err, err
+    finally:
+        cli.SIGNALS.drain, cli.SIGNALS.signalled, cli.SIGNALS.raised = None, 0, None
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

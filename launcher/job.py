@@ -28,9 +28,9 @@ from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, dtype_bytes,
-                                    emulate_variants, emulated_memory, emulated_note, int4_on, ops_problem,
-                                    resolve_device, resolve_dtype)
+                                    ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
+                                    dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
+                                    ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -236,7 +236,7 @@ def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> N
     static shapes for the CPU kernels."""
     if problem := ops_problem(device, spec.model.ops, spec.model.shapes, spec.model.graph_mode):
         raise LayoutError(problem)
-    if device == "ascend" and spec.model.ops == "auto":
+    if fused(device, spec.model.ops):
         bs = spec.scheduler.block_size
         if bs % BLOCK_MULTIPLE:
             raise LayoutError(f"scheduler.block_size {bs}: Ascend's ReshapeAndCache and PagedAttention take blocks "
@@ -291,8 +291,7 @@ def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool, bool]:
     int4_on); Ascend's quantized matmuls do all four (worker.ascend.AscendInt8Linear,
     AscendExperts, AscendInt4Linear; emulated too) unless the start-up self-check finds them
     wanting; the portable operators dequantize them all."""
-    ascend = ops != "portable" and device == "ascend"
-    cpu = ops != "portable" and device == "cpu"
+    ascend, cpu = fused(device, ops), cpu_kernels(device, ops)
     int4_cpu = cpu and int4_on()
     return ops != "portable", ascend or cpu, ascend or int4_cpu, ascend or int4_cpu
 
@@ -310,7 +309,7 @@ def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
     (its sums are no bfloat16). With MSINFER_BF16_PANELS=0 on a CPU with AMX, the weights whose
     sizes the tiles take are still held in bfloat16: the plan counts them at 4 bytes; nor does it
     count the experts' AMX tiles (2 bytes) where the CPU has them."""
-    return device == "cpu" and ops != "portable" and not lora and bf16_panels_on()
+    return cpu_kernels(device, ops) and not lora and bf16_panels_on()
 
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
@@ -895,7 +894,7 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
 
     spec = plan.spec
     started_ray = not ray.is_initialized()
-    if simulate is None and not spec.ray.address and plan.engine.device == "cpu" and plan.engine.ops != "portable":
+    if simulate is None and not spec.ray.address and plan.engine.cpu_kernels:
         from msinfer.worker.build import start_build
         start_build()       # the CPU kernels' library, built while Ray starts (worker/build.py)
     workers = spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel * spec.parallel.data_parallel

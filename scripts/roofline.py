@@ -81,12 +81,9 @@ def matmul_rate(n: int = 2048, rounds: int = 5) -> float:
 def peak_rate(kind: int, rounds: int = 5) -> float | None:
     """FLOP/s of the kernels' PeakFlops loop: kind 0 float32 FMAs, 1 VDPBF16PS (None where the
     kernels were built without it)."""
-    import ctypes
-    from msinfer.worker import cpu
-    from msinfer.worker.cpu import load_kernels
+    from msinfer.worker.cpu import load_kernels, peak_flops
     load_kernels()
-    fn = ctypes.CDLL(cpu._LIBRARY).PeakFlops
-    fn.restype, fn.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64, ctypes.c_float)
+    fn = peak_flops()
     if fn(kind, 1, 0.5) < 0:
         return None
     best, flops = float("inf"), 0.0

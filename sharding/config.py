@@ -580,6 +580,11 @@ class EngineConfig:
         """Whether the workers compute on this machine's CPU (the CPU, or Ascend emulated)."""
         return self.device == "cpu" or self.emulate
 
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the workers compute with the CPU kernels (cpu_kernels)."""
+        return cpu_kernels(self.device, self.ops)
+
     def kv_bfloat16(self, cfg: "ModelConfig") -> bool:
         return kv_bfloat16(self.matmul_dtype, cfg)
 
@@ -612,6 +617,11 @@ def fused(device: str, ops: str) -> bool:
     return device == "ascend" and ops == "auto"
 
 
+def cpu_kernels(device: str, ops: str) -> bool:
+    """Whether the job runs the CPU kernels (worker/cpu.py, worker/csrc): model.ops auto on the CPU."""
+    return device == "cpu" and ops == "auto"
+
+
 def card_dtype(name: str, cfg: ModelConfig, device: str, ops: str = "auto") -> str:
     """The dtype a card computes in. With the fused kernels: float16 or bfloat16 only (FlashAttention
     and PagedAttention take nothing else; for float32 MindSpore falls back from its internal kernels
@@ -642,7 +652,7 @@ def cpu_bfloat16(name: str, device: str, emulate: bool = False, ops: str = "auto
     the products in float32, as a card's bfloat16 matmul does, the embedding's rows are bfloat16
     (worker.cpu.CpuOps.pack_pairs; EngineConfig.matmul_dtype), and the KV cache holds bfloat16
     values (EngineConfig.kv_bfloat16)."""
-    return name == "bfloat16" and device == "cpu" and not emulate and ops != "portable"
+    return name == "bfloat16" and cpu_kernels(device, ops) and not emulate
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: str, emulate: bool = False, ops: str = "auto") -> str:
@@ -683,7 +693,7 @@ def emulated_note(name: str, cfg: ModelConfig, ops: str) -> str | None:
 
 def ops_problem(device: str, ops: str, shapes: str, graph_mode: bool = True) -> str | None:
     """Why model.shapes or model.graph_mode cannot be what it is with these operators, or None."""
-    if device == "cpu" and ops == "auto" and shapes == "dynamic":
+    if cpu_kernels(device, ops) and shapes == "dynamic":
         return ("model.shapes dynamic does not run with the CPU kernels (MindSpore 2.10 runs custom operators in "
                 "static shapes only); use model.shapes: buckets or auto, or model.ops: portable")
     if fused(device, ops) and shapes == "buckets":

@@ -724,8 +724,7 @@ def test_peak_flops_counts_the_multiply_adds_of_its_loop_and_refuses_what_the_bu
     fixture's 2); VDPBF16PS answers -1 where the library has none, and so does an unknown kind."""
     import ctypes
     from msinfer.worker import cpu
-    fn = ctypes.CDLL(cpu._LIBRARY).PeakFlops
-    fn.restype, fn.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64, ctypes.c_float)
+    fn = cpu.peak_flops()
     assert fn(0, 1000, 0.5) == 2 * 16 * 12 * 1000 * 8 * 2
     dot = ctypes.CDLL(cpu._LIBRARY).Bf16DotReady()
     assert fn(1, 1000, 0.5) == (2 * 32 * 12 * 1000 * 8 * 2 if dot else -1)

@@ -614,6 +614,14 @@ def set_bf16_dot(on: bool) -> bool:
     return CpuOps.bf16_dot
 
 
+def peak_flops():
+    """The library's PeakFlops(kind, iterations, x) -> FLOPs (worker/csrc/kernels.cc): kind 0 float32
+    FMAs, 1 VDPBF16PS; -1 where the library has no such loop (scripts/roofline.py times it)."""
+    fn = ctypes.CDLL(_LIBRARY).PeakFlops
+    fn.restype, fn.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_int64, ctypes.c_float)
+    return fn
+
+
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""

@@ -18,7 +18,7 @@ import types
 
 import numpy as np
 
-from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, ops_problem, resolve_dtype
+from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, fused, ops_problem, resolve_dtype
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 from msinfer.worker.positions import make_scheme
@@ -376,7 +376,7 @@ class ModelRunner:
     def kernel_error(self, error: RuntimeError, inputs: dict, kind: str) -> Exception:
         """On the Ascend path, a failure MindSpore blames on a fused kernel becomes a KernelError
         that names it (worker.ascend.kernel_error); anything else stays as it was."""
-        if self.ec.device != "ascend" or self.ec.ops == "portable":
+        if not fused(self.ec.device, self.ec.ops):
             return error
         from msinfer.worker.ascend import kernel_error
         attn = self.model.layers[0].self_attn

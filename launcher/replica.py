@@ -31,6 +31,7 @@ from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine
 # raised here, and imported from here by the callers
 from msinfer.launcher.errors import LaunchError, NoRoom, StartupTimeout  # noqa: F401
 from msinfer.worker.actor import CommScheduler, Worker
+from msinfer.worker.graph_cache import pid_alive
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -351,17 +352,8 @@ def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:
     """True once none of the local pids is alive (for tests and teardown checks)."""
     end = time.time() + timeout_s
     while time.time() < end:
-        if not any(_alive(p) for p in pids):
+        if not any(pid_alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

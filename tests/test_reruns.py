@@ -112,15 +112,21 @@ def test_check_device_prints_each_fused_kernels_convention_on_the_emulated_card(
 
 
 def test_a_second_run_loads_its_graphs_from_the_compile_cache(cli, model, tmp_path):
-    """The first run compiles each rank's step graphs in folders of their own under
-    $MSINFER_CACHE/compile (worker/graph_cache.py), each marked complete, and MindSpore saves the
-    first (it saves no later shape of the same function); a second run of the same job saves
-    nothing anew (MindSpore loaded what it had saved: a graph it compiled again would be written
-    again) and gives the same results."""
+    """The first run saves each rank's step graphs in folders of their own under
+    $MSINFER_CACHE/compile (worker/graph_cache.py), each marked complete: a prefill of 64 rows,
+    decode, then one of 128 rows for the two long prompts dealt last. A second run of the same job
+    saves nothing anew (MindSpore loaded each graph: one it compiled again would be written again)
+    and gives the same results. A third run makes one token a record, so its second graph is the
+    128-row prefill, which the first run compiled third: it must load that graph, not the one the
+    first run compiled second (MindSpore loads whatever file is at the index it looks for and runs
+    it, and gives wrong tokens); each record gets the first token it had."""
     from tests.conftest import cache_with_kernels
     cache = Path(cache_with_kernels(tmp_path / "cache"))
     env = {"MSINFER_CACHE": str(cache)}
-    job = Job(tmp_path / "job", model, records(5), sampling={"max_new_tokens": 6, "temperature": 0.0})
+    lines = records(6) + [{"id": f"long{i}", "prompt_token_ids": [5 + (i + j) % 50 for j in range(40)]}
+                          for i in range(2)]
+    job = Job(tmp_path / "job", model, lines, input={"order": "arrival"},
+              sampling={"max_new_tokens": 6, "temperature": 0.0})
     command = ("run", job.spec_path, "--no-progress", "--overwrite")
 
     def saved() -> dict:
@@ -128,11 +134,19 @@ def test_a_second_run_loads_its_graphs_from_the_compile_cache(cli, model, tmp_pa
     p = cli.run(*command, env=env)
     assert p.returncode == 0, p.stderr
     first, graphs = job.results(), job.summary()["steps"]["graphs"]
+    assert list(graphs)[0].endswith("prefill N=64 M=2") and list(graphs)[-1].endswith("prefill N=128 M=2"), graphs
     folders = [f for f in (cache / "compile").iterdir()]
-    assert len(folders) == len(graphs) >= 1
-    assert all((f / "complete").exists() for f in folders)
+    assert len(folders) == len(graphs) >= 3
+    assert all((f / "complete").exists() and (f / "graph.mindir").is_file() for f in folders)
     before = saved()
-    assert before
+    assert len(before) == len(graphs)
     p = cli.run(*command, env=env)
     assert p.returncode == 0, p.stderr
     assert saved() == before and job.results() == first
+
+    p = cli.run(*command, "--set", "sampling.max_new_tokens=1", env=env)
+    assert p.returncode == 0, p.stderr
+    assert list(job.summary()["steps"]["graphs"]) == [list(graphs)[0], list(graphs)[-1]]
+    assert saved() == before
+    assert {r["id"]: r["output_token_ids"] for r in job.results()} == \
+        {r["id"]: r["output_token_ids"][:1] for r in first}

@@ -111,6 +111,27 @@ def test_check_device_prints_each_fused_kernels_convention_on_the_emulated_card(
     assert cpu.returncode == 2 and "check-device checks Ascend's fused kernels" in said(cpu)
 
 
+@pytest.mark.unit
+def test_a_process_s_compile_cache_folder_is_removed_once_its_process_is_gone(monkeypatch, tmp_path):
+    """MindSpore's folder of a process (worker.graph_cache.Staging) is named after its pid; a Ray
+    worker killed leaves it behind, and the next process to make one removes it, never the folder
+    of a process still running."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from msinfer.worker.graph_cache import Staging
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dead, alive = tmp_path / f"{Staging.PREFIX}{gone}-abc", tmp_path / f"{Staging.PREFIX}{os.getppid()}-def"
+    for d in (dead, alive):
+        (d / "rank_0" / "graph_cache").mkdir(parents=True)
+    staging = Staging()
+    assert staging.root.parent == tmp_path and staging.root.name.startswith(f"{Staging.PREFIX}{os.getpid()}-")
+    assert not dead.exists() and alive.exists()
+
+
 def test_a_second_run_loads_its_graphs_from_the_compile_cache(cli, model, tmp_path):
     """The first run saves each rank's step graphs in folders of their own under
     $MSINFER_CACHE/compile (worker/graph_cache.py), each marked complete: a prefill of 64 rows,

@@ -172,10 +172,13 @@ def compiling(folder: Path | None):
                 os.environ.pop(PATH, None)
             else:
                 os.environ[PATH] = saved_path
-        staging.k += 1
         fresh = {k: p for k, p in staging.graphs().items()
                  if not (p == staged and p.stat().st_mtime_ns == before)}
-        if not fresh:                    # loaded as staged (or nothing compiled): the folder has it
+        if not fresh:
+            # Loaded as staged: that took MindSpore's k. Nothing staged and nothing saved: MindSpore
+            # compiled without its cache (a function and shapes it had compiled under another
+            # kind's name: the CPU's prefill and decode are one graph) and took no k.
+            staging.k += before is not None
             return
         k = max(fresh)                   # what MindSpore compiled and saved, at its own k
         written = fresh[k]

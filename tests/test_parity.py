@@ -419,3 +419,21 @@ def test_step_inputs_pack_each_sequences_tokens_and_refuse_a_short_block_table(c
     with pytest.raises(ValueError, match=f"sequence 9: block table names a block outside the KV cache's "
                                          f"{beyond}: \\[3, {beyond}\\]"):
         runner.prepare([steps[0], SeqStep(9, [14], bs + 2, [3, beyond])], True)
+
+
+def test_a_chunk_after_cached_tokens_runs_the_prefill_graph_of_its_shape(checkpoint):
+    """On the CPU kernels a prefill and a step that reads the cache are one function (attention
+    reads the paged cache either way): a prompt's second chunk (kind decode: it has cached tokens)
+    in the shape of the first chunk's step runs that step's graph, compiling nothing, and ends with
+    the logits the whole prompt in one step gives."""
+    from msinfer.worker.protocol import SeqStep
+    runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied")), max_model_len=128, max_batch_size=8))
+    prompt = PROMPTS[0] * 3
+    table = list(range(-(-len(prompt) // runner.block_size)))
+    runner.forward([SeqStep(0, prompt[:5], 0, table)], True)
+    compiled = dict(runner.compile_s)
+    chunked = runner.forward([SeqStep(0, prompt[5:], 5, table)], True)
+    assert runner.kind([SeqStep(0, prompt[5:], 5, table)], True) == "decode"
+    assert runner.compile_s == compiled and len(compiled) == 1
+    whole = runner.forward([SeqStep(1, prompt, 0, [b + len(table) for b in table])], True)
+    np.testing.assert_allclose(chunked, whole, atol=LOGIT_ATOL, rtol=0)

@@ -104,6 +104,8 @@ class ModelRunner:
         if self.dev.fused_attention and self.cfg.mla is None:
             kinds["prefill"] = self.model.decode
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
+        if kinds["prefill"] == kinds["decode"] and not self.dev.phases:   # one graph a shape, not one a kind
+            self.fns["prefill"] = self.fns["decode"]
         self.step_fn = self.fns["decode"]
         self.compile_s: dict[str, float] = {}
         self.graphs: set[tuple[int, int]] = set()           # (N, M) shapes the step graphs have run

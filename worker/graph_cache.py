@@ -176,8 +176,8 @@ def compiling(folder: Path | None):
                  if not (p == staged and p.stat().st_mtime_ns == before)}
         if not fresh:
             # Loaded as staged: that took MindSpore's k. Nothing staged and nothing saved: MindSpore
-            # compiled without its cache (a function and shapes it had compiled under another
-            # kind's name: the CPU's prefill and decode are one graph) and took no k.
+            # compiled without its cache (a second jit of a function and shapes it had compiled,
+            # as the emulated Ascend path's kinds can be) and took no k.
             staging.k += before is not None
             return
         k = max(fresh)                   # what MindSpore compiled and saved, at its own k

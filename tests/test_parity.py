@@ -432,8 +432,9 @@ def test_a_chunk_after_cached_tokens_runs_the_prefill_graph_of_its_shape(checkpo
     table = list(range(-(-len(prompt) // runner.block_size)))
     runner.forward([SeqStep(0, prompt[:5], 0, table)], True)
     compiled = dict(runner.compile_s)
-    chunked = runner.forward([SeqStep(0, prompt[5:], 5, table)], True)
-    assert runner.kind([SeqStep(0, prompt[5:], 5, table)], True) == "decode"
+    chunk = [SeqStep(0, prompt[5:], 5, table)]
+    assert runner.kind(chunk, True) == "decode"
+    chunked = runner.forward(chunk, True)
     assert runner.compile_s == compiled and len(compiled) == 1
     whole = runner.forward([SeqStep(1, prompt, 0, [b + len(table) for b in table])], True)
     np.testing.assert_allclose(chunked, whole, atol=LOGIT_ATOL, rtol=0)

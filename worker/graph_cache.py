@@ -156,12 +156,12 @@ def compiling(folder: Path | None):
         for p in staging.graphs().values():     # MindSpore finds this graph's file or none
             p.unlink()
         at, role = staging.where()
-        staged = at / f"{role}compile_cache_{staging.k}.mindir"
+        staged, ms_hash = at / f"{role}compile_cache_{staging.k}.mindir", at / f"{role}{MS_HASH}"
         if done.exists() and (folder / GRAPH).is_file():
             at.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(folder / GRAPH, staged)
-            if (folder / HASH).is_file() and not (at / f"{role}{MS_HASH}").exists():
-                shutil.copyfile(folder / HASH, at / f"{role}{MS_HASH}")
+            if (folder / HASH).is_file() and not ms_hash.exists():
+                shutil.copyfile(folder / HASH, ms_hash)
         before = staged.stat().st_mtime_ns if staged.exists() else None
         os.environ[ENABLE], os.environ[PATH] = "1", str(staging.root)
         try:
@@ -183,9 +183,10 @@ def compiling(folder: Path | None):
         k = max(fresh)                   # what MindSpore compiled and saved, at its own k
         written = fresh[k]
         staging.k = k + 1
-        staging.seen = written.parent, MS_GRAPH.fullmatch(written.name).group(1)
+        at, role = staging.seen = written.parent, MS_GRAPH.fullmatch(written.name).group(1)
+        ms_hash = at / f"{role}{MS_HASH}"
         clear(folder)
         shutil.copyfile(written, folder / GRAPH)
-        if (written.parent / f"{staging.seen[1]}{MS_HASH}").is_file():
-            shutil.copyfile(written.parent / f"{staging.seen[1]}{MS_HASH}", folder / HASH)
+        if ms_hash.is_file():
+            shutil.copyfile(ms_hash, folder / HASH)
         done.touch()

@@ -118,10 +118,16 @@ inline void store_row(const float* t, T* o) {
   }
 }
 
-// A micro-kernel's prefetches at step k: pf + k * pf_step and, with `cached`, the panel (see micro).
-template <typename B>
+// A micro-kernel's prefetches at step k: pf + k * pf_step (a share of the next panel) and, with
+// `cached`, the panel (see micro). With ToL2 the next panel goes into L2 only (prefetcht2), for
+// the kernels whose weight stream bounds them (VDPBF16PS and VPDPBUSD do twice and four times a
+// float32 FMA's work a byte); otherwise into L1 (prefetcht0). The 120 linear layers of a step
+// from memory, Zen 4, L2 against L1: pairs at 16 rows 11.0-12.8 ms against 12.7-12.8, at 1 row
+// 6.7-7.0 against 7.7-7.9, at 64 rows the same; VNNI at 16 rows 6.7-7.9 against 7.2-8.8. The
+// float32 panels' whole steps gained nothing from it (scripts/roofline.py, 1 and 16 sequences).
+template <bool ToL2 = false, typename B>
 inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached, const B* bk) {
-  __builtin_prefetch(pf + k * pf_step);
+  __builtin_prefetch(pf + k * pf_step, 0, ToL2 ? 1 : 3);
   if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
     __builtin_prefetch(bk + 16 * kPanel);
     __builtin_prefetch(bk + 16 * kPanel + 16);
@@ -400,7 +406,7 @@ __attribute__((noinline)) void micro_vnni(const int8_t* a, int64_t lda, const ui
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
   for (int64_t g = 0; g < KQ; ++g) {
     const uint8_t* bg = b + g * 128;
-    __builtin_prefetch(pf + g * pf_step);
+    __builtin_prefetch(pf + g * pf_step, 0, 1);           // into L2 (prefetch_step)
     if (cached) {
       __builtin_prefetch(bg + 16 * 128);
       __builtin_prefetch(bg + 16 * 128 + 64);
@@ -653,7 +659,7 @@ __attribute__((noinline)) void micro_dot(const uint32_t* a, int64_t lda, const u
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
     const uint32_t* bk = b + k * kPanel;
-    prefetch_step(pf, k, pf_step, cached, bk);
+    prefetch_step<true>(pf, k, pf_step, cached, bk);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 16);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {

@@ -119,6 +119,35 @@ def test_a_job_runs_on_the_emulated_ascend_path_like_on_a_card(checkpoint, hf_gr
 
 
 @pytest.mark.unit
+def test_a_kernel_verdict_is_kept_per_card_model(monkeypatch, tmp_path):
+    """Two card models with one MindSpore and one CANN keep their own start-up check verdicts: the
+    cache key names the model MindSpore's hal.get_device_name gives on a card (stood in for here,
+    there is no card), nothing off a card, and nothing where the driver cannot say."""
+    import mindspore as ms
+    from msinfer.worker import ascend, kernel_check
+    monkeypatch.setenv("MSINFER_CACHE", str(tmp_path))
+    shapes = (4, 2, 16, 16, "float16")
+    assert kernel_check.check_key(ascend.EmulatedAscendOps, *shapes)["card"] == ""          # the CPU
+    real = ms.get_context
+    monkeypatch.setattr(ms, "get_context", lambda key: {"device_target": "Ascend", "device_id": 3}.get(key) or real(key))
+    asked = []
+
+    def device_name(device_id, target=None):
+        asked.append((device_id, target))
+        if len(asked) == 4:
+            raise RuntimeError("the driver does not say")
+        return ["Ascend910B3", "Ascend910B3", "Ascend910B1"][len(asked) - 1]
+
+    monkeypatch.setattr(ms.hal, "get_device_name", device_name)
+    b3, again, b1, unknown = (kernel_check.check_key(ascend.EmulatedAscendOps, *shapes) for _ in range(4))
+    assert asked[0] == (3, "Ascend") and (b3["card"], b1["card"], unknown["card"]) == ("Ascend910B3", "Ascend910B1", "")
+    assert b3 == again and {k: v for k, v in b1.items() if k != "card"} == {k: v for k, v in b3.items() if k != "card"}
+    kernel_check.store(b3, {"PagedAttention": {"convention": "portable"}})
+    assert kernel_check.cache_path(b3).exists() and kernel_check.cache_path(again) == kernel_check.cache_path(b3)
+    assert not kernel_check.cache_path(b1).exists() and not kernel_check.cache_path(unknown).exists()
+
+
+@pytest.mark.unit
 def test_a_card_gets_hccl_timeouts_from_the_fault_settings_and_a_users_variables_win():
     from msinfer.worker.device import apply_environment, card_environment
     env = card_environment(startup_timeout_s=900, step_timeout_s=600)

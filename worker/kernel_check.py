@@ -47,8 +47,11 @@ for the experts, GroupedMatmulV4's float form, which this check does not cover).
 
 A kernel that matches under no convention is replaced, in that operation only, by the portable
 operators (worker/ops.py; AscendOps.with_conventions); PagedAttention must pass both its cases.
-The verdicts are cached per (MindSpore version, CANN version, device kind, shapes, dtype) in
-$MSINFER_CACHE/kernel_check, so that later jobs on the same cards skip the check.
+The verdicts are cached per (MindSpore version, CANN version, card model, device kind, shapes,
+dtype) in $MSINFER_CACHE/kernel_check, so that later jobs on the same cards skip the check. The
+card model is the name MindSpore's `hal.get_device_name` gives on a card (e.g. Ascend910B3): a
+home folder shared by clusters of two card models with one CANN keeps a verdict per model. That
+call has not run here (no card); the emulated path has no model and keys by its device kind.
 
 TOLERANCE is the largest |output - reference| accepted, in units of the reference's largest
 magnitude: the attention outputs are weighted means of unit-normal values, so a wrong convention
@@ -98,14 +101,26 @@ def cann_version() -> str:
     return ""
 
 
+def card_model() -> str:
+    """The card's model as MindSpore names it (`hal.get_device_name` of the device in use), '' off
+    a card (the CPU, the emulated path) or where the driver does not say."""
+    import mindspore as ms
+    if ms.get_context("device_target") != "Ascend":
+        return ""
+    try:
+        return str(ms.hal.get_device_name(ms.get_context("device_id"), "Ascend") or "")
+    except Exception:                   # an old driver or CANN: the other fields still key the verdict
+        return ""
+
+
 def check_key(ops, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str, values: int = 0,
               quant: tuple[str, ...] = ()) -> dict:
     import mindspore as ms
     from msinfer.worker import ascend
     variants = ascend.VARIANTS_IN_FORCE if ops.kernels is ascend.StandIns else ()
     device = ops.name + (f" [{','.join(variants)}]" if variants else "")
-    return {"mindspore": ms.__version__, "cann": cann_version(), "device": device, "heads": heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
+    return {"mindspore": ms.__version__, "cann": cann_version(), "card": card_model(), "device": device,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
             "check": CHECK_VERSION, **({"latent_values": values} if values else {}),
             **({"quant": list(quant)} if quant else {})}
 

@@ -70,6 +70,10 @@ void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff
 template <typename T, typename C = T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
+  static constexpr int kShared = 4;   // query heads of a KV head that weigh its values together
+  // How far ahead a decode token's 16-position loops ask for K and V rows: at 16, about one
+  // loop's work, the rows came late (docs/benchmarks.md); 48 measured slower than 32.
+  static constexpr int64_t kAheadRows = 32;
 
   const T* q;                         // the rotated queries, in `out` (see write())
   const C *kc, *vc;
@@ -130,6 +134,28 @@ struct PagedAttention {
     }
   }
 
+  // Query heads q0..q0+R-1 (of one KV head) add 16 positions' values (rows v[t] + off) weighted
+  // by their scores (s [H][len] from the first of them) to their sums acc [H][D]: each value read
+  // (and widened from a bfloat16 cache) once for the R heads. Per head, the even positions and
+  // the odd ones in two sums added at the end, for two FMA chains a head.
+  template <int R>
+  void weigh_values(int64_t q0, const C* const* v, std::ptrdiff_t off, const float* s, int64_t len,
+                    float* acc) const {
+    for (int64_t d = 0; d < D; d += 16) {
+      v16 e[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) e[r][0] = loadv(acc + (q0 + r) * D + d), e[r][1] = v16{};
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) {
+        const v16 x = loadv(v[t] + off + d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) e[r][t % 2] += s[(q0 + r) * len + t] * x;
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) storev(acc + (q0 + r) * D + d, e[r][0] + e[r][1]);
+    }
+  }
+
   // One token (a decode step's), all its H query heads over its `len` positions. The KV heads
   // of a position are one contiguous [KV][D] row block, so K and V are each read in one pass.
   void one(int64_t n) const {
@@ -148,7 +174,7 @@ struct PagedAttention {
     key_rows(n, 0, len, krow);
     const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(C));
     const std::ptrdiff_t voff = vc - kc;
-    for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {   // the loops below prefetch 16 ahead
+    for (int64_t t = 0; t < std::min(kAheadRows, len); ++t) {   // the loops below ask kAheadRows ahead
       prefetch(krow[t], block_bytes);
       prefetch(krow[t] + voff, block_bytes);
     }
@@ -156,8 +182,8 @@ struct PagedAttention {
     if (D % 16 == 0) {            // 16 positions at a time: 16 dot products, summed lane-wise
       for (; j + 16 <= len; j += 16) {
         for (int64_t hq = 0; hq < H; ++hq) {
-          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
-            prefetch(krow[j + t], block_bytes);      // the next 16 positions, a share per head
+          for (int64_t t = kAheadRows + hq * 16 / H; t < kAheadRows + (hq + 1) * 16 / H && j + t < len; ++t)
+            prefetch(krow[j + t], block_bytes);      // 16 positions, a share per head
           const float* qh = qv.data() + hq * D;
           const int64_t off = hq / G * D;
           v16 acc[16] = {};
@@ -184,24 +210,18 @@ struct PagedAttention {
     }
     softmax_rows(s.data(), H, len);
     j = 0;
-    if (D % 16 == 0) {            // 16 positions at a time, each head's sums held in registers
+    if (D % 16 == 0) {            // 16 positions at a time, the query heads of a KV head together
+      const int64_t parts = KV * ((G + kShared - 1) / kShared);
       for (; j + 16 <= len; j += 16)
-        for (int64_t hq = 0; hq < H; ++hq) {
-          for (int64_t t = 16 + hq * 16 / H; t < 16 + (hq + 1) * 16 / H && j + t < len; ++t)
-            prefetch(krow[j + t] + voff, block_bytes);
-          const float* p = s.data() + hq * len + j;
-          const int64_t off = voff + hq / G * D;
-          float* a = acc.data() + hq * D;
-          for (int64_t d = 0; d < D; d += 16) {
-            v16 e = loadv(a + d), f = {};
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t += 2) {
-              e += p[t] * loadv(krow[j + t] + off + d);
-              f += p[t + 1] * loadv(krow[j + t + 1] + off + d);
-            }
-            storev(a + d, e + f);
+        for (int64_t h = 0, part = 0; h < KV; ++h)
+          for (int64_t g0 = 0; g0 < G; g0 += kShared, ++part) {
+            for (int64_t t = kAheadRows + part * 16 / parts; t < kAheadRows + (part + 1) * 16 / parts && j + t < len;
+                 ++t)
+              prefetch(krow[j + t] + voff, block_bytes);          // 16 positions, a share per part
+            with_count<kShared>(std::min<int64_t>(kShared, G - g0), [&](auto heads) {
+              weigh_values<heads>(h * G + g0, krow.data() + j, voff + h * D, s.data() + j, len, acc.data());
+            });
           }
-        }
     }
     for (; j < len; ++j) {
       const C* v = krow[j] + voff;

@@ -20,6 +20,32 @@ from msinfer.worker.imports import import_mindspore  # noqa: E402
 
 import_mindspore()      # as a worker does (Worker.join): its objects frozen, out of every later collection
 
+
+def suite_cache() -> None:
+    """Points MSINFER_CACHE at a folder of the run's own, removed when it ends, so that the graphs
+    the tests compile and the kernel verdicts they keep stay out of the user's cache. The CPU
+    kernel library (~12 s to build) and the demo model (`make test` converts it first) are the
+    user's, linked in. Set by the first process (pytest's, or pytest-xdist's controller); its
+    workers, their Ray workers and the commands the tests start inherit it."""
+    import atexit
+    import shutil
+    import tempfile
+    from msinfer.sharding.config import cache_root
+    from scripts.make_demo_model import MODEL_NAME
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    user = cache_root()
+    folder = Path(tempfile.mkdtemp(prefix="msinfer-tests-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    (user / "kernels").mkdir(parents=True, exist_ok=True)
+    (folder / "kernels").symlink_to(user / "kernels", target_is_directory=True)
+    if (user / MODEL_NAME).is_dir():
+        (folder / MODEL_NAME).symlink_to(user / MODEL_NAME, target_is_directory=True)
+    os.environ["MSINFER_CACHE"] = str(folder)
+
+
+suite_cache()
+
 PROMPTS = [[5, 17, 33, 9, 100, 7], [44, 3], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 
 

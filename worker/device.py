@@ -144,8 +144,10 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
     called here. Against the scheduler (`init_communication`), a group of 3 on 2 cores had its
     first all-reduce done 3.1-3.2 s after init began instead of 6.6 s, and the scheduler's
     process, which imports MindSpore (about 2 CPU-seconds), is not started. About 3 s remain:
-    MCCL's address exchange (ms_collective_node.cc) retries every 3 s, and the other ranks ask
-    for rank 0's address before rank 0 has put it (it waits for all of them to connect first)."""
+    every rank starts MCCL's address exchange (ms_collective_node.cc) as the last one registers
+    with the store, puts its own address and asks for rank 0's; a rank that asks before rank 0
+    has put it (by ~1 ms here) asks again 3 s later. Each rank needs every other's address, so
+    ordering the ranks' starts only moves the wait (docs/benchmarks.md, MCCL's start)."""
     from datetime import timedelta
 
     from mindspore.communication.management import _init_with_store

@@ -17,10 +17,15 @@ from typing import Any, Iterator
 
 from msinfer.launcher.errors import InputError
 from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
-from msinfer.launcher.spec import INPUT_SUFFIXES
+from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids")
+# A record's sampling is read from its 'sampling' object only. A key of it at the top of a record
+# (as OpenAI's and vLLM's requests put them, with their names) would be ignored without a word, so
+# such a record fails instead (`misplaced_sampling`), and so does a parquet file with such a column.
+SAMPLING_AT_TOP = {**{k: f"sampling.{k}" for k in SamplingSpec.model_fields},
+                   **{k: f"sampling.{v}" for k, v in SYNONYMS.items()}, "sampling_params": "sampling"}
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -74,6 +79,10 @@ def check_input(path: str | Path) -> Path:
         if not any(k in names for k in PROMPT_KEYS):
             raise InputError(f"input file {path} has no column {', '.join(map(repr, PROMPT_KEYS))}; "
                              f"its columns are {', '.join(names) or '(none)'}")
+        if misplaced := misplaced_sampling(names):
+            raise InputError(f"input file {path} has sampling keys as columns: {misplaced}. A row's sampling is "
+                             f"read from its 'sampling' column (a struct of sampling keys) only: move them there, "
+                             f"or rename them")
     return path
 
 
@@ -238,7 +247,21 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
     rec.error = _fill(rec, obj)
     if rec.error:
         rec = Record(id=rid, line=n, error=f"{where}: {rec.error}")
+    elif misplaced := misplaced_sampling(obj):
+        # (named by its id, as the sampling checks name a record: records alike fail alike, and the
+        # job stops when its first ones all do, launcher/job.py)
+        rec = Record(id=rid, line=n, error=f"record '{rid}': sampling keys at the top of the record: {misplaced}. "
+                                           f"A record's sampling is read from its 'sampling' object only")
     return rec
+
+
+def misplaced_sampling(keys) -> str | None:
+    """The top-level keys of a record (or columns of a parquet file) that name sampling parameters,
+    listed with where each belongs; None if none does."""
+    found = [k for k in keys if k in SAMPLING_AT_TOP]
+    if not found:
+        return None
+    return ", ".join(f"'{k}' (meant as {SAMPLING_AT_TOP[k]}?)" for k in found)
 
 
 OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)

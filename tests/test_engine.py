@@ -297,6 +297,29 @@ def test_records_that_all_fail_alike_stop_the_job_without_their_error_lines(demo
     assert len(results(tmp_path / "out.jsonl")) == len(bad) + 1
 
 
+def test_a_sampling_key_at_the_top_of_a_record_fails_it_and_records_alike_stop_the_job(demo, tmp_path, ray_local):
+    """{"prompt": ..., "max_tokens": 5} (OpenAI's and vLLM's place and name) would be run with the
+    job's sampling without a word: the record fails instead, its error line naming the key and
+    where it belongs, and a job whose records all do it stops (alike, whatever their values).
+    Other keys at the top of a record stay the user's own and are not read."""
+    from msinfer.launcher.errors import SystemicError
+
+    records = [{"id": "meta", "prompt_token_ids": [1, 2, 3], "source": "wiki"},
+               {"id": "top", "prompt_token_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0.7},
+               {"id": "good", "prompt_token_ids": [4, 5], "sampling": {"max_new_tokens": 2}}]
+    summary = run_job(job_spec(demo, tmp_path, records), progress=False, simulate=StandIn(step_ms=1.0))
+    assert summary["records_done"] == 2 and summary["records_failed"] == 1
+    got = results(tmp_path / "out.jsonl")
+    assert len(got["meta"]["output_token_ids"]) == 6 and len(got["good"]["output_token_ids"]) == 2
+    assert got["top"]["error"]["message"] == (
+        "record 'top': sampling keys at the top of the record: 'max_tokens' (meant as sampling.max_new_tokens?), "
+        "'temperature' (meant as sampling.temperature?). A record's sampling is read from its 'sampling' object only")
+    alike = [{"id": f"r{i}", "prompt_token_ids": [1, 2], "max_tokens": i + 1} for i in range(3)]
+    with pytest.raises(SystemicError, match=r"all 3 records failed alike \(record 'r0' was the first\): a record: "
+                                            r"sampling keys at the top of the record: 'max_tokens'"):
+        run_job(job_spec(demo, tmp_path, alike), overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
+
+
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):
     """At dp 2 with prefix caching: 4 groups of 6 records (two groups named to each replica by
     the hash of their beginning), a queue of 16 records per replica. The first record of each

@@ -153,6 +153,21 @@ def test_bad_parquet_file_raises(tmp_path):
         check_input(nocol)
 
 
+def test_a_parquet_file_with_a_sampling_key_as_a_column_is_refused_before_reading(tmp_path):
+    """Only the 'sampling' struct column is read for sampling: a 'temperature' column would be
+    ignored, so check_input (plan, and run before anything starts) refuses the file, naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "temperature": [0.5, 0.7], "topic": ["x", "y"]}), path)
+    with pytest.raises(InputError, match=r"in.parquet has sampling keys as columns: 'temperature' \(meant as "
+                                         r"sampling.temperature\?\)\. A row's sampling is read from its 'sampling'"):
+        check_input(path)
+    pq.write_table(pa.table({"prompt": ["a"], "topic": ["x"], "sampling": [{"temperature": 0.5}]}), path)
+    assert check_input(path) == path
+
+
 def _mkdir(path):
     os.mkdir(path)
     return path

@@ -415,7 +415,38 @@ def _check_messages(messages: Any) -> str | None:
             return f"messages[{i}] needs a 'role' string (system, user, assistant, ...)"
         if not isinstance(m.get("content"), (str, list)):
             return f"messages[{i}] needs a 'content' string (or a list of content parts), got {_type(m.get('content'))}"
+        if isinstance(m["content"], list):
+            for j, part in enumerate(m["content"]):
+                if part_text(part) is not None:
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                if isinstance(part, dict) and part.get("type") in TEXT_PARTS:
+                    return f"{where}: a {part['type']!r} part needs a 'text' string, got {_type(part.get('text'))}"
+                kind = f"a part of type {part.get('type')!r}" if isinstance(part, dict) and "type" in part \
+                    else _type(part)
+                return (f"{where} is {kind}; a content list holds text parts only "
+                        f"({{\"type\": \"text\", \"text\": ...}}): the models msinfer runs take text")
     return None
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")     # OpenAI's types of a text content part
+
+
+def part_text(part: Any) -> str | None:
+    """The text of a chat content part (a string, or {"type": "text", "text": ...}), else None."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    return None
+
+
+def as_text_messages(messages: list[dict]) -> list[dict]:
+    """Messages whose content lists are joined into one string, their text parts separated by a
+    newline, as vLLM gives them to a chat template that takes strings ("string" content format):
+    many text models' templates render a list's Python form, or fail, instead of its text."""
+    return [{**m, "content": "\n".join(map(part_text, m["content"]))} if isinstance(m.get("content"), list) else m
+            for m in messages]
 
 
 def _check_ids(ids: Any, key: str) -> str | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
-from msinfer.launcher.inputs import Record
+from msinfer.launcher.inputs import Record, as_text_messages
 from msinfer.worker.imports import before_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -85,7 +85,7 @@ class Tokenizer:
             raise RecordError(f"{where}: has no prompt to encode")
         try:
             if record.messages is not None:
-                ids = self.apply_chat_template(record.messages)
+                ids = self.apply_chat_template(as_text_messages(record.messages))
             elif chat_template and self.has_chat_template:
                 ids = self.apply_chat_template([{"role": "user", "content": record.prompt}])
             else:

@@ -153,6 +153,20 @@ def test_bad_parquet_file_raises(tmp_path):
         check_input(nocol)
 
 
+def test_a_content_list_holds_text_parts_only(tmp_path):
+    """msinfer runs text models: an image (or any part that is not text) in a message's content
+    list fails its record, naming the part; text parts and strings are read."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    path = jsonl(tmp_path, [{"id": "i", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]},
+                            {"id": "n", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+                            {"id": "t", "messages": [{"role": "user", "content": ["a", {"type": "text", "text": "b"}]}]}])
+    i, n, t = read_records(path)
+    assert i.error == ("line 1: messages[0].content[1] is a part of type 'image_url'; a content list holds text "
+                       "parts only ({\"type\": \"text\", \"text\": ...}): the models msinfer runs take text")
+    assert n.error == "line 2: messages[0].content[0]: a 'text' part needs a 'text' string, got null"
+    assert t.error is None
+
+
 def test_a_parquet_file_with_a_sampling_key_as_a_column_is_refused_before_reading(tmp_path):
     """Only the 'sampling' struct column is read for sampling: a 'temperature' column would be
     ignored, so check_input (plan, and run before anything starts) refuses the file, naming it."""

@@ -42,6 +42,18 @@ def test_messages_use_template_as_transformers_renders_it(tok):
     assert ids == list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
+def test_a_content_list_of_text_parts_reaches_the_template_as_its_text(tok):
+    """OpenAI's content parts ({"type": "text", "text": ...}, or strings) are joined into one string
+    with newlines, as vLLM hands them to a template that takes strings. This test's template, like
+    many text models', renders `m['content']` as it is: given the list, it would render its
+    Python form without a word."""
+    parts = [{"type": "text", "text": "hello"}, "world", {"type": "input_text", "text": "be brief"}]
+    ids = tok.encode_record(Record(id="p", line=1, messages=[{"role": "user", "content": parts}]), True)
+    text = Record(id="s", line=1, messages=[{"role": "user", "content": "hello\nworld\nbe brief"}])
+    assert ids == tok.encode_record(text, True)
+    assert "type" not in tok.decode(ids)
+
+
 def test_token_ids_pass_through_and_decode(tok):
     assert tok.encode_record(Record(id="t", line=3, prompt_token_ids=[7, 8, 9]), chat_template=True) == [7, 8, 9]
     ids = tok.encode("héllo wörld ✓", add_special_tokens=False)

@@ -501,9 +501,16 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         notes.append(f"the checkpoint's {m.mtp_layers} multi-token prediction layer(s) (model.layers.{m.num_layers}"
                      f"{'' if m.mtp_layers == 1 else '-' + str(m.num_layers + m.mtp_layers - 1)}, "
                      f"num_nextn_predict_layers) are not loaded: msinfer decodes one token per step")
-    if spec.model.max_model_len > m.max_position_embeddings:
-        notes.append(f"max_model_len {spec.model.max_model_len} exceeds the model's max_position_embeddings "
-                     f"{m.max_position_embeddings}")
+    if spec.model.max_model_len > (limit := m.context_positions()):
+        made_for = ("max_position_embeddings" if limit == m.max_position_embeddings
+                    else "its RoPE scaling's factor times the positions it scales")
+        if not spec.model.allow_long_max_model_len:
+            raise SpecError(f"model.max_model_len ({spec.model.max_model_len}) is more than the {limit} positions the "
+                            f"model is made for ({made_for}, config.json): a sequence past them gets positions the "
+                            f"model never saw, and tokens it would not give. Lower model.max_model_len, or set "
+                            f"model.allow_long_max_model_len: true to run so anyway")
+        notes.append(f"max_model_len {spec.model.max_model_len} exceeds the {limit} positions the model is made for "
+                     f"({made_for}); model.allow_long_max_model_len lets it")
     try:
         emulation = dict(emulate_variants=emulate_variants(), emulate_memory=emulated_memory()) if emulate else {}
         if device == "ascend":

@@ -73,6 +73,9 @@ class ModelSpec(Section):
     path: str
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=1)  # None: min(max_position_embeddings, 4096), set by the caller
+    # a max_model_len past the positions the model is made for (ModelConfig.context_positions) is
+    # refused unless this is set, as vLLM refuses it without VLLM_ALLOW_LONG_MAX_MODEL_LEN
+    allow_long_max_model_len: bool = False
     tokenizer: str | None = None                    # None: model.path
     allow_pickle: bool = False
     trust_remote_code: bool = False

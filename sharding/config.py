@@ -339,6 +339,18 @@ class ModelConfig:
         return dataclasses.replace(self, quant=quant, qkv_bias=self.qkv_bias or biased, o_bias=self.o_bias or biased,
                                    mlp_bias=self.mlp_bias or biased)
 
+    def context_positions(self) -> int:
+        """The longest sequence the model's positions are made for, derived as vLLM derives its
+        limit on max_model_len: max_position_embeddings, times a linear RoPE scaling's factor; with
+        YaRN, its factor times original_max_position_embeddings; llama3's scaling is already counted
+        in max_position_embeddings."""
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        if kind == "linear":
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        if kind == "yarn":
+            return int(int(self.rope_scaling["original_max_position_embeddings"]) * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2] in float32, as transformers computes them."""
         d = self.head_dim

@@ -116,3 +116,32 @@ def test_plan_and_bench_refuse_alike_what_this_machine_cannot_hold(checkpoint, t
     huge = next(c for c in plan.cases if c.batch_size == batch)
     assert list(plan.rejected) == [huge]
     assert plan.rejected[huge].startswith("does not fit in memory: 1 worker(s) x (weights 0.00 GiB + KV cache ")
+
+
+def test_a_max_model_len_past_the_positions_the_model_is_made_for_is_refused_unless_allowed(checkpoint):
+    """As vLLM refuses it without VLLM_ALLOW_LONG_MAX_MODEL_LEN: positions past what the model was
+    trained for give tokens it would not give. The limit counts a RoPE scaling as vLLM does."""
+    from pathlib import Path
+
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.sharding.config import ModelConfig
+    sizing = Path(__file__).resolve().parents[1] / "configs" / "sizing"
+    limits = {name: ModelConfig.from_dir(sizing / name).context_positions()
+              for name in ("DeepSeek-V3", "Llama-3.1-405B-W4A16", "Qwen3-235B-A22B")}
+    assert limits == {"DeepSeek-V3": 40 * 4096, "Llama-3.1-405B-W4A16": 131072, "Qwen3-235B-A22B": 40960}
+    linear = json.loads((sizing / "Qwen3-235B-A22B" / "config.json").read_text())
+    linear["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    assert ModelConfig.from_dict(linear, "config.json").context_positions() == 2 * 40960
+
+    path = str(checkpoint("llama_gqa_tied"))               # max_position_embeddings 512
+    spec = lambda **model: JobSpec.model_validate({"model": {"path": path, **model}, "input": {"path": "in.jsonl"},
+                                                   "output": {"path": "out.jsonl"}})
+    assert plan_job(spec(max_model_len=512), check_io=False).spec.model.max_model_len == 512
+    with pytest.raises(SpecError, match=r"model.max_model_len \(1024\) is more than the 512 positions the model is "
+                                        r"made for \(max_position_embeddings, config.json\).* set "
+                                        r"model.allow_long_max_model_len: true"):
+        plan_job(spec(max_model_len=1024), check_io=False)
+    plan = plan_job(spec(max_model_len=1024, allow_long_max_model_len=True), check_io=False)
+    assert any("exceeds the 512 positions the model is made for" in n for n in plan.notes)

@@ -16,9 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
-from msinfer.launcher.errors import SpecError, SystemicError, UserError
+from msinfer.launcher.errors import OutputError, SpecError, SystemicError, UserError
 from msinfer.launcher.inputs import check_input, expected_length, is_openai_batch, longest_first, read_records
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
@@ -639,6 +640,7 @@ class JobRun:
         self.t_first_result: float | None = None
         self.stream = StreamPrinter(sys.stderr) if stream else None
         self.status_t = 0.0
+        self.settings: dict | None = None      # result_settings, kept in the status file by run_job's runs
         self.tokens_done = 0
         self.held: list | None = []           # failed results held back until one succeeds (`_hold`)
         self.bar = None
@@ -773,7 +775,7 @@ class JobRun:
             "state": state, "updated_unix": time.time(), "records_done": s.done, "records_failed": s.failed,
             "records_skipped": s.skipped, "completion_tokens": s.completion_tokens,
             "replica_restarts": self.controller.restarts if self.controller else 0,
-            "workers": self.workers()}, durable=state != "running")
+            "workers": self.workers(), "settings": self.settings}, durable=state != "running")
 
     def summary(self, startup_s: float) -> dict:
         gen_s = (time.perf_counter() - self.t_gen) if self.t_gen else 0.0
@@ -920,6 +922,64 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
     return controller, started_ray
 
 
+def result_settings(plan: Plan) -> dict:
+    """What a job's result lines depend on besides their records: the checkpoint (its config.json,
+    its weight files' names and sizes, its tokenizer's configuration and chat template, so that a
+    model moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
+    (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults
+    and the output format. Not max_model_len: a record that fits gives the same tokens under any,
+    and raising it for the records too long before is what --retry-failed is for. Kept in the
+    status file (`JobRun.write_status`)."""
+    import hashlib
+
+    def identity(folder, *files: str) -> str:
+        h = hashlib.sha256()
+        for name in files:
+            f = Path(folder) / name
+            h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        return h.hexdigest()[:16]
+
+    s = plan.spec
+    lora = s.model.lora
+    return {"task": s.task,
+            "model": {"checkpoint": identity(s.model.path, "config.json"),
+                      "tokenizer": identity(s.model.tokenizer_path, "tokenizer_config.json", "chat_template.jinja",
+                                            "tokenizer.json"),
+                      "dtype": plan.engine.dtype, "matmul_dtype": plan.engine.matmul_dtype,
+                      "positions": s.model.positions.model_dump(mode="json"),
+                      "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json"),
+                                                         "scale": lora.scale}},
+            "input": {"chat_template": s.input.chat_template},
+            "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}
+
+
+def check_same_settings(output: str, held: int, settings: dict) -> None:
+    """Stops a run whose settings (`result_settings`) differ from those of the run that wrote the
+    `held` results in its results file: it would skip their records, which would keep the other
+    settings' results. Nothing to compare (a file written before msinfer kept them): no check."""
+    before = (read_summary(status_path(output)) or {}).get("settings")
+    if not held or not isinstance(before, dict):
+        return
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        return out
+
+    old, new = flat(before), flat(settings)
+    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    if not changed:
+        return
+    shown = ", ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed[:4])
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    raise OutputError(f"{output} holds {held} results of a run with other settings ({shown}{more}). A re-run skips "
+                      f"the records it holds, so they would keep the other settings' results. Run with --overwrite "
+                      f"to compute every record with these settings, or write to another output.path")
+
+
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
             t_start: float | None = None, simulate=None, retry_failed: bool = False) -> dict:
     """Runs a job to the end; returns the summary (also written to <output>.summary.json).
@@ -939,7 +999,10 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     try:
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
                               "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed)
+        settings = result_settings(plan)
+        check_same_settings(spec.output.path, len(writer.done_ids), settings)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
+        job.settings = settings
         if spec.output.metrics_port is not None:
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)

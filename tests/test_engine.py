@@ -320,6 +320,33 @@ def test_a_sampling_key_at_the_top_of_a_record_fails_it_and_records_alike_stop_t
         run_job(job_spec(demo, tmp_path, alike), overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
 
 
+def test_a_re_run_with_other_settings_on_a_results_file_stops_instead_of_keeping_the_old_results(
+        demo, tmp_path, ray_local):
+    """A re-run skips the records its results file holds: with other sampling (or another model,
+    dtype, ...) they would keep the first run's results without a word. It stops (exit 2) naming
+    what changed; the same settings resume, a model moved to another folder is the same model,
+    and --overwrite starts over."""
+    from msinfer.launcher.errors import OutputError
+
+    records = [{"id": f"r{i}", "prompt_token_ids": [1, 2, 3 + i]} for i in range(3)]
+    first = run_job(job_spec(demo, tmp_path, records), progress=False, simulate=StandIn(step_ms=1.0))
+    assert first["records_done"] == 3
+    other = job_spec(demo, tmp_path, records, sampling={"max_new_tokens": 3, "temperature": 0.5})
+    with pytest.raises(OutputError, match=r"out.jsonl holds 3 results of a run with other settings "
+                                          r"\(sampling.max_new_tokens 6 then, 3 now, sampling.temperature 0.0 then, "
+                                          r"0.5 now\)\. .* Run with --overwrite"):
+        run_job(other, progress=False, simulate=StandIn(step_ms=1.0))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in demo.iterdir():
+        (moved / f.name).symlink_to(f)
+    again = job_spec(demo, tmp_path, records, model={"path": str(moved)})
+    assert run_job(again, progress=False, simulate=StandIn(step_ms=1.0))["records_skipped"] == 3
+    fresh = run_job(other, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
+    assert fresh["records_done"] == 3
+    assert all(len(r["output_token_ids"]) == 3 for r in results(tmp_path / "out.jsonl").values())
+
+
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):
     """At dp 2 with prefix caching: 4 groups of 6 records (two groups named to each replica by
     the hash of their beginning), a queue of 16 records per replica. The first record of each

@@ -955,12 +955,16 @@ def result_settings(plan: Plan) -> dict:
             "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}
 
 
-def check_same_settings(output: str, held: int, settings: dict) -> None:
+def check_same_settings(output: str, settings: dict) -> None:
     """Stops a run whose settings (`result_settings`) differ from those of the run that wrote the
-    `held` results in its results file: it would skip their records, which would keep the other
-    settings' results. Nothing to compare (a file written before msinfer kept them): no check."""
-    before = (read_summary(status_path(output)) or {}).get("settings")
-    if not held or not isinstance(before, dict):
+    results its results file holds: it would skip their records, which would keep the other
+    settings' results. Nothing to compare (no results yet, or a file written before msinfer kept
+    the settings in its status file): no check."""
+    path = Path(output)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
+    if not isinstance(before, dict):
         return
 
     def flat(d: dict, prefix: str = "") -> dict:
@@ -975,7 +979,7 @@ def check_same_settings(output: str, held: int, settings: dict) -> None:
         return
     shown = ", ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-    raise OutputError(f"{output} holds {held} results of a run with other settings ({shown}{more}). A re-run skips "
+    raise OutputError(f"{output} holds results of a run with other settings ({shown}{more}). A re-run skips "
                       f"the records it holds, so they would keep the other settings' results. Run with --overwrite "
                       f"to compute every record with these settings, or write to another output.path")
 
@@ -997,10 +1001,11 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     writer = job = metrics = None
     started_ray = False
     try:
+        settings = result_settings(plan)
+        if not overwrite:               # (before the writer, which may drop error lines, changes the file)
+            check_same_settings(spec.output.path, settings)
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
                               "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed)
-        settings = result_settings(plan)
-        check_same_settings(spec.output.path, len(writer.done_ids), settings)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings
         if spec.output.metrics_port is not None:

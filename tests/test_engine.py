@@ -329,22 +329,26 @@ def test_a_re_run_with_other_settings_on_a_results_file_stops_instead_of_keeping
     from msinfer.launcher.errors import OutputError
 
     records = [{"id": f"r{i}", "prompt_token_ids": [1, 2, 3 + i]} for i in range(3)]
+    records.append({"id": "bad", "prompt_token_ids": [10**6]})          # an error line
     first = run_job(job_spec(demo, tmp_path, records), progress=False, simulate=StandIn(step_ms=1.0))
-    assert first["records_done"] == 3
+    assert first["records_done"] == 3 and first["records_failed"] == 1
+    written = (tmp_path / "out.jsonl").read_text()
     other = job_spec(demo, tmp_path, records, sampling={"max_new_tokens": 3, "temperature": 0.5})
-    with pytest.raises(OutputError, match=r"out.jsonl holds 3 results of a run with other settings "
+    with pytest.raises(OutputError, match=r"out.jsonl holds results of a run with other settings "
                                           r"\(sampling.max_new_tokens 6 then, 3 now, sampling.temperature 0.0 then, "
                                           r"0.5 now\)\. .* Run with --overwrite"):
-        run_job(other, progress=False, simulate=StandIn(step_ms=1.0))
+        run_job(other, progress=False, simulate=StandIn(step_ms=1.0), retry_failed=True)
+    assert (tmp_path / "out.jsonl").read_text() == written         # its error line kept too
     moved = tmp_path / "moved"
     moved.mkdir()
     for f in demo.iterdir():
         (moved / f.name).symlink_to(f)
     again = job_spec(demo, tmp_path, records, model={"path": str(moved)})
-    assert run_job(again, progress=False, simulate=StandIn(step_ms=1.0))["records_skipped"] == 3
+    assert run_job(again, progress=False, simulate=StandIn(step_ms=1.0))["records_skipped"] == 4
     fresh = run_job(other, overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
     assert fresh["records_done"] == 3
-    assert all(len(r["output_token_ids"]) == 3 for r in results(tmp_path / "out.jsonl").values())
+    assert [len(r["output_token_ids"]) for i, r in sorted(results(tmp_path / "out.jsonl").items()) if i != "bad"] \
+        == [3, 3, 3]
 
 
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):

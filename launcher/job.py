@@ -25,7 +25,7 @@ from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
-from msinfer.launcher.tokenizer import Tokenizer, load_tokenizer
+from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
                                      summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
@@ -924,8 +924,8 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
 
 def result_settings(plan: Plan) -> dict:
     """What a job's result lines depend on besides their records: the checkpoint (its config.json,
-    its weight files' names and sizes, its tokenizer's configuration and chat template, so that a
-    model moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
+    its weight files' names and sizes, its tokenizer's files and chat template, so that a model
+    moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
     (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults
     and the output format. Not max_model_len: a record that fits gives the same tokens under any,
     and raising it for the records too long before is what --retry-failed is for. Kept in the
@@ -945,8 +945,7 @@ def result_settings(plan: Plan) -> dict:
     lora = s.model.lora
     return {"task": s.task,
             "model": {"checkpoint": identity(s.model.path, "config.json"),
-                      "tokenizer": identity(s.model.tokenizer_path, "tokenizer_config.json", "chat_template.jinja",
-                                            "tokenizer.json"),
+                      "tokenizer": identity(s.model.tokenizer_path, *TOKENIZER_FILES, "chat_template.jinja"),
                       "dtype": plan.engine.dtype, "matmul_dtype": plan.engine.matmul_dtype,
                       "positions": s.model.positions.model_dump(mode="json"),
                       "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json"),

@@ -932,23 +932,24 @@ def result_settings(plan: Plan) -> dict:
     status file (`JobRun.write_status`)."""
     import hashlib
 
-    def identity(folder, *files: str) -> str:
+    def identity(folder, *files: str, weights: bool = False) -> str:
         h = hashlib.sha256()
         for name in files:
             f = Path(folder) / name
             h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
-        for f in sorted(Path(folder).glob("*.safetensors")):
+        for f in sorted(Path(folder).glob("*.safetensors")) if weights else ():
             h.update(f"{f.name}:{f.stat().st_size}".encode())
         return h.hexdigest()[:16]
 
     s = plan.spec
     lora = s.model.lora
     return {"task": s.task,
-            "model": {"checkpoint": identity(s.model.path, "config.json"),
+            "model": {"checkpoint": identity(s.model.path, "config.json", weights=True),
                       "tokenizer": identity(s.model.tokenizer_path, *TOKENIZER_FILES, "chat_template.jinja"),
                       "dtype": plan.engine.dtype, "matmul_dtype": plan.engine.matmul_dtype,
                       "positions": s.model.positions.model_dump(mode="json"),
-                      "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json"),
+                      "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json",
+                                                                                  weights=True),
                                                          "scale": lora.scale}},
             "input": {"chat_template": s.input.chat_template},
             "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}

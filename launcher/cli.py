@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--stream", action="store_true",
                            help="print each record's text as it is generated, line by line behind its id, on stderr")
             c.add_argument("--no-progress", action="store_true", help="no progress bar")
+            c.add_argument("--redo-changed", action="store_true",
+                           help="compute again the records whose input changed since their result line was "
+                                "written (without it such a re-run stops, naming them)")
         if name == "run":
             c.add_argument("--retry-failed", action="store_true",
                            help="compute again the records whose result line is an error (the file keeps one "
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
             spec = simulate_output(spec, args.output)
             print(f"msinfer simulate: stand-in results go to {spec.output.path}", file=sys.stderr)
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
-                          t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False))
+                          t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
+                          redo_changed=getattr(args, "redo_changed", False))
         keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
                 "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))

@@ -9,6 +9,7 @@ raises `InputError`, from `check_input` / `read_records`, before any record is s
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 from dataclasses import dataclass, field
@@ -42,6 +43,15 @@ class Record:
     error: str | None = None
     openai: str | None = None                   # an OpenAI Batch request's url: how its result is written
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
+    digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
+
+
+def input_digest(text: str) -> str:
+    """What a record's result answers, as the results file's side file keeps it (launcher.writer,
+    `ResultWriter`): a hash of its line's text (a .txt prompt, a .jsonl line without the white
+    space around it) or of its parquet row, so that a re-run can tell a record that changed since
+    its result was written (launcher.job, `changed_records`)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def is_openai_batch(path: str | Path) -> bool:
@@ -147,7 +157,7 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
             while rid in first:
                 k += 1
                 rid = f"{r.id}@{r.line}.{k}"
-            r = Record(id=rid, line=r.line, error=r.error or error)
+            r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest)
         first[r.id] = r.line
         yield r
 
@@ -167,7 +177,8 @@ def _read_txt(path: Path) -> Iterator[Record]:
         if error:
             yield Record(id=str(n), line=n, error=error)
         else:
-            yield Record(id=str(n), line=n, prompt=text.removesuffix("\n").removesuffix("\r"))
+            prompt = text.removesuffix("\n").removesuffix("\r")
+            yield Record(id=str(n), line=n, prompt=prompt, digest=input_digest(prompt))
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
@@ -175,13 +186,16 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
         if error:
             yield Record(id=str(n), line=n, error=error)
             continue
+        digest = input_digest(text.strip())
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}")
+            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}", digest=digest)
             continue
-        yield parse_openai(obj, n) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
+        rec = parse_openai(obj, n) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
             else parse_record(obj, n, "line")
+        rec.digest = digest
+        yield rec
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:
@@ -191,7 +205,10 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
         for row in batch.to_pylist():
             n += 1
-            yield parse_record(_drop_nulls(row), n, "row")
+            row = _drop_nulls(row)
+            rec = parse_record(row, n, "row")
+            rec.digest = input_digest(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str))
+            yield rec
 
 
 def _parquet_file(path: Path):

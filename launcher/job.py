@@ -26,8 +26,8 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
-from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_summary, status_path,
-                                     summary_path, write_json_atomic)
+from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_input_digests, read_summary,
+                                     status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
                                     dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
@@ -630,8 +630,9 @@ class JobRun:
 
     def __init__(self, plan: Plan, controller, sink, done_ids=frozenset(), stream: bool = False,
                  progress: bool = True, status: bool = True, flush=None):
-        """sink(record_id, line): one result line, JSON without its newline; flush(): writes the
-        lines given so far (called once per pass of the controller's loop, and at the end)."""
+        """sink(record_id, line, digest): one result line, JSON without its newline, and its
+        record's input digest; flush(): writes the lines given so far (called once per pass of the
+        controller's loop, and at the end)."""
         self.plan, self.spec = plan, plan.spec
         self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
         self.flush = flush or (lambda: None)
@@ -729,7 +730,7 @@ class JobRun:
             self._emit(d, r)
 
     def _emit(self, done: Done, rec) -> None:
-        self.sink(rec.id, done.line)
+        self.sink(rec.id, done.line, getattr(rec, "digest", None))
         if self.t_first_result is None:
             self.t_first_result = time.perf_counter()
             if self.bar is not None and not self.bar.disable:     # rates from here: start-up is not generation
@@ -984,12 +985,47 @@ def check_same_settings(output: str, settings: dict) -> None:
                       f"to compute every record with these settings, or write to another output.path")
 
 
+def changed_records(spec: JobSpec, retry_failed: bool, redo_changed: bool) -> frozenset:
+    """The ids of the records whose result line in the results file answers another input than
+    the record has now (launcher.writer.read_input_digests): a prompt edited since, or, where ids
+    are line numbers (a .txt file, records without an id), a file whose lines were replaced,
+    inserted or removed. A re-run would skip them and keep the old answers. Without
+    `redo_changed` the run stops (OutputError) naming them; with it, they are returned, for the
+    writer to drop their lines and the run to compute them again. An error line's record is not
+    counted with `retry_failed` (computed again anyway). A results file without digests (empty,
+    or written before msinfer kept them) is not checked."""
+    output = spec.output.path
+    if not Path(output).is_file() or Path(output).stat().st_size == 0:
+        return frozenset()
+    before = read_input_digests(output)
+    if not before:
+        return frozenset()
+    changed = []
+    for rec in shard_records(read_records(spec.input.path), spec):
+        old = before.get(rec.id)
+        if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
+            continue
+        if old.rstrip("!") != rec.digest:
+            changed.append(rec)
+    if not changed or redo_changed:
+        return frozenset(r.id for r in changed)
+    unit = "row" if Path(spec.input.path).suffix.lower() == ".parquet" else "line"
+    shown = ", ".join(f"'{r.id}' ({unit} {r.line})" for r in changed[:4])
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    raise OutputError(f"{output} holds results of {len(changed)} record(s) whose input in {spec.input.path} changed "
+                      f"since they were written: {shown}{more}. A re-run skips the records it holds, so they would "
+                      f"keep the answers to their old input. Run with --redo-changed to compute these again, with "
+                      f"--overwrite to compute every record again, or write to another output.path")
+
+
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
-            t_start: float | None = None, simulate=None, retry_failed: bool = False) -> dict:
+            t_start: float | None = None, simulate=None, retry_failed: bool = False,
+            redo_changed: bool = False) -> dict:
     """Runs a job to the end; returns the summary (also written to <output>.summary.json).
     `simulate` (a launcher.simulate.StandIn): on stand-in workers, with the summary's `simulate`
     figures (see launcher/simulate.py). `retry_failed`: the records whose result line is an error
-    are computed again (launcher.writer.ResultWriter). While it runs, the job holds the results
+    are computed again (launcher.writer.ResultWriter); `redo_changed`: those whose input changed
+    since their result was written (`changed_records`). While it runs, the job holds the results
     file's lock (launcher.writer.ResultsLock): a second run on the same output stops at once."""
     import ray
 
@@ -1002,17 +1038,21 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     started_ray = False
     try:
         settings = result_settings(plan)
-        if not overwrite:               # (before the writer, which may drop error lines, changes the file)
+        redo = frozenset()
+        if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings)
+            redo = changed_records(spec, retry_failed, redo_changed)
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
-                              "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed)
+                              "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed,
+                              redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings
         if spec.output.metrics_port is not None:
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)
             print(f"msinfer: metrics at {metrics.address}", file=sys.stderr, flush=True)
-        resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed}
+        resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed,
+                   "records_redone": writer.dropped_changed}
         records = job.new_records(shard_records(read_records(spec.input.path), spec))
         first = next(records, None)
         if first is None:               # every record has its line: nothing to start

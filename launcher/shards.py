@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError, SpecError
-from msinfer.launcher.writer import result_id
+from msinfer.launcher.writer import input_line, inputs_path, read_input_digests, result_id
 
 SHARD = re.compile(r"(\d+)/(\d+)")
 SHOWN = 10          # ids named in a merge's report, of each kind
@@ -131,10 +131,15 @@ def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) ->
             parts.append(f"{len(foreign)} line(s) name records the input does not have: {', '.join(foreign[:SHOWN])}")
         raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
                           f"{len(input_ids)} records exactly once: " + "; ".join(parts) + ". Nothing was written")
+    digests: dict[str, str] = {}
+    for k in range(n):
+        digests.update(read_input_digests(shard_path(output_path, k, n)))
     tmp = f"{output_path}.merging"
-    with open(tmp, "wb") as out:
+    with open(tmp, "wb") as out, open(inputs_path(output_path), "wb") as inputs:
         for rid in input_ids:
             out.write(lines[rid])
+            if rid in digests:          # (the shards' own `<output>.inputs`, for a re-run on the merged file)
+                inputs.write(input_line(rid, digests[rid].rstrip("!"), digests[rid].endswith("!")))
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, output_path)

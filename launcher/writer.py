@@ -1,5 +1,6 @@
 """The results file (one JSON line per record) and its companions `<output>.status.json`,
-`<output>.summary.json` and, while a run writes it, `<output>.lock` (`ResultsLock`).
+`<output>.summary.json`, `<output>.inputs` (what input each result answers, `ResultWriter`) and,
+while a run writes it, `<output>.lock` (`ResultsLock`).
 
 Crash safety: results are written in whole lines, a batch of them in one write() at each pass of
 the driver's loop; a thread of the writer syncs the file to disk at most every
@@ -44,6 +45,42 @@ def summary_path(output: str | Path) -> Path:
 
 def lock_path(output: str | Path) -> Path:
     return Path(f"{output}.lock")
+
+
+def inputs_path(output: str | Path) -> Path:
+    return Path(f"{output}.inputs")
+
+
+def input_line(record_id: str, digest: str, failed: bool) -> bytes:
+    """A line of `<output>.inputs` (`read_input_digests`)."""
+    return f"{digest}\t{int(failed)}\t{json.dumps(record_id)}\n".encode()
+
+
+def read_input_digests(output: str | Path) -> dict[str, str]:
+    """The `<output>.inputs` file of a results file: record id -> the `input_digest`
+    (launcher.inputs) of the input its result line answers, with "!" after it where that line is
+    an error. Lines are appended as results are, so a later one for an id (a record computed
+    again) replaces an earlier one; a line that is not whole (a crash's) is left out, and a record
+    without one is not checked. Empty where there is no such file (results written before msinfer
+    kept one)."""
+    digests: dict[str, str] = {}
+    try:
+        with open(inputs_path(output), "rb") as f:
+            for raw in f:
+                parts = raw.split(b"\t", 2)
+                if len(parts) != 3 or not raw.endswith(b"\n") or parts[1] not in (b"0", b"1"):
+                    continue
+                try:
+                    rid = json.loads(parts[2])
+                except ValueError:
+                    continue
+                if isinstance(rid, str):
+                    digests[rid] = parts[0].decode("ascii", "replace") + ("!" if parts[1] == b"1" else "")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OutputError(f"{inputs_path(output)} cannot be read: {e.strerror or e}") from None
+    return digests
 
 
 LOCK_REFRESH_S = 10.0       # a run touches its lock file this often
@@ -243,13 +280,19 @@ class ResultWriter:
     of that pass; the file is synced to disk (group commit) at most every `fsync_interval_s`
     seconds, by a thread of its own, and when it is closed, so a crash of the machine loses at
     most the results of that window (and of a sync under way). The next run computes what was
-    lost again. With `fsync_interval_s` 0 every line is written and synced as it comes."""
+    lost again. With `fsync_interval_s` 0 every line is written and synced as it comes.
+
+    Beside it, `<output>.inputs` gets a line for each result that comes with its record's input
+    digest (`write_line`), `<digest>\t<1 for an error line, else 0>\t<the id in JSON>`, written
+    before the results of the same batch (`read_input_digests` reads it). It starts afresh with
+    the results file."""
 
     def __init__(self, path: str | Path, overwrite: bool = False, fsync_interval_s: float = 1.0,
-                 id_key: str = "id", retry_failed: bool = False):
+                 id_key: str = "id", retry_failed: bool = False, redo_ids: frozenset = frozenset()):
         """id_key: the key of a result line that holds its record's id ("custom_id" in the
         OpenAI Batch format, launcher.openai_batch). retry_failed: an existing file loses its
-        error lines first (`_drop_failed`), so that their records are computed again."""
+        error lines first (`_drop_lines`), so that their records are computed again; redo_ids:
+        likewise the lines of these records (whose input changed, launcher.job.changed_records)."""
         self.path = Path(path)
         self.id_key = id_key
         self.fsync_interval_s = fsync_interval_s
@@ -263,15 +306,21 @@ class ResultWriter:
         self.cut_partial_line = False
         self.failed_lines = 0                 # of the lines resumed: error results (their records are not retried)
         self.dropped_failed = 0               # error lines removed for retry_failed
+        self.dropped_changed = 0              # lines removed for redo_ids
+        self.pending_inputs: list[bytes] = []   # their `<output>.inputs` lines
+        self.inputs_unsynced = False          # `<output>.inputs` written since its last fsync
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fresh = overwrite or not self.path.exists() or self.path.stat().st_size == 0
         if overwrite:
             flags |= os.O_TRUNC
         elif self.path.exists():
-            if retry_failed:
-                self._drop_failed()
+            if retry_failed or redo_ids:
+                self._drop_lines(retry_failed, redo_ids)
             self._resume()
+        self.fd: int | None = None
         try:
-            self.fd: int | None = os.open(self.path, flags, 0o644)
+            self.inputs_fd: int | None = os.open(inputs_path(self.path), flags | (os.O_TRUNC if fresh else 0), 0o644)
+            self.fd = os.open(self.path, flags, 0o644)
             self.size = self.synced_size = os.fstat(self.fd).st_size
         except OSError as e:
             raise OutputError(f"results file {self.path} cannot be opened for writing: {e.strerror or e}") from None
@@ -333,30 +382,34 @@ class ResultWriter:
             raise OutputError(f"results file {self.path} exists but cannot be read and resumed: "
                               f"{e.strerror or e}") from None
 
-    def _drop_failed(self) -> None:
-        """Rewrites the file without its error lines (a whole line holding FAILED), through a
-        temporary file and an atomic rename: a crash leaves the old file or the new one. Other
-        lines, a partial last one included, stay for `_resume` to judge."""
+    def _drop_lines(self, failed: bool, ids: frozenset) -> None:
+        """Rewrites the file without its error lines (a whole line holding FAILED) where `failed`
+        and the whole lines of `ids`, through a temporary file and an atomic rename: a crash
+        leaves the old file or the new one. Other lines, a partial last one included, stay for
+        `_resume` to judge."""
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".retry")
             with open(self.path, "rb") as src, os.fdopen(fd, "wb") as out:
                 for line in src:
-                    if line.endswith(b"\n") and FAILED in line:
+                    if line.endswith(b"\n") and failed and FAILED in line:
                         self.dropped_failed += 1
+                        continue
+                    if ids and result_id(line, self.id_key) in ids:
+                        self.dropped_changed += 1
                         continue
                     out.write(line)
                 out.flush()
                 os.fsync(out.fileno())
-            if self.dropped_failed:
+            if self.dropped_failed or self.dropped_changed:
                 os.replace(tmp, self.path)
             else:
                 os.remove(tmp)
         except OSError as e:
             if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
-            raise OutputError(f"results file {self.path}: cannot rewrite it without its error lines "
-                              f"(--retry-failed): {e.strerror or e}") from None
+            raise OutputError(f"results file {self.path}: cannot rewrite it without the lines of the records to "
+                              f"compute again (--retry-failed, --redo-changed): {e.strerror or e}") from None
 
     def _bad_line(self, n: int) -> OutputError:
         return OutputError(f"results file {self.path}, line {n}: not a whole JSON result, and more lines follow "
@@ -368,14 +421,18 @@ class ResultWriter:
         self.write_line(str(result[self.id_key]), json.dumps(result, ensure_ascii=False))
         self.flush()
 
-    def write_line(self, record_id: str, text: str):
-        """One result line already encoded as JSON (no newline), for the record `record_id`. It
-        goes to the file with the others of its batch at the next `flush` (the driver flushes once
-        per pass of its loop, before it waits again), or at once with fsync_interval_s 0."""
+    def write_line(self, record_id: str, text: str, digest: str | None = None):
+        """One result line already encoded as JSON (no newline), for the record `record_id` whose
+        input has `digest` (launcher.inputs.input_digest; None: none kept). It goes to the file
+        with the others of its batch at the next `flush` (the driver flushes once per pass of its
+        loop, before it waits again), or at once with fsync_interval_s 0."""
         if self.fd is None:
             raise OutputError(f"results file {self.path} is closed; no more results can be written")
-        self.pending.append((text + "\n").encode("utf-8"))
+        line = (text + "\n").encode("utf-8")
+        self.pending.append(line)
         self.pending_ids.append(record_id)
+        if digest is not None:
+            self.pending_inputs.append(input_line(record_id, digest, FAILED in line))
         if self.syncer is None or len(self.pending) >= FLUSH_LINES:
             self.flush()
 
@@ -387,13 +444,15 @@ class ResultWriter:
         if self.sync_error is not None:         # the disk refused what was written before
             self._fail(self.sync_error)
         batch = b"".join(self.pending)
-        data = memoryview(batch)
         try:
-            while data:  # a regular file takes it all in one write(); loop in case it did not
-                n = os.write(self.fd, data)
-                if n <= 0:
-                    raise OSError(28, os.strerror(28))  # ENOSPC
-                data = data[n:]
+            # the inputs first: a crash between the two leaves a digest without its result,
+            # which no re-run reads (its record is computed again), never a result without one
+            if self.pending_inputs:
+                _write_all(self.inputs_fd, b"".join(self.pending_inputs))
+                self.inputs_unsynced = True
+                if self.syncer is None:
+                    self._sync_inputs()
+            _write_all(self.fd, batch)
             if self.syncer is None:
                 os.fsync(self.fd)
         except OSError as e:
@@ -402,10 +461,12 @@ class ResultWriter:
         self.done_ids.update(self.pending_ids)
         self.pending.clear()
         self.pending_ids.clear()
+        self.pending_inputs.clear()
 
     def _fail(self, e: OSError):
         self.pending.clear()
         self.pending_ids.clear()
+        self.pending_inputs.clear()
         try:  # drop the partial batch, if any: what was written before stays whole
             os.ftruncate(self.fd, self.size)
         except OSError:
@@ -415,12 +476,18 @@ class ResultWriter:
                           f"{len(self.done_ids)} results written so far are kept; after freeing space or fixing "
                           f"permissions, run the same job again to resume after them") from None
 
+    def _sync_inputs(self) -> None:
+        if self.inputs_unsynced:
+            self.inputs_unsynced = False
+            os.fsync(self.inputs_fd)
+
     def _sync_loop(self):
         while not self.stop_syncing.wait(self.fsync_interval_s):
             size = self.size
             if size == self.synced_size:
                 continue
             try:
+                self._sync_inputs()
                 os.fsync(self.fd)
                 self.synced_size = size
             except OSError as e:
@@ -434,19 +501,31 @@ class ResultWriter:
             self.stop_syncing.set()
             self.syncer.join()
             self.syncer = None
-        if self.fd is not None:
-            try:
-                os.fsync(self.fd)
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = None
+        for name, sync in (("inputs_fd", self.inputs_unsynced), ("fd", True)):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                try:
+                    if sync:
+                        os.fsync(fd)
+                except OSError:
+                    pass
+                os.close(fd)
+                setattr(self, name, None)
 
     def __enter__(self) -> ResultWriter:
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # a regular file takes it all in one write(); loop in case it did not
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(28, os.strerror(28))  # ENOSPC
+        view = view[n:]
 
 
 @functools.lru_cache(maxsize=4)

@@ -351,6 +351,50 @@ def test_a_re_run_with_other_settings_on_a_results_file_stops_instead_of_keeping
         == [3, 3, 3]
 
 
+def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or_redoes_them(
+        demo, tmp_path, ray_local):
+    """A re-run skips the ids its results file holds: a record edited since (or, where ids are line
+    numbers, a .txt file whose lines moved) would keep the answer to its old input without a word.
+    The run stops naming them (exit 2, the file as it was); --redo-changed computes just those
+    again; lines appended to the input are only new records; --retry-failed's error lines are not
+    counted as changed."""
+    from msinfer.launcher.errors import OutputError
+
+    def run(spec, **kw):
+        return run_job(spec, progress=False, simulate=StandIn(step_ms=1.0), **kw)
+
+    records = [{"id": f"r{i}", "prompt_token_ids": [1, 2, 3 + i]} for i in range(3)]
+    records.append({"id": "bad", "prompt_token_ids": [10**6]})          # an error line
+    assert run(job_spec(demo, tmp_path, records))["records_failed"] == 1
+    written = (tmp_path / "out.jsonl").read_text()
+    records[1]["prompt_token_ids"] = [1, 2, 9, 9, 9]
+    records[3]["prompt_token_ids"] = [1, 2]                              # fixed
+    with pytest.raises(OutputError, match=r"out.jsonl holds results of 2 record\(s\) whose input in .*in.jsonl "
+                                          r"changed since they were written: 'r1' \(line 2\), 'bad' \(line 4\)\. "
+                                          r".* Run with --redo-changed"):
+        run(job_spec(demo, tmp_path, records))
+    with pytest.raises(OutputError, match=r"results of 1 record\(s\) .*: 'r1' \(line 2\)\."):
+        run(job_spec(demo, tmp_path, records), retry_failed=True)
+    assert (tmp_path / "out.jsonl").read_text() == written
+    summary = run(job_spec(demo, tmp_path, records), retry_failed=True, redo_changed=True)
+    assert (summary["records_redone"], summary["records_retried"], summary["records_done"]) == (1, 1, 2)
+    got = results(tmp_path / "out.jsonl")
+    assert {i: r["prompt_tokens"] for i, r in got.items()} == {"r0": 3, "r1": 5, "r2": 3, "bad": 2}
+    assert not any(r["error"] for r in got.values())
+    assert run(job_spec(demo, tmp_path, records))["records_skipped"] == 4           # nothing changed since
+
+    txt = tmp_path / "p.txt"
+    txt.write_text("one two\nthree four five\n")
+    spec = job_spec(demo, tmp_path, [], input={"path": str(txt)}, output={"path": str(tmp_path / "txt.jsonl")})
+    assert run(spec)["records_done"] == 2
+    txt.write_text("one two\nthree four five\nsix\n")                             # appended: a new record
+    assert (run(spec)["records_done"], results(tmp_path / "txt.jsonl")["3"]["prompt_tokens"]) == (1, 1)
+    txt.write_text("zero\none two\nthree four five\nsix\n")                       # a line inserted: ids move
+    with pytest.raises(OutputError, match=r"results of 3 record\(s\) whose input in .*p.txt changed since they "
+                                          r"were written: '1' \(line 1\), '2' \(line 2\), '3' \(line 3\)\."):
+        run(spec)
+
+
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):
     """At dp 2 with prefix caching: 4 groups of 6 records (two groups named to each replica by
     the hash of their beginning), a queue of 16 records per replica. The first record of each

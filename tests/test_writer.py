@@ -285,6 +285,43 @@ def test_retry_failed_drops_the_error_lines_so_their_records_run_again(tmp_path)
     assert [r["id"] for r in lines(path)] == ["a", "c", "b"] and not [r for r in lines(path) if r["error"]]
 
 
+def test_each_result_s_input_digest_is_kept_beside_it_the_last_one_for_an_id_counting(tmp_path):
+    """<output>.inputs holds a line per result that came with its record's input digest, an error
+    line marked; a record computed again replaces its digest; a crash's partial line is no digest;
+    a results file started afresh (--overwrite, or removed) starts the digests afresh too; merging
+    shards carries theirs."""
+    from msinfer.launcher.shards import in_shard, merge_shards, shard_path
+    from msinfer.launcher.writer import inputs_path, read_input_digests
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        w.write_line("a", json.dumps(ok_result("a", [1], "x", "stop", 1)), "00aa")
+        w.write_line('b "q"', json.dumps(error_result('b "q"', "t", "m")), "00bb")
+        w.write_line("c", json.dumps(ok_result("c", [1], "x", "stop", 1)))         # no digest: not kept
+    assert read_input_digests(path) == {"a": "00aa", 'b "q"': "00bb!"}
+    with ResultWriter(path, retry_failed=True) as w:
+        w.write_line('b "q"', json.dumps(ok_result('b "q"', [1], "x", "stop", 1)), "00cc")
+    with open(inputs_path(path), "ab") as f:
+        f.write(b'00dd\t0\t"a')
+    assert read_input_digests(path) == {"a": "00aa", 'b "q"': "00cc"}
+    with ResultWriter(path, overwrite=True) as w:
+        w.write_line("z", json.dumps(ok_result("z", [1], "x", "stop", 1)), "00ee")
+    assert read_input_digests(path) == {"z": "00ee"}
+    path.unlink()
+    with ResultWriter(path) as w:
+        w.write_line("y", json.dumps(ok_result("y", [1], "x", "stop", 1)), "00ff")
+    assert read_input_digests(path) == {"y": "00ff"}
+
+    ids = [f"r{i}" for i in range(6)]
+    out = str(tmp_path / "merged.jsonl")
+    for k in range(2):
+        with ResultWriter(shard_path(out, k, 2)) as w:
+            for i in ids:
+                if in_shard(i, k, 2):
+                    w.write_line(i, json.dumps(ok_result(i, [1], "x", "stop", 1)), f"d{i}")
+    merge_shards(ids, out, 2, "id")
+    assert read_input_digests(out) == {i: f"d{i}" for i in ids}
+
+
 def test_a_second_lock_on_one_results_file_names_the_first_and_a_released_lock_is_free(tmp_path):
     out = tmp_path / "out.jsonl"
     with ResultsLock(out) as first:

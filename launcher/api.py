@@ -45,12 +45,21 @@ class LLM:
         }, "LLM(...)")
         self.plan = plan_job(spec, check_io=False)
         self.controller, self._started_ray = start_controller(self.plan)
+        self.calls = 0              # generate() calls so far: the job seed of a call that sets none
 
     def generate(self, prompts: list, sampling: dict | SamplingSpec | None = None, stream: bool = False) -> list[dict]:
         """prompts: text, chat messages (a list of {role, content}) or token ids, or whole records
-        ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order."""
+        ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order.
+        Records are numbered from 0 in each call, and a record's random stream is keyed by the
+        job's seed and its id (docs/spec.md, "Random streams"): a call whose sampling sets no
+        seed takes the call's number (0 for the first) as the job's seed, so that calling again
+        samples afresh, as vLLM's LLM does, and a process making the same calls gets the same
+        tokens; a call that sets one gets the same tokens each time."""
         defaults = (sampling if isinstance(sampling, SamplingSpec) else
                     validate(SamplingSpec, sampling or {}, "generate(sampling=...)", "sampling"))
+        if "seed" not in defaults.model_fields_set:
+            defaults = defaults.model_copy(update={"seed": self.calls})
+        self.calls += 1
         self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
         records = [parse_record({**as_record(p), "id": i}, i + 1, "prompt") for i, p in enumerate(prompts)]
         results: dict[str, dict] = {}

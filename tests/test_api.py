@@ -26,6 +26,13 @@ def test_llm_generate_keeps_order_and_matches_transformers(checkpoint, hf_greedy
                               {"max_new_tokens": 3})
         assert second[0]["output_token_ids"] == hf_greedy(name, PROMPTS[1], 6)[0][:2]
         assert second[1]["output_token_ids"] == hf_greedy(name, PROMPTS[0], 6)[0][:3]
+        # sampled: a call that sets no seed samples afresh (the job seed is the call's number),
+        # one that sets a seed draws the same tokens every time
+        hot = {"max_new_tokens": 8, "temperature": 2.0}
+        calls = [[r["output_token_ids"] for r in llm.generate([PROMPTS[0]] * 2, s)]
+                 for s in (hot, hot, {**hot, "seed": 5}, {**hot, "seed": 5}, {**hot, "seed": 2})]
+        assert calls[0] != calls[1] and calls[2] == calls[3] and calls[4] == calls[0]
+        assert calls[0][0] != calls[0][1]            # two records of one prompt in a call differ too
     finally:
         llm.shutdown()
 

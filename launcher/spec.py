@@ -3,7 +3,7 @@
 `load_spec(path, overrides)` reads the YAML file, applies `--set dotted.key=value` overrides and
 validates. Every problem becomes a `SpecError` whose lines read
 `job.yaml:12: scheduler.max_batch: unknown key; did you mean 'max_batch_size'?`.
-Paths (`~`, `${VAR}`) are expanded; relative ones resolve against the spec file's folder, or
+Paths (`~`, `${VAR}`, `${VAR:-default}`) are expanded; relative ones resolve against the spec file's folder, or
 against the working directory when given with --set (that is where the user typed them).
 """
 
@@ -28,12 +28,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def expand_path(value: str, base: str | Path | None = None) -> str:
-    """`${VAR}`, then `~`, then relative to `base` (default: the working directory). Raises
-    ValueError naming an unset variable."""
+    """`${VAR}` (or, as the shell has it, `${VAR:-default}`: the default where VAR is unset or
+    empty), then `~`, then relative to `base` (default: the working directory). Raises ValueError
+    naming an unset variable that has no default."""
     def env(m: re.Match) -> str:
-        name = m.group(1)
+        name, has_default, default = m.group(1).partition(":-")
         if not _ENV_NAME.fullmatch(name):
-            raise ValueError(f"'${{{name}}}' is not a valid environment variable reference")
+            raise ValueError(f"'${{{m.group(1)}}}' is not a valid environment variable reference")
+        if has_default:
+            return os.environ.get(name) or default
         if name not in os.environ:
             raise ValueError(f"environment variable {name} is not set (used as ${{{name}}} in '{value}')")
         return os.environ[name]

@@ -63,6 +63,12 @@ def test_tilde_and_env_expand(tmp_path, monkeypatch):
     assert spec.model.tokenizer == "/data/tok"
     assert spec.model.lora.path == str(tmp_path / "home/lora") and spec.model.lora.scale == 1.0
     assert spec.input.path == "/data/set/p.parquet"
+    monkeypatch.delenv("NO_SUCH_VAR", raising=False)
+    monkeypatch.setenv("EMPTY", "")
+    text = MINIMAL.replace("models/tiny", "${NO_SUCH_VAR:-~/cache}/tiny").replace("prompts.jsonl", "${EMPTY:-/in}/p.txt")
+    spec = load_spec(write(tmp_path, text.replace("out/results", "${DATA:-/unused}/results")))
+    assert (spec.model.path, spec.input.path) == (str(tmp_path / "home/cache/tiny"), "/in/p.txt")
+    assert spec.output.path.startswith("/data/set/results")
 
 
 def test_unset_env_var_names_variable_and_key(tmp_path, monkeypatch):

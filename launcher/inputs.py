@@ -291,7 +291,7 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
                    "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
                    "bad_words": "bad_words", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-                   "prompt_logprobs": "prompt_logprobs"}
+                   "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output"}
 OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value

@@ -974,8 +974,16 @@ def check_same_settings(output: str, settings: dict) -> None:
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
         return out
 
+    def differs(k: str) -> bool:
+        if k in old:
+            return old[k] != new.get(k)
+        # a key the run before did not keep is a setting msinfer added since, which that run ran
+        # without; unless it sits under a value the run before kept (a LoRA adapter where it had none)
+        parts = k.split(".")
+        return any(".".join(parts[:i]) in old for i in range(1, len(parts)))
+
     old, new = flat(before), flat(settings)
-    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    changed = [k for k in sorted(old.keys() | new.keys()) if differs(k)]
     if not changed:
         return
     shown = ", ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed[:4])

@@ -140,8 +140,9 @@ class RecordCodec:
             params = dataclasses.replace(sampling, index=i) if i else sampling
             seq = Sequence(ids, params, rec.id, () if sampling.ignore_eos else self.eos, max_len)
             seq.num_score_tokens = len(continuation)
-            seq.record = RecordState(serial, request, t_added=now, stop_matcher=StopStringMatcher(sampling.stop)
-                                     if sampling.stop and self.tok else None)
+            stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
+                     if sampling.stop and self.tok else None)
+            seq.record = RecordState(serial, request, t_added=now, stop_matcher=stops)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)

@@ -206,6 +206,7 @@ class SamplingSpec(Section):
     bad_words: list[Annotated[str, Field(min_length=1)]] = []
     structured_outputs: StructuredSpec | None = None
     stop: list[Annotated[str, Field(min_length=1)]] = []
+    include_stop_str_in_output: bool = False     # the stop string hit stays at the end of the text
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0)

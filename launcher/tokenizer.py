@@ -128,13 +128,15 @@ class StopStringMatcher:
     """Finds the first stop string in one sequence's growing output text.
 
     Call `check(text)` with the whole decoded output after each new token; it returns the index
-    at which to cut the output (where the stop string starts; the stop string is not part of the
-    output) or None. Only the tail that could hold a new match is searched, so a long output
-    costs no more per step than a short one.
+    at which to cut the output or None: where the earliest stop string starts (the stop string
+    is not part of the output), or with `include` (vLLM's include_stop_str_in_output) where it
+    ends. Only the tail that could hold a new match is searched, so a long output costs no more
+    per step than a short one.
     """
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(s for s in stop if s)
+        self.include = include
         self.longest = max(map(len, self.stop), default=0)
         self.checked = 0  # leading characters of the text known to hold no stop string
 
@@ -142,7 +144,10 @@ class StopStringMatcher:
         if not self.stop:
             return None
         start = max(0, min(self.checked, len(text)) - self.longest + 1)
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        hits = [(i, k) for k, s in enumerate(self.stop) if (i := text.find(s, start)) >= 0]
         # a trailing U+FFFD is a multi-byte character still incomplete: the next token may change it
         self.checked = len(text.rstrip("\ufffd"))
-        return min(hits) if hits else None
+        if not hits:
+            return None
+        i, k = min(hits)            # the earliest; of those starting together, the first listed
+        return i + len(self.stop[k]) if self.include else i

@@ -81,7 +81,8 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
 
 def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
     """Stop strings are matched in the engine on the decoded text: the output is cut before the
-    first occurrence, finish_reason stop, and the record generates no further."""
+    first occurrence (after it, with include_stop_str_in_output), finish_reason stop, and the
+    record generates no further."""
     from msinfer.launcher.simulate import StandInRunner
     from msinfer.launcher.tokenizer import load_tokenizer
 
@@ -91,11 +92,18 @@ def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
     text = tok.decode(StandInRunner(plan_job(spec, weights=False).engine, StandIn()).tokens(tok.encode(prompt), 24))
     stop = text[len(text) // 2:].lstrip()[:3]
     assert len(text) > 10 and stop.strip(), text
-    spec = job_spec(demo, tmp_path, [{"id": "s", "prompt": prompt, "sampling": {"max_new_tokens": 24, "stop": [stop]}}])
+    spec = job_spec(demo, tmp_path, [{"id": "s", "prompt": prompt, "sampling": {"max_new_tokens": 24, "stop": [stop]}},
+                                     {"id": "kept", "prompt": prompt, "sampling": {
+                                         "max_new_tokens": 24, "stop": [stop], "include_stop_str_in_output": True}}])
     run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    cut = results(tmp_path / "out.jsonl")["s"]
+    got = results(tmp_path / "out.jsonl")
+    cut = got["s"]
     assert cut["finish_reason"] == "stop" and cut["output_text"] == text[:text.find(stop)]
     assert cut["completion_tokens"] < 24
+    # vLLM's include_stop_str_in_output: the same tokens, the text up to the stop string's end
+    kept = got["kept"]
+    assert kept["output_text"] == text[:text.find(stop) + len(stop)] and kept["finish_reason"] == "stop"
+    assert kept["output_token_ids"] == cut["output_token_ids"]
 
 
 class DiesOnce(StandInWorker):

@@ -74,6 +74,25 @@ def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(mon
         assert err.startswith(f"msinfer: {word}") and "Traceback" not in err
 
 
+@pytest.mark.unit
+def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_stop_its_re_run(tmp_path):
+    """The settings a results file's status keeps are compared key by key: a key the earlier run
+    did not keep (a sampling key msinfer added since) is not a change, while a value that became a
+    section (a LoRA adapter where there was none) and a changed value are."""
+    import json
+    from msinfer.launcher.errors import OutputError
+    from msinfer.launcher.job import check_same_settings
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a"}\n')
+    before = {"model": {"lora": None, "dtype": "float32"}, "sampling": {"temperature": 0.0}}
+    Path(f"{out}.status.json").write_text(json.dumps({"settings": before}))
+    check_same_settings(str(out), {**before, "sampling": {"temperature": 0.0, "include_stop_str_in_output": False}})
+    with pytest.raises(OutputError, match=r"\(model.lora.adapter None then, 'ab12' now\)"):
+        check_same_settings(str(out), {**before, "model": {"lora": {"adapter": "ab12"}, "dtype": "float32"}})
+    with pytest.raises(OutputError, match=r"sampling.temperature 0.0 then, 0.5 now"):
+        check_same_settings(str(out), {**before, "sampling": {"temperature": 0.5, "include_stop_str_in_output": False}})
+
+
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):
     job = Job(tmp_path, model, records(2), parallel={"device": "ascend"})
     t0 = time.monotonic()

@@ -148,6 +148,8 @@ def test_stop_string_matcher_incremental():
     assert StopStringMatcher([]).check("anything") is None
     m = StopStringMatcher(["é!"])
     assert m.check("caf\ufffd") is None and m.check("café!") == 3  # an incomplete character is checked again
+    m = StopStringMatcher(["ab", "a", "b"], include=True)          # vLLM's include_stop_str_in_output
+    assert m.check("xxb") == 3 and StopStringMatcher(["ab", "a"], include=True).check("xab") == 3
 
 
 def test_a_scored_text_prompt_is_scored_as_written_and_a_generated_one_gets_the_template(tok):

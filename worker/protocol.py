@@ -28,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int = 0                     # the job's sampling.seed, or the record's own (`draw_key`)
     stop: tuple[str, ...] = ()        # stop strings (matched by the controller on decoded text)
+    include_stop_str_in_output: bool = False    # the text keeps the stop string it was cut at
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-k log-probabilities per generated token (0: none)

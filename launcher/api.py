@@ -57,6 +57,9 @@ class LLM:
         tokens; a call that sets one gets the same tokens each time."""
         defaults = (sampling if isinstance(sampling, SamplingSpec) else
                     validate(SamplingSpec, sampling or {}, "generate(sampling=...)", "sampling"))
+        if self.plan.spec.model.generation_config == "auto":
+            defaults, _ = defaults.with_model_defaults(self.plan.model.generation_sampling,
+                                                       "the model's generation_config.json")
         if "seed" not in defaults.model_fields_set:
             defaults = defaults.model_copy(update={"seed": self.calls})
         self.calls += 1

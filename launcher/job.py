@@ -56,6 +56,7 @@ class Plan:
     card: CardPlan | None = None          # accelerators: the memory of one card, as planned
     output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
     weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
+    model_sampling: str = ""              # the note on sampling defaults taken from generation_config.json
 
     @property
     def bf16(self) -> bool:
@@ -472,6 +473,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     check_model_dir(spec.model.path)
     spec = for_shard(spec)
     m = ModelConfig.from_dir(spec.model.path)
+    spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
+    sampled = sampling_note(spec, taken) if taken else ""
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
@@ -489,7 +492,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         check_output(spec.output.path, keep_folder=make_output)
         if spec.output.metrics_port is not None:
             check_port(spec.output.metrics_host, spec.output.metrics_port)
-    notes = []
+    notes = [sampled] if sampled else []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
     if layout.matmul_dtype == "bfloat16":
@@ -557,7 +560,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
     return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format,
-                weights_absent=absent)
+                weights_absent=absent, model_sampling=sampled)
 
 
 def check_structured(sampling, tokenizer) -> None:
@@ -584,6 +587,23 @@ def same_named(spec: JobSpec) -> dict:
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "device"}
     return {name: getattr(section, name) for section in (spec.model, spec.parallel, spec.scheduler)
             for name in type(section).model_fields if name in names}
+
+
+def model_sampling(spec: JobSpec, m: ModelConfig) -> tuple[JobSpec, list[str]]:
+    """The spec with the sampling defaults the checkpoint's generation_config.json recommends in
+    place of the sampling keys it leaves unset (model.generation_config: auto, as vLLM's
+    generation_config "auto"), and the keys so taken."""
+    if spec.model.generation_config != "auto" or not m.generation_sampling:
+        return spec, []
+    sampling, taken = spec.sampling.with_model_defaults(
+        m.generation_sampling, str(Path(spec.model.path) / "generation_config.json"))
+    return (spec.model_copy(update={"sampling": sampling}) if taken else spec), taken
+
+
+def sampling_note(spec: JobSpec, taken: list[str]) -> str:
+    shown = ", ".join(f"{k} {getattr(spec.sampling, k)}" for k in taken)
+    return (f"sampling defaults from the model's generation_config.json, as vLLM takes them: {shown} (keys set in "
+            f"the spec's sampling, or a record's, win; model.generation_config: msinfer leaves the file's out)")
 
 
 def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> dict:
@@ -1055,6 +1075,8 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
                               redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings
+        if plan.model_sampling:             # (as vLLM warns of it)
+            print(f"msinfer: note: {plan.model_sampling}", file=sys.stderr, flush=True)
         if spec.output.metrics_port is not None:
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)

@@ -89,6 +89,10 @@ class ModelSpec(Section):
     compile_cache: bool = True
     lora: LoraSpec | None = None
     positions: PositionsSpec = Field(default_factory=PositionsSpec)
+    # auto: the sampling keys the spec leaves unset take the values the checkpoint's
+    # generation_config.json recommends, as vLLM's generation_config "auto" does
+    # (SamplingSpec.with_model_defaults); msinfer: the sampling section's own defaults only
+    generation_config: Literal["auto", "msinfer"] = "auto"
     _paths = field_validator("path", "tokenizer")(_expand)
 
     @property
@@ -230,6 +234,23 @@ class SamplingSpec(Section):
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})")
         return self
+
+    def with_model_defaults(self, recommended: tuple, source: str) -> tuple[SamplingSpec, list[str]]:
+        """These settings with the (key, value) pairs a checkpoint recommends
+        (ModelConfig.generation_sampling, read from `source`) in place of the keys left unset,
+        and the keys so taken. A value the sampling section would refuse raises SpecError naming
+        the file and the key."""
+        taken = {k: v for k, v in recommended if k not in self.model_fields_set}
+        if not taken:
+            return self, []
+        try:
+            merged = SamplingSpec.model_validate({**self.model_dump(exclude_unset=True), **taken})
+        except ValidationError as e:
+            problems = _describe_all(e, SamplingSpec, lambda loc: "", prefix="sampling")
+            raise SpecError(f"{source} recommends sampling defaults the sampling section refuses: "
+                            + "; ".join(problems) + ". Set those keys in the spec's sampling section, or "
+                            "model.generation_config: msinfer to leave the file's out") from None
+        return merged, list(taken)
 
     def merge(self, overrides: dict | None, record_id: str | None = None) -> SamplingSpec:
         """These defaults with one record's `sampling` overrides, validated like the spec."""

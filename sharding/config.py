@@ -41,6 +41,14 @@ DEEPSEEK_DEFAULTS = {
 }
 
 
+# generation_config.json's sampling keys that vLLM takes as a request's defaults (its
+# ModelConfig.get_diff_sampling_param, with generation_config "auto"), with the same names in
+# msinfer's sampling section; as vLLM reads the file (GenerationConfig.to_diff_dict), a key at
+# transformers' own default (GENERATION_NEUTRAL) is not one
+GENERATION_SAMPLING = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+GENERATION_NEUTRAL = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
 class ModelConfigError(ValueError):
     """A checkpoint's config.json cannot be served; the message names the file and the key."""
 
@@ -110,6 +118,9 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # the sampling defaults its generation_config.json recommends (GENERATION_SAMPLING's keys), as
+    # (key, value) pairs: what vLLM takes for a request's unset parameters (launcher.spec)
+    generation_sampling: tuple = ()
     rope_scaling: dict = field(default_factory=dict)
     # Mixture of experts (Qwen2-MoE, Qwen3-MoE); num_experts = 0 for a dense model. A sparse
     # layer routes each token to num_experts_per_tok of num_experts MLPs of moe_intermediate_size
@@ -311,12 +322,17 @@ class ModelConfig:
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
             try:
-                g = json.loads(gen.read_text()).get("eos_token_id")
-            except (OSError, json.JSONDecodeError):
-                g = None
+                d = json.loads(gen.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                d = {}
+            d = d if isinstance(d, dict) else {}
+            g = d.get("eos_token_id")
             extra = g if isinstance(g, list) else ([] if g is None else [g])
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
             object.__setattr__(cfg, "eos_token_ids", merged)
+            object.__setattr__(cfg, "generation_sampling",
+                               tuple((k, d[k]) for k in GENERATION_SAMPLING
+                                     if d.get(k) is not None and d[k] != GENERATION_NEUTRAL.get(k)))
         return cfg
 
     def with_modelslim(self, files: list[Path]) -> "ModelConfig":

@@ -145,3 +145,38 @@ def test_a_max_model_len_past_the_positions_the_model_is_made_for_is_refused_unl
         plan_job(spec(max_model_len=1024), check_io=False)
     plan = plan_job(spec(max_model_len=1024, allow_long_max_model_len=True), check_io=False)
     assert any("exceeds the 512 positions the model is made for" in n for n in plan.notes)
+
+
+def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_config_as_in_vllm(checkpoint, tmp_path):
+    """vLLM's generation_config "auto": a checkpoint's generation_config.json recommends sampling
+    defaults (Qwen3: temperature 0.6, top_p 0.95, top_k 20), taken for the keys a job leaves unset,
+    and said so; a value at transformers' own default is not one; keys the spec sets win;
+    model.generation_config: msinfer leaves them out; a value the spec would refuse names the file."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in checkpoint("llama_gqa_tied").iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    recommended = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.0,
+                   "max_new_tokens": 7, "eos_token_id": [2, 5]}
+    (model / "generation_config.json").write_text(json.dumps(recommended))
+
+    def plan(sampling=None, **m):
+        return plan_job(JobSpec.model_validate({"model": {"path": str(model), **m}, "sampling": sampling or {},
+                                                "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}}),
+                        check_io=False)
+    s = plan({"top_k": 5}).spec.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.repetition_penalty) == (0.6, 0.95, 5, 7, 1.0)
+    assert plan().model.eos_token_ids[-1] == 5
+    assert any(n.startswith("sampling defaults from the model's generation_config.json, as vLLM takes them: "
+                            "temperature 0.6, top_p 0.95, max_new_tokens 7") for n in plan({"top_k": 5}).notes)
+    s = plan(generation_config="msinfer").spec.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 0, 256)
+    (model / "generation_config.json").write_text(json.dumps({**recommended, "top_p": 0.0}))
+    with pytest.raises(SpecError, match=r"model/generation_config.json recommends sampling defaults the sampling "
+                                        r"section refuses: sampling.top_p: expected a number > 0, got 0"):
+        plan()

@@ -190,7 +190,8 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}", digest=digest)
+            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}",
+                         digest=digest)
             continue
         rec = parse_openai(obj, n) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
             else parse_record(obj, n, "line")

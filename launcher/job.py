@@ -1028,17 +1028,17 @@ def changed_records(spec: JobSpec, retry_failed: bool, redo_changed: bool) -> fr
     before = read_input_digests(output)
     if not before:
         return frozenset()
-    changed = []
+    changed = []                        # (id, line)
     for rec in shard_records(read_records(spec.input.path), spec):
         old = before.get(rec.id)
         if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
             continue
         if old.rstrip("!") != rec.digest:
-            changed.append(rec)
+            changed.append((rec.id, rec.line))
     if not changed or redo_changed:
-        return frozenset(r.id for r in changed)
+        return frozenset(rid for rid, _ in changed)
     unit = "row" if Path(spec.input.path).suffix.lower() == ".parquet" else "line"
-    shown = ", ".join(f"'{r.id}' ({unit} {r.line})" for r in changed[:4])
+    shown = ", ".join(f"'{rid}' ({unit} {line})" for rid, line in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     raise OutputError(f"{output} holds results of {len(changed)} record(s) whose input in {spec.input.path} changed "
                       f"since they were written: {shown}{more}. A re-run skips the records it holds, so they would "

@@ -21,7 +21,10 @@ from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
 from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids")
+# how a record's messages go through the chat template, with vLLM's names (its chat requests and
+# LLM.chat): the template's own variables (Qwen3's enable_thinking), and the two switches
+CHAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids", *CHAT_KEYS)
 # A record's sampling is read from its 'sampling' object only. A key of it at the top of a record
 # (as OpenAI's and vLLM's requests put them, with their names) would be ignored without a word, so
 # such a record fails instead (`misplaced_sampling`), and so does a parquet file with such a column.
@@ -44,6 +47,7 @@ class Record:
     openai: str | None = None                   # an OpenAI Batch request's url: how its result is written
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
+    chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
 
 
 def input_digest(text: str) -> str:
@@ -340,7 +344,10 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     for k, neutral in OPENAI_NEUTRAL.items():
         if body.get(k, neutral) not in (neutral, None):
             return f"'{k}' is not supported by msinfer yet"
-    unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL)]
+    if chat and (error := _fill_chat(rec, body)):
+        return error
+    unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
+                                            *(CHAT_KEYS if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
     if body.get("stream"):
@@ -367,6 +374,41 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
     rec.sampling = sampling
+    return None
+
+
+def _fill_chat(rec: Record, obj: dict) -> str | None:
+    """The record's CHAT_KEYS into rec.chat, checked (`check_chat`); they apply to messages, and
+    to prompt text where the job applies the chat template."""
+    given = {k: obj[k] for k in CHAT_KEYS if obj.get(k) is not None}
+    if not given:
+        return None
+    if rec.prompt_token_ids is not None:
+        return f"'{next(iter(given))}' is for a prompt that goes through the chat template, not token ids"
+    rec.chat = given
+    return check_chat(given)
+
+
+# apply_chat_template's own parameters, which chat_template_kwargs cannot pass as template variables
+_TEMPLATE_PARAMS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+                    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                    "tokenizer_kwargs", *CHAT_KEYS)
+
+
+def check_chat(chat: dict, where: str = "") -> str | None:
+    """The problem with CHAT_KEYS' values (a record's, or input.chat_template_kwargs alone), or None."""
+    kwargs = chat.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        return f"'{where}chat_template_kwargs' must be an object of template variables, got {_type(kwargs)}"
+    if clash := [k for k in kwargs if k in _TEMPLATE_PARAMS]:
+        return (f"'{where}chat_template_kwargs' cannot set '{clash[0]}': it is a parameter of the template's "
+                f"rendering, not a variable of the template")
+    for k in ("add_generation_prompt", "continue_final_message"):
+        if k in chat and not isinstance(chat[k], bool):
+            return f"'{where}{k}' must be true or false, got {_type(chat[k])}"
+    if chat.get("add_generation_prompt") and chat.get("continue_final_message"):
+        return ("'add_generation_prompt' and 'continue_final_message' cannot both be true: the first opens a new "
+                "assistant message, the second continues the last one")
     return None
 
 
@@ -406,6 +448,8 @@ def _fill(rec: Record, obj: dict) -> str | None:
         rec.prompt_token_ids = obj["prompt_token_ids"]
         if error := _check_ids(rec.prompt_token_ids, "prompt_token_ids"):
             return error
+    if error := _fill_chat(rec, obj):
+        return error
     if obj.get("continuation") is not None and obj.get("continuation_token_ids") is not None:
         return "has both 'continuation' and 'continuation_token_ids'; give at most one"
     if obj.get("continuation") is not None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.errors import OutputError, SpecError, SystemicError, UserError
-from msinfer.launcher.inputs import check_input, expected_length, is_openai_batch, longest_first, read_records
+from msinfer.launcher.inputs import (check_chat, check_input, expected_length, is_openai_batch, longest_first,
+                                    read_records)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
@@ -485,8 +486,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     absent = sizing and weights and not holds_weights(spec.model.path)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+    if error := check_chat({"chat_template_kwargs": spec.input.chat_template_kwargs}, "input."):
+        raise SpecError(error)
     if tokenizer is not None and spec.input.chat_template:
-        tokenizer.check_chat_template()
+        tokenizer.check_chat_template(spec.input.chat_template_kwargs)
     if check_io:
         check_input(spec.input.path)
         check_output(spec.output.path, keep_folder=make_output)
@@ -972,7 +975,7 @@ def result_settings(plan: Plan) -> dict:
                       "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json",
                                                                                   weights=True),
                                                          "scale": lora.scale}},
-            "input": {"chat_template": s.input.chat_template},
+            "input": {"chat_template": s.input.chat_template, "chat_template_kwargs": s.input.chat_template_kwargs},
             "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}
 
 

@@ -114,7 +114,8 @@ class RecordCodec:
                 # a scored prompt is scored as it is written (a template would change what is
                 # scored), and an OpenAI completions request's prompt is sent as written
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
-                ids = self.tok.encode_record(rec, spec.input.chat_template and not scored and rec.openai is None)
+                ids = self.tok.encode_record(rec, spec.input.chat_template and not scored and rec.openai is None,
+                                             spec.input.chat_template_kwargs)
             continuation = self.continuation(rec)
             ids = ids + continuation
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -129,6 +129,9 @@ class ParallelSpec(Section):
 class InputSpec(Section):
     path: str
     chat_template: bool = True
+    # variables of the chat template for every record it renders (Qwen3: {enable_thinking: false}),
+    # as vLLM's chat_template_kwargs; a record's own chat_template_kwargs go over them
+    chat_template_kwargs: dict[str, Any] = {}
     # longest_first: within a window of `lookahead` records read ahead, the record with the most
     # expected work (prompt tokens + max_new_tokens, per sample) is dealt first, so that no long
     # record starts last and sets the job's tail (launcher.inputs.longest_first); arrival: as read

@@ -49,19 +49,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """The messages through the chat template, as vLLM renders a chat request: `kwargs` the
+        template's own variables (chat_template_kwargs), then a new assistant message opened, or
+        with `continue_final_message` the last (assistant) message left open to be continued."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **(kwargs or {}))
         if not isinstance(text, str):  # some versions hand back token ids (a list or BatchEncoding) anyway
             return _ids(text)
         return self.encode(text, add_special_tokens=False)
 
-    def check_chat_template(self) -> None:
-        """Renders the chat template once for a plain user message (`plan`, before any worker
-        starts): a template that cannot render fails here, not on every record."""
+    def check_chat_template(self, kwargs: dict | None = None) -> None:
+        """Renders the chat template once for a plain user message, with the job's template
+        variables (`plan`, before any worker starts): a template that cannot render fails here,
+        not on every record."""
         if not self.has_chat_template:
             return
         try:
-            self.apply_chat_template([{"role": "user", "content": "Hello"}])
+            self.apply_chat_template([{"role": "user", "content": "Hello"}], kwargs)
         except ImportError as e:
             raise TokenizerError(f"the chat template in {self.path} cannot be rendered: {e}; "
                                  + ("install jinja2 (pip install jinja2), " if "jinja" in str(e) else "")
@@ -71,10 +77,12 @@ class Tokenizer:
                                  f"{type(e).__name__}: {e}; fix the template (tokenizer_config.json or "
                                  f"chat_template.jinja), or set input.chat_template: false") from None
 
-    def encode_record(self, record: Record, chat_template: bool) -> list[int]:
+    def encode_record(self, record: Record, chat_template: bool, template_kwargs: dict | None = None) -> list[int]:
         """Prompt token ids of a record: `prompt_token_ids` as given; `messages` through the chat
         template; `prompt` text through the chat template as one user message when `chat_template`
-        is on and the tokenizer has one, else encoded as is."""
+        is on and the tokenizer has one, else encoded as is. The template renders with the job's
+        `template_kwargs` (input.chat_template_kwargs) and the record's own chat keys over them
+        (launcher.inputs.CHAT_KEYS)."""
         where = f"record '{record.id}'"
         if record.prompt_token_ids is not None:
             return list(record.prompt_token_ids)
@@ -83,11 +91,19 @@ class Tokenizer:
                               f"give the prompt as 'prompt' text instead")
         if record.messages is None and record.prompt is None:
             raise RecordError(f"{where}: has no prompt to encode")
+        own = record.chat or {}
+        templated = record.messages is not None or (chat_template and self.has_chat_template)
+        if own and not templated:
+            raise RecordError(f"{where}: has '{next(iter(own))}', but its prompt does not go through the chat "
+                              f"template (input.chat_template is off, or the tokenizer has none)")
+        options = {"kwargs": {**(template_kwargs or {}), **own.get("chat_template_kwargs", {})},
+                   "continue_final_message": own.get("continue_final_message", False)}
+        options["add_generation_prompt"] = own.get("add_generation_prompt", not options["continue_final_message"])
         try:
             if record.messages is not None:
-                ids = self.apply_chat_template(as_text_messages(record.messages))
-            elif chat_template and self.has_chat_template:
-                ids = self.apply_chat_template([{"role": "user", "content": record.prompt}])
+                ids = self.apply_chat_template(as_text_messages(record.messages), **options)
+            elif templated:
+                ids = self.apply_chat_template([{"role": "user", "content": record.prompt}], **options)
             else:
                 ids = self.encode(record.prompt)
         except (ImportError, OSError, MemoryError) as e:     # the environment's fault, not the record's

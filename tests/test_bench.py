@@ -180,3 +180,19 @@ def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_confi
     with pytest.raises(SpecError, match=r"model/generation_config.json recommends sampling defaults the sampling "
                                         r"section refuses: sampling.top_p: expected a number > 0, got 0"):
         plan()
+
+
+def test_the_job_s_chat_template_variables_are_checked_and_rendered_by_plan(checkpoint):
+    """input.chat_template_kwargs: plan renders the template with them once, and a variable that
+    is a parameter of the rendering is refused naming it, before any worker starts."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+
+    def plan(kwargs):
+        return plan_job(JobSpec.model_validate({"model": {"path": str(checkpoint("llama_gqa_tied"))},
+                                                "input": {"path": "in.jsonl", "chat_template_kwargs": kwargs},
+                                                "output": {"path": "out.jsonl"}}), check_io=False)
+    assert plan({"enable_thinking": False}).spec.input.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SpecError, match=r"'input.chat_template_kwargs' cannot set 'add_generation_prompt'"):
+        plan({"add_generation_prompt": False})

@@ -257,3 +257,49 @@ def test_a_worker_imports_transformers_only_to_load_a_tokenizer_and_then_without
         assert p.returncode == 0, p.stderr
     assert said["worker"].stdout.split() == ["False", "True", "False"]
     assert said["program"].stdout.split() == ["False", "True", "True"]
+
+
+THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+            "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}be brief{% endif %}{% endif %}")
+
+
+def test_chat_template_variables_and_switches_reach_the_template_as_in_vllm(tmp_path):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking), add_generation_prompt and
+    continue_final_message: the job's variables (input.chat_template_kwargs) with a record's own
+    over them, and the switches, render as transformers renders them; a bad value fails its record
+    naming the key; a record that sets them where no template applies fails instead of being
+    encoded without them."""
+    from msinfer.launcher.inputs import parse_openai, parse_record
+    tok = load_tokenizer(build_tokenizer(tmp_path / "tok", THINKING))
+    messages = [{"role": "user", "content": "hello world"}]
+
+    def text(obj, job=None, chat_template=True):
+        rec = parse_record(obj, 1)
+        assert rec.error is None, rec.error
+        return tok.tok.decode(tok.encode_record(rec, chat_template, job))
+    assert text({"messages": messages}).endswith("<|assistant|>")
+    assert text({"messages": messages}, {"enable_thinking": False}).endswith("<|assistant|>be brief")
+    assert text({"prompt": "hello world"}, {"enable_thinking": False}).endswith("<|assistant|>be brief")
+    own = {"messages": messages, "chat_template_kwargs": {"enable_thinking": True}}
+    assert text(own, {"enable_thinking": False}).endswith("<|assistant|>")          # the record's wins
+    assert text({**own, "add_generation_prompt": False}).endswith("hello world")
+    partial = {"messages": messages + [{"role": "assistant", "content": "the capital"}], "continue_final_message": True}
+    assert text(partial).endswith("<|assistant|>the capital")
+    with pytest.raises(RecordError, match=r"has 'chat_template_kwargs', but its prompt does not go through the chat"):
+        text({"prompt": "hello world", "chat_template_kwargs": {"enable_thinking": False}}, chat_template=False)
+
+    bad = [({"chat_template_kwargs": ["enable_thinking"]}, "'chat_template_kwargs' must be an object of template "
+                                                           "variables, got a list"),
+           ({"chat_template_kwargs": {"tools": []}}, "'chat_template_kwargs' cannot set 'tools'"),
+           ({"add_generation_prompt": "yes"}, "'add_generation_prompt' must be true or false"),
+           ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true")]
+    for extra, message in bad:
+        assert message in parse_record({"messages": messages, **extra}, 3).error
+    assert "is for a prompt that goes through the chat template, not token ids" in \
+        parse_record({"prompt_token_ids": [5, 6], "chat_template_kwargs": {"enable_thinking": False}}, 4).error
+    body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    rec = parse_openai({"custom_id": "q", "url": "/v1/chat/completions", "body": body}, 5)
+    assert rec.error is None and rec.chat == {"chat_template_kwargs": {"enable_thinking": False}}
+    rec = parse_openai({"custom_id": "c", "url": "/v1/completions",
+                        "body": {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}}, 6)
+    assert "unknown body key 'chat_template_kwargs'" in rec.error

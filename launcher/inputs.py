@@ -234,7 +234,7 @@ def _drop_nulls(row: dict) -> dict:
     for k, v in row.items():
         if v is None:
             continue
-        if k == "sampling" and isinstance(v, dict):
+        if k in ("sampling", "chat_template_kwargs") and isinstance(v, dict):    # (a struct's fields unite the rows')
             v = {sk: sv for sk, sv in v.items() if sv is not None}
         elif k == "messages" and isinstance(v, list):
             v = [{mk: mv for mk, mv in m.items() if mv is not None} if isinstance(m, dict) else m for m in v]

@@ -127,6 +127,12 @@ def test_parquet_messages_column(tmp_path):
     pq.write_table(pa.table({"id": [1, 2], "messages": messages}), path)
     a, b = read_records(path)
     assert a.id == "1" and a.messages == [{"role": "user", "content": "hi"}] and b.messages[1]["content"] == "q"
+    # a struct column's fields unite the rows': a row's template variables are only those it gives
+    kwargs = [{"enable_thinking": False}, {"tone": "dry"}]
+    pq.write_table(pa.table({"id": [1, 2], "messages": messages, "chat_template_kwargs": kwargs}), path)
+    a, b = read_records(path)
+    assert a.chat == {"chat_template_kwargs": {"enable_thinking": False}}
+    assert b.chat == {"chat_template_kwargs": {"tone": "dry"}}
 
 
 def test_unreadable_input_raises_before_reading(tmp_path):

@@ -25,11 +25,16 @@ PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # LLM.chat): the template's own variables (Qwen3's enable_thinking), and the two switches
 CHAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids", *CHAT_KEYS)
-# A record's sampling is read from its 'sampling' object only. A key of it at the top of a record
-# (as OpenAI's and vLLM's requests put them, with their names) would be ignored without a word, so
-# such a record fails instead (`misplaced_sampling`), and so does a parquet file with such a column.
-SAMPLING_AT_TOP = {**{k: f"sampling.{k}" for k in SamplingSpec.model_fields},
-                   **{k: f"sampling.{v}" for k, v in SYNONYMS.items()}, "sampling_params": "sampling"}
+# A record's sampling is read from its 'sampling' object only, and its chat template's variables
+# from 'chat_template_kwargs'. Such a key at the top of a record (as OpenAI's and vLLM's requests
+# put sampling keys, with their names, or as transformers' apply_chat_template takes Qwen3's
+# enable_thinking) would be ignored without a word, so such a record fails instead
+# (`misplaced_keys`), and so does a parquet file with such a column.
+MISPLACED = {**{k: f"sampling.{k}" for k in SamplingSpec.model_fields},
+             **{k: f"sampling.{v}" for k, v in SYNONYMS.items()}, "sampling_params": "sampling",
+             "enable_thinking": "chat_template_kwargs.enable_thinking"}
+ELSEWHERE = ("A record's sampling is read from its 'sampling' object only, and its chat template's variables "
+             "from its 'chat_template_kwargs'")
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -93,10 +98,9 @@ def check_input(path: str | Path) -> Path:
         if not any(k in names for k in PROMPT_KEYS):
             raise InputError(f"input file {path} has no column {', '.join(map(repr, PROMPT_KEYS))}; "
                              f"its columns are {', '.join(names) or '(none)'}")
-        if misplaced := misplaced_sampling(names):
-            raise InputError(f"input file {path} has sampling keys as columns: {misplaced}. A row's sampling is "
-                             f"read from its 'sampling' column (a struct of sampling keys) only: move them there, "
-                             f"or rename them")
+        if misplaced := misplaced_keys(names):
+            raise InputError(f"input file {path} has columns that belong inside others: {misplaced}. "
+                             f"{ELSEWHERE} (struct columns): move them there, or rename them")
     return path
 
 
@@ -269,21 +273,21 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
     rec.error = _fill(rec, obj)
     if rec.error:
         rec = Record(id=rid, line=n, error=f"{where}: {rec.error}")
-    elif misplaced := misplaced_sampling(obj):
+    elif misplaced := misplaced_keys(obj):
         # (named by its id, as the sampling checks name a record: records alike fail alike, and the
         # job stops when its first ones all do, launcher/job.py)
-        rec = Record(id=rid, line=n, error=f"record '{rid}': sampling keys at the top of the record: {misplaced}. "
-                                           f"A record's sampling is read from its 'sampling' object only")
+        rec = Record(id=rid, line=n, error=f"record '{rid}': keys at the top of the record that belong inside "
+                                           f"others: {misplaced}. {ELSEWHERE}")
     return rec
 
 
-def misplaced_sampling(keys) -> str | None:
-    """The top-level keys of a record (or columns of a parquet file) that name sampling parameters,
-    listed with where each belongs; None if none does."""
-    found = [k for k in keys if k in SAMPLING_AT_TOP]
+def misplaced_keys(keys) -> str | None:
+    """The top-level keys of a record (or columns of a parquet file) that name sampling parameters
+    or chat template variables (MISPLACED), listed with where each belongs; None if none does."""
+    found = [k for k in keys if k in MISPLACED]
     if not found:
         return None
-    return ", ".join(f"'{k}' (meant as {SAMPLING_AT_TOP[k]}?)" for k in found)
+    return ", ".join(f"'{k}' (meant as {MISPLACED[k]}?)" for k in found)
 
 
 OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)

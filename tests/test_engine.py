@@ -320,11 +320,13 @@ def test_a_sampling_key_at_the_top_of_a_record_fails_it_and_records_alike_stop_t
     got = results(tmp_path / "out.jsonl")
     assert len(got["meta"]["output_token_ids"]) == 6 and len(got["good"]["output_token_ids"]) == 2
     assert got["top"]["error"]["message"] == (
-        "record 'top': sampling keys at the top of the record: 'max_tokens' (meant as sampling.max_new_tokens?), "
-        "'temperature' (meant as sampling.temperature?). A record's sampling is read from its 'sampling' object only")
+        "record 'top': keys at the top of the record that belong inside others: 'max_tokens' (meant as "
+        "sampling.max_new_tokens?), 'temperature' (meant as sampling.temperature?). A record's sampling is read "
+        "from its 'sampling' object only, and its chat template's variables from its 'chat_template_kwargs'")
     alike = [{"id": f"r{i}", "prompt_token_ids": [1, 2], "max_tokens": i + 1} for i in range(3)]
     with pytest.raises(SystemicError, match=r"all 3 records failed alike \(record 'r0' was the first\): a record: "
-                                            r"sampling keys at the top of the record: 'max_tokens'"):
+                                            r"keys at the top of the record that belong inside others: "
+                                            r"'max_tokens'"):
         run_job(job_spec(demo, tmp_path, alike), overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
 
 

@@ -181,11 +181,24 @@ def test_a_parquet_file_with_a_sampling_key_as_a_column_is_refused_before_readin
 
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "temperature": [0.5, 0.7], "topic": ["x", "y"]}), path)
-    with pytest.raises(InputError, match=r"in.parquet has sampling keys as columns: 'temperature' \(meant as "
-                                         r"sampling.temperature\?\)\. A row's sampling is read from its 'sampling'"):
+    with pytest.raises(InputError, match=r"in.parquet has columns that belong inside others: 'temperature' \(meant "
+                                         r"as sampling.temperature\?\)\. A record's sampling is read from its "
+                                         r"'sampling' object only"):
         check_input(path)
     pq.write_table(pa.table({"prompt": ["a"], "topic": ["x"], "sampling": [{"temperature": 0.5}]}), path)
     assert check_input(path) == path
+
+
+def test_qwen3_s_enable_thinking_at_the_top_of_a_record_fails_it_naming_where_it_belongs():
+    """transformers' apply_chat_template takes enable_thinking as an argument; at the top of a
+    record it would be one of the user's own keys, and Qwen3 would think without a word."""
+    from msinfer.launcher.inputs import parse_record
+    rec = parse_record({"id": "q", "messages": [{"role": "user", "content": "hi"}], "enable_thinking": False}, 1)
+    assert rec.error.startswith("record 'q': keys at the top of the record that belong inside others: "
+                                "'enable_thinking' (meant as chat_template_kwargs.enable_thinking?)")
+    rec = parse_record({"id": "q", "messages": [{"role": "user", "content": "hi"}], "source": "wiki",
+                        "chat_template_kwargs": {"enable_thinking": False}}, 1)
+    assert rec.error is None and rec.chat == {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def _mkdir(path):

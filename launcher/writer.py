@@ -51,9 +51,10 @@ def inputs_path(output: str | Path) -> Path:
     return Path(f"{output}.inputs")
 
 
-def input_line(record_id: str, digest: str, failed: bool) -> bytes:
-    """A line of `<output>.inputs` (`read_input_digests`)."""
-    return f"{digest}\t{int(failed)}\t{json.dumps(record_id)}\n".encode()
+def input_line(record_id: str, digest: str | None, failed: bool = False) -> bytes:
+    """A line of `<output>.inputs` (`read_input_digests`); digest None: the record's result line
+    was dropped (`ResultWriter._drop_lines`), so that it has none."""
+    return f"{digest or '-'}\t{int(failed)}\t{json.dumps(record_id)}\n".encode()
 
 
 def read_input_digests(output: str | Path) -> dict[str, str]:
@@ -74,7 +75,11 @@ def read_input_digests(output: str | Path) -> dict[str, str]:
                     rid = json.loads(parts[2])
                 except ValueError:
                     continue
-                if isinstance(rid, str):
+                if not isinstance(rid, str):
+                    continue
+                if parts[0] == b"-":            # its result line was dropped
+                    digests.pop(rid, None)
+                else:
                     digests[rid] = parts[0].decode("ascii", "replace") + ("!" if parts[1] == b"1" else "")
     except FileNotFoundError:
         pass
@@ -386,22 +391,29 @@ class ResultWriter:
         """Rewrites the file without its error lines (a whole line holding FAILED) where `failed`
         and the whole lines of `ids`, through a temporary file and an atomic rename: a crash
         leaves the old file or the new one. Other lines, a partial last one included, stay for
-        `_resume` to judge."""
+        `_resume` to judge. `<output>.inputs` is told first that their records have no result
+        (a crash before the rename leaves them unchecked, never checked against a line gone)."""
         tmp = None
+        dropped: list[str] = []
         try:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".retry")
             with open(self.path, "rb") as src, os.fdopen(fd, "wb") as out:
                 for line in src:
-                    if line.endswith(b"\n") and failed and FAILED in line:
-                        self.dropped_failed += 1
-                        continue
-                    if ids and result_id(line, self.id_key) in ids:
-                        self.dropped_changed += 1
+                    error = failed and line.endswith(b"\n") and FAILED in line
+                    rid = result_id(line, self.id_key) if error or ids else None
+                    if error or rid in ids:
+                        self.dropped_failed += error
+                        self.dropped_changed += not error
+                        dropped.append(rid)
                         continue
                     out.write(line)
                 out.flush()
                 os.fsync(out.fileno())
-            if self.dropped_failed or self.dropped_changed:
+            if dropped:
+                with open(inputs_path(self.path), "ab") as inputs:
+                    inputs.write(b"".join(input_line(rid, None) for rid in dropped if rid is not None))
+                    inputs.flush()
+                    os.fsync(inputs.fileno())
                 os.replace(tmp, self.path)
             else:
                 os.remove(tmp)

@@ -287,7 +287,8 @@ def test_retry_failed_drops_the_error_lines_so_their_records_run_again(tmp_path)
 
 def test_each_result_s_input_digest_is_kept_beside_it_the_last_one_for_an_id_counting(tmp_path):
     """<output>.inputs holds a line per result that came with its record's input digest, an error
-    line marked; a record computed again replaces its digest; a crash's partial line is no digest;
+    line marked; a result line dropped (--retry-failed, --redo-changed) drops its digest, and a
+    record computed again gives a new one; a crash's partial line is no digest;
     a results file started afresh (--overwrite, or removed) starts the digests afresh too; merging
     shards carries theirs."""
     from msinfer.launcher.shards import in_shard, merge_shards, shard_path
@@ -298,8 +299,13 @@ def test_each_result_s_input_digest_is_kept_beside_it_the_last_one_for_an_id_cou
         w.write_line('b "q"', json.dumps(error_result('b "q"', "t", "m")), "00bb")
         w.write_line("c", json.dumps(ok_result("c", [1], "x", "stop", 1)))         # no digest: not kept
     assert read_input_digests(path) == {"a": "00aa", 'b "q"': "00bb!"}
-    with ResultWriter(path, retry_failed=True) as w:
+    ResultWriter(path, retry_failed=True).close()           # its error line dropped, and not computed yet
+    assert read_input_digests(path) == {"a": "00aa"}
+    ResultWriter(path, redo_ids=frozenset({"a"})).close()
+    assert read_input_digests(path) == {}
+    with ResultWriter(path) as w:
         w.write_line('b "q"', json.dumps(ok_result('b "q"', [1], "x", "stop", 1)), "00cc")
+        w.write_line("a", json.dumps(ok_result("a", [1], "x", "stop", 1)), "00aa")
     with open(inputs_path(path), "ab") as f:
         f.write(b'00dd\t0\t"a')
     assert read_input_digests(path) == {"a": "00aa", 'b "q"': "00cc"}

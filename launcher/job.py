@@ -27,8 +27,8 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
-from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, read_input_digests, read_summary,
-                                     status_path, summary_path, write_json_atomic)
+from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, held_ids, read_input_digests,
+                                     read_summary, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
                                     dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
@@ -1016,7 +1016,7 @@ def check_same_settings(output: str, settings: dict) -> None:
                       f"to compute every record with these settings, or write to another output.path")
 
 
-def changed_records(spec: JobSpec, retry_failed: bool, redo_changed: bool) -> frozenset:
+def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> frozenset:
     """The ids of the records whose result line in the results file answers another input than
     the record has now (launcher.writer.read_input_digests): a prompt edited since, or, where ids
     are line numbers (a .txt file, records without an id), a file whose lines were replaced,
@@ -1024,7 +1024,8 @@ def changed_records(spec: JobSpec, retry_failed: bool, redo_changed: bool) -> fr
     `redo_changed` the run stops (OutputError) naming them; with it, they are returned, for the
     writer to drop their lines and the run to compute them again. An error line's record is not
     counted with `retry_failed` (computed again anyway). A results file without digests (empty,
-    or written before msinfer kept them) is not checked."""
+    or written before msinfer kept them) is not checked. id_key: the key of a result line that
+    holds its record's id (launcher.writer.ResultWriter)."""
     output = spec.output.path
     if not Path(output).is_file() or Path(output).stat().st_size == 0:
         return frozenset()
@@ -1038,6 +1039,9 @@ def changed_records(spec: JobSpec, retry_failed: bool, redo_changed: bool) -> fr
             continue
         if old.rstrip("!") != rec.digest:
             changed.append((rec.id, rec.line))
+    if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
+        held = held_ids(output, {rid for rid, _ in changed}, id_key)
+        changed = [(rid, line) for rid, line in changed if rid in held]
     if not changed or redo_changed:
         return frozenset(rid for rid, _ in changed)
     unit = "row" if Path(spec.input.path).suffix.lower() == ".parquet" else "line"
@@ -1069,13 +1073,13 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     started_ray = False
     try:
         settings = result_settings(plan)
+        id_key = "custom_id" if plan.output_format == "openai" else "id"
         redo = frozenset()
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings)
-            redo = changed_records(spec, retry_failed, redo_changed)
-        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s,
-                              "custom_id" if plan.output_format == "openai" else "id", retry_failed=retry_failed,
-                              redo_ids=redo)
+            redo = changed_records(spec, id_key, retry_failed, redo_changed)
+        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
+                              retry_failed=retry_failed, redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings
         if plan.model_sampling:             # (as vLLM warns of it)

@@ -566,6 +566,16 @@ def result_id(raw: bytes, key: str = "id") -> str | None:
     return str(obj[key]) if isinstance(obj, dict) and key in obj else None
 
 
+def held_ids(path: str | Path, wanted: set, key: str = "id") -> set:
+    """Which of the ids `wanted` have a whole result line in the results file `path`."""
+    held = set()
+    with open(path, "rb") as f:
+        for raw in f:
+            if (rid := result_id(raw, key)) in wanted:
+                held.add(rid)
+    return held
+
+
 def read_summary(path: str | Path) -> dict | None:
     """A summary file written before (None: there is none, or it is not one)."""
     try:

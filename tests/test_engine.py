@@ -403,6 +403,10 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
     with pytest.raises(OutputError, match=r"results of 3 record\(s\) whose input in .*p.txt changed since they "
                                           r"were written: '1' \(line 1\), '2' \(line 2\), '3' \(line 3\)\."):
         run(spec)
+    out = tmp_path / "txt.jsonl"            # the user removes two result lines, to compute them again
+    out.write_text("".join(x for x in out.read_text().splitlines(keepends=True) if '"id": "3"' in x))
+    with pytest.raises(OutputError, match=r"results of 1 record\(s\) .*: '3' \(line 3\)\."):
+        run(spec)
 
 
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):

@@ -223,7 +223,8 @@ def plan_bench(args) -> BenchPlan:
     block_size = 16
     blocks = {c: c.batch_size * -(-c.seq_len // block_size) for c in runnable}
     spec = JobSpec.model_validate({
-        "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops,
+        # greedy steps as they are: not the sampling (a repetition penalty, ...) the model may recommend
+        "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops, "generation_config": "msinfer",
                   "max_model_len": max(c.seq_len for c in runnable)},
         "parallel": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "device": args.device},
         "input": {"path": "bench-cases.jsonl", "chat_template": False},

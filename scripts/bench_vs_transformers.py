@@ -79,7 +79,7 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
         "model": {"path": str(path), "dtype": "float32", "max_model_len": max(map(len, prompts)) + new_tokens},
         "parallel": {"tensor_parallel": 1, "device": "cpu"},
         "input": {"path": str(inp), "chat_template": False},
-        "sampling": {"max_new_tokens": new_tokens, "ignore_eos": True},
+        "sampling": {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0.0},   # greedy, as generate's
         "scheduler": {"max_batch_size": max_batch_size, "max_batched_tokens": max_batched_tokens},
         "output": {"path": str(out)},
     }

@@ -57,7 +57,7 @@ class Plan:
     card: CardPlan | None = None          # accelerators: the memory of one card, as planned
     output_format: str = "msinfer"        # output.format resolved: "msinfer" | "openai"
     weights_absent: bool = False          # sized from config.json alone (`msinfer plan` before a download)
-    model_sampling: str = ""              # the note on sampling defaults taken from generation_config.json
+    sampling_from_model: tuple = ()       # the sampling keys taken from generation_config.json (model_sampling)
 
     @property
     def bf16(self) -> bool:
@@ -475,7 +475,6 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     spec = for_shard(spec)
     m = ModelConfig.from_dir(spec.model.path)
     spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
-    sampled = sampling_note(spec, taken) if taken else ""
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
@@ -495,7 +494,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         check_output(spec.output.path, keep_folder=make_output)
         if spec.output.metrics_port is not None:
             check_port(spec.output.metrics_host, spec.output.metrics_port)
-    notes = [sampled] if sampled else []
+    notes = [sampling_note(spec, taken)] if taken else []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
     if layout.matmul_dtype == "bfloat16":
@@ -563,7 +562,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
     return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format,
-                weights_absent=absent, model_sampling=sampled)
+                weights_absent=absent, sampling_from_model=tuple(taken))
 
 
 def check_structured(sampling, tokenizer) -> None:
@@ -979,11 +978,12 @@ def result_settings(plan: Plan) -> dict:
             "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}
 
 
-def check_same_settings(output: str, settings: dict) -> None:
+def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> None:
     """Stops a run whose settings (`result_settings`) differ from those of the run that wrote the
     results its results file holds: it would skip their records, which would keep the other
     settings' results. Nothing to compare (no results yet, or a file written before msinfer kept
-    the settings in its status file): no check."""
+    the settings in its status file): no check. from_model: the sampling keys now taken from the
+    model's generation_config.json, which the message names (a run from before msinfer took them)."""
     path = Path(output)
     if not path.is_file() or path.stat().st_size == 0:
         return
@@ -1011,7 +1011,10 @@ def check_same_settings(output: str, settings: dict) -> None:
         return
     shown = ", ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-    raise OutputError(f"{output} holds results of a run with other settings ({shown}{more}). A re-run skips "
+    model = [k for k in changed if k.startswith("sampling.") and k[len("sampling."):] in from_model]
+    why = (f" ({', '.join(model)} now from the model's generation_config.json: set {'it' if len(model) == 1 else 'them'} "
+           f"in the spec's sampling section, or model.generation_config: msinfer, to keep the run's)" if model else "")
+    raise OutputError(f"{output} holds results of a run with other settings ({shown}{more}){why}. A re-run skips "
                       f"the records it holds, so they would keep the other settings' results. Run with --overwrite "
                       f"to compute every record with these settings, or write to another output.path")
 
@@ -1076,14 +1079,14 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         id_key = "custom_id" if plan.output_format == "openai" else "id"
         redo = frozenset()
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
-            check_same_settings(spec.output.path, settings)
+            check_same_settings(spec.output.path, settings, plan.sampling_from_model)
             redo = changed_records(spec, id_key, retry_failed, redo_changed)
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
                               retry_failed=retry_failed, redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings
-        if plan.model_sampling:             # (as vLLM warns of it)
-            print(f"msinfer: note: {plan.model_sampling}", file=sys.stderr, flush=True)
+        if plan.sampling_from_model:        # (as vLLM warns of it)
+            print(f"msinfer: note: {sampling_note(spec, plan.sampling_from_model)}", file=sys.stderr, flush=True)
         if spec.output.metrics_port is not None:
             from msinfer.launcher.metrics import JobMetrics
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)

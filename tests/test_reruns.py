@@ -91,6 +91,11 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
         check_same_settings(str(out), {**before, "model": {"lora": {"adapter": "ab12"}, "dtype": "float32"}})
     with pytest.raises(OutputError, match=r"sampling.temperature 0.0 then, 0.5 now"):
         check_same_settings(str(out), {**before, "sampling": {"temperature": 0.5, "include_stop_str_in_output": False}})
+    # a run from before msinfer took the model's recommended sampling: the message says where it comes from
+    with pytest.raises(OutputError, match=r"\(sampling.temperature 0.0 then, 0.6 now\) \(sampling.temperature now "
+                                          r"from the model's generation_config.json: set it in the spec's sampling "
+                                          r"section, or model.generation_config: msinfer, to keep the run's\)"):
+        check_same_settings(str(out), {**before, "sampling": {"temperature": 0.6}}, ("temperature", "top_p"))
 
 
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):

@@ -53,6 +53,7 @@ class RecordState:
     samples: Samples | None = None      # its record's n samples, n > 1
     stop_matcher: StopStringMatcher | None = None   # its stop strings
     cut_text: str | None = None         # its output text, cut before the stop string it hit
+    context: tuple | None = None        # the prompt's last tokens and text its output is decoded after
     logprobs: list = dataclasses.field(default_factory=list)    # per generated token: (logprob, [(token, logprob)])
     continuation_logprobs: list = dataclasses.field(default_factory=list)   # scoring: per continuation token
     # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
@@ -220,7 +221,7 @@ class RecordCodec:
         out = len(seq.output_token_ids)
         if seq.record.stop_matcher is None or seq.is_finished or not out or out < seq.sampling.min_tokens:
             return False
-        text = self.tok.decode(seq.text_token_ids)
+        text = self.decoded(seq)
         cut = seq.record.stop_matcher.check(text)
         if cut is None:
             return False
@@ -228,7 +229,13 @@ class RecordCodec:
         return True
 
     def text(self, seq: Sequence) -> str:
-        return seq.record.cut_text if seq.record.cut_text is not None else self.tok.decode(seq.text_token_ids)
+        return seq.record.cut_text if seq.record.cut_text is not None else self.decoded(seq)
+
+    def decoded(self, seq: Sequence) -> str:
+        """Its completion's text, decoded after its prompt's last tokens (Tokenizer.decode_after)."""
+        if seq.record.context is None:
+            seq.record.context = self.tok.context(seq.prompt_token_ids)
+        return self.tok.decode_after(seq.record.context, seq.text_token_ids)
 
     # ---- results out ----------------------------------------------------------------------------
     def result(self, seq: Sequence) -> Done:

@@ -49,6 +49,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:
+        """The prompt's last tokens that a completion is decoded after (`decode_after`), and their
+        text: 4 or more, as vLLM primes its detokenizer, so that no character is cut in two."""
+        n = len(prompt_ids)
+        for k in range(min(4, n), min(n, CONTEXT_TOKENS) + 1):
+            tail = list(prompt_ids[n - k:])
+            text = self.decode(tail)
+            if "\ufffd" not in text:
+                return tail, text
+        return [], ""
+
+    def decode_after(self, context: tuple[list[int], str], ids: Sequence[int]) -> str:
+        """A completion's text as it reads after its prompt (`context`): a SentencePiece
+        tokenizer (Llama 2, Mistral) drops the space of a sequence's first word, which a
+        completion's first token has when it continues the prompt (" Paris" after "The capital of
+        France is"); decoding it after the prompt's last tokens keeps it, as vLLM's detokenizer
+        does. A byte-level BPE gives the same text either way."""
+        tail, before = context
+        if tail:
+            text = self.decode(tail + list(ids))
+            if text.startswith(before):
+                return text[len(before):]
+        return self.decode(ids)
+
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
         """The messages through the chat template, as vLLM renders a chat request: `kwargs` the
@@ -138,6 +162,11 @@ def _ids(x: Any) -> list[int]:
     if x and isinstance(x[0], (list, tuple)):
         x = list(x[0])
     return [int(t) for t in x]
+
+
+# prompt tokens a completion is decoded after at most (Tokenizer.context), as vLLM primes its
+# detokenizer with at most 24 (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer)
+CONTEXT_TOKENS = 24
 
 
 class StopStringMatcher:

@@ -303,3 +303,37 @@ def test_chat_template_variables_and_switches_reach_the_template_as_in_vllm(tmp_
     rec = parse_openai({"custom_id": "c", "url": "/v1/completions",
                         "body": {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}}, 6)
     assert "unknown body key 'chat_template_kwargs'" in rec.error
+
+
+def test_a_completion_keeps_the_space_before_its_first_word_after_a_sentencepiece_prompt(tmp_path, tok):
+    """A SentencePiece tokenizer (Llama 2, Mistral: Metaspace, the first word's space stripped as
+    a sequence is decoded) gave "Paris" for the completion of "The capital of France is", whose
+    text joined to the prompt lost its space; decoded after the prompt's last tokens it is
+    " Paris", as vLLM's detokenizer gives. A byte-level BPE's completion text is unchanged."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    raw = RawTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator(["the capital of France is Paris", "hello world"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "sp")
+    sp = load_tokenizer(tmp_path / "sp")
+    prompt = sp.encode("the capital of France is", add_special_tokens=False)
+    out = sp.encode("the capital of France is Paris", add_special_tokens=False)[len(prompt):]
+    assert sp.decode(out) == "Paris"                                   # the first word's space stripped
+    assert sp.decode_after(sp.context(prompt), out) == " Paris"
+    assert sp.decode_after(sp.context([]), out) == "Paris"             # no prompt to read it after
+    from msinfer.launcher.records import RecordCodec, RecordState
+    from msinfer.launcher.scheduler import Sequence
+    codec = RecordCodec.__new__(RecordCodec)                           # a result line's text, as the engine cuts it
+    codec.tok = sp
+    seq = Sequence(prompt)
+    seq.record, seq.output_token_ids = RecordState(), list(out)
+    assert codec.text(seq) == " Paris"
+    for text in ("hello world", "héllo wörld ✓", "be brief"):
+        ids = tok.encode(text, add_special_tokens=False)
+        p = tok.encode("the capital of France is", add_special_tokens=False)
+        assert tok.decode_after(tok.context(p), ids) == tok.decode(ids)

@@ -51,7 +51,7 @@ class Tokenizer:
 
     def context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:
         """The prompt's last tokens that a completion is decoded after (`decode_after`), and their
-        text: 4 or more, as vLLM primes its detokenizer, so that no character is cut in two."""
+        text: 4 or more (up to CONTEXT_TOKENS), so that no character is cut in two."""
         n = len(prompt_ids)
         for k in range(min(4, n), min(n, CONTEXT_TOKENS) + 1):
             tail = list(prompt_ids[n - k:])
@@ -164,8 +164,9 @@ def _ids(x: Any) -> list[int]:
     return [int(t) for t in x]
 
 
-# prompt tokens a completion is decoded after at most (Tokenizer.context), as vLLM primes its
-# detokenizer with at most 24 (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer)
+# prompt tokens a completion is decoded after at most (Tokenizer.context). vLLM primes its decode
+# stream with the prompt (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer; earlier
+# versions with its last 4 to 24 tokens); a decoder's word boundary needs only the last few.
 CONTEXT_TOKENS = 24
 
 

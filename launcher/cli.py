@@ -85,14 +85,16 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         from msinfer.worker.imports import own_process as mark
         mark()
     from msinfer.launcher.errors import JobFailed, LaunchError, StartupTimeout
-    from msinfer.launcher.job import USER_ERRORS, plan_job, run_job
+    from msinfer.launcher.job import USER_ERRORS, plan_job, resume_summary, run_job
 
     try:
         if args.command == "bench":
             from msinfer.launcher.bench import run_bench
             return run_bench(args)
         if args.command == "plan":
-            print(plan_job(spec, sizing=True).describe())
+            plan = plan_job(spec, sizing=True)
+            resume = resume_summary(plan)
+            print(plan.describe() + (f"\nresults     {resume}" if resume else ""))
             return 0
         if args.command == "merge":
             print(json.dumps(merge_job(spec)))

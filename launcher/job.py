@@ -27,8 +27,8 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
-from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_output, held_ids, read_input_digests,
-                                     read_summary, status_path, summary_path, write_json_atomic)
+from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids,
+                                     read_input_digests, read_summary, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
                                     dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
@@ -1056,6 +1056,32 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
                       f"--overwrite to compute every record again, or write to another output.path")
 
 
+def result_id_key(plan: Plan) -> str:
+    """The key of a result line that holds its record's id (launcher.writer.ResultWriter)."""
+    return "custom_id" if plan.output_format == "openai" else "id"
+
+
+def resume_summary(plan: Plan) -> str | None:
+    """`msinfer plan`'s word on the results file a run would resume (None: there is none yet): the
+    lines it holds, and whether `run` resumes after them or stops, its settings or records having
+    changed since (check_same_settings, changed_records)."""
+    out = Path(plan.spec.output.path)
+    if not out.is_file() or out.stat().st_size == 0:
+        return None
+    lines = errors = 0
+    with open(out, "rb") as f:
+        for raw in f:
+            lines += raw.endswith(b"\n")
+            errors += FAILED in raw
+    held = f"{out} holds {lines} result line(s)" + (f", {errors} of them errors" if errors else "")
+    try:
+        check_same_settings(str(out), result_settings(plan), plan.sampling_from_model)
+        changed_records(plan.spec, result_id_key(plan), False, False)
+    except OutputError as e:
+        return f"{held}; `run` would stop: {e}"
+    return f"{held}; `run` resumes after them (--overwrite starts over)"
+
+
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
             t_start: float | None = None, simulate=None, retry_failed: bool = False,
             redo_changed: bool = False) -> dict:
@@ -1076,12 +1102,11 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     started_ray = False
     try:
         settings = result_settings(plan)
-        id_key = "custom_id" if plan.output_format == "openai" else "id"
         redo = frozenset()
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings, plan.sampling_from_model)
-            redo = changed_records(spec, id_key, retry_failed, redo_changed)
-        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
+            redo = changed_records(spec, result_id_key(plan), retry_failed, redo_changed)
+        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, result_id_key(plan),
                               retry_failed=retry_failed, redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings

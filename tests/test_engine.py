@@ -365,10 +365,11 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
         demo, tmp_path, ray_local):
     """A re-run skips the ids its results file holds: a record edited since (or, where ids are line
     numbers, a .txt file whose lines moved) would keep the answer to its old input without a word.
-    The run stops naming them (exit 2, the file as it was); --redo-changed computes just those
-    again; lines appended to the input are only new records; --retry-failed's error lines are not
+    The run stops naming them (exit 2, the file as it was), and `msinfer plan` says it would;
+    --redo-changed computes just those again; lines appended to the input are only new records; --retry-failed's error lines are not
     counted as changed."""
     from msinfer.launcher.errors import OutputError
+    from msinfer.launcher.job import resume_summary
 
     def run(spec, **kw):
         return run_job(spec, progress=False, simulate=StandIn(step_ms=1.0), **kw)
@@ -377,8 +378,12 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
     records.append({"id": "bad", "prompt_token_ids": [10**6]})          # an error line
     assert run(job_spec(demo, tmp_path, records))["records_failed"] == 1
     written = (tmp_path / "out.jsonl").read_text()
+    assert resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False)) == (
+        f"{tmp_path / 'out.jsonl'} holds 4 result line(s), 1 of them errors; `run` resumes after them "
+        f"(--overwrite starts over)")                                   # what `msinfer plan` says
     records[1]["prompt_token_ids"] = [1, 2, 9, 9, 9]
     records[3]["prompt_token_ids"] = [1, 2]                              # fixed
+    assert "; `run` would stop: " in resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False))
     with pytest.raises(OutputError, match=r"out.jsonl holds results of 2 record\(s\) whose input in .*in.jsonl "
                                           r"changed since they were written: 'r1' \(line 2\), 'bad' \(line 4\)\. "
                                           r".* Run with --redo-changed"):

@@ -27,7 +27,7 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
-from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids,
+from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids, holds_results,
                                      read_input_digests, read_summary, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
@@ -984,8 +984,7 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
     settings' results. Nothing to compare (no results yet, or a file written before msinfer kept
     the settings in its status file): no check. from_model: the sampling keys now taken from the
     model's generation_config.json, which the message names (a run from before msinfer took them)."""
-    path = Path(output)
-    if not path.is_file() or path.stat().st_size == 0:
+    if not holds_results(output):
         return
     before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
     if not isinstance(before, dict):
@@ -1030,7 +1029,7 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     or written before msinfer kept them) is not checked. id_key: the key of a result line that
     holds its record's id (launcher.writer.ResultWriter)."""
     output = spec.output.path
-    if not Path(output).is_file() or Path(output).stat().st_size == 0:
+    if not holds_results(output):
         return frozenset()
     before = read_input_digests(output)
     if not before:
@@ -1066,7 +1065,7 @@ def resume_summary(plan: Plan) -> str | None:
     lines it holds, and whether `run` resumes after them or stops, its settings or records having
     changed since (check_same_settings, changed_records)."""
     out = Path(plan.spec.output.path)
-    if not out.is_file() or out.stat().st_size == 0:
+    if not holds_results(out):
         return None
     lines = errors = 0
     with open(out, "rb") as f:

@@ -47,6 +47,12 @@ def lock_path(output: str | Path) -> Path:
     return Path(f"{output}.lock")
 
 
+def holds_results(output: str | Path) -> bool:
+    """Whether the results file is there with something in it: what a re-run resumes and checks."""
+    path = Path(output)
+    return path.is_file() and path.stat().st_size > 0
+
+
 def inputs_path(output: str | Path) -> Path:
     return Path(f"{output}.inputs")
 

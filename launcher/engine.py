@@ -585,7 +585,7 @@ class Engine:
             text = self.codec.text(seq)
             key = stream_key(seq)
             done = self.streamed.get(key, 0)
-            if len(text) > done and not text.endswith("\ufffd"):
+            if len(text) > done:
                 new.append((key, text[done:]))
                 self.streamed[key] = len(text)
         if new:

@@ -232,10 +232,13 @@ class RecordCodec:
         return seq.record.cut_text if seq.record.cut_text is not None else self.decoded(seq)
 
     def decoded(self, seq: Sequence) -> str:
-        """Its completion's text, decoded after its prompt's last tokens (Tokenizer.decode_after)."""
+        """Its completion's text, decoded after its prompt's last tokens (Tokenizer.decode_after),
+        without a trailing U+FFFD: the bytes of a character that the tokens so far leave
+        incomplete (a sequence cut by max_new_tokens in the middle of an emoji), which vLLM's
+        detokenizer holds back and never writes; one in the middle stays."""
         if seq.record.context is None:
             seq.record.context = self.tok.context(seq.prompt_token_ids)
-        return self.tok.decode_after(seq.record.context, seq.text_token_ids)
+        return self.tok.decode_after(seq.record.context, seq.text_token_ids).rstrip("\ufffd")
 
     # ---- results out ----------------------------------------------------------------------------
     def result(self, seq: Sequence) -> Done:

@@ -337,3 +337,27 @@ def test_a_completion_keeps_the_space_before_its_first_word_after_a_sentencepiec
         ids = tok.encode(text, add_special_tokens=False)
         p = tok.encode("the capital of France is", add_special_tokens=False)
         assert tok.decode_after(tok.context(p), ids) == tok.decode(ids)
+
+
+def test_a_completion_cut_inside_a_character_ends_before_it_as_in_vllm(tok):
+    """max_new_tokens can end a completion between the bytes of one character (an emoji is 4
+    bytes, often 2-3 byte-level tokens): the text ended in U+FFFD, where vLLM's detokenizer holds
+    the incomplete bytes back and its text ends before them. One in the middle stays, as in vLLM."""
+    from msinfer.launcher.records import RecordCodec, RecordState
+    from msinfer.launcher.scheduler import Sequence
+    codec = RecordCodec.__new__(RecordCodec)
+    codec.tok = tok
+    prompt = tok.encode("Write an emoji:", add_special_tokens=False)
+    ids = tok.encode(" smile 😀 ok", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts, "the test tokenizer must split the emoji's bytes over tokens"
+
+    def text(out):
+        seq = Sequence(prompt)
+        seq.record, seq.output_token_ids = RecordState(), list(out)
+        return codec.text(seq)
+
+    assert text(ids[:cuts[0]]) == " smile "
+    assert text(ids) == " smile 😀 ok"
+    broken = ids[:cuts[0]] + tok.encode(" ok", add_special_tokens=False)   # the character never completed
+    assert text(broken) == tok.decode(broken) and "\ufffd" in text(broken)

@@ -301,10 +301,17 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
                    "bad_words": "bad_words", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
                    "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output"}
-OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store")
+OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store",
+                  "guided_decoding_backend")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
-OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None}
+OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None,
+                  "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                  "guided_whitespace_pattern": None}
+# vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
+# sampling.structured_outputs' names) or, before it, the guided_* keys
+OPENAI_STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                     "guided_grammar": "grammar", "structured_outputs": None}
 
 
 def parse_openai(obj: dict, n: int) -> Record:
@@ -351,7 +358,7 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     if chat and (error := _fill_chat(rec, body)):
         return error
     unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
-                                            *(CHAT_KEYS if chat else ()))]
+                                            *OPENAI_STRUCTURED, *(CHAT_KEYS if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
     if body.get("stream"):
@@ -361,12 +368,20 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         sampling["stop"] = [sampling["stop"]]
     if sampling.get("top_k") == -1:            # vLLM's "no top-k"
         sampling["top_k"] = 0
+    structured = {k: v for k, v in body.items() if k in OPENAI_STRUCTURED and v is not None}
     if body.get("response_format") is not None:
-        structured = _response_format(body["response_format"])
-        if isinstance(structured, str):
-            return structured
-        if structured:
-            sampling["structured_outputs"] = structured
+        rf = _response_format(body["response_format"])
+        if isinstance(rf, str):
+            return rf
+        if rf:
+            structured["response_format"] = rf
+    if len(structured) > 1:
+        return f"{' and '.join(map(repr, structured))} each constrain the output; give one"
+    for k, v in structured.items():
+        if k == "structured_outputs" and not isinstance(v, dict):
+            return f"'structured_outputs' must be an object such as {{\"json\": <schema>}}, got {_type(v)}"
+        sampling["structured_outputs"] = v if k in ("structured_outputs", "response_format") \
+            else {OPENAI_STRUCTURED[k]: v}
     logprobs = body.get("logprobs")
     if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
         rec.openai_logprobs = body.get("top_logprobs") or 0

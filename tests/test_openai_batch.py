@@ -51,6 +51,36 @@ def test_a_request_becomes_a_record_with_its_sampling():
 
 
 @pytest.mark.unit
+def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm():
+    """A batch file written for vLLM's run-batch gives structured outputs in vLLM's body keys: its
+    `structured_outputs` object, or before it guided_json / guided_regex / guided_choice /
+    guided_grammar. Each was an unknown key (a 400 for every line); now each is the record's
+    sampling.structured_outputs, and the record's output follows it."""
+    from msinfer.launcher.spec import SamplingSpec
+    msgs = [{"role": "user", "content": "Pick a color"}]
+    schema = {"type": "object", "properties": {"c": {"type": "string"}}}
+    for body, want in [({"guided_json": schema}, {"json": schema}),
+                       ({"guided_json": json.dumps(schema)}, {"json": json.dumps(schema)}),
+                       ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+                       ({"guided_choice": ["red", "blue"]}, {"choice": ["red", "blue"]}),
+                       ({"guided_grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+                       ({"structured_outputs": {"choice": ["red"]}}, {"choice": ["red"]}),
+                       ({"guided_json": schema, "guided_decoding_backend": "xgrammar"}, {"json": schema})]:
+        rec = parse_openai(request("g", {"messages": msgs, **body}), 1)
+        assert rec.error is None and rec.sampling == {"structured_outputs": want}, body
+        assert SamplingSpec().merge(rec.sampling, "g").structured_outputs is not None
+    two = parse_openai(request("g", {"messages": msgs, "guided_regex": "a", "response_format": {"type": "json_object"}}), 2)
+    assert two.error == "line 2: 'guided_regex' and 'response_format' each constrain the output; give one"
+    bad = parse_openai(request("g", {"messages": msgs, "structured_outputs": "json"}), 3)
+    assert bad.error == "line 3: 'structured_outputs' must be an object such as {\"json\": <schema>}, got str 'json'"
+    kept = parse_openai(request("g", {"messages": msgs, "skip_special_tokens": True, "truncate_prompt_tokens": None}), 4)
+    assert kept.error is None
+    for key, value in (("skip_special_tokens", False), ("truncate_prompt_tokens", 8)):
+        rec = parse_openai(request("g", {"messages": msgs, key: value}), 5)
+        assert rec.error == f"line 5: '{key}' is not supported by msinfer yet"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
     (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/embeddings"),
      "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),

@@ -32,13 +32,14 @@ def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] =
 class LLM:
     def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool = True,
-                 max_batch_size: int = 32, ray_address: str | None = None, **model_options):
+                 max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
+                 **model_options):
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
         spec = validate(JobSpec, {
             "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
             "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
             "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
-            "output": {"path": "in-memory-results.jsonl"},
+            "output": {"path": "in-memory-results.jsonl", "reasoning_parser": reasoning_parser},
             "scheduler": {"max_batch_size": max_batch_size},
             "ray": {"address": ray_address},
             "sampling": sampling,

@@ -26,7 +26,7 @@ from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
-from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
+from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
 from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids, holds_results,
                                      read_input_digests, read_summary, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
@@ -489,6 +489,15 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         raise SpecError(error)
     if tokenizer is not None and spec.input.chat_template:
         tokenizer.check_chat_template(spec.input.chat_template_kwargs)
+    if parser := spec.output.reasoning_parser:
+        if spec.task == "score":
+            raise SpecError(f"output.reasoning_parser '{parser}' splits generated text, and task: score generates "
+                            f"none; leave it unset")
+        if tokenizer is None:
+            raise SpecError(f"output.reasoning_parser '{parser}' splits a completion's text, and the model has no "
+                            f"tokenizer in {spec.model.tokenizer_path} to decode it with")
+        if error := check_reasoning_tokens(tokenizer, parser):
+            raise SpecError(error)
     if check_io:
         check_input(spec.input.path)
         check_output(spec.output.path, keep_folder=make_output)
@@ -949,10 +958,10 @@ def result_settings(plan: Plan) -> dict:
     """What a job's result lines depend on besides their records: the checkpoint (its config.json,
     its weight files' names and sizes, its tokenizer's files and chat template, so that a model
     moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
-    (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults
-    and the output format. Not max_model_len: a record that fits gives the same tokens under any,
-    and raising it for the records too long before is what --retry-failed is for. Kept in the
-    status file (`JobRun.write_status`)."""
+    (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults,
+    the output format and the reasoning parser. Not max_model_len: a record that fits gives the
+    same tokens under any, and raising it for the records too long before is what --retry-failed
+    is for. Kept in the status file (`JobRun.write_status`)."""
     import hashlib
 
     def identity(folder, *files: str, weights: bool = False) -> str:
@@ -975,7 +984,8 @@ def result_settings(plan: Plan) -> dict:
                                                                                   weights=True),
                                                          "scale": lora.scale}},
             "input": {"chat_template": s.input.chat_template, "chat_template_kwargs": s.input.chat_template_kwargs},
-            "sampling": s.sampling.model_dump(mode="json"), "output": {"format": plan.output_format}}
+            "sampling": s.sampling.model_dump(mode="json"),
+            "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser}}
 
 
 def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> None:

@@ -67,8 +67,10 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
                         "top_logprobs": [{token_text(a): v for a, v, *_ in e["top"][:top_logprobs]} for e in entries],
                         "text_offset": offsets}
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": out["finish_reason"]}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
+            message.update(content=text or None, reasoning=out["reasoning"])
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
 
 

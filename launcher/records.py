@@ -17,7 +17,7 @@ from typing import NamedTuple
 from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.scheduler import Sequence, fits
-from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer
+from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer, split_reasoning
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
 
@@ -54,6 +54,8 @@ class RecordState:
     stop_matcher: StopStringMatcher | None = None   # its stop strings
     cut_text: str | None = None         # its output text, cut before the stop string it hit
     context: tuple | None = None        # the prompt's last tokens and text its output is decoded after
+    # output.reasoning_parser applies (a chat completion): whether its template had thinking on; None: it does not
+    thinking: bool | None = None
     logprobs: list = dataclasses.field(default_factory=list)    # per generated token: (logprob, [(token, logprob)])
     continuation_logprobs: list = dataclasses.field(default_factory=list)   # scoring: per continuation token
     # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
@@ -75,6 +77,7 @@ class RecordCodec:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
         self.eos = tuple(eos)
         self.openai = output_format == "openai"
+        self.reasoning = spec.output.reasoning_parser if tokenizer is not None else None
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
         self.model_name = os.path.basename(os.path.normpath(spec.model.path))
         self.texts: dict[int, str] = {}           # token id -> its text (`token_text`)
@@ -106,6 +109,7 @@ class RecordCodec:
                 sampling = self.complete(params, rec)
                 if merged is spec.sampling:
                     self.defaults = (merged, sampling)
+            thinking = None
             if self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
@@ -115,8 +119,9 @@ class RecordCodec:
                 # a scored prompt is scored as it is written (a template would change what is
                 # scored), and an OpenAI completions request's prompt is sent as written
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
-                ids = self.tok.encode_record(rec, spec.input.chat_template and not scored and rec.openai is None,
-                                             spec.input.chat_template_kwargs)
+                template = spec.input.chat_template and not scored and rec.openai is None
+                ids = self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)
+                thinking = self.thinking(rec, template)
             continuation = self.continuation(rec)
             ids = ids + continuation
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -144,7 +149,7 @@ class RecordCodec:
             seq.num_score_tokens = len(continuation)
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
-            seq.record = RecordState(serial, request, t_added=now, stop_matcher=stops)
+            seq.record = RecordState(serial, request, t_added=now, stop_matcher=stops, thinking=thinking)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
@@ -152,6 +157,18 @@ class RecordCodec:
                 seq.record.samples = samples
                 seq.prefix_wait = seq is not seqs[0]    # the prompt is prefilled once, by the first
         return seqs
+
+    def thinking(self, rec: Record, template: bool) -> bool | None:
+        """For output.reasoning_parser: whether the record's chat template rendered with thinking on
+        (its chat_template_kwargs' enable_thinking, over the job's); None where no parser applies:
+        none is set, or the prompt is not a chat (token ids, text without the template), as vLLM's
+        parsers apply to chat completions only."""
+        if self.reasoning is None or rec.prompt_token_ids is not None:
+            return None
+        if rec.messages is None and not (template and self.tok.has_chat_template):
+            return None
+        kwargs = {**self.spec.input.chat_template_kwargs, **(rec.chat or {}).get("chat_template_kwargs", {})}
+        return kwargs.get("enable_thinking", True) is not False
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:
         """A record's sampling with what the workers need from the tokenizer and the model: its
@@ -252,13 +269,13 @@ class RecordCodec:
                                                               seq.num_prompt_tokens - n))
         extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
         result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
-                           seq.finish_reason, seq.num_prompt_tokens, extra)
+                           seq.finish_reason, seq.num_prompt_tokens, extra, self.parsed(seq))
         return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens)
 
     def samples_result(self, samples: Samples) -> Done:
         """The one result of a record's n samples: `outputs`, one entry per sample in order."""
         first = samples.seqs[0]
-        outputs = [{"index": i, **({"output_text": self.text(seq)} if self.tok is not None else {}),
+        outputs = [{"index": i, **(text_fields(self.text(seq), self.parsed(seq)) if self.tok is not None else {}),
                     "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
                     "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
                    for i, seq in enumerate(samples.seqs)]
@@ -267,6 +284,12 @@ class RecordCodec:
                   "error": None}
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs))
+
+    def parsed(self, seq: Sequence) -> tuple[str | None, str | None] | None:
+        """Its text as (reasoning, content) where output.reasoning_parser applies, else None."""
+        if seq.record.thinking is None:
+            return None
+        return split_reasoning(self.reasoning, self.text(seq), seq.record.thinking)
 
     def logprob_entry(self, token: int, lp: float, top: list) -> dict:
         """One token's `logprobs` entry: its id, its text (with a tokenizer), its log-probability,
@@ -316,12 +339,23 @@ class RecordCodec:
 
 # ---- result lines -------------------------------------------------------------------------------
 
+def text_fields(text: str, parsed: tuple | None) -> dict:
+    """A result's `output_text`, and with output.reasoning_parser (`parsed`: (reasoning, content))
+    its `reasoning` beside it: the text after the reasoning ("" where there is none), and the
+    reasoning (None where there is none)."""
+    if parsed is None:
+        return {"output_text": text}
+    reasoning, content = parsed
+    return {"output_text": content or "", "reasoning": reasoning}
+
+
 def ok_result(id: str, token_ids: list[int], text: str | None, finish_reason: str, prompt_tokens: int,
-              extra: dict | None = None) -> dict:
-    """`output_text` only when there is a tokenizer to decode with (`text` is not None)."""
+              extra: dict | None = None, parsed: tuple | None = None) -> dict:
+    """`output_text` only when there is a tokenizer to decode with (`text` is not None); `parsed`
+    (text_fields) where output.reasoning_parser applies."""
     result = {"id": id}
     if text is not None:
-        result["output_text"] = text
+        result.update(text_fields(text, parsed))
     result.update(output_token_ids=list(token_ids), finish_reason=finish_reason, prompt_tokens=prompt_tokens,
                   completion_tokens=len(token_ids))
     result.update(extra or {})

@@ -197,3 +197,38 @@ class StopStringMatcher:
             return None
         i, k = min(hits)            # the earliest; of those starting together, the first listed
         return i + len(self.stop[k]) if self.include else i
+
+
+# output.reasoning_parser: vLLM's parsers of the same names, for the models that write their
+# reasoning between <think> and </think> before the answer
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    """A chat completion's text as (reasoning, content), as vLLM's reasoning parsers split it
+    (vllm/reasoning: BaseThinkingReasoningParser for deepseek_r1, Qwen3ReasoningParser): a <think>
+    the model wrote is dropped (a template may open it in the prompt instead); the text before
+    </think> is the reasoning and the rest the content (None where empty). Without </think>:
+    qwen3 with thinking off (chat_template_kwargs enable_thinking false) gives it all as content;
+    otherwise it is all reasoning, cut before the model finished thinking."""
+    before, start, after = text.partition(THINK_START)
+    text = after if start else before
+    if THINK_END in text:
+        reasoning, _, content = text.partition(THINK_END)
+        return reasoning, content or None
+    if parser == "qwen3" and not thinking:
+        return None, text
+    return text, None
+
+
+def check_reasoning_tokens(tok: Tokenizer, parser: str) -> str | None:
+    """The problem with splitting this tokenizer's outputs with `parser`, or None: vLLM's parsers
+    need <think> and </think> as tokens of their own, which the text keeps as it is decoded."""
+    missing = [t for t in (THINK_START, THINK_END)
+               if len(ids := tok.encode(t, add_special_tokens=False)) != 1 or tok.decode(ids) != t]
+    if missing:
+        return (f"output.reasoning_parser '{parser}' splits a completion at {THINK_START} and {THINK_END}, but the "
+                f"tokenizer in {tok.path} has no token {' or '.join(missing)} that its text keeps: the model does not "
+                f"write its reasoning so; leave output.reasoning_parser unset")
+    return None

@@ -1,0 +1,119 @@
+"""output.reasoning_parser: a chat completion's <think> text apart from its answer, as vLLM's
+reasoning parsers of the same names split it, in msinfer's result lines and OpenAI's."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from msinfer.launcher.tokenizer import load_tokenizer, split_reasoning
+from tests.checkpoints import build_tokenizer
+
+# Qwen3's template in small: thinking off puts an empty <think></think> in the prompt
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_tok_dir(tmp_path_factory):
+    """The test tokenizer with <think> and </think> as tokens of their own that are not special
+    (the text keeps them), as Qwen3's and DeepSeek-R1's tokenizers have them."""
+    from transformers import AutoTokenizer
+    folder = build_tokenizer(tmp_path_factory.mktemp("think"), THINK_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_tokens(["<think>", "</think>"])
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("parser, text, thinking, want", [
+    ("qwen3", "<think>\nplan\n</think>\n\nParis", True, ("\nplan\n", "\n\nParis")),
+    ("qwen3", "plan</think>Paris", True, ("plan", "Paris")),              # <think> opened in the prompt
+    ("qwen3", "<think>plan</think>", True, ("plan", None)),                # stopped right after thinking
+    ("qwen3", "<think>still thinking", True, ("still thinking", None)),   # cut by max_new_tokens
+    ("qwen3", "Paris", True, ("Paris", None)),
+    ("qwen3", "Paris", False, (None, "Paris")),                           # enable_thinking false
+    ("qwen3", "a</think>b</think>c", False, ("a", "b</think>c")),
+    ("deepseek_r1", "plan</think>Paris", True, ("plan", "Paris")),
+    ("deepseek_r1", "Paris", False, ("Paris", None)),                      # R1 has no switch
+])
+def test_a_completion_splits_where_vllms_parser_splits_it(parser, text, thinking, want):
+    assert split_reasoning(parser, text, thinking) == want
+
+
+def test_result_lines_carry_the_reasoning_beside_the_answer_for_chat_prompts_only(think_tok_dir):
+    from msinfer.launcher.inputs import parse_openai, parse_record
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    tok = load_tokenizer(think_tok_dir)
+
+    def codec(fmt="msinfer", **output):
+        spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
+                                       "output": {"path": "out.jsonl", "reasoning_parser": "qwen3", **output}})
+        return RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,)), tok, fmt)
+
+    def done(c, rec, text, finish="stop"):
+        """The record's result line once each of its sequences has generated `text`."""
+        seqs = c.sequences(rec, 0)
+        for seq in seqs:
+            seq.output_token_ids, seq.finish_reason = tok.encode(text, add_special_tokens=False), finish
+        return json.loads((c.samples_result(seqs[0].record.samples) if len(seqs) > 1 else c.result(seqs[0])).line)
+
+    msgs = [{"role": "user", "content": "hello world"}]
+    line = done(codec(), parse_record({"id": "a", "messages": msgs}, 1), "<think>be brief</think>Paris")
+    assert (line["output_text"], line["reasoning"]) == ("Paris", "be brief")
+    assert line["output_token_ids"] == tok.encode("<think>be brief</think>Paris", add_special_tokens=False)
+    cut = done(codec(), parse_record({"id": "b", "prompt": "hello world"}, 2), "<think>be brief", "length")
+    assert (cut["output_text"], cut["reasoning"]) == ("", "be brief")
+    off = parse_record({"id": "c", "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}, 3)
+    plain = done(codec(), off, "Paris")
+    assert (plain["output_text"], plain["reasoning"]) == ("Paris", None)       # thinking off: all answer
+    ids = parse_record({"id": "d", "prompt_token_ids": tok.encode("hello world")}, 4)   # not a chat: as written
+    raw = done(codec(), ids, "<think>be brief</think>Paris")
+    assert raw["output_text"] == "<think>be brief</think>Paris" and "reasoning" not in raw
+    two = done(codec(), parse_record({"id": "e", "messages": msgs, "sampling": {"n": 2, "temperature": 1}}, 5),
+               "be brief</think>Paris")
+    assert [(o["output_text"], o["reasoning"]) for o in two["outputs"]] == [("Paris", "be brief")] * 2
+
+    def request(custom_id, body, url="/v1/chat/completions"):
+        return parse_openai({"custom_id": custom_id, "url": url, "body": body}, 1)
+
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    chat = done(codec("openai"), request("q", {"messages": msgs}), "<think>be brief</think>Paris")["response"]["body"]
+    message = ChatCompletion.model_validate(chat).choices[0].message
+    assert (message.content, message.reasoning) == ("Paris", "be brief")
+    thought = done(codec("openai"), request("r", {"messages": msgs}), "be brief", "length")["response"]["body"]
+    assert thought["choices"][0]["message"] == {"role": "assistant", "content": None, "refusal": None,
+                                                     "reasoning": "be brief"}
+    text = done(codec("openai"), request("s", {"prompt": "hello"}, "/v1/completions"), "<think>a</think>b")
+    assert Completion.model_validate(text["response"]["body"]).choices[0].text == "<think>a</think>b"
+    unset = done(codec(reasoning_parser=None), parse_record({"id": "f", "messages": msgs}, 6), "<think>a</think>b")
+    assert unset["output_text"] == "<think>a</think>b" and "reasoning" not in unset
+
+
+def test_plan_refuses_a_reasoning_parser_for_a_tokenizer_without_think_tokens(checkpoint, think_tok_dir, tmp_path):
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job, result_settings
+    from msinfer.launcher.spec import JobSpec
+    path = str(checkpoint("llama_gqa_tied"))
+
+    def spec(**extra):
+        return JobSpec.model_validate({"model": {"path": path, "max_model_len": 512, **extra.pop("model", {})},
+                                       "input": {"path": "in.jsonl"}, **extra,
+                                       "output": {"path": "out.jsonl", "reasoning_parser": "deepseek_r1"}})
+
+    with pytest.raises(SpecError, match=r"output.reasoning_parser 'deepseek_r1' splits a completion at <think> and "
+                                        r"</think>, but the tokenizer in .* has no token <think> or </think>"):
+        plan_job(spec(model={"tokenizer": str(build_tokenizer(tmp_path / "plain"))}), check_io=False)
+    with pytest.raises(SpecError, match=r"output.reasoning_parser 'deepseek_r1' splits a completion's text, and the "
+                                        r"model has no tokenizer in"):
+        plan_job(spec(), check_io=False)
+    with pytest.raises(SpecError, match=r"output.reasoning_parser 'deepseek_r1' splits generated text, and task: "
+                                        r"score generates none"):
+        plan_job(spec(task="score", model={"tokenizer": str(think_tok_dir)}), check_io=False)
+    plan = plan_job(spec(model={"tokenizer": str(think_tok_dir)}), check_io=False)
+    assert result_settings(plan)["output"]["reasoning_parser"] == "deepseek_r1"

@@ -164,15 +164,15 @@ def merge_job(spec) -> dict:
     """`msinfer merge`: the shards of spec's input.shard (K/N, or auto under a Slurm array) merged
     into output.path (launcher.shards.merge_shards)."""
     from msinfer.launcher.errors import SpecError
-    from msinfer.launcher.inputs import is_openai_batch, read_records
+    from msinfer.launcher.inputs import read_records
+    from msinfer.launcher.job import resolve_output_format, result_id_key
     from msinfer.launcher.shards import merge_shards, resolve_shard
     shard = resolve_shard(spec.input.shard)
     if shard is None:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
                         "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
-    openai = spec.output.format == "openai" or (spec.output.format == "auto" and is_openai_batch(spec.input.path))
     ids = [r.id for r in read_records(spec.input.path)]
-    return merge_shards(ids, spec.output.path, shard[1], "custom_id" if openai else "id")
+    return merge_shards(ids, spec.output.path, shard[1], result_id_key(resolve_output_format(spec)))
 
 
 def entry() -> int:

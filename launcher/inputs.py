@@ -307,7 +307,7 @@ OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None,
                   "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-                  "guided_whitespace_pattern": None}
+                  "guided_whitespace_pattern": None, "include_reasoning": True}
 # vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
 # sampling.structured_outputs' names) or, before it, the guided_* keys
 OPENAI_STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

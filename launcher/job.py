@@ -564,9 +564,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         notes.append("the folder holds no weights yet: every figure comes from config.json; `msinfer run` needs the "
                      "*.safetensors")
     notes.append(verification_note(device, emulate, spec.model.ops))
-    output_format = spec.output.format
-    if output_format == "auto":
-        output_format = "openai" if check_io and is_openai_batch(spec.input.path) else "msinfer"
+    output_format = resolve_output_format(spec, check_io)
     if output_format == "openai" and spec.task == "score":
         raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
                         "msinfer")
@@ -1065,9 +1063,17 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
                       f"--overwrite to compute every record again, or write to another output.path")
 
 
-def result_id_key(plan: Plan) -> str:
+def resolve_output_format(spec: JobSpec, check_io: bool = True) -> str:
+    """output.format, `auto` resolved: openai for an OpenAI Batch API input file (without
+    `check_io`, no input file is read: msinfer)."""
+    if spec.output.format != "auto":
+        return spec.output.format
+    return "openai" if check_io and is_openai_batch(spec.input.path) else "msinfer"
+
+
+def result_id_key(output_format: str) -> str:
     """The key of a result line that holds its record's id (launcher.writer.ResultWriter)."""
-    return "custom_id" if plan.output_format == "openai" else "id"
+    return "custom_id" if output_format == "openai" else "id"
 
 
 def resume_summary(plan: Plan) -> str | None:
@@ -1085,7 +1091,7 @@ def resume_summary(plan: Plan) -> str | None:
     held = f"{out} holds {lines} result line(s)" + (f", {errors} of them errors" if errors else "")
     try:
         check_same_settings(str(out), result_settings(plan), plan.sampling_from_model)
-        changed_records(plan.spec, result_id_key(plan), False, False)
+        changed_records(plan.spec, result_id_key(plan.output_format), False, False)
     except OutputError as e:
         return f"{held}; `run` would stop: {e}"
     return f"{held}; `run` resumes after them (--overwrite starts over)"
@@ -1110,12 +1116,12 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     writer = job = metrics = None
     started_ray = False
     try:
-        settings = result_settings(plan)
+        settings, id_key = result_settings(plan), result_id_key(plan.output_format)
         redo = frozenset()
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings, plan.sampling_from_model)
-            redo = changed_records(spec, result_id_key(plan), retry_failed, redo_changed)
-        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, result_id_key(plan),
+            redo = changed_records(spec, id_key, retry_failed, redo_changed)
+        writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
                               retry_failed=retry_failed, redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
         job.settings = settings

@@ -31,7 +31,7 @@ def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] =
 
 class LLM:
     def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
-                 max_model_len: int | None = None, device: str = "auto", chat_template: bool = True,
+                 max_model_len: int | None = None, device: str = "auto", chat_template: bool | str = True,
                  max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
                  **model_options):
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}

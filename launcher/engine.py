@@ -223,8 +223,8 @@ class Engine:
         spec, ec = setup.spec, setup.engine_config
         self.setup = setup
         self.index, self.stream = index, setup.stream
-        tok = tokenizer if tokenizer is not False else load_tokenizer(spec.model.tokenizer_path,
-                                                                      spec.model.trust_remote_code)
+        tok = tokenizer if tokenizer is not False else load_tokenizer(
+            spec.model.tokenizer_path, spec.model.trust_remote_code, spec.input.template_text())
         self.codec = RecordCodec(spec, setup.model, tok, setup.output_format)
         self.scheduler = Scheduler(ec.blocks(), ec.block_size, spec.scheduler.max_batch_size,
                                    spec.scheduler.max_batched_tokens, ec.max_model_len,

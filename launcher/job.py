@@ -129,12 +129,14 @@ class Plan:
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
 
 
-def template_summary(has_template: bool, chat_template: bool) -> str:
-    """Which records the tokenizer's chat template applies to (launcher.records, docs/spec.md)."""
+def template_summary(has_template: bool, chat_template: bool | str) -> str:
+    """Which records the chat template applies to (launcher.records, docs/spec.md)."""
     if not has_template:
-        return "the tokenizer has no chat template: prompts are encoded as written; 'messages' records fail"
-    return ("chat template on 'messages' records and on 'prompt' text of generated records"
-            if chat_template else "chat template on 'messages' records only (input.chat_template: false)") + (
+        return ("the tokenizer has no chat template: prompts are encoded as written; 'messages' records fail "
+                "(input.chat_template can give one)")
+    which = "chat template" if isinstance(chat_template, bool) else "the chat template of input.chat_template"
+    return (f"{which} on 'messages' records and on 'prompt' text of generated records"
+            if chat_template else f"{which} on 'messages' records only (input.chat_template: false)") + (
         "; never on prompt_token_ids, nor on scored prompts (they are scored as written)")
 
 
@@ -484,7 +486,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
-    tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code)
+    tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code, spec.input.template_text())
     if error := check_chat({"chat_template_kwargs": spec.input.chat_template_kwargs}, "input."):
         raise SpecError(error)
     if tokenizer is not None and spec.input.chat_template:
@@ -981,7 +983,9 @@ def result_settings(plan: Plan) -> dict:
                       "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json",
                                                                                   weights=True),
                                                          "scale": lora.scale}},
-            "input": {"chat_template": s.input.chat_template, "chat_template_kwargs": s.input.chat_template_kwargs},
+            "input": {"chat_template": s.input.chat_template if s.input.template_text() is None else
+                      "sha256:" + hashlib.sha256(s.input.chat_template.encode()).hexdigest()[:16],
+                      "chat_template_kwargs": s.input.chat_template_kwargs},
             "sampling": s.sampling.model_dump(mode="json"),
             "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser}}
 

@@ -119,7 +119,7 @@ class RecordCodec:
                 # a scored prompt is scored as it is written (a template would change what is
                 # scored), and an OpenAI completions request's prompt is sent as written
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
-                template = spec.input.chat_template and not scored and rec.openai is None
+                template = bool(spec.input.chat_template) and not scored and rec.openai is None
                 ids = self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)
                 thinking = self.thinking(rec, template)
             continuation = self.continuation(rec)

@@ -128,7 +128,10 @@ class ParallelSpec(Section):
 
 class InputSpec(Section):
     path: str
-    chat_template: bool = True
+    # true: the tokenizer's chat template; false: only for 'messages' records; or a template of
+    # one's own, as vLLM's --chat-template takes it: a Jinja file's path (read here, so that the
+    # spec carries its text to every engine) or the template's text
+    chat_template: bool | str = True
     # variables of the chat template for every record it renders (Qwen3: {enable_thinking: false}),
     # as vLLM's chat_template_kwargs; a record's own chat_template_kwargs go over them
     chat_template_kwargs: dict[str, Any] = {}
@@ -149,6 +152,25 @@ class InputSpec(Section):
         from msinfer.launcher.shards import parse_shard
         k, n = parse_shard(value)
         return f"{k}/{n}"
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: bool | str, info: ValidationInfo) -> bool | str:
+        if isinstance(value, bool) or any(c in value for c in "{}\n"):  # (as vLLM tells a template from a path)
+            return value
+        path = _expand(cls, value, info)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"expected true, false, a Jinja template or its file; '{value}' is not a template and "
+                             f"{path} does not read as a file ({getattr(e, 'strerror', None) or e})") from None
+        if not text.strip():
+            raise ValueError(f"the chat template file {path} is empty")
+        return text
+
+    def template_text(self) -> str | None:
+        """The chat template of the spec's own (chat_template as text), None for the tokenizer's."""
+        return None if isinstance(self.chat_template, bool) else self.chat_template
 
     @field_validator("path")
     @classmethod

@@ -18,15 +18,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt")
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Tokenizer | None:
-    """None when the folder holds no tokenizer files (results then carry token ids only)."""
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None
+                   ) -> Tokenizer | None:
+    """None when the folder holds no tokenizer files (results then carry token ids only).
+    `chat_template`: a template's text in place of the tokenizer's own (input.chat_template)."""
     path = Path(path)
     if not path.is_dir():
         raise TokenizerError(f"tokenizer folder {path} does not exist (model.tokenizer, or model.path when "
                              f"model.tokenizer is null)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    return Tokenizer(path, trust_remote_code)
+    tok = Tokenizer(path, trust_remote_code)
+    if chat_template is not None:
+        tok.tok.chat_template = chat_template
+        tok.has_chat_template = True
+    return tok
 
 
 class Tokenizer:
@@ -112,7 +118,7 @@ class Tokenizer:
             return list(record.prompt_token_ids)
         if record.messages is not None and not self.has_chat_template:
             raise RecordError(f"{where}: has 'messages', but the tokenizer in {self.path} has no chat template; "
-                              f"give the prompt as 'prompt' text instead")
+                              f"give one as input.chat_template (a Jinja file), or the prompt as 'prompt' text")
         if record.messages is None and record.prompt is None:
             raise RecordError(f"{where}: has no prompt to encode")
         own = record.chat or {}

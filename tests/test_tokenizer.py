@@ -361,3 +361,51 @@ def test_a_completion_cut_inside_a_character_ends_before_it_as_in_vllm(tok):
     assert text(ids) == " smile 😀 ok"
     broken = ids[:cuts[0]] + tok.encode(" ok", add_special_tokens=False)   # the character never completed
     assert text(broken) == tok.decode(broken) and "\ufffd" in text(broken)
+
+
+def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_template_flag(tmp_path):
+    """A checkpoint whose tokenizer has no chat template (a base or older fine-tuned model) failed
+    every 'messages' record; input.chat_template takes a template of one's own as vLLM's
+    --chat-template does: a Jinja file (relative to the spec's folder) or the template's text. It
+    renders for every engine (the spec carries its text), is checked by plan, and counts among a
+    run's settings."""
+    from types import SimpleNamespace
+
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.inputs import parse_record
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import load_spec
+    bare = build_tokenizer(tmp_path / "bare", chat_template=None)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    (tmp_path / "chat.jinja").write_text(template)
+    job = tmp_path / "job.yaml"
+
+    def spec(chat_template):
+        job.write_text(json.dumps({"model": {"path": str(tmp_path), "tokenizer": str(bare), "max_model_len": 512},
+                                   "input": {"path": "in.jsonl", "chat_template": chat_template},
+                                   "output": {"path": "out.jsonl"}}))
+        return load_spec(job)
+
+    def prompt_ids(s, record):
+        tok = load_tokenizer(bare, chat_template=s.input.template_text())
+        codec = RecordCodec(s, SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,)), tok)
+        out = codec.sequences(parse_record(record, 1), 0)
+        return out[0].prompt_token_ids if isinstance(out, list) else json.loads(out.line)["error"]["message"]
+
+    chat = {"id": "m", "messages": [{"role": "user", "content": "hello world"}]}
+    want = load_tokenizer(bare).encode("[user] hello world\n[assistant]", add_special_tokens=False)
+    from_file = spec("chat.jinja")                               # relative to the spec's folder
+    assert from_file.input.chat_template == template
+    assert prompt_ids(from_file, chat) == want
+    assert prompt_ids(spec(template), chat) == want              # the text itself
+    assert prompt_ids(from_file, {"id": "p", "prompt": "hello world"}) == want
+    assert "give one as input.chat_template" in prompt_ids(spec(True), chat)
+    with pytest.raises(SpecError, match=r"input.chat_template: .*'missing.jinja' is not a template and .*missing.jinja "
+                                        r"does not read as a file"):
+        spec("missing.jinja")
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(SpecError, match=r"the chat template file .*empty.jinja is empty"):
+        spec("empty.jinja")
+    broken = spec("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(TokenizerError, match="fails on a plain user message"):
+        load_tokenizer(bare, chat_template=broken.input.template_text()).check_chat_template()

@@ -300,13 +300,14 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
                    "repetition_penalty": "repetition_penalty", "allowed_token_ids": "allowed_token_ids",
                    "bad_words": "bad_words", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-                   "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output"}
+                   "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output",
+                   "skip_special_tokens": "skip_special_tokens", "truncate_prompt_tokens": "truncate_prompt_tokens"}
 OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store",
                   "guided_decoding_backend")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None,
-                  "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                  "spaces_between_special_tokens": True,
                   "guided_whitespace_pattern": None, "include_reasoning": True}
 # vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
 # sampling.structured_outputs' names) or, before it, the guided_* keys

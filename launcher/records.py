@@ -86,7 +86,8 @@ class RecordCodec:
         """A token's own text (decoded alone), remembered: logprobs name the same few often."""
         text = self.texts.get(token_id)
         if text is None:
-            text = self.texts[token_id] = self.tok.decode([token_id]) if self.tok is not None else str(token_id)
+            text = self.texts[token_id] = (self.tok.decode([token_id], skip_special_tokens=False)
+                                           if self.tok is not None else str(token_id))
         return text
 
     # ---- records in -----------------------------------------------------------------------------
@@ -122,6 +123,8 @@ class RecordCodec:
                 template = bool(spec.input.chat_template) and not scored and rec.openai is None
                 ids = self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)
                 thinking = self.thinking(rec, template)
+            if sampling.truncate_prompt_tokens:     # (vLLM's left truncation: the prompt's last k tokens)
+                ids = ids[-(max_len - 1 if sampling.truncate_prompt_tokens == -1 else sampling.truncate_prompt_tokens):]
             continuation = self.continuation(rec)
             ids = ids + continuation
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -254,7 +257,7 @@ class RecordCodec:
         incomplete (a sequence cut by max_new_tokens in the middle of an emoji), which vLLM's
         detokenizer holds back and never writes; one in the middle stays."""
         if seq.record.context is None:
-            seq.record.context = self.tok.context(seq.prompt_token_ids)
+            seq.record.context = self.tok.context(seq.prompt_token_ids, seq.sampling.skip_special_tokens)
         return self.tok.decode_after(seq.record.context, seq.text_token_ids).rstrip("\ufffd")
 
     # ---- results out ----------------------------------------------------------------------------

@@ -236,6 +236,10 @@ class SamplingSpec(Section):
     structured_outputs: StructuredSpec | None = None
     stop: list[Annotated[str, Field(min_length=1)]] = []
     include_stop_str_in_output: bool = False     # the stop string hit stays at the end of the text
+    skip_special_tokens: bool = True             # false: the text keeps the tokenizer's special tokens
+    # k: only the prompt's last k tokens (left truncation, after the chat template), -1: the last
+    # model.max_model_len - 1; None: a longer prompt fails its record
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0)
@@ -256,6 +260,8 @@ class SamplingSpec(Section):
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> SamplingSpec:
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (the prompt's last k tokens), or -1")
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})")
         return self

@@ -52,32 +52,33 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return _ids(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:
-        """The prompt's last tokens that a completion is decoded after (`decode_after`), and their
-        text: 4 or more (up to CONTEXT_TOKENS), so that no character is cut in two."""
+    def context(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> tuple[list[int], str, bool]:
+        """The prompt's last tokens that a completion is decoded after (`decode_after`), their
+        text and whether special tokens are left out of it (sampling.skip_special_tokens): 4 or
+        more tokens (up to CONTEXT_TOKENS), so that no character is cut in two."""
         n = len(prompt_ids)
         for k in range(min(4, n), min(n, CONTEXT_TOKENS) + 1):
             tail = list(prompt_ids[n - k:])
-            text = self.decode(tail)
+            text = self.decode(tail, skip_special_tokens)
             if "\ufffd" not in text:
-                return tail, text
-        return [], ""
+                return tail, text, skip_special_tokens
+        return [], "", skip_special_tokens
 
-    def decode_after(self, context: tuple[list[int], str], ids: Sequence[int]) -> str:
+    def decode_after(self, context: tuple[list[int], str, bool], ids: Sequence[int]) -> str:
         """A completion's text as it reads after its prompt (`context`): a SentencePiece
         tokenizer (Llama 2, Mistral) drops the space of a sequence's first word, which a
         completion's first token has when it continues the prompt (" Paris" after "The capital of
         France is"); decoding it after the prompt's last tokens keeps it, as vLLM's detokenizer
         does. A byte-level BPE gives the same text either way."""
-        tail, before = context
+        tail, before, skip = context
         if tail:
-            text = self.decode(tail + list(ids))
+            text = self.decode(tail + list(ids), skip)
             if text.startswith(before):
                 return text[len(before):]
-        return self.decode(ids)
+        return self.decode(ids, skip)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:

@@ -192,11 +192,14 @@ def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
     spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
                                    "output": {"path": "out.jsonl"}})
     model = SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,))
-    ids = tok.encode("hello world")
-    entry = RecordCodec(spec, model, tok).logprob_entry(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.25)])
+    ids = tok.encode("hello world", add_special_tokens=False)
+    codec = RecordCodec(spec, model, tok)
+    entry = codec.logprob_entry(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.25)])
     assert entry == {"token_id": ids[0], "token": tok.decode([ids[0]]), "logprob": -0.5,
                      "top": [[ids[0], -0.5, tok.decode([ids[0]])], [ids[1], -1.25, tok.decode([ids[1]])]]}
     assert "".join(t for _, _, t in entry["top"]) == tok.decode(ids[:2])
+    eos = codec.logprob_entry(2, -0.1, [(2, -0.1)])      # a special token is named, as vLLM names it, not ""
+    assert eos["token"] == "</s>" and eos["top"][0][2] == "</s>"
     plain = RecordCodec(spec, model, None).logprob_entry(7, -0.5, [(7, -0.5)])
     assert plain == {"token_id": 7, "logprob": -0.5, "top": [[7, -0.5]]}
 
@@ -409,3 +412,45 @@ def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_templa
     broken = spec("{% for m in messages %}{{ m['content'] }")
     with pytest.raises(TokenizerError, match="fails on a plain user message"):
         load_tokenizer(bare, chat_template=broken.input.template_text()).check_chat_template()
+
+
+def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):
+    """sampling.truncate_prompt_tokens keeps a prompt's last k tokens (after the template, as
+    vLLM's left truncation; -1: as many as leave room for one token) where a longer prompt failed
+    its record; sampling.skip_special_tokens: false keeps the special tokens a completion holds in
+    its text. Both come in an OpenAI body too."""
+    from types import SimpleNamespace
+
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.inputs import parse_openai, parse_record
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec, SamplingSpec, validate
+    spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 16}, "input": {"path": "in.jsonl"},
+                                   "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 4}})
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), eos_token_ids=(2,)), tok)
+    text = "the capital of France is Paris " * 3
+    full = tok.apply_chat_template([{"role": "user", "content": text}])
+    assert len(full) > 16
+
+    def run(record, out=()):
+        seqs = codec.sequences(parse_record(record, 1), 0)
+        if not isinstance(seqs, list):
+            return json.loads(seqs.line)
+        seqs[0].output_token_ids, seqs[0].finish_reason = list(out), "length"
+        return json.loads(codec.result(seqs[0]).line) | {"ids": seqs[0].prompt_token_ids}
+
+    assert "the prompt has" in run({"id": "a", "prompt": text})["error"]["message"]
+    assert run({"id": "b", "prompt": text, "sampling": {"truncate_prompt_tokens": 5}})["ids"] == full[-5:]
+    last = run({"id": "c", "prompt": text, "sampling": {"truncate_prompt_tokens": -1}})
+    assert last["ids"] == full[-15:] and last["prompt_tokens"] == 15
+    assert "at least 1" in run({"id": "d", "prompt": text, "sampling": {"truncate_prompt_tokens": 0}})["error"]["message"]
+    user = tok.encode("<|user|>", add_special_tokens=False)
+    out = tok.encode("hello", add_special_tokens=False) + user + tok.encode(" world", add_special_tokens=False)
+    assert run({"id": "e", "prompt": "hi"}, out)["output_text"] == "hello world"
+    kept = run({"id": "f", "prompt": "hi", "sampling": {"skip_special_tokens": False}}, out)
+    assert kept["output_text"] == "hello<|user|> world"
+    body = {"messages": [{"role": "user", "content": "hi"}], "skip_special_tokens": False, "truncate_prompt_tokens": 8}
+    rec = parse_openai({"custom_id": "g", "url": "/v1/chat/completions", "body": body}, 1)
+    assert rec.sampling == {"skip_special_tokens": False, "truncate_prompt_tokens": 8}
+    with pytest.raises(SpecError, match="truncate_prompt_tokens must be at least 1"):
+        validate(SamplingSpec, {"truncate_prompt_tokens": 0}, "spec", "sampling")

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.scheduler import Sequence, fits
-from msinfer.launcher.tokenizer import StopStringMatcher, Tokenizer, split_reasoning
+from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
 
@@ -78,6 +78,7 @@ class RecordCodec:
         self.eos = tuple(eos)
         self.openai = output_format == "openai"
         self.reasoning = spec.output.reasoning_parser if tokenizer is not None else None
+        self.think_ids: tuple[int, int] | None = None     # <think> and </think> (reasoning_end)
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
         self.model_name = os.path.basename(os.path.normpath(spec.model.path))
         self.texts: dict[int, str] = {}           # token id -> its text (`token_text`)
@@ -141,6 +142,8 @@ class RecordCodec:
                                   f"generates nothing; n applies to task: generate")
         except RecordError as e:
             return self.error(serial, rec, str(e))
+        if sampling.structured and thinking is not None and (gate := self.reasoning_end(ids)) >= 0:
+            sampling = dataclasses.replace(sampling, structured_after=gate)
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
             own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None
             sampling = dataclasses.replace(sampling, draw_key=draw_key(sampling.seed, None if own else rec.id))
@@ -172,6 +175,21 @@ class RecordCodec:
             return None
         kwargs = {**self.spec.input.chat_template_kwargs, **(rec.chat or {}).get("chat_template_kwargs", {})}
         return kwargs.get("enable_thinking", True) is not False
+
+    def reasoning_end(self, prompt_ids: list[int]) -> int:
+        """For a structured output under output.reasoning_parser: the token after which its grammar
+        applies, as vLLM holds a grammar back until the reasoning ends: </think>, unless the prompt
+        has ended the reasoning already (its last think token is </think>: Qwen3's template with
+        thinking off); -1 then. A prompt with neither waits for the model's </think>."""
+        if self.think_ids is None:      # (one token each: plan checks it, launcher.tokenizer.check_reasoning_tokens)
+            self.think_ids = tuple(self.tok.encode(t, add_special_tokens=False)[0] for t in (THINK_START, THINK_END))
+        start, end = self.think_ids
+        for t in reversed(prompt_ids):
+            if t == end:
+                return -1
+            if t == start:
+                break
+        return end
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:
         """A record's sampling with what the workers need from the tokenizer and the model: its

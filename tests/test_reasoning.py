@@ -44,6 +44,43 @@ def test_a_completion_splits_where_vllms_parser_splits_it(parser, text, thinking
     assert split_reasoning(parser, text, thinking) == want
 
 
+@pytest.mark.unit
+def test_a_gated_grammar_is_fed_only_the_tokens_after_its_gate_also_when_a_history_is_rebuilt():
+    """worker.sampler.History with SamplingParams.structured_after: nothing constrained or fed
+    before the gate token; the tokens after it fed in order, also to a history rebuilt from an
+    output that holds the gate already (a preempted or restarted sequence)."""
+    from msinfer.worker.sampler import History
+
+    class Matcher:                      # llguidance.LLMatcher's calls that History makes
+        def __init__(self):
+            self.fed = []
+
+        def consume_token(self, t):
+            self.fed.append(t)
+
+        def consume_tokens(self, ts):
+            self.fed += ts
+
+        def is_error(self):
+            return False
+
+        def compute_bitmask(self):
+            return bytes([0b101])
+
+    m = Matcher()
+    h = History([1, 2], [], m, gate=9)
+    assert h.active is None and h.allowed(8) is None
+    for t in (5, 6, 9, 3, 9):
+        h.add(t)
+    assert m.fed == [3, 9] and h.active is m and h.allowed(3).tolist() == [True, False, True]
+    again = Matcher()
+    assert History([1, 2], [5, 9, 3, 9], again, gate=9).active is again and again.fed == [3, 9]
+    waiting = Matcher()
+    assert History([1, 2], [5, 6], waiting, gate=9).active is None and waiting.fed == []
+    plain = Matcher()
+    assert History([1], [5, 9], plain).active is plain and plain.fed == [5, 9]
+
+
 def test_result_lines_carry_the_reasoning_beside_the_answer_for_chat_prompts_only(think_tok_dir):
     from msinfer.launcher.inputs import parse_openai, parse_record
     from msinfer.launcher.records import RecordCodec
@@ -117,3 +154,41 @@ def test_plan_refuses_a_reasoning_parser_for_a_tokenizer_without_think_tokens(ch
         plan_job(spec(task="score", model={"tokenizer": str(think_tok_dir)}), check_io=False)
     plan = plan_job(spec(model={"tokenizer": str(think_tok_dir)}), check_io=False)
     assert result_settings(plan)["output"]["reasoning_parser"] == "deepseek_r1"
+
+
+def test_a_structured_output_starts_after_the_reasoning_as_in_vllm(checkpoint, think_tok_dir):
+    """With a reasoning parser, vLLM holds a structured output's grammar back until the reasoning
+    ends (</think>), so that the model thinks freely and then answers in the constrained form; a
+    prompt that ends the reasoning itself (Qwen3's template with thinking off) is constrained from
+    the first token. Greedy, a small random model with the think tokenizer, in-process engine."""
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+    from tests.engine_driver import run_engine
+    tok = load_tokenizer(think_tok_dir)
+    end = tok.encode("</think>", add_special_tokens=False)[0]
+
+    def run(parser, records):
+        spec = JobSpec.model_validate({
+            "model": {"path": str(checkpoint("qwen2_tied_5_layers")), "tokenizer": str(think_tok_dir),
+                      "max_model_len": 64},
+            "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl", "reasoning_parser": parser},
+            "sampling": {"max_new_tokens": 6}, "scheduler": {"max_batch_size": 4, "max_batched_tokens": 64}})
+        return run_engine(plan_job(spec, check_io=False), records)[0]
+
+    msgs = [{"role": "user", "content": "hello world"}]
+    choice = {"structured_outputs": {"choice": ["red", "blue"]}}
+    forced = {**choice, "logit_bias": {str(end): 100}}       # </think> first, wherever the grammar allows it
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    lines = run("qwen3", [{"id": "free", "messages": msgs},
+                          {"id": "thinking", "messages": msgs, "sampling": choice},
+                          {"id": "forced", "messages": msgs, "sampling": forced},
+                          {"id": "off", "messages": msgs, "sampling": choice, **off}])
+    free = lines["free"]["output_token_ids"]
+    assert end not in free and tok.decode(free) not in ("red", "blue")
+    assert lines["thinking"]["output_token_ids"] == free            # no </think>: the grammar never began
+    assert lines["forced"]["output_token_ids"][0] == end
+    assert (lines["forced"]["reasoning"], lines["forced"]["output_text"]) in (("", "red"), ("", "blue"))
+    assert lines["forced"]["finish_reason"] == "stop"
+    assert lines["off"]["output_text"] in ("red", "blue") and lines["off"]["reasoning"] is None
+    plain = run(None, [{"id": "forced", "messages": msgs, "sampling": forced}])["forced"]
+    assert end not in plain["output_token_ids"] and plain["output_text"] in ("red", "blue")   # from the first token

@@ -43,6 +43,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()            # () = every token
     bad_words: tuple[str, ...] = ()
     structured: str = ""              # structured outputs: an llguidance grammar (launcher.spec.StructuredSpec)
+    # the grammar applies after this token (a reasoning model's </think>, output.reasoning_parser):
+    # the thinking before it is free; -1: from the first token
+    structured_after: int = -1
     # filled in by the engine (launcher.records): the bad words' token ids, and the token ids that
     # min_tokens holds back (the end-of-sequence ones and stop_token_ids)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()

@@ -555,9 +555,8 @@ class ModelRunner:
         """The token masks of the step's sequences that follow a grammar, computed while the network
         runs: llguidance fills them in parallel (its own threads, outside the GIL) into int32 bits
         [rows, W]. A Future of that array, or None when no sequence has a grammar."""
-        pairs = [(h.matcher, i) for i, s in enumerate(seqs) if s.sample and s.sampling.structured
-                 and (h := self.histories.get(s.seq_id)) is not None and h.matcher is not None
-                 and not h.matcher.is_error()]
+        pairs = [(h.active, i) for i, s in enumerate(seqs) if s.sample and s.sampling.structured
+                 and (h := self.histories.get(s.seq_id)) is not None and h.active is not None]
         if not pairs:
             return None
         import llguidance
@@ -601,7 +600,7 @@ class ModelRunner:
                     s.token_ids = [self.sampled.pop(s.seq_id) if stage.count > 1 else self.sampled[s.seq_id]]
             if s.history is not None and stage.last:
                 matcher = self.grammar(s.sampling.structured) if s.sampling.structured else None
-                self.histories[s.seq_id] = sampler.History(*s.history, matcher)
+                self.histories[s.seq_id] = sampler.History(*s.history, matcher, s.sampling.structured_after)
         chosen, lps, scores, model_s, rows, at = [], [], [], 0.0, [], 0
         for part in self.parts(seqs, is_prefill):
             t1 = time.perf_counter()

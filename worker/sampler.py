@@ -31,27 +31,43 @@ class History:
     """What a sequence's penalties, bad words and grammar look back at, kept by the worker
     between steps: the distinct tokens of its prompt and output (`seen`, sorted: repetition_penalty's
     tokens), its output tokens, and its grammar's matcher (llguidance.LLMatcher) fed those tokens.
-    `add` takes each token sampled here, so no step sorts the prompt again."""
+    `add` takes each token sampled here, so no step sorts the prompt again. With a `gate` token
+    (SamplingParams.structured_after: the end of a reasoning model's thinking) the grammar starts
+    after the first one in the output: the tokens up to it are free, the matcher is fed the rest."""
 
-    __slots__ = ("seen", "out", "matcher")
+    __slots__ = ("seen", "out", "matcher", "gate")
 
-    def __init__(self, prompt: list[int], out: list[int], matcher=None):
+    def __init__(self, prompt: list[int], out: list[int], matcher=None, gate: int = -1):
         self.seen = np.unique(np.asarray(list(prompt) + list(out), np.int64))
         self.out = list(out)
         self.matcher = matcher
-        if matcher is not None and out:
+        self.gate = gate
+        if gate >= 0 and gate in out:
+            self.gate, out = -1, out[out.index(gate) + 1:]
+        if matcher is not None and out and self.gate < 0:
             matcher.consume_tokens(list(out))
+
+    @property
+    def active(self):
+        """The matcher that constrains the next token: None without a grammar, before its gate,
+        or in error (which then constrains nothing)."""
+        if self.matcher is None or self.gate >= 0 or self.matcher.is_error():
+            return None
+        return self.matcher
 
     def add(self, token: int) -> None:
         self.out.append(token)
         self.seen = insert_sorted(self.seen, np.array([token], np.int64))
-        if self.matcher is not None and not self.matcher.is_error():
+        if self.gate >= 0:
+            if token == self.gate:
+                self.gate = -1
+        elif self.matcher is not None and not self.matcher.is_error():
             self.matcher.consume_token(token)
 
     def allowed(self, vocab: int) -> np.ndarray | None:
         """The tokens the grammar allows next, as a bool mask over the vocabulary (None: no
-        grammar, or a matcher in error, which then constrains nothing)."""
-        if self.matcher is None or self.matcher.is_error():
+        grammar, before its gate, or a matcher in error)."""
+        if self.active is None:
             return None
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
         mask = np.zeros(vocab, bool)
@@ -72,7 +88,7 @@ class Adjustments:
     def __init__(self, p: SamplingParams, num_generated: int, hist: History | None, vocab: int,
                  grammar: bool = True):
         self.allowed = None
-        if grammar and hist is not None and hist.matcher is not None:     # (grammar=False: the caller's)
+        if grammar and hist is not None and hist.active is not None:      # (grammar=False: the caller's)
             self.allowed = hist.allowed(vocab)
         if p.allowed_token_ids:
             keep = np.zeros(vocab, bool)

@@ -51,6 +51,7 @@ class Record:
     error: str | None = None
     openai: str | None = None                   # an OpenAI Batch request's url: how its result is written
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
+    openai_reasoning: bool = True               # its include_reasoning (output.reasoning_parser's text in the line)
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
 
@@ -303,12 +304,12 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output",
                    "skip_special_tokens": "skip_special_tokens", "truncate_prompt_tokens": "truncate_prompt_tokens"}
 OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store",
-                  "guided_decoding_backend")
+                  "guided_decoding_backend", "include_reasoning")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None,
                   "spaces_between_special_tokens": True,
-                  "guided_whitespace_pattern": None, "include_reasoning": True}
+                  "guided_whitespace_pattern": None}
 # vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
 # sampling.structured_outputs' names) or, before it, the guided_* keys
 OPENAI_STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -383,6 +384,10 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'structured_outputs' must be an object such as {{\"json\": <schema>}}, got {_type(v)}"
         sampling["structured_outputs"] = v if k in ("structured_outputs", "response_format") \
             else {OPENAI_STRUCTURED[k]: v}
+    if body.get("include_reasoning") is not None:
+        if not isinstance(body["include_reasoning"], bool):
+            return f"'include_reasoning' must be true or false, got {_type(body['include_reasoning'])}"
+        rec.openai_reasoning = body["include_reasoning"]
     logprobs = body.get("logprobs")
     if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
         rec.openai_logprobs = body.get("top_logprobs") or 0

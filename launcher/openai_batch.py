@@ -27,11 +27,11 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
 
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
-                cached_tokens: int = 0) -> dict:
+                cached_tokens: int = 0, reasoning: bool = True) -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
-    tokens found in the prefix cache."""
+    tokens found in the prefix cache; `reasoning`: the request's include_reasoning."""
     custom_id = result["id"]
     if result.get("error"):
         return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
@@ -41,7 +41,7 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
              "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     outputs = result.get("outputs") or [result]
-    choices = [_choice(i, out, chat, top_logprobs, token_text) for i, out in enumerate(outputs)]
+    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning) for i, out in enumerate(outputs)]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
@@ -50,7 +50,7 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     return _line(custom_id, 200, body)
 
 
-def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text) -> dict:
+def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True) -> dict:
     text = out.get("output_text") or ""
     logprobs = None
     entries = out.get("logprobs") if top_logprobs is not None else None
@@ -69,7 +69,7 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
-            message.update(content=text or None, reasoning=out["reasoning"])
+            message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
 

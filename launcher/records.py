@@ -241,16 +241,17 @@ class RecordCodec:
             return list(rec.continuation_token_ids)
         return self.tok.encode_continuation(rec)
 
-    def request(self, rec: Record) -> tuple[str, int | None] | None:
+    def request(self, rec: Record) -> tuple[str, int | None, bool] | None:
         """How an OpenAI Batch line answers the record (output.format openai): the url it was
-        sent to (for a plain record: chat completions where a chat template applies) and the
-        log-probability alternatives it asked for. None with output.format msinfer."""
+        sent to (for a plain record: chat completions where a chat template applies), the
+        log-probability alternatives it asked for and whether its message holds the reasoning
+        (include_reasoning). None with output.format msinfer."""
         if not self.openai:
             return None
         from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
         chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
                                             and self.tok is not None and self.tok.has_chat_template)
-        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs
+        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs, rec.openai_reasoning
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -351,7 +352,8 @@ class RecordCodec:
         line = result
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
-            line = openai_line(result, *request, self.model_name, self.token_text, cached)
+            url, top_logprobs, reasoning = request
+            line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,

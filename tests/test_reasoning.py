@@ -123,6 +123,9 @@ def test_result_lines_carry_the_reasoning_beside_the_answer_for_chat_prompts_onl
     chat = done(codec("openai"), request("q", {"messages": msgs}), "<think>be brief</think>Paris")["response"]["body"]
     message = ChatCompletion.model_validate(chat).choices[0].message
     assert (message.content, message.reasoning) == ("Paris", "be brief")
+    hidden = done(codec("openai"), request("h", {"messages": msgs, "include_reasoning": False}), "a</think>Paris")
+    assert hidden["response"]["body"]["choices"][0]["message"] | {"role": "", "refusal": None} == {
+        "role": "", "content": "Paris", "refusal": None, "reasoning": None}          # vLLM's include_reasoning
     thought = done(codec("openai"), request("r", {"messages": msgs}), "be brief", "length")["response"]["body"]
     assert thought["choices"][0]["message"] == {"role": "assistant", "content": None, "refusal": None,
                                                      "reasoning": "be brief"}

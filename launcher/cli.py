@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
                           t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
                           redo_changed=getattr(args, "redo_changed", False))
-        keys = ("records_done", "records_failed", "records_skipped", "completion_tokens", "tokens_per_s",
+        keys = ("records_done", "records_failed", "records_skipped", "records_cut", "completion_tokens", "tokens_per_s",
                 "startup_s", "generation_s", "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))
         drained = summary.get("drained")
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
             _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
                  f"{spec.output.path}, and running the same job again resumes after them", prefix="msinfer: ")
             return EXIT_DRAINED
+        if summary.get("records_cut") and simulate is None:
+            _say(cut_note(summary), prefix="msinfer: ")
         if summary.get("records_skipped_failed"):
             _say(f"note: {summary['records_skipped_failed']} record(s) already in {spec.output.path} are error "
                  f"lines and were not computed again; `msinfer run {args.spec} --retry-failed` computes them "
@@ -158,6 +160,16 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
             return EXIT_TERMINATED
         _say(f"interrupted; {resume}")
         return EXIT_INTERRUPTED
+
+
+def cut_note(summary: dict) -> str:
+    """The run's note on the records that stopped at their length limit before the model ended
+    them (a thinking model's answers under the default max_new_tokens are the case to catch)."""
+    spec = summary["spec"]              # (as the run resolved it: the model's generation_config taken)
+    return (f"note: {summary['records_cut']} of {summary['records_done']} record(s) stopped at their length limit "
+            f"before the model ended them (finish_reason 'length': sampling.max_new_tokens, "
+            f"{spec['sampling']['max_new_tokens']} for the job's records, or model.max_model_len "
+            f"{spec['model']['max_model_len']}); a higher sampling.max_new_tokens lets them finish")
 
 
 def merge_job(spec) -> dict:

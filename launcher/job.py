@@ -770,7 +770,7 @@ class JobRun:
                 self.bar.initial = self.bar.last_print_n = self.bar.n
         if self.stream is not None:
             self.stream.end(rec.id)
-        self.stats.count(done.failed, done.prompt_tokens, done.completion_tokens, done.ttft_s)
+        self.stats.count(done.failed, done.prompt_tokens, done.completion_tokens, done.ttft_s, done.cut)
         if self.metrics is not None:
             self.metrics.result(done)
         if self.bar is not None:

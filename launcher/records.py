@@ -32,6 +32,7 @@ class Done(NamedTuple):
     ttft_s: float | None        # from its arrival in the engine to its first token
     cause: str | None = None    # a failed record's error message, its id left out: alike records' alike
     cached_tokens: int = 0      # prompt tokens found in the prefix cache
+    cut: bool = False           # it (or one of its n samples) stopped at its length limit: finish_reason "length"
 
 
 class Samples:
@@ -356,8 +357,9 @@ class RecordCodec:
             line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
+        cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])
         return Done(serial, json.dumps(line, ensure_ascii=False), bool(error), result.get("prompt_tokens") or 0,
-                    result.get("completion_tokens") or 0, ttft, cause, cached)
+                    result.get("completion_tokens") or 0, ttft, cause, cached, cut)
 
 
 # ---- result lines -------------------------------------------------------------------------------

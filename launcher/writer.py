@@ -619,13 +619,16 @@ class Stats:
     skipped: int = 0                  # already in the results file when the run started
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cut: int = 0                      # done records that stopped at their length limit (finish_reason "length")
     ttft_s: list[float] = field(default_factory=list)
 
-    def count(self, failed: bool, prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None):
+    def count(self, failed: bool, prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None,
+              cut: bool = False):
         if failed:
             self.failed += 1
             return
         self.done += 1
+        self.cut += cut
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         if ttft_s is not None:
@@ -638,6 +641,7 @@ class Stats:
             "records_done": self.done,
             "records_failed": self.failed,
             "records_skipped": self.skipped,
+            "records_cut": self.cut,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "startup_s": round(startup_s, 3),

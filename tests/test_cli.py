@@ -184,6 +184,10 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     assert printed["records_skipped"] == len(done_before)
     assert printed["records_done"] + printed["records_failed"] == len(lines) - len(done_before)
+    assert printed["records_cut"] == printed["records_done"] > 0             # each stopped at max_new_tokens
+    assert (f"msinfer: note: {printed['records_cut']} of {printed['records_done']} record(s) stopped at their length "
+            f"limit before the model ended them (finish_reason 'length': sampling.max_new_tokens, 40 for the job's "
+            f"records, or model.max_model_len") in said(p)
     assert job.output.read_bytes().startswith(kept)           # what was written stays as it was
     results = {r["id"]: r for r in job.results()}
     assert len(results) == len(job.results()) == len(lines)   # each record exactly once

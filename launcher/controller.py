@@ -39,6 +39,13 @@ other record, unless a suspect shares its step with a second poison record not y
 The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
 while healthy replicas serve the rest.
 
+The tail: once every record has been read and dealt, a replica that runs out of records while
+another still has some queued and not started (a slower card, a node with a busier neighbour, or
+just the last batches' luck) asks for them: that one's engine hands its unstarted records back at
+its next exchange (as for a drain), and they are dealt to the idle replicas, so that no replica
+waits while records wait in another's queue. A record given back keeps its serial; its latency
+counts from its first dealing. `rebalance=False` turns this off (scripts/measure_tail.py).
+
 Stopping early (`stop`, a launcher.drain.Drain): once it says no more dealing (a signal, or a
 deadline near), nothing more is dealt, not even the records of a failed replica, and a replica
 that fails is not restarted; each engine hands back the records it has queued and not started
@@ -82,6 +89,7 @@ if TYPE_CHECKING:
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
 ROUTE_PREFIX_TOKENS = 48
 ROUTE_KEYS_KEPT = 100_000      # beginnings remembered, the oldest forgotten first
+ASK_EVERY_S = 0.5              # the tail: how often a replica may be asked for the records it has not started
 
 
 def route_key(rec: Record) -> int | None:
@@ -147,6 +155,7 @@ class Slot:
     held: deque = field(default_factory=deque)         # (serial, Record) read while dealing to another, for it
     kv_usage: float = 0.0                  # share of its engine's KV cache blocks in use, as it last said
     given_back: bool = False               # a drain asked its engine for the records not started yet
+    asked_at: float = 0.0                  # the tail: when its engine was last asked for the records not started
 
 
 @dataclass
@@ -172,6 +181,9 @@ class Controller:
     room_waits: list = field(default_factory=list)     # (replica, seconds it waited for room), ended waits
     stop: Drain | None = None                          # when to stop early (a run's)
     abandoned: int = 0                                 # records dealt and not finished when the loop stopped
+    rebalance: bool = True                             # the tail: idle replicas take others' queued records
+    given: deque = field(default_factory=deque)        # (serial, Record) handed back at the tail, for idle replicas
+    rebalanced: int = 0                                # records so moved
 
     def _new_replica(self, index: int) -> Replica:
         return Replica(index, self.cfg.replica, self.on_stage)
@@ -260,14 +272,19 @@ class Controller:
         stop = self.stop
         while True:
             dealing = stop is None or stop.dealing()
+            idle = self._ask_for_queued() if self.rebalance and dealing and exhausted else set()
             for slot in self.slots:
                 self._poll_restart(slot)
                 if slot.starting is not None or slot.pending is not None:
                     continue
                 chunk = []
+                share = -(-len(self.given) // len(idle)) if slot.index in idle else 0
                 while dealing and len(chunk) < slot.want:
                     if self.requeue:
                         item = self.requeue.popleft()
+                    elif share and self.given:
+                        item = self.given.popleft()
+                        share -= 1
                     elif slot.held:
                         item = slot.held.popleft()
                     else:
@@ -288,7 +305,7 @@ class Controller:
                 now = time.perf_counter()
                 for c in chunk:
                     self.dealt_at.setdefault(c[0], now)
-                more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held))
+                more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held) or bool(self.given))
                 suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
                 give_back = not dealing and not slot.given_back          # (a drain's first exchange)
                 slot.given_back |= give_back
@@ -300,7 +317,8 @@ class Controller:
                 self.dealt_at.pop(done.serial, None)
                 on_done(done, rec)
             if stop is not None and (stop.over() or not stop.dealing() and not any(s.outstanding for s in self.slots)):
-                self.abandoned = sum(len(s.outstanding) + len(s.held) for s in self.slots) + len(self.requeue)
+                self.abandoned = (sum(len(s.outstanding) + len(s.held) for s in self.slots) + len(self.requeue)
+                                  + len(self.given))
                 exhausted = exhausted or next(records, None) is None
                 return exhausted and not self.abandoned and not stop.left
             if on_tick is not None:
@@ -308,7 +326,7 @@ class Controller:
             pending = {s.pending: s for s in self.slots if s.pending is not None}
             if not pending:
                 # (a replica waiting for room on the cluster has nothing dealt: the job ends without it)
-                if exhausted and not self.requeue and not any(
+                if exhausted and not self.requeue and not self.given and not any(
                         (s.starting and s.index not in self.no_room_since) or s.held for s in self.slots):
                     return stop is None or not stop.left
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
@@ -319,6 +337,22 @@ class Controller:
             for slot in pending.values():   # an engine that does not answer: wedged, or its node gone
                 if slot.pending is not None and now - slot.sent > self.cfg.step_timeout_s + 60:
                     self._fail(slot, TimeoutError(f"its engine did not answer for {now - slot.sent:.0f}s"))
+
+    def _ask_for_queued(self) -> set[int]:
+        """The tail (see the module's docstring): the replicas idle now (serving, nothing dealt to
+        them, nothing held for them), by index; while there are such and none of the records handed
+        back waits for them, each replica with records is asked for those it has not started
+        (Engine.ask_back; at most every ASK_EVERY_S): its exchange in flight returns with them, and
+        an engine that has started them all gives back none."""
+        idle = {s.index for s in self.slots if s.starting is None and s.pending is None and not s.outstanding
+                and not s.held}
+        if idle and not self.given and not self.requeue:
+            now = time.perf_counter()
+            for s in self.slots:
+                if s.outstanding and s.starting is None and now - s.asked_at > ASK_EVERY_S:
+                    s.asked_at = now
+                    s.replica.engine.ask_back.remote()
+        return idle
 
     def _hold(self, item: tuple, slot: Slot, hold: int) -> bool:
         """Whether the record, read while dealing to `slot`, is held for the replica its prompt's
@@ -363,10 +397,17 @@ class Controller:
         if on_stream is not None:
             for key, text in streamed:
                 on_stream(key, text)
-        for serial in returned:             # a drain's: not started, so not dealt after all
-            if slot.outstanding.pop(serial, None) is not None:
+        draining = self.stop is not None and not self.stop.dealing()
+        for serial in returned:             # not started: a drain's, not dealt after all; else the tail's
+            item = slot.outstanding.pop(serial, None)
+            if item is None:
+                continue
+            if draining:
                 self.dealt_at.pop(serial, None)
                 self.stop.left += 1
+            else:
+                self.given.append(item)
+                self.rebalanced += 1
 
     # ---- faults ---------------------------------------------------------------------------------
     def _fail(self, slot: Slot, error: Exception) -> None:

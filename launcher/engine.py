@@ -256,7 +256,8 @@ class Engine:
         self.probation: deque = deque()
         self.on_probation: int | None = None  # the serial of the one admitted
         self.ledger_lost = False
-        # a drain: the records not started yet go back to the driver (`exchange`'s give_back)
+        # a drain, or the job's tail: the records not started yet go back to the driver (`exchange`'s
+        # give_back, `ask_back`)
         self.giving_back = False
         self.returned: list[int] = []         # their serials, for the next exchange to report
 
@@ -291,6 +292,14 @@ class Engine:
             return self._exchange(payload, more, set(suspects), give_back)
         finally:
             self.exchange_cpu += time.thread_time() - cpu0
+
+    def ask_back(self) -> None:
+        """The driver's word at a job's tail (launcher.controller): the records none of whose
+        sequences holds anything yet go back to it, with the exchange in flight (which returns
+        with them) or the next."""
+        with self.cond:
+            self.giving_back = True
+            self.cond.notify_all()
 
     def _exchange(self, payload: bytes | None, more: bool, suspects: set, give_back: bool = False) -> bytes:
         # every record of the call encoded before the loop sees any: admitted together, they
@@ -408,8 +417,9 @@ class Engine:
                 self.cond.notify_all()
 
     def _give_back(self) -> None:
-        """A drain: the records none of whose sequences holds anything yet leave the queue (those on
-        probation too), their serials for the driver; a record with a sample under way stays whole."""
+        """A drain or the job's tail (ask_back): the records none of whose sequences holds anything
+        yet leave the queue (those on probation too), their serials for the driver; a record with a
+        sample under way stays whole."""
         by_serial: dict[int, list] = {}
         for seq in self.scheduler.withdraw_unstarted():
             by_serial.setdefault(seq.record.serial, []).append(seq)
@@ -682,6 +692,9 @@ class EngineHost:
 
     def exchange(self, payload: bytes | None, more: bool, suspects: tuple = (), give_back: bool = False) -> bytes:
         return self.engine.exchange(payload, more, suspects, give_back)
+
+    def ask_back(self) -> None:
+        self.engine.ask_back()
 
     def configure(self, spec, stream: bool = False) -> None:
         self.engine.configure(spec, stream)

@@ -815,6 +815,7 @@ class JobRun:
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
         out["restart_reasons"] = list(self.controller.restart_log) if self.controller else []
         out["records_quarantined"] = self.controller.quarantined if self.controller else 0
+        out["records_rebalanced"] = self.controller.rebalanced if self.controller else 0    # the tail's
         out["replicas_without_room"] = self.controller.waits_for_room() if self.controller else []
         out["spec"] = self.spec.resolved()
         out["notes"] = list(self.plan.notes)          # as `plan` prints them: device path, dtype, heads

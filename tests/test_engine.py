@@ -144,6 +144,44 @@ def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_writ
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
 
 
+class SlowOne(StandInWorker):
+    """A stand-in rank twenty times slower than the others: the first rank of the test to step
+    claims it (a card slowed by heat, a node shared with another job)."""
+    flag = ""
+
+    def step(self, payload, is_prefill, index):
+        if index == 0:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+                self.timing = StandIn(step_ms=20 * self.timing.step_ms)
+                self.runner.timing = self.timing
+            except FileExistsError:
+                pass
+        return super().step(payload, is_prefill, index)
+
+
+def test_at_the_tail_an_idle_replica_takes_the_records_a_slow_one_has_queued(demo, tmp_path, ray_local):
+    """dp 2, one replica twenty times slower: once every record is dealt, the fast replica runs
+    out while the slow one still has records queued and not started; it hands them back and the
+    fast one runs them, instead of idling while they wait. Every record is written once, with the
+    tokens it gets anywhere."""
+    from ray import cloudpickle
+
+    from msinfer.launcher.simulate import StandInRunner
+    records = [{"id": f"r{i}", "prompt_token_ids": [20 + i, 7, 8]} for i in range(32)]
+    spec = job_spec(demo, tmp_path, records, parallel={"data_parallel": 2},
+                    scheduler={"max_batch_size": 2, "prefix_caching": False})
+    runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
+    SlowOne.flag = str(tmp_path / "slow")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=2.0, worker_cls=SlowOne))
+    assert os.path.exists(SlowOne.flag)
+    assert summary["records_rebalanced"] > 0 and summary["records_done"] == 32
+    out = results(tmp_path / "out.jsonl")
+    assert {k: v["output_token_ids"] for k, v in out.items()} == {
+        r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
+
+
 def test_longest_first_deals_long_records_first_and_every_record_gets_the_line_arrival_order_gives(
         demo, tmp_path, ray_local):
     """20 short records, then 2 eight times longer, at batch 4: dealt as read, the long ones start

@@ -65,7 +65,7 @@ class LLM:
             defaults = defaults.model_copy(update={"seed": self.calls})
         self.calls += 1
         self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
-        records = [parse_record({**as_record(p), "id": i}, i + 1, "prompt") for i, p in enumerate(prompts)]
+        records = [parse_record({**as_record(p), "id": str(i)}, i + 1, "prompt") for i, p in enumerate(prompts)]
         results: dict[str, dict] = {}
         printer = StreamPrinter(sys.stderr) if stream else None
         self.controller.run(iter(records), lambda done, rec: results.__setitem__(rec.id, json.loads(done.line)),

@@ -522,8 +522,9 @@ def quarantined_done(serial: int, rec: Record, failures: list, setup: EngineSetu
     causes = "; ".join(dict.fromkeys(why for _, why in failures))
     message = (f"record '{rec.id}' was running when a replica failed, {len(failures)} times ({causes}); it is "
                f"quarantined: not computed again (fault.max_record_failures)")
-    result = error_result(rec.id, "quarantined", message)
-    line = openai_line(result, "", None, "", None) if setup.output_format == "openai" else result
+    openai = setup.output_format == "openai"
+    result = error_result(rec.id if openai or rec.given_id is None else rec.given_id, "quarantined", message)
+    line = openai_line(result, "", None, "", None) if openai else result
     return Done(serial, json.dumps(line, ensure_ascii=False), True, 0, 0, None,
                 message.replace(f"record '{rec.id}'", "a record"))
 

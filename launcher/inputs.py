@@ -40,7 +40,7 @@ PARQUET_BATCH_ROWS = 1024
 
 @dataclass
 class Record:
-    id: str
+    id: str                                     # the key resume, shards and duplicates go by
     line: int                                   # 1-based line (.txt, .jsonl) or row (.parquet)
     prompt: str | None = None
     messages: list | None = None
@@ -54,6 +54,7 @@ class Record:
     openai_reasoning: bool = True               # its include_reasoning (output.reasoning_parser's text in the line)
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
+    given_id: int | None = None                 # an integer id as the input gave it: its result line keeps it so
 
 
 def input_digest(text: str) -> str:
@@ -264,21 +265,27 @@ def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
     rid = obj.get("id")
     if rid is None:
         rid = str(n)
+    given = None
+    if rid is None:
+        rid = str(n)
     elif isinstance(rid, float) and rid.is_integer():  # pandas stores integer ids with gaps as floats
-        rid = str(int(rid))
+        given = int(rid)
+        rid = str(given)
     elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
         return Record(id=str(n), line=n, error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
     else:
+        given = rid if isinstance(rid, int) else None
         rid = str(rid)
-    rec = Record(id=rid, line=n)
+    rec = Record(id=rid, line=n, given_id=given)
     rec.error = _fill(rec, obj)
     if rec.error:
-        rec = Record(id=rid, line=n, error=f"{where}: {rec.error}")
+        rec = Record(id=rid, line=n, given_id=given, error=f"{where}: {rec.error}")
     elif misplaced := misplaced_keys(obj):
         # (named by its id, as the sampling checks name a record: records alike fail alike, and the
         # job stops when its first ones all do, launcher/job.py)
-        rec = Record(id=rid, line=n, error=f"record '{rid}': keys at the top of the record that belong inside "
-                                           f"others: {misplaced}. {ELSEWHERE}")
+        rec = Record(id=rid, line=n, given_id=given,
+                     error=f"record '{rid}': keys at the top of the record that belong inside others: {misplaced}. "
+                           f"{ELSEWHERE}")
     return rec
 
 

@@ -50,6 +50,7 @@ class RecordState:
     """What the engine keeps for a sequence's record beside the scheduler's state (Sequence.record):
     where its result goes and what the result line is built from."""
     serial: int = 0                     # the driver's number for its record
+    given_id: int | None = None         # its record's id as an integer, as its input gave it (Record.given_id)
     request: tuple | None = None        # how its OpenAI Batch line answers it (RecordCodec.request), or None
     samples: Samples | None = None      # its record's n samples, n > 1
     stop_matcher: StopStringMatcher | None = None   # its stop strings
@@ -156,7 +157,8 @@ class RecordCodec:
             seq.num_score_tokens = len(continuation)
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
-            seq.record = RecordState(serial, request, t_added=now, stop_matcher=stops, thinking=thinking)
+            seq.record = RecordState(serial, rec.given_id, request, t_added=now, stop_matcher=stops,
+                                     thinking=thinking)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
@@ -284,16 +286,18 @@ class RecordCodec:
     def result(self, seq: Sequence) -> Done:
         if seq.finish_reason in ("error", "abort"):
             message = seq.error or f"sequence {seq.finish_reason}"
-            return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request)
+            return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request,
+                              given_id=seq.record.given_id)
         if seq.is_scoring:
             n = seq.num_score_tokens
             return self._done(seq.record.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
                                                               seq.record.continuation_logprobs,
-                                                              seq.num_prompt_tokens - n))
+                                                              seq.num_prompt_tokens - n), given_id=seq.record.given_id)
         extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
         result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
                            seq.finish_reason, seq.num_prompt_tokens, extra, self.parsed(seq))
-        return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens)
+        return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens,
+                          seq.record.given_id)
 
     def samples_result(self, samples: Samples) -> Done:
         """The one result of a record's n samples: `outputs`, one entry per sample in order."""
@@ -306,7 +310,7 @@ class RecordCodec:
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
                   "error": None}
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
-                          max(seq.num_cached_tokens for seq in samples.seqs))
+                          max(seq.num_cached_tokens for seq in samples.seqs), first.record.given_id)
 
     def parsed(self, seq: Sequence) -> tuple[str | None, str | None] | None:
         """Its text as (reasoning, content) where output.reasoning_parser applies, else None."""
@@ -346,10 +350,16 @@ class RecordCodec:
         return min(firsts) - seqs[0].record.t_added if firsts else None
 
     def error(self, serial: int, rec: Record, message: str) -> Done:
-        return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec))
+        return self._done(serial, error_result(rec.id, "InvalidRecord", message), self.request(rec),
+                          given_id=rec.given_id)
 
-    def _done(self, serial: int, result: dict, request=None, ttft: float | None = None, cached: int = 0) -> Done:
-        """`cached`: prompt tokens found in the prefix cache (an OpenAI line's usage reports them)."""
+    def _done(self, serial: int, result: dict, request=None, ttft: float | None = None, cached: int = 0,
+              given_id: int | None = None) -> Done:
+        """`cached`: prompt tokens found in the prefix cache (an OpenAI line's usage reports them);
+        `given_id`: the record's integer id, which its msinfer line keeps as an integer (an OpenAI
+        line's custom_id is a string)."""
+        if given_id is not None and request is None:
+            result["id"] = given_id
         line = result
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line

@@ -363,7 +363,7 @@ class ResultWriter:
                     try:
                         if len(ids) != lines:
                             raise ValueError("a line msinfer did not write")
-                        self.done_ids.update([rid.decode("utf-8") for rid in ids])
+                        self.done_ids.update([_id_text(rid) for rid in ids])
                         good, n = good + len(block), n + lines
                         self.failed_lines += block.count(FAILED)
                     except ValueError:      # also UnicodeDecodeError
@@ -549,9 +549,15 @@ def _write_all(fd: int, data: bytes) -> None:
 @functools.lru_cache(maxsize=4)
 def _id_lines(key: str) -> re.Pattern:
     """A result line as msinfer writes it (json.dumps: `{"<key>": "<id>", ...}`, the id first,
-    without a quote or an escape in it, a closing brace last), the id in group 1: `result_id`
-    matches one line, a resume `findall`s a chunk of them."""
-    return re.compile(rb'^\{"' + re.escape(key.encode()) + rb'": "([^"\\\n]*)", [^\n]*\}$', re.MULTILINE)
+    without a quote or an escape in it, or an integer id as the input gave it; a closing brace
+    last), the id in group 1, with its quotes (`_id_text`): `result_id` matches one line, a resume
+    `findall`s a chunk of them."""
+    return re.compile(rb'^\{"' + re.escape(key.encode()) + rb'": ("[^"\\\n]*"|-?[0-9]+), [^\n]*\}$', re.MULTILINE)
+
+
+def _id_text(found: bytes) -> str:
+    """An id as `_id_lines` finds it (a quoted string, or an integer's digits) as resume keys it."""
+    return found.strip(b'"').decode("utf-8")
 
 
 def result_id(raw: bytes, key: str = "id") -> str | None:
@@ -562,7 +568,7 @@ def result_id(raw: bytes, key: str = "id") -> str | None:
         return None
     if m := _id_lines(key).match(raw):
         try:
-            return m.group(1).decode("utf-8")
+            return _id_text(m.group(1))
         except UnicodeDecodeError:
             return None
     try:

@@ -144,6 +144,26 @@ def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_writ
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
 
 
+def test_an_integer_id_stays_an_integer_in_its_result_line_and_a_re_run_skips_it(demo, tmp_path, ray_local):
+    """A record's id 7 came back as "7": a user's lookup of results by the ids of their input (a
+    dict, a set, a join on an integer column) found none, with no error. The line keeps the id
+    as the input gave it; resume and the re-run checks know it either way, and 7 and "7" are
+    still one id (the second is refused as a duplicate)."""
+    records = [{"id": 7, "prompt_token_ids": [20, 7, 8]}, {"id": "s", "prompt_token_ids": [21, 7, 8]},
+               {"id": -3, "prompt_token_ids": [22, 7, 8], "sampling": {"n": 2}},
+               {"id": 9, "prompt_token_ids": [23, 7, 8], "sampling": {"min_tokens": 99}},
+               {"id": "7", "prompt_token_ids": [24, 7, 8]}]
+    spec = job_spec(demo, tmp_path, records)
+    run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted((x["id"] for x in lines), key=str) == [-3, 7, "7@5", 9, "s"]
+    by_id = {x["id"]: x for x in lines}
+    assert by_id[7]["error"] is None and by_id[-3]["error"] is None and len(by_id[-3]["outputs"]) == 2
+    assert "min_tokens (99) must be at most max_new_tokens" in by_id[9]["error"]["message"]
+    again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert again["records_skipped"] == 5 and again.get("nothing_to_do")
+
+
 class SlowOne(StandInWorker):
     """A stand-in rank twenty times slower than the others: the first rank of the test to step
     claims it (a card slowed by heat, a node shared with another job)."""

@@ -34,7 +34,8 @@ def test_jsonl_forms(tmp_path):
     a, b, c, s, t, u = read_records(path)
     assert (a.id, a.prompt, a.sampling) == ("a", "hi", {"temperature": 0.5})
     assert (b.id, b.line, b.messages[1]["content"]) == ("2", 2, "hi")
-    assert (c.id, c.prompt_token_ids) == ("17", [1, 2, 3])
+    assert (c.id, c.given_id, c.prompt_token_ids) == ("17", 17, [1, 2, 3])      # kept as given for its result
+    assert a.given_id is None and b.given_id is None
     assert (s.continuation, t.continuation_token_ids) == ("4", [6, 7])
     assert (u.id, u.prompt) == ("é", "ünïcode ✓")
     assert all(r.error is None for r in (a, b, c, s, t, u))

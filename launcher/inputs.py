@@ -9,9 +9,13 @@ raises `InputError`, from `check_input` / `read_records`, before any record is s
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import hashlib
 import heapq
+import itertools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,6 +59,11 @@ class Record:
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
     given_id: int | None = None                 # an integer id as the input gave it: its result line keeps it so
+    source: str = ""                            # its file, where input.path is a folder or a pattern (`input_files`)
+
+    def at(self, unit: str = "line") -> str:
+        """Where it is in the input, as messages name it: "line 3", or "b.jsonl line 3"."""
+        return f"{self.source} {unit} {self.line}" if self.source else f"{unit} {self.line}"
 
 
 def input_digest(text: str) -> str:
@@ -65,10 +74,56 @@ def input_digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
+GLOB_CHARS = "*?["
+
+
+def is_pattern(path: str | Path) -> bool:
+    return any(c in str(path) for c in GLOB_CHARS)
+
+
+def input_files(path: str | Path) -> tuple[list[Path], Path | None]:
+    """input.path's files and the folder their names in ids and messages are relative to (None:
+    one file, named by line alone): the file; a folder's .txt, .jsonl or .parquet files (not
+    hidden ones); or a pattern's files (`data/*.parquet`, `data/**/*.jsonl`), relative to its
+    folder before the first wildcard. In name order, and of one kind."""
+    path = Path(path)
+    if is_pattern(path):
+        root = Path(*itertools.takewhile(lambda part: not is_pattern(part), path.parts))
+        files = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise InputError(f"input.path {path}: no file matches the pattern")
+    elif path.is_dir():
+        root = path
+        files = sorted(f for f in path.iterdir()
+                       if f.is_file() and f.suffix.lower() in INPUT_SUFFIXES and not f.name.startswith("."))
+        if not files:
+            raise InputError(f"input folder {path} holds no .txt, .jsonl or .parquet file")
+    else:
+        return [path], None
+    kinds = sorted({f.suffix.lower() for f in files})
+    if len(kinds) > 1 or kinds[0] not in INPUT_SUFFIXES:
+        raise InputError(f"input.path {path} holds files of {len(kinds)} kind(s) ({', '.join(kinds)}); expected "
+                         f".txt, .jsonl or .parquet files of one kind")
+    return files, root
+
+
+def reads_back(input_path: str | Path, output_path: str | Path) -> bool:
+    """Whether input.path, a folder or a pattern, would take the results file `output_path` for
+    one of its input files once it exists (a re-run would read its results as records)."""
+    out = Path(output_path)
+    if is_pattern(input_path):
+        return fnmatch.fnmatch(str(out), str(input_path))       # (its * spans folders: it errs on the safe side)
+    folder = Path(input_path)
+    return folder.is_dir() and out.parent == folder and out.suffix.lower() in INPUT_SUFFIXES
+
+
 def is_openai_batch(path: str | Path) -> bool:
     """Whether a .jsonl input's first record is an OpenAI Batch API request."""
-    path = Path(path)
-    if path.suffix.lower() != ".jsonl":
+    try:
+        path = input_files(path)[0][0]
+    except InputError:
+        return False
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
         return False
     for _, text, error in _lines(path):
         try:
@@ -79,17 +134,21 @@ def is_openai_batch(path: str | Path) -> bool:
     return False
 
 
-def check_input(path: str | Path) -> Path:
-    """Cheap checks that the file exists, is readable and has a known format (a parquet file's
-    footer and columns are read, no rows)."""
-    path = Path(path)
+def check_input(path: str | Path) -> tuple[list[Path], Path | None]:
+    """Cheap checks that input.path's files (`input_files`) exist, are readable and have a known
+    format (a parquet file's footer and columns are read, no rows); the files and their folder."""
+    files, root = input_files(path)
+    for f in files:
+        _check_file(f)
+    return files, root
+
+
+def _check_file(path: Path) -> None:
     suffix = path.suffix.lower()
     if suffix not in INPUT_SUFFIXES:
         raise InputError(f"input file {path}: expected a .txt, .jsonl or .parquet file")
     if not path.exists():
         raise InputError(f"input file {path} does not exist")
-    if path.is_dir():
-        raise InputError(f"input file {path} is a folder; expected a {suffix} file")
     try:
         with open(path, "rb") as f:
             f.read(1)
@@ -103,14 +162,24 @@ def check_input(path: str | Path) -> Path:
         if misplaced := misplaced_keys(names):
             raise InputError(f"input file {path} has columns that belong inside others: {misplaced}. "
                              f"{ELSEWHERE} (struct columns): move them there, or rename them")
-    return path
 
 
 def read_records(path: str | Path) -> Iterator[Record]:
-    """Checks the file now (raising InputError), then yields its records one by one."""
-    path = check_input(path)
-    reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[path.suffix.lower()]
-    return _unique_ids(reader(path), "row" if path.suffix.lower() == ".parquet" else "line")
+    """Checks the files now (raising InputError), then yields their records one by one, file by
+    file. A record without an id takes its line (row) number; in a folder's or a pattern's files,
+    "<file>:<line>", the file's name relative to the folder, so that ids stay unique and stay
+    the same when files are added."""
+    files, root = check_input(path)
+    reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[files[0].suffix.lower()]
+    records = itertools.chain.from_iterable(
+        reader(f, "" if root is None else f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f))
+        for f in files)
+    return _unique_ids(records, unit_of(files[0]))
+
+
+def unit_of(path: str | Path) -> str:
+    """What a record is in an input file of this kind: a parquet row, a line of text."""
+    return "row" if str(path).lower().endswith(".parquet") else "line"
 
 
 # characters a token, for ordering records only: BPE vocabularies of English text hold about 4
@@ -158,58 +227,60 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
     # a repeated id becomes an error record with its own id "<id>@<line>" (or "<id>@<line>.2", .3,
     # ... where an earlier record holds that one): the results file keeps one line per id, resuming
     # never takes the duplicate's error for the first record's result, and a re-run names it alike
-    first: dict[str, int] = {}
+    first: dict[str, str] = {}
     for r in records:
         if r.id in first:
-            error = (f"{unit} {r.line}: id '{r.id}' was already used on {unit} {first[r.id]}; "
-                     f"ids must be unique")
-            rid, k = f"{r.id}@{r.line}", 1
+            error = f"{r.at(unit)}: id '{r.id}' was already used on {first[r.id]}; ids must be unique"
+            where = f"{r.source}:{r.line}" if r.source else r.line
+            rid, k = f"{r.id}@{where}", 1
             while rid in first:
                 k += 1
-                rid = f"{r.id}@{r.line}.{k}"
-            r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest)
-        first[r.id] = r.line
+                rid = f"{r.id}@{where}.{k}"
+            r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest, source=r.source)
+        first[r.id] = r.at(unit)
         yield r
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+def _lines(path: Path, source: str = "") -> Iterator[tuple[int, str, str | None]]:
     """(line number, text, error) of every line that is not blank; a line that is not UTF-8
-    comes with its error and no text."""
+    comes with its error and no text. `source`: the file's name in messages (input_files)."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            text, error = _decode(raw, n)
+            text, error = _decode(raw, n, source)
             if error or text.strip():
                 yield n, text, error
 
 
-def _read_txt(path: Path) -> Iterator[Record]:
-    for n, text, error in _lines(path):
+def _read_txt(path: Path, source: str = "") -> Iterator[Record]:
+    for n, text, error in _lines(path, source):
+        rid = f"{source}:{n}" if source else str(n)
         if error:
-            yield Record(id=str(n), line=n, error=error)
+            yield Record(id=rid, line=n, error=error, source=source)
         else:
             prompt = text.removesuffix("\n").removesuffix("\r")
-            yield Record(id=str(n), line=n, prompt=prompt, digest=input_digest(prompt))
+            yield Record(id=rid, line=n, prompt=prompt, digest=input_digest(prompt), source=source)
 
 
-def _read_jsonl(path: Path) -> Iterator[Record]:
-    for n, text, error in _lines(path):
+def _read_jsonl(path: Path, source: str = "") -> Iterator[Record]:
+    where = f"{source} line" if source else "line"
+    for n, text, error in _lines(path, source):
         if error:
-            yield Record(id=str(n), line=n, error=error)
+            yield Record(id=f"{source}:{n}" if source else str(n), line=n, error=error, source=source)
             continue
         digest = input_digest(text.strip())
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield Record(id=str(n), line=n, error=f"line {n}: invalid JSON: {e.msg} at column {e.colno}",
-                         digest=digest)
+            yield Record(id=f"{source}:{n}" if source else str(n), line=n, source=source, digest=digest,
+                         error=f"{where} {n}: invalid JSON: {e.msg} at column {e.colno}")
             continue
-        rec = parse_openai(obj, n) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
-            else parse_record(obj, n, "line")
-        rec.digest = digest
+        rec = parse_openai(obj, n, where) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
+            else parse_record(obj, n, where, source)
+        rec.digest, rec.source = digest, source
         yield rec
 
 
-def _read_parquet(path: Path) -> Iterator[Record]:
+def _read_parquet(path: Path, source: str = "") -> Iterator[Record]:
     pf = _parquet_file(path)
     columns = [c for c in pf.schema_arrow.names if c in KNOWN_KEYS]
     n = 0
@@ -217,8 +288,9 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         for row in batch.to_pylist():
             n += 1
             row = _drop_nulls(row)
-            rec = parse_record(row, n, "row")
+            rec = parse_record(row, n, f"{source} row" if source else "row", source)
             rec.digest = input_digest(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str))
+            rec.source = source
             yield rec
 
 
@@ -248,31 +320,32 @@ def _drop_nulls(row: dict) -> dict:
     return out
 
 
-def _decode(raw: bytes, n: int) -> tuple[str, str | None]:
+def _decode(raw: bytes, n: int, source: str = "") -> tuple[str, str | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return "", f"line {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
+        where = f"{source} line" if source else "line"
+        return "", f"{where} {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
     return (text.removeprefix("\ufeff") if n == 1 else text), None
 
 
-def parse_record(obj: Any, n: int, unit: str = "line") -> Record:
-    """One JSON object (a jsonl line, a parquet row) as a Record; problems go to `error`."""
+def parse_record(obj: Any, n: int, unit: str = "line", source: str = "") -> Record:
+    """One JSON object (a jsonl line, a parquet row) as a Record; problems go to `error`.
+    `source`: its file's name where input.path has several (a record without an id is named by it)."""
     where = f"{unit} {n}"
+    line_id = f"{source}:{n}" if source else str(n)
     if not isinstance(obj, dict):
-        return Record(id=str(n), line=n, error=f"{where}: expected a JSON object with a 'prompt', 'messages' "
-                                                  f"or 'prompt_token_ids' key, got {_type(obj)}")
+        return Record(id=line_id, line=n, error=f"{where}: expected a JSON object with a 'prompt', 'messages' "
+                                                f"or 'prompt_token_ids' key, got {_type(obj)}")
     rid = obj.get("id")
-    if rid is None:
-        rid = str(n)
     given = None
     if rid is None:
-        rid = str(n)
+        rid = line_id
     elif isinstance(rid, float) and rid.is_integer():  # pandas stores integer ids with gaps as floats
         given = int(rid)
         rid = str(given)
     elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
-        return Record(id=str(n), line=n, error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
+        return Record(id=line_id, line=n, error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
     else:
         given = rid if isinstance(rid, int) else None
         rid = str(rid)
@@ -323,10 +396,10 @@ OPENAI_STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_cho
                      "guided_grammar": "grammar", "structured_outputs": None}
 
 
-def parse_openai(obj: dict, n: int) -> Record:
+def parse_openai(obj: dict, n: int, unit: str = "line") -> Record:
     """One OpenAI Batch API request line: {custom_id, method, url, body}. The body is a chat
     completion (messages) or a completion (prompt: a string or token ids) request."""
-    where = f"line {n}"
+    where = f"{unit} {n}"
     rid = obj.get("custom_id")
     if not isinstance(rid, str) or not rid.strip():
         return Record(id=str(n), line=n, error=f"{where}: 'custom_id' must be a non-empty string, got {rid!r:.40}")

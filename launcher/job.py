@@ -19,9 +19,9 @@ from datetime import datetime
 from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
-from msinfer.launcher.errors import OutputError, SpecError, SystemicError, UserError
-from msinfer.launcher.inputs import (check_chat, check_input, expected_length, is_openai_batch, longest_first,
-                                    read_records)
+from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
+from msinfer.launcher.inputs import (check_chat, check_input, expected_length, input_files, is_openai_batch,
+                                    longest_first, read_records, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
@@ -93,7 +93,8 @@ class Plan:
             f"<= {s.scheduler.max_batched_tokens} tokens per step, prefix caching "
             + ("on (a prompt starts after its longest run of cached KV blocks)" if s.scheduler.prefix_caching
                else "off"),
-            f"input       {s.input.path}" + ("" if self.tokenizer else "  (no tokenizer: prompt_token_ids only)"),
+            f"input       {s.input.path}{input_note(s.input.path)}"
+            + ("" if self.tokenizer else "  (no tokenizer: prompt_token_ids only)"),
             f"output      {s.output.path}",
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
@@ -127,6 +128,18 @@ class Plan:
         if self.card is not None:
             lines.append("card        " + self.card.describe())
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
+
+
+def input_note(path: str) -> str:
+    """`plan`'s word on a folder's or a pattern's files (none for one file)."""
+    try:
+        files, root = input_files(path)
+    except InputError:
+        return ""
+    if root is None:
+        return ""
+    first = files[0].relative_to(root).as_posix() if files[0].is_relative_to(root) else files[0]
+    return f" ({len(files)} {files[0].suffix} file(s), from {first}; records without an id are named <file>:<line>)"
 
 
 def template_summary(has_template: bool, chat_template: bool | str) -> str:
@@ -502,6 +515,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             raise SpecError(error)
     if check_io:
         check_input(spec.input.path)
+        if reads_back(spec.input.path, spec.output.path):
+            raise SpecError(f"output.path {spec.output.path} would be one of the files of input.path "
+                            f"{spec.input.path}: a re-run would read its results as records. Write the results "
+                            f"outside the input's folder, or give a pattern that leaves them out")
         check_output(spec.output.path, keep_folder=make_output)
         if spec.output.metrics_port is not None:
             check_port(spec.output.metrics_host, spec.output.metrics_port)
@@ -643,14 +660,19 @@ USER_ERRORS = (UserError, ModelConfigError, LayoutError, CheckpointError)
 
 
 def count_lines(path: str) -> int | None:
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-            return pq.ParquetFile(path).metadata.num_rows
-        except Exception:
-            return None
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+    """The records of input.path, for the progress bar: its files' rows or lines that are not blank."""
+    total = 0
+    for f in input_files(path)[0]:
+        if f.suffix.lower() == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+                total += pq.ParquetFile(f).metadata.num_rows
+            except Exception:
+                return None
+        else:
+            with open(f, "rb") as lines:
+                total += sum(1 for line in lines if line.strip())
+    return total
 
 
 class JobRun:
@@ -1047,20 +1069,20 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     before = read_input_digests(output)
     if not before:
         return frozenset()
-    changed = []                        # (id, line)
+    changed = []                        # (id, where in the input)
+    unit = unit_of(input_files(spec.input.path)[0][0])
     for rec in shard_records(read_records(spec.input.path), spec):
         old = before.get(rec.id)
         if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
             continue
         if old.rstrip("!") != rec.digest:
-            changed.append((rec.id, rec.line))
+            changed.append((rec.id, rec.at(unit)))
     if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
         held = held_ids(output, {rid for rid, _ in changed}, id_key)
         changed = [(rid, line) for rid, line in changed if rid in held]
     if not changed or redo_changed:
         return frozenset(rid for rid, _ in changed)
-    unit = "row" if Path(spec.input.path).suffix.lower() == ".parquet" else "line"
-    shown = ", ".join(f"'{rid}' ({unit} {line})" for rid, line in changed[:4])
+    shown = ", ".join(f"'{rid}' ({where})" for rid, where in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     raise OutputError(f"{output} holds results of {len(changed)} record(s) whose input in {spec.input.path} changed "
                       f"since they were written: {shown}{more}. A re-run skips the records it holds, so they would "

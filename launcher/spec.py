@@ -175,9 +175,12 @@ class InputSpec(Section):
     @field_validator("path")
     @classmethod
     def _input_path(cls, value: str, info: ValidationInfo) -> str:
+        # a file, a folder of them or a pattern (launcher.inputs.input_files checks what they hold)
         path = _expand(cls, value, info)
-        if Path(path).suffix.lower() not in INPUT_SUFFIXES:
-            raise ValueError(f"expected a .txt, .jsonl or .parquet file, got '{value}'")
+        if Path(path).suffix.lower() not in INPUT_SUFFIXES and not any(c in path for c in "*?[") \
+                and not Path(path).is_dir():
+            raise ValueError(f"expected a .txt, .jsonl or .parquet file, a folder of such files or a pattern "
+                             f"(data/*.parquet), got '{value}'")
         return path
 
 

@@ -164,6 +164,34 @@ def test_an_integer_id_stays_an_integer_in_its_result_line_and_a_re_run_skips_it
     assert again["records_skipped"] == 5 and again.get("nothing_to_do")
 
 
+def test_a_folder_of_input_files_runs_as_one_input_and_a_file_added_later_is_all_a_re_run_computes(
+        demo, tmp_path, ray_local):
+    """input.path a folder of .jsonl files: every record of every file once; a re-run after a file
+    is added computes that file's records alone (ids without one are "<file>:<line>", unchanged
+    by the new file); a results file inside the folder is refused before anything starts."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.simulate import StandInRunner
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    first = [{"prompt_token_ids": [20 + i, 7, 8]} for i in range(3)]
+    (folder / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (folder / "part-1.jsonl").write_text(json.dumps({"id": 5, "prompt_token_ids": [30, 7, 8]}) + "\n")
+    spec = job_spec(demo, tmp_path, [], input={"path": str(folder)})
+    runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert summary["records_done"] == 4
+    out = results(tmp_path / "out.jsonl")
+    assert set(out) == {"part-0.jsonl:1", "part-0.jsonl:2", "part-0.jsonl:3", 5}
+    assert out["part-0.jsonl:2"]["output_token_ids"] == runner.tokens([21, 7, 8], 6)
+    (folder / "part-2.jsonl").write_text(json.dumps({"prompt_token_ids": [40, 7, 8]}) + "\n")
+    again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    assert (again["records_skipped"], again["records_done"]) == (4, 1)
+    assert set(results(tmp_path / "out.jsonl")) == {*out, "part-2.jsonl:1"}
+    inside = job_spec(demo, tmp_path, [], input={"path": str(folder)}, output={"path": str(folder / "out.jsonl")})
+    with pytest.raises(SpecError, match=r"output.path .*shards/out.jsonl would be one of the files of input.path"):
+        plan_job(inside)
+
+
 class SlowOne(StandInWorker):
     """A stand-in rank twenty times slower than the others: the first rank of the test to step
     claims it (a card slowed by heat, a node shared with another job)."""

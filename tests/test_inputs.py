@@ -139,7 +139,7 @@ def test_parquet_messages_column(tmp_path):
 def test_unreadable_input_raises_before_reading(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl")  # raises on the call, not on the first next()
-    with pytest.raises(InputError, match="is a folder"):
+    with pytest.raises(InputError, match="input folder .*d.jsonl holds no .txt, .jsonl or .parquet file"):
         check_input(_mkdir(tmp_path / "d.jsonl"))
     with pytest.raises(InputError, match="expected a .txt, .jsonl or .parquet"):
         check_input(tmp_path / "x.csv")
@@ -187,7 +187,7 @@ def test_a_parquet_file_with_a_sampling_key_as_a_column_is_refused_before_readin
                                          r"'sampling' object only"):
         check_input(path)
     pq.write_table(pa.table({"prompt": ["a"], "topic": ["x"], "sampling": [{"temperature": 0.5}]}), path)
-    assert check_input(path) == path
+    assert check_input(path) == ([path], None)
 
 
 def test_qwen3_s_enable_thinking_at_the_top_of_a_record_fails_it_naming_where_it_belongs():
@@ -271,3 +271,44 @@ def test_a_records_expected_length_is_its_prompt_and_the_tokens_it_may_generate(
                            score=True) == 15
     assert expected_length(Record("a", 1, prompt_token_ids=[1] * 10), 50, score=True) == 60     # generated
     assert expected_length(Record("a", 1, error="line 1: bad"), 50) == 0
+
+
+def test_a_folder_or_a_pattern_of_files_is_read_file_by_file_with_ids_named_by_file(tmp_path):
+    """input.path a folder (its .txt/.jsonl/.parquet files of one kind, hidden ones left out) or a
+    pattern (`**` for subfolders), as Ray Data reads a folder of shards: the files in name order;
+    a record without an id is "<file>:<line>", so ids stay unique across files and stable when
+    files are added; messages and duplicate ids name the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from msinfer.launcher.inputs import input_files, reads_back
+    d = _mkdir(tmp_path / "shards")
+    jsonl(d, [{"id": "q1", "prompt": "a"}, {"prompt": "b"}], "a.jsonl")
+    jsonl(d, [{"prompt": "c"}, b'{"prompt": ', {"id": "q1", "prompt": "again"}], "b.jsonl")
+    jsonl(d, [{"prompt": "hidden"}], ".partial.jsonl")
+    (d / "README.md").write_text("not an input")
+    recs = list(read_records(d))
+    assert [r.id for r in recs] == ["q1", "a.jsonl:2", "b.jsonl:1", "b.jsonl:2", "q1@b.jsonl:3"]
+    assert [r.prompt for r in recs[:3]] == ["a", "b", "c"]
+    assert recs[3].error.startswith("b.jsonl line 2: invalid JSON: Expecting value")
+    assert recs[4].error == "b.jsonl line 3: id 'q1' was already used on a.jsonl line 1; ids must be unique"
+    sub = _mkdir(d / "more")
+    jsonl(sub, [{"prompt": "d"}], "c.jsonl")
+    assert [r.id for r in read_records(f"{d}/**/*.jsonl")][-1] == "more/c.jsonl:1"      # relative to the pattern's folder
+    assert [r.id for r in read_records(f"{d}/b*.jsonl")][:1] == ["b.jsonl:1"]
+    assert [r.id for r in read_records(d / "a.jsonl")] == ["q1", "2"]                    # one file: lines alone
+    rows = _mkdir(tmp_path / "rows")
+    for name, prompts in (("p0.parquet", ["x", "y"]), ("p1.parquet", ["z"])):
+        pq.write_table(pa.table({"prompt": prompts}), rows / name)
+    assert [(r.id, r.prompt) for r in read_records(rows)] == [("p0.parquet:1", "x"), ("p0.parquet:2", "y"),
+                                                             ("p1.parquet:1", "z")]
+    (rows / "extra.jsonl").write_text('{"prompt": "w"}\n')
+    with pytest.raises(InputError, match=r"holds files of 2 kind\(s\) \(.jsonl, .parquet\)"):
+        input_files(rows)
+    with pytest.raises(InputError, match="holds no .txt, .jsonl or .parquet file"):
+        read_records(_mkdir(tmp_path / "empty"))
+    with pytest.raises(InputError, match="no file matches the pattern"):
+        read_records(f"{tmp_path}/nothing-*.jsonl")
+    assert reads_back(d, d / "results.jsonl") and reads_back(f"{d}/*.jsonl", d / "out.jsonl")
+    assert not reads_back(d, tmp_path / "results.jsonl") and not reads_back(d, d / "results.json")
+    assert not reads_back(d / "a.jsonl", d / "results.jsonl")

@@ -198,7 +198,8 @@ def test_max_model_len_resolved_later_is_checked_again(tmp_path):
 
 def test_input_suffix_checked(tmp_path):
     msg = spec_error(tmp_path, MINIMAL.replace("prompts.jsonl", "prompts.csv"))
-    assert "input.path: expected a .txt, .jsonl or .parquet file, got 'prompts.csv'" in msg
+    assert ("input.path: expected a .txt, .jsonl or .parquet file, a folder of such files or a pattern "
+            "(data/*.parquet), got 'prompts.csv'") in msg
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

@@ -39,12 +39,12 @@ other record, unless a suspect shares its step with a second poison record not y
 The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
 while healthy replicas serve the rest.
 
-The tail: once every record has been read and dealt, a replica that runs out of records while
-another still has some queued and not started (a slower card, a node with a busier neighbour, or
-just the last batches' luck) asks for them: that one's engine hands its unstarted records back at
-its next exchange (as for a drain), and they are dealt to the idle replicas, so that no replica
-waits while records wait in another's queue. A record given back keeps its serial; its latency
-counts from its first dealing. `rebalance=False` turns this off (scripts/measure_tail.py).
+The tail: once every record has been read and dealt, while a replica has run out of records,
+the others are asked (Engine.ask_back) for the records they hold queued and not started (a slower
+card, a node with a busier neighbour, or just the last batches' luck): each one's exchange in
+flight returns with them (as a drain's do), and they are dealt to the idle replicas, so that no
+replica waits while records wait in another's queue. A record given back keeps its serial; its
+latency counts from its first dealing. `rebalance=False` turns this off (scripts/measure_tail.py).
 
 Stopping early (`stop`, a launcher.drain.Drain): once it says no more dealing (a signal, or a
 deadline near), nothing more is dealt, not even the records of a failed replica, and a replica

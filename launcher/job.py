@@ -139,7 +139,8 @@ def input_note(path: str) -> str:
     if root is None:
         return ""
     first = files[0].relative_to(root).as_posix() if files[0].is_relative_to(root) else files[0]
-    return f" ({len(files)} {files[0].suffix} file(s), from {first}; records without an id are named <file>:<line>)"
+    return (f" ({len(files)} {files[0].suffix} file(s), from {first}; records without an id are named "
+            f"<file>:<{unit_of(files[0])}>)")
 
 
 def template_summary(has_template: bool, chat_template: bool | str) -> str:

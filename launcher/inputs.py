@@ -49,6 +49,7 @@ class Record:
     prompt: str | None = None
     messages: list | None = None
     prompt_token_ids: list[int] | None = None
+    prompts: list | None = None                 # an OpenAI completions request's list of prompts (texts or token ids)
     continuation: str | None = None
     continuation_token_ids: list[int] | None = None
     sampling: dict = field(default_factory=dict)
@@ -196,6 +197,8 @@ def expected_length(rec: Record, max_new_tokens: int, score: bool = False) -> in
         return 0
     if rec.prompt_token_ids is not None:
         prompt = len(rec.prompt_token_ids)
+    elif rec.prompts is not None:       # (several prompts: the longest sets when the record ends)
+        prompt = max(len(p) if isinstance(p, list) else len(p) // CHARS_PER_TOKEN for p in rec.prompts)
     elif isinstance(rec.messages, list):
         prompt = sum(len(str(m.get("content", ""))) if isinstance(m, dict) else len(str(m))
                      for m in rec.messages) // CHARS_PER_TOKEN
@@ -432,8 +435,18 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         rec.prompt_token_ids = body["prompt"]
         if error := _check_ids(rec.prompt_token_ids, "prompt"):
             return error
+    elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(p, str) for p in body["prompt"]):
+        rec.prompts = body["prompt"]           # several prompts: a choice (n of them) for each, in order
+        if not all(p.strip() for p in rec.prompts):
+            return f"'prompt[{next(i for i, p in enumerate(rec.prompts) if not p.strip())}]' is empty"
+    elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(p, list) for p in body["prompt"]):
+        rec.prompts = body["prompt"]
+        for i, ids in enumerate(rec.prompts):
+            if error := _check_ids(ids, f"prompt[{i}]"):
+                return error
     else:
-        return "'prompt' must be a non-empty string or a list of token ids (one prompt per request)"
+        return ("'prompt' must be a non-empty string, a list of token ids, or a list of several prompts (strings, "
+                "or lists of token ids)")
     for k, neutral in OPENAI_NEUTRAL.items():
         if body.get(k, neutral) not in (neutral, None):
             return f"'{k}' is not supported by msinfer yet"

@@ -36,8 +36,9 @@ class Done(NamedTuple):
 
 
 class Samples:
-    """The n sequences of a record with sampling.n > 1: they share its prompt (and, with prefix
-    caching, its prompt's KV blocks) and make one result line together."""
+    """The sequences of a record with sampling.n > 1, or with several prompts (an OpenAI
+    completions request's list): each prompt's n samples share it (and, with prefix caching, its
+    KV blocks), and all of them make one result line together."""
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs
@@ -114,46 +115,54 @@ class RecordCodec:
                 if merged is spec.sampling:
                     self.defaults = (merged, sampling)
             thinking = None
-            if self.tok is None:
+            if rec.prompts is not None:         # an OpenAI completions request's several prompts, as written
+                if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
+                    raise RecordError(f"record '{rec.id}': the model has no tokenizer, so prompts must be token ids")
+                prompts = [list(p) if isinstance(p, list) else self.tok.encode(p) for p in rec.prompts]
+                if len(prompts) > 1 and sampling.prompt_logprobs is not None:
+                    raise RecordError(f"record '{rec.id}': prompt_logprobs with several prompts in one request is "
+                                      f"not supported yet; give each prompt a request of its own")
+            elif self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
                                       f"'prompt_token_ids'")
-                ids = list(rec.prompt_token_ids)
+                prompts = [list(rec.prompt_token_ids)]
             else:
                 # a scored prompt is scored as it is written (a template would change what is
                 # scored), and an OpenAI completions request's prompt is sent as written
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
                 template = bool(spec.input.chat_template) and not scored and rec.openai is None
-                ids = self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)
+                prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)]
                 thinking = self.thinking(rec, template)
-            if sampling.truncate_prompt_tokens:     # (vLLM's left truncation: the prompt's last k tokens)
-                ids = ids[-(max_len - 1 if sampling.truncate_prompt_tokens == -1 else sampling.truncate_prompt_tokens):]
+            if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens)
+                prompts = [ids[-(max_len - 1 if k == -1 else k):] for ids in prompts]
             continuation = self.continuation(rec)
-            ids = ids + continuation
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
-                                  f"(0..{self.vocab_size - 1})")
-            if not fits(len(ids), bool(continuation), max_len):
-                raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
-                                  f"model.max_model_len is {max_len}" if continuation else
-                                  f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
-                                  f"is {max_len}, which must also leave room for generated tokens")
+            prompts = [ids + continuation for ids in prompts]
+            for ids in prompts:
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
+                if not fits(len(ids), bool(continuation), max_len):
+                    raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
+                                      f"model.max_model_len is {max_len}" if continuation else
+                                      f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
+                                      f"is {max_len}, which must also leave room for generated tokens")
             if continuation and sampling.n > 1:
                 raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a scored record "
                                   f"generates nothing; n applies to task: generate")
         except RecordError as e:
             return self.error(serial, rec, str(e))
-        if sampling.structured and thinking is not None and (gate := self.reasoning_end(ids)) >= 0:
+        if sampling.structured and thinking is not None and (gate := self.reasoning_end(prompts[0])) >= 0:
             sampling = dataclasses.replace(sampling, structured_after=gate)
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
             own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None
             sampling = dataclasses.replace(sampling, draw_key=draw_key(sampling.seed, None if own else rec.id))
         request, now = self.request(rec), time.perf_counter()
         seqs = []
-        for i in range(sampling.n):
+        for i in range(sampling.n * len(prompts)):     # prompt p's samples are choices p * n ... p * n + n - 1
             params = dataclasses.replace(sampling, index=i) if i else sampling
-            seq = Sequence(ids, params, rec.id, () if sampling.ignore_eos else self.eos, max_len)
+            seq = Sequence(prompts[i // sampling.n], params, rec.id, () if sampling.ignore_eos else self.eos, max_len)
             seq.num_score_tokens = len(continuation)
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
@@ -162,9 +171,9 @@ class RecordCodec:
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
-            for seq in seqs:
+            for i, seq in enumerate(seqs):
                 seq.record.samples = samples
-                seq.prefix_wait = seq is not seqs[0]    # the prompt is prefilled once, by the first
+                seq.prefix_wait = i % sampling.n > 0    # a prompt is prefilled once, by its first sample
         return seqs
 
     def thinking(self, rec: Record, template: bool) -> bool | None:
@@ -306,7 +315,8 @@ class RecordCodec:
                     "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
                     "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
                    for i, seq in enumerate(samples.seqs)]
-        result = {"id": first.key, "outputs": outputs, "prompt_tokens": first.num_prompt_tokens,
+        result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
+                  "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs if not seq.prefix_wait),
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
                   "error": None}
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),

@@ -89,6 +89,10 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
      "line 4: 'tools' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
      "line 4: 'response_format' type 'xml' is not one of text, json_object, json_schema"),
+    (request("x", {"prompt": ["a", " "]}, "/v1/completions"), "line 4: 'prompt[1]' is empty"),
+    (request("x", {"prompt": [1, "a"]}, "/v1/completions"),
+     "line 4: 'prompt' must be a non-empty string, a list of token ids, or a list of several prompts (strings, or "
+     "lists of token ids)"),
     (request("x", {"prompt": "hi", "echo": True}, "/v1/completions"),
      "line 4: 'echo' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),
@@ -130,7 +134,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     the bad ones with status 400, each request once; a second run skips them all."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
-    from msinfer.launcher.job import run_job
+    from msinfer.launcher.job import plan_job, run_job
     from msinfer.launcher.simulate import StandIn
     from msinfer.launcher.spec import JobSpec
     from scripts.make_demo_model import ensure_demo_model
@@ -140,6 +144,8 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
                                 "logprobs": True, "top_logprobs": 2}),
              request("text-1", {"prompt": "Once upon a time", "max_tokens": 4}, "/v1/completions"),
              request("two", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2}),
+             request("list", {"prompt": ["Once upon a time", "The sky is"], "n": 2, "max_tokens": 3},
+                     "/v1/completions"),
              request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -151,7 +157,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 4 and summary["records_failed"] == 2
+    assert summary["records_done"] == 5 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -163,11 +169,20 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     two = ChatCompletion.model_validate(out["two"]["response"]["body"])
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 4
     assert all(c.finish_reason == "length" and c.message.content for c in two.choices)
+    # a list of prompts, as OpenAI's and vLLM's completions take it: n choices for each, in order
+    from msinfer.launcher.simulate import StandInRunner
+    from msinfer.launcher.tokenizer import load_tokenizer
+    tok, runner = load_tokenizer(ensure_demo_model()), StandInRunner(plan_job(spec, weights=False).engine, StandIn())
+    several = Completion.model_validate(out["list"]["response"]["body"])
+    prompts = [tok.encode(p) for p in ("Once upon a time", "The sky is")]
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert [c.text for c in several.choices] == [tok.decode(runner.tokens(p, 3)) for p in prompts for _ in range(2)]
+    assert several.usage.prompt_tokens == sum(map(len, prompts)) and several.usage.completion_tokens == 12
     assert out["bad-n"]["response"]["status_code"] == 400
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["nothing_to_do"] and again["records_skipped"] == 6      # resumed by custom_id: nothing to do,
+    assert again["nothing_to_do"] and again["records_skipped"] == 7      # resumed by custom_id: nothing to do,
     assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
@@ -176,7 +191,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     (tmp_path / "out.jsonl").write_bytes(torn)
     last = json.loads(data.splitlines()[-1])["custom_id"]
     resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert resumed["records_skipped"] == 5 and resumed["records_done"] + resumed["records_failed"] == 1
+    assert resumed["records_skipped"] == 6 and resumed["records_done"] + resumed["records_failed"] == 1
     again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
     assert again_out[-1]["custom_id"] == last

@@ -44,14 +44,18 @@ class JobMetrics:
         self.prompt = Counter("msinfer_prompt_tokens", "Prompt tokens of the records done", registry=r)
         self.cached = Counter("msinfer_cached_prompt_tokens",
                               "Prompt tokens of the records done found in the prefix cache", registry=r)
+        self.cut = Counter("msinfer_records_cut", "Records done that stopped at their length limit (finish_reason "
+                           "length): a max_new_tokens too low shows here", registry=r)
         self.restarts = Counter("msinfer_replica_restarts", "Replicas restarted after a failure", registry=r)
+        self.rebalanced = Counter("msinfer_records_rebalanced", "Records a replica had queued at the job's tail, "
+                                  "dealt to an idle one", registry=r)
         self.alive = Gauge("msinfer_replicas_alive", "Replicas running (not restarting)", registry=r)
         self.in_flight = Gauge("msinfer_records_in_flight", "Records dealt to the engines, no result yet", registry=r)
         self.kv = Gauge("msinfer_kv_cache_usage", "Share of the replica's KV cache blocks in use", ["replica"],
                         registry=r)
         self.latency = Histogram("msinfer_record_latency_seconds", "From a record's first dealing to its result",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.restarts_seen = 0
+        self.restarts_seen = self.rebalanced_seen = 0
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=r)
         except OSError:
@@ -68,9 +72,11 @@ class JobMetrics:
         self.generated.inc(done.completion_tokens)
         self.prompt.inc(done.prompt_tokens)
         self.cached.inc(done.cached_tokens)
+        if done.cut:
+            self.cut.inc()
 
     def update(self, controller) -> None:
-        """The gauges, and the restarts counter, from the controller's state."""
+        """The gauges, and the restarts and rebalanced counters, from the controller's state."""
         if controller is None:
             return
         slots = controller.slots
@@ -81,6 +87,9 @@ class JobMetrics:
         if controller.restarts > self.restarts_seen:
             self.restarts.inc(controller.restarts - self.restarts_seen)
             self.restarts_seen = controller.restarts
+        if controller.rebalanced > self.rebalanced_seen:
+            self.rebalanced.inc(controller.rebalanced - self.rebalanced_seen)
+            self.rebalanced_seen = controller.rebalanced
 
     def close(self) -> None:
         self.server.shutdown()

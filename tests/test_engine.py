@@ -319,6 +319,8 @@ def test_the_metrics_endpoint_answers_during_a_job_with_counters_that_grow_and_c
         assert last["msinfer_generated_tokens_total"] == summary["completion_tokens"] == 24 * 12
         assert last["msinfer_prompt_tokens_total"] == 24 * 20
         assert last["msinfer_record_latency_seconds_count"] == 24
+        assert last["msinfer_records_cut_total"] == summary["records_cut"] == 24     # each at max_new_tokens
+    assert "msinfer_records_rebalanced_total" in last
     assert max(s["msinfer_record_latency_seconds_count"] for s in seen) >= 1
     assert scrape(url) is None                                 # closed with the job
     import socket

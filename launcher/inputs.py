@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from msinfer.launcher.errors import InputError
 from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
-from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec
+from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec, is_pattern
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # how a record's messages go through the chat template, with vLLM's names (its chat requests and
@@ -73,13 +73,6 @@ def input_digest(text: str) -> str:
     space around it) or of its parquet row, so that a re-run can tell a record that changed since
     its result was written (launcher.job, `changed_records`)."""
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-
-
-GLOB_CHARS = "*?["
-
-
-def is_pattern(path: str | Path) -> bool:
-    return any(c in str(path) for c in GLOB_CHARS)
 
 
 def input_files(path: str | Path) -> tuple[list[Path], Path | None]:
@@ -230,17 +223,20 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
     # a repeated id becomes an error record with its own id "<id>@<line>" (or "<id>@<line>.2", .3,
     # ... where an earlier record holds that one): the results file keeps one line per id, resuming
     # never takes the duplicate's error for the first record's result, and a re-run names it alike
-    first: dict[str, str] = {}
+    # (each id's line, with its file's name where there are several: held for every record read)
+    first: dict[str, int | tuple[str, int]] = {}
     for r in records:
         if r.id in first:
-            error = f"{r.at(unit)}: id '{r.id}' was already used on {first[r.id]}; ids must be unique"
+            seen = first[r.id]
+            before = f"{unit} {seen}" if isinstance(seen, int) else f"{seen[0]} {unit} {seen[1]}"
+            error = f"{r.at(unit)}: id '{r.id}' was already used on {before}; ids must be unique"
             where = f"{r.source}:{r.line}" if r.source else r.line
             rid, k = f"{r.id}@{where}", 1
             while rid in first:
                 k += 1
                 rid = f"{r.id}@{where}.{k}"
             r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest, source=r.source)
-        first[r.id] = r.at(unit)
+        first[r.id] = (r.source, r.line) if r.source else r.line
         yield r
 
 

@@ -22,6 +22,13 @@ from msinfer.launcher.errors import RecordError, SpecError
 from msinfer.worker.protocol import SamplingParams
 
 INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def is_pattern(path: str | Path) -> bool:
+    """Whether input.path is a pattern of file names (launcher.inputs.input_files)."""
+    return any(c in str(path) for c in "*?[")
+
+
 PATH_KEYS = ("model.path", "model.tokenizer", "model.lora.path", "input.path", "output.path")
 _ENV_REF = re.compile(r"\$\{([^}]*)\}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -177,8 +184,7 @@ class InputSpec(Section):
     def _input_path(cls, value: str, info: ValidationInfo) -> str:
         # a file, a folder of them or a pattern (launcher.inputs.input_files checks what they hold)
         path = _expand(cls, value, info)
-        if Path(path).suffix.lower() not in INPUT_SUFFIXES and not any(c in path for c in "*?[") \
-                and not Path(path).is_dir():
+        if Path(path).suffix.lower() not in INPUT_SUFFIXES and not is_pattern(path) and not Path(path).is_dir():
             raise ValueError(f"expected a .txt, .jsonl or .parquet file, a folder of such files or a pattern "
                              f"(data/*.parquet), got '{value}'")
         return path

@@ -206,9 +206,8 @@ class StopStringMatcher:
         return i + len(self.stop[k]) if self.include else i
 
 
-# output.reasoning_parser: vLLM's parsers of the same names, for the models that write their
-# reasoning between <think> and </think> before the answer
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# output.reasoning_parser (qwen3, deepseek_r1): vLLM's parsers of the same names, for the models
+# that write their reasoning between <think> and </think> before the answer
 THINK_START, THINK_END = "<think>", "</think>"
 
 

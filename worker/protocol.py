@@ -30,7 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings (matched by the controller on decoded text)
     include_stop_str_in_output: bool = False    # the text keeps the stop string it was cut at
     skip_special_tokens: bool = True  # the text leaves the tokenizer's special tokens out (the controller decodes)
-    truncate_prompt_tokens: int | None = None   # the prompt's last k tokens only (-1: max_model_len); the controller's
+    truncate_prompt_tokens: int | None = None   # the prompt's last k tokens only (-1: max_model_len - 1); the controller's
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-k log-probabilities per generated token (0: none)

@@ -39,12 +39,13 @@ other record, unless a suspect shares its step with a second poison record not y
 The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
 while healthy replicas serve the rest.
 
-The tail: once every record has been read and dealt, while a replica has run out of records,
-the others are asked (Engine.ask_back) for the records they hold queued and not started (a slower
-card, a node with a busier neighbour, or just the last batches' luck): each one's exchange in
-flight returns with them (as a drain's do), and they are dealt to the idle replicas, so that no
-replica waits while records wait in another's queue. A record given back keeps its serial; its
-latency counts from its first dealing. `rebalance=False` turns this off (scripts/measure_tail.py).
+The tail: once every record has been read and dealt, while replicas have run out of records,
+as many of the others, the most loaded, are asked (Engine.ask_back) for the records they hold
+queued and not started (a slower card, a node with a busier neighbour, or just the last batches'
+luck): each one's exchange in flight returns with them (as a drain's do), and they are dealt to
+the idle replicas, so that no replica waits while records wait in another's queue. A record given
+back keeps its serial; its latency counts from its first dealing. `rebalance=False` turns this
+off (scripts/measure_tail.py).
 
 Stopping early (`stop`, a launcher.drain.Drain): once it says no more dealing (a signal, or a
 deadline near), nothing more is dealt, not even the records of a failed replica, and a replica
@@ -341,17 +342,19 @@ class Controller:
     def _ask_for_queued(self) -> set[int]:
         """The tail (see the module's docstring): the replicas idle now (serving, nothing dealt to
         them, nothing held for them), by index; while there are such and none of the records handed
-        back waits for them, each replica with records is asked for those it has not started
-        (Engine.ask_back; at most every ASK_EVERY_S): its exchange in flight returns with them, and
-        an engine that has started them all gives back none."""
+        back waits for them, as many of the others as there are idle ones, those with the most
+        records, are asked for the records they have not started (Engine.ask_back; each at most
+        every ASK_EVERY_S, so that a thousand replicas' tail costs the driver a few calls a second):
+        each one's exchange in flight returns with them, and an engine that has started them all
+        gives back none."""
         idle = {s.index for s in self.slots if s.starting is None and s.pending is None and not s.outstanding
                 and not s.held}
         if idle and not self.given and not self.requeue:
             now = time.perf_counter()
-            for s in self.slots:
-                if s.outstanding and s.starting is None and now - s.asked_at > ASK_EVERY_S:
-                    s.asked_at = now
-                    s.replica.engine.ask_back.remote()
+            busy = [s for s in self.slots if s.outstanding and s.starting is None and now - s.asked_at > ASK_EVERY_S]
+            for s in sorted(busy, key=lambda s: len(s.outstanding), reverse=True)[:len(idle)]:
+                s.asked_at = now
+                s.replica.engine.ask_back.remote()
         return idle
 
     def _hold(self, item: tuple, slot: Slot, hold: int) -> bool:

@@ -157,7 +157,8 @@ def test_a_folder_of_input_files_with_integer_ids_runs_as_one_input_and_a_re_run
     folder = tmp_path / "shards"
     folder.mkdir()
     first = [{"prompt_token_ids": [20 + i, 7, 8]} for i in range(2)]
-    second = [{"id": 7, "prompt_token_ids": [30, 7, 8]}, {"id": -3, "prompt_token_ids": [31, 7, 8], "sampling": {"n": 2}},
+    second = [{"id": 7, "prompt_token_ids": [30, 7, 8]},
+              {"id": -3, "prompt_token_ids": [31, 7, 8], "sampling": {"n": 2}},
               {"id": 9, "prompt_token_ids": [32, 7, 8], "sampling": {"min_tokens": 99}},
               {"id": "7", "prompt_token_ids": [33, 7, 8]}]
     for name, records in (("part-0.jsonl", first), ("part-1.jsonl", second)):
@@ -173,7 +174,8 @@ def test_a_folder_of_input_files_with_integer_ids_runs_as_one_input_and_a_re_run
     assert out["part-0.jsonl:2"]["output_token_ids"] == runner.tokens([21, 7, 8], 6)
     assert out[7]["error"] is None and len(out[-3]["outputs"]) == 2
     assert "min_tokens (99) must be at most max_new_tokens" in out[9]["error"]["message"]
-    assert "part-1.jsonl line 4: id '7' was already used on part-1.jsonl line 1" in out["7@part-1.jsonl:4"]["error"]["message"]
+    assert ("part-1.jsonl line 4: id '7' was already used on part-1.jsonl line 1"
+            in out["7@part-1.jsonl:4"]["error"]["message"])
     (folder / "part-2.jsonl").write_text(json.dumps({"prompt_token_ids": [40, 7, 8]}) + "\n")
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     assert (again["records_skipped"], again["records_done"]) == (6, 1)

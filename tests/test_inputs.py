@@ -294,7 +294,7 @@ def test_a_folder_or_a_pattern_of_files_is_read_file_by_file_with_ids_named_by_f
     assert recs[4].error == "b.jsonl line 3: id 'q1' was already used on a.jsonl line 1; ids must be unique"
     sub = _mkdir(d / "more")
     jsonl(sub, [{"prompt": "d"}], "c.jsonl")
-    assert [r.id for r in read_records(f"{d}/**/*.jsonl")][-1] == "more/c.jsonl:1"      # relative to the pattern's folder
+    assert [r.id for r in read_records(f"{d}/**/*.jsonl")][-1] == "more/c.jsonl:1"   # relative to the pattern's folder
     assert [r.id for r in read_records(f"{d}/b*.jsonl")][:1] == ["b.jsonl:1"]
     assert [r.id for r in read_records(d / "a.jsonl")] == ["q1", "2"]                    # one file: lines alone
     rows = _mkdir(tmp_path / "rows")

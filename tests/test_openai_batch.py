@@ -69,7 +69,8 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
         rec = parse_openai(request("g", {"messages": msgs, **body}), 1)
         assert rec.error is None and rec.sampling == {"structured_outputs": want}, body
         assert SamplingSpec().merge(rec.sampling, "g").structured_outputs is not None
-    two = parse_openai(request("g", {"messages": msgs, "guided_regex": "a", "response_format": {"type": "json_object"}}), 2)
+    two = parse_openai(request("g", {"messages": msgs, "guided_regex": "a",
+                                     "response_format": {"type": "json_object"}}), 2)
     assert two.error == "line 2: 'guided_regex' and 'response_format' each constrain the output; give one"
     bad = parse_openai(request("g", {"messages": msgs, "structured_outputs": "json"}), 3)
     assert bad.error == "line 3: 'structured_outputs' must be an object such as {\"json\": <schema>}, got str 'json'"

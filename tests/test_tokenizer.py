@@ -443,7 +443,8 @@ def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):
     assert run({"id": "b", "prompt": text, "sampling": {"truncate_prompt_tokens": 5}})["ids"] == full[-5:]
     last = run({"id": "c", "prompt": text, "sampling": {"truncate_prompt_tokens": -1}})
     assert last["ids"] == full[-15:] and last["prompt_tokens"] == 15
-    assert "at least 1" in run({"id": "d", "prompt": text, "sampling": {"truncate_prompt_tokens": 0}})["error"]["message"]
+    zero = run({"id": "d", "prompt": text, "sampling": {"truncate_prompt_tokens": 0}})
+    assert "at least 1" in zero["error"]["message"]
     user = tok.encode("<|user|>", add_special_tokens=False)
     out = tok.encode("hello", add_special_tokens=False) + user + tok.encode(" world", add_special_tokens=False)
     assert run({"id": "e", "prompt": "hi"}, out)["output_text"] == "hello world"

@@ -153,7 +153,8 @@ class RecordCodec:
                                   f"generates nothing; n applies to task: generate")
         except RecordError as e:
             return self.error(serial, rec, str(e))
-        if sampling.structured and thinking is not None and (gate := self.reasoning_end(prompts[0])) >= 0:
+        if sampling.structured and thinking is not None and (thinking or self.reasoning != "deepseek_v3") \
+                and (gate := self.reasoning_end(prompts[0])) >= 0:
             sampling = dataclasses.replace(sampling, structured_after=gate)
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
             own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None
@@ -178,7 +179,9 @@ class RecordCodec:
 
     def thinking(self, rec: Record, template: bool) -> bool | None:
         """For output.reasoning_parser: whether the record's chat template rendered with thinking on
-        (its chat_template_kwargs' enable_thinking, over the job's); None where no parser applies:
+        (its chat_template_kwargs over the job's: enable_thinking, on unless false; for deepseek_v3,
+        DeepSeek-V3.1's `thinking` or enable_thinking, off unless true, as vLLM reads them); None
+        where no parser applies:
         none is set, or the prompt is not a chat (token ids, text without the template), as vLLM's
         parsers apply to chat completions only."""
         if self.reasoning is None or rec.prompt_token_ids is not None:
@@ -186,6 +189,8 @@ class RecordCodec:
         if rec.messages is None and not (template and self.tok.has_chat_template):
             return None
         kwargs = {**self.spec.input.chat_template_kwargs, **(rec.chat or {}).get("chat_template_kwargs", {})}
+        if self.reasoning == "deepseek_v3":
+            return bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
         return kwargs.get("enable_thinking", True) is not False
 
     def reasoning_end(self, prompt_ids: list[int]) -> int:

@@ -337,7 +337,7 @@ class OutputSpec(Section):
     fsync_interval_s: float = Field(1.0, ge=0.0)    # results synced to disk at most this often (0: every line)
     format: Literal["auto", "msinfer", "openai"] = "auto"   # auto: openai for an OpenAI Batch API input file
     # vLLM's reasoning parser: a chat completion's <think> text apart from its answer (launcher.tokenizer)
-    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "deepseek_v3"] | None = None
     # Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics while the run lasts (launcher.metrics)
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_host: str = Field("127.0.0.1", min_length=1)

@@ -213,11 +213,15 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
     """A chat completion's text as (reasoning, content), as vLLM's reasoning parsers split it
-    (vllm/reasoning: BaseThinkingReasoningParser for deepseek_r1, Qwen3ReasoningParser): a <think>
-    the model wrote is dropped (a template may open it in the prompt instead); the text before
-    </think> is the reasoning and the rest the content (None where empty). Without </think>:
-    qwen3 with thinking off (chat_template_kwargs enable_thinking false) gives it all as content;
-    otherwise it is all reasoning, cut before the model finished thinking."""
+    (vllm/reasoning: BaseThinkingReasoningParser for deepseek_r1, Qwen3ReasoningParser, and
+    DeepSeekV3ReasoningParser: deepseek_r1's where thinking is on, else the text as it is): a
+    <think> the model wrote is dropped (a template may open it in the prompt instead); the text
+    before </think> is the reasoning and the rest the content (None where empty). Without
+    </think>: qwen3 with thinking off (chat_template_kwargs enable_thinking false) gives it all as
+    content; otherwise it is all reasoning, cut before the model finished thinking. `thinking`:
+    RecordCodec.thinking's, per parser."""
+    if parser == "deepseek_v3" and not thinking:
+        return None, text
     before, start, after = text.partition(THINK_START)
     text = after if start else before
     if THINK_END in text:

@@ -39,6 +39,8 @@ def think_tok_dir(tmp_path_factory):
     ("qwen3", "a</think>b</think>c", False, ("a", "b</think>c")),
     ("deepseek_r1", "plan</think>Paris", True, ("plan", "Paris")),
     ("deepseek_r1", "Paris", False, ("Paris", None)),                      # R1 has no switch
+    ("deepseek_v3", "plan</think>Paris", True, ("plan", "Paris")),         # V3.1 thinking: R1's split
+    ("deepseek_v3", "plan</think>Paris", False, (None, "plan</think>Paris")),   # not thinking: as it is
 ])
 def test_a_completion_splits_where_vllms_parser_splits_it(parser, text, thinking, want):
     assert split_reasoning(parser, text, thinking) == want
@@ -133,6 +135,11 @@ def test_result_lines_carry_the_reasoning_beside_the_answer_for_chat_prompts_onl
     assert Completion.model_validate(text["response"]["body"]).choices[0].text == "<think>a</think>b"
     unset = done(codec(reasoning_parser=None), parse_record({"id": "f", "messages": msgs}, 6), "<think>a</think>b")
     assert unset["output_text"] == "<think>a</think>b" and "reasoning" not in unset
+    v3 = codec(reasoning_parser="deepseek_v3")            # DeepSeek-V3.1: thinking only where the template was told
+    plain = done(v3, parse_record({"id": "g", "messages": msgs}, 7), "a</think>b")
+    assert (plain["output_text"], plain["reasoning"]) == ("a</think>b", None)
+    told = parse_record({"id": "h", "messages": msgs, "chat_template_kwargs": {"thinking": True}}, 8)
+    assert (done(v3, told, "a</think>b")["reasoning"], done(v3, told, "a</think>b")["output_text"]) == ("a", "b")
 
 
 def test_plan_refuses_a_reasoning_parser_for_a_tokenizer_without_think_tokens(checkpoint, think_tok_dir, tmp_path):

@@ -63,8 +63,27 @@ class Record:
     source: str = ""                            # its file, where input.path is a folder or a pattern (`input_files`)
 
     def at(self, unit: str = "line") -> str:
-        """Where it is in the input, as messages name it: "line 3", or "b.jsonl line 3"."""
-        return f"{self.source} {unit} {self.line}" if self.source else f"{unit} {self.line}"
+        """Where it is in the input (`location`)."""
+        return location(self.source, self.line, unit)
+
+
+def location(source: str, line: int, unit: str = "line") -> str:
+    """Where a record is in the input, as messages name it: "line 3", or "b.jsonl line 3"."""
+    return f"{source} {unit} {line}" if source else f"{unit} {line}"
+
+
+def line_id(source: str, n: int) -> str:
+    """The id of a record that gives none: its line (row) number, after its file's name where
+    input.path has several files (`input_files`)."""
+    return f"{source}:{n}" if source else str(n)
+
+
+def file_label(path: Path, root: Path | None) -> str:
+    """A file's name in ids and messages: relative to the folder `input_files` gives ("" for one
+    file, named by line alone)."""
+    if root is None:
+        return ""
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
 
 
 def input_digest(text: str) -> str:
@@ -165,9 +184,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
     the same when files are added."""
     files, root = check_input(path)
     reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[files[0].suffix.lower()]
-    records = itertools.chain.from_iterable(
-        reader(f, "" if root is None else f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f))
-        for f in files)
+    records = itertools.chain.from_iterable(reader(f, file_label(f, root)) for f in files)
     return _unique_ids(records, unit_of(files[0]))
 
 
@@ -228,9 +245,9 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
     for r in records:
         if r.id in first:
             seen = first[r.id]
-            before = f"{unit} {seen}" if isinstance(seen, int) else f"{seen[0]} {unit} {seen[1]}"
+            before = location("", seen, unit) if isinstance(seen, int) else location(*seen, unit)
             error = f"{r.at(unit)}: id '{r.id}' was already used on {before}; ids must be unique"
-            where = f"{r.source}:{r.line}" if r.source else r.line
+            where = line_id(r.source, r.line)
             rid, k = f"{r.id}@{where}", 1
             while rid in first:
                 k += 1
@@ -252,7 +269,7 @@ def _lines(path: Path, source: str = "") -> Iterator[tuple[int, str, str | None]
 
 def _read_txt(path: Path, source: str = "") -> Iterator[Record]:
     for n, text, error in _lines(path, source):
-        rid = f"{source}:{n}" if source else str(n)
+        rid = line_id(source, n)
         if error:
             yield Record(id=rid, line=n, error=error, source=source)
         else:
@@ -261,21 +278,20 @@ def _read_txt(path: Path, source: str = "") -> Iterator[Record]:
 
 
 def _read_jsonl(path: Path, source: str = "") -> Iterator[Record]:
-    where = f"{source} line" if source else "line"
     for n, text, error in _lines(path, source):
         if error:
-            yield Record(id=f"{source}:{n}" if source else str(n), line=n, error=error, source=source)
+            yield Record(id=line_id(source, n), line=n, error=error, source=source)
             continue
         digest = input_digest(text.strip())
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield Record(id=f"{source}:{n}" if source else str(n), line=n, source=source, digest=digest,
-                         error=f"{where} {n}: invalid JSON: {e.msg} at column {e.colno}")
+            yield Record(id=line_id(source, n), line=n, source=source, digest=digest,
+                         error=f"{location(source, n)}: invalid JSON: {e.msg} at column {e.colno}")
             continue
-        rec = parse_openai(obj, n, where) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
-            else parse_record(obj, n, where, source)
-        rec.digest, rec.source = digest, source
+        rec = parse_openai(obj, n, "line", source) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
+            else parse_record(obj, n, "line", source)
+        rec.digest = digest
         yield rec
 
 
@@ -287,9 +303,8 @@ def _read_parquet(path: Path, source: str = "") -> Iterator[Record]:
         for row in batch.to_pylist():
             n += 1
             row = _drop_nulls(row)
-            rec = parse_record(row, n, f"{source} row" if source else "row", source)
+            rec = parse_record(row, n, "row", source)
             rec.digest = input_digest(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str))
-            rec.source = source
             yield rec
 
 
@@ -323,39 +338,39 @@ def _decode(raw: bytes, n: int, source: str = "") -> tuple[str, str | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        where = f"{source} line" if source else "line"
-        return "", f"{where} {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
+        return "", (f"{location(source, n)}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
+                    f"the line)")
     return (text.removeprefix("\ufeff") if n == 1 else text), None
 
 
 def parse_record(obj: Any, n: int, unit: str = "line", source: str = "") -> Record:
     """One JSON object (a jsonl line, a parquet row) as a Record; problems go to `error`.
     `source`: its file's name where input.path has several (a record without an id is named by it)."""
-    where = f"{unit} {n}"
-    line_id = f"{source}:{n}" if source else str(n)
+    where, by_line = location(source, n, unit), line_id(source, n)
     if not isinstance(obj, dict):
-        return Record(id=line_id, line=n, error=f"{where}: expected a JSON object with a 'prompt', 'messages' "
-                                                f"or 'prompt_token_ids' key, got {_type(obj)}")
+        return Record(id=by_line, line=n, source=source, error=f"{where}: expected a JSON object with a 'prompt', "
+                                                              f"'messages' or 'prompt_token_ids' key, got {_type(obj)}")
     rid = obj.get("id")
     given = None
     if rid is None:
-        rid = line_id
+        rid = by_line
     elif isinstance(rid, float) and rid.is_integer():  # pandas stores integer ids with gaps as floats
         given = int(rid)
         rid = str(given)
     elif isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
-        return Record(id=line_id, line=n, error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
+        return Record(id=by_line, line=n, source=source,
+                      error=f"{where}: 'id' must be a non-empty string or an integer, got {rid!r}")
     else:
         given = rid if isinstance(rid, int) else None
         rid = str(rid)
-    rec = Record(id=rid, line=n, given_id=given)
+    rec = Record(id=rid, line=n, given_id=given, source=source)
     rec.error = _fill(rec, obj)
     if rec.error:
-        rec = Record(id=rid, line=n, given_id=given, error=f"{where}: {rec.error}")
+        rec = Record(id=rid, line=n, given_id=given, source=source, error=f"{where}: {rec.error}")
     elif misplaced := misplaced_keys(obj):
         # (named by its id, as the sampling checks name a record: records alike fail alike, and the
         # job stops when its first ones all do, launcher/job.py)
-        rec = Record(id=rid, line=n, given_id=given,
+        rec = Record(id=rid, line=n, given_id=given, source=source,
                      error=f"record '{rid}': keys at the top of the record that belong inside others: {misplaced}. "
                            f"{ELSEWHERE}")
     return rec
@@ -395,15 +410,17 @@ OPENAI_STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_cho
                      "guided_grammar": "grammar", "structured_outputs": None}
 
 
-def parse_openai(obj: dict, n: int, unit: str = "line") -> Record:
+def parse_openai(obj: dict, n: int, unit: str = "line", source: str = "") -> Record:
     """One OpenAI Batch API request line: {custom_id, method, url, body}. The body is a chat
-    completion (messages) or a completion (prompt: a string or token ids) request."""
-    where = f"{unit} {n}"
+    completion (messages) or a completion (prompt: a string or token ids) request. `source`: as
+    parse_record's."""
+    where = location(source, n, unit)
     rid = obj.get("custom_id")
     if not isinstance(rid, str) or not rid.strip():
-        return Record(id=str(n), line=n, error=f"{where}: 'custom_id' must be a non-empty string, got {rid!r:.40}")
+        return Record(id=line_id(source, n), line=n, source=source,
+                      error=f"{where}: 'custom_id' must be a non-empty string, got {rid!r:.40}")
     url, body = obj.get("url"), obj.get("body")
-    rec = Record(id=rid, line=n, openai=url if url in OPENAI_URLS else CHAT_URL)
+    rec = Record(id=rid, line=n, source=source, openai=url if url in OPENAI_URLS else CHAT_URL)
     if obj.get("method", "POST") != "POST":
         rec.error = f"{where}: method {obj.get('method')!r} is not POST"
     elif url not in OPENAI_URLS:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
-from msinfer.launcher.inputs import (check_chat, check_input, expected_length, input_files, is_openai_batch,
-                                    longest_first, read_records, reads_back, unit_of)
+from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
+                                    is_openai_batch, location, longest_first, read_records, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
@@ -138,9 +138,8 @@ def input_note(path: str) -> str:
         return ""
     if root is None:
         return ""
-    first = files[0].relative_to(root).as_posix() if files[0].is_relative_to(root) else files[0]
-    return (f" ({len(files)} {files[0].suffix} file(s), from {first}; records without an id are named "
-            f"<file>:<{unit_of(files[0])}>)")
+    return (f" ({len(files)} {files[0].suffix} file(s), from {file_label(files[0], root)}; records without an id "
+            f"are named <file>:<{unit_of(files[0])}>)")
 
 
 def template_summary(has_template: bool, chat_template: bool | str) -> str:
@@ -1070,20 +1069,20 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     before = read_input_digests(output)
     if not before:
         return frozenset()
-    changed = []                        # (id, where in the input)
-    unit = unit_of(input_files(spec.input.path)[0][0])
+    changed = []                        # (id, its file's name, line): not whole records, of which there may be many
     for rec in shard_records(read_records(spec.input.path), spec):
         old = before.get(rec.id)
         if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
             continue
         if old.rstrip("!") != rec.digest:
-            changed.append((rec.id, rec.at(unit)))
+            changed.append((rec.id, rec.source, rec.line))
     if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
-        held = held_ids(output, {rid for rid, _ in changed}, id_key)
-        changed = [(rid, line) for rid, line in changed if rid in held]
+        held = held_ids(output, {rid for rid, _, _ in changed}, id_key)
+        changed = [c for c in changed if c[0] in held]
     if not changed or redo_changed:
-        return frozenset(rid for rid, _ in changed)
-    shown = ", ".join(f"'{rid}' ({where})" for rid, where in changed[:4])
+        return frozenset(rid for rid, _, _ in changed)
+    unit = unit_of(input_files(spec.input.path)[0][0])
+    shown = ", ".join(f"'{rid}' ({location(source, line, unit)})" for rid, source, line in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     raise OutputError(f"{output} holds results of {len(changed)} record(s) whose input in {spec.input.path} changed "
                       f"since they were written: {shown}{more}. A re-run skips the records it holds, so they would "

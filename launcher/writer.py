@@ -321,7 +321,7 @@ class ResultWriter:
         self.pending_inputs: list[bytes] = []   # their `<output>.inputs` lines
         self.inputs_unsynced = False          # `<output>.inputs` written since its last fsync
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        fresh = overwrite or not self.path.exists() or self.path.stat().st_size == 0
+        fresh = overwrite or not holds_results(self.path)
         if overwrite:
             flags |= os.O_TRUNC
         elif self.path.exists():

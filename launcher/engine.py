@@ -367,10 +367,17 @@ class Engine:
                 "prompt_tokens": sched.prompt_tokens, "cached_tokens": sched.cached_tokens,
                 "preemptions": sched.num_preemptions}
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Stops the loop at its next check. With wait_s, waits up to that long for the loop to end,
+        and so for the steps it has in flight on a rank in this process (LocalRank) to finish: a
+        runner of this process whose graph starts while another's still runs fails MindSpore's JIT
+        ("Nested execution ... is not supported"), as a replica started again in this process would."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
+        thread = self.thread
+        if wait_s is not None and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=wait_s)
 
     # ---- the loop -------------------------------------------------------------------------------
     def _put(self, done: Done) -> None:
@@ -415,6 +422,9 @@ class Engine:
             with self.cond:
                 self.failure = e
                 self.cond.notify_all()
+        finally:
+            local = [f for step in self.in_flight for f in step.refs if isinstance(f, Future)]
+            futures_wait(local, timeout=self.step_timeout_s)
 
     def _give_back(self) -> None:
         """A drain or the job's tail (ask_back): the records none of whose sequences holds anything
@@ -642,10 +652,7 @@ class LocalEngine:
         """Stops the engine's loop and waits for it (up to STOP_WAIT_S; it checks between steps):
         a loop still in a Ray call when the job then shuts Ray down makes Ray end this process
         (its core worker is gone, exit 1) before the job has said why it stopped."""
-        self.engine.close()
-        thread = self.engine.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.STOP_WAIT_S)
+        self.engine.close(self.STOP_WAIT_S)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

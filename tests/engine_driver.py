@@ -94,7 +94,7 @@ def run_engine(plan, records, workers=None, after=None) -> tuple:
     try:
         done = exchange_until_done(engine, [parse_record(r, i + 1) for i, r in enumerate(records)], timeout=120)
     finally:
-        engine.close()
+        engine.close(wait_s=60)
     lines = [json.loads(d.line) for d in done]
     assert len(lines) == len(records) and not [x for x in lines if x["error"]]
     return {x["id"]: x for x in lines}, engine

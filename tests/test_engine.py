@@ -575,6 +575,35 @@ def test_async_scheduling_gives_the_same_results_when_sequences_stop(checkpoint)
     assert stopped >= 2
 
 
+def test_an_engine_closed_with_a_wait_returns_after_the_step_its_rank_in_this_process_runs(checkpoint):
+    """Async scheduling leaves a step decoding ahead after a job's last record stops. A runner of
+    the same process whose graph starts while it runs fails MindSpore's JIT ("Nested execution
+    ... is not supported"), so close(wait_s) returns only once that step has finished."""
+    import pickle
+    import threading
+    import time
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from tests.engine_driver import in_process_rank
+    spec = JobSpec.model_validate({
+        "model": {"path": str(checkpoint("llama_gqa_tied")), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+        "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 4}})
+    plan = plan_job(spec, check_io=False)
+    rank = in_process_rank(plan.engine)
+    gate, step = threading.Event(), rank.step.fn
+    rank.step.fn = lambda *args: (gate.wait(30), step(*args))[1]
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
+    engine.attach([rank])
+    engine.exchange(pickle.dumps([(0, parse_record({"id": "r", "prompt_token_ids": [5, 17, 33]}, 1))]), True)
+    t_end = time.monotonic() + 30
+    while not engine.in_flight and time.monotonic() < t_end:
+        time.sleep(0.01)
+    running = [f for s in list(engine.in_flight) for f in s.refs]
+    assert running and not any(f.done() for f in running)
+    threading.Timer(2.5, gate.set).start()      # past the loop's own check for closing (each second)
+    engine.close(wait_s=30)
+    assert all(f.done() for f in running) and not engine.thread.is_alive()
+
+
 def test_a_drain_takes_back_the_records_an_engine_has_not_started_and_the_rest_finish(checkpoint):
     """The exchange that starts a drain (give_back) takes out of the engine every record none of
     whose sequences holds anything yet (queued; a record of n samples with one under way stays

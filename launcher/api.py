@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from msinfer.launcher.errors import SpecError
 from msinfer.launcher.inputs import parse_record
 from msinfer.launcher.job import StreamPrinter, plan_job, run_job as _run_job, start_controller
 from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec, validate
@@ -33,9 +34,11 @@ class LLM:
     def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool | str = True,
                  max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
-                 **model_options):
+                 task: str = "generate", pooling: dict | None = None, **model_options):
+        """task embed (with `pooling`: the spec's pooling section) serves `embed`; the others `generate`."""
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
         spec = validate(JobSpec, {
+            "task": task, **({"pooling": pooling} if pooling is not None else {}),
             "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
             "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
             "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
@@ -56,6 +59,18 @@ class LLM:
         seed takes the call's number (0 for the first) as the job's seed, so that calling again
         samples afresh, as vLLM's LLM does, and a process making the same calls gets the same
         tokens; a call that sets one gets the same tokens each time."""
+        if self.plan.spec.task == "embed":
+            raise SpecError("LLM(task='embed') makes embeddings: call embed(prompts)")
+        return self._run(prompts, sampling, stream)
+
+    def embed(self, prompts: list) -> list[dict]:
+        """prompts as generate's (text as written: no chat template; messages through it). Returns
+        one result dict per prompt, in order, each with its `embedding` (launcher.embed)."""
+        if self.plan.spec.task != "embed":
+            raise SpecError(f"embed() needs LLM(..., task='embed'); this LLM's task is {self.plan.spec.task}")
+        return self._run(prompts, None, False)
+
+    def _run(self, prompts: list, sampling, stream: bool) -> list[dict]:
         defaults = (sampling if isinstance(sampling, SamplingSpec) else
                     validate(SamplingSpec, sampling or {}, "generate(sampling=...)", "sampling"))
         if self.plan.spec.model.generation_config == "auto":

@@ -560,7 +560,11 @@ class Engine:
             if lp is not None and not seq.is_finished:
                 seq.record.logprobs.append(lp)
         for seq, scores in zip(seqs, out.scores or ()):
-            if scores and not seq.is_finished:  # log-probabilities of the continuation (or prompt) tokens it saw
+            if scores is None or seq.is_finished:
+                continue
+            if seq.sampling.pooling:            # task embed: what the chunk's tokens pool (launcher.embed)
+                pool(seq, scores)
+            elif scores:                        # log-probabilities of the continuation (or prompt) tokens it saw
                 (seq.record.continuation_logprobs if seq.is_scoring else seq.record.prompt_logprobs).extend(scores)
         finished = self.scheduler.postprocess(seqs, out.token_ids)
         for seq in seqs:                    # stop_string skips the finished
@@ -613,6 +617,18 @@ class Engine:
                 if not self.stream_out and not self.outbox:
                     self.outbox_t = time.perf_counter()
                 self.stream_out.extend(new)
+
+
+def pool(seq, part) -> None:
+    """Adds a prefill chunk's pooled hidden states (worker.runner.forward_pooled) to its task
+    embed sequence's: the chunk's sum (mean), or its row where it has one (last, cls). A chunk
+    from the prompt's start (seq.num_cached is the chunk's start until the scheduler takes the
+    step) starts over: the sequence was preempted and is prefilled again."""
+    state = seq.record
+    if seq.num_cached == 0 or state.pooled is None or seq.sampling.pooling != "mean":
+        state.pooled = part
+    else:
+        state.pooled = state.pooled + part
 
 
 def stream_key(seq) -> str:

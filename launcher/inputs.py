@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from msinfer.launcher.errors import InputError
-from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
+from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec, is_pattern
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -57,6 +57,8 @@ class Record:
     openai: str | None = None                   # an OpenAI Batch request's url: how its result is written
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
     openai_reasoning: bool = True               # its include_reasoning (output.reasoning_parser's text in the line)
+    openai_base64: bool = False                 # an embeddings request's encoding_format base64
+    dimensions: int | None = None               # an embeddings request's: its vector's first k values only
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
     given_id: int | None = None                 # an integer id as the input gave it: its result line keeps it so
@@ -385,7 +387,7 @@ def misplaced_keys(keys) -> str | None:
     return ", ".join(f"'{k}' (meant as {MISPLACED[k]}?)" for k in found)
 
 
-OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)
+OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 # body keys msinfer serves, and what each becomes; `model` names nothing here (the job has one model)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
@@ -428,7 +430,7 @@ def parse_openai(obj: dict, n: int, unit: str = "line", source: str = "") -> Rec
     elif not isinstance(body, dict):
         rec.error = f"{where}: 'body' must be an object, got {_type(body)}"
     else:
-        rec.error = _fill_openai(rec, body, url == CHAT_URL)
+        rec.error = _fill_embedding(rec, body) if url == EMBEDDINGS_URL else _fill_openai(rec, body, url == CHAT_URL)
         if rec.error:
             rec.error = f"{where}: {rec.error}"
     return rec
@@ -505,6 +507,51 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
     rec.sampling = sampling
+    return None
+
+
+def _fill_embedding(rec: Record, body: dict) -> str | None:
+    """An embeddings request's body (task embed): `input`, a string, token ids, or a list of
+    several (one vector each, in order), or vLLM's `messages` through the chat template;
+    `encoding_format` float or base64, `dimensions`, and vLLM's truncate_prompt_tokens."""
+    given = [k for k in ("input", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        return (f"the body of a {rec.openai} request needs 'input' (or vLLM's 'messages')" if not given
+                else "give 'input' or 'messages', not both")
+    value = body[given[0]]
+    if given[0] == "messages":
+        rec.messages = value
+        if error := _check_messages(value) or _fill_chat(rec, body):
+            return error
+    elif isinstance(value, str) and value.strip():
+        rec.prompt = value
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        rec.prompt_token_ids = value
+        if error := _check_ids(value, "input"):
+            return error
+    elif isinstance(value, list) and value and all(isinstance(p, str) and p.strip() for p in value):
+        rec.prompts = value
+    elif isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+        rec.prompts = value
+        for i, ids in enumerate(value):
+            if error := _check_ids(ids, f"input[{i}]"):
+                return error
+    else:
+        return ("'input' must be a non-empty string, a list of token ids, or a list of several inputs (non-empty "
+                "strings, or lists of token ids)")
+    unknown = [k for k in body if k not in ("input", "messages", "model", "user", "encoding_format", "dimensions",
+                                            "truncate_prompt_tokens", *(CHAT_KEYS if rec.messages else ()))]
+    if unknown:
+        return f"unknown body key '{unknown[0]}'"
+    if body.get("encoding_format", "float") not in ("float", "base64"):
+        return f"'encoding_format' must be float or base64, got {body['encoding_format']!r:.40}"
+    rec.openai_base64 = body.get("encoding_format") == "base64"
+    if (k := body.get("dimensions")) is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            return f"'dimensions' must be a positive integer, got {k!r:.40}"
+        rec.dimensions = k
+    if body.get("truncate_prompt_tokens") is not None:
+        rec.sampling = {"truncate_prompt_tokens": body["truncate_prompt_tokens"]}
     return None
 
 

@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
+from msinfer.launcher.embed import resolve_pooling
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, location, longest_first, read_records, reads_back, unit_of)
@@ -115,7 +116,8 @@ class Plan:
         if m.mla is not None:
             lines.append("kv cache    " + latent_summary(m, dbytes))
         if self.tokenizer is not None:
-            lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template))
+            lines.append("templates   " + template_summary(self.tokenizer.has_chat_template, s.input.chat_template,
+                                                                 s.task))
         lines.append("layout      " + layout_summary(m, tp, s.parallel.expert_parallel))
         if m.quant is not None:
             lines.append("quantized   " + quant_summary(m, self.engine.device, self.engine.ops, self.engine.dtype))
@@ -142,12 +144,15 @@ def input_note(path: str) -> str:
             f"are named <file>:<{unit_of(files[0])}>)")
 
 
-def template_summary(has_template: bool, chat_template: bool | str) -> str:
+def template_summary(has_template: bool, chat_template: bool | str, task: str = "generate") -> str:
     """Which records the chat template applies to (launcher.records, docs/spec.md)."""
     if not has_template:
         return ("the tokenizer has no chat template: prompts are encoded as written; 'messages' records fail "
                 "(input.chat_template can give one)")
     which = "chat template" if isinstance(chat_template, bool) else "the chat template of input.chat_template"
+    if task == "embed":
+        return (f"{which} on 'messages' records, without a generation prompt; 'prompt' text and prompt_token_ids "
+                f"are embedded as written")
     return (f"{which} on 'messages' records and on 'prompt' text of generated records"
             if chat_template else f"{which} on 'messages' records only (input.chat_template: false)") + (
         "; never on prompt_token_ids, nor on scored prompts (they are scored as written)")
@@ -489,6 +494,13 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     check_model_dir(spec.model.path)
     spec = for_shard(spec)
     m = ModelConfig.from_dir(spec.model.path)
+    notes = []
+    if spec.task == "embed":                    # no LM head, the pooling the checkpoint gives (launcher.embed)
+        (spec, note), m = resolve_pooling(spec), m.pooling_only()
+        notes.append(note)
+        if spec.pooling.dimensions is not None and spec.pooling.dimensions > m.hidden_size:
+            raise SpecError(f"pooling.dimensions is {spec.pooling.dimensions}, more than the model's hidden size "
+                            f"{m.hidden_size}")
     spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
@@ -505,9 +517,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if tokenizer is not None and spec.input.chat_template:
         tokenizer.check_chat_template(spec.input.chat_template_kwargs)
     if parser := spec.output.reasoning_parser:
-        if spec.task == "score":
-            raise SpecError(f"output.reasoning_parser '{parser}' splits generated text, and task: score generates "
-                            f"none; leave it unset")
+        if spec.task != "generate":
+            raise SpecError(f"output.reasoning_parser '{parser}' splits generated text, and task: {spec.task} "
+                            f"generates none; leave it unset")
         if tokenizer is None:
             raise SpecError(f"output.reasoning_parser '{parser}' splits a completion's text, and the model has no "
                             f"tokenizer in {spec.model.tokenizer_path} to decode it with")
@@ -522,7 +534,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         check_output(spec.output.path, keep_folder=make_output)
         if spec.output.metrics_port is not None:
             check_port(spec.output.metrics_host, spec.output.metrics_port)
-    notes = [sampling_note(spec, taken)] if taken else []
+    notes += [sampling_note(spec, taken)] if taken else []
     if emulate and (note := emulated_note(spec.model.dtype, m, spec.model.ops)):
         notes.append(note)
     if layout.matmul_dtype == "bfloat16":
@@ -562,6 +574,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           device=device,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, position_scheme=spec.model.positions.scheme,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline,
+                          embed=spec.task == "embed",
                           **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
@@ -1010,7 +1023,8 @@ def result_settings(plan: Plan) -> dict:
                       "sha256:" + hashlib.sha256(s.input.chat_template.encode()).hexdigest()[:16],
                       "chat_template_kwargs": s.input.chat_template_kwargs},
             "sampling": s.sampling.model_dump(mode="json"),
-            "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser}}
+            "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser},
+            **({"pooling": s.pooling.model_dump(mode="json")} if s.task == "embed" else {})}
 
 
 def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> None:
@@ -1239,7 +1253,7 @@ def make_drain(spec: JobSpec) -> Drain:
 def record_length(spec: JobSpec):
     """record -> the tokens it is expected to run for under `spec` (launcher.inputs.expected_length):
     what longest-first dealing orders by and what a deadline's estimate multiplies."""
-    default, score = spec.sampling.max_new_tokens, spec.task == "score"
+    default, score = (0 if spec.task == "embed" else spec.sampling.max_new_tokens), spec.task == "score"
     return lambda rec: expected_length(rec, default, score)
 
 

@@ -1,7 +1,7 @@
 """Result lines in the OpenAI Batch API's output format (`output.format: openai`):
 
     {"custom_id": ..., "id": "batch_req_...", "response": {"status_code": 200, "request_id": ...,
-     "body": <a ChatCompletion or a Completion>}, "error": null}
+     "body": <a ChatCompletion, a Completion or an embeddings list>}, "error": null}
 
 and, for a request that cannot be served (the record's fault), status_code 400 with an error
 body, as OpenAI writes them. `custom_id` comes first: the results file is resumed by it
@@ -15,6 +15,7 @@ import time
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
 
 
 def _id(prefix: str, custom_id: str) -> str:
@@ -36,6 +37,12 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     if result.get("error"):
         return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
                                                 "param": None, "code": None}})
+    if url == EMBEDDINGS_URL:         # (task embed, launcher.embed): one vector per input, in order
+        vectors = result["embeddings"] if "embeddings" in result else [result["embedding"]]
+        return _line(custom_id, 200, {
+            "id": _id("embd-", custom_id), "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": i, "object": "embedding", "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": result["prompt_tokens"], "total_tokens": result["prompt_tokens"]}})
     chat = url == CHAT_URL
     usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
              "total_tokens": result["prompt_tokens"] + result["completion_tokens"],

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
+from msinfer.launcher.openai_batch import EMBEDDINGS_URL
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
 from msinfer.worker.protocol import SamplingParams
@@ -64,6 +65,8 @@ class RecordState:
     # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
     # (logprob, [(token, logprob)])
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    pooled: object = None               # task embed: what its prompt's chunks pooled so far (numpy, launcher.embed)
+    dimensions: int | None = None       # task embed: its vector's first k values only
     t_added: float = 0.0                # perf_counter when the engine received it
     t_first: float | None = None        # perf_counter of its first token
 
@@ -74,12 +77,13 @@ class RecordCodec:
     def __init__(self, spec, model, tokenizer: Tokenizer | None, output_format: str = "msinfer"):
         """spec: launcher.spec.JobSpec; model: sharding.config.ModelConfig."""
         self.spec, self.tok = spec, tokenizer
-        self.vocab_size = model.vocab_size
+        self.vocab_size, self.hidden_size = model.vocab_size, model.hidden_size
         eos = model.eos_token_ids
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
         self.eos = tuple(eos)
         self.openai = output_format == "openai"
+        self.embed = spec.task == "embed"
         self.reasoning = spec.output.reasoning_parser if tokenizer is not None else None
         self.think_ids: tuple[int, int] | None = None     # <think> and </think> (reasoning_end)
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
@@ -103,6 +107,10 @@ class RecordCodec:
         if rec.error:
             return self.error(serial, rec, rec.error)
         try:
+            if rec.openai is not None and (rec.openai == EMBEDDINGS_URL) != self.embed:
+                raise RecordError(f"record '{rec.id}': a {rec.openai} request " + (
+                    f"generates, and the job's task is embed: give it a job of its own (task: generate)"
+                    if self.embed else f"needs task: embed; the job's task is '{spec.task}'"))
             merged = spec.sampling.merge(rec.sampling, rec.id)
             if merged is self.defaults[0]:  # no overrides: one SamplingParams for all (a step's
                 sampling = self.defaults[1]     # pickle then holds it once)
@@ -129,10 +137,13 @@ class RecordCodec:
                 prompts = [list(rec.prompt_token_ids)]
             else:
                 # a scored prompt is scored as it is written (a template would change what is
-                # scored), and an OpenAI completions request's prompt is sent as written
+                # scored), an OpenAI completions request's prompt is sent as written, and so is an
+                # embedded one (its `messages` go through the template, without a generation
+                # prompt unless they ask for one, as vLLM's embedding requests)
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
-                template = bool(spec.input.chat_template) and not scored and rec.openai is None
-                prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs)]
+                template = bool(spec.input.chat_template) and not scored and rec.openai is None and not self.embed
+                prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs,
+                                                  generation_prompt=not self.embed)]
                 thinking = self.thinking(rec, template)
             if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens)
                 prompts = [ids[-(max_len - 1 if k == -1 else k):] for ids in prompts]
@@ -143,14 +154,18 @@ class RecordCodec:
                 if bad:
                     raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
-                if not fits(len(ids), bool(continuation), max_len):
+                if not fits(len(ids), bool(continuation) or self.embed, max_len):
                     raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
                                       f"model.max_model_len is {max_len}" if continuation else
                                       f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
+                                      f"is {max_len}" if self.embed else
+                                      f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                       f"is {max_len}, which must also leave room for generated tokens")
-            if continuation and sampling.n > 1:
-                raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a scored record "
-                                  f"generates nothing; n applies to task: generate")
+            if (continuation or self.embed) and sampling.n > 1:
+                raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a"
+                                  f"{' scored' if continuation else 'n embedded'} record generates nothing; n "
+                                  f"applies to task: generate")
+            dimensions = self.dimensions(rec)
         except RecordError as e:
             return self.error(serial, rec, str(e))
         if sampling.structured and thinking is not None and (thinking or self.reasoning != "deepseek_v3") \
@@ -168,7 +183,7 @@ class RecordCodec:
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
             seq.record = RecordState(serial, rec.given_id, request, t_added=now, stop_matcher=stops,
-                                     thinking=thinking)
+                                     thinking=thinking, dimensions=dimensions)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
@@ -219,6 +234,8 @@ class RecordCodec:
                 raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary "
                                   f"(0..{self.vocab_size - 1})")
         extra = {}
+        if self.embed and p.prompt_logprobs is not None:
+            raise RecordError(f"{where}.prompt_logprobs: task embed computes no log-probabilities")
         if p.structured:
             from llguidance import LLMatcher
             if self.tok is None:
@@ -232,7 +249,17 @@ class RecordCodec:
             extra["bad_words_ids"] = tuple(ids for word in p.bad_words for ids in self.word_ids(word))
         if p.min_tokens:
             extra["min_tokens_ban"] = tuple(dict.fromkeys([*(() if p.ignore_eos else self.eos), *p.stop_token_ids]))
+        if self.embed:
+            extra["pooling"] = self.spec.pooling.type
         return dataclasses.replace(p, **extra) if extra else p
+
+    def dimensions(self, rec: Record) -> int | None:
+        """task embed: how many of its vector's values a record keeps (its OpenAI request's
+        `dimensions`, else pooling.dimensions), checked against the model's hidden size."""
+        k = rec.dimensions if rec.dimensions is not None else self.spec.pooling.dimensions if self.embed else None
+        if k is not None and k > self.hidden_size:
+            raise RecordError(f"record '{rec.id}': dimensions {k} is more than the model's {self.hidden_size}")
+        return k
 
     def word_ids(self, word: str) -> list[tuple[int, ...]]:
         """A bad word's token ids as vLLM finds them: the word as it is, and with a space before
@@ -258,17 +285,19 @@ class RecordCodec:
             return list(rec.continuation_token_ids)
         return self.tok.encode_continuation(rec)
 
-    def request(self, rec: Record) -> tuple[str, int | None, bool] | None:
+    def request(self, rec: Record) -> tuple[str, int | None, bool, bool] | None:
         """How an OpenAI Batch line answers the record (output.format openai): the url it was
-        sent to (for a plain record: chat completions where a chat template applies), the
-        log-probability alternatives it asked for and whether its message holds the reasoning
-        (include_reasoning). None with output.format msinfer."""
+        sent to (for a plain record: embeddings with task embed, else chat completions where a
+        chat template applies), the log-probability alternatives it asked for, whether its message
+        holds the reasoning (include_reasoning) and whether its embedding is base64
+        (encoding_format). None with output.format msinfer."""
         if not self.openai:
             return None
         from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
         chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
                                             and self.tok is not None and self.tok.has_chat_template)
-        return rec.openai or (CHAT_URL if chat else COMPLETIONS_URL), rec.openai_logprobs, rec.openai_reasoning
+        url = rec.openai or (EMBEDDINGS_URL if self.embed else CHAT_URL if chat else COMPLETIONS_URL)
+        return url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -302,6 +331,9 @@ class RecordCodec:
             message = seq.error or f"sequence {seq.finish_reason}"
             return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request,
                               given_id=seq.record.given_id)
+        if seq.sampling.pooling:
+            return self._done(seq.record.serial, {"id": seq.key, **self.embedded(seq), "error": None},
+                              seq.record.request, given_id=seq.record.given_id)
         if seq.is_scoring:
             n = seq.num_score_tokens
             return self._done(seq.record.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
@@ -313,9 +345,26 @@ class RecordCodec:
         return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens,
                           seq.record.given_id)
 
+    def embedded(self, seq: Sequence) -> dict:
+        """A task embed sequence's `embedding` (a list of floats, or base64 for an OpenAI request
+        that asks so) and its token counts."""
+        from msinfer.launcher.embed import embedding, encoded
+        pooling = self.spec.pooling
+        vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, pooling.normalize,
+                           seq.record.dimensions)
+        as_base64 = seq.record.request is not None and seq.record.request[3]
+        return {"embedding": encoded(vector, as_base64), "prompt_tokens": seq.num_prompt_tokens,
+                "completion_tokens": 0}
+
     def samples_result(self, samples: Samples) -> Done:
-        """The one result of a record's n samples: `outputs`, one entry per sample in order."""
+        """The one result of a record's n samples: `outputs`, one entry per sample in order (an
+        OpenAI embeddings request's several inputs: `embeddings`, one per input)."""
         first = samples.seqs[0]
+        if first.sampling.pooling:
+            each = [self.embedded(seq) for seq in samples.seqs]
+            result = {"id": first.key, "embeddings": [e["embedding"] for e in each],
+                      "prompt_tokens": sum(e["prompt_tokens"] for e in each), "completion_tokens": 0, "error": None}
+            return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
         outputs = [{"index": i, **(text_fields(self.text(seq), self.parsed(seq)) if self.tok is not None else {}),
                     "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
                     "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
@@ -378,7 +427,7 @@ class RecordCodec:
         line = result
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
-            url, top_logprobs, reasoning = request
+            url, top_logprobs, reasoning, _ = request
             line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None

@@ -32,7 +32,9 @@ generated token, or it is rejected with finish_reason "error" (see `Scheduler.ta
 Scoring: a sequence with `num_score_tokens = n` holds prompt + continuation as its prompt. It is
 prefilled like any other (in chunks if need be), each step asking for the log-probabilities of
 the continuation tokens it can see (`SeqStep.targets`), samples nothing, and finishes with
-"scored" at the end of its prefill.
+"scored" at the end of its prefill. A sequence of task embed (`sampling.pooling`) is prefilled
+the same way, each step pooling the hidden states of the tokens it feeds, and finishes with
+"pooled"; with mean or cls pooling it is fed whole, past any cached prefix.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class Sequence:
         self.in_flight: deque[tuple[int, bool]] = deque()   # per step in flight, oldest first: (tokens fed, samples)
         self.num_scheduled = 0                          # tokens the steps in flight feed (the sum over in_flight)
         self.num_pending = 0                            # tokens they sample
-        self.finish_reason: str | None = None           # "stop" | "length" | "scored" | "error" | "abort"
+        self.finish_reason: str | None = None           # "stop" | "length" | "scored" | "pooled" | "error" | "abort"
         self.num_score_tokens = 0                       # > 0: score the last n prompt tokens, generate nothing
         self.stop_token_id: int | None = None           # the eos / stop token that ended it
         self.error: str | None = None
@@ -119,6 +121,11 @@ class Sequence:
     @property
     def is_scoring(self) -> bool:
         return self.num_score_tokens > 0
+
+    @property
+    def samples_nothing(self) -> bool:
+        """It scores, or pools (task embed): the end of its prefill ends it."""
+        return self.num_score_tokens > 0 or self.sampling.pooling is not None
 
     def score_targets(self, start: int, end: int) -> list[int] | None:
         """For tokens start..end-1 fed by a prefill step: the next token whose log-probability to
@@ -429,7 +436,7 @@ class Scheduler:
             # left out when a step in flight is sure to finish it: a scoring sequence's last chunk
             # (it samples nothing, so nothing is pending), the token that reaches max_new_tokens or
             # max_model_len
-            if seq.in_flight and (seq.num_cached + seq.num_scheduled >= num_tokens if seq.num_score_tokens
+            if seq.in_flight and (seq.num_cached + seq.num_scheduled >= num_tokens if seq.samples_nothing
                                   else num_tokens + pending >= seq.token_limit):
                 i += 1
                 continue
@@ -471,8 +478,10 @@ class Scheduler:
         is left to feed, for the logits to sample from, and for a scoring sequence every token
         whose next one is scored."""
         bs = self.block_manager.block_size
-        # prompt_logprobs: every prompt token is fed, for the log-probability of the one after it
-        feed_from = 0 if seq.sampling.prompt_logprobs is not None else seq.num_tokens - seq.num_score_tokens - 1
+        # prompt_logprobs: every prompt token is fed, for the log-probability of the one after it;
+        # mean and cls pooling: for its hidden state
+        whole = seq.sampling.prompt_logprobs is not None or seq.sampling.pooling in ("mean", "cls")
+        feed_from = 0 if whole else seq.num_tokens - seq.num_score_tokens - 1
         wait = 1 if seq.prefix_wait else -(-self.wait_tokens // bs)
         hits = self.block_manager.acquire_cached(seq, feed_from // bs, self.step_no, wait)
         if hits is None:
@@ -503,10 +512,11 @@ class Scheduler:
             seq.error = "empty prompt"
         elif seq.is_scoring and seq.num_score_tokens >= seq.num_tokens:
             seq.error = "scoring needs at least one prompt token before the continuation"
-        elif not fits(seq.num_tokens, seq.is_scoring, seq.max_model_len):
+        elif not fits(seq.num_tokens, seq.samples_nothing, seq.max_model_len):
             seq.error = (f"prompt and continuation of {seq.num_tokens} tokens do not fit within {limit}"
-                         if seq.is_scoring else f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a "
-                                                f"generated token within {limit}")
+                         if seq.is_scoring else f"prompt of {seq.num_tokens} tokens does not fit within {limit}"
+                         if seq.samples_nothing else f"prompt of {seq.num_prompt_tokens} tokens leaves no room for a "
+                                                     f"generated token within {limit}")
         else:
             return False
         self.finish(seq, "error")
@@ -521,7 +531,7 @@ class Scheduler:
         num_tokens = len(seq.prompt_token_ids) + generated
         start = seq.num_cached + seq.num_scheduled
         end = start + n
-        sample = end == num_tokens and not scoring
+        sample = end == num_tokens and not seq.samples_nothing
         if self.prefix_caching and end >= (seq.num_registered + 1) * self.block_manager.block_size:
             self.block_manager.register(seq, end, self.step_no)             # it fills a block
         seq.in_flight.append((n, sample))
@@ -557,8 +567,8 @@ class Scheduler:
                 self.block_manager.register(seq, seq.num_cached, -1)      # a decode filled a block
             if seq.num_cached < len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 continue                               # a prompt chunk short of the prompt's end
-            if seq.num_score_tokens:                   # scored: nothing to generate
-                self.finish(seq, "scored")
+            if seq.samples_nothing:                    # scored or pooled: nothing to generate
+                self.finish(seq, "scored" if seq.num_score_tokens else "pooled")
                 finished.append(seq)
                 continue
             if token < 0:

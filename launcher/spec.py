@@ -381,8 +381,20 @@ class RunSpec(Section):
         return value
 
 
+class PoolingSpec(Section):
+    """task: embed: how a prompt's final hidden states make its embedding (launcher.embed).
+    `auto` (type auto, normalize unset) reads the checkpoint's sentence-transformers files as
+    vLLM does (modules.json, its Pooling module's config.json, a Normalize module); a checkpoint
+    without them pools its last token and normalizes, vLLM's default for a decoder model."""
+    type: Literal["auto", "last", "mean", "cls"] = "auto"
+    normalize: bool | None = None
+    # the first k values only (a Matryoshka-trained model), normalized after where normalize is on;
+    # an OpenAI request's `dimensions` sets its own
+    dimensions: int | None = Field(None, ge=1)
+
+
 class JobSpec(Section):
-    task: Literal["generate", "score"] = "generate"
+    task: Literal["generate", "score", "embed"] = "generate"
     model: ModelSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     input: InputSpec
@@ -392,6 +404,7 @@ class JobSpec(Section):
     ray: RaySpec = Field(default_factory=RaySpec)
     fault: FaultSpec = Field(default_factory=FaultSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+    pooling: PoolingSpec = Field(default_factory=PoolingSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -404,7 +417,9 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         n, m = self.model.max_model_len, self.sampling.max_new_tokens
-        if n is not None and m >= n:
+        if self.task != "embed" and self.pooling != PoolingSpec():
+            raise ValueError(f"pooling applies to task: embed, and the task is {self.task}")
+        if n is not None and m >= n and self.task != "embed":       # (an embedding generates nothing)
             raise ValueError(f"sampling.max_new_tokens ({m}) must be less than model.max_model_len ({n}): "
                              f"a sequence holds its prompt and the generated tokens")
         blocks, bs = self.scheduler.kv_cache_blocks, self.scheduler.block_size

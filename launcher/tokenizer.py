@@ -108,12 +108,14 @@ class Tokenizer:
                                  f"{type(e).__name__}: {e}; fix the template (tokenizer_config.json or "
                                  f"chat_template.jinja), or set input.chat_template: false") from None
 
-    def encode_record(self, record: Record, chat_template: bool, template_kwargs: dict | None = None) -> list[int]:
+    def encode_record(self, record: Record, chat_template: bool, template_kwargs: dict | None = None,
+                      generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of a record: `prompt_token_ids` as given; `messages` through the chat
         template; `prompt` text through the chat template as one user message when `chat_template`
         is on and the tokenizer has one, else encoded as is. The template renders with the job's
         `template_kwargs` (input.chat_template_kwargs) and the record's own chat keys over them
-        (launcher.inputs.CHAT_KEYS)."""
+        (launcher.inputs.CHAT_KEYS); `generation_prompt`: add_generation_prompt unless the record
+        sets it (off for task embed, as vLLM's embedding requests)."""
         where = f"record '{record.id}'"
         if record.prompt_token_ids is not None:
             return list(record.prompt_token_ids)
@@ -129,7 +131,8 @@ class Tokenizer:
                               f"template (input.chat_template is off, or the tokenizer has none)")
         options = {"kwargs": {**(template_kwargs or {}), **own.get("chat_template_kwargs", {})},
                    "continue_final_message": own.get("continue_final_message", False)}
-        options["add_generation_prompt"] = own.get("add_generation_prompt", not options["continue_final_message"])
+        options["add_generation_prompt"] = own.get("add_generation_prompt",
+                                                   generation_prompt and not options["continue_final_message"])
         try:
             if record.messages is not None:
                 ids = self.apply_chat_template(as_text_messages(record.messages), **options)

@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    # the base models (an embedding model's checkpoint, saved without an LM head: task embed)
+    "LlamaModel": ("llama", False, False),
+    "Qwen2Model": ("qwen2", True, False),
+    "Qwen3Model": ("qwen3", False, True),
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
     "DeepseekV2ForCausalLM": ("deepseek_v2", False, False),
@@ -140,6 +144,13 @@ class ModelConfig:
     routing: Routing | None = None
     rope_factor: float = 1.0
     mtp_layers: int = 0
+    # False (task embed, ModelConfig.pooling_only): the network ends at the final norm, whose
+    # hidden states are pooled; no LM head is planned, loaded or held
+    lm_head: bool = True
+
+    def pooling_only(self) -> "ModelConfig":
+        """This model without its LM head (task embed)."""
+        return dataclasses.replace(self, lm_head=False)
 
     @property
     def is_moe(self) -> bool:
@@ -599,6 +610,7 @@ class EngineConfig:
     # one stage), and which of them this rank's stage is
     pipeline: tuple = ()
     stage: int = 0
+    embed: bool = False                # task embed: no LM head (ModelConfig.pooling_only), prefills pool
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)

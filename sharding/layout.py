@@ -210,7 +210,7 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
     def add(name, full, dim, rank_shape):
         plans.append(TensorPlan(name, full, dim, rank_shape))
 
-    if stage.first or (stage.last and cfg.tie_word_embeddings):
+    if stage.first or (stage.last and cfg.tie_word_embeddings and cfg.lm_head):
         add("model.embed_tokens.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
     for i in stage.layers(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -226,7 +226,7 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
         add(p + "post_attention_layernorm.weight", (H,), None, (H,))
     if stage.last:
         add("model.norm.weight", (H,), None, (H,))
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and cfg.lm_head:
             add("lm_head.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
     return plans
 

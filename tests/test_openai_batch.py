@@ -82,8 +82,8 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
 
 @pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
-    (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/embeddings"),
-     "line 4: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/responses"),
+     "line 4: url '/v1/responses' is not one of /v1/chat/completions, /v1/completions, /v1/embeddings"),
     (request("x", {"prompt": "hi", "best_of": 3}, "/v1/completions"),
      "line 4: 'best_of' is not supported by msinfer yet"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),

@@ -430,7 +430,8 @@ class AscendOps(MsOps):
     # In that mode MindSpore keeps one compiled graph per value of the network cell's `phase`
     # (graph/api.py, _JitExecutor._predict): without a phase per step kind, a decode would run the
     # prefill graph. vllm-mindspore sets model.phase to "prefill" / "increment" before each call.
-    phases = {"prefill": "prefill", "decode": "increment", "score": "score", "score_top": "score_top"}
+    phases = {"prefill": "prefill", "decode": "increment", "score": "score", "score_top": "score_top",
+              "pool": "pool"}
     kernels = auto_generate          # where the kernels come from (EmulatedAscendOps: StandIns)
     # the start-up self-check's verdict per kernel (worker.kernel_check; `with_conventions`)
     conventions: dict = {}

@@ -206,6 +206,16 @@ def optional(name: str, quant) -> bool:
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def base_model_names(names) -> dict[str, str]:
+    """A base model's checkpoint (LlamaModel, Qwen3Model: an embedding model saved without its LM
+    head) names its tensors without the causal LM's `model.` prefix, as vLLM reads either: the
+    network's name of each ('model.' + name) -> the checkpoint's. {} for a causal LM's."""
+    names = list(names)
+    if any(n.startswith("model.") for n in names):
+        return {}
+    return {"model." + n: n for n in names if not n.startswith("lm_head.")}
+
+
 def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, quant=None,
                     layer_done=None) -> dict:
     """Load every tensor `model.named_loaders()` expects (`quant`: the checkpoint's quantization,
@@ -224,6 +234,8 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot be read ({e})") from None
+        own = base_model_names(where)
+        where.update((name, where[n]) for name, n in own.items())
         missing = [n for name in table for n in (quantized_names(name, quant) or (name,))
                    if n not in where and not optional(n, quant)]
         if missing:
@@ -233,7 +245,7 @@ def load_checkpoint(model, model_dir: str | Path, allow_pickle: bool = False, qu
                 + (f" (also {', '.join(missing[1:5])}{more})" if len(missing) > 1 else ""))
 
         def get(n: str):
-            return where[n][0].get_slice(n)
+            return where[n][0].get_slice(own.get(n, n))
 
         held: dict[str, int] = {}          # name of each parameter loaded -> its bytes
         for name in names:
@@ -289,6 +301,10 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
                                   f"or corrupted: copy it again") from None
         except OSError as e:
             raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    for name, n in base_model_names(found).items():
+        found[name] = found[n]
+        if n in packed_shapes:
+            packed_shapes[name] = packed_shapes[n]
     if quant is None:
         marked = next((n for n in found if n.endswith(QUANTIZED_SUFFIXES)), None)
         if marked is not None:

@@ -352,6 +352,7 @@ class SparseDecoderLayer(LayerBase):
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "batch_valid_length", "q_seq_lens",
                "token_seq", "token_len", "attn_mask", "out_index")
 SCORE_INPUTS = STEP_INPUTS + ("score_index", "targets")
+POOL_INPUTS = STEP_INPUTS + ("pool_index",)
 PROMPT_TOP = 20        # the most alternatives `prompt_logprobs: k` returns a prompt token (vLLM's max_logprobs)
 
 
@@ -436,6 +437,7 @@ class CausalLM(nn.Cell):
             cfg, tp, dtype, dev, num_blocks, block_size, kv_dtype) for i in self.layer_ids])
         if self.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
+        if self.last and cfg.lm_head:
             # tied: the embedding's weight; on a last stage without the embedding, a copy of its own
             tied = self.embed_tokens if cfg.tie_word_embeddings and self.first else None
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied=tied,
@@ -448,6 +450,7 @@ class CausalLM(nn.Cell):
         self.dtype = dtype
         self.dev = dev
         self.rope_factor, self.latent = cfg.rope_factor, cfg.mla is not None
+        self.has_lm_head = cfg.lm_head           # (graphs read plain attributes, not the config's)
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
         self.packed: dict = {}               # name of a weight in the device's order -> its unpack
@@ -499,6 +502,8 @@ class CausalLM(nn.Cell):
         if not self.last:
             return (x + delta).astype(ms.float32)
         _, x = self.norm(self.dev.rows(x, out_index), self.dev.rows(delta, out_index))
+        if not self.has_lm_head:                 # task embed: the final norm's hidden states (`pool`)
+            return x
         return self.lm_head(x).astype(ms.float32)
 
     def prefill(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
@@ -542,6 +547,15 @@ class CausalLM(nn.Cell):
         _, figures = self.scorer.greedy_logprobs(logits[m:])
         return (logits[:m], self.sampler.greedy(logits[:m]),
                 ops.concat((self.sampler.score(logits[m:], targets).expand_dims(-1), figures[:, 1:]), -1))
+
+    def pool(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
+             token_len, attn_mask, out_index, pool_index, hidden=None):
+        """A prefill (of the decode kind, as `score`) for task embed (no LM head: cfg.lm_head is
+        False): the final norm's hidden states of rows pool_index [S] of the step's tokens, [S,
+        hidden_size] float32, for the runner to pool (worker.runner.forward_pooled)."""
+        x = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
+                         token_seq, token_len, attn_mask, pool_index, False, hidden)
+        return x if not self.last else x.astype(ms.float32)
 
     def pack_weights(self, cells: nn.Cell | None = None) -> None:
         """Every matmul and embedding weight of `cells` (a cell and those in it; None: the whole
@@ -722,10 +736,11 @@ class CausalLM(nn.Cell):
                 table[p + f"{norm}.weight"] = (cell, cell.weight, None)
         if self.first:
             table["model.embed_tokens.weight"] = (self.embed_tokens, self.embed_tokens.weight, None)
-        elif self.last and self.cfg.tie_word_embeddings:     # the last stage's copy of the tied embedding
+        elif self.last and self.cfg.tie_word_embeddings and self.cfg.lm_head:
+            # the last stage's copy of the tied embedding
             table["model.embed_tokens.weight"] = (self.lm_head, self.lm_head.weight, None)
         if self.last:
             table["model.norm.weight"] = (self.norm, self.norm.weight, None)
-            if not self.cfg.tie_word_embeddings:
+            if not self.cfg.tie_word_embeddings and self.cfg.lm_head:
                 table["lm_head.weight"] = (self.lm_head, self.lm_head.weight, None)
         return table

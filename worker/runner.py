@@ -58,6 +58,8 @@ class ModelRunner:
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
+        if ec.embed:
+            self.cfg = self.cfg.pooling_only()
         self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate, ec.ops)
         self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
         self.block_size = ec.block_size
@@ -99,8 +101,10 @@ class ModelRunner:
         # kinds, so their prefill steps run the decode graph (not latent attention's, which differs:
         # worker.model.MLAttention).
         kinds = {"prefill": self.model.prefill, "decode": self.model.decode}
-        if self.stage.last:                      # the stages before it only pass hidden states on
+        if self.stage.last and self.cfg.lm_head:     # the stages before it only pass hidden states on
             kinds.update(score=self.model.score, score_top=self.model.score_top)
+        elif self.stage.last:                    # task embed: its prefills' final hidden states
+            kinds["pool"] = self.model.pool
         if self.dev.fused_attention and self.cfg.mla is None:
             kinds["prefill"] = self.model.decode
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
@@ -140,12 +144,13 @@ class ModelRunner:
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count."""
         if not self.dynamic:
             return self.ms.jit(fn, **self.dev.jit_options)
-        from msinfer.worker.model import SCORE_INPUTS, STEP_INPUTS
+        from msinfer.worker.model import POOL_INPUTS, SCORE_INPUTS, STEP_INPUTS
         ms = self.ms
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
                 "attn_mask": ([None, None], getattr(ms, self.dtype)),
                 "hidden": ([None, self.cfg.hidden_size], ms.float32)}
-        names = (SCORE_INPUTS if kind.startswith("score") else STEP_INPUTS) + (() if self.stage.first else ("hidden",))
+        names = (SCORE_INPUTS if kind.startswith("score") else POOL_INPUTS if kind == "pool" else STEP_INPUTS) + (
+            () if self.stage.first else ("hidden",))
         return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32)) for n in names})
 
     def dynamic_graph(self, fn, specs: dict):
@@ -326,6 +331,8 @@ class ModelRunner:
         prepare); one but the last gives (its hidden states [N, hidden_size], None, None)."""
         if score and is_prefill and self.stage.last and any(s.targets for s in seqs):
             return self.forward_scores(seqs, hidden)
+        if is_prefill and self.stage.last and not self.cfg.lm_head:
+            return self.forward_pooled(seqs, hidden)
         kind = self.kind(seqs, is_prefill)
         inputs, _ = self.prepare(seqs, is_prefill, paged=kind != "prefill", hidden=hidden)
         if not self.stage.last:
@@ -355,7 +362,7 @@ class ModelRunner:
             self.compiled_graphs.add(graph)
             self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
                 f" S={extra[0].shape[0]}" if extra else "")] = time.perf_counter() - t0
-        if not kind.startswith("score"):
+        if not kind.startswith(("score", "pool")):
             self.graphs.add(shape)
         return out
 
@@ -459,6 +466,28 @@ class ModelRunner:
                                for r in logp[at: at + n]])
             at += n or 0
         return logits, greedy, scores
+
+    def forward_pooled(self, seqs: list[SeqStep], hidden=None):
+        """A prefill of task embed: per sequence, what its tokens in this step add to its pooled
+        embedding (SamplingParams.pooling), as float32 [hidden_size]: `last`, the final norm's
+        hidden state of its last token in the step (the prompt's last, once the engine has fed it
+        all); `cls`, of its first position, where the step feeds it (else None); `mean`, the sum
+        over its tokens, which the engine divides by the prompt's length. The rows are padded to
+        a bucket of 16 (static shapes), as forward_scores' are. Returns (None, None, those)."""
+        inputs, first_row = self.prepare(seqs, True, reuse=False, hidden=hidden)
+        rows, spans = [], []
+        for b, s in enumerate(seqs):
+            n, how = len(s.token_ids), s.sampling.pooling
+            picked = (range(first_row[b], first_row[b] + n) if how == "mean" else [first_row[b] + n - 1]
+                      if how == "last" else [first_row[b]] if how == "cls" and s.num_cached == 0 else [])
+            spans.append((len(rows), len(picked)))
+            rows += picked
+        S = max(1, len(rows)) if self.dynamic else bucket(len(rows), 16)
+        pool_index = np.zeros(S, np.int32)
+        pool_index[: len(rows)] = rows
+        states = self.to_host(self._call("pool", inputs, self.ms.Tensor(pool_index, self.ms.int32)), len(rows))
+        pooled = [states[at: at + n].sum(0) if n else None for at, n in spans]
+        return None, None, pooled
 
     def grammar(self, text: str):
         """A matcher of a structured-output grammar (llguidance), over the model's tokenizer,

@@ -1,0 +1,228 @@
+"""task: embed against transformers: a record's vector is its prompt's final hidden states
+(transformers' AutoModel `last_hidden_state`) pooled by its last token, its mean or its first,
+L2-normalized, whether the prompt is prefilled whole, in chunks, or after a cached prefix; a base
+model's checkpoint (no `model.` prefix, no LM head) with sentence-transformers' pooling files;
+OpenAI embeddings requests in and their response lines out."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.spec import JobSpec
+from tests.engine_driver import exchange_until_done, in_process_rank
+
+NAME = "llama_gqa_tied"
+ATOL = 1e-5             # on unit vectors, float32 on both sides (observed differences ~1e-7)
+_HF: dict = {}
+
+
+def hf_states(path, ids) -> np.ndarray:
+    """transformers' final hidden states (after the last norm) of prompt ids, [len(ids), hidden]."""
+    import torch
+    import transformers
+    if str(path) not in _HF:
+        _HF[str(path)] = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return _HF[str(path)](torch.tensor([list(ids)])).last_hidden_state[0].double().numpy()
+
+
+def hf_embedding(path, ids, how: str, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
+    h = hf_states(path, ids)
+    v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[how][:dimensions]
+    return v / np.linalg.norm(v) if normalize else v
+
+
+def spec_for(path, **sections) -> JobSpec:
+    spec = {"task": "embed", "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+            "output": {"path": "out.jsonl"}}
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return JobSpec.model_validate(spec)
+
+
+def run(plan, records, output_format="msinfer", stats=None) -> list[dict]:
+    """The records through an engine on a rank in this process: their result lines, in order
+    (`stats`: a dict to update with the engine's engine_stats)."""
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from msinfer.launcher.inputs import parse_openai, parse_record
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine, output_format), 0, plan.tokenizer)
+    engine.attach([in_process_rank(plan.engine)])
+    parsed = [parse_openai(r, i + 1) if "custom_id" in r else parse_record(r, i + 1) for i, r in enumerate(records)]
+    try:
+        done = exchange_until_done(engine, parsed, timeout=120)
+    finally:
+        engine.close(wait_s=60)
+    assert len(done) == len(records)
+    if stats is not None:
+        stats.update(engine.engine_stats())
+    return [json.loads(d.line) for d in sorted(done, key=lambda d: d.serial)]
+
+
+PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(37)],      # three chunks of 16
+           [(7 * i + 3) % 200 + 5 for i in range(20)] + [9, 8, 7],     # the first's prefix, then its own
+           [42, 17, 5]]
+
+
+@pytest.mark.parametrize("how", ["last", "mean", "cls"])
+def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cached_prefix(checkpoint, how):
+    """Prompts of 37, 23 and 3 tokens at max_batched_tokens 16 (the longest in three chunks, the
+    second after the first's cached blocks where last pooling lets it skip them): each vector
+    within 1e-5 of transformers' pooled and normalized final hidden states; prompt_tokens counted;
+    n > 1 and prompt_logprobs are the record's error."""
+    path = checkpoint(NAME)
+    plan = plan_job(spec_for(path, pooling={"type": how}, scheduler={"max_batched_tokens": 16, "max_batch_size": 4}),
+                    check_io=False)
+    assert plan.spec.pooling.normalize is True and plan.model.lm_head is False
+    records = [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
+    stats = {}
+    lines = run(plan, records + [{"id": "n", "prompt_token_ids": [5, 6], "sampling": {"n": 2}},
+                                 {"id": "lp", "prompt_token_ids": [5, 6], "sampling": {"prompt_logprobs": 0}}],
+                stats=stats)
+    # the second prompt's first 16 tokens (a block) come from the first's cache where the last
+    # token alone is pooled; mean and cls pooling feed every token
+    assert stats["cached_tokens"] == (16 if how == "last" else 0)
+    for line, ids in zip(lines, PROMPTS):
+        assert line["error"] is None and line["prompt_tokens"] == len(ids) and line["completion_tokens"] == 0
+        got = np.array(line["embedding"])
+        assert got.shape == (plan.model.hidden_size,)
+        np.testing.assert_allclose(got, hf_embedding(path, ids, how), atol=ATOL)
+    assert "sampling.n is 2, but an embedded record generates nothing" in lines[3]["error"]["message"]
+    assert lines[4]["error"]["message"] == ("record 'lp': sampling.prompt_logprobs: task embed computes no "
+                                            "log-probabilities")
+
+
+def base_model(src, dst, pooling: str | None, normalize: bool):
+    """A base model's checkpoint saved from `src` (transformers' LlamaModel: tensors without the
+    `model.` prefix, no LM head), with sentence-transformers' files for `pooling`."""
+    import torch
+    import transformers
+    transformers.AutoModel.from_pretrained(src, dtype=torch.float32).save_pretrained(dst)
+    if pooling is None:
+        return dst
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir()
+    modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken"}
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    return dst
+
+
+def test_a_base_models_checkpoint_pools_as_its_sentence_transformers_files_say_and_answers_openai_requests(
+        checkpoint, tmp_path):
+    """A checkpoint saved as a base model (LlamaModel: no `model.` prefix, no lm_head) with
+    modules.json naming mean pooling and no Normalize: pooling auto reads them, and each vector
+    is transformers' mean, not normalized. OpenAI /v1/embeddings lines: a string list of token
+    ids, several inputs (one vector each, in order), `dimensions` (the first k, as pooled), base64
+    (float32 little-endian), and a chat request under task embed is its record's 400."""
+    from msinfer.launcher.errors import SpecError
+    path = base_model(checkpoint(NAME), tmp_path / "base", "mean", normalize=False)
+    assert not (path / "model.safetensors.index.json").exists()
+    plan = plan_job(spec_for(path, output={"format": "openai"}), check_io=False)
+    assert (plan.spec.pooling.type, plan.spec.pooling.normalize) == ("mean", False)
+    assert ("task embed: mean pooling of the final hidden states, not normalized (from the checkpoint's "
+            "sentence-transformers files (modules.json))") in plan.notes
+    a, b = PROMPTS[2], PROMPTS[1]
+    url = "/v1/embeddings"
+    lines = run(plan, [
+        {"custom_id": "one", "method": "POST", "url": url, "body": {"model": "m", "input": a}},
+        {"custom_id": "two", "method": "POST", "url": url, "body": {"input": [a, b], "dimensions": 16}},
+        {"custom_id": "b64", "method": "POST", "url": url, "body": {"input": b, "encoding_format": "base64"}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}]}}], "openai")
+    one, two, b64, chat = (x["response"] for x in lines)
+    assert one["status_code"] == 200 and one["body"]["object"] == "list"
+    assert one["body"]["usage"] == {"prompt_tokens": len(a), "total_tokens": len(a)}
+    [entry] = one["body"]["data"]
+    assert entry["object"] == "embedding" and entry["index"] == 0
+    np.testing.assert_allclose(entry["embedding"], hf_embedding(path, a, "mean", normalize=False), atol=1e-4)
+    assert [d["index"] for d in two["body"]["data"]] == [0, 1]
+    for d, ids in zip(two["body"]["data"], (a, b)):
+        np.testing.assert_allclose(d["embedding"], hf_embedding(path, ids, "mean", False, 16), atol=1e-4)
+    assert two["body"]["usage"]["prompt_tokens"] == len(a) + len(b)
+    packed = np.frombuffer(base64.b64decode(b64["body"]["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(packed, hf_embedding(path, b, "mean", normalize=False), atol=1e-4)
+    assert chat["status_code"] == 400 and chat["body"]["error"]["message"] == (
+        "record 'chat': a /v1/chat/completions request generates, and the job's task is embed: give it a job of "
+        "its own (task: generate)")
+
+    # last-token pooling with Normalize; a Dense module is refused, naming it
+    lasttoken = base_model(checkpoint(NAME), tmp_path / "last", "lasttoken", normalize=True)
+    plan = plan_job(spec_for(lasttoken), check_io=False)
+    assert (plan.spec.pooling.type, plan.spec.pooling.normalize) == ("last", True)
+    modules = json.loads((lasttoken / "modules.json").read_text())
+    (lasttoken / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(SpecError, match=r"modules.json: module sentence_transformers.models.Dense \(3_Dense\) is "
+                                        r"not applied by msinfer"):
+        plan_job(spec_for(lasttoken), check_io=False)
+    assert plan_job(spec_for(lasttoken, pooling={"type": "last", "normalize": True}), check_io=False)
+    # pooling is for task embed, and an embeddings request is its record's error in a generate job
+    from msinfer.launcher.inputs import parse_openai
+    from msinfer.launcher.records import RecordCodec
+    generate = {"model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+                "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 8}}
+    with pytest.raises(ValueError, match="pooling applies to task: embed, and the task is generate"):
+        JobSpec.model_validate({**generate, "pooling": {"type": "mean"}})
+    gen = plan_job(JobSpec.model_validate(generate), check_io=False, weights=False)
+    done = RecordCodec(gen.spec, gen.model, None, "openai").sequences(
+        parse_openai({"custom_id": "e", "url": url, "body": {"input": [1, 2]}}, 1), 0)
+    assert done.failed and "record 'e': a /v1/embeddings request needs task: embed; the job's task is " \
+                            "'generate'" in done.line
+
+
+def test_the_demo_model_embeds_text_as_written_and_messages_through_its_template(ray_local):
+    """The real demo model through the Python API (LLM(task='embed').embed): a text prompt is
+    embedded as its tokenizer encodes it, without the chat template; messages through the
+    template without a generation prompt (as vLLM's embedding requests); each vector within 1e-4
+    of transformers'. generate() on an embedding LLM says what to call."""
+    from transformers import AutoTokenizer
+    from msinfer.launcher.api import LLM
+    from msinfer.launcher.errors import SpecError
+    from scripts.make_demo_model import ensure_demo_model
+    path = ensure_demo_model()
+    texts = ["The capital of France is Paris.", "Bananas are yellow."]
+    messages = [{"role": "user", "content": "Hello there"}]
+    llm = LLM(str(path), task="embed", max_model_len=256, device="cpu")
+    try:
+        out = llm.embed(texts + [messages])
+        with pytest.raises(SpecError, match=r"LLM\(task='embed'\) makes embeddings: call embed\(prompts\)"):
+            llm.generate(texts)
+    finally:
+        llm.shutdown()
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    ids = [tok(t)["input_ids"] for t in texts] + [tok(chat, add_special_tokens=False)["input_ids"]]
+    for r, want in zip(out, ids):
+        assert r["prompt_tokens"] == len(want)
+        np.testing.assert_allclose(r["embedding"], hf_embedding(path, want, "last"), atol=1e-4)
+
+
+@pytest.mark.unit
+def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
+    from msinfer.launcher.inputs import parse_openai
+
+    def req(body, url="/v1/embeddings"):
+        return parse_openai({"custom_id": "e", "method": "POST", "url": url, "body": body}, 3)
+    rec = req({"model": "m", "input": "hi", "dimensions": 8, "encoding_format": "base64", "user": "u"})
+    assert (rec.error, rec.prompt, rec.dimensions, rec.openai_base64) == (None, "hi", 8, True)
+    assert req({"input": [1, 2]}).prompt_token_ids == [1, 2] and req({"input": ["a", "b"]}).prompts == ["a", "b"]
+    assert req({"input": [[1], [2, 3]], "truncate_prompt_tokens": 2}).sampling == {"truncate_prompt_tokens": 2}
+    for body, error in [({}, "the body of a /v1/embeddings request needs 'input' (or vLLM's 'messages')"),
+                        ({"input": ""}, "'input' must be a non-empty string, a list of token ids, or a list of "
+                                        "several inputs (non-empty strings, or lists of token ids)"),
+                        ({"input": ["a", ""]}, "'input' must be a non-empty string"),
+                        ({"input": [1, -2]}, "'input' must hold non-negative integers, found -2"),
+                        ({"input": "a", "encoding_format": "int8"}, "'encoding_format' must be float or base64"),
+                        ({"input": "a", "dimensions": 0}, "'dimensions' must be a positive integer, got 0"),
+                        ({"input": "a", "temperature": 1}, "unknown body key 'temperature'"),
+                        ({"input": "a", "messages": []}, "give 'input' or 'messages', not both")]:
+        assert req(body).error.startswith("line 3: " + error), (body, req(body).error)

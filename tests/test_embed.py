@@ -226,3 +226,18 @@ def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
                         ({"input": "a", "temperature": 1}, "unknown body key 'temperature'"),
                         ({"input": "a", "messages": []}, "give 'input' or 'messages', not both")]:
         assert req(body).error.startswith("line 3: " + error), (body, req(body).error)
+
+
+def test_the_emulated_ascend_path_pools_as_the_cpu_does(checkpoint, monkeypatch):
+    """device ascend, emulated (bfloat16 compute, the fused kernels stood in): the pool step
+    compiles under its own phase, and each vector points where transformers' float32 one does
+    (cosine > 0.999; 16-bit rounding keeps it from 1e-5)."""
+    monkeypatch.setenv("MSINFER_ASCEND_EMULATE", "1")
+    path = checkpoint(NAME)
+    plan = plan_job(spec_for(path, pooling={"type": "mean"}, parallel={"device": "ascend"},
+                             scheduler={"max_batched_tokens": 16, "max_batch_size": 4, "block_size": 128}),
+                    check_io=False)
+    assert plan.engine.emulate and plan.engine.dtype in ("bfloat16", "float16")
+    lines = run(plan, [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)])
+    for line, ids in zip(lines, PROMPTS):
+        assert float(np.dot(line["embedding"], hf_embedding(path, ids, "mean"))) > 0.999

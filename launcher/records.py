@@ -145,8 +145,9 @@ class RecordCodec:
                 prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs,
                                                   generation_prompt=not self.embed)]
                 thinking = self.thinking(rec, template)
-            if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens)
-                prompts = [ids[-(max_len - 1 if k == -1 else k):] for ids in prompts]
+            if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens;
+                # -1: as many as fit, with room for a generated token unless it generates none)
+                prompts = [ids[-(max_len - (not self.embed) if k == -1 else k):] for ids in prompts]
             continuation = self.continuation(rec)
             prompts = [ids + continuation for ids in prompts]
             for ids in prompts:

@@ -73,6 +73,7 @@ def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cach
     """Prompts of 37, 23 and 3 tokens at max_batched_tokens 16 (the longest in three chunks, the
     second after the first's cached blocks where last pooling lets it skip them): each vector
     within 1e-5 of transformers' pooled and normalized final hidden states; prompt_tokens counted;
+    truncate_prompt_tokens -1 keeps the last max_model_len tokens (no room for a generated one);
     n > 1 and prompt_logprobs are the record's error."""
     path = checkpoint(NAME)
     plan = plan_job(spec_for(path, pooling={"type": how}, scheduler={"max_batched_tokens": 16, "max_batch_size": 4}),
@@ -80,13 +81,15 @@ def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cach
     assert plan.spec.pooling.normalize is True and plan.model.lm_head is False
     records = [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
     stats = {}
+    long = [(5 * i + 1) % 200 + 3 for i in range(70)]           # past max_model_len 64: its last 64
     lines = run(plan, records + [{"id": "n", "prompt_token_ids": [5, 6], "sampling": {"n": 2}},
-                                 {"id": "lp", "prompt_token_ids": [5, 6], "sampling": {"prompt_logprobs": 0}}],
+                                 {"id": "lp", "prompt_token_ids": [5, 6], "sampling": {"prompt_logprobs": 0}},
+                                 {"id": "cut", "prompt_token_ids": long, "sampling": {"truncate_prompt_tokens": -1}}],
                 stats=stats)
     # the second prompt's first 16 tokens (a block) come from the first's cache where the last
     # token alone is pooled; mean and cls pooling feed every token
     assert stats["cached_tokens"] == (16 if how == "last" else 0)
-    for line, ids in zip(lines, PROMPTS):
+    for line, ids in zip(lines[:3] + lines[5:], PROMPTS + [long[-64:]]):
         assert line["error"] is None and line["prompt_tokens"] == len(ids) and line["completion_tokens"] == 0
         got = np.array(line["embedding"])
         assert got.shape == (plan.model.hidden_size,)

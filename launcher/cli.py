@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
                           t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
                           redo_changed=getattr(args, "redo_changed", False))
-        made = ("prompt_tokens", "records_per_s") if spec.task == "embed" else ("completion_tokens", "tokens_per_s")
+        from msinfer.sharding.config import POOLING_TASKS
+        made = (("prompt_tokens", "records_per_s") if spec.task in POOLING_TASKS
+                else ("completion_tokens", "tokens_per_s"))
         keys = ("records_done", "records_failed", "records_skipped", "records_cut", *made, "startup_s", "generation_s",
                 "replica_restarts") + (("simulate",) if simulate else ())
         print(json.dumps({k: summary.get(k) for k in keys}))

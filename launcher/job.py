@@ -33,7 +33,7 @@ from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, c
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
                                     dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
-                                    ops_problem, resolve_device, resolve_dtype)
+                                    POOLING_TASKS, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights
@@ -150,9 +150,9 @@ def template_summary(has_template: bool, chat_template: bool | str, task: str = 
         return ("the tokenizer has no chat template: prompts are encoded as written; 'messages' records fail "
                 "(input.chat_template can give one)")
     which = "chat template" if isinstance(chat_template, bool) else "the chat template of input.chat_template"
-    if task == "embed":
+    if task in POOLING_TASKS:
         return (f"{which} on 'messages' records, without a generation prompt; 'prompt' text and prompt_token_ids "
-                f"are embedded as written")
+                f"are {'embedded' if task == 'embed' else 'classified'} as written")
     return (f"{which} on 'messages' records and on 'prompt' text of generated records"
             if chat_template else f"{which} on 'messages' records only (input.chat_template: false)") + (
         "; never on prompt_token_ids, nor on scored prompts (they are scored as written)")
@@ -498,6 +498,15 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.task == "embed":                    # no LM head, the pooling the checkpoint gives (launcher.embed)
         (spec, note), m = resolve_pooling(spec), m.pooling_only()
         notes.append(note)
+    elif spec.task == "classify" and not m.num_labels:
+        raise SpecError(f"task classify needs a sequence classifier's checkpoint (*ForSequenceClassification, "
+                        f"with its `score` head); {spec.model.path} is {m.architecture}")
+    elif spec.task == "classify":
+        notes.append(f"task classify: {m.architecture}'s head on the last token's final hidden state, "
+                     f"{m.num_labels} label(s) ({', '.join(m.labels[:8])}{', ...' if m.num_labels > 8 else ''})")
+    elif m.num_labels:
+        raise SpecError(f"{spec.model.path} is a sequence classifier ({m.architecture}, {m.num_labels} label(s)), "
+                        f"with no LM head to {spec.task} with; set task: classify (or task: embed)")
         if spec.pooling.dimensions is not None and spec.pooling.dimensions > m.hidden_size:
             raise SpecError(f"pooling.dimensions is {spec.pooling.dimensions}, more than the model's hidden size "
                             f"{m.hidden_size}")
@@ -574,7 +583,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           device=device,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, position_scheme=spec.model.positions.scheme,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline,
-                          embed=spec.task == "embed",
+                          task=spec.task,
                           **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
@@ -597,9 +606,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                      "*.safetensors")
     notes.append(verification_note(device, emulate, spec.model.ops))
     output_format = resolve_output_format(spec, check_io)
-    if output_format == "openai" and spec.task == "score":
-        raise SpecError("output.format openai has no place for scoring results (task: score); use output.format: "
-                        "msinfer")
+    if output_format == "openai" and spec.task in ("score", "classify"):
+        raise SpecError(f"output.format openai has no place for {'scoring' if spec.task == 'score' else 'classifier'} "
+                        f"results (task: {spec.task}); use output.format: msinfer")
     return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format,
                 weights_absent=absent, sampling_from_model=tuple(taken))
 
@@ -1253,7 +1262,7 @@ def make_drain(spec: JobSpec) -> Drain:
 def record_length(spec: JobSpec):
     """record -> the tokens it is expected to run for under `spec` (launcher.inputs.expected_length):
     what longest-first dealing orders by and what a deadline's estimate multiplies."""
-    default, score = (0 if spec.task == "embed" else spec.sampling.max_new_tokens), spec.task == "score"
+    default, score = (0 if spec.task in POOLING_TASKS else spec.sampling.max_new_tokens), spec.task == "score"
     return lambda rec: expected_length(rec, default, score)
 
 

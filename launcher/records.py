@@ -14,11 +14,14 @@ import os
 import time
 from typing import NamedTuple
 
+import numpy as np
+
 from msinfer.launcher.errors import RecordError
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.openai_batch import EMBEDDINGS_URL
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
+from msinfer.sharding.config import POOLING_TASKS
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
 
@@ -78,12 +81,14 @@ class RecordCodec:
         """spec: launcher.spec.JobSpec; model: sharding.config.ModelConfig."""
         self.spec, self.tok = spec, tokenizer
         self.vocab_size, self.hidden_size = model.vocab_size, model.hidden_size
+        self.labels = model.labels                      # a classifier's (task classify)
         eos = model.eos_token_ids
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
         self.eos = tuple(eos)
         self.openai = output_format == "openai"
         self.embed = spec.task == "embed"
+        self.pools = spec.task in POOLING_TASKS        # embed, classify: a prefill pools, nothing is generated
         self.reasoning = spec.output.reasoning_parser if tokenizer is not None else None
         self.think_ids: tuple[int, int] | None = None     # <think> and </think> (reasoning_end)
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
@@ -141,13 +146,13 @@ class RecordCodec:
                 # embedded one (its `messages` go through the template, without a generation
                 # prompt unless they ask for one, as vLLM's embedding requests)
                 scored = rec.continuation is not None or rec.continuation_token_ids is not None
-                template = bool(spec.input.chat_template) and not scored and rec.openai is None and not self.embed
+                template = bool(spec.input.chat_template) and not scored and rec.openai is None and not self.pools
                 prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs,
-                                                  generation_prompt=not self.embed)]
+                                                  generation_prompt=not self.pools)]
                 thinking = self.thinking(rec, template)
             if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens;
                 # -1: as many as fit, with room for a generated token unless it generates none)
-                prompts = [ids[-(max_len - (not self.embed) if k == -1 else k):] for ids in prompts]
+                prompts = [ids[-(max_len - (not self.pools) if k == -1 else k):] for ids in prompts]
             continuation = self.continuation(rec)
             prompts = [ids + continuation for ids in prompts]
             for ids in prompts:
@@ -155,17 +160,17 @@ class RecordCodec:
                 if bad:
                     raise RecordError(f"record '{rec.id}': token id {bad[0]} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
-                if not fits(len(ids), bool(continuation) or self.embed, max_len):
+                if not fits(len(ids), bool(continuation) or self.pools, max_len):
                     raise RecordError(f"record '{rec.id}': the prompt and continuation have {len(ids)} tokens; "
                                       f"model.max_model_len is {max_len}" if continuation else
                                       f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
-                                      f"is {max_len}" if self.embed else
+                                      f"is {max_len}" if self.pools else
                                       f"record '{rec.id}': the prompt has {len(ids)} tokens; model.max_model_len "
                                       f"is {max_len}, which must also leave room for generated tokens")
-            if (continuation or self.embed) and sampling.n > 1:
-                raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a"
-                                  f"{' scored' if continuation else 'n embedded'} record generates nothing; n "
-                                  f"applies to task: generate")
+            if (continuation or self.pools) and sampling.n > 1:
+                done = "scored" if continuation else "embedded" if self.embed else "classified"
+                raise RecordError(f"record '{rec.id}': sampling.n is {sampling.n}, but a{'n' * (done[0] == 'e')} "
+                                  f"{done} record generates nothing; n applies to task: generate")
             dimensions = self.dimensions(rec)
         except RecordError as e:
             return self.error(serial, rec, str(e))
@@ -235,8 +240,8 @@ class RecordCodec:
                 raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary "
                                   f"(0..{self.vocab_size - 1})")
         extra = {}
-        if self.embed and p.prompt_logprobs is not None:
-            raise RecordError(f"{where}.prompt_logprobs: task embed computes no log-probabilities")
+        if self.pools and p.prompt_logprobs is not None:
+            raise RecordError(f"{where}.prompt_logprobs: task {self.spec.task} computes no log-probabilities")
         if p.structured:
             from llguidance import LLMatcher
             if self.tok is None:
@@ -250,8 +255,8 @@ class RecordCodec:
             extra["bad_words_ids"] = tuple(ids for word in p.bad_words for ids in self.word_ids(word))
         if p.min_tokens:
             extra["min_tokens_ban"] = tuple(dict.fromkeys([*(() if p.ignore_eos else self.eos), *p.stop_token_ids]))
-        if self.embed:
-            extra["pooling"] = self.spec.pooling.type
+        if self.pools:              # (a classifier's head reads the last token)
+            extra["pooling"] = self.spec.pooling.type if self.embed else "last"
         return dataclasses.replace(p, **extra) if extra else p
 
     def dimensions(self, rec: Record) -> int | None:
@@ -333,7 +338,9 @@ class RecordCodec:
             return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request,
                               given_id=seq.record.given_id)
         if seq.sampling.pooling:
-            return self._done(seq.record.serial, {"id": seq.key, **self.embedded(seq), "error": None},
+            made = self.embedded(seq) if self.embed else classified(seq.record.pooled, self.labels)
+            return self._done(seq.record.serial, {"id": seq.key, **made, "prompt_tokens": seq.num_prompt_tokens,
+                                                  "completion_tokens": 0, "error": None},
                               seq.record.request, given_id=seq.record.given_id)
         if seq.is_scoring:
             n = seq.num_score_tokens
@@ -354,17 +361,16 @@ class RecordCodec:
         vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, pooling.normalize,
                            seq.record.dimensions)
         as_base64 = seq.record.request is not None and seq.record.request[3]
-        return {"embedding": encoded(vector, as_base64), "prompt_tokens": seq.num_prompt_tokens,
-                "completion_tokens": 0}
+        return {"embedding": encoded(vector, as_base64)}
 
     def samples_result(self, samples: Samples) -> Done:
         """The one result of a record's n samples: `outputs`, one entry per sample in order (an
         OpenAI embeddings request's several inputs: `embeddings`, one per input)."""
         first = samples.seqs[0]
         if first.sampling.pooling:
-            each = [self.embedded(seq) for seq in samples.seqs]
-            result = {"id": first.key, "embeddings": [e["embedding"] for e in each],
-                      "prompt_tokens": sum(e["prompt_tokens"] for e in each), "completion_tokens": 0, "error": None}
+            result = {"id": first.key, "embeddings": [self.embedded(seq)["embedding"] for seq in samples.seqs],
+                      "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs), "completion_tokens": 0,
+                      "error": None}
             return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
         outputs = [{"index": i, **(text_fields(self.text(seq), self.parsed(seq)) if self.tok is not None else {}),
                     "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
@@ -461,6 +467,20 @@ def ok_result(id: str, token_ids: list[int], text: str | None, finish_reason: st
     result.update(extra or {})
     result["error"] = None
     return result
+
+
+def classified(logits, labels: tuple) -> dict:
+    """A classified record's fields (task classify): its classifier's `logits`, their `probs`
+    (softmax; a one-label model's, such as a reward model's, sigmoid) and the most likely
+    label's name (id2label)."""
+    z = np.asarray(logits, np.float64)
+    if len(z) == 1:
+        probs = 1.0 / (1.0 + np.exp(-z))
+    else:
+        e = np.exp(z - z.max())
+        probs = e / e.sum()
+    return {"label": labels[int(np.argmax(z))] if len(labels) == len(z) else int(np.argmax(z)),
+            "logits": [float(x) for x in z], "probs": [float(x) for x in probs]}
 
 
 def score_result(id: str, continuation_ids: list[int], logprobs: list[float], prompt_tokens: int) -> dict:

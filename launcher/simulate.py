@@ -63,7 +63,8 @@ class StandInRunner:
     def __init__(self, engine_config, timing: StandIn):
         from msinfer.sharding.config import ModelConfig
         cfg = ModelConfig.from_dir(engine_config.model_dir)
-        self.vocab, self.hidden = cfg.vocab_size, cfg.hidden_size
+        # what a pooled sequence hands back: a vector (task embed), or a classifier's logits
+        self.vocab, self.hidden = cfg.vocab_size, cfg.num_labels if engine_config.task == "classify" else cfg.hidden_size
         self.avoid = np.array(sorted(set(cfg.eos_token_ids or ())), np.int64)     # never drawn
         self.timing = timing
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype
@@ -138,7 +139,7 @@ class StandInRunner:
             tokens = [next(it) if s.sample else -1 for s in seqs]
         lps = [(0.0, [(t, 0.0)] * s.sampling.logprobs) if t >= 0 and s.sampling.logprobs else None
                for s, t in zip(seqs, tokens)] if any(s.sampling.logprobs for s in rows) else [None]
-        # task embed: a vector drawn by the prompt, as its tokens are
+        # task embed and classify: a vector drawn by the prompt, as its tokens are
         scores = [self.draw(np.full(self.hidden, keys[s.seq_id], np.uint64), np.arange(self.hidden, dtype=np.uint64))
                   .astype(np.float32) if s.sampling.pooling else [0.0 for t in s.targets if t >= 0] if s.targets
                   else None for s in seqs] if is_prefill else [None]

@@ -394,7 +394,7 @@ class PoolingSpec(Section):
 
 
 class JobSpec(Section):
-    task: Literal["generate", "score", "embed"] = "generate"
+    task: Literal["generate", "score", "embed", "classify"] = "generate"
     model: ModelSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     input: InputSpec
@@ -419,7 +419,7 @@ class JobSpec(Section):
         n, m = self.model.max_model_len, self.sampling.max_new_tokens
         if self.task != "embed" and self.pooling != PoolingSpec():
             raise ValueError(f"pooling applies to task: embed, and the task is {self.task}")
-        if n is not None and m >= n and self.task != "embed":       # (an embedding generates nothing)
+        if n is not None and m >= n and self.task not in ("embed", "classify"):      # (they generate nothing)
             raise ValueError(f"sampling.max_new_tokens ({m}) must be less than model.max_model_len ({n}): "
                              f"a sequence holds its prompt and the generated tokens")
         blocks, bs = self.scheduler.kv_cache_blocks, self.scheduler.block_size

@@ -29,6 +29,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaModel": ("llama", False, False),
     "Qwen2Model": ("qwen2", True, False),
     "Qwen3Model": ("qwen3", False, True),
+    # sequence classifiers and reward models: a `score` head on the last token (task classify)
+    "LlamaForSequenceClassification": ("llama", False, False),
+    "Qwen2ForSequenceClassification": ("qwen2", True, False),
+    "Qwen3ForSequenceClassification": ("qwen3", False, True),
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
     "DeepseekV2ForCausalLM": ("deepseek_v2", False, False),
@@ -147,6 +151,10 @@ class ModelConfig:
     # False (task embed, ModelConfig.pooling_only): the network ends at the final norm, whose
     # hidden states are pooled; no LM head is planned, loaded or held
     lm_head: bool = True
+    # a sequence classifier (*ForSequenceClassification): its head `score.weight` [num_labels,
+    # hidden] on the last token's final hidden state, and its labels' names (id2label)
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
 
     def pooling_only(self) -> "ModelConfig":
         """This model without its LM head (task embed)."""
@@ -238,7 +246,22 @@ class ModelConfig:
         )
         if quant is not None:
             check_expert_inputs(cfg, source)
+        if arch.endswith("ForSequenceClassification"):
+            cfg = dataclasses.replace(cfg, lm_head=False, **cls._labels(d, source))
         return cfg
+
+    @staticmethod
+    def _labels(d: dict, source: str) -> dict:
+        """A classifier's num_labels and the names of its labels, from id2label (transformers'
+        default: LABEL_0, LABEL_1, ... for num_labels, 2 where it says neither)."""
+        names = d.get("id2label") or {}
+        try:
+            count = len(names) or int(d.get("num_labels") or 2)
+            labels = tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count))
+        except (TypeError, ValueError, AttributeError):
+            raise ModelConfigError(f"{source}: id2label and num_labels do not name the classifier's labels "
+                                   f"(id2label {names!r:.80}, num_labels {d.get('num_labels')!r})") from None
+        return {"num_labels": count, "labels": labels}
 
     @staticmethod
     def _moe_fields(d: dict, family: str, num_layers: int, source: str, need) -> dict:
@@ -488,6 +511,8 @@ def yarn_inv_freq(rope: dict, dim: int, base: float, max_positions: int) -> np.n
 
 # What Ascend's fused kernels need (worker/ascend.py), here where the launcher can read it
 # without importing MindSpore.
+# the tasks whose network ends at its final norm and whose prefills pool (ModelConfig.pooling_only)
+POOLING_TASKS = ("embed", "classify")
 EMULATE_ENV = "MSINFER_ASCEND_EMULATE"     # 1: device "ascend" runs on the CPU, its kernels stood in
 BLOCK_MULTIPLE = 16            # vllm-mindspore ms_attn.py: "Block size must be a multiple of 16."
 HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)      # vllm-mindspore ms_attn.py: what its kernels run
@@ -610,7 +635,9 @@ class EngineConfig:
     # one stage), and which of them this rank's stage is
     pipeline: tuple = ()
     stage: int = 0
-    embed: bool = False                # task embed: no LM head (ModelConfig.pooling_only), prefills pool
+    # embed and classify: no LM head (ModelConfig.pooling_only), prefills pool; classify: the
+    # classifier's head on the pooled last token (worker.runner.forward_pooled)
+    task: str = "generate"
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)

@@ -37,8 +37,8 @@ def hf_embedding(path, ids, how: str, normalize: bool = True, dimensions: int | 
     return v / np.linalg.norm(v) if normalize else v
 
 
-def spec_for(path, **sections) -> JobSpec:
-    spec = {"task": "embed", "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+def spec_for(path, task="embed", **sections) -> JobSpec:
+    spec = {"task": task, "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
             "output": {"path": "out.jsonl"}}
     for key, value in sections.items():
         spec[key] = {**spec.get(key, {}), **value}
@@ -244,3 +244,51 @@ def test_the_emulated_ascend_path_pools_as_the_cpu_does(checkpoint, monkeypatch)
     lines = run(plan, [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)])
     for line, ids in zip(lines, PROMPTS):
         assert float(np.dot(line["embedding"], hf_embedding(path, ids, "mean"))) > 0.999
+
+
+def classifier(src, dst, cls_name: str, labels: dict):
+    """A sequence classifier saved from a causal LM's checkpoint: transformers' `cls_name` with
+    the LM's decoder and a random `score` head of len(labels) rows."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name).from_pretrained(src, dtype=torch.float32, num_labels=len(labels),
+                                                            id2label=labels, label2id={v: k for k, v in labels.items()})
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("name, cls_name, labels", [
+    ("qwen3_qknorm_odd_head_dim", "Qwen3ForSequenceClassification", {0: "negative", 1: "neutral", 2: "positive"}),
+    ("llama_gqa_tied", "LlamaForSequenceClassification", {0: "reward"})], ids=["three-labels", "reward-model"])
+def test_a_classifier_gives_transformers_logits_of_the_last_token_whole_and_in_chunks(
+        checkpoint, tmp_path, name, cls_name, labels):
+    """task classify on *ForSequenceClassification checkpoints, prompts of 37, 23 and 3 tokens at
+    max_batched_tokens 16: each record's logits within 1e-4 of transformers' (its head on the last
+    token), probs their softmax (one label, a reward model's: its sigmoid), label the most likely
+    one's name. A causal LM under task classify, and a classifier under task generate, stop the
+    plan with what to set."""
+    import torch
+    import transformers
+    from msinfer.launcher.errors import SpecError
+    path = classifier(checkpoint(name), tmp_path / "cls", cls_name, labels)
+    plan = plan_job(spec_for(path, task="classify", scheduler={"max_batched_tokens": 16, "max_batch_size": 4}),
+                    check_io=False)
+    lines = run(plan, [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)])
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    for line, ids in zip(lines, PROMPTS):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0].double().numpy()
+        np.testing.assert_allclose(line["logits"], want, atol=1e-4)
+        probs = 1 / (1 + np.exp(-want)) if len(labels) == 1 else np.exp(want) / np.exp(want).sum()
+        np.testing.assert_allclose(line["probs"], probs, atol=1e-4)
+        assert line["label"] == labels[int(np.argmax(want))] and line["prompt_tokens"] == len(ids)
+    with pytest.raises(SpecError, match=rf"is a sequence classifier \({cls_name}, {len(labels)} label\(s\)\), with no "
+                                        r"LM head to generate with; set task: classify"):
+        plan_job(JobSpec.model_validate({"model": {"path": str(path), "max_model_len": 64},
+                                         "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+                                         "sampling": {"max_new_tokens": 8}}), check_io=False, weights=False)
+    with pytest.raises(SpecError, match=r"task classify needs a sequence classifier's checkpoint"):
+        plan_job(spec_for(checkpoint(name), task="classify"), check_io=False, weights=False)

@@ -164,7 +164,7 @@ def test_a_scored_text_prompt_is_scored_as_written_and_a_generated_one_gets_the_
     from msinfer.launcher.spec import JobSpec
     spec = JobSpec.model_validate({"task": "score", "model": {"path": "m", "max_model_len": 512},
                                    "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
-    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, eos_token_ids=(2,)), tok)
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
     text = "hello world"
     as_written = tok.encode(text)
     templated = tok.apply_chat_template([{"role": "user", "content": text}])
@@ -191,7 +191,7 @@ def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
     from msinfer.launcher.spec import JobSpec
     spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
                                    "output": {"path": "out.jsonl"}})
-    model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, eos_token_ids=(2,))
+    model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,))
     ids = tok.encode("hello world", add_special_tokens=False)
     codec = RecordCodec(spec, model, tok)
     entry = codec.logprob_entry(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.25)])
@@ -391,7 +391,7 @@ def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_templa
 
     def prompt_ids(s, record):
         tok = load_tokenizer(bare, chat_template=s.input.template_text())
-        codec = RecordCodec(s, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, eos_token_ids=(2,)), tok)
+        codec = RecordCodec(s, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
         out = codec.sequences(parse_record(record, 1), 0)
         return out[0].prompt_token_ids if isinstance(out, list) else json.loads(out.line)["error"]["message"]
 
@@ -427,7 +427,7 @@ def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):
     from msinfer.launcher.spec import JobSpec, SamplingSpec, validate
     spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 16}, "input": {"path": "in.jsonl"},
                                    "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 4}})
-    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, eos_token_ids=(2,)), tok)
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
     text = "the capital of France is Paris " * 3
     full = tok.apply_chat_template([{"role": "user", "content": text}])
     assert len(full) > 16

@@ -206,6 +206,15 @@ def optional(name: str, quant) -> bool:
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def read_tensor(model_dir: str | Path, name: str, allow_pickle: bool = False) -> np.ndarray:
+    """One whole tensor of the checkpoint as float32, for the host (a classifier's head)."""
+    for path in safetensors_files(model_dir, allow_pickle):
+        with open_weights(path) as f:
+            if name in f.keys():
+                return np.asarray(f.get_slice(name)[:], np.float32)
+    raise CheckpointError(f"{model_dir}: weight tensor '{name}' is missing from the checkpoint")
+
+
 def base_model_names(names) -> dict[str, str]:
     """A base model's checkpoint (LlamaModel, Qwen3Model: an embedding model saved without its LM
     head) names its tensors without the causal LM's `model.` prefix, as vLLM reads either: the

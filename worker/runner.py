@@ -18,7 +18,8 @@ import types
 
 import numpy as np
 
-from msinfer.sharding.config import MASK_PENALTY, EngineConfig, ModelConfig, fused, ops_problem, resolve_dtype
+from msinfer.sharding.config import (MASK_PENALTY, POOLING_TASKS, EngineConfig, ModelConfig, fused, ops_problem,
+                                     resolve_dtype)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
 from msinfer.worker.positions import make_scheme
@@ -52,13 +53,13 @@ class ModelRunner:
         import mindspore as ms
         from msinfer.worker.model import CausalLM
         from msinfer.worker.device import select_ops
-        from msinfer.worker.loader import load_checkpoint
+        from msinfer.worker.loader import load_checkpoint, read_tensor
         from msinfer.worker.lora import with_lora
 
         self.ms = ms
         self.ec, self.tp = ec, tp
         self.cfg = ModelConfig.from_dir(ec.model_dir)
-        if ec.embed:
+        if ec.task in POOLING_TASKS:
             self.cfg = self.cfg.pooling_only()
         self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate, ec.ops)
         self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
@@ -94,6 +95,10 @@ class ModelRunner:
             self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
                                               ec.allow_pickle, self.cfg.quant, self.model.pack_layer)
         self.model.pack_weights()
+        self.head = None                         # task classify: the classifier's head, on the host
+        if ec.task == "classify" and self.stage.last:
+            self.head = (np.zeros((self.cfg.num_labels, self.cfg.hidden_size), np.float32) if ec.random_weights
+                         else read_tensor(ec.model_dir, "score.weight", ec.allow_pickle))
         if self.load_stats["bytes"]:          # as held: packing may change a weight's bytes (int8, tiles)
             self.load_stats["bytes"] = sum(p.nbytes for p in self.model.held_parameters())
         self.load_s = time.perf_counter() - t0
@@ -473,7 +478,9 @@ class ModelRunner:
         hidden state of its last token in the step (the prompt's last, once the engine has fed it
         all); `cls`, of its first position, where the step feeds it (else None); `mean`, the sum
         over its tokens, which the engine divides by the prompt's length. The rows are padded to
-        a bucket of 16 (static shapes), as forward_scores' are. Returns (None, None, those)."""
+        a bucket of 16 (static shapes), as forward_scores' are. Task classify pools the last token
+        and hands back the classifier's logits of it ([num_labels], its head applied on the
+        host: a few thousand multiply-adds a sequence). Returns (None, None, those)."""
         inputs, first_row = self.prepare(seqs, True, reuse=False, hidden=hidden)
         rows, spans = [], []
         for b, s in enumerate(seqs):
@@ -487,6 +494,8 @@ class ModelRunner:
         pool_index[: len(rows)] = rows
         states = self.to_host(self._call("pool", inputs, self.ms.Tensor(pool_index, self.ms.int32)), len(rows))
         pooled = [states[at: at + n].sum(0) if n else None for at, n in spans]
+        if self.head is not None:
+            pooled = [None if v is None else self.head @ v for v in pooled]
         return None, None, pooled
 
     def grammar(self, text: str):

@@ -255,7 +255,7 @@ def test_override_errors(tmp_path):
     assert "--set: parallel.tensor_parallel: expected an integer >= 1, got -1" in msg
     assert "--set 'parallel'" in spec_error(tmp_path, MINIMAL, ["parallel"])
     assert "not a valid YAML" in spec_error(tmp_path, MINIMAL, ["sampling.stop=[a"])
-    assert "--set: task: expected one of 'generate', 'score' or 'embed', got a mapping" in spec_error(
+    assert "--set: task: expected one of 'generate', 'score', 'embed' or 'classify', got a mapping" in spec_error(
         tmp_path, MINIMAL, ["task.x=1"])
     msg = spec_error(tmp_path, "task: score\n" + MINIMAL, ["task.x=1"])
     assert "--set task.x: 'task' is the scalar 'score', not a section of keys" in msg

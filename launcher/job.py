@@ -498,12 +498,12 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.task == "embed":                    # no LM head, the pooling the checkpoint gives (launcher.embed)
         (spec, note), m = resolve_pooling(spec), m.pooling_only()
         notes.append(note)
-    elif spec.task == "classify" and not m.num_labels:
+    elif spec.task == "classify" and not m.num_labels and not spec.model.classifier_from_tokens:
         raise SpecError(f"task classify needs a sequence classifier's checkpoint (*ForSequenceClassification, "
-                        f"with its `score` head); {spec.model.path} is {m.architecture}")
+                        f"with its `score` head), or a causal LM and model.classifier_from_tokens (a reranker's "
+                        f"[\"no\", \"yes\"]); {spec.model.path} is {m.architecture}")
     elif spec.task == "classify":
-        notes.append(f"task classify: {m.architecture}'s head on the last token's final hidden state, "
-                     f"{m.num_labels} label(s) ({', '.join(m.labels[:8])}{', ...' if m.num_labels > 8 else ''})")
+        m = m.pooling_only()
     elif m.num_labels:
         raise SpecError(f"{spec.model.path} is a sequence classifier ({m.architecture}, {m.num_labels} label(s)), "
                         f"with no LM head to {spec.task} with; set task: classify (or task: embed)")
@@ -521,6 +521,12 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     absent = sizing and weights and not holds_weights(spec.model.path)
     ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code, spec.input.template_text())
+    if spec.model.classifier_from_tokens is not None:
+        m = token_classifier(spec, m, tokenizer, weights and not absent)
+    if spec.task == "classify":
+        head = (f"the LM head's rows of its tokens" if m.head_tokens else f"{m.architecture}'s head")
+        notes.append(f"task classify: {head} on the last token's final hidden state, {m.num_labels} label(s) "
+                     f"({', '.join(m.labels[:8])}{', ...' if m.num_labels > 8 else ''})")
     if error := check_chat({"chat_template_kwargs": spec.input.chat_template_kwargs}, "input."):
         raise SpecError(error)
     if tokenizer is not None and spec.input.chat_template:
@@ -583,7 +589,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                           device=device,
                           num_blocks=spec.scheduler.kv_cache_blocks or 0, position_scheme=spec.model.positions.scheme,
                           emulate=emulate, tokenizer_path=spec.model.tokenizer_path, pipeline=pipeline,
-                          task=spec.task,
+                          task=spec.task, head_tokens=m.head_tokens,
                           **model_extensions(spec, m, plans, notes))
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
@@ -611,6 +617,36 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                         f"results (task: {spec.task}); use output.format: msinfer")
     return Plan(spec, m, tokenizer, engine, device, weight_bytes, kv, ckpt_bytes, notes, card, output_format,
                 weights_absent=absent, sampling_from_model=tuple(taken))
+
+
+def token_classifier(spec: JobSpec, m: ModelConfig, tokenizer, weights: bool) -> ModelConfig:
+    """The model of task classify by model.classifier_from_tokens: a causal LM whose labels are
+    those tokens (each must be one token of the tokenizer), their logits its LM head's rows of
+    them; `weights`: those rows are read once, to be sure the checkpoint has them."""
+    given = spec.model.classifier_from_tokens
+    if spec.task != "classify":
+        raise SpecError(f"model.classifier_from_tokens makes a classifier of a causal LM: it needs task: classify, "
+                        f"and the task is {spec.task}")
+    if m.head_tokens or m.num_labels:
+        raise SpecError(f"model.classifier_from_tokens is for a causal LM; {spec.model.path} is a classifier "
+                        f"({m.architecture}) with a head of its own: leave it unset")
+    if tokenizer is None:
+        raise SpecError(f"model.classifier_from_tokens names tokens, and the model has no tokenizer in "
+                        f"{spec.model.tokenizer_path} to find them with")
+    ids = []
+    for text in given:
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) != 1:
+            raise SpecError(f"model.classifier_from_tokens: {text!r} is {len(got)} tokens of the tokenizer "
+                            f"({got[:8]}); each label must be one token")
+        ids.append(got[0])
+    if len(set(ids)) != len(ids):
+        raise SpecError(f"model.classifier_from_tokens: {given} name the same token twice")
+    m = m.token_classifier(ids, given)
+    if weights:
+        from msinfer.worker.loader import read_tensor
+        read_tensor(spec.model.path, m.head_tensor, spec.model.allow_pickle, ids)
+    return m
 
 
 def check_structured(sampling, tokenizer) -> None:

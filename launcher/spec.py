@@ -100,6 +100,10 @@ class ModelSpec(Section):
     # generation_config.json recommends, as vLLM's generation_config "auto" does
     # (SamplingSpec.with_model_defaults); msinfer: the sampling section's own defaults only
     generation_config: Literal["auto", "msinfer"] = "auto"
+    # task classify with a causal LM (a reranker such as Qwen3-Reranker): the labels are these
+    # tokens, and each one's logit is its LM-head row on the last token, as vLLM's
+    # classifier_from_token makes a classifier of one
+    classifier_from_tokens: list[str] | None = Field(None, min_length=1)
     _paths = field_validator("path", "tokenizer")(_expand)
 
     @property

@@ -155,6 +155,21 @@ class ModelConfig:
     # hidden] on the last token's final hidden state, and its labels' names (id2label)
     num_labels: int = 0
     labels: tuple[str, ...] = ()
+    # a causal LM read as a classifier of its next token among these (ModelConfig.token_classifier):
+    # its head is their rows of the LM head (or of the tied embedding), not a `score` tensor
+    head_tokens: tuple[int, ...] = ()
+
+    def token_classifier(self, token_ids, names=None) -> "ModelConfig":
+        """This causal LM as a classifier whose labels are `token_ids` (model.classifier_from_tokens)."""
+        return dataclasses.replace(self, lm_head=False, num_labels=len(token_ids), head_tokens=tuple(token_ids),
+                                   labels=tuple(names or map(str, token_ids)))
+
+    @property
+    def head_tensor(self) -> str:
+        """The checkpoint tensor a classifier's head is read from (its rows head_tokens, if any)."""
+        if not self.head_tokens:
+            return "score.weight"
+        return "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
 
     def pooling_only(self) -> "ModelConfig":
         """This model without its LM head (task embed)."""
@@ -638,6 +653,7 @@ class EngineConfig:
     # embed and classify: no LM head (ModelConfig.pooling_only), prefills pool; classify: the
     # classifier's head on the pooled last token (worker.runner.forward_pooled)
     task: str = "generate"
+    head_tokens: tuple = ()            # classify by these tokens' LM-head rows (ModelConfig.token_classifier)
 
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch_size * -(-self.max_model_len // self.block_size)

@@ -228,7 +228,7 @@ def plan_tensors(cfg: ModelConfig, tp_size: int, ep: bool = False, stage: Stage 
         add("model.norm.weight", (H,), None, (H,))
         if not cfg.tie_word_embeddings and cfg.lm_head:
             add("lm_head.weight", (cfg.vocab_size, H), 0, (vocab_rank, H))
-        if cfg.num_labels:                   # a classifier's head, whole on every rank
+        if cfg.num_labels and not cfg.head_tokens:     # a classifier's head (read on the host)
             add("score.weight", (cfg.num_labels, H), None, (cfg.num_labels, H))
     return plans
 

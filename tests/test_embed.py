@@ -292,3 +292,33 @@ def test_a_classifier_gives_transformers_logits_of_the_last_token_whole_and_in_c
                                          "sampling": {"max_new_tokens": 8}}), check_io=False, weights=False)
     with pytest.raises(SpecError, match=r"task classify needs a sequence classifier's checkpoint"):
         plan_job(spec_for(checkpoint(name), task="classify"), check_io=False, weights=False)
+
+
+def test_a_causal_lm_classifies_by_the_lm_head_rows_of_given_tokens_as_a_reranker_does():
+    """model.classifier_from_tokens: ["no", "yes"] under task classify (Qwen3-Reranker's way, as
+    vLLM's classifier_from_token): the demo model's logits are its LM head's rows of those tokens on
+    the last token, within 1e-4 of transformers' next-token logits there; probs[1] is the
+    relevance. A label that is not one token stops the plan, naming it."""
+    import torch
+    import transformers
+    from msinfer.launcher.errors import SpecError
+    from scripts.make_demo_model import ensure_demo_model
+    path = ensure_demo_model()
+    spec = spec_for(path, task="classify", model={"classifier_from_tokens": ["no", "yes"], "max_model_len": 256})
+    plan = plan_job(spec, check_io=False)
+    assert plan.model.labels == ("no", "yes") and plan.engine.head_tokens == plan.model.head_tokens
+    question = ("Judge whether the Document answers the Query. Answer only \"yes\" or \"no\".\n"
+                "Query: What is the capital of France?\nDocument: {}\nAnswer:")
+    docs = ["Paris is the capital and largest city of France.", "Bananas are yellow when they are ripe."]
+    lines = run(plan, [{"id": f"d{i}", "prompt": question.format(d)} for i, d in enumerate(docs)])
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for line, doc in zip(lines, docs):
+        ids = tok(question.format(doc))["input_ids"]
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -1, list(plan.model.head_tokens)].double().numpy()
+        np.testing.assert_allclose(line["logits"], want, atol=1e-4)
+        assert line["prompt_tokens"] == len(ids) and line["label"] in ("no", "yes")
+    with pytest.raises(SpecError, match=r"model.classifier_from_tokens: 'maybe not' is \d+ tokens of the tokenizer"):
+        plan_job(spec_for(path, task="classify", model={"classifier_from_tokens": ["no", "maybe not"]}),
+                 check_io=False, weights=False)

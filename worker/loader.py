@@ -206,12 +206,17 @@ def optional(name: str, quant) -> bool:
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def read_tensor(model_dir: str | Path, name: str, allow_pickle: bool = False) -> np.ndarray:
-    """One whole tensor of the checkpoint as float32, for the host (a classifier's head)."""
+def read_tensor(model_dir: str | Path, name: str, allow_pickle: bool = False, rows=None) -> np.ndarray:
+    """A tensor of the checkpoint as float32, for the host: a classifier's head, whole, or (`rows`)
+    those rows of it only (an LM head's rows of a few tokens: ModelConfig.head_tokens)."""
     for path in safetensors_files(model_dir, allow_pickle):
         with open_weights(path) as f:
-            if name in f.keys():
-                return np.asarray(f.get_slice(name)[:], np.float32)
+            own = base_model_names(f.keys()).get(name, name)
+            if own in f.keys():
+                sl = f.get_slice(own)
+                if rows is None:
+                    return np.asarray(sl[:], np.float32)
+                return np.stack([np.asarray(sl[r:r + 1], np.float32)[0] for r in rows])
     raise CheckpointError(f"{model_dir}: weight tensor '{name}' is missing from the checkpoint")
 
 

@@ -61,6 +61,8 @@ class ModelRunner:
         self.cfg = ModelConfig.from_dir(ec.model_dir)
         if ec.task in POOLING_TASKS:
             self.cfg = self.cfg.pooling_only()
+        if ec.head_tokens:
+            self.cfg = self.cfg.token_classifier(ec.head_tokens)
         self.dtype = resolve_dtype(ec.dtype, self.cfg, ec.device, ec.emulate, ec.ops)
         self.scheme = make_scheme(ec.position_scheme, **ec.position_options)
         self.block_size = ec.block_size
@@ -98,7 +100,8 @@ class ModelRunner:
         self.head = None                         # task classify: the classifier's head, on the host
         if ec.task == "classify" and self.stage.last:
             self.head = (np.zeros((self.cfg.num_labels, self.cfg.hidden_size), np.float32) if ec.random_weights
-                         else read_tensor(ec.model_dir, "score.weight", ec.allow_pickle))
+                         else read_tensor(ec.model_dir, self.cfg.head_tensor, ec.allow_pickle,
+                                          self.cfg.head_tokens or None))
         if self.load_stats["bytes"]:          # as held: packing may change a weight's bytes (int8, tiles)
             self.load_stats["bytes"] = sum(p.nbytes for p in self.model.held_parameters())
         self.load_s = time.perf_counter() - t0

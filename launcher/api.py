@@ -35,7 +35,8 @@ class LLM:
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool | str = True,
                  max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
                  task: str = "generate", pooling: dict | None = None, **model_options):
-        """task embed (with `pooling`: the spec's pooling section) serves `embed`; the others `generate`."""
+        """task embed (with `pooling`: the spec's pooling section) serves `embed`, task classify
+        `classify`; the others `generate`."""
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
         spec = validate(JobSpec, {
             "task": task, **({"pooling": pooling} if pooling is not None else {}),
@@ -59,15 +60,23 @@ class LLM:
         seed takes the call's number (0 for the first) as the job's seed, so that calling again
         samples afresh, as vLLM's LLM does, and a process making the same calls gets the same
         tokens; a call that sets one gets the same tokens each time."""
-        if self.plan.spec.task == "embed":
-            raise SpecError("LLM(task='embed') makes embeddings: call embed(prompts)")
+        task = self.plan.spec.task
+        if task in ("embed", "classify"):
+            raise SpecError(f"LLM(task='{task}') generates nothing: call {task}(prompts)")
         return self._run(prompts, sampling, stream)
 
     def embed(self, prompts: list) -> list[dict]:
         """prompts as generate's (text as written: no chat template; messages through it). Returns
         one result dict per prompt, in order, each with its `embedding` (launcher.embed)."""
-        if self.plan.spec.task != "embed":
-            raise SpecError(f"embed() needs LLM(..., task='embed'); this LLM's task is {self.plan.spec.task}")
+        return self._pooled("embed", prompts)
+
+    def classify(self, prompts: list) -> list[dict]:
+        """As `embed`, for task classify: each result with its `label`, `logits` and `probs`."""
+        return self._pooled("classify", prompts)
+
+    def _pooled(self, task: str, prompts: list) -> list[dict]:
+        if self.plan.spec.task != task:
+            raise SpecError(f"{task}() needs LLM(..., task='{task}'); this LLM's task is {self.plan.spec.task}")
         return self._run(prompts, None, False)
 
     def _run(self, prompts: list, sampling, stream: bool) -> list[dict]:

@@ -562,7 +562,7 @@ class Engine:
         for seq, scores in zip(seqs, out.scores or ()):
             if scores is None or seq.is_finished:
                 continue
-            if seq.sampling.pooling:            # task embed: what the chunk's tokens pool (launcher.embed)
+            if seq.sampling.pooling:            # embed, classify: what the chunk's tokens pool (launcher.embed)
                 pool(seq, scores)
             elif scores:                        # log-probabilities of the continuation (or prompt) tokens it saw
                 (seq.record.continuation_logprobs if seq.is_scoring else seq.record.prompt_logprobs).extend(scores)
@@ -620,8 +620,9 @@ class Engine:
 
 
 def pool(seq, part) -> None:
-    """Adds a prefill chunk's pooled hidden states (worker.runner.forward_pooled) to its task
-    embed sequence's: the chunk's sum (mean), or its row where it has one (last, cls). A chunk
+    """Adds a prefill chunk's pooled hidden states (worker.runner.forward_pooled) to its pooling
+    sequence's (task embed or classify): the chunk's sum (mean), or its row where it has one
+    (last, cls; a classifier's logits of its last token). A chunk
     from the prompt's start (seq.num_cached is the chunk's start until the scheduler takes the
     step) starts over: the sequence was preempted and is prefilled again."""
     state = seq.record

@@ -68,7 +68,7 @@ class RecordState:
     # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
     # (logprob, [(token, logprob)])
     prompt_logprobs: list = dataclasses.field(default_factory=list)
-    pooled: object = None               # task embed: what its prompt's chunks pooled so far (numpy, launcher.embed)
+    pooled: object = None               # embed, classify: what its prompt's chunks pooled so far (numpy)
     dimensions: int | None = None       # task embed: its vector's first k values only
     t_added: float = 0.0                # perf_counter when the engine received it
     t_first: float | None = None        # perf_counter of its first token

@@ -32,7 +32,7 @@ generated token, or it is rejected with finish_reason "error" (see `Scheduler.ta
 Scoring: a sequence with `num_score_tokens = n` holds prompt + continuation as its prompt. It is
 prefilled like any other (in chunks if need be), each step asking for the log-probabilities of
 the continuation tokens it can see (`SeqStep.targets`), samples nothing, and finishes with
-"scored" at the end of its prefill. A sequence of task embed (`sampling.pooling`) is prefilled
+"scored" at the end of its prefill. A sequence of task embed or classify (`sampling.pooling`) is prefilled
 the same way, each step pooling the hidden states of the tokens it feeds, and finishes with
 "pooled"; with mean or cls pooling it is fed whole, past any cached prefix.
 """
@@ -124,7 +124,7 @@ class Sequence:
 
     @property
     def samples_nothing(self) -> bool:
-        """It scores, or pools (task embed): the end of its prefill ends it."""
+        """It scores, or pools (task embed, classify): the end of its prefill ends it."""
         return self.num_score_tokens > 0 or self.sampling.pooling is not None
 
     def score_targets(self, start: int, end: int) -> list[int] | None:

@@ -20,6 +20,9 @@ import numpy as np
 
 from msinfer.sharding.quant import Quantization, QuantizationError, parse_modelslim, parse_quantization
 
+# the tasks whose network ends at its final norm and whose prefills pool (ModelConfig.pooling_only)
+POOLING_TASKS = ("embed", "classify")
+
 # architectures value -> (family, does q/k/v carry a bias by default, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
@@ -148,8 +151,8 @@ class ModelConfig:
     routing: Routing | None = None
     rope_factor: float = 1.0
     mtp_layers: int = 0
-    # False (task embed, ModelConfig.pooling_only): the network ends at the final norm, whose
-    # hidden states are pooled; no LM head is planned, loaded or held
+    # False (the pooling tasks, embed and classify: ModelConfig.pooling_only): the network ends at
+    # the final norm, whose hidden states are pooled; no LM head is planned, loaded or held
     lm_head: bool = True
     # a sequence classifier (*ForSequenceClassification): its head `score.weight` [num_labels,
     # hidden] on the last token's final hidden state, and its labels' names (id2label)
@@ -172,7 +175,7 @@ class ModelConfig:
         return "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
 
     def pooling_only(self) -> "ModelConfig":
-        """This model without its LM head (task embed)."""
+        """This model without its LM head (POOLING_TASKS)."""
         return dataclasses.replace(self, lm_head=False)
 
     @property
@@ -526,8 +529,6 @@ def yarn_inv_freq(rope: dict, dim: int, base: float, max_positions: int) -> np.n
 
 # What Ascend's fused kernels need (worker/ascend.py), here where the launcher can read it
 # without importing MindSpore.
-# the tasks whose network ends at its final norm and whose prefills pool (ModelConfig.pooling_only)
-POOLING_TASKS = ("embed", "classify")
 EMULATE_ENV = "MSINFER_ASCEND_EMULATE"     # 1: device "ascend" runs on the CPU, its kernels stood in
 BLOCK_MULTIPLE = 16            # vllm-mindspore ms_attn.py: "Block size must be a multiple of 16."
 HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)      # vllm-mindspore ms_attn.py: what its kernels run

@@ -197,8 +197,11 @@ def test_the_demo_model_embeds_text_as_written_and_messages_through_its_template
     llm = LLM(str(path), task="embed", max_model_len=256, device="cpu")
     try:
         out = llm.embed(texts + [messages])
-        with pytest.raises(SpecError, match=r"LLM\(task='embed'\) makes embeddings: call embed\(prompts\)"):
+        with pytest.raises(SpecError, match=r"LLM\(task='embed'\) generates nothing: call embed\(prompts\)"):
             llm.generate(texts)
+        with pytest.raises(SpecError, match=r"classify\(\) needs LLM\(..., task='classify'\); this LLM's task is "
+                                            r"embed"):
+            llm.classify(texts)
     finally:
         llm.shutdown()
     tok = AutoTokenizer.from_pretrained(path)

@@ -502,7 +502,7 @@ class CausalLM(nn.Cell):
         if not self.last:
             return (x + delta).astype(ms.float32)
         _, x = self.norm(self.dev.rows(x, out_index), self.dev.rows(delta, out_index))
-        if not self.has_lm_head:                 # task embed: the final norm's hidden states (`pool`)
+        if not self.has_lm_head:                 # embed, classify: the final norm's hidden states (`pool`)
             return x
         return self.lm_head(x).astype(ms.float32)
 
@@ -550,8 +550,8 @@ class CausalLM(nn.Cell):
 
     def pool(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
              token_len, attn_mask, out_index, pool_index, hidden=None):
-        """A prefill (of the decode kind, as `score`) for task embed (no LM head: cfg.lm_head is
-        False): the final norm's hidden states of rows pool_index [S] of the step's tokens, [S,
+        """A prefill (of the decode kind, as `score`) for task embed or classify (no LM head:
+        cfg.lm_head is False): the final norm's hidden states of rows pool_index [S] of the step's tokens, [S,
         hidden_size] float32, for the runner to pool (worker.runner.forward_pooled)."""
         x = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                          token_seq, token_len, attn_mask, pool_index, False, hidden)

@@ -53,8 +53,8 @@ class SamplingParams:
     # the key of the record's random stream (worker.sampler.draw_key): from the seed and the
     # record's id, or from the record's own seed alone; with `index` and the step, it fixes each draw
     draw_key: int = 0
-    # task embed (launcher.records): how the prompt's final hidden states pool, "last" | "mean" |
-    # "cls" (worker.runner.forward_pooled); None: the sequence generates or scores
+    # task embed or classify (launcher.records): how the prompt's final hidden states pool, "last" |
+    # "mean" | "cls" (worker.runner.forward_pooled); None: the sequence generates or scores
     pooling: str | None = None
 
     # derived once (the sampler reads them for every sequence of every step): whether sampling

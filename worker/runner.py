@@ -111,7 +111,7 @@ class ModelRunner:
         kinds = {"prefill": self.model.prefill, "decode": self.model.decode}
         if self.stage.last and self.cfg.lm_head:     # the stages before it only pass hidden states on
             kinds.update(score=self.model.score, score_top=self.model.score_top)
-        elif self.stage.last:                    # task embed: its prefills' final hidden states
+        elif self.stage.last:                    # embed, classify: their prefills' final hidden states
             kinds["pool"] = self.model.pool
         if self.dev.fused_attention and self.cfg.mla is None:
             kinds["prefill"] = self.model.decode
@@ -476,8 +476,8 @@ class ModelRunner:
         return logits, greedy, scores
 
     def forward_pooled(self, seqs: list[SeqStep], hidden=None):
-        """A prefill of task embed: per sequence, what its tokens in this step add to its pooled
-        embedding (SamplingParams.pooling), as float32 [hidden_size]: `last`, the final norm's
+        """A prefill of task embed (or classify): per sequence, what its tokens in this step add
+        to its pooled embedding (SamplingParams.pooling), as float32 [hidden_size]: `last`, the final norm's
         hidden state of its last token in the step (the prompt's last, once the engine has fed it
         all); `cls`, of its first position, where the step feeds it (else None); `mean`, the sum
         over its tokens, which the engine divides by the prompt's length. The rows are padded to

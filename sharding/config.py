@@ -233,6 +233,9 @@ class ModelConfig:
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         if d.get("use_sliding_window"):
             raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+        if d.get("is_causal") is False:         # (gte-Qwen2's embedding models): a causal run would differ
+            raise ModelConfigError(f"{source}: is_causal=false (attention both ways, as some embedding models "
+                                   f"use) is not supported: msinfer's attention is causal")
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(d.get("attention_bias", default_qkv_bias))

@@ -325,3 +325,15 @@ def test_a_causal_lm_classifies_by_the_lm_head_rows_of_given_tokens_as_a_reranke
     with pytest.raises(SpecError, match=r"model.classifier_from_tokens: 'maybe not' is \d+ tokens of the tokenizer"):
         plan_job(spec_for(path, task="classify", model={"classifier_from_tokens": ["no", "maybe not"]}),
                  check_io=False, weights=False)
+
+
+@pytest.mark.unit
+def test_a_config_of_attention_both_ways_is_refused_rather_than_run_causally():
+    """An embedding model trained with bidirectional attention (config.json is_causal: false)
+    would give other vectors under causal attention, with no error: its config is refused."""
+    from msinfer.sharding.config import ModelConfig, ModelConfigError
+    config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "intermediate_size": 128, "num_hidden_layers": 2}
+    assert ModelConfig.from_dict({**config, "is_causal": True}).family == "qwen2"
+    with pytest.raises(ModelConfigError, match="is_causal=false .* is not supported: msinfer's attention is causal"):
+        ModelConfig.from_dict({**config, "is_causal": False}, "config.json")

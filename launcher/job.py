@@ -498,6 +498,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.task == "embed":                    # no LM head, the pooling the checkpoint gives (launcher.embed)
         (spec, note), m = resolve_pooling(spec), m.pooling_only()
         notes.append(note)
+        if spec.pooling.dimensions is not None and spec.pooling.dimensions > m.hidden_size:
+            raise SpecError(f"pooling.dimensions is {spec.pooling.dimensions}, more than the model's hidden size "
+                            f"{m.hidden_size}")
     elif spec.task == "classify" and not m.num_labels and not spec.model.classifier_from_tokens:
         raise SpecError(f"task classify needs a sequence classifier's checkpoint (*ForSequenceClassification, "
                         f"with its `score` head), or a causal LM and model.classifier_from_tokens (a reranker's "
@@ -507,9 +510,6 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     elif m.num_labels:
         raise SpecError(f"{spec.model.path} is a sequence classifier ({m.architecture}, {m.num_labels} label(s)), "
                         f"with no LM head to {spec.task} with; set task: classify (or task: embed)")
-        if spec.pooling.dimensions is not None and spec.pooling.dimensions > m.hidden_size:
-            raise SpecError(f"pooling.dimensions is {spec.pooling.dimensions}, more than the model's hidden size "
-                            f"{m.hidden_size}")
     spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
@@ -524,7 +524,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.model.classifier_from_tokens is not None:
         m = token_classifier(spec, m, tokenizer, weights and not absent)
     if spec.task == "classify":
-        head = (f"the LM head's rows of its tokens" if m.head_tokens else f"{m.architecture}'s head")
+        head = "the LM head's rows of its tokens" if m.head_tokens else f"{m.architecture}'s head"
         notes.append(f"task classify: {head} on the last token's final hidden state, {m.num_labels} label(s) "
                      f"({', '.join(m.labels[:8])}{', ...' if m.num_labels > 8 else ''})")
     if error := check_chat({"chat_template_kwargs": spec.input.chat_template_kwargs}, "input."):

@@ -354,8 +354,8 @@ class RecordCodec:
                           seq.record.given_id)
 
     def embedded(self, seq: Sequence) -> dict:
-        """A task embed sequence's `embedding` (a list of floats, or base64 for an OpenAI request
-        that asks so) and its token counts."""
+        """A task embed sequence's `embedding`: a list of floats, or base64 for an OpenAI request
+        that asks so."""
         from msinfer.launcher.embed import embedding, encoded
         pooling = self.spec.pooling
         vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, pooling.normalize,

@@ -64,7 +64,8 @@ class StandInRunner:
         from msinfer.sharding.config import ModelConfig
         cfg = ModelConfig.from_dir(engine_config.model_dir)
         # what a pooled sequence hands back: a vector (task embed), or a classifier's logits
-        self.vocab, self.hidden = cfg.vocab_size, cfg.num_labels if engine_config.task == "classify" else cfg.hidden_size
+        labels = len(engine_config.head_tokens) or cfg.num_labels
+        self.vocab, self.hidden = cfg.vocab_size, labels if engine_config.task == "classify" else cfg.hidden_size
         self.avoid = np.array(sorted(set(cfg.eos_token_ids or ())), np.int64)     # never drawn
         self.timing = timing
         self.num_blocks, self.dtype = engine_config.blocks(), engine_config.dtype

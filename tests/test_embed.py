@@ -168,6 +168,8 @@ def test_a_base_models_checkpoint_pools_as_its_sentence_transformers_files_say_a
                                         r"not applied by msinfer"):
         plan_job(spec_for(lasttoken), check_io=False)
     assert plan_job(spec_for(lasttoken, pooling={"type": "last", "normalize": True}), check_io=False)
+    with pytest.raises(SpecError, match="pooling.dimensions is 65, more than the model's hidden size 64"):
+        plan_job(spec_for(path, pooling={"dimensions": 65}), check_io=False, weights=False)
     # pooling is for task embed, and an embeddings request is its record's error in a generate job
     from msinfer.launcher.inputs import parse_openai
     from msinfer.launcher.records import RecordCodec

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -75,30 +74,15 @@ def run_transformers(model, prompts: list[list[int]], batch: int, pad_id: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--min-len", type=int, default=16, help="shortest prompt, tokens (default 16)")
-    ap.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens (default 256)")
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each side (default 2)")
-    ap.add_argument("--hf-batch", default="32,8", help="transformers batch sizes, comma separated (default 32,8)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="msinfer scheduler.max_batch_size (default 64)")
-    ap.add_argument("--max-batched-tokens", type=int, default=512,
-                    help="msinfer scheduler.max_batched_tokens (default 512)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternate the sides this many times (median reported)")
-    args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-
     sys.path.insert(0, str(ROOT))
+    from scripts.bench_vs_transformers import demo_workload, median_run, workload_args
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_args(ap, prompts=256, hf_batch="32,8", rounds=3)
+    args = ap.parse_args()
+    path, tokenizer, prompts = demo_workload(args)
     import numpy as np
     import torch
     import transformers
-    from scripts.bench_vs_transformers import make_prompts, median_run
-    from scripts.make_demo_model import ensure_demo_model
-
-    torch.set_num_threads(args.threads)
-    path = ensure_demo_model()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = make_prompts(tokenizer, args.prompts, args.min_len, args.max_len)
     tokens = sum(map(len, prompts))
     batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
     model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()

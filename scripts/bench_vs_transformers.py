@@ -120,24 +120,26 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: in
     return time.perf_counter() - t0, made, tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+def workload_args(ap: argparse.ArgumentParser, prompts: int, hf_batch: str, rounds: int) -> None:
+    """The options of a side-by-side script (this one, bench_embed_vs_transformers): the
+    prompts, each side's threads, transformers' batch sizes, msinfer's scheduler, the rounds."""
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--min-len", type=int, default=16, help="shortest prompt, tokens (default 16)")
     ap.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens (default 256)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each side (default 2)")
-    ap.add_argument("--hf-batch", default="64,16", help="transformers batch sizes, comma separated (default 64,16)")
+    ap.add_argument("--hf-batch", default=hf_batch,
+                    help=f"transformers batch sizes, comma separated (default {hf_batch})")
     ap.add_argument("--max-batch-size", type=int, default=64, help="msinfer scheduler.max_batch_size (default 64)")
     ap.add_argument("--max-batched-tokens", type=int, default=512,
                     help="msinfer scheduler.max_batched_tokens (default 512)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times (median reported)")
-    ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="passed on to msinfer run, e.g. scheduler.async_scheduling=false")
-    args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    ap.add_argument("--rounds", type=int, default=rounds,
+                    help="alternate the sides this many times (median reported)")
 
+
+def demo_workload(args) -> tuple:
+    """(the demo model's folder, its tokenizer, the prompts) for workload_args' options, with
+    transformers' threads set (before torch is imported: OMP_NUM_THREADS too)."""
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, str(ROOT))
     from scripts.make_demo_model import ensure_demo_model
     import torch
@@ -146,7 +148,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = ensure_demo_model()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = make_prompts(tokenizer, args.prompts, args.min_len, args.max_len)
+    return path, tokenizer, make_prompts(tokenizer, args.prompts, args.min_len, args.max_len)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_args(ap, prompts=64, hf_batch="64,16", rounds=1)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--skip-transformers", action="store_true", help="only run msinfer")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed on to msinfer run, e.g. scheduler.async_scheduling=false")
+    args = ap.parse_args()
+    path, tokenizer, prompts = demo_workload(args)
+    import torch
+    import transformers
     hf_batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
     model = None if args.skip_transformers else \
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -339,3 +339,15 @@ def test_a_config_of_attention_both_ways_is_refused_rather_than_run_causally():
     assert ModelConfig.from_dict({**config, "is_causal": True}).family == "qwen2"
     with pytest.raises(ModelConfigError, match="is_causal=false .* is not supported: msinfer's attention is causal"):
         ModelConfig.from_dict({**config, "is_causal": False}, "config.json")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_top2_dense_layer", "deepseek_v3_yarn_groups"])
+def test_a_mixture_of_experts_and_latent_attention_embed_as_transformers_base_model(checkpoint, name):
+    """task embed on a Qwen3-MoE and a DeepSeek-V3 causal LM (routed experts; latent attention
+    with YaRN): mean-pooled vectors within 1e-4 of transformers' AutoModel, chunked at 16 tokens."""
+    path = checkpoint(name)
+    plan = plan_job(spec_for(path, pooling={"type": "mean"}, scheduler={"max_batched_tokens": 16, "max_batch_size": 4}),
+                    check_io=False)
+    lines = run(plan, [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)])
+    for line, ids in zip(lines, PROMPTS):
+        np.testing.assert_allclose(line["embedding"], hf_embedding(path, ids, "mean"), atol=1e-4)

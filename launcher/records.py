@@ -479,7 +479,7 @@ def classified(logits, labels: tuple) -> dict:
     else:
         e = np.exp(z - z.max())
         probs = e / e.sum()
-    return {"label": labels[int(np.argmax(z))] if len(labels) == len(z) else int(np.argmax(z)),
+    return {"label": labels[int(np.argmax(z))],
             "logits": [float(x) for x in z], "probs": [float(x) for x in probs]}
 
 

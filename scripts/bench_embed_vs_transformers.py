@@ -58,15 +58,12 @@ def run_msinfer(path: Path, prompts: list[list[int]], max_batch_size: int, max_b
 def run_transformers(model, prompts: list[list[int]], batch: int, pad_id: int) -> tuple[float, dict]:
     """Left-padded forwards, last-token pooling, normalized. Returns (seconds, {id: vector})."""
     import torch
+    from scripts.bench_vs_transformers import left_padded
 
     vectors = {}
     t0 = time.perf_counter()
     with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        for i, ids, mask in left_padded(prompts, batch, pad_id):
             last = model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
             for j, row in enumerate(torch.nn.functional.normalize(last, dim=-1).tolist()):
                 vectors[f"p{i + j}"] = row

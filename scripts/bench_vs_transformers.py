@@ -98,6 +98,18 @@ def run_msinfer(path: Path, prompts: list[list[int]], new_tokens: int, max_batch
     return summary
 
 
+def left_padded(prompts: list[list[int]], batch: int, pad_id: int):
+    """The prompts in batches for transformers, left-padded (each row's last position is its
+    last token): (index of the batch's first prompt, input_ids, attention_mask) per batch."""
+    import torch
+
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(map(len, chunk))
+        yield (i, torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk]),
+               torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk]))
+
+
 def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: int,
                      pad_id: int) -> tuple[float, int, dict]:
     """Batched greedy generate, left-padded. Returns (seconds, new tokens, {id: token ids})."""
@@ -106,11 +118,8 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, batch: in
     made, tokens = 0, {}
     t0 = time.perf_counter()
     with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        for i, ids, mask in left_padded(prompts, batch, pad_id):
+            width = ids.shape[1]
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
             new = out[:, width:]

@@ -622,9 +622,9 @@ class Engine:
 def pool(seq, part) -> None:
     """Adds a prefill chunk's pooled hidden states (worker.runner.forward_pooled) to its pooling
     sequence's (task embed or classify): the chunk's sum (mean), or its row where it has one
-    (last, cls; a classifier's logits of its last token). A chunk
-    from the prompt's start (seq.num_cached is the chunk's start until the scheduler takes the
-    step) starts over: the sequence was preempted and is prefilled again."""
+    (last, cls; a classifier's logits of its last token). A chunk from the prompt's start
+    (seq.num_cached is the chunk's start until the scheduler takes the step) starts over: the
+    sequence was preempted and is prefilled again."""
     state = seq.record
     if seq.num_cached == 0 or state.pooled is None or seq.sampling.pooling != "mean":
         state.pooled = part

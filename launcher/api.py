@@ -34,7 +34,8 @@ class LLM:
     def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool | str = True,
                  max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
-                 task: str = "generate", pooling: dict | None = None, **model_options):
+                 tool_call_parser: str | None = None, task: str = "generate", pooling: dict | None = None,
+                 **model_options):
         """task embed (with `pooling`: the spec's pooling section) serves `embed`, task classify
         `classify`; the others `generate`."""
         sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
@@ -43,7 +44,8 @@ class LLM:
             "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
             "parallel": {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "device": device},
             "input": {"path": "in-memory.jsonl", "chat_template": chat_template},
-            "output": {"path": "in-memory-results.jsonl", "reasoning_parser": reasoning_parser},
+            "output": {"path": "in-memory-results.jsonl", "reasoning_parser": reasoning_parser,
+                       "tool_call_parser": tool_call_parser},
             "scheduler": {"max_batch_size": max_batch_size},
             "ray": {"address": ray_address},
             "sampling": sampling,

@@ -23,12 +23,15 @@ from typing import Any, Iterator
 from msinfer.launcher.errors import InputError
 from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec, is_pattern
+from msinfer.launcher.tools import ToolUse, check_message_calls, check_tools, tool_schema, tool_use
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # how a record's messages go through the chat template, with vLLM's names (its chat requests and
 # LLM.chat): the template's own variables (Qwen3's enable_thinking), and the two switches
 CHAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids", *CHAT_KEYS)
+# a chat's tools (launcher.tools), with OpenAI's names, in a record as in a chat completions request
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+KNOWN_KEYS = ("id", *PROMPT_KEYS, "sampling", "continuation", "continuation_token_ids", *CHAT_KEYS, *TOOL_KEYS)
 # A record's sampling is read from its 'sampling' object only, and its chat template's variables
 # from 'chat_template_kwargs'. Such a key at the top of a record (as OpenAI's and vLLM's requests
 # put sampling keys, with their names, or as transformers' apply_chat_template takes Qwen3's
@@ -61,6 +64,8 @@ class Record:
     dimensions: int | None = None               # an embeddings request's: its vector's first k values only
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
+    tools: list | None = None                   # its tools, for the chat template (launcher.tools)
+    tool_use: ToolUse | None = None             # how its completion's tool calls are found (tool_choice not none)
     given_id: int | None = None                 # an integer id as the input gave it: its result line keeps it so
     source: str = ""                            # its file, where input.path is a folder or a pattern (`input_files`)
 
@@ -403,7 +408,7 @@ OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top
                   "guided_decoding_backend", "include_reasoning")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
-OPENAI_NEUTRAL = {"tools": None, "tool_choice": None, "best_of": 1, "echo": False, "suffix": None,
+OPENAI_NEUTRAL = {"best_of": 1, "echo": False, "suffix": None,
                   "spaces_between_special_tokens": True,
                   "guided_whitespace_pattern": None}
 # vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
@@ -468,7 +473,7 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     if chat and (error := _fill_chat(rec, body)):
         return error
     unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
-                                            *OPENAI_STRUCTURED, *(CHAT_KEYS if chat else ()))]
+                                            *OPENAI_STRUCTURED, *((*CHAT_KEYS, *TOOL_KEYS) if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
     if body.get("stream"):
@@ -507,7 +512,7 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
     rec.sampling = sampling
-    return None
+    return _fill_tools(rec, body) if chat else None
 
 
 def _fill_embedding(rec: Record, body: dict) -> str | None:
@@ -642,6 +647,28 @@ def _fill(rec: Record, obj: dict) -> str | None:
     if sampling is not None and not isinstance(sampling, dict):
         return f"'sampling' must be an object of sampling keys, got {_type(sampling)}"
     rec.sampling = dict(sampling or {})
+    return _fill_tools(rec, obj)
+
+
+def _fill_tools(rec: Record, obj: dict) -> str | None:
+    """The record's TOOL_KEYS, checked (launcher.tools.check_tools), into rec.tools and
+    rec.tool_use; a tool choice that constrains the output ("required", a named function) into
+    its sampling.structured_outputs."""
+    tools, choice, error = check_tools(obj.get("tools"), obj.get("tool_choice"), obj.get("parallel_tool_calls"))
+    if error:
+        return error
+    if tools is not None and rec.prompt_token_ids is not None:
+        return "'tools' are for a prompt that goes through the chat template, not token ids"
+    rec.tools, rec.tool_use = tools, tool_use(choice, obj.get("parallel_tool_calls"))
+    if rec.tool_use is None or rec.tool_use.choice == "auto":
+        return None
+    if rec.sampling.get("structured_outputs") is not None:
+        which = f"'{choice}'" if isinstance(choice, str) else f"naming the function {rec.tool_use.name!r}"
+        return f"tool_choice {which} constrains the output to tool calls, and so does its structured output; give one"
+    try:
+        rec.sampling["structured_outputs"] = {"json": tool_schema(tools, rec.tool_use)}
+    except ValueError as e:
+        return f"'tools': {e}"
     return None
 
 
@@ -653,6 +680,10 @@ def _check_messages(messages: Any) -> str | None:
             return f"messages[{i}] must be an object with 'role' and 'content', got {_type(m)}"
         if not isinstance(m.get("role"), str) or not m["role"]:
             return f"messages[{i}] needs a 'role' string (system, user, assistant, ...)"
+        if error := check_message_calls(m, f"messages[{i}]"):
+            return error
+        if m.get("content") is None and m.get("tool_calls"):     # an assistant's calls without text
+            continue
         if not isinstance(m.get("content"), (str, list)):
             return f"messages[{i}] needs a 'content' string (or a list of content parts), got {_type(m.get('content'))}"
         if isinstance(m["content"], list):
@@ -684,9 +715,10 @@ def part_text(part: Any) -> str | None:
 def as_text_messages(messages: list[dict]) -> list[dict]:
     """Messages whose content lists are joined into one string, their text parts separated by a
     newline, as vLLM gives them to a chat template that takes strings ("string" content format):
-    many text models' templates render a list's Python form, or fail, instead of its text."""
-    return [{**m, "content": "\n".join(map(part_text, m["content"]))} if isinstance(m.get("content"), list) else m
-            for m in messages]
+    many text models' templates render a list's Python form, or fail, instead of its text. An
+    assistant message of tool calls alone has content "" (vLLM's)."""
+    return [{**m, "content": "\n".join(map(part_text, m["content"]))} if isinstance(m.get("content"), list)
+            else {**m, "content": ""} if m.get("content") is None else m for m in messages]
 
 
 def _check_ids(ids: Any, key: str) -> str | None:

@@ -540,6 +540,20 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                             f"tokenizer in {spec.model.tokenizer_path} to decode it with")
         if error := check_reasoning_tokens(tokenizer, parser):
             raise SpecError(error)
+    if parser := spec.output.tool_call_parser:
+        if spec.task != "generate":
+            raise SpecError(f"output.tool_call_parser '{parser}' reads the tool calls a chat completion writes, and "
+                            f"task: {spec.task} generates none; leave it unset")
+        if tokenizer is None or not tokenizer.has_chat_template:
+            raise SpecError(f"output.tool_call_parser '{parser}' reads tool calls in chat completions, and the model "
+                            f"has no " + ("tokenizer" if tokenizer is None else "chat template") +
+                            f" in {spec.model.tokenizer_path}; leave it unset")
+        if not tokenizer.renders_tools(spec.input.chat_template_kwargs):
+            raise SpecError(f"output.tool_call_parser '{parser}' reads the tool calls a model writes when its chat "
+                            f"template tells it the tools, and the chat template of {spec.model.tokenizer_path} "
+                            f"leaves a chat's tools out of the prompt: the model would never learn of them. Give a "
+                            f"template that renders `tools` (input.chat_template), or leave output.tool_call_parser "
+                            f"unset")
     if check_io:
         check_input(spec.input.path)
         if reads_back(spec.input.path, spec.output.path):
@@ -1040,7 +1054,7 @@ def result_settings(plan: Plan) -> dict:
     its weight files' names and sizes, its tokenizer's files and chat template, so that a model
     moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
     (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults,
-    the output format and the reasoning parser. Not max_model_len: a record that fits gives the
+    the output format and the reasoning and tool call parsers. Not max_model_len: a record that fits gives the
     same tokens under any, and raising it for the records too long before is what --retry-failed
     is for. Kept in the status file (`JobRun.write_status`)."""
     import hashlib
@@ -1068,7 +1082,8 @@ def result_settings(plan: Plan) -> dict:
                       "sha256:" + hashlib.sha256(s.input.chat_template.encode()).hexdigest()[:16],
                       "chat_template_kwargs": s.input.chat_template_kwargs},
             "sampling": s.sampling.model_dump(mode="json"),
-            "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser},
+            "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser,
+                       **({"tool_call_parser": s.output.tool_call_parser} if s.output.tool_call_parser else {})},
             **({"pooling": s.pooling.model_dump(mode="json")} if s.task == "embed" else {})}
 
 

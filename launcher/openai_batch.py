@@ -77,6 +77,8 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
             message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)
+        if out.get("tool_calls"):       # (launcher.tools) OpenAI's message: content null where it has only calls
+            message.update(content=text or None, tool_calls=out["tool_calls"])
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
 

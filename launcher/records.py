@@ -21,6 +21,7 @@ from msinfer.launcher.inputs import Record
 from msinfer.launcher.openai_batch import EMBEDDINGS_URL
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
+from msinfer.launcher.tools import ToolUse, constrained_calls, parse_calls, tool_calls_field
 from msinfer.sharding.config import POOLING_TASKS
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
@@ -63,6 +64,7 @@ class RecordState:
     context: tuple | None = None        # the prompt's last tokens and text its output is decoded after
     # output.reasoning_parser applies (a chat completion): whether its template had thinking on; None: it does not
     thinking: bool | None = None
+    tools: ToolUse | None = None        # its tool calls are read from its completion (launcher.tools)
     logprobs: list = dataclasses.field(default_factory=list)    # per generated token: (logprob, [(token, logprob)])
     continuation_logprobs: list = dataclasses.field(default_factory=list)   # scoring: per continuation token
     # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
@@ -90,6 +92,7 @@ class RecordCodec:
         self.embed = spec.task == "embed"
         self.pools = spec.task in POOLING_TASKS        # embed, classify: a prefill pools, nothing is generated
         self.reasoning = spec.output.reasoning_parser if tokenizer is not None else None
+        self.tool_parser = spec.output.tool_call_parser
         self.think_ids: tuple[int, int] | None = None     # <think> and </think> (reasoning_end)
         self.defaults: tuple = (None, None)       # (the spec's sampling, its SamplingParams, completed)
         self.model_name = os.path.basename(os.path.normpath(spec.model.path))
@@ -127,6 +130,8 @@ class RecordCodec:
                 sampling = self.complete(params, rec)
                 if merged is spec.sampling:
                     self.defaults = (merged, sampling)
+            if rec.tool_use is not None:
+                sampling = self.tool_sampling(rec, sampling)
             thinking = None
             if rec.prompts is not None:         # an OpenAI completions request's several prompts, as written
                 if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
@@ -189,7 +194,7 @@ class RecordCodec:
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
             seq.record = RecordState(serial, rec.given_id, request, t_added=now, stop_matcher=stops,
-                                     thinking=thinking, dimensions=dimensions)
+                                     thinking=thinking, tools=rec.tool_use, dimensions=dimensions)
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
@@ -228,6 +233,18 @@ class RecordCodec:
             if t == start:
                 break
         return end
+
+    def tool_sampling(self, rec: Record, sampling: SamplingParams) -> SamplingParams:
+        """A record whose tool calls are read from its completion needs output.tool_call_parser (as
+        vLLM needs --tool-call-parser), and keeps special tokens in its text: the call tags are
+        special tokens in some tokenizers (vLLM's hermes parser does the same)."""
+        if self.tool_parser is None:
+            use = rec.tool_use
+            choice = f"'{use.choice}'" if use.choice != "named" else f"naming the function {use.name!r}"
+            raise RecordError(f"record '{rec.id}': tool_choice {choice} needs output.tool_call_parser in the job "
+                              f"spec (hermes, for Qwen2.5, Qwen3 and Hermes models), as vLLM needs --tool-call-parser; "
+                              f"or tool_choice 'none'")
+        return dataclasses.replace(sampling, skip_special_tokens=False)
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:
         """A record's sampling with what the workers need from the tokenizer and the model: its
@@ -348,8 +365,8 @@ class RecordCodec:
                                                               seq.record.continuation_logprobs,
                                                               seq.num_prompt_tokens - n), given_id=seq.record.given_id)
         extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
-        result = ok_result(seq.key, seq.output_token_ids, self.text(seq) if self.tok is not None else None,
-                           seq.finish_reason, seq.num_prompt_tokens, extra, self.parsed(seq))
+        fields, finish = self.message(seq) if self.tok is not None else (None, seq.finish_reason)
+        result = ok_result(seq.key, seq.output_token_ids, fields, finish, seq.num_prompt_tokens, extra)
         return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens,
                           seq.record.given_id)
 
@@ -372,10 +389,12 @@ class RecordCodec:
                       "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs), "completion_tokens": 0,
                       "error": None}
             return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
-        outputs = [{"index": i, **(text_fields(self.text(seq), self.parsed(seq)) if self.tok is not None else {}),
-                    "output_token_ids": list(seq.output_token_ids), "finish_reason": seq.finish_reason,
-                    "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)}
-                   for i, seq in enumerate(samples.seqs)]
+        outputs = []
+        for i, seq in enumerate(samples.seqs):
+            fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
+            outputs.append({"index": i, **fields, "output_token_ids": list(seq.output_token_ids),
+                            "finish_reason": finish, "completion_tokens": seq.num_completion_tokens,
+                            **self.logprobs(seq)})
         result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
                   "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs if not seq.prefix_wait),
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
@@ -383,11 +402,33 @@ class RecordCodec:
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs), first.record.given_id)
 
-    def parsed(self, seq: Sequence) -> tuple[str | None, str | None] | None:
-        """Its text as (reasoning, content) where output.reasoning_parser applies, else None."""
+    def message(self, seq: Sequence, index: int = 0) -> tuple[dict, str]:
+        """Its text fields (`output_text`; with output.reasoning_parser, `reasoning`; for a record
+        with tools, `tool_calls`) and its finish reason, as vLLM's chat completion gives them: the
+        reasoning is split off first and the calls read from the rest; finish_reason "tool_calls"
+        where tool_choice auto found calls, or "required" stopped after its calls; `index`: its
+        choice among the record's samples."""
+        text = self.text(seq)
         if seq.record.thinking is None:
-            return None
-        return split_reasoning(self.reasoning, self.text(seq), seq.record.thinking)
+            fields = {"output_text": text}
+        else:
+            reasoning, content = split_reasoning(self.reasoning, text, seq.record.thinking)
+            fields = {"output_text": content or "", "reasoning": reasoning}
+        use = seq.record.tools
+        if use is None:
+            return fields, seq.finish_reason
+        content = fields["output_text"]
+        if use.choice == "auto":
+            found = parse_calls(self.tool_parser, content)
+            content, calls = (content, []) if found is None else (found[0] or "", found[1])
+        else:                       # (an output its schema constrained: "" for the content, as vLLM)
+            calls = constrained_calls(use, content) or []
+            content = "" if calls else content
+        calls = calls if use.parallel else calls[:1]
+        finish = seq.finish_reason
+        if calls and (use.choice == "auto" or use.choice == "required" and finish == "stop"):
+            finish = "tool_calls"
+        return {**fields, "output_text": content, "tool_calls": tool_calls_field(seq.key, index, calls)}, finish
 
     def logprob_entry(self, token: int, lp: float, top: list) -> dict:
         """One token's `logprobs` entry: its id, its text (with a tokenizer), its log-probability,
@@ -445,23 +486,13 @@ class RecordCodec:
 
 # ---- result lines -------------------------------------------------------------------------------
 
-def text_fields(text: str, parsed: tuple | None) -> dict:
-    """A result's `output_text`, and with output.reasoning_parser (`parsed`: (reasoning, content))
-    its `reasoning` beside it: the text after the reasoning ("" where there is none), and the
-    reasoning (None where there is none)."""
-    if parsed is None:
-        return {"output_text": text}
-    reasoning, content = parsed
-    return {"output_text": content or "", "reasoning": reasoning}
-
-
-def ok_result(id: str, token_ids: list[int], text: str | None, finish_reason: str, prompt_tokens: int,
-              extra: dict | None = None, parsed: tuple | None = None) -> dict:
-    """`output_text` only when there is a tokenizer to decode with (`text` is not None); `parsed`
-    (text_fields) where output.reasoning_parser applies."""
+def ok_result(id: str, token_ids: list[int], text: str | dict | None, finish_reason: str, prompt_tokens: int,
+              extra: dict | None = None) -> dict:
+    """`text`: its `output_text`, or its text fields (RecordCodec.message); None where there is no
+    tokenizer to decode with."""
     result = {"id": id}
     if text is not None:
-        result.update(text_fields(text, parsed))
+        result.update(text if isinstance(text, dict) else {"output_text": text})
     result.update(output_token_ids=list(token_ids), finish_reason=finish_reason, prompt_tokens=prompt_tokens,
                   completion_tokens=len(token_ids))
     result.update(extra or {})

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
 from msinfer.launcher.inputs import Record, as_text_messages
+from msinfer.launcher.tools import history, renders_tools
 from msinfer.worker.imports import before_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -81,15 +82,22 @@ class Tokenizer:
         return self.decode(ids, skip)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, tools: list | None = None) -> list[int]:
         """The messages through the chat template, as vLLM renders a chat request: `kwargs` the
-        template's own variables (chat_template_kwargs), then a new assistant message opened, or
-        with `continue_final_message` the last (assistant) message left open to be continued."""
+        template's own variables (chat_template_kwargs), `tools` the chat's tools (its `tools`
+        variable), then a new assistant message opened, or with `continue_final_message` the last
+        (assistant) message left open to be continued."""
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, **(kwargs or {}))
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            **(kwargs or {}))
         if not isinstance(text, str):  # some versions hand back token ids (a list or BatchEncoding) anyway
             return _ids(text)
         return self.encode(text, add_special_tokens=False)
+
+    def renders_tools(self, kwargs: dict | None = None) -> bool:
+        """Whether the chat template writes a chat's tools into its prompt (launcher.tools)."""
+        return renders_tools(lambda tools: self.apply_chat_template([{"role": "user", "content": "Hello"}], kwargs,
+                                                                    tools=tools))
 
     def check_chat_template(self, kwargs: dict | None = None) -> None:
         """Renders the chat template once for a plain user message, with the job's template
@@ -126,16 +134,16 @@ class Tokenizer:
             raise RecordError(f"{where}: has no prompt to encode")
         own = record.chat or {}
         templated = record.messages is not None or (chat_template and self.has_chat_template)
-        if own and not templated:
-            raise RecordError(f"{where}: has '{next(iter(own))}', but its prompt does not go through the chat "
-                              f"template (input.chat_template is off, or the tokenizer has none)")
+        if (own or record.tools) and not templated:
+            raise RecordError(f"{where}: has '{next(iter(own)) if own else 'tools'}', but its prompt does not go "
+                              f"through the chat template (input.chat_template is off, or the tokenizer has none)")
         options = {"kwargs": {**(template_kwargs or {}), **own.get("chat_template_kwargs", {})},
-                   "continue_final_message": own.get("continue_final_message", False)}
+                   "continue_final_message": own.get("continue_final_message", False), "tools": record.tools}
         options["add_generation_prompt"] = own.get("add_generation_prompt",
                                                    generation_prompt and not options["continue_final_message"])
         try:
             if record.messages is not None:
-                ids = self.apply_chat_template(as_text_messages(record.messages), **options)
+                ids = self.apply_chat_template(history(as_text_messages(record.messages)), **options)
             elif templated:
                 ids = self.apply_chat_template([{"role": "user", "content": record.prompt}], **options)
             else:

@@ -1,0 +1,232 @@
+"""Tool calls in chat records: OpenAI's `tools` and `tool_choice`, served as vLLM's OpenAI server
+serves them (vllm/entrypoints/openai/chat_completion/serving.py, vllm/tool_parsers).
+
+- The tools go to the chat template (its `tools` variable), which tells the model about them;
+  also with tool_choice "none", as vLLM does by default.
+- tool_choice "auto" (the default where tools are given): the model writes its calls in its own
+  form, and `output.tool_call_parser` finds them in the completion's text. hermes (Hermes 2 Pro,
+  Qwen2.5, Qwen3, QwQ): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+  the text before the first call is the message's content.
+- tool_choice "required", or a named function: the output is constrained by a JSON schema
+  (structured outputs), as vLLM's ToolParser.adjust_request constrains it: for a named function its
+  parameters, for "required" a list of one or more {"name", "parameters"} of the given tools.
+- With a tool choice other than "none", special tokens stay in the text (the call tags are special
+  tokens in some tokenizers), as vLLM's hermes parser asks.
+
+A call's id is derived from the record's id, its choice and the call's place, so a re-run writes
+the same ids (vLLM's are random: chatcmpl-tool-<32 hex digits>).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+CHOICES = ("none", "auto", "required")
+NAMED = 'a named function {"type": "function", "function": {"name": ...}}'
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a record's completion becomes a message with tool calls (RecordCodec.message)."""
+    choice: str                     # auto, required, or named (tool_choice none: no ToolUse)
+    name: str | None = None         # the named function's
+    parallel: bool = True           # OpenAI's parallel_tool_calls: false keeps the first call only
+
+
+def check_tools(tools: Any, choice: Any, parallel: Any = None) -> tuple[list | None, Any, str | None]:
+    """A record's tools, tool_choice and parallel_tool_calls, checked as vLLM's
+    ChatCompletionRequest checks them: (tools or None, the tool choice with OpenAI's default:
+    "auto" with tools, else "none"; the problem, or None)."""
+    if tools is not None:
+        if not isinstance(tools, list):
+            return None, None, f"'tools' must be a list of {{\"type\": \"function\", \"function\": {{...}}}}, got " \
+                               f"{type(tools).__name__}"
+        for i, tool in enumerate(tools):
+            if error := _check_tool(tool, f"tools[{i}]"):
+                return None, None, error
+        names = [t["function"]["name"] for t in tools]
+        if dup := next((n for n in names if names.count(n) > 1), None):
+            return None, None, f"'tools' names the function {dup!r} twice"
+        tools = tools or None             # an empty list: no tools (OpenAI's and vLLM's)
+    if parallel is not None and not isinstance(parallel, bool):
+        return None, None, f"'parallel_tool_calls' must be true or false, got {type(parallel).__name__}"
+    if choice is None:
+        return tools, "auto" if tools else "none", None
+    if choice == "none":
+        return tools, choice, None
+    if tools is None:
+        if choice == "required":
+            return None, "none", None       # (vLLM: "required" with no tools is "none", as OpenAI)
+        return None, None, "'tool_choice' needs 'tools' to choose from"
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            return None, None, f"'tool_choice' must be one of {', '.join(CHOICES)} or {NAMED}, got {choice!r:.40}"
+        return tools, choice, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" \
+            or not isinstance(name, str) or not name:
+        return None, None, f"'tool_choice' must be one of {', '.join(CHOICES)} or {NAMED}, got {choice!r:.60}"
+    if name not in names:
+        return None, None, f"'tool_choice' names the function {name!r}, which is not in 'tools'"
+    return tools, choice, None
+
+
+def _check_tool(tool: Any, where: str) -> str | None:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+            or not isinstance(tool.get("function"), dict):
+        return f"'{where}' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}"
+    function = tool["function"]
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        return f"'{where}.function' needs a 'name' string"
+    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+        return f"'{where}.function.parameters' must be a JSON schema object, got {type(function['parameters']).__name__}"
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        return f"'{where}.function.description' must be a string"
+    return None
+
+
+def tool_use(choice: Any, parallel: bool | None) -> ToolUse | None:
+    """The ToolUse of a checked tool choice (None for "none")."""
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return ToolUse("named", choice["function"]["name"], parallel is not False)
+    return ToolUse(choice, None, parallel is not False)
+
+
+def tool_schema(tools: list, use: ToolUse) -> dict | None:
+    """The JSON schema a tool choice constrains the output to (vLLM's get_json_schema_from_tools):
+    a named function's parameters; for "required", a list of one or more calls of the tools,
+    their $defs gathered at the top. None for "auto". Raises ValueError where two tools' $defs
+    give one name two schemas. Unlike vLLM's, a call holds no key beside "name" and "parameters"
+    (vLLM's lets a model write more, which its reading of the calls then drops)."""
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if use.choice == "named":
+        return functions[use.name].get("parameters") or {"type": "object", "properties": {}}
+    if use.choice != "required":
+        return None
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, f in functions.items():
+        params = dict(f.get("parameters") or {"type": "object", "properties": {}})
+        for key, schema in params.pop("$defs", {}).items():
+            if defs.setdefault(key, schema) != schema:
+                raise ValueError(f"the tools define '$defs.{key}' twice, with two schemas")
+        calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def history(messages: list[dict]) -> list[dict]:
+    """Messages for a chat template: an assistant message's tool call arguments, which OpenAI's
+    messages give as JSON text, as objects (vLLM's _postprocess_messages; templates write them
+    with `| tojson`); none or empty ones as {}. Raises ValueError naming a call whose arguments
+    are not JSON."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(m)
+            continue
+        if not calls:               # (an empty list would lead a template to its tool-call path)
+            out.append({k: v for k, v in m.items() if k != "tool_calls"})
+            continue
+        parsed = []
+        for j, call in enumerate(calls):
+            args = call["function"].get("arguments")
+            if isinstance(args, str) and args:
+                try:
+                    args = json.loads(args)
+                except ValueError as e:
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}") from None
+            parsed.append({**call, "function": {**call["function"], "arguments": args or {}}})
+        out.append({**m, "tool_calls": parsed})
+    return out
+
+
+def check_message_calls(m: dict, where: str) -> str | None:
+    """The problem with an assistant message's tool_calls, or None."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    if m.get("role") != "assistant" or not isinstance(calls, list):
+        return f"{where}.tool_calls must be a list, in an assistant message"
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            return f"{where}.tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", \"function\": " \
+                   f"{{\"name\": ..., \"arguments\": ...}}}}"
+        args = function.get("arguments")
+        if not isinstance(args, (str, dict, type(None))):
+            return f"{where}.tool_calls[{j}].function.arguments must be JSON text"
+        if isinstance(args, str) and args:
+            try:
+                json.loads(args)
+            except ValueError as e:
+                return f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}"
+    return None
+
+
+def parse_calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """A completion's (content, calls) as the parser finds them, each call (name, arguments as
+    JSON text); None where it holds no call the parser can read, as vLLM's parser then gives the
+    text back as content. hermes: the text before the first <tool_call> is the content (None
+    where it is blank); each call's JSON needs "name" and "arguments"."""
+    if parser != "hermes":
+        raise ValueError(f"unknown tool call parser {parser!r}")
+    if TOOL_START not in text:
+        return None
+    calls = []
+    try:
+        for closed, open_ in HERMES_CALL.findall(text):
+            call = json.loads(closed or open_)
+            calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not all(isinstance(name, str) for name, _ in calls):
+        return None
+    content = text[:text.find(TOOL_START)]
+    return (content if content.strip() else None), calls
+
+
+def constrained_calls(use: ToolUse, text: str) -> list[tuple[str, str]] | None:
+    """The calls of a completion constrained by `tool_schema`: a named function's arguments are
+    the text itself (as vLLM takes them, unchecked); "required"'s text is a JSON list of
+    {"name", "parameters"}. None where it cannot be read (cut by max_new_tokens)."""
+    if use.choice == "named":
+        return [(use.name, text)]
+    try:
+        items = json.loads(text)
+        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items] or None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def call_id(record_id: str, choice: int, k: int) -> str:
+    """Call k of a record's choice `choice`: the same id on every run."""
+    return "chatcmpl-tool-" + hashlib.sha256(f"{record_id}\0{choice}\0{k}".encode()).hexdigest()[:32]
+
+
+def tool_calls_field(record_id: str, choice: int, calls: list[tuple[str, str]]) -> list[dict]:
+    """OpenAI's message.tool_calls."""
+    return [{"id": call_id(record_id, choice, k), "type": "function", "function": {"name": name, "arguments": args}}
+            for k, (name, args) in enumerate(calls)]
+
+
+def renders_tools(apply_template) -> bool:
+    """Whether a chat template writes the tools it is given into the prompt: `apply_template(tools)`
+    renders a user message with those tools (None: without)."""
+    probe = [{"type": "function", "function": {"name": "msinfer_probe_tool", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    return apply_template(probe) != apply_template(None)

@@ -1,0 +1,319 @@
+"""Tool calls (launcher.tools): a chat's `tools` through the chat template, the calls a completion
+writes read by output.tool_call_parser, and tool_choice "required" or a named function constrained
+to their JSON schema, as vLLM's OpenAI server serves them; in msinfer's result lines and OpenAI's."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from msinfer.launcher.inputs import parse_openai, parse_record
+from msinfer.launcher.tools import parse_calls, tool_schema, tool_use
+from tests.checkpoints import build_tokenizer
+
+# Qwen2.5's way of telling a model its tools and of writing calls and their results, in small
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You are a helpful assistant.
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+    "additionalProperties": False, "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+ASK = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def tool_tok_dir(tmp_path_factory):
+    """The test tokenizer with the hermes template, <tool_call> and </tool_call> as special tokens
+    (so that only a text that keeps special tokens shows them) and <think>, </think> as tokens."""
+    from transformers import AutoTokenizer
+    folder = build_tokenizer(tmp_path_factory.mktemp("tools"), HERMES_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    hf.add_tokens(["<think>", "</think>"])
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text, want", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', (None, [("f", '{"a": 1}')])),
+    ('Let me look.\n<tool_call>{"name": "f", "arguments": {"q": "é"}}</tool_call>\n'
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', ("Let me look.\n", [("f", '{"q": "é"}'), ("g", "{}")])),
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', (None, [("f", '{"a": [1, 2]}')])),    # cut after the JSON
+    ("  \n<tool_call>{\"name\": \"f\", \"arguments\": null}</tool_call>", (None, [("f", "null")])),
+    ('<tool_call>{"name": "f", "arguments": {"a": </tool_call>', None),       # not JSON: the text is the content
+    ('<tool_call>{"name": "f"}</tool_call>', None),                           # no arguments
+    ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', None),
+    ("Paris is sunny.", None),
+])
+def test_the_hermes_parser_reads_calls_where_vllms_reads_them(text, want):
+    assert parse_calls("hermes", text) == want
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("record, message", [
+    ({"messages": ASK, "tool_choice": "auto"}, "'tool_choice' needs 'tools' to choose from"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": "any"},
+     "'tool_choice' must be one of none, auto, required or a named function"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "'tool_choice' names the function 'get_time', which is not in 'tools'"),
+    ({"messages": ASK, "tools": [WEATHER, WEATHER]}, "'tools' names the function 'get_weather' twice"),
+    ({"messages": ASK, "tools": {"get_weather": {}}}, "'tools' must be a list"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"description": "x"}}]},
+     "'tools[0].function' needs a 'name' string"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "'tools[0].function.parameters' must be a JSON schema object, got str"),
+    ({"messages": ASK, "tools": [WEATHER], "parallel_tool_calls": "no"}, "'parallel_tool_calls' must be true or false"),
+    ({"prompt_token_ids": [1, 2], "tools": [WEATHER]}, "'tools' are for a prompt that goes through the chat template"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+      "sampling": {"structured_outputs": {"regex": "a+"}}},
+     "tool_choice 'required' constrains the output to tool calls, and so does its structured output; give one"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris}"}}]}]},
+     "messages[1].tool_calls[0].function.arguments is not JSON"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+     "messages[0].tool_calls must be a list, in an assistant message"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None}]}, "messages[1] needs a 'content' string"),
+])
+def test_a_records_tools_are_checked_as_vllm_checks_them(record, message):
+    rec = parse_record({"id": "t", **record}, 3)
+    assert rec.error is not None and rec.error.startswith(f"line 3: {message}"), rec.error
+
+
+@pytest.mark.unit
+def test_required_and_a_named_function_constrain_the_output_to_vllms_schema():
+    rec = parse_record({"id": "r", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required"}, 1)
+    schema = rec.sampling["structured_outputs"]["json"]
+    assert schema == {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
+                        "parameters": WEATHER["function"]["parameters"]}, "required": ["name", "parameters"],
+         "additionalProperties": False},
+        {"properties": {"name": {"type": "string", "enum": ["get_time"]},
+                        "parameters": {k: v for k, v in TIME["function"]["parameters"].items() if k != "$defs"}},
+         "required": ["name", "parameters"], "additionalProperties": False}]},
+        "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
+    assert "$defs" in TIME["function"]["parameters"]        # (the request's own schema is left as it is)
+    import jsonschema
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "CET"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"zone": "Mars"}}], schema)
+    named = parse_openai({"custom_id": "n", "url": "/v1/chat/completions", "body": {
+        "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False}}, 1)
+    assert named.error is None and named.sampling["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+    assert (named.tool_use.choice, named.tool_use.name, named.tool_use.parallel) == ("named", "get_weather", False)
+    bare = {"type": "function", "function": {"name": "now"}}
+    assert tool_schema([bare], tool_use({"function": {"name": "now"}}, None)) == {"type": "object", "properties": {}}
+    clash = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {}, "$defs": {"zone": {"type": "integer"}}}}}
+    bad = parse_record({"id": "c", "messages": ASK, "tools": [TIME, clash], "tool_choice": "required"}, 2)
+    assert bad.error == "line 2: 'tools': the tools define '$defs.zone' twice, with two schemas"
+    none = parse_record({"id": "x", "messages": ASK, "tool_choice": "required"}, 3)    # no tools: "none", as vLLM
+    assert none.error is None and none.tool_use is None and "structured_outputs" not in none.sampling
+    plain = parse_record({"id": "y", "messages": ASK, "tools": [WEATHER], "tool_choice": "none"}, 4)
+    assert plain.tools == [WEATHER] and plain.tool_use is None
+
+
+def test_a_chats_tools_and_its_call_history_render_as_transformers_renders_them(tool_tok_dir):
+    """The tools go into the prompt (also with tool_choice none, as vLLM's default); an assistant
+    message's calls, whose arguments OpenAI gives as JSON text, reach the template as objects and
+    a tool message keeps its tool_call_id: the prompt is transformers' apply_chat_template's with
+    the arguments as objects."""
+    from transformers import AutoTokenizer
+    from msinfer.launcher.tokenizer import load_tokenizer
+    tok, hf = load_tokenizer(tool_tok_dir), AutoTokenizer.from_pretrained(tool_tok_dir)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": ""}}]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "c2", "content": "noon"}]
+    as_objects = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {**calls[0], "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+        {**calls[1], "function": {"name": "get_time", "arguments": {}}}]}, *messages[2:]]
+    for choice in ("auto", "none"):
+        rec = parse_record({"id": "h", "messages": messages, "tools": [WEATHER, TIME], "tool_choice": choice}, 1)
+        assert rec.error is None
+        want = hf.apply_chat_template(as_objects, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
+        assert '{"city": "Rome"}' in want and "<tool_response>\nnoon" in want and '"name": "get_time"' in want
+        assert tok.encode_record(rec, True) == hf.encode(want, add_special_tokens=False)
+    bare = parse_record({"id": "b", "messages": ASK}, 2)
+    assert "<tools>" not in tok.decode(tok.encode_record(bare, True))
+    assert tok.renders_tools() and not load_tokenizer(build_tokenizer(tool_tok_dir / "plain")).renders_tools()
+
+
+def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
+    from openai.types.chat import ChatCompletion
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.launcher.tokenizer import load_tokenizer
+    from msinfer.launcher.tools import call_id
+    tok = load_tokenizer(tool_tok_dir)
+
+    def codec(fmt="msinfer", **output):
+        spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 2048}, "input": {"path": "in.jsonl"},
+                                       "output": {"path": "out.jsonl", "tool_call_parser": "hermes", **output}})
+        model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,))
+        return RecordCodec(spec, model, tok, fmt)
+
+    def done(c, rec, text, finish="stop"):
+        """The record's result line once each of its sequences has generated `text`."""
+        seqs = c.sequences(rec, 0)
+        if not isinstance(seqs, list):         # its error
+            return json.loads(seqs.line)
+        for seq in seqs:
+            seq.output_token_ids, seq.finish_reason = tok.encode(text, add_special_tokens=False), finish
+        return json.loads((c.samples_result(seqs[0].record.samples) if len(seqs) > 1 else c.result(seqs[0])).line)
+
+    def record(rid, **keys):
+        return parse_record({"id": rid, "messages": ASK, "tools": [WEATHER, TIME], **keys}, 1)
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    line = done(codec(), record("a"), "I will check." + call)
+    assert line["output_text"] == "I will check." and line["finish_reason"] == "tool_calls"
+    assert line["tool_calls"] == [{"id": call_id("a", 0, 0), "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert tok.decode(line["output_token_ids"], skip_special_tokens=True).startswith("I will check.\n{")
+    none = done(codec(), record("b"), "Paris is sunny.")
+    assert (none["output_text"], none["tool_calls"], none["finish_reason"]) == ("Paris is sunny.", [], "stop")
+    broken = done(codec(), record("c"), '<tool_call>{"name": "get_weather", "arguments": {', "length")
+    assert broken["output_text"] == '<tool_call>{"name": "get_weather", "arguments": {' and broken["tool_calls"] == []
+    both = done(codec(), record("d", parallel_tool_calls=False), call + call.replace("Paris", "Rome"))
+    assert [c["function"]["arguments"] for c in both["tool_calls"]] == ['{"city": "Paris"}']
+    n2 = done(codec(), record("e", sampling={"n": 2, "temperature": 1.0}), call)
+    assert [o["tool_calls"][0]["id"] for o in n2["outputs"]] == [call_id("e", 0, 0), call_id("e", 1, 0)]
+    assert [o["finish_reason"] for o in n2["outputs"]] == ["tool_calls"] * 2
+    off = done(codec(), record("f", tool_choice="none"), call)      # not read, and the text keeps no special token
+    assert "tool_calls" not in off and off["output_text"].startswith("\n{") and off["finish_reason"] == "stop"
+    thought = done(codec(reasoning_parser="qwen3"), record("g"), "<think>the weather?</think>" + call)
+    assert (thought["reasoning"], thought["output_text"]) == ("the weather?", "")
+    assert thought["tool_calls"][0]["function"]["name"] == "get_weather"
+
+    named = record("h", tool_choice={"type": "function", "function": {"name": "get_time"}})
+    line = done(codec(), named, '{"zone": "UTC"}')
+    assert (line["output_text"], line["finish_reason"]) == ("", "stop")      # a named call: "stop", as OpenAI's
+    assert line["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    required = record("i", tool_choice="required")
+    line = done(codec(), required, '[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+                                   '{"name": "get_weather", "parameters": {"city": "Tokyo"}}]')
+    assert line["finish_reason"] == "tool_calls" and [c["function"] for c in line["tool_calls"]] == [
+        {"name": "get_time", "arguments": '{"zone": "CET"}'}, {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}]
+    cut = done(codec(), required, '[{"name": "get_time", "param', "length")
+    assert (cut["output_text"], cut["tool_calls"], cut["finish_reason"]) == ('[{"name": "get_time", "param', [],
+                                                                             "length")
+    unparsed = done(codec(tool_call_parser=None), record("j"), "x")
+    assert unparsed["error"]["message"] == (
+        "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (hermes, for Qwen2.5, Qwen3 "
+        "and Hermes models), as vLLM needs --tool-call-parser; or tool_choice 'none'")
+
+    def request(custom_id, **body):
+        return parse_openai({"custom_id": custom_id, "url": "/v1/chat/completions",
+                             "body": {"messages": ASK, "tools": [WEATHER], **body}}, 1)
+
+    body = done(codec("openai"), request("q"), call)["response"]["body"]
+    choice = ChatCompletion.model_validate(body).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        (call_id("q", 0, 0), "get_weather", {"city": "Paris"})]
+    text = ChatCompletion.model_validate(done(codec("openai"), request("r"), "Sunny.")["response"]["body"])
+    assert (text.choices[0].message.content, text.choices[0].message.tool_calls) == ("Sunny.", None)
+    again = done(codec("openai"), request("q"), call)["response"]["body"]["choices"][0]["message"]["tool_calls"]
+    assert again == body["choices"][0]["message"]["tool_calls"]        # a re-run writes the same ids
+
+
+def test_plan_refuses_a_tool_call_parser_it_cannot_serve(checkpoint, tool_tok_dir, tmp_path):
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job, result_settings
+    from msinfer.launcher.spec import JobSpec
+    path = str(checkpoint("llama_gqa_tied"))
+
+    def spec(**extra):
+        return JobSpec.model_validate({"model": {"path": path, "max_model_len": 512, **extra.pop("model", {})},
+                                       "input": {"path": "in.jsonl", **extra.pop("input", {})}, **extra,
+                                       "output": {"path": "out.jsonl", "tool_call_parser": "hermes"}})
+
+    with pytest.raises(SpecError, match=r"the chat template of .* leaves a chat's tools out of the prompt"):
+        plan_job(spec(model={"tokenizer": str(build_tokenizer(tmp_path / "plain"))}), check_io=False)
+    with pytest.raises(SpecError, match=r"output.tool_call_parser 'hermes' reads tool calls in chat completions, "
+                                        r"and the model has no tokenizer in"):
+        plan_job(spec(), check_io=False)
+    with pytest.raises(SpecError, match=r"task: score generates none"):
+        plan_job(spec(task="score", model={"tokenizer": str(tool_tok_dir)}), check_io=False)
+    plan = plan_job(spec(model={"tokenizer": str(tool_tok_dir)}), check_io=False)
+    assert result_settings(plan)["output"]["tool_call_parser"] == "hermes"
+    plain = plan_job(spec(model={"tokenizer": str(tmp_path / "plain")},           # its own template, given
+                          input={"chat_template": HERMES_TEMPLATE}), check_io=False)
+    assert plain.spec.output.tool_call_parser == "hermes"
+
+
+def test_the_demo_model_calls_a_named_or_required_tool_and_its_own_call_is_read_from_its_text():
+    """The real demo model with the hermes template: a named function's call and "required"'s
+    calls follow the tools' schemas and end the completion ("stop"; "tool_calls" for required);
+    tool_choice auto reads a call from the completion's text (its text held to a call's form by a
+    regex, as this small model does not call tools by itself) and leaves a plain answer as text."""
+    import jsonschema
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+    from scripts.make_demo_model import ensure_demo_model
+    from tests.engine_driver import run_engine
+    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 512},
+                                   "input": {"path": "in.jsonl", "chat_template": HERMES_TEMPLATE},
+                                   "output": {"path": "out.jsonl", "tool_call_parser": "hermes"},
+                                   "sampling": {"max_new_tokens": 40},
+                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 512}})
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    own = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Tokyo)"\}\}\n</tool_call>'
+    lines, _ = run_engine(plan_job(spec, check_io=False), [
+        {"id": "named", "messages": ask, "tools": [WEATHER, TIME],
+         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"id": "required", "messages": ask, "tools": [WEATHER], "tool_choice": "required",
+         "sampling": {"max_new_tokens": 96}},
+        {"id": "auto", "messages": ask, "tools": [WEATHER], "sampling": {"structured_outputs": {"regex": own}}},
+        {"id": "answer", "messages": ask, "tools": [WEATHER], "sampling": {"max_new_tokens": 8}}])
+    named = lines["named"]
+    assert named["finish_reason"] == "stop" and named["output_text"] == "" and len(named["tool_calls"]) == 1
+    jsonschema.validate(json.loads(named["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    required = lines["required"]
+    assert required["finish_reason"] == "tool_calls" and required["tool_calls"], required
+    for c in required["tool_calls"]:
+        assert c["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(c["function"]["arguments"]), WEATHER["function"]["parameters"])
+    auto = lines["auto"]
+    assert auto["finish_reason"] == "tool_calls" and auto["output_text"] == ""
+    assert [c["function"]["name"] for c in auto["tool_calls"]] == ["get_weather"]
+    assert lines["answer"]["tool_calls"] == [] and lines["answer"]["output_text"]

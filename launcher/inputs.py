@@ -647,14 +647,21 @@ def _fill(rec: Record, obj: dict) -> str | None:
     if sampling is not None and not isinstance(sampling, dict):
         return f"'sampling' must be an object of sampling keys, got {_type(sampling)}"
     rec.sampling = dict(sampling or {})
-    return _fill_tools(rec, obj)
+    tools = obj.get("tools")
+    if isinstance(tools, str):      # as datasets keep them (a parquet column of JSON text)
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            return f"'tools' is text that is not JSON: {e}"
+    return _fill_tools(rec, obj, tools)
 
 
-def _fill_tools(rec: Record, obj: dict) -> str | None:
-    """The record's TOOL_KEYS, checked (launcher.tools.check_tools), into rec.tools and
-    rec.tool_use; a tool choice that constrains the output ("required", a named function) into
-    its sampling.structured_outputs."""
-    tools, choice, error = check_tools(obj.get("tools"), obj.get("tool_choice"), obj.get("parallel_tool_calls"))
+def _fill_tools(rec: Record, obj: dict, tools: Any = None) -> str | None:
+    """The record's TOOL_KEYS (`tools`: its tools, where not obj's), checked
+    (launcher.tools.check_tools), into rec.tools and rec.tool_use; a tool choice that constrains
+    the output ("required", a named function) into its sampling.structured_outputs."""
+    tools, choice, error = check_tools(obj.get("tools") if tools is None else tools, obj.get("tool_choice"),
+                                       obj.get("parallel_tool_calls"))
     if error:
         return error
     if tools is not None and rec.prompt_token_ids is not None:

@@ -148,6 +148,28 @@ def test_required_and_a_named_function_constrain_the_output_to_vllms_schema():
     assert none.error is None and none.tool_use is None and "structured_outputs" not in none.sampling
     plain = parse_record({"id": "y", "messages": ASK, "tools": [WEATHER], "tool_choice": "none"}, 4)
     assert plain.tools == [WEATHER] and plain.tool_use is None
+    text = parse_record({"id": "z", "messages": ASK, "tools": json.dumps([WEATHER])}, 5)    # a dataset's JSON column
+    assert text.error is None and text.tools == [WEATHER] and text.tool_use.choice == "auto"
+    assert parse_record({"id": "w", "messages": ASK, "tools": "[{"}, 6).error.startswith("line 6: 'tools' is text "
+                                                                                         "that is not JSON")
+
+
+@pytest.mark.unit
+def test_a_parquet_files_tools_column_of_json_text_and_its_calls_in_messages_are_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from msinfer.launcher.inputs import read_records
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    pq.write_table(pa.Table.from_pylist([
+        {"id": "a", "messages": ASK, "tools": json.dumps([WEATHER]), "tool_choice": None},
+        {"id": "b", "messages": history, "tools": json.dumps([WEATHER, TIME]), "tool_choice": "required"}]),
+        tmp_path / "in.parquet")
+    a, b = read_records(tmp_path / "in.parquet")
+    assert (a.error, a.tools, a.tool_use.choice) == (None, [WEATHER], "auto")
+    assert b.error is None and b.tools == [WEATHER, TIME] and b.tool_use.choice == "required"
+    assert b.messages[1]["tool_calls"] == calls and "tool_calls" not in b.messages[2]
 
 
 def test_a_chats_tools_and_its_call_history_render_as_transformers_renders_them(tool_tok_dir):

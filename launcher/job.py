@@ -28,6 +28,7 @@ from msinfer.launcher.records import Done
 from msinfer.launcher.shards import for_shard, shard_records
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
+from msinfer.launcher.tools import check_parser_tokens
 from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids, holds_results,
                                      read_input_digests, read_summary, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
@@ -548,6 +549,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             raise SpecError(f"output.tool_call_parser '{parser}' reads tool calls in chat completions, and the model "
                             f"has no " + ("tokenizer" if tokenizer is None else "chat template") +
                             f" in {spec.model.tokenizer_path}; leave it unset")
+        if error := check_parser_tokens(parser, lambda t: tokenizer.encode(t, add_special_tokens=False)):
+            raise SpecError(f"{error}; the tokenizer is {spec.model.tokenizer_path}")
         if not tokenizer.renders_tools(spec.input.chat_template_kwargs):
             raise SpecError(f"output.tool_call_parser '{parser}' reads the tool calls a model writes when its chat "
                             f"template tells it the tools, and the chat template of {spec.model.tokenizer_path} "

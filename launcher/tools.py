@@ -4,14 +4,13 @@ serves them (vllm/entrypoints/openai/chat_completion/serving.py, vllm/tool_parse
 - The tools go to the chat template (its `tools` variable), which tells the model about them;
   also with tool_choice "none", as vLLM does by default.
 - tool_choice "auto" (the default where tools are given): the model writes its calls in its own
-  form, and `output.tool_call_parser` finds them in the completion's text. hermes (Hermes 2 Pro,
-  Qwen2.5, Qwen3, QwQ): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-  the text before the first call is the message's content.
+  form, and `output.tool_call_parser` finds them in the completion's text (`parse_calls`: hermes,
+  llama3_json, deepseek_v3, deepseek_v31, as vLLM's parsers of those names).
 - tool_choice "required", or a named function: the output is constrained by a JSON schema
   (structured outputs), as vLLM's ToolParser.adjust_request constrains it: for a named function its
   parameters, for "required" a list of one or more {"name", "parameters"} of the given tools.
 - With a tool choice other than "none", special tokens stay in the text (the call tags are special
-  tokens in some tokenizers), as vLLM's hermes parser asks.
+  tokens in some tokenizers), as vLLM's hermes parser asks; here for every parser.
 
 A call's id is derived from the record's id, its choice and the call's place, so a re-run writes
 the same ids (vLLM's are random: chatcmpl-tool-<32 hex digits>).
@@ -25,9 +24,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
-TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+HERMES_START = "<tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+LLAMA_TAG = "<|python_tag|>"
+# DeepSeek's markers: a fullwidth bar (U+FF5C) and U+2581 between words
+DEEPSEEK_START, DEEPSEEK_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+_CALL, _SEP, _CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>", \
+    "<\uff5ctool\u2581call\u2581end\uff5c>"
+DEEPSEEK_V3_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?)\n```json\n(.*?)\n```{_CALL_END}", re.DOTALL)
+DEEPSEEK_V31_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?){_CALL_END}", re.DOTALL)
+# the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
+PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
+                 "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END)}
 CHOICES = ("none", "auto", "required")
 NAMED = 'a named function {"type": "function", "function": {"name": ...}}'
 
@@ -179,25 +187,70 @@ def check_message_calls(m: dict, where: str) -> str | None:
 
 
 def parse_calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """A completion's (content, calls) as the parser finds them, each call (name, arguments as
-    JSON text); None where it holds no call the parser can read, as vLLM's parser then gives the
-    text back as content. hermes: the text before the first <tool_call> is the content (None
-    where it is blank); each call's JSON needs "name" and "arguments"."""
-    if parser != "hermes":
+    """A completion's (content, calls) as vLLM's parser of that name finds them, each call (name,
+    arguments as JSON text); None where it holds no call the parser can read: the text then stays
+    the message's content, as vLLM gives it back.
+
+    - hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+      each; the content is the text before the first.
+    - llama3_json (Llama 3.1-3.3, Llama 4 in JSON): every JSON object in the text that holds a
+      "name" and "arguments" (or "parameters"), after `<|python_tag|>` or not, with any separator
+      (`; `); the text around them is dropped (content None). An object without them, or a `{`
+      that starts no JSON, leaves the whole text as content.
+    - deepseek_v3 (DeepSeek-V3, R1): after <｜tool▁calls▁begin｜>, each
+      `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`;
+      deepseek_v31 (DeepSeek-V3.1): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`.
+      The content is the text before the calls; the arguments are taken as written. (vLLM's
+      patterns stop at a line break, so it drops arguments written over several lines; these do
+      not.)
+
+    A content that is blank is None."""
+    if parser == "hermes":
+        if HERMES_START not in text:
+            return None
+        try:
+            objects = [json.loads(closed or open_) for closed, open_ in HERMES_CALL.findall(text)]
+            calls = [(o["name"], json.dumps(o["arguments"], ensure_ascii=False)) for o in objects]
+        except (ValueError, TypeError, KeyError):
+            return None
+        content = text[:text.find(HERMES_START)]
+    elif parser == "llama3_json":
+        calls, content = _json_objects(text), None
+    elif parser in ("deepseek_v3", "deepseek_v31"):
+        if DEEPSEEK_START not in text:
+            return None
+        if parser == "deepseek_v3":
+            found = DEEPSEEK_V3_CALL.findall(text)
+            if any(kind != "function" for kind, _, _ in found):
+                return None
+            calls = [(name, args) for _, name, args in found]
+        else:
+            calls = DEEPSEEK_V31_CALL.findall(text)
+        content = text[:text.find(DEEPSEEK_START)]
+    else:
         raise ValueError(f"unknown tool call parser {parser!r}")
-    if TOOL_START not in text:
+    if not calls or not all(isinstance(name, str) and name for name, _ in calls):
         return None
-    calls = []
-    try:
-        for closed, open_ in HERMES_CALL.findall(text):
-            call = json.loads(closed or open_)
-            calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
-    except (ValueError, TypeError, KeyError):
+    return (content if content and content.strip() else None), calls
+
+
+def _json_objects(text: str) -> list[tuple[str, str]] | None:
+    """llama3_json's calls: each JSON object that starts at a `{` outside the objects before it."""
+    if LLAMA_TAG not in text and "{" not in text:
         return None
-    if not all(isinstance(name, str) for name, _ in calls):
-        return None
-    content = text[:text.find(TOOL_START)]
-    return (content if content.strip() else None), calls
+    decoder, end, calls = json.JSONDecoder(), -1, []
+    for match in re.finditer(r"\{", text):
+        start = match.start()
+        if start <= end:
+            continue
+        try:
+            obj, length = decoder.raw_decode(text[start:])
+            end = start + length
+            args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
+        except (ValueError, TypeError, KeyError):
+            return None
+    return calls
 
 
 def constrained_calls(use: ToolUse, text: str) -> list[tuple[str, str]] | None:
@@ -222,6 +275,17 @@ def tool_calls_field(record_id: str, choice: int, calls: list[tuple[str, str]]) 
     """OpenAI's message.tool_calls."""
     return [{"id": call_id(record_id, choice, k), "type": "function", "function": {"name": name, "arguments": args}}
             for k, (name, args) in enumerate(calls)]
+
+
+def check_parser_tokens(parser: str, encode) -> str | None:
+    """The problem with reading `parser`'s calls from this tokenizer's outputs, or None: the
+    markers its model writes calls with must be tokens of the vocabulary (vLLM's parsers refuse
+    to start without them). `encode(text)`: its token ids, no special tokens added."""
+    missing = [t for t in PARSER_TOKENS[parser] if len(encode(t)) != 1]
+    if missing:
+        return (f"output.tool_call_parser '{parser}' reads the calls its models write with {' and '.join(missing)}, "
+                f"which the tokenizer has no token for: it is another model's parser")
+    return None
 
 
 def renders_tools(apply_template) -> bool:

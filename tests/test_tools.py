@@ -70,6 +70,33 @@ def tool_tok_dir(tmp_path_factory):
     return folder
 
 
+B, SEP, E = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("parser, text, want", [
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": "{x}"}}; {"name": "g", "arguments": {}}',
+     (None, [("f", '{"a": "{x}"}'), ("g", "{}")])),
+    ("llama3_json", 'Sure. {"name": "f", "arguments": {"a": 1}} done', (None, [("f", '{"a": 1}')])),
+    ("llama3_json", '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": [1]}}]',
+     (None, [("f", "{}"), ("g", '{"b": [1]}')])),
+    ("llama3_json", 'Use {"city": "Paris"} here', None),                  # an object without a name: all text
+    ("llama3_json", 'A set {1, 2} and {"name": "f", "arguments": {}}', None),   # a { that starts no JSON
+    ("llama3_json", "Paris is sunny.", None),
+    ("deepseek_v3", f'Let me see.{CALLS}{B}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{E}'
+                    f'{B}function{SEP}get_time\n```json\n{{\n  "zone": "UTC"\n}}\n```{E}{CALLS_END}',
+     ("Let me see.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{\n  "zone": "UTC"\n}')])),
+    ("deepseek_v3", f'{CALLS}{B}retrieval{SEP}f\n```json\n{{}}\n```{E}{CALLS_END}', None),
+    ("deepseek_v3", f"{CALLS}{B}function{SEP}f", None),                       # cut before its arguments
+    ("deepseek_v31", f'{CALLS}{B}get_weather{SEP}{{"city": "Rome"}}{E}{CALLS_END}',
+     (None, [("get_weather", '{"city": "Rome"}')])),
+    ("deepseek_v31", f'no call {B}f{SEP}{{}}{E}', None),                      # no calls' begin marker
+])
+def test_the_llama_and_deepseek_parsers_read_calls_where_vllms_read_them(parser, text, want):
+    assert parse_calls(parser, text) == want
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("text, want", [
     ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', (None, [("f", '{"a": 1}')])),
@@ -286,14 +313,20 @@ def test_plan_refuses_a_tool_call_parser_it_cannot_serve(checkpoint, tool_tok_di
 
     def spec(**extra):
         return JobSpec.model_validate({"model": {"path": path, "max_model_len": 512, **extra.pop("model", {})},
-                                       "input": {"path": "in.jsonl", **extra.pop("input", {})}, **extra,
-                                       "output": {"path": "out.jsonl", "tool_call_parser": "hermes"}})
+                                       "input": {"path": "in.jsonl", **extra.pop("input", {})},
+                                       "output": {"path": "out.jsonl", "tool_call_parser": "hermes",
+                                                  **extra.pop("output", {})}, **extra})
 
     with pytest.raises(SpecError, match=r"the chat template of .* leaves a chat's tools out of the prompt"):
         plan_job(spec(model={"tokenizer": str(build_tokenizer(tmp_path / "plain"))}), check_io=False)
     with pytest.raises(SpecError, match=r"output.tool_call_parser 'hermes' reads tool calls in chat completions, "
                                         r"and the model has no tokenizer in"):
         plan_job(spec(), check_io=False)
+    with pytest.raises(SpecError, match=r"output.tool_call_parser 'deepseek_v3' reads the calls its models write with "
+                                        r"<｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, which the tokenizer has no "
+                                        r"token for: it is another model's parser; the tokenizer is "):
+        plan_job(spec(model={"tokenizer": str(tool_tok_dir)}, output={"tool_call_parser": "deepseek_v3"}),
+                 check_io=False)
     with pytest.raises(SpecError, match=r"task: score generates none"):
         plan_job(spec(task="score", model={"tokenizer": str(tool_tok_dir)}), check_io=False)
     plan = plan_job(spec(model={"tokenizer": str(tool_tok_dir)}), check_io=False)

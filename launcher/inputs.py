@@ -666,7 +666,7 @@ def _fill_tools(rec: Record, obj: dict, tools: Any = None) -> str | None:
         return error
     if tools is not None and rec.prompt_token_ids is not None:
         return "'tools' are for a prompt that goes through the chat template, not token ids"
-    rec.tools, rec.tool_use = tools, tool_use(choice, obj.get("parallel_tool_calls"))
+    rec.tools, rec.tool_use = tools, tool_use(choice, obj.get("parallel_tool_calls"), tools)
     if rec.tool_use is None or rec.tool_use.choice == "auto":
         return None
     if rec.sampling.get("structured_outputs") is not None:

@@ -242,8 +242,8 @@ class RecordCodec:
             use = rec.tool_use
             choice = f"'{use.choice}'" if use.choice != "named" else f"naming the function {use.name!r}"
             raise RecordError(f"record '{rec.id}': tool_choice {choice} needs output.tool_call_parser in the job "
-                              f"spec (hermes, for Qwen2.5, Qwen3 and Hermes models), as vLLM needs --tool-call-parser; "
-                              f"or tool_choice 'none'")
+                              f"spec (the model's: hermes, llama3_json, deepseek_v3, deepseek_v31 or qwen3_coder), as "
+                              f"vLLM needs --tool-call-parser; or tool_choice 'none'")
         return dataclasses.replace(sampling, skip_special_tokens=False)
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:
@@ -419,7 +419,7 @@ class RecordCodec:
             return fields, seq.finish_reason
         content = fields["output_text"]
         if use.choice == "auto":
-            found = parse_calls(self.tool_parser, content)
+            found = parse_calls(self.tool_parser, content, use.tools)
             content, calls = (content, []) if found is None else (found[0] or "", found[1])
         else:                       # (an output its schema constrained: "" for the content, as vLLM)
             calls = constrained_calls(use, content) or []

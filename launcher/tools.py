@@ -5,7 +5,7 @@ serves them (vllm/entrypoints/openai/chat_completion/serving.py, vllm/tool_parse
   also with tool_choice "none", as vLLM does by default.
 - tool_choice "auto" (the default where tools are given): the model writes its calls in its own
   form, and `output.tool_call_parser` finds them in the completion's text (`parse_calls`: hermes,
-  llama3_json, deepseek_v3, deepseek_v31, as vLLM's parsers of those names).
+  llama3_json, deepseek_v3, deepseek_v31, qwen3_coder, as vLLM's parsers of those names).
 - tool_choice "required", or a named function: the output is constrained by a JSON schema
   (structured outputs), as vLLM's ToolParser.adjust_request constrains it: for a named function its
   parameters, for "required" a list of one or more {"name", "parameters"} of the given tools.
@@ -18,13 +18,15 @@ the same ids (vLLM's are random: chatcmpl-tool-<32 hex digits>).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-HERMES_START = "<tool_call>"
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 LLAMA_TAG = "<|python_tag|>"
 # DeepSeek's markers: a fullwidth bar (U+FF5C) and U+2581 between words
@@ -34,8 +36,12 @@ _CALL, _SEP, _CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool
 DEEPSEEK_V3_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?)\n```json\n(.*?)\n```{_CALL_END}", re.DOTALL)
 DEEPSEEK_V31_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?){_CALL_END}", re.DOTALL)
 # the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
+# qwen3_coder's: each call a <function=NAME> of <parameter=NAME>value</parameter>, in <tool_call>
+CODER_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL)
+CODER_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+CODER_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
-                 "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END)}
+                 "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END), "qwen3_coder": (HERMES_START, HERMES_END)}
 CHOICES = ("none", "auto", "required")
 NAMED = 'a named function {"type": "function", "function": {"name": ...}}'
 
@@ -46,6 +52,7 @@ class ToolUse:
     choice: str                     # auto, required, or named (tool_choice none: no ToolUse)
     name: str | None = None         # the named function's
     parallel: bool = True           # OpenAI's parallel_tool_calls: false keeps the first call only
+    tools: tuple = ()               # the record's tools (qwen3_coder types a call's values by their schemas)
 
 
 def check_tools(tools: Any, choice: Any, parallel: Any = None) -> tuple[list | None, Any, str | None]:
@@ -95,19 +102,19 @@ def _check_tool(tool: Any, where: str) -> str | None:
     if not isinstance(function.get("name"), str) or not function["name"]:
         return f"'{where}.function' needs a 'name' string"
     if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-        return f"'{where}.function.parameters' must be a JSON schema object, got {type(function['parameters']).__name__}"
+        kind = type(function["parameters"]).__name__
+        return f"'{where}.function.parameters' must be a JSON schema object, got {kind}"
     if function.get("description") is not None and not isinstance(function["description"], str):
         return f"'{where}.function.description' must be a string"
     return None
 
 
-def tool_use(choice: Any, parallel: bool | None) -> ToolUse | None:
+def tool_use(choice: Any, parallel: bool | None, tools: list | None = None) -> ToolUse | None:
     """The ToolUse of a checked tool choice (None for "none")."""
     if choice == "none":
         return None
-    if isinstance(choice, dict):
-        return ToolUse("named", choice["function"]["name"], parallel is not False)
-    return ToolUse(choice, None, parallel is not False)
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    return ToolUse("named" if named else choice, named, parallel is not False, tuple(tools or ()))
 
 
 def tool_schema(tools: list, use: ToolUse) -> dict | None:
@@ -186,7 +193,7 @@ def check_message_calls(m: dict, where: str) -> str | None:
     return None
 
 
-def parse_calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, list[tuple[str, str]]] | None:
     """A completion's (content, calls) as vLLM's parser of that name finds them, each call (name,
     arguments as JSON text); None where it holds no call the parser can read: the text then stays
     the message's content, as vLLM gives it back.
@@ -203,6 +210,10 @@ def parse_calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, str
       The content is the text before the calls; the arguments are taken as written. (vLLM's
       patterns stop at a line break, so it drops arguments written over several lines; these do
       not.)
+    - qwen3_coder (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>...
+      </function></tool_call>`; a bare <function= is read too. Each value loses one line break at
+      either end and is typed by its parameter's schema in `tools` (`coder_value`). The content
+      is the text before the first call.
 
     A content that is blank is None."""
     if parser == "hermes":
@@ -227,11 +238,83 @@ def parse_calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, str
         else:
             calls = DEEPSEEK_V31_CALL.findall(text)
         content = text[:text.find(DEEPSEEK_START)]
+    elif parser == "qwen3_coder":
+        if "<function=" not in text:
+            return None
+        blocks = [closed or open_ for closed, open_ in CODER_BLOCK.findall(text)] or [text]
+        functions = [closed or open_ for block in blocks for closed, open_ in CODER_FUNCTION.findall(block)]
+        try:
+            calls = [_coder_call(f, tools) for f in functions]
+        except ValueError:
+            return None
+        first = next((i for i in (text.find(HERMES_START), text.find("<function=")) if i >= 0))
+        content = text[:first]
     else:
         raise ValueError(f"unknown tool call parser {parser!r}")
     if not calls or not all(isinstance(name, str) and name for name, _ in calls):
         return None
     return (content if content and content.strip() else None), calls
+
+
+def _coder_call(function: str, tools: tuple) -> tuple[str, str]:
+    """One qwen3_coder call, `NAME>` and its parameters (the text after `<function=`), as (name,
+    arguments). Raises ValueError where it has no `>`."""
+    name, sep, body = function.partition(">")
+    if not sep:
+        raise ValueError("a function without its '>'")
+    schema = next((t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name), {})
+    properties = schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else {}
+    args = {}
+    for param in CODER_PARAMETER.findall(body):
+        key, sep, value = param.partition(">")
+        if not sep:
+            raise ValueError("a parameter without its '>'")
+        value = value[1:] if value.startswith("\n") else value
+        args[key] = coder_value(value[:-1] if value.endswith("\n") else value, properties.get(key))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def coder_value(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's value, written as text, typed by its schema as vLLM's parser
+    types it: a parameter the tool does not declare, or a string, stays text; "null" is None for
+    the other types; an integer is int(), a number float() (an integral one an int); a boolean
+    is true or false; an object or array, JSON or a Python literal. A value that does not read as
+    its type stays text. A schema's `anyOf` or list of types takes its first type but null."""
+    if not isinstance(schema, dict):
+        return value
+    kind = schema.get("type")
+    if kind is None and isinstance(schema.get("anyOf"), list):
+        kind = next((s.get("type") for s in schema["anyOf"] if isinstance(s, dict) and s.get("type") != "null"), None)
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = str(kind or "string").strip().lower()
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    if value.lower() in ("null", "none"):
+        return None
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if kind.startswith(("num", "float")):
+            number = float(value)
+            if not math.isfinite(number):       # (JSON has no inf or nan)
+                return value
+            return int(number) if number.is_integer() else number
+    except (ValueError, OverflowError):
+        return value
+    if kind in ("boolean", "bool", "binary"):
+        return {"true": True, "false": False}.get(value.strip().lower(), value)
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    try:
+        parsed = ast.literal_eval(value)
+        json.dumps(parsed)
+        return parsed
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
 
 
 def _json_objects(text: str) -> list[tuple[str, str]] | None:

@@ -70,7 +70,8 @@ def tool_tok_dir(tmp_path_factory):
     return folder
 
 
-B, SEP, E = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+B, SEP = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>"
+E = "<\uff5ctool\u2581call\u2581end\uff5c>"
 CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
 
 
@@ -92,9 +93,40 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("deepseek_v31", f'{CALLS}{B}get_weather{SEP}{{"city": "Rome"}}{E}{CALLS_END}',
      (None, [("get_weather", '{"city": "Rome"}')])),
     ("deepseek_v31", f'no call {B}f{SEP}{{}}{E}', None),                      # no calls' begin marker
+    ("qwen3_coder", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+     ("I'll look.\n", [("get_weather", '{"city": "Paris", "days": 3}')])),
+    ("qwen3_coder", "<function=f>\n<parameter=x>\n1.50\n</parameter>\n<parameter=y>\n2.0\n<parameter=z>\nnull\n"
+                    "</function>",                                         # bare, a parameter left open
+     (None, [("f", '{"x": 1.5, "y": 2, "z": null}')])),
+    ("qwen3_coder", "<tool_call><function=f><parameter=flags>\n{'a': [1, True]}\n</parameter></function></tool_call>"
+                    "<tool_call><function=g></function></tool_call>",
+     (None, [("f", '{"flags": {"a": [1, true]}}'), ("g", "{}")])),
+    ("qwen3_coder", "<tool_call><function=f</tool_call>", None),               # no '>' after the name
+    ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", None),        # hermes' form: no function
 ])
-def test_the_llama_and_deepseek_parsers_read_calls_where_vllms_read_them(parser, text, want):
-    assert parse_calls(parser, text) == want
+def test_the_llama_deepseek_and_qwen3_coder_parsers_read_calls_where_vllms_read_them(parser, text, want):
+    number = {"type": "object", "properties": {"days": {"type": "integer"}, "city": {"type": "string"}}}
+    tools = ({"type": "function", "function": {"name": "get_weather", "parameters": number}},
+             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                 "x": {"type": "number"}, "y": {"anyOf": [{"type": "null"}, {"type": "number"}]},
+                 "z": {"type": ["integer", "null"]}, "flags": {"type": "object"}}}}})
+    assert parse_calls(parser, text, tools) == want
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("schema, text, want", [
+    (None, "null", "null"), ({"type": "string"}, "null", "null"), ({"type": "integer"}, "NULL", None),
+    ({"type": "integer"}, " 7 ", 7), ({"type": "integer"}, "7.5", "7.5"), ({"type": "number"}, "1e3", 1000),
+    ({"type": "number"}, "inf", "inf"), ({"type": "number"}, "-0.25", -0.25),
+    ({"type": "boolean"}, "True", True), ({"type": "boolean"}, "false", False), ({"type": "boolean"}, "yes", "yes"),
+    ({"type": "array"}, "[1, 2]", [1, 2]), ({"type": "array"}, "(1, 2)", (1, 2)), ({"type": "object"}, "{x", "{x"),
+    ({"type": "object"}, "{1, 2}", "{1, 2}"),           # a Python set is no JSON: stays text
+    ({"type": ["string", "null"]}, "null", "null"), ({}, "5", "5"),
+])
+def test_a_qwen3_coder_value_is_typed_by_its_schema_as_vllm_types_it(schema, text, want):
+    from msinfer.launcher.tools import coder_value
+    assert coder_value(text, schema) == want
 
 
 @pytest.mark.unit
@@ -285,10 +317,19 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
     cut = done(codec(), required, '[{"name": "get_time", "param', "length")
     assert (cut["output_text"], cut["tool_calls"], cut["finish_reason"]) == ('[{"name": "get_time", "param', [],
                                                                              "length")
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    coder = done(codec(tool_call_parser="qwen3_coder"),
+                 parse_record({"id": "k", "messages": ASK, "tools": [forecast]}, 1),
+                 "<tool_call>\n<function=forecast>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n"
+                 "</parameter>\n</function>\n</tool_call>")
+    assert coder["finish_reason"] == "tool_calls" and coder["tool_calls"][0]["function"] == {
+        "name": "forecast", "arguments": '{"city": "42", "days": 3}'}          # typed by the record's tools
     unparsed = done(codec(tool_call_parser=None), record("j"), "x")
     assert unparsed["error"]["message"] == (
-        "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (hermes, for Qwen2.5, Qwen3 "
-        "and Hermes models), as vLLM needs --tool-call-parser; or tool_choice 'none'")
+        "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (the model's: hermes, "
+        "llama3_json, deepseek_v3, deepseek_v31 or qwen3_coder), as vLLM needs --tool-call-parser; or tool_choice "
+        "'none'")
 
     def request(custom_id, **body):
         return parse_openai({"custom_id": custom_id, "url": "/v1/chat/completions",

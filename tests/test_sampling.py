@@ -174,23 +174,31 @@ def test_bad_words_are_encoded_as_vllm_does_and_need_a_tokenizer(checkpoint):
         bare.complete(spec.sampling.merge({"logit_bias": {"300": 1}}).to_params(), _rec("b"))
 
 
-def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
-    """The real demo model, greedy, chat template: each output is what its constraint allows,
-    complete (it ends on end-of-sequence when the grammar is done); an invalid schema fails
-    only its record, naming it."""
+def test_structured_outputs_and_tool_choices_follow_their_schema_regex_choice_grammar_and_tools():
+    """The real demo model, greedy, with a chat template that renders tools (tests/test_tools.py)
+    and output.tool_call_parser hermes: each output is what its constraint allows, complete (it
+    ends on end-of-sequence when the grammar is done); an invalid schema fails only its record,
+    naming it. A named function's call and "required"'s calls follow the tools' schemas and end the
+    completion ("stop"; "tool_calls" for required); tool_choice auto reads a call from the
+    completion's text (held to a call's form by a regex, as this small model does not call tools
+    by itself) and leaves a plain answer as text."""
     import json
     import re
     import jsonschema
     from scripts.make_demo_model import ensure_demo_model
-    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 256},
-                                   "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+    from tests.test_tools import HERMES_TEMPLATE, TIME, WEATHER
+    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 512},
+                                   "input": {"path": "in.jsonl", "chat_template": HERMES_TEMPLATE},
+                                   "output": {"path": "out.jsonl", "tool_call_parser": "hermes"},
                                    "sampling": {"max_new_tokens": 48},
-                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 256}})
+                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 512}})
     plan = plan_job(spec, check_io=False)
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Rome"]},
                                                "is_capital": {"type": "boolean"}},
               "required": ["city", "is_capital"], "additionalProperties": False}
     question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    own = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Tokyo)"\}\}\n</tool_call>'
     records = [
         {"id": "json", "messages": question, "sampling": {"structured_outputs": {"json": schema}}},
         {"id": "regex", "prompt": "Write a time of day.",
@@ -199,14 +207,33 @@ def test_structured_outputs_follow_their_schema_regex_choice_and_grammar():
          "sampling": {"structured_outputs": {"choice": ["yes", "no"]}}},
         {"id": "grammar", "prompt": "Say something.", "sampling": {"structured_outputs": {
             "grammar": 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'}}},
+        {"id": "named", "messages": ask, "tools": [WEATHER, TIME],
+         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"id": "required", "messages": ask, "tools": [WEATHER], "tool_choice": "required",
+         "sampling": {"max_new_tokens": 96}},
+        {"id": "auto", "messages": ask, "tools": [WEATHER], "sampling": {"structured_outputs": {"regex": own}}},
+        {"id": "answer", "messages": ask, "tools": [WEATHER], "sampling": {"max_new_tokens": 8}},
     ]
     lines, _ = run_engine(plan, records)
     out = {k: v["output_text"] for k, v in lines.items()}
-    assert all(v["finish_reason"] == "stop" for v in lines.values()), lines
+    assert all(lines[k]["finish_reason"] == "stop" for k in ("json", "regex", "choice", "grammar", "named")), lines
     jsonschema.validate(json.loads(out["json"]), schema)
     assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", out["regex"])
     assert out["choice"] in ("yes", "no")
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", out["grammar"])
+
+    named = lines["named"]
+    assert named["output_text"] == "" and len(named["tool_calls"]) == 1
+    jsonschema.validate(json.loads(named["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    required = lines["required"]
+    assert required["finish_reason"] == "tool_calls" and required["tool_calls"], required
+    for c in required["tool_calls"]:
+        assert c["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(c["function"]["arguments"]), WEATHER["function"]["parameters"])
+    auto = lines["auto"]
+    assert auto["finish_reason"] == "tool_calls" and auto["output_text"] == ""
+    assert [c["function"]["name"] for c in auto["tool_calls"]] == ["get_weather"]
+    assert lines["answer"]["tool_calls"] == [] and lines["answer"]["output_text"]
 
     from msinfer.launcher.inputs import parse_record
     bad = plan_codec(plan).sequences(parse_record({"id": "bad", "prompt": "x", "sampling": {

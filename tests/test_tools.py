@@ -1,6 +1,7 @@
 """Tool calls (launcher.tools): a chat's `tools` through the chat template, the calls a completion
 writes read by output.tool_call_parser, and tool_choice "required" or a named function constrained
-to their JSON schema, as vLLM's OpenAI server serves them; in msinfer's result lines and OpenAI's."""
+to their JSON schema, as vLLM's OpenAI server serves them; in msinfer's result lines and OpenAI's.
+The demo model's tool calls through a whole engine: tests/test_sampling.py, with structured outputs."""
 
 from __future__ import annotations
 
@@ -375,41 +376,3 @@ def test_plan_refuses_a_tool_call_parser_it_cannot_serve(checkpoint, tool_tok_di
     plain = plan_job(spec(model={"tokenizer": str(tmp_path / "plain")},           # its own template, given
                           input={"chat_template": HERMES_TEMPLATE}), check_io=False)
     assert plain.spec.output.tool_call_parser == "hermes"
-
-
-def test_the_demo_model_calls_a_named_or_required_tool_and_its_own_call_is_read_from_its_text():
-    """The real demo model with the hermes template: a named function's call and "required"'s
-    calls follow the tools' schemas and end the completion ("stop"; "tool_calls" for required);
-    tool_choice auto reads a call from the completion's text (its text held to a call's form by a
-    regex, as this small model does not call tools by itself) and leaves a plain answer as text."""
-    import jsonschema
-    from msinfer.launcher.job import plan_job
-    from msinfer.launcher.spec import JobSpec
-    from scripts.make_demo_model import ensure_demo_model
-    from tests.engine_driver import run_engine
-    spec = JobSpec.model_validate({"model": {"path": str(ensure_demo_model()), "max_model_len": 512},
-                                   "input": {"path": "in.jsonl", "chat_template": HERMES_TEMPLATE},
-                                   "output": {"path": "out.jsonl", "tool_call_parser": "hermes"},
-                                   "sampling": {"max_new_tokens": 40},
-                                   "scheduler": {"max_batch_size": 4, "max_batched_tokens": 512}})
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    own = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Tokyo)"\}\}\n</tool_call>'
-    lines, _ = run_engine(plan_job(spec, check_io=False), [
-        {"id": "named", "messages": ask, "tools": [WEATHER, TIME],
-         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-        {"id": "required", "messages": ask, "tools": [WEATHER], "tool_choice": "required",
-         "sampling": {"max_new_tokens": 96}},
-        {"id": "auto", "messages": ask, "tools": [WEATHER], "sampling": {"structured_outputs": {"regex": own}}},
-        {"id": "answer", "messages": ask, "tools": [WEATHER], "sampling": {"max_new_tokens": 8}}])
-    named = lines["named"]
-    assert named["finish_reason"] == "stop" and named["output_text"] == "" and len(named["tool_calls"]) == 1
-    jsonschema.validate(json.loads(named["tool_calls"][0]["function"]["arguments"]), WEATHER["function"]["parameters"])
-    required = lines["required"]
-    assert required["finish_reason"] == "tool_calls" and required["tool_calls"], required
-    for c in required["tool_calls"]:
-        assert c["function"]["name"] == "get_weather"
-        jsonschema.validate(json.loads(c["function"]["arguments"]), WEATHER["function"]["parameters"])
-    auto = lines["auto"]
-    assert auto["finish_reason"] == "tool_calls" and auto["output_text"] == ""
-    assert [c["function"]["name"] for c in auto["tool_calls"]] == ["get_weather"]
-    assert lines["answer"]["tool_calls"] == [] and lines["answer"]["output_text"]

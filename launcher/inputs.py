@@ -154,10 +154,13 @@ def is_openai_batch(path: str | Path) -> bool:
     return False
 
 
-def check_input(path: str | Path) -> tuple[list[Path], Path | None]:
+def check_input(path: str | Path, pick=None) -> tuple[list[Path], Path | None]:
     """Cheap checks that input.path's files (`input_files`) exist, are readable and have a known
-    format (a parquet file's footer and columns are read, no rows); the files and their folder."""
+    format (a parquet file's footer and columns are read, no rows); the files and their folder.
+    `pick(files)`: the files to check and read, of all (a shard's, launcher.shards)."""
     files, root = input_files(path)
+    if pick is not None:
+        files = pick(files)
     for f in files:
         _check_file(f)
     return files, root
@@ -184,12 +187,14 @@ def _check_file(path: Path) -> None:
                              f"{ELSEWHERE} (struct columns): move them there, or rename them")
 
 
-def read_records(path: str | Path) -> Iterator[Record]:
+def read_records(path: str | Path, pick=None) -> Iterator[Record]:
     """Checks the files now (raising InputError), then yields their records one by one, file by
     file. A record without an id takes its line (row) number; in a folder's or a pattern's files,
     "<file>:<line>", the file's name relative to the folder, so that ids stay unique and stay
-    the same when files are added."""
-    files, root = check_input(path)
+    the same when files are added. `pick`: as check_input's."""
+    files, root = check_input(path, pick)
+    if not files:
+        return iter(())
     reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[files[0].suffix.lower()]
     records = itertools.chain.from_iterable(reader(f, file_label(f, root)) for f in files)
     return _unique_ids(records, unit_of(files[0]))

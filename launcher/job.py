@@ -22,10 +22,10 @@ from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_le
 from msinfer.launcher.embed import resolve_pooling
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
-                                    is_openai_batch, location, longest_first, read_records, reads_back, unit_of)
+                                    is_openai_batch, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
-from msinfer.launcher.shards import for_shard, shard_records
+from msinfer.launcher.shards import check_shard_by, for_shard, shard_files, shard_input
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
 from msinfer.launcher.tools import check_parser_tokens
@@ -558,7 +558,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
                             f"template that renders `tools` (input.chat_template), or leave output.tool_call_parser "
                             f"unset")
     if check_io:
-        check_input(spec.input.path)
+        check_shard_by(spec)
+        check_input(spec.input.path, shard_files(spec))
         if reads_back(spec.input.path, spec.output.path):
             raise SpecError(f"output.path {spec.output.path} would be one of the files of input.path "
                             f"{spec.input.path}: a re-run would read its results as records. Write the results "
@@ -734,10 +735,12 @@ def model_extensions(spec: JobSpec, m: ModelConfig, plans, notes: list[str]) -> 
 USER_ERRORS = (UserError, ModelConfigError, LayoutError, CheckpointError)
 
 
-def count_lines(path: str) -> int | None:
-    """The records of input.path, for the progress bar: its files' rows or lines that are not blank."""
+def count_lines(path: str, pick=None) -> int | None:
+    """The records of input.path, for the progress bar: its files' rows or lines that are not
+    blank; `pick`: as read_records'."""
     total = 0
-    for f in input_files(path)[0]:
+    files = input_files(path)[0]
+    for f in files if pick is None else pick(files):
         if f.suffix.lower() == ".parquet":
             try:
                 import pyarrow.parquet as pq
@@ -776,7 +779,8 @@ class JobRun:
         self.metrics = None                   # launcher.metrics.JobMetrics, with output.metrics_port
         if progress and status:
             from tqdm import tqdm
-            total = None if self.spec.input.shard else count_lines(self.spec.input.path)    # a shard: unknown
+            by_record = self.spec.input.shard is not None and self.spec.input.shard_by == "record"
+            total = None if by_record else count_lines(self.spec.input.path, shard_files(self.spec))  # (by record: unknown)
             self.bar = tqdm(total=total, unit="rec", dynamic_ncols=True, file=sys.stderr, desc="msinfer",
                             disable=None)
 
@@ -1147,7 +1151,7 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     if not before:
         return frozenset()
     changed = []                        # (id, its file's name, line): not whole records, of which there may be many
-    for rec in shard_records(read_records(spec.input.path), spec):
+    for rec in shard_input(spec):
         old = before.get(rec.id)
         if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
             continue
@@ -1237,7 +1241,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             print(f"msinfer: metrics at {metrics.address}", file=sys.stderr, flush=True)
         resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed,
                    "records_redone": writer.dropped_changed}
-        records = job.new_records(shard_records(read_records(spec.input.path), spec))
+        records = job.new_records(shard_input(spec))
         first = next(records, None)
         if first is None:               # every record has its line: nothing to start
             return job.nothing_to_do(t_start, resumed)

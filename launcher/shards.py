@@ -2,7 +2,10 @@
 merged into one file (`msinfer merge`).
 
 Shard K of N takes the records whose id hashes (CRC-32 of its UTF-8 bytes) to K modulo N: the same
-split on every run and machine, with no coordination between the tasks. Each writes its own
+split on every run and machine, with no coordination between the tasks; each task reads the whole
+input to find them. With `input.shard_by: file`, where input.path is a folder or a pattern of many
+files, shard K takes the files K, K+N, K+2N, ... in name order and reads only those (a dataset of
+many files read by many tasks: each reads its share). Each writes its own
 results file, `<output.path>` with `.K-of-N` before its suffix (results.jsonl ->
 results.0-of-3.jsonl), or `{shard}` in output.path replaced by `K-of-N`. Each shard resumes on
 its own, like any job.
@@ -84,12 +87,41 @@ def for_shard(spec):
     return spec.model_copy(update={"input": inp, "output": out})
 
 
-def shard_records(records, spec):
-    """The records of the spec's shard (for_shard resolved it), or all of them."""
-    if spec.input.shard is None:
+def shard_files(spec):
+    """The `pick` of input.path's files (launcher.inputs.read_records) of the spec's shard
+    (for_shard resolved it) with shard_by file; None: every file is read."""
+    if spec.input.shard is None or spec.input.shard_by != "file":
+        return None
+    k, n = parse_shard(spec.input.shard)
+    return lambda files: files[k::n]
+
+
+def shard_input(spec):
+    """The records of the spec's shard, read (for_shard resolved it); all of them without one."""
+    from msinfer.launcher.inputs import read_records
+    records = read_records(spec.input.path, shard_files(spec))
+    if spec.input.shard is None or spec.input.shard_by == "file":
         return records
     k, n = parse_shard(spec.input.shard)
     return (r for r in records if in_shard(r.id, k, n))
+
+
+def check_shard_by(spec) -> None:
+    """shard_by file needs a shard, and input.path's files at least one a task: a SpecError."""
+    if spec.input.shard_by != "file":
+        return
+    if spec.input.shard is None:
+        raise SpecError("input.shard_by: file deals input.path's files to the tasks of input.shard, and the spec "
+                        "sets no input.shard; set it (K/N, or auto under a Slurm array), or leave shard_by unset")
+    from msinfer.launcher.inputs import input_files
+    files, root = input_files(spec.input.path)
+    k, n = parse_shard(spec.input.shard)
+    if root is None or len(files) < n:
+        raise SpecError(f"input.shard_by: file deals input.path's files to the {n} tasks of input.shard, and "
+                        f"{spec.input.path} is {'one file' if root is None else f'{len(files)} file(s)'}: task {k} "
+                        f"would read {'nothing' if k >= len(files) else 'a share of fewer tasks than asked'}. "
+                        f"Give a folder or pattern of at least {n} files, or shard_by: record (each task then reads "
+                        f"every file and takes its records by id)")
 
 
 def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) -> dict:

@@ -154,6 +154,8 @@ class InputSpec(Section):
     # "K/N": this job takes the records whose id hashes to K mod N (one of N array tasks), and
     # writes results.K-of-N.jsonl; "auto": K and N from a Slurm job array (launcher.shards)
     shard: str | None = None
+    # file: a shard takes input.path's files K, K+N, K+2N, ... in name order and reads no other
+    shard_by: Literal["record", "file"] = "record"
 
     @field_validator("shard")
     @classmethod

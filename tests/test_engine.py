@@ -245,7 +245,8 @@ def test_longest_first_deals_long_records_first_and_every_record_gets_the_line_a
 def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_its_file(demo, tmp_path, ray_local):
     """input.shard 0/3, 1/3, 2/3 on stand-ins: each writes results.K-of-3.jsonl, together every
     record once with the tokens one job gives it (the stand-ins' tokens follow the prompt), and
-    `msinfer merge` writes them as one file in input order."""
+    `msinfer merge` writes them as one file in input order. With shard_by file a shard reads only
+    its files."""
     from msinfer.launcher.cli import merge_job
     from msinfer.launcher.simulate import StandInRunner
     records = [{"id": f"q{i}", "prompt_token_ids": [50 + i, 5, 6]} for i in range(30)]
@@ -261,6 +262,20 @@ def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
     assert merge_job(spec)["records"] == 30
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [got[r["id"]] for r in records]
+
+    # input.shard_by file: shard 1 of 2 reads b.jsonl and d.jsonl only; c.jsonl is not even UTF-8
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for name in "abcd":
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"prompt_token_ids": [60 + i, ord(name) % 50]}) + "\n"
+                                                     for i in range(3)))
+    (folder / "c.jsonl").write_bytes(b"\xff\xfe not a record\n")
+    spec = job_spec(demo, tmp_path, records, input={"path": str(folder), "shard": "1/2", "shard_by": "file"},
+                    output={"path": str(tmp_path / "by-file.jsonl")})
+    summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    part = results(tmp_path / "by-file.1-of-2.jsonl")
+    assert summary["records_done"] == 6 and sorted(part) == [f"{f}.jsonl:{n}" for f in "bd" for n in (1, 2, 3)]
+    assert all(r["error"] is None for r in part.values())
 
 
 def free_port() -> int:

@@ -312,3 +312,43 @@ def test_a_folder_or_a_pattern_of_files_is_read_file_by_file_with_ids_named_by_f
     assert reads_back(d, d / "results.jsonl") and reads_back(f"{d}/*.jsonl", d / "out.jsonl")
     assert not reads_back(d, tmp_path / "results.jsonl") and not reads_back(d, d / "results.json")
     assert not reads_back(d / "a.jsonl", d / "results.jsonl")
+
+
+@pytest.mark.unit
+def test_shards_by_file_read_only_their_files_and_hold_every_record_once(tmp_path):
+    """input.shard_by file: shard K of N reads files K, K+N, ... in name order, and no other (a
+    file that is not even a parquet file, in another shard, is not looked at); the shards hold
+    every record once; the progress bar counts a shard's rows; plan refuses fewer files than tasks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import count_lines
+    from msinfer.launcher.shards import check_shard_by, shard_files, shard_input
+    from msinfer.launcher.spec import JobSpec
+    for i in range(5):
+        pq.write_table(pa.Table.from_pylist([{"prompt": f"p{i}-{j}"} for j in range(i + 1)]), tmp_path / f"{i}.parquet")
+    (tmp_path / "5.parquet").write_bytes(b"not parquet")
+
+    def spec(shard, by="file", path=tmp_path):
+        return JobSpec.model_validate({"model": {"path": "m"}, "output": {"path": str(tmp_path.parent / "o.jsonl")},
+                                       "input": {"path": str(path), "shard": shard, "shard_by": by}})
+
+    with pytest.raises(InputError, match="5.parquet"):
+        list(shard_input(spec("2/3")))                          # files 2 and 5
+    got = {k: [r.id for r in shard_input(spec(f"{k}/3"))] for k in (0, 1)}
+    assert got == {0: ["0.parquet:1", *[f"3.parquet:{j}" for j in range(1, 5)]],
+                   1: [*[f"1.parquet:{j}" for j in (1, 2)], *[f"4.parquet:{j}" for j in range(1, 6)]]}
+    assert count_lines(str(tmp_path), shard_files(spec("1/3"))) == 7
+    (tmp_path / "5.parquet").unlink()
+    everything = [r.id for r in read_records(tmp_path)]
+    for n in (2, 5):
+        shards = [[r.id for r in shard_input(spec(f"{k}/{n}"))] for k in range(n)]
+        assert sorted(sum(shards, [])) == sorted(everything) and len(sum(shards, [])) == len(everything)
+    check_shard_by(spec("4/5"))
+    with pytest.raises(SpecError, match=r"input.shard_by: file deals input.path's files to the 6 tasks of input.shard, "
+                                        r"and .* is 5 file\(s\): task 5 would read nothing"):
+        check_shard_by(spec("5/6"))
+    with pytest.raises(SpecError, match=r"is one file"):
+        check_shard_by(spec("0/2", path=tmp_path / "0.parquet"))
+    with pytest.raises(SpecError, match=r"the spec sets no input.shard"):
+        check_shard_by(spec(None))

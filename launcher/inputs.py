@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from msinfer.launcher.errors import InputError
+from msinfer.launcher.idset import IdIndex, id_hash, words
 from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec, is_pattern
 from msinfer.launcher.tools import ToolUse, check_message_calls, check_tools, tool_schema, tool_use
@@ -251,22 +254,37 @@ def longest_first(records: Iterator[Record], window: int, length) -> Iterator[Re
 def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
     # a repeated id becomes an error record with its own id "<id>@<line>" (or "<id>@<line>.2", .3,
     # ... where an earlier record holds that one): the results file keeps one line per id, resuming
-    # never takes the duplicate's error for the first record's result, and a re-run names it alike
-    # (each id's line, with its file's name where there are several: held for every record read)
-    first: dict[str, int | tuple[str, int]] = {}
-    for r in records:
-        if r.id in first:
-            seen = first[r.id]
-            before = location("", seen, unit) if isinstance(seen, int) else location(*seen, unit)
-            error = f"{r.at(unit)}: id '{r.id}' was already used on {before}; ids must be unique"
-            where = line_id(r.source, r.line)
-            rid, k = f"{r.id}@{where}", 1
-            while rid in first:
-                k += 1
-                rid = f"{r.id}@{where}.{k}"
-            r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest, source=r.source)
-        first[r.id] = (r.source, r.line) if r.source else r.line
-        yield r
+    # never takes the duplicate's error for the first record's result, and a re-run names it alike.
+    # Each id's place is held for every record read, compactly (launcher.idset: 24 bytes an id), a
+    # chunk of records at a time.
+    index, sources = IdIndex(), {"": 0}     # a place: (its file's number << 40) | its line
+    names, records = [""], iter(records)
+    while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+        keys = [id_hash(r.id) for r in chunk]
+        held = index.find(*words(keys)).tolist()
+        fresh: dict[bytes, int] = {}            # this chunk's ids (`id_hash`): their places
+        for r, key, seen in zip(chunk, keys, held):
+            if seen < 0:
+                seen = fresh.get(key, -1)
+            if seen >= 0:
+                source, line = names[seen >> 40], seen & (1 << 40) - 1
+                error = f"{r.at(unit)}: id '{r.id}' was already used on {location(source, line, unit)}; ids must be unique"
+                where = line_id(r.source, r.line)
+                rid, k = f"{r.id}@{where}", 1
+                while (key := id_hash(rid)) in fresh or index.find(*words(key))[0] >= 0:
+                    k += 1
+                    rid = f"{r.id}@{where}.{k}"
+                r = Record(id=rid, line=r.line, error=r.error or error, digest=r.digest, source=r.source)
+            number = sources.get(r.source)
+            if number is None:
+                number = sources[r.source] = len(names)
+                names.append(r.source)
+            fresh[key] = (number << 40) | r.line
+            yield r
+        index.add(*words(b"".join(fresh)), np.fromiter(fresh.values(), np.uint64, len(fresh)))
+
+
+UNIQUE_CHUNK = 4096
 
 
 def _lines(path: Path, source: str = "") -> Iterator[tuple[int, str, str | None]]:

@@ -284,7 +284,10 @@ def check_output(path: str | Path, keep_folder: bool = False) -> Path:
 class ResultWriter:
     """Appends results to `path`. Without `overwrite`, an existing file is resumed: its whole
     lines stay, their ids are in `done_ids`, and a partial last line (a crash mid-write) is cut
-    so that its record is computed again, once.
+    so that its record is computed again, once. The lines written since are counted
+    (`lines_written`), not held: a run reads each record once (its ids are unique,
+    launcher.inputs), so only the ids the file held before need looking up, and a job of many
+    millions of records keeps no id of theirs.
 
     Lines go to the file (the kernel) in one write() per pass of the driver's loop, as their
     results come (`write_line`, then `flush`), so a crash of msinfer loses at most the results
@@ -311,9 +314,9 @@ class ResultWriter:
         self.sync_error: OSError | None = None
         self.stop_syncing = threading.Event()
         self.pending: list[bytes] = []        # lines given, not written yet (`flush`)
-        self.pending_ids: list[str] = []
         self.syncer: threading.Thread | None = None
-        self.done_ids: set[str] = set()
+        self.done_ids: set[str] = set()       # the ids on the file's lines when it was opened
+        self.lines_written = 0                # since
         self.cut_partial_line = False
         self.failed_lines = 0                 # of the lines resumed: error results (their records are not retried)
         self.dropped_failed = 0               # error lines removed for retry_failed
@@ -448,7 +451,6 @@ class ResultWriter:
             raise OutputError(f"results file {self.path} is closed; no more results can be written")
         line = (text + "\n").encode("utf-8")
         self.pending.append(line)
-        self.pending_ids.append(record_id)
         if digest is not None:
             self.pending_inputs.append(input_line(record_id, digest, FAILED in line))
         if self.syncer is None or len(self.pending) >= FLUSH_LINES:
@@ -476,23 +478,22 @@ class ResultWriter:
         except OSError as e:
             self._fail(e)
         self.size += len(batch)
-        self.done_ids.update(self.pending_ids)
+        self.lines_written += len(self.pending)
         self.pending.clear()
-        self.pending_ids.clear()
         self.pending_inputs.clear()
 
     def _fail(self, e: OSError):
         self.pending.clear()
-        self.pending_ids.clear()
         self.pending_inputs.clear()
         try:  # drop the partial batch, if any: what was written before stays whole
             os.ftruncate(self.fd, self.size)
         except OSError:
             pass
         self.close()
-        raise OutputError(f"cannot write to results file {self.path}: {e.strerror or e}. The "
-                          f"{len(self.done_ids)} results written so far are kept; after freeing space or fixing "
-                          f"permissions, run the same job again to resume after them") from None
+        kept = len(self.done_ids) + self.lines_written
+        raise OutputError(f"cannot write to results file {self.path}: {e.strerror or e}. The {kept} results written "
+                          f"so far are kept; after freeing space or fixing permissions, run the same job again to "
+                          f"resume after them") from None
 
     def _sync_inputs(self) -> None:
         if self.inputs_unsynced:

@@ -1,6 +1,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from msinfer.launcher.errors import InputError
@@ -208,19 +209,20 @@ def _mkdir(path):
 
 
 def test_records_are_read_lazily(tmp_path):
-    """A record is read when the iterator gets to it, not with the file's first record: a line
-    rewritten in place after the first record was served, 4 MB on (past any read-ahead), is read
-    as rewritten."""
-    path = jsonl(tmp_path, [{"id": "first", "prompt": "a"}, {"id": "big", "prompt": "x" * 4_000_000},
-                            {"id": "last", "prompt": "old"}])
+    """Records are read a chunk at a time (launcher.inputs.UNIQUE_CHUNK, where their ids are
+    checked), not with the file's first record: a line rewritten in place after the first record
+    was served, a chunk and 4 MB on (past any read-ahead), is read as rewritten."""
+    from msinfer.launcher.inputs import UNIQUE_CHUNK
+    chunk = [{"id": f"r{i}", "prompt": "a"} for i in range(UNIQUE_CHUNK)]
+    path = jsonl(tmp_path, [*chunk, {"id": "big", "prompt": "x" * 4_000_000}, {"id": "last", "prompt": "old"}])
     it = read_records(path)
-    assert isinstance(first := next(it), Record) and first.id == "first"
+    assert isinstance(first := next(it), Record) and first.id == "r0"
     data = path.read_bytes()
     with open(path, "r+b") as f:                    # same length, same file: a reader's open handle sees it
         f.seek(data.rindex(b'"old"'))
         f.write(b'"new"')
-    big, last = it
-    assert big.prompt == "x" * 4_000_000 and (last.id, last.prompt) == ("last", "new")
+    *read, big, last = it
+    assert len(read) == UNIQUE_CHUNK - 1 and big.prompt == "x" * 4_000_000 and (last.id, last.prompt) == ("last", "new")
 
 
 def test_every_renamed_duplicate_gets_an_id_no_other_record_has(tmp_path):
@@ -352,3 +354,45 @@ def test_shards_by_file_read_only_their_files_and_hold_every_record_once(tmp_pat
         check_shard_by(spec("0/2", path=tmp_path / "0.parquet"))
     with pytest.raises(SpecError, match=r"the spec sets no input.shard"):
         check_shard_by(spec(None))
+
+
+@pytest.mark.unit
+def test_a_repeated_id_is_found_across_chunks_as_a_set_of_the_ids_finds_it(monkeypatch):
+    """launcher.inputs._unique_ids holds the ids as hashes in sorted runs (launcher.idset), a
+    chunk at a time: over chunks of 7 records, and runs that merge, every record gets the id and
+    error that holding every id in a dict gives, and the index holds 24 bytes an id."""
+    import random
+    from msinfer.launcher import inputs
+    from msinfer.launcher.idset import IdIndex
+
+    def reference(records, unit):              # the plain dict of every id and its place
+        first = {}
+        for r in records:
+            if r.id in first:
+                where = inputs.line_id(r.source, r.line)
+                error = (f"{r.at(unit)}: id '{r.id}' was already used on {inputs.location(*first[r.id], unit)}; "
+                         f"ids must be unique")
+                rid, k = f"{r.id}@{where}", 1
+                while rid in first:
+                    k += 1
+                    rid = f"{r.id}@{where}.{k}"
+                r = Record(id=rid, line=r.line, error=r.error or error, source=r.source)
+            first[r.id] = (r.source, r.line)
+            yield r
+
+    rng = random.Random(5)
+    pool = [f"q{i}" for i in range(60)] + ["q3@b.jsonl:4", "q3@4"]
+    records = [Record(id=rng.choice(pool), line=n, source=rng.choice(["", "a.jsonl", "b.jsonl"]))
+               for n in range(1, 400)]
+    monkeypatch.setattr(inputs, "UNIQUE_CHUNK", 7)
+    got = list(inputs._unique_ids(iter(records), "line"))
+    want = list(reference(iter(records), "line"))
+    assert [(r.id, r.error) for r in got] == [(r.id, r.error) for r in want]
+    assert sum(r.error is not None for r in got) > 300 and len({r.id for r in got}) == len(got)
+    index = IdIndex()
+    rng_words = np.random.default_rng(0).integers(0, 2 ** 63, (3, 10_000), dtype=np.int64).astype(np.uint64)
+    for part in np.array_split(np.arange(10_000), 9):
+        index.add(rng_words[0][part], rng_words[1][part], rng_words[2][part])
+    assert len(index.runs) < 9 and index.nbytes() == 24 * 10_000
+    assert (index.find(rng_words[0], rng_words[1]) == rng_words[2].astype(np.int64)).all()
+    assert (index.find(rng_words[0], rng_words[1] + np.uint64(1)) == -1).all()

@@ -18,26 +18,15 @@ names the missing and the duplicated ids and writes nothing.
 from __future__ import annotations
 
 import os
-import re
 import zlib
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError, SpecError
+from msinfer.launcher.inputs import input_files, read_records
+from msinfer.launcher.spec import parse_shard
 from msinfer.launcher.writer import input_line, inputs_path, read_input_digests, result_id
 
-SHARD = re.compile(r"(\d+)/(\d+)")
 SHOWN = 10          # ids named in a merge's report, of each kind
-
-
-def parse_shard(value: str) -> tuple[int, int]:
-    """'K/N' -> (K, N); ValueError where it is not K/N with 0 <= K < N."""
-    m = SHARD.fullmatch(value.strip())
-    if not m:
-        raise ValueError(f"expected 'K/N' (this task's number K, from 0, of N tasks) or 'auto', got {value!r}")
-    k, n = int(m.group(1)), int(m.group(2))
-    if n < 1 or k >= n:
-        raise ValueError(f"'{value}': K must be from 0 to N-1 (K {k}, N {n})")
-    return k, n
 
 
 def resolve_shard(value: str | None, env: dict | None = None) -> tuple[int, int] | None:
@@ -98,7 +87,6 @@ def shard_files(spec):
 
 def shard_input(spec):
     """The records of the spec's shard, read (for_shard resolved it); all of them without one."""
-    from msinfer.launcher.inputs import read_records
     records = read_records(spec.input.path, shard_files(spec))
     if spec.input.shard is None or spec.input.shard_by == "file":
         return records
@@ -113,7 +101,6 @@ def check_shard_by(spec) -> None:
     if spec.input.shard is None:
         raise SpecError("input.shard_by: file deals input.path's files to the tasks of input.shard, and the spec "
                         "sets no input.shard; set it (K/N, or auto under a Slurm array), or leave shard_by unset")
-    from msinfer.launcher.inputs import input_files
     files, root = input_files(spec.input.path)
     k, n = parse_shard(spec.input.shard)
     if root is None or len(files) < n:

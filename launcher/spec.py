@@ -24,6 +24,21 @@ from msinfer.worker.protocol import SamplingParams
 INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
+SHARD = re.compile(r"(\d+)/(\d+)")
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """input.shard's 'K/N' -> (K, N) (launcher.shards); ValueError where it is not K/N with
+    0 <= K < N."""
+    m = SHARD.fullmatch(value.strip())
+    if not m:
+        raise ValueError(f"expected 'K/N' (this task's number K, from 0, of N tasks) or 'auto', got {value!r}")
+    k, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or k >= n:
+        raise ValueError(f"'{value}': K must be from 0 to N-1 (K {k}, N {n})")
+    return k, n
+
+
 def is_pattern(path: str | Path) -> bool:
     """Whether input.path is a pattern of file names (launcher.inputs.input_files)."""
     return any(c in str(path) for c in "*?[")
@@ -162,7 +177,6 @@ class InputSpec(Section):
     def _shard(cls, value: str | None) -> str | None:
         if value is None or value == "auto":
             return value
-        from msinfer.launcher.shards import parse_shard
         k, n = parse_shard(value)
         return f"{k}/{n}"
 

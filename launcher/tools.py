@@ -35,11 +35,11 @@ _CALL, _SEP, _CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool
     "<\uff5ctool\u2581call\u2581end\uff5c>"
 DEEPSEEK_V3_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?)\n```json\n(.*?)\n```{_CALL_END}", re.DOTALL)
 DEEPSEEK_V31_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?){_CALL_END}", re.DOTALL)
-# the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
 # qwen3_coder's: each call a <function=NAME> of <parameter=NAME>value</parameter>, in <tool_call>
 CODER_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL)
 CODER_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 CODER_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+# the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
 PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
                  "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END), "qwen3_coder": (HERMES_START, HERMES_END)}
 CHOICES = ("none", "auto", "required")

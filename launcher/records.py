@@ -130,6 +130,9 @@ class RecordCodec:
                 sampling = self.complete(params, rec)
                 if merged is spec.sampling:
                     self.defaults = (merged, sampling)
+            if rec.tools is not None and self.spec.task != "generate":
+                raise RecordError(f"record '{rec.id}': has 'tools', which are for generated chat completions; the "
+                                  f"job's task is '{self.spec.task}'")
             if rec.tool_use is not None:
                 sampling = self.tool_sampling(rec, sampling)
             thinking = None

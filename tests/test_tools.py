@@ -326,6 +326,11 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
                  "</parameter>\n</function>\n</tool_call>")
     assert coder["finish_reason"] == "tool_calls" and coder["tool_calls"][0]["function"] == {
         "name": "forecast", "arguments": '{"city": "42", "days": 3}'}          # typed by the record's tools
+    embed = RecordCodec(JobSpec.model_validate({"task": "embed", "model": {"path": "m", "max_model_len": 2048},
+                                                "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}}),
+                        SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
+    assert json.loads(embed.sequences(record("l", tool_choice="none"), 0).line)["error"]["message"] == (
+        "record 'l': has 'tools', which are for generated chat completions; the job's task is 'embed'")
     unparsed = done(codec(tool_call_parser=None), record("j"), "x")
     assert unparsed["error"]["message"] == (
         "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (the model's: hermes, "

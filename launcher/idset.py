@@ -37,7 +37,9 @@ class IdIndex:
         return sum(a.nbytes for run in self.runs for a in run)
 
     def find(self, h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
-        """Per id (its words h1, h2), its value, or -1 (as int64) where it is not held."""
+        """Per id (its words h1, h2), its value, or -1 (as int64) where it is not held; an id held
+        more than once, its latest value (runs go from the oldest, and a run keeps the order its
+        entries came in among those of one first word)."""
         found = np.full(len(h1), -1, np.int64)
         for a, b, v in self.runs:
             lo = np.searchsorted(a, h1, "left")
@@ -79,3 +81,33 @@ def words(hashes: list[bytes] | bytes) -> tuple[np.ndarray, np.ndarray]:
         return EMPTY, EMPTY
     pair = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
     return pair[:, 0].astype(np.uint64), pair[:, 1].astype(np.uint64)
+
+
+class IdSet:
+    """Ids as IdIndex holds them, each with a value (0 unless given): `update` a batch, `lookup` a
+    batch, `in` for one (a few searches of each run: for a check now and then, not per record)."""
+
+    def __init__(self):
+        self.index = IdIndex()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def update(self, ids: list[str], values: list[int] | None = None) -> None:
+        """Adds a batch; an id added again (or twice in one batch) takes its latest value."""
+        if not ids:
+            return
+        h1, h2 = words([id_hash(i) for i in ids])
+        v = np.zeros(len(ids), np.uint64) if values is None else np.asarray(values, np.uint64)
+        self.index.add(h1, h2, v)
+        self.size += len(ids)
+
+    def lookup(self, ids: list[str]) -> list[int]:
+        """Per id, its latest value, or -1 where it is not held."""
+        if not ids or not self.size:
+            return [-1] * len(ids)
+        return self.index.find(*words([id_hash(i) for i in ids])).tolist()
+
+    def __contains__(self, record_id: str) -> bool:
+        return self.lookup([record_id])[0] >= 0

@@ -21,7 +21,8 @@ from pathlib import Path
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.embed import resolve_pooling
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
-from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
+from msinfer.launcher.idset import IdSet
+from msinfer.launcher.inputs import (UNIQUE_CHUNK, check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
@@ -29,8 +30,9 @@ from msinfer.launcher.shards import check_shard_by, for_shard, shard_files, shar
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
 from msinfer.launcher.tools import check_parser_tokens
-from msinfer.launcher.writer import (FAILED, ResultsLock, ResultWriter, Stats, check_output, held_ids, holds_results,
-                                     read_input_digests, read_summary, status_path, summary_path, write_json_atomic)
+from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, ResultWriter, Stats, check_output,
+                                     digest_value, held_ids, holds_results, input_digest_index, read_summary,
+                                     status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
                                     dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
@@ -759,13 +761,14 @@ class JobRun:
     progress bar and the status file. What happens to a record in between is the engines'
     (launcher.engine, launcher.records)."""
 
-    def __init__(self, plan: Plan, controller, sink, done_ids=frozenset(), stream: bool = False,
+    def __init__(self, plan: Plan, controller, sink, done_ids: IdSet | None = None, stream: bool = False,
                  progress: bool = True, status: bool = True, flush=None):
         """sink(record_id, line, digest): one result line, JSON without its newline, and its
         record's input digest; flush(): writes the lines given so far (called once per pass of the
         controller's loop, and at the end)."""
         self.plan, self.spec = plan, plan.spec
-        self.controller, self.sink, self.done_ids, self.status = controller, sink, done_ids, status
+        self.controller, self.sink, self.status = controller, sink, status
+        self.done_ids = IdSet() if done_ids is None else done_ids
         self.flush = flush or (lambda: None)
         self.stats = Stats()
         self.t_gen: float | None = None
@@ -797,14 +800,18 @@ class JobRun:
         return complete
 
     def new_records(self, records):
-        """The records whose results are not in the results file yet."""
-        for rec in records:
-            if rec.id in self.done_ids:
-                self.stats.skipped += 1
-                if self.bar is not None:
-                    self.bar.update(1)
-                continue
-            yield rec
+        """The records whose results are not in the results file yet (done_ids, looked up a
+        chunk at a time)."""
+        records = iter(records)
+        while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+            held = self.done_ids.lookup([rec.id for rec in chunk])
+            for rec, seen in zip(chunk, held):
+                if seen >= 0:
+                    self.stats.skipped += 1
+                    if self.bar is not None:
+                        self.bar.update(1)
+                    continue
+                yield rec
 
     def nothing_to_do(self, t_start: float, resumed: dict) -> dict:
         """The summary of a run that found every record's line in the results file and started
@@ -1136,7 +1143,7 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
 
 def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> frozenset:
     """The ids of the records whose result line in the results file answers another input than
-    the record has now (launcher.writer.read_input_digests): a prompt edited since, or, where ids
+    the record has now (launcher.writer.input_digest_index): a prompt edited since, or, where ids
     are line numbers (a .txt file, records without an id), a file whose lines were replaced,
     inserted or removed. A re-run would skip them and keep the old answers. Without
     `redo_changed` the run stops (OutputError) naming them; with it, they are returned, for the
@@ -1147,16 +1154,17 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     output = spec.output.path
     if not holds_results(output):
         return frozenset()
-    before = read_input_digests(output)
-    if not before:
+    before = input_digest_index(output)
+    if not len(before):
         return frozenset()
     changed = []                        # (id, its file's name, line): not whole records, of which there may be many
-    for rec in shard_input(spec):
-        old = before.get(rec.id)
-        if old is None or rec.digest is None or (retry_failed and old.endswith("!")):
-            continue
-        if old.rstrip("!") != rec.digest:
-            changed.append((rec.id, rec.source, rec.line))
+    records = shard_input(spec)
+    while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+        for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
+            if old < 0 or old == DIGEST_DROPPED or rec.digest is None or (retry_failed and old & 1):
+                continue
+            if old >> 1 != digest_value(rec.digest) >> 1:
+                changed.append((rec.id, rec.source, rec.line))
     if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
         held = held_ids(output, {rid for rid, _, _ in changed}, id_key)
         changed = [c for c in changed if c[0] in held]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError
+from msinfer.launcher.idset import IdSet
 
 
 # what marks an error result in a line as msinfer writes it: `"error": {` (its own format) or a
@@ -69,8 +70,46 @@ def read_input_digests(output: str | Path) -> dict[str, str]:
     an error. Lines are appended as results are, so a later one for an id (a record computed
     again) replaces an earlier one; a line that is not whole (a crash's) is left out, and a record
     without one is not checked. Empty where there is no such file (results written before msinfer
-    kept one)."""
+    kept one). A re-run's check holds them as `input_digest_index`."""
     digests: dict[str, str] = {}
+    for rid, digest, failed in _input_lines(output):
+        if digest is None:              # its result line was dropped
+            digests.pop(rid, None)
+        else:
+            digests[rid] = digest + ("!" if failed else "")
+    return digests
+
+
+DIGEST_DROPPED = 1 << 62            # input_digest_index's value of a record whose result line was dropped
+DIGEST_UNREAD = DIGEST_DROPPED + 2  # and of a digest that is not hexadecimal (never equal to a record's)
+
+
+def input_digest_index(output: str | Path) -> IdSet:
+    """What `read_input_digests` reads, held compactly (launcher.idset), as each id's value: its
+    digest's first 61 bits, shifted left by one, with 1 added where its line is an error
+    (`digest_value`); DIGEST_DROPPED where its line was dropped since."""
+    index, batch, values = IdSet(), [], []
+    for rid, digest, failed in _input_lines(output):
+        batch.append(rid)
+        values.append(DIGEST_DROPPED if digest is None else digest_value(digest, failed))
+        if len(batch) >= 65536:
+            index.update(batch, values)
+            batch, values = [], []
+    index.update(batch, values)
+    return index
+
+
+def digest_value(digest: str, failed: bool = False) -> int:
+    """An input digest (16 hexadecimal digits) as `input_digest_index` holds it."""
+    try:
+        return (int(digest, 16) >> 3) << 1 | failed
+    except ValueError:
+        return DIGEST_UNREAD | failed
+
+
+def _input_lines(output: str | Path):
+    """(id, digest or None for a dropped line, whether its line is an error) of each whole line
+    of `<output>.inputs`, in order."""
     try:
         with open(inputs_path(output), "rb") as f:
             for raw in f:
@@ -83,15 +122,12 @@ def read_input_digests(output: str | Path) -> dict[str, str]:
                     continue
                 if not isinstance(rid, str):
                     continue
-                if parts[0] == b"-":            # its result line was dropped
-                    digests.pop(rid, None)
-                else:
-                    digests[rid] = parts[0].decode("ascii", "replace") + ("!" if parts[1] == b"1" else "")
+                digest = None if parts[0] == b"-" else parts[0].decode("ascii", "replace")
+                yield rid, digest, parts[1] == b"1"
     except FileNotFoundError:
-        pass
+        return
     except OSError as e:
         raise OutputError(f"{inputs_path(output)} cannot be read: {e.strerror or e}") from None
-    return digests
 
 
 LOCK_REFRESH_S = 10.0       # a run touches its lock file this often
@@ -315,7 +351,7 @@ class ResultWriter:
         self.stop_syncing = threading.Event()
         self.pending: list[bytes] = []        # lines given, not written yet (`flush`)
         self.syncer: threading.Thread | None = None
-        self.done_ids: set[str] = set()       # the ids on the file's lines when it was opened
+        self.done_ids = IdSet()               # the ids on the file's lines when it was opened (launcher.idset)
         self.lines_written = 0                # since
         self.cut_partial_line = False
         self.failed_lines = 0                 # of the lines resumed: error results (their records are not retried)
@@ -370,6 +406,7 @@ class ResultWriter:
                         good, n = good + len(block), n + lines
                         self.failed_lines += block.count(FAILED)
                     except ValueError:      # also UnicodeDecodeError
+                        read = []
                         for raw in block.split(b"\n")[:-1]:
                             n += 1
                             if bad_line:
@@ -378,9 +415,10 @@ class ResultWriter:
                             if rid is None:
                                 bad_line = n
                                 continue
-                            self.done_ids.add(rid)
+                            read.append(rid)
                             good += len(raw) + 1
                             self.failed_lines += FAILED in raw
+                        self.done_ids.update(read)
                     if not chunk:
                         break
                 if rest:                    # a last line without its newline

@@ -14,6 +14,11 @@ from msinfer.launcher.writer import (ResultsLock, ResultWriter, Stats, check_out
                                      write_json_atomic)
 
 
+
+def holds(done_ids, ids: set) -> bool:
+    """Whether a writer's done_ids (launcher.idset.IdSet) holds exactly `ids`."""
+    return len(done_ids) == len(ids) and all(i in done_ids for i in ids)
+
 def lines(path):
     return [json.loads(l) for l in path.read_text().splitlines()]
 
@@ -31,12 +36,12 @@ def test_result_builders():
 def test_write_then_resume_skips_done_ids(tmp_path):
     path = tmp_path / "out.jsonl"
     with ResultWriter(path) as w:
-        assert w.done_ids == set()
+        assert holds(w.done_ids, set())
         w.write(ok_result("a", [1], "ü", "stop", 2))
         w.write(error_result("b", "invalid_record", "x"))
     assert "ü" in path.read_text(encoding="utf-8")  # ensure_ascii=False
     with ResultWriter(path) as w:
-        assert w.done_ids == {"a", "b"} and not w.cut_partial_line
+        assert holds(w.done_ids, {"a", "b"}) and not w.cut_partial_line
         w.write(ok_result("c", [1], None, "stop", 2))
     assert [r["id"] for r in lines(path)] == ["a", "b", "c"]
 
@@ -53,7 +58,7 @@ def test_resume_knows_every_id_however_it_is_spelled(tmp_path):
     with open(path, "ab") as f:
         f.write(b'{"id": 7, "output_token_ids": []}\n')        # a line msinfer did not write
     with ResultWriter(path) as w:
-        assert w.done_ids == {*ids, "err", "7"} and not w.cut_partial_line
+        assert holds(w.done_ids, {*ids, "err", "7"}) and not w.cut_partial_line
 
 
 def test_each_result_reaches_the_file_at_once_and_disk_syncs_are_grouped(tmp_path, monkeypatch):
@@ -86,7 +91,7 @@ def test_resume_after_truncated_last_line_yields_each_id_once(tmp_path, tail):
     with open(path, "ab") as f:
         f.write(tail)  # a crash in the middle of writing record c
     with ResultWriter(path) as w:
-        assert w.done_ids == {"a", "b"} and w.cut_partial_line
+        assert holds(w.done_ids, {"a", "b"}) and w.cut_partial_line
         for rid in ["a", "b", "c", "d"]:  # the caller skips done ids
             if rid not in w.done_ids:
                 w.write(ok_result(rid, [1], "x", "stop", 1))
@@ -106,7 +111,7 @@ def test_overwrite_truncates(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"id": "old"}\n')
     with ResultWriter(path, overwrite=True) as w:
-        assert w.done_ids == set()
+        assert holds(w.done_ids, set())
         w.write(error_result("new", "t", "m"))
     assert [r["id"] for r in lines(path)] == ["new"]
 
@@ -180,7 +185,7 @@ def test_enospc_keeps_previous_lines_and_closes(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="is closed"):
         w.write(ok_result("c", [1], "z", "stop", 1))
     assert [r["id"] for r in lines(path)] == ["a"]  # the partial line was cut back
-    assert ResultWriter(path).done_ids == {"a"}
+    assert holds(ResultWriter(path).done_ids, {"a"})
 
 
 def test_check_output(tmp_path):
@@ -255,7 +260,7 @@ def test_resume_reads_the_file_in_chunks_with_lines_across_their_edges(tmp_path,
         monkeypatch.setattr(writer_module, "RESUME_CHUNK", chunk)
         path.write_bytes(whole + b'{"id": "late", "output_tok')
         with ResultWriter(path) as w:
-            assert w.done_ids == set(ids) and w.cut_partial_line, chunk
+            assert holds(w.done_ids, set(ids)) and w.cut_partial_line, chunk
         assert path.read_bytes() == whole
         lines_ = whole.split(b"\n")
         path.write_bytes(b"\n".join(lines_[:5] + [b"not json"] + lines_[5:]))
@@ -274,12 +279,12 @@ def test_retry_failed_drops_the_error_lines_so_their_records_run_again(tmp_path)
     with open(path, "ab") as f:
         f.write(b'{"id": "d", "outp')
     kept = ResultWriter(path)
-    assert kept.done_ids == {"a", "b", "c"} and kept.failed_lines == 1 and kept.dropped_failed == 0
+    assert holds(kept.done_ids, {"a", "b", "c"}) and kept.failed_lines == 1 and kept.dropped_failed == 0
     kept.close()
     with open(path, "ab") as f:
         f.write(b'{"id": "d", "outp')
     retry = ResultWriter(path, retry_failed=True)
-    assert retry.done_ids == {"a", "c"} and retry.dropped_failed == 1 and retry.failed_lines == 0
+    assert holds(retry.done_ids, {"a", "c"}) and retry.dropped_failed == 1 and retry.failed_lines == 0
     retry.write(ok_result("b", [3], "y", "stop", 1))
     retry.close()
     assert [r["id"] for r in lines(path)] == ["a", "c", "b"] and not [r for r in lines(path) if r["error"]]
@@ -410,3 +415,39 @@ def test_merge_writes_the_shards_in_input_order_or_names_what_is_missing_and_dou
     os.remove(shard_path(out, 2, 3))
     with pytest.raises(UserError, match=r"results.2-of-3.jsonl: shard 2 of 3 has no results file"):
         merge_shards(ids, out, 3, "id")
+
+
+@pytest.mark.unit
+def test_the_input_digests_held_compactly_answer_as_the_dict_of_them(tmp_path):
+    """launcher.writer.input_digest_index holds `<output>.inputs` as launcher.idset does: each id's
+    latest line wins, also over runs that merged and within one batch; a dropped line, an error
+    line and a digest that is not hexadecimal read as read_input_digests reads them."""
+    import random
+    from msinfer.launcher.idset import IdSet
+    from msinfer.launcher.writer import (DIGEST_DROPPED, digest_value, input_digest_index, input_line, inputs_path,
+                                         read_input_digests)
+    rng = random.Random(3)
+    out = tmp_path / "out.jsonl"
+    with open(inputs_path(out), "wb") as f:
+        for _ in range(3000):
+            rid = f"r{rng.randrange(700)}"
+            kind = rng.random()
+            digest = None if kind < 0.1 else "zz-not-hex" if kind < 0.12 else f"{rng.getrandbits(64):016x}"
+            f.write(input_line(rid, digest, rng.random() < 0.2))
+        f.write(b'0123456789abcdef\t0\t"partial"')                 # a crash's line: left out
+    want = read_input_digests(out)
+    index = input_digest_index(out)
+    ids = [f"r{i}" for i in range(700)] + ["partial"]
+    for rid, value in zip(ids, index.lookup(ids)):
+        if rid not in want:
+            assert value in (-1, DIGEST_DROPPED), rid
+        else:
+            digest, failed = want[rid].rstrip("!"), want[rid].endswith("!")
+            assert value == digest_value(digest, failed) and value & 1 == failed, rid
+            if digest != "zz-not-hex":
+                assert value >> 1 == int(digest, 16) >> 3
+    s = IdSet()
+    s.update(["a", "b", "a"], [1, 2, 3])
+    for k in range(20):                                           # runs merge as they grow
+        s.update([f"x{k}-{j}" for j in range(50)] + ["b"], [0] * 50 + [100 + k])
+    assert s.lookup(["a", "b", "x3-7", "nope"]) == [3, 119, 0, -1] and "x19-49" in s and "nope" not in s

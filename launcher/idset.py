@@ -1,12 +1,14 @@
-"""The ids a driver has seen, held compactly: 24 bytes an id, however long the ids and however many.
+"""The ids a driver holds, compactly: 24 bytes an id, however long the ids and however many.
 
 A job of 100 million records reads every id once, and must tell a repeated one (launcher.inputs,
-`_unique_ids`) naming where the id was first used. A Python dict of the ids and their places costs
-about 126 bytes an id (so 12.6 GB there); this holds each id as a 128-bit hash (blake2b, two
-uint64 words: two distinct ids share one with a chance of ~1e-23 in 1e8) and its place as one
-uint64, in sorted numpy runs that merge as they grow (a log-structured index: each lookup searches
-a few runs; each id is merged about log2(n / chunk) times). Ids are added and looked up a chunk at
-a time, so the searches are numpy's, not Python's.
+`_unique_ids`) naming where the id was first used; a re-run looks every record up among the ids
+its results file holds (launcher.writer.ResultWriter.done_ids) and their input digests
+(launcher.writer.input_digest_index). A Python dict or set of the ids costs 100-180 bytes an id;
+this holds each id as a 128-bit hash (blake2b, two uint64 words: two distinct ids share one with a
+chance of ~1e-23 in 1e8) with one uint64 value, in numpy runs sorted by the first word that merge
+as they grow (a log-structured index: each lookup searches a few runs; each id is merged about
+log2(n / chunk) times). Ids are added and looked up a chunk at a time, so the searches are
+numpy's, not Python's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def id_hash(record_id: str) -> bytes:
 
 
 class IdIndex:
-    """Ids (as `id_hash`) with a uint64 each (where the id was first seen), in runs sorted by
-    their first word (ids that share it, one in 2**64 pairs, are told apart by the second)."""
+    """Ids (as `id_hash`) with a value each (a uint64 below 2**63), in runs sorted by their first
+    word (ids that share it, one in 2**64 pairs, are told apart by the second)."""
 
     def __init__(self):
         self.runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (word 1, word 2, value), sorted
@@ -55,7 +57,7 @@ class IdIndex:
         return found
 
     def add(self, h1: np.ndarray, h2: np.ndarray, values: np.ndarray) -> None:
-        """Adds ids that are not held yet (the caller looked them up), as one run, then merges
+        """Adds ids as one run (an id held already: `find` gives its newest value), then merges
         the newest runs while the one before is at most twice the size."""
         if not len(h1):
             return

@@ -12,6 +12,7 @@ atomically, so a reader sees the old or the new file, never half of one.
 
 from __future__ import annotations
 
+import array
 import datetime
 import errno
 import functools
@@ -24,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from msinfer.launcher.errors import OutputError
 from msinfer.launcher.idset import IdSet
@@ -665,7 +668,8 @@ class Stats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cut: int = 0                      # done records that stopped at their length limit (finish_reason "length")
-    ttft_s: list[float] = field(default_factory=list)
+    # every record's time to first token, 8 bytes each (a list of floats would take 32)
+    ttft_s: array.array = field(default_factory=lambda: array.array("d"))
 
     def count(self, failed: bool, prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None,
               cut: bool = False):
@@ -698,12 +702,8 @@ class Stats:
         }
 
 
-def _percentile(xs: list[float], q: float) -> float | None:
+def _percentile(xs: array.array, q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not xs:
         return None
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 4)
+    return round(float(np.percentile(np.frombuffer(xs, np.float64), q)), 4)

@@ -186,7 +186,7 @@ def merge_job(spec) -> dict:
     if shard is None:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
                         "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
-    ids = [r.id for r in read_records(spec.input.path)]
+    ids = (r.id for r in read_records(spec.input.path))       # (read as the merge asks: none are held)
     return merge_shards(ids, spec.output.path, shard[1], result_id_key(resolve_output_format(spec)))
 
 

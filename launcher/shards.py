@@ -17,6 +17,8 @@ names the missing and the duplicated ids and writes nothing.
 
 from __future__ import annotations
 
+import array
+import itertools
 import os
 import zlib
 from pathlib import Path
@@ -24,7 +26,8 @@ from pathlib import Path
 from msinfer.launcher.errors import OutputError, SpecError
 from msinfer.launcher.inputs import input_files, read_records
 from msinfer.launcher.spec import parse_shard
-from msinfer.launcher.writer import input_line, inputs_path, read_input_digests, result_id
+from msinfer.launcher.idset import IdSet
+from msinfer.launcher.writer import inputs_path, result_id
 
 SHOWN = 10          # ids named in a merge's report, of each kind
 
@@ -111,55 +114,137 @@ def check_shard_by(spec) -> None:
                         f"every file and takes its records by id)")
 
 
-def merge_shards(input_ids: list[str], output_path: str, n: int, id_key: str) -> dict:
-    """Checks that every input id has exactly one line across the N shards' results files, then
-    writes them to output_path in input order (atomically). A line that is not a whole result (a
-    crash's partial last line) is no line. Returns counts; raises OutputError naming the missing
-    and duplicated ids, or a shard file that is not there."""
+def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
+    """Checks that every input id (an iterable, in input order) has exactly one line across the N
+    shards' results files, then writes them to output_path in input order (atomically), and the
+    shards' `<output>.inputs` beside it. A line that is not a whole result (a crash's partial last
+    line) is no line. Returns counts; raises OutputError naming the missing, duplicated and
+    foreign ids, or a shard file that is not there, and writes nothing then.
+
+    Nothing here grows with the results' size: each line's place is held as the id's hash with
+    (shard, line number) in an index (launcher.idset) and each line's byte offset in an array,
+    about 32 bytes a record, and the lines are copied from the shards' files as the input's order
+    asks for them."""
     if "{shard}" in output_path:
         raise SpecError(f"output.path {output_path}: the merged file's path has {{shard}} in it; set "
                         f"--set output.path=<merged file>, and the shards are found from the spec's")
-    lines: dict[str, bytes] = {}
-    seen: dict[str, list[str]] = {}
-    for k in range(n):
-        path = shard_path(output_path, k, n)
+    paths = [shard_path(output_path, k, n) for k in range(n)]
+    where, starts = IdSet(), []         # (shard << 40) | line number, by id; each shard's lines' offsets
+    doubled: dict[str, list[int]] = {}  # the places of an id found on more than one line
+    distinct = 0
+
+    def place(v: int) -> str:
+        return f"{Path(paths[v >> 40]).name}:{v & (1 << 40) - 1}"
+
+    def add(ids: list[str], values: list[int]) -> None:
+        nonlocal distinct
+        fresh: dict[str, int] = {}
+        for rid, v, before in zip(ids, values, where.lookup(ids)):
+            before = before if before >= 0 else fresh.get(rid)
+            if before is not None:
+                doubled.setdefault(rid, [before]).append(v)
+            else:
+                fresh[rid] = v
+        where.update(list(fresh), list(fresh.values()))
+        distinct += len(fresh)
+
+    for k, path in enumerate(paths):
+        offsets, ids, values, offset = array.array("Q"), [], [], 0
         try:
             with open(path, "rb") as f:
                 for number, line in enumerate(f, 1):
+                    offsets.append(offset)
+                    offset += len(line)
                     rid = result_id(line, id_key)
                     if rid is None:         # a blank line, or a crash's partial last one: not a result
                         continue
-                    seen.setdefault(rid, []).append(f"{Path(path).name}:{number}")
-                    lines[rid] = line
+                    ids.append(rid)
+                    values.append((k << 40) | number)
+                    if len(ids) >= MERGE_CHUNK:
+                        add(ids, values)
+                        ids, values = [], []
         except FileNotFoundError:
             raise OutputError(f"{path}: shard {k} of {n} has no results file; run it (input.shard: {k}/{n})") from None
-    wanted = set(input_ids)
-    missing = [i for i in input_ids if i not in seen]
-    doubled = {i: where for i, where in seen.items() if len(where) > 1}
-    foreign = [i for i in seen if i not in wanted]
-    if missing or doubled or foreign:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} record(s) have no line: {', '.join(missing[:SHOWN])}"
-                         + (" ..." if len(missing) > SHOWN else "") + " (run their shards again to resume them)")
-        if doubled:
-            parts.append(f"{len(doubled)} record(s) have more than one line: "
-                         + ", ".join(f"{i} ({' and '.join(w)})" for i, w in list(doubled.items())[:SHOWN])
-                         + (" ..." if len(doubled) > SHOWN else ""))
-        if foreign:
-            parts.append(f"{len(foreign)} line(s) name records the input does not have: {', '.join(foreign[:SHOWN])}")
-        raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
-                          f"{len(input_ids)} records exactly once: " + "; ".join(parts) + ". Nothing was written")
-    digests: dict[str, str] = {}
-    for k in range(n):
-        digests.update(read_input_digests(shard_path(output_path, k, n)))
+        add(ids, values)
+        starts.append(offsets)
+
     tmp = f"{output_path}.merging"
-    with open(tmp, "wb") as out, open(inputs_path(output_path), "wb") as inputs:
-        for rid in input_ids:
-            out.write(lines[rid])
-            if rid in digests:          # (the shards' own `<output>.inputs`, for a re-run on the merged file)
-                inputs.write(input_line(rid, digests[rid].rstrip("!"), digests[rid].endswith("!")))
-        out.flush()
-        os.fsync(out.fileno())
+    missing, total, matched, wanted = [], 0, 0, IdSet()
+    shards = [open(path, "rb") for path in paths]
+    try:
+        with open(tmp, "wb") as out:
+            input_ids = iter(input_ids)
+            while chunk := list(itertools.islice(input_ids, MERGE_CHUNK)):
+                total += len(chunk)
+                wanted.update(chunk)
+                for rid, v in zip(chunk, where.lookup(chunk)):
+                    if v < 0:
+                        missing.append(rid)
+                        continue
+                    matched += 1
+                    if not missing and not doubled:
+                        f = shards[v >> 40]
+                        f.seek(starts[v >> 40][(v & (1 << 40) - 1) - 1])
+                        out.write(f.readline())
+            foreign = _foreign(paths, id_key, wanted) if distinct > matched else []
+            if missing or doubled or foreign:
+                parts = []
+                if missing:
+                    parts.append(f"{len(missing)} record(s) have no line: {', '.join(missing[:SHOWN])}"
+                                 + (" ..." if len(missing) > SHOWN else "") + " (run their shards again to resume them)")
+                if doubled:
+                    parts.append(f"{len(doubled)} record(s) have more than one line: "
+                                 + ", ".join(f"{i} ({' and '.join(map(place, w))})" for i, w in list(doubled.items())[:SHOWN])
+                                 + (" ..." if len(doubled) > SHOWN else ""))
+                if foreign:
+                    parts.append(f"{distinct - matched} line(s) name records the input does not have: "
+                                 f"{', '.join(foreign[:SHOWN])}")
+                raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
+                                  f"{total} records exactly once: " + "; ".join(parts) + ". Nothing was written")
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        for f in shards:
+            f.close()
+    with open(inputs_path(output_path), "wb") as inputs:     # (the shards' digests, for a re-run on the merged file)
+        for path in paths:
+            _copy_whole_lines(inputs_path(path), inputs)
     os.replace(tmp, output_path)
-    return {"records": len(input_ids), "shards": n, "path": output_path}
+    return {"records": total, "shards": n, "path": output_path}
+
+
+MERGE_CHUNK = 4096
+
+
+def _foreign(paths: list[str], id_key: str, wanted: IdSet) -> list[str]:
+    """The first SHOWN ids of the shards' lines that the input does not have."""
+    found: list[str] = []
+    for path in paths:
+        with open(path, "rb") as f:
+            lines = (rid for line in f if (rid := result_id(line, id_key)) is not None)
+            while part := list(itertools.islice(lines, MERGE_CHUNK)):
+                found += [rid for rid, v in zip(part, wanted.lookup(part)) if v < 0]
+                if len(found) >= SHOWN:
+                    return found[:SHOWN]
+    return found
+
+
+def _copy_whole_lines(source: Path, out) -> None:
+    """A shard's `<output>.inputs` into the merged one's, whole lines only (a crash may have cut
+    its last), so that one shard's partial line cannot join the next shard's first."""
+    try:
+        f = open(source, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        whole = out.tell()              # where the last whole line copied ends
+        while block := f.read(1 << 20):
+            out.write(block)
+            if (cut := block.rfind(b"\n")) >= 0:
+                whole = out.tell() - len(block) + cut + 1
+    out.truncate(whole)
+    out.seek(whole)

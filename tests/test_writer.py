@@ -337,6 +337,8 @@ def test_each_result_s_input_digest_is_kept_beside_it_the_last_one_for_an_id_cou
             for i in ids:
                 if in_shard(i, k, 2):
                     w.write_line(i, json.dumps(ok_result(i, [1], "x", "stop", 1)), f"d{i}")
+    with open(inputs_path(shard_path(out, 0, 2)), "ab") as f:
+        f.write(b'00dd\t0\t"r')                      # a crash's partial line, which must not join the next shard's
     merge_shards(ids, out, 2, "id")
     assert read_input_digests(out) == {i: f"d{i}" for i in ids}
 
@@ -420,6 +422,11 @@ def test_merge_writes_the_shards_in_input_order_or_names_what_is_missing_and_dou
     assert f"1 record(s) have more than one line: {json.loads(kept[1])['id']} (results.0-of-3.jsonl:1 and " \
            f"results.0-of-3.jsonl:{len(kept)})" in str(e.value)
     assert not os.path.exists(out)
+    open(first, "w").writelines(kept + [json.dumps({"id": "stray", "k": 0}) + "\n"])
+    with pytest.raises(UserError, match=r"do not hold each of the input's 20 records exactly once: 1 line\(s\) name "
+                                        r"records the input does not have: stray. Nothing was written"):
+        merge_shards(iter(ids), out, 3, "id")
+    assert not os.path.exists(out) and not os.path.exists(f"{out}.merging")
     os.remove(shard_path(out, 2, 3))
     with pytest.raises(UserError, match=r"results.2-of-3.jsonl: shard 2 of 3 has no results file"):
         merge_shards(ids, out, 3, "id")

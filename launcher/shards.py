@@ -24,9 +24,9 @@ import zlib
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError, SpecError
+from msinfer.launcher.idset import IdSet
 from msinfer.launcher.inputs import input_files, read_records
 from msinfer.launcher.spec import parse_shard
-from msinfer.launcher.idset import IdSet
 from msinfer.launcher.writer import inputs_path, result_id
 
 SHOWN = 10          # ids named in a merge's report, of each kind

@@ -14,10 +14,31 @@ numpy's, not Python's.
 from __future__ import annotations
 
 import hashlib
+import itertools
+from typing import Iterable, Iterator
 
 import numpy as np
 
 EMPTY = np.zeros(0, np.uint64)
+CHUNK = 4096        # records looked up at a time
+
+
+def place(number: int, line: int) -> int:
+    """Where a line is, as one value: its file's number and its line number (below 2**40)."""
+    return (number << 40) | line
+
+
+def unplace(value: int) -> tuple[int, int]:
+    """`place`'s (file number, line number)."""
+    return value >> 40, value & (1 << 40) - 1
+
+
+def chunks(items: Iterable, size: int | None = None) -> Iterator[list]:
+    """`items` in lists of `size` (CHUNK, as it is when the iteration starts), read as they are
+    asked for."""
+    items, size = iter(items), size or CHUNK
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
 
 
 def id_hash(record_id: str) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from msinfer.launcher.errors import InputError
-from msinfer.launcher.idset import IdIndex, id_hash, words
+from msinfer.launcher.idset import IdIndex, chunks, id_hash, place, unplace, words
 from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from msinfer.launcher.spec import INPUT_SUFFIXES, SYNONYMS, SamplingSpec, is_pattern
 from msinfer.launcher.tools import ToolUse, check_message_calls, check_tools, tool_schema, tool_use
@@ -257,9 +257,9 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
     # never takes the duplicate's error for the first record's result, and a re-run names it alike.
     # Each id's place is held for every record read, compactly (launcher.idset: 24 bytes an id), a
     # chunk of records at a time.
-    index, sources = IdIndex(), {"": 0}     # a place: (its file's number << 40) | its line
-    names, records = [""], iter(records)
-    while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+    index, sources = IdIndex(), {"": 0}     # a record's place (launcher.idset.place): its file's number, its line
+    names = [""]
+    for chunk in chunks(records):
         keys = [id_hash(r.id) for r in chunk]
         held = index.find(*words(keys)).tolist()
         fresh: dict[bytes, int] = {}            # this chunk's ids (`id_hash`): their places
@@ -267,8 +267,9 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
             if seen < 0:
                 seen = fresh.get(key, -1)
             if seen >= 0:
-                source, line = names[seen >> 40], seen & (1 << 40) - 1
-                error = f"{r.at(unit)}: id '{r.id}' was already used on {location(source, line, unit)}; ids must be unique"
+                file, line = unplace(seen)
+                error = (f"{r.at(unit)}: id '{r.id}' was already used on {location(names[file], line, unit)}; ids must "
+                         f"be unique")
                 where = line_id(r.source, r.line)
                 rid, k = f"{r.id}@{where}", 1
                 while (key := id_hash(rid)) in fresh or index.find(*words(key))[0] >= 0:
@@ -279,12 +280,9 @@ def _unique_ids(records: Iterator[Record], unit: str) -> Iterator[Record]:
             if number is None:
                 number = sources[r.source] = len(names)
                 names.append(r.source)
-            fresh[key] = (number << 40) | r.line
+            fresh[key] = place(number, r.line)
             yield r
         index.add(*words(b"".join(fresh)), np.fromiter(fresh.values(), np.uint64, len(fresh)))
-
-
-UNIQUE_CHUNK = 4096
 
 
 def _lines(path: Path, source: str = "") -> Iterator[tuple[int, str, str | None]]:
@@ -693,8 +691,8 @@ def _fill_tools(rec: Record, obj: dict, tools: Any = None) -> str | None:
     if rec.tool_use is None or rec.tool_use.choice == "auto":
         return None
     if rec.sampling.get("structured_outputs") is not None:
-        which = f"'{choice}'" if isinstance(choice, str) else f"naming the function {rec.tool_use.name!r}"
-        return f"tool_choice {which} constrains the output to tool calls, and so does its structured output; give one"
+        return (f"tool_choice {rec.tool_use.said()} constrains the output to tool calls, and so does its structured "
+                f"output; give one")
     try:
         rec.sampling["structured_outputs"] = {"json": tool_schema(tools, rec.tool_use)}
     except ValueError as e:

@@ -21,8 +21,8 @@ from pathlib import Path
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.embed import resolve_pooling
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
-from msinfer.launcher.idset import IdSet
-from msinfer.launcher.inputs import (UNIQUE_CHUNK, check_chat, check_input, expected_length, file_label, input_files,
+from msinfer.launcher.idset import IdSet, chunks
+from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
@@ -802,8 +802,7 @@ class JobRun:
     def new_records(self, records):
         """The records whose results are not in the results file yet (done_ids, looked up a
         chunk at a time)."""
-        records = iter(records)
-        while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+        for chunk in chunks(records):
             held = self.done_ids.lookup([rec.id for rec in chunk])
             for rec, seen in zip(chunk, held):
                 if seen >= 0:
@@ -1158,8 +1157,7 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
     if not len(before):
         return frozenset()
     changed = []                        # (id, its file's name, line): not whole records, of which there may be many
-    records = shard_input(spec)
-    while chunk := list(itertools.islice(records, UNIQUE_CHUNK)):
+    for chunk in chunks(shard_input(spec)):
         for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
             if old < 0 or old == DIGEST_DROPPED or rec.digest is None or (retry_failed and old & 1):
                 continue

@@ -242,11 +242,9 @@ class RecordCodec:
         vLLM needs --tool-call-parser), and keeps special tokens in its text: the call tags are
         special tokens in some tokenizers (vLLM's hermes parser does the same)."""
         if self.tool_parser is None:
-            use = rec.tool_use
-            choice = f"'{use.choice}'" if use.choice != "named" else f"naming the function {use.name!r}"
-            raise RecordError(f"record '{rec.id}': tool_choice {choice} needs output.tool_call_parser in the job "
-                              f"spec (the model's: hermes, llama3_json, deepseek_v3, deepseek_v31 or qwen3_coder), as "
-                              f"vLLM needs --tool-call-parser; or tool_choice 'none'")
+            raise RecordError(f"record '{rec.id}': tool_choice {rec.tool_use.said()} needs output.tool_call_parser "
+                              f"in the job spec (the model's: hermes, llama3_json, deepseek_v3, deepseek_v31 or "
+                              f"qwen3_coder), as vLLM needs --tool-call-parser; or tool_choice 'none'")
         return dataclasses.replace(sampling, skip_special_tokens=False)
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:

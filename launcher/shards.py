@@ -18,13 +18,12 @@ names the missing and the duplicated ids and writes nothing.
 from __future__ import annotations
 
 import array
-import itertools
 import os
 import zlib
 from pathlib import Path
 
 from msinfer.launcher.errors import OutputError, SpecError
-from msinfer.launcher.idset import IdSet
+from msinfer.launcher.idset import CHUNK, IdSet, chunks, place, unplace
 from msinfer.launcher.inputs import input_files, read_records
 from msinfer.launcher.spec import parse_shard
 from msinfer.launcher.writer import inputs_path, result_id
@@ -129,12 +128,13 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
         raise SpecError(f"output.path {output_path}: the merged file's path has {{shard}} in it; set "
                         f"--set output.path=<merged file>, and the shards are found from the spec's")
     paths = [shard_path(output_path, k, n) for k in range(n)]
-    where, starts = IdSet(), []         # (shard << 40) | line number, by id; each shard's lines' offsets
+    where, starts = IdSet(), []         # each id's place (launcher.idset.place: shard, line); each shard's lines' offsets
     doubled: dict[str, list[int]] = {}  # the places of an id found on more than one line
     distinct = 0
 
-    def place(v: int) -> str:
-        return f"{Path(paths[v >> 40]).name}:{v & (1 << 40) - 1}"
+    def named(v: int) -> str:
+        k, line = unplace(v)
+        return f"{Path(paths[k]).name}:{line}"
 
     def add(ids: list[str], values: list[int]) -> None:
         nonlocal distinct
@@ -159,8 +159,8 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
                     if rid is None:         # a blank line, or a crash's partial last one: not a result
                         continue
                     ids.append(rid)
-                    values.append((k << 40) | number)
-                    if len(ids) >= MERGE_CHUNK:
+                    values.append(place(k, number))
+                    if len(ids) >= CHUNK:
                         add(ids, values)
                         ids, values = [], []
         except FileNotFoundError:
@@ -173,8 +173,7 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
     shards = [open(path, "rb") for path in paths]
     try:
         with open(tmp, "wb") as out:
-            input_ids = iter(input_ids)
-            while chunk := list(itertools.islice(input_ids, MERGE_CHUNK)):
+            for chunk in chunks(input_ids):
                 total += len(chunk)
                 wanted.update(chunk)
                 for rid, v in zip(chunk, where.lookup(chunk)):
@@ -183,9 +182,9 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
                         continue
                     matched += 1
                     if not missing and not doubled:
-                        f = shards[v >> 40]
-                        f.seek(starts[v >> 40][(v & (1 << 40) - 1) - 1])
-                        out.write(f.readline())
+                        k, line = unplace(v)
+                        shards[k].seek(starts[k][line - 1])
+                        out.write(shards[k].readline())
             foreign = _foreign(paths, id_key, wanted) if distinct > matched else []
             if missing or doubled or foreign:
                 parts = []
@@ -194,7 +193,8 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
                                  + (" ..." if len(missing) > SHOWN else "") + " (run their shards again to resume them)")
                 if doubled:
                     parts.append(f"{len(doubled)} record(s) have more than one line: "
-                                 + ", ".join(f"{i} ({' and '.join(map(place, w))})" for i, w in list(doubled.items())[:SHOWN])
+                                 + ", ".join(f"{i} ({' and '.join(map(named, w))})"
+                                             for i, w in list(doubled.items())[:SHOWN])
                                  + (" ..." if len(doubled) > SHOWN else ""))
                 if foreign:
                     parts.append(f"{distinct - matched} line(s) name records the input does not have: "
@@ -217,16 +217,12 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
     return {"records": total, "shards": n, "path": output_path}
 
 
-MERGE_CHUNK = 4096
-
-
 def _foreign(paths: list[str], id_key: str, wanted: IdSet) -> list[str]:
     """The first SHOWN ids of the shards' lines that the input does not have."""
     found: list[str] = []
     for path in paths:
         with open(path, "rb") as f:
-            lines = (rid for line in f if (rid := result_id(line, id_key)) is not None)
-            while part := list(itertools.islice(lines, MERGE_CHUNK)):
+            for part in chunks(rid for line in f if (rid := result_id(line, id_key)) is not None):
                 found += [rid for rid, v in zip(part, wanted.lookup(part)) if v < 0]
                 if len(found) >= SHOWN:
                     return found[:SHOWN]

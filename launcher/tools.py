@@ -54,6 +54,10 @@ class ToolUse:
     parallel: bool = True           # OpenAI's parallel_tool_calls: false keeps the first call only
     tools: tuple = ()               # the record's tools (qwen3_coder types a call's values by their schemas)
 
+    def said(self) -> str:
+        """The tool choice as messages name it: 'required', or naming the function 'f'."""
+        return f"'{self.choice}'" if self.choice != "named" else f"naming the function {self.name!r}"
+
 
 def check_tools(tools: Any, choice: Any, parallel: Any = None) -> tuple[list | None, Any, str | None]:
     """A record's tools, tool_choice and parallel_tool_calls, checked as vLLM's

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from msinfer.launcher.errors import OutputError
-from msinfer.launcher.idset import IdSet
+from msinfer.launcher.idset import IdSet, chunks
 
 
 # what marks an error result in a line as msinfer writes it: `"error": {` (its own format) or a
@@ -91,14 +91,10 @@ def input_digest_index(output: str | Path) -> IdSet:
     """What `read_input_digests` reads, held compactly (launcher.idset), as each id's value: its
     digest's first 61 bits, shifted left by one, with 1 added where its line is an error
     (`digest_value`); DIGEST_DROPPED where its line was dropped since."""
-    index, batch, values = IdSet(), [], []
-    for rid, digest, failed in _input_lines(output):
-        batch.append(rid)
-        values.append(DIGEST_DROPPED if digest is None else digest_value(digest, failed))
-        if len(batch) >= 65536:
-            index.update(batch, values)
-            batch, values = [], []
-    index.update(batch, values)
+    index = IdSet()
+    for chunk in chunks(_input_lines(output)):
+        index.update([rid for rid, _, _ in chunk], [DIGEST_DROPPED if digest is None else digest_value(digest, failed)
+                                                    for _, digest, failed in chunk])
     return index
 
 

@@ -209,11 +209,11 @@ def _mkdir(path):
 
 
 def test_records_are_read_lazily(tmp_path):
-    """Records are read a chunk at a time (launcher.inputs.UNIQUE_CHUNK, where their ids are
+    """Records are read a chunk at a time (launcher.idset.CHUNK, where their ids are
     checked), not with the file's first record: a line rewritten in place after the first record
     was served, a chunk and 4 MB on (past any read-ahead), is read as rewritten."""
-    from msinfer.launcher.inputs import UNIQUE_CHUNK
-    chunk = [{"id": f"r{i}", "prompt": "a"} for i in range(UNIQUE_CHUNK)]
+    from msinfer.launcher.idset import CHUNK
+    chunk = [{"id": f"r{i}", "prompt": "a"} for i in range(CHUNK)]
     path = jsonl(tmp_path, [*chunk, {"id": "big", "prompt": "x" * 4_000_000}, {"id": "last", "prompt": "old"}])
     it = read_records(path)
     assert isinstance(first := next(it), Record) and first.id == "r0"
@@ -222,7 +222,7 @@ def test_records_are_read_lazily(tmp_path):
         f.seek(data.rindex(b'"old"'))
         f.write(b'"new"')
     *read, big, last = it
-    assert len(read) == UNIQUE_CHUNK - 1 and big.prompt == "x" * 4_000_000 and (last.id, last.prompt) == ("last", "new")
+    assert len(read) == CHUNK - 1 and big.prompt == "x" * 4_000_000 and (last.id, last.prompt) == ("last", "new")
 
 
 def test_every_renamed_duplicate_gets_an_id_no_other_record_has(tmp_path):
@@ -384,7 +384,8 @@ def test_a_repeated_id_is_found_across_chunks_as_a_set_of_the_ids_finds_it(monke
     pool = [f"q{i}" for i in range(60)] + ["q3@b.jsonl:4", "q3@4"]
     records = [Record(id=rng.choice(pool), line=n, source=rng.choice(["", "a.jsonl", "b.jsonl"]))
                for n in range(1, 400)]
-    monkeypatch.setattr(inputs, "UNIQUE_CHUNK", 7)
+    from msinfer.launcher import idset
+    monkeypatch.setattr(idset, "CHUNK", 7)
     got = list(inputs._unique_ids(iter(records), "line"))
     want = list(reference(iter(records), "line"))
     assert [(r.id, r.error) for r in got] == [(r.id, r.error) for r in want]

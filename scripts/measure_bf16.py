@@ -48,6 +48,17 @@ class Call:
             raise RuntimeError("the kernel refused its arguments")
 
 
+def timed(calls, repeats: int) -> float:
+    """Seconds of one pass over `calls`, the median of `repeats` passes."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=16)
@@ -76,15 +87,6 @@ def main() -> None:
         panels, pairs = panels[:len(LAYER)] * 30, pairs[:len(LAYER)] * 30
     flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30
 
-    def timed(calls) -> float:
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for call in calls:
-                call()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     print(f"{M} rows, AVX512-BF16 {'yes' if dot else 'no'}, weights {'in cache' if args.in_cache else 'from memory'}")
     for r in range(args.rounds):
         ways = [("bfloat16 panels, float32 FMAs", None, panels), ("bfloat16 pairs, VDPBF16PS", True, pairs),
@@ -95,7 +97,7 @@ def main() -> None:
                 continue
             if on is not None:
                 set_bf16_dot(on)
-            s = timed(calls)
+            s = timed(calls, args.repeats)
             parts.append(f"{name} {s * 1e3:.2f} ms ({flops / s / 1e9:.0f} GFLOP/s)")
         set_bf16_dot(dot)
         print(f"round {r + 1}: " + "; ".join(parts))

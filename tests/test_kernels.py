@@ -744,11 +744,14 @@ def _rotate(x, cos, sin):
 @pytest.mark.parametrize("dtype,tol,cache", [(np.float32, 1e-5, None), (np.float16, 4e-3, None),
                                              (np.float32, 1e-5, "bfloat16")])
 @pytest.mark.parametrize("H,KV,D,qk_norm", [(6, 2, 64, False), (8, 2, 24, True), (5, 1, 128, False)])
+@pytest.mark.parametrize("bs", [4, 16])
 def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kernels, H, KV, D, qk_norm, dtype, tol,
-                                                                           cache):
+                                                                           cache, bs):
     """One step as the runner packs it: a prompt's chunk of 21 tokens (positions 5-25, a 16-token
     tile and a 5-token one) after 5 cached positions, three decode tokens with 40, 1 and 70
-    positions, and a padding token; caches paged in blocks of 4 in shuffled order. The kernel
+    positions, and a padding token; caches paged in blocks of `bs` in shuffled order (a decode
+    token reads a block's positions 8 at a time: blocks of 4 give runs of 4, blocks of 16 runs
+    of 8 and the tails of 40 and 70 positions, 2 blocks ahead past the last). The kernel
     norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends. A bfloat16
     cache (uint16 bits: a job computing in bfloat16) takes k and v rounded to the nearest
     bfloat16 and is read widened: the result is the float64 one over the values it holds, and
@@ -756,8 +759,9 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
     which float32's rotary may put on the other side: those within one bfloat16 step)."""
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
     rng = np.random.default_rng(H * D)
-    bs, eps, blocks = 4, 1e-6, 80
-    tables = rng.permutation(blocks - 1).astype(np.int32)[:76].reshape(4, 19)   # block 79: scratch
+    eps, per_seq = 1e-6, -(-70 // bs)
+    blocks = 4 * per_seq + 4
+    tables = rng.permutation(blocks - 1).astype(np.int32)[:4 * per_seq].reshape(4, per_seq)   # the last: scratch
     kc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
     vc = rng.standard_normal((blocks * bs * KV, D)).astype(dtype)
     if cache == "bfloat16":

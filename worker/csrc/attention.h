@@ -71,9 +71,9 @@ template <typename T, typename C = T>
 struct PagedAttention {
   static constexpr int64_t QT = 16;   // query tokens of one sequence computed together (a prefill tile)
   static constexpr int kShared = 4;   // query heads of a KV head that weigh its values together
-  // How far ahead a decode token's 16-position loops ask for K and V rows: at 16, about one
-  // loop's work, the rows came late (docs/benchmarks.md); 48 measured slower than 32.
-  static constexpr int64_t kAheadRows = 32;
+  // How many blocks ahead a decode token asks for its K and V blocks: 2 measured faster than 3
+  // for a float32 cache (alternating rounds, scripts/measure_attention.py), 1 and 4 no faster.
+  static constexpr int64_t kAheadBlocks = 2;
 
   const T* q;                         // the rotated queries, in `out` (see write())
   const C *kc, *vc;
@@ -134,33 +134,77 @@ struct PagedAttention {
     }
   }
 
-  // Query heads q0..q0+R-1 (of one KV head) add 16 positions' values (rows v[t] + off) weighted
-  // by their scores (s [H][len] from the first of them) to their sums acc [H][D]: each value read
-  // (and widened from a bfloat16 cache) once for the R heads. Per head, the even positions and
-  // the odd ones in two sums added at the end, for two FMA chains a head.
-  template <int R>
-  void weigh_values(int64_t q0, const C* const* v, std::ptrdiff_t off, const float* s, int64_t len,
-                    float* acc) const {
+  // A decode token reads its cache rows block by block: the positions of a block are consecutive
+  // slots, so their rows for one KV head lie `stride` = KV * D values apart and a loop over them
+  // holds one pointer (through a pointer per position, as a prefill tile reads them, the decode
+  // loops kept 16 of them in spilled registers).
+
+  // Scores of GC query heads (q: their rows [GC][D], scaled) over P consecutive positions of a
+  // block (k: the first's row of their KV head) into s[g * ls + t]: each K vector is read (and
+  // widened from a bfloat16 cache) once for the GC heads.
+  template <int P, int GC>
+  static void block_scores(const float* q, int64_t D, const C* k, int64_t stride, float* s, int64_t ls) {
+    v16 acc[GC][P];
+#pragma GCC unroll 4
+    for (int g = 0; g < GC; ++g)
+#pragma GCC unroll 8
+      for (int t = 0; t < P; ++t) acc[g][t] = v16{};
     for (int64_t d = 0; d < D; d += 16) {
-      v16 e[R][2];
+      v16 qd[GC];
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) qd[g] = loadv(q + g * D + d);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) e[r][0] = loadv(acc + (q0 + r) * D + d), e[r][1] = v16{};
-#pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t) {
-        const v16 x = loadv(v[t] + off + d);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) e[r][t % 2] += s[(q0 + r) * len + t] * x;
+      for (int t = 0; t < P; ++t) {
+        const v16 x = loadv(k + t * stride + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) acc[g][t] += qd[g] * x;
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) storev(acc + (q0 + r) * D + d, e[r][0] + e[r][1]);
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < GC; ++g) sum8<P>(acc[g], s + g * ls);
   }
 
-  // One token (a decode step's), all its H query heads over its `len` positions. The KV heads
-  // of a position are one contiguous [KV][D] row block, so K and V are each read in one pass.
+  // R query heads add the values of a block's nb positions (v: the first's row of their KV head,
+  // offset to 16 CV values of D) weighted by their scores (s: head r's at s + r * ls) to their
+  // sums (acc: head r's at acc + r * D), which stay in registers over the block.
+  template <int R, int CV>
+  static void block_values(const float* s, int64_t ls, const C* v, int64_t stride, int64_t nb, float* acc,
+                           int64_t D) {
+    v16 e[R][CV];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) e[r][c] = loadv(acc + r * D + 16 * c);
+    for (int64_t t = 0; t < nb; ++t) {
+      v16 x[CV];
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) x[c] = loadv(v + t * stride + 16 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float w = s[r * ls + t];
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) e[r][c] += w * x[c];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) storev(acc + r * D + 16 * c, e[r][c]);
+  }
+
+  // Share `unit` of `units` of a block's `bytes` (whole lines), asked for into L2: each piece of
+  // a block's work asks for a share of the block kAheadBlocks on (the hardware prefetcher
+  // follows the rows within a block, not the jump to another).
+  static void prefetch_share(const void* block, int64_t bytes, int64_t unit, int64_t units) {
+    if (block == nullptr) return;
+    const int64_t lines = (bytes + 63) / 64, from = lines * unit / units, to = lines * (unit + 1) / units;
+    for (int64_t l = from; l < to; ++l) __builtin_prefetch(static_cast<const char*>(block) + l * 64, 0, 1);
+  }
+
+  // One token (a decode step's), all its H query heads over its `len` positions: the scores
+  // block by block, their softmax, then the values block by block. Each K and V row is read once.
   void one(int64_t n) const {
     thread_local std::vector<float> qv, acc, s;
-    thread_local std::vector<const C*> krow;
     T* o = out + n * H * D;
     const int64_t len = lens[n];
     if (len <= 0) {
@@ -171,36 +215,65 @@ struct PagedAttention {
     acc.assign(H * D, 0.f);
     s.resize(H * len);
     for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
+    if (D % 16 != 0) {
+      one_by_rows(n, len, qv.data(), s.data(), acc.data());
+    } else {
+      const int32_t* table = tables + static_cast<int64_t>(rows[n]) * MB;
+      const int64_t stride = KV * D, blocks = (len + bs - 1) / bs;
+      const int64_t block_bytes = bs * stride * static_cast<int64_t>(sizeof(C));
+      auto block = [&](const C* cache, int64_t b) { return cache + static_cast<int64_t>(table[b]) * bs * stride; };
+      for (int64_t b = 0; b < std::min(kAheadBlocks, blocks); ++b) prefetch_share(block(kc, b), block_bytes, 0, 1);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = b * bs, nb = std::min(bs, len - j0), units = (nb + 7) / 8 * KV;
+        const C* kb = block(kc, b);
+        const int64_t a = b + kAheadBlocks;
+        const C* next = a < blocks ? block(kc, a) : a - blocks < blocks ? block(vc, a - blocks) : nullptr;
+        for (int64_t t0 = 0, unit = 0; t0 < nb; t0 += 8)
+          for (int64_t h = 0; h < KV; ++h, ++unit) {
+            prefetch_share(next, block_bytes, unit, units);
+            for (int64_t g0 = 0; g0 < G; g0 += 3)
+              with_count<8>(std::min<int64_t>(8, nb - t0), [&](auto p) {
+                with_count<3>(std::min<int64_t>(3, G - g0), [&](auto gc) {
+                  block_scores<p, gc>(qv.data() + (h * G + g0) * D, D, kb + t0 * stride + h * D, stride,
+                                      s.data() + (h * G + g0) * len + j0 + t0, len);
+                });
+              });
+          }
+      }
+      softmax_rows(s.data(), H, len);
+      const int64_t groups = (G + kShared - 1) / kShared, chunks = (D + 63) / 64;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = b * bs, nb = std::min(bs, len - j0), units = KV * groups * chunks;
+        const C* vb = block(vc, b);
+        const C* next = b + kAheadBlocks < blocks ? block(vc, b + kAheadBlocks) : nullptr;
+        for (int64_t h = 0, unit = 0; h < KV; ++h)
+          for (int64_t g0 = 0; g0 < G; g0 += kShared)
+            for (int64_t c0 = 0; c0 < D; c0 += 64, ++unit) {
+              prefetch_share(next, block_bytes, unit, units);
+              with_count<kShared>(std::min<int64_t>(kShared, G - g0), [&](auto r) {
+                with_count<4>(std::min<int64_t>(4, (D - c0) / 16), [&](auto cv) {
+                  block_values<r, cv>(s.data() + (h * G + g0) * len + j0, len, vb + h * D + c0, stride, nb,
+                                      acc.data() + (h * G + g0) * D + c0, D);
+                });
+              });
+            }
+      }
+    }
+    for (int64_t i = 0; i < H * D; ++i) o[i] = static_cast<T>(acc[i]);
+  }
+
+  // `one` for a head size that is not a multiple of 16: position by position, a vector loop
+  // along D for each query head.
+  void one_by_rows(int64_t n, int64_t len, const float* qv, float* s, float* acc) const {
+    thread_local std::vector<const C*> krow;
     key_rows(n, 0, len, krow);
     const int64_t block_bytes = KV * D * static_cast<int64_t>(sizeof(C));
     const std::ptrdiff_t voff = vc - kc;
-    for (int64_t t = 0; t < std::min(kAheadRows, len); ++t) {   // the loops below ask kAheadRows ahead
-      prefetch(krow[t], block_bytes);
-      prefetch(krow[t] + voff, block_bytes);
-    }
-    int64_t j = 0;
-    if (D % 16 == 0) {            // 16 positions at a time: 16 dot products, summed lane-wise
-      for (; j + 16 <= len; j += 16) {
-        for (int64_t hq = 0; hq < H; ++hq) {
-          for (int64_t t = kAheadRows + hq * 16 / H; t < kAheadRows + (hq + 1) * 16 / H && j + t < len; ++t)
-            prefetch(krow[j + t], block_bytes);      // 16 positions, a share per head
-          const float* qh = qv.data() + hq * D;
-          const int64_t off = hq / G * D;
-          v16 acc[16] = {};
-          for (int64_t d = 0; d < D; d += 16) {
-            const v16 qd = loadv(qh + d);
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; ++t) acc[t] += qd * loadv(krow[j + t] + off + d);
-          }
-          storev(s.data() + hq * len + j, sum16(acc));
-        }
-      }
-    }
-    for (; j < len; ++j) {
+    for (int64_t j = 0; j < len; ++j) {
       const C* k = krow[j];
       if (j + kAhead < len) prefetch(krow[j + kAhead], block_bytes);
       for (int64_t hq = 0; hq < H; ++hq) {
-        const float* qh = qv.data() + hq * D;
+        const float* qh = qv + hq * D;
         const C* kh = k + hq / G * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -208,33 +281,18 @@ struct PagedAttention {
         s[hq * len + j] = dot;
       }
     }
-    softmax_rows(s.data(), H, len);
-    j = 0;
-    if (D % 16 == 0) {            // 16 positions at a time, the query heads of a KV head together
-      const int64_t parts = KV * ((G + kShared - 1) / kShared);
-      for (; j + 16 <= len; j += 16)
-        for (int64_t h = 0, part = 0; h < KV; ++h)
-          for (int64_t g0 = 0; g0 < G; g0 += kShared, ++part) {
-            for (int64_t t = kAheadRows + part * 16 / parts; t < kAheadRows + (part + 1) * 16 / parts && j + t < len;
-                 ++t)
-              prefetch(krow[j + t] + voff, block_bytes);          // 16 positions, a share per part
-            with_count<kShared>(std::min<int64_t>(kShared, G - g0), [&](auto heads) {
-              weigh_values<heads>(h * G + g0, krow.data() + j, voff + h * D, s.data() + j, len, acc.data());
-            });
-          }
-    }
-    for (; j < len; ++j) {
+    softmax_rows(s, H, len);
+    for (int64_t j = 0; j < len; ++j) {
       const C* v = krow[j] + voff;
       if (j + kAhead < len) prefetch(krow[j + kAhead] + voff, block_bytes);
       for (int64_t hq = 0; hq < H; ++hq) {
         const float w = s[hq * len + j];
         const C* vh = v + hq / G * D;
-        float* a = acc.data() + hq * D;
+        float* a = acc + hq * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(vh[d]);
       }
     }
-    for (int64_t i = 0; i < H * D; ++i) o[i] = static_cast<T>(acc[i]);
   }
 
   // count (<= QT) consecutive tokens n0.. of one sequence at consecutive positions (a prefill

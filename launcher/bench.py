@@ -71,6 +71,9 @@ def add_bench_parser(sub) -> None:
                    help="operators: the device's fastest (auto) or portable MindSpore primitives")
     b.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="compute dtype (auto: float32 on the CPU, the checkpoint's on Ascend)")
+    b.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                   help="the KV cache's element (model.kv_cache_dtype): bfloat16 holds a float32 job's K and V "
+                        "rounded to bfloat16, half the bytes (default auto: the compute dtype's)")
     b.add_argument("--max-model-len", default=None,
                    help="longest sequence a case may have (default: the model's max_position_embeddings)")
     b.add_argument("--max-batched-tokens", default=None, metavar="N",
@@ -161,10 +164,10 @@ class BenchPlan:
     def compute(self) -> str:
         """The compute dtype as the table's title says it: float32 on the CPU with its linear
         layers (and KV cache, EngineConfig.kv_bfloat16) in bfloat16 where model.dtype is bfloat16
-        there."""
+        there, or its KV cache alone with --kv-cache-dtype bfloat16."""
         matmuls = self.engine.matmul_dtype
         if matmuls == self.dtype:
-            return self.dtype
+            return self.dtype + self.engine.kv_named()
         return f"{self.dtype}, {self.engine.in_matmul_dtype(self.model)} in {matmuls}"
 
     def case_spec(self, case: Case):
@@ -201,12 +204,12 @@ def plan_bench(args) -> BenchPlan:
         parse_one(args.max_model_len, "--max-model-len", minimum=2)
     ep = bool(args.expert_parallel)
     try:       # the job's own resolution (plan_job's), before the cases size its spec
-        layout = resolve_layout(m, tp, pp, ep, args.device, args.dtype, args.ops)
+        layout = resolve_layout(m, tp, pp, ep, args.device, args.dtype, args.ops, kv_cache_dtype=args.kv_cache_dtype)
     except LayoutError as e:
         raise BenchError(flag_names(str(e))) from None
     device, emulate, dtype, pipeline, weights = (layout.device, layout.emulate, layout.dtype, layout.pipeline,
                                                  layout.weight_bytes)
-    kv_per_token = m.kv_bytes(1, kv_dtype_bytes(dtype, layout.matmul_dtype, m))
+    kv_per_token = m.kv_bytes(1, kv_dtype_bytes(dtype, layout.matmul_dtype, m, layout.kv_cache_dtype))
     cases = make_cases(batch_sizes, input_lens, output_lens, kv_per_token)
     # of the KV cache one rank holds: its heads, its stage's layers
     kv_share = m.cache_values(tp) / m.cache_values() * max((hi - lo for lo, hi in pipeline),
@@ -225,6 +228,7 @@ def plan_bench(args) -> BenchPlan:
     spec = JobSpec.model_validate({
         # greedy steps as they are: not the sampling (a repetition penalty, ...) the model may recommend
         "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops, "generation_config": "msinfer",
+                  "kv_cache_dtype": args.kv_cache_dtype,
                   "max_model_len": max(c.seq_len for c in runnable)},
         "parallel": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "device": args.device},
         "input": {"path": "bench-cases.jsonl", "chat_template": False},
@@ -264,7 +268,7 @@ def flag_names(message: str) -> str:
                       "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
                       ("scheduler.max_batched_tokens", "--max-batched-tokens"),
                       ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache"),
-                      ("model.dtype", "--dtype"), ("model.ops", "--ops")):
+                      ("model.dtype", "--dtype"), ("model.ops", "--ops"), ("model.kv_cache_dtype", "--kv-cache-dtype")):
         message = message.replace(key, flag)
     return message
 

@@ -34,8 +34,8 @@ from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, Result
                                      digest_value, held_ids, holds_results, input_digest_index, read_summary,
                                      status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
-                                    ModelConfigError, ascend_emulated, bf16_panels_on, cpu_bfloat16, cpu_kernels,
-                                    dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
+                                    ModelConfigError, ascend_emulated, bf16_panels_on, card_dtype, cpu_bfloat16,
+                                    cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
                                     POOLING_TASKS, ops_problem, resolve_device, resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
@@ -89,7 +89,7 @@ class Plan:
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}"
             + ("" if self.engine.matmul_dtype == self.engine.dtype else
-               f" ({self.engine.in_matmul_dtype(m)} {self.engine.matmul_dtype})"),
+               f" ({self.engine.in_matmul_dtype(m)} {self.engine.matmul_dtype})") + self.engine.kv_named(),
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
@@ -464,26 +464,29 @@ class Layout:
     pipeline: tuple             # each stage's decoder layers, [lo, hi)
     weight_bytes: int           # a rank's weights, in the stage that holds the most
     matmul_dtype: str = "float32"     # "bfloat16": the CPU kernels compute in bfloat16 (cpu_bfloat16)
+    kv_cache_dtype: str = "auto"      # "bfloat16": a float32 job's KV cache in bfloat16 (cpu_kv_cache_dtype)
 
 
 def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtype: str, ops: str,
-                   pipeline_layers=None, lora: bool = False) -> Layout:
+                   pipeline_layers=None, lora: bool = False, kv_cache_dtype: str = "auto") -> Layout:
     """The device, compute dtype, pipeline stages and weight bytes a rank holds for these choices
-    (spec keys parallel.* and model.dtype / model.ops / model.lora); raises LayoutError naming the
-    spec key where a choice does not fit the model."""
+    (spec keys parallel.* and model.dtype / model.ops / model.lora / model.kv_cache_dtype); raises
+    LayoutError naming the spec key where a choice does not fit the model."""
     check_tp(m, tp, ep)
     pipeline = stage_layers(m.num_layers, pp, pipeline_layers)
     device = resolve_device(device)
     emulate = device == "ascend" and ascend_emulated()
     matmul_dtype = "bfloat16" if cpu_bfloat16(dtype, device, emulate, ops) else "float32"
     try:
+        on_card = card_dtype(dtype, m, device, ops) if device == "ascend" else None     # (emulated: a card's)
         dtype = resolve_dtype(dtype, m, device, emulate, ops)
+        kv_cache_dtype = cpu_kv_cache_dtype(kv_cache_dtype, m, device, on_card or dtype, matmul_dtype, ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
                                  holds_bfloat16(device, ops, lora), int4_scale_bytes(device),
                                  pairs=matmul_dtype == "bfloat16")
-    return Layout(device, emulate, dtype, pipeline, weights, matmul_dtype)
+    return Layout(device, emulate, dtype, pipeline, weights, matmul_dtype, kv_cache_dtype)
 
 
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False,
@@ -518,7 +521,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
     layout = resolve_layout(m, tp, spec.parallel.pipeline_parallel, ep, spec.parallel.device, spec.model.dtype,
-                            spec.model.ops, spec.parallel.pipeline_layers, spec.model.lora is not None)
+                            spec.model.ops, spec.parallel.pipeline_layers, spec.model.lora is not None,
+                            spec.model.kv_cache_dtype)
     device, emulate, dtype, pipeline = layout.device, layout.emulate, layout.dtype, layout.pipeline
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)
@@ -604,6 +608,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     # the compile cache is verified on the CPU (emulated Ascend included), not on a card; threads:
     # cores shared by all workers on an embedded Ray, by a packed replica on a cluster
     resolved = {**same_named(spec), **emulation, "compile_cache": spec.model.compile_cache and on_cpu,
+                "kv_cache_dtype": layout.kv_cache_dtype,
                 "threads": threads_per_worker(workers_here) if on_cpu else 0}
     engine = EngineConfig(**resolved, model_dir=spec.model.path, dtype=dtype, matmul_dtype=layout.matmul_dtype,
                           device=device,
@@ -1087,6 +1092,7 @@ def result_settings(plan: Plan) -> dict:
             "model": {"checkpoint": identity(s.model.path, "config.json", weights=True),
                       "tokenizer": identity(s.model.tokenizer_path, *TOKENIZER_FILES, "chat_template.jinja"),
                       "dtype": plan.engine.dtype, "matmul_dtype": plan.engine.matmul_dtype,
+                      "kv_cache_dtype": plan.engine.kv_cache_dtype,
                       "positions": s.model.positions.model_dump(mode="json"),
                       "lora": None if lora is None else {"adapter": identity(lora.path, "adapter_config.json",
                                                                                   weights=True),
@@ -1098,6 +1104,12 @@ def result_settings(plan: Plan) -> dict:
             "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser,
                        **({"tool_call_parser": s.output.tool_call_parser} if s.output.tool_call_parser else {})},
             **({"pooling": s.pooling.model_dump(mode="json")} if s.task == "embed" else {})}
+
+
+# Settings `result_settings` keeps that msinfer added since its first runs kept their settings,
+# with the value every run before them ran with: such a run's results differ from a re-run's
+# where the re-run sets another value.
+SETTINGS_SINCE = {"model.kv_cache_dtype": "auto"}
 
 
 def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> None:
@@ -1122,11 +1134,13 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
         if k in old:
             return old[k] != new.get(k)
         # a key the run before did not keep is a setting msinfer added since, which that run ran
-        # without; unless it sits under a value the run before kept (a LoRA adapter where it had none)
+        # without (or with its SETTINGS_SINCE value); unless it sits under a value the run before
+        # kept (a LoRA adapter where it had none)
         parts = k.split(".")
         return any(".".join(parts[:i]) in old for i in range(1, len(parts)))
 
     old, new = flat(before), flat(settings)
+    old.update({k: v for k, v in SETTINGS_SINCE.items() if k not in old and k in new})
     changed = [k for k in sorted(old.keys() | new.keys()) if differs(k)]
     if not changed:
         return

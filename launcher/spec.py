@@ -106,6 +106,10 @@ class ModelSpec(Section):
     trust_remote_code: bool = False
     graph_mode: bool = True
     ops: Literal["auto", "portable"] = "auto"      # auto: the device's fastest operators (CPU kernels, Ascend's fused)
+    # the KV cache's element, as vLLM's kv_cache_dtype: auto (the compute dtype's), or bfloat16: K and
+    # V rounded to the nearest bfloat16 as they are written, half a float32 cache's bytes (the CPU
+    # kernels in a float32 job; where the cache is bfloat16 already, the same as auto)
+    kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
     shapes: Literal["auto", "dynamic", "buckets"] = "auto"   # auto: dynamic where the operators take them
     # each rank's step graphs saved and loaded again by a later run (worker/graph_cache.py); on the CPU
     compile_cache: bool = True

@@ -623,6 +623,7 @@ class EngineConfig:
     model_dir: str
     dtype: str = "float32"             # compute dtype of the network
     matmul_dtype: str = "float32"      # "bfloat16": the CPU kernels compute in bfloat16 (cpu_bfloat16)
+    kv_cache_dtype: str = "auto"       # "bfloat16": a float32 network's KV cache in bfloat16 (kv_bfloat16)
     device: str = "cpu"
     max_model_len: int = 2048
     max_batch_size: int = 32
@@ -673,27 +674,60 @@ class EngineConfig:
         return cpu_kernels(self.device, self.ops)
 
     def kv_bfloat16(self, cfg: "ModelConfig") -> bool:
-        return kv_bfloat16(self.matmul_dtype, cfg)
+        return kv_bfloat16(self.matmul_dtype, cfg, self.kv_cache_dtype)
 
     def kv_dtype_bytes(self, cfg: "ModelConfig") -> int:
-        return kv_dtype_bytes(self.dtype, self.matmul_dtype, cfg)
+        return kv_dtype_bytes(self.dtype, self.matmul_dtype, cfg, self.kv_cache_dtype)
 
     def in_matmul_dtype(self, cfg: "ModelConfig") -> str:
         """What computes in matmul_dtype where it is not dtype, as `plan` and `bench` name it."""
         return "linear layers and KV cache" if self.kv_bfloat16(cfg) else "linear layers"
 
+    def kv_named(self) -> str:
+        """The KV cache's bfloat16 where model.kv_cache_dtype alone makes it so, as `plan` and `bench`
+        say it after the compute dtype; "" otherwise."""
+        return " (KV cache bfloat16)" if self.kv_cache_dtype == "bfloat16" else ""
 
-def kv_bfloat16(matmul_dtype: str, cfg: "ModelConfig") -> bool:
+
+def kv_bfloat16(matmul_dtype: str, cfg: "ModelConfig", kv_cache_dtype: str = "auto") -> bool:
     """Whether the KV cache holds bfloat16 values in a network computing in float32: the CPU
-    kernels computing in bfloat16 (matmul_dtype) round K and V to the nearest bfloat16 as they
-    write them, as a card's bfloat16 cache holds them, at half float32's bytes (worker/csrc
-    attention.h). Latent attention's cache stays float32."""
-    return matmul_dtype == "bfloat16" and cfg.mla is None
+    kernels computing in bfloat16 (matmul_dtype), or a float32 job on them with model.kv_cache_dtype
+    bfloat16 (`cpu_kv_cache_dtype`), round K and V to the nearest bfloat16 as they write them, as a
+    card's bfloat16 cache holds them, at half float32's bytes (worker/csrc attention.h). Latent
+    attention's cache stays float32."""
+    return (matmul_dtype == "bfloat16" or kv_cache_dtype == "bfloat16") and cfg.mla is None
 
 
-def kv_dtype_bytes(dtype: str, matmul_dtype: str, cfg: "ModelConfig") -> int:
+def kv_dtype_bytes(dtype: str, matmul_dtype: str, cfg: "ModelConfig", kv_cache_dtype: str = "auto") -> int:
     """Bytes of one value of the KV cache: of the compute dtype, or bfloat16 (`kv_bfloat16`)."""
-    return 2 if kv_bfloat16(matmul_dtype, cfg) else dtype_bytes(dtype)
+    return 2 if kv_bfloat16(matmul_dtype, cfg, kv_cache_dtype) else dtype_bytes(dtype)
+
+
+def cpu_kv_cache_dtype(name: str, cfg: "ModelConfig", device: str, dtype: str, matmul_dtype: str,
+                       ops: str = "auto") -> str:
+    """model.kv_cache_dtype `name` resolved for a job computing in `dtype` (matmul_dtype: the CPU
+    kernels' linear layers'): "bfloat16" where it makes a float32 job's cache bfloat16, which only
+    the CPU kernels hold; "auto" where the cache is bfloat16 already (model.dtype bfloat16, on the
+    CPU or a card) or the name is auto. Raises ValueError naming the key where the cache cannot be
+    bfloat16, as vLLM refuses a kv_cache_dtype its attention backend lacks."""
+    if name == "auto":
+        return "auto"
+    leave = "; leave model.kv_cache_dtype auto"
+    if cfg.mla is not None:
+        raise ValueError("model.kv_cache_dtype bfloat16: latent attention's cache (DeepSeek's MLA) stays in the "
+                         "compute dtype" + leave)
+    if matmul_dtype == "bfloat16" or dtype == "bfloat16":
+        return "auto"
+    if device == "ascend":
+        raise ValueError(f"model.kv_cache_dtype bfloat16: Ascend's attention kernels read a cache of the compute "
+                         f"dtype ({dtype} here); set model.dtype bfloat16 for a bfloat16 cache" + leave)
+    if not cpu_kernels(device, ops):
+        raise ValueError("model.kv_cache_dtype bfloat16: the portable operators (model.ops portable) keep the cache "
+                         "in the compute dtype; the CPU kernels (model.ops auto) hold it in bfloat16" + leave)
+    if dtype != "float32":
+        raise ValueError(f"model.kv_cache_dtype bfloat16: the CPU kernels hold a bfloat16 cache for a float32 network, "
+                         f"not a {dtype} one; set model.dtype float32 (or auto)" + leave)
+    return "bfloat16"
 
 
 FUSED_DTYPES = ("bfloat16", "float16")        # what Ascend's fused attention kernels take

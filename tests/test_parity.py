@@ -134,6 +134,29 @@ def generate_rounding_the_cache(model, prompt, n, **kwargs):
                               pad_token_id=0, cache=Rounded(config=model.config), **kwargs)
 
 
+def against_the_rounded_cache(model, out, rec, f32, name: str) -> tuple[list, list, list]:
+    """Each prompt's greedy tokens `out` (a Recording `rec` kept their logits) against transformers'
+    `model` generating with its cache rounded to bfloat16 (generate_rounding_the_cache): the first
+    tokens equal, and while the tokens agree each step's largest logit difference under
+    BF16_FLIP_ATOL. Returns those differences, the float32 runner `f32`'s at the same steps, and
+    whether each prompt's tokens are all the same."""
+    diffs, aways, same = [], [], []
+    for i, prompt in enumerate(PROMPTS):
+        ref = generate_rounding_the_cache(model, prompt, N_NEW, output_logits=True, return_dict_in_generate=True)
+        tokens = ref.sequences[0, len(prompt):].tolist()
+        assert out[i][0] == tokens[0], f"{name} prompt {i}"
+        for step in range(N_NEW):
+            if out[i][:step] != tokens[:step]:          # (a near tie the two sides broke apart)
+                break
+            diff = np.abs(rec.logits[step][i] - ref.logits[step][0].numpy()).max()
+            away = np.abs(f32.logits[step][i] - ref.logits[step][0].numpy()).max()
+            assert diff < BF16_FLIP_ATOL, f"{name} prompt {i} step {step}: {diff} (float32's: {away})"
+            diffs.append(diff)
+            aways.append(away)
+        same.append(out[i] == tokens)
+    return diffs, aways, same
+
+
 def experts_rounding_inputs(experts):
     """The forward of transformers' stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])
     with each projection's input rows rounded to bfloat16: each token's routed experts' outputs,
@@ -203,22 +226,62 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
     rec, f32 = Recording(runner), Recording(runner_for(path))
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
     Driver(f32).generate(dict(enumerate(PROMPTS)), N_NEW)
-    model = transformers_in_bfloat16_linears(path)
-    diffs, aways, same = [], [], []
-    for i, prompt in enumerate(PROMPTS):
-        ref = generate_rounding_the_cache(model, prompt, N_NEW, output_logits=True, return_dict_in_generate=True)
-        tokens = ref.sequences[0, len(prompt):].tolist()
-        assert out[i][0] == tokens[0], f"{name} prompt {i}"
-        for step in range(N_NEW):
-            if out[i][:step] != tokens[:step]:          # (a near tie the two sides broke apart)
-                break
-            diff = np.abs(rec.logits[step][i] - ref.logits[step][0].numpy()).max()
-            away = np.abs(f32.logits[step][i] - ref.logits[step][0].numpy()).max()
-            assert diff < BF16_FLIP_ATOL, f"{name} prompt {i} step {step}: {diff} (float32's: {away})"
-            diffs.append(diff)
-            aways.append(away)
-        same.append(out[i] == tokens)
+    diffs, aways, same = against_the_rounded_cache(transformers_in_bfloat16_linears(path), out, rec, f32, name)
     assert np.median(diffs) < BF16_LOGIT_ATOL < min(aways), (diffs, aways)
+    assert sum(same) >= len(PROMPTS) - 1, same
+
+
+def test_a_bfloat16_kv_cache_in_a_float32_job_gives_the_tokens_of_transformers_rounding_its_cache(checkpoint):
+    """model.kv_cache_dtype bfloat16 (vLLM's kv_cache_dtype) in a float32 job on the CPU kernels:
+    the cache holds K and V rounded to the nearest bfloat16, half float32's bytes as the plan
+    counts them, and the linear layers stay float32. Against transformers in float32 with its
+    cache rounded the same way: the logits of most steps within BF16_LOGIT_ATOL, where the
+    float32 cache's are outside it, and the greedy tokens of all prompts but at most one (a
+    value on a rounding boundary may round the other way). Where the cache is bfloat16 already
+    (model.dtype bfloat16) the key changes nothing; where it cannot be bfloat16 the plan names
+    the key and why."""
+    import mindspore as ms
+    from msinfer.launcher.job import LayoutError, plan_job
+    from msinfer.launcher.spec import JobSpec
+    from msinfer.sharding.config import ModelConfig, cpu_kv_cache_dtype
+    name = "llama_gqa_tied"
+    path = checkpoint(name)
+
+    def spec(path=path, **model):
+        return JobSpec.model_validate({"model": {"path": str(path), "max_model_len": 128, **model},
+                                       "sampling": {"max_new_tokens": N_NEW},
+                                       "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
+    plan, f32_plan = (plan_job(spec(kv_cache_dtype=kv), check_io=False) for kv in ("bfloat16", "auto"))
+    assert (plan.engine.dtype, plan.engine.matmul_dtype, plan.engine.kv_cache_dtype) == ("float32", "float32",
+                                                                                         "bfloat16")
+    assert 2 * plan.kv_bytes_per_rank == f32_plan.kv_bytes_per_rank
+    assert plan.weight_bytes_per_rank == f32_plan.weight_bytes_per_rank
+    assert "compute dtype float32 (KV cache bfloat16)" in plan.describe()
+    assert plan_job(spec(dtype="bfloat16", kv_cache_dtype="bfloat16"), check_io=False).engine == \
+        plan_job(spec(dtype="bfloat16"), check_io=False).engine
+    for model, why in [({"ops": "portable"}, "the portable operators"),
+                       ({"dtype": "float16"}, "not a float16 one")]:
+        with pytest.raises(LayoutError, match=f"model.kv_cache_dtype bfloat16: .*{why}"):
+            plan_job(spec(kv_cache_dtype="bfloat16", **model), check_io=False)
+    with pytest.raises(LayoutError, match="latent attention's cache"):
+        plan_job(spec(checkpoint("deepseek_v3_yarn_groups"), kv_cache_dtype="bfloat16"), check_io=False)
+    cfg = ModelConfig.from_dir(path)
+    with pytest.raises(ValueError, match="Ascend's attention kernels read a cache of the compute dtype"):
+        cpu_kv_cache_dtype("bfloat16", cfg, "ascend", "float16", "float32")
+    assert cpu_kv_cache_dtype("bfloat16", cfg, "ascend", "bfloat16", "float32") == "auto"
+
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8, kv_cache_dtype="bfloat16"))
+    caches = [c for layer in runner.model.layers for c in layer.self_attn.caches()]
+    assert len(caches) == 2 * runner.cfg.num_layers and all(c.dtype == ms.uint16 for c in caches)
+    assert all(p.dtype != ms.uint32 for p in runner.model.get_parameters())          # no bfloat16 pairs
+    rec, f32 = Recording(runner), Recording(runner_for(path))
+    out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
+    Driver(f32).generate(dict(enumerate(PROMPTS)), N_NEW)
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    diffs, aways, same = against_the_rounded_cache(model, out, rec, f32, name)
+    assert np.median(diffs) < BF16_LOGIT_ATOL < np.median(aways), (diffs, aways)
     assert sum(same) >= len(PROMPTS) - 1, same
 
 

@@ -78,7 +78,8 @@ def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(mon
 def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_stop_its_re_run(tmp_path):
     """The settings a results file's status keeps are compared key by key: a key the earlier run
     did not keep (a sampling key msinfer added since) is not a change, while a value that became a
-    section (a LoRA adapter where there was none) and a changed value are."""
+    section (a LoRA adapter where there was none) and a changed value are. A key added since whose
+    value earlier runs had (model.kv_cache_dtype: auto) is a change where the re-run sets another."""
     import json
     from msinfer.launcher.errors import OutputError
     from msinfer.launcher.job import check_same_settings
@@ -96,6 +97,9 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
                                           r"from the model's generation_config.json: set it in the spec's sampling "
                                           r"section, or model.generation_config: msinfer, to keep the run's\)"):
         check_same_settings(str(out), {**before, "sampling": {"temperature": 0.6}}, ("temperature", "top_p"))
+    check_same_settings(str(out), {**before, "model": {**before["model"], "kv_cache_dtype": "auto"}})
+    with pytest.raises(OutputError, match=r"\(model.kv_cache_dtype 'auto' then, 'bfloat16' now\)"):
+        check_same_settings(str(out), {**before, "model": {**before["model"], "kv_cache_dtype": "bfloat16"}})
 
 
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):

@@ -749,9 +749,10 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
                                                                            cache, bs):
     """One step as the runner packs it: a prompt's chunk of 21 tokens (positions 5-25, a 16-token
     tile and a 5-token one) after 5 cached positions, three decode tokens with 40, 1 and 70
-    positions, and a padding token; caches paged in blocks of `bs` in shuffled order (a decode
-    token reads a block's positions 8 at a time: blocks of 4 give runs of 4, blocks of 16 runs
-    of 8 and the tails of 40 and 70 positions, 2 blocks ahead past the last). The kernel
+    positions, and a padding token, then the 70-position token alone (a step of one sequence);
+    caches paged in blocks of `bs` in shuffled order (a decode token reads a block's positions 8
+    at a time: blocks of 4 give runs of 4, blocks of 16 runs of 8 and the tails of 40 and 70
+    positions, 2 blocks ahead past the last). The kernel
     norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends. A bfloat16
     cache (uint16 bits: a job computing in bfloat16) takes k and v rounded to the nearest
     bfloat16 and is read widened: the result is the float64 one over the values it holds, and
@@ -813,3 +814,9 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
             p = np.exp(score - score.max())
             want[n, h] = p / p.sum() @ V[ctx, h // (H // KV)]
     np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0)
+    one = N - 2            # the 70-position decode token alone, over the cache the step above wrote
+    alone = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv[one:one + 1], qn, kn, norm, cos[one:one + 1],
+                                                              sin[one:one + 1])), *caches,
+                                        *(Tensor(a) for a in (slots[one:one + 1], tables, rows[one:one + 1],
+                                                              lens[one:one + 1], meta))).asnumpy()
+    np.testing.assert_allclose(alone.reshape(H, D), want[one], atol=tol * np.abs(want).max(), rtol=0)

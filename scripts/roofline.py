@@ -2,8 +2,8 @@
 step kind's bytes and FLOPs for a dense model, the lower bound they set, and the step times
 `msinfer bench` measures beside it.
 
-    python scripts/roofline.py [--model DIR] [--dtype float32] [--batch-size 1,16,64] [--prompt 32]
-                               [--prefill 512]
+    python scripts/roofline.py [--model DIR] [--dtype float32] [--kv-cache-dtype auto] [--batch-size 1,16,64]
+                               [--prompt 32] [--prefill 512]
 
 The machine (every core of the process's affinity):
     bandwidth  a triad z = x + y in numpy over arrays far larger than the caches, one slice per
@@ -19,7 +19,8 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
     bytes      every weight once, at the bytes the kernels hold it in (a bfloat16 checkpoint's
                weights stay bfloat16 in a float32 network: 2; the tied embedding counted once, as
                the LM head's) + the KV cache the step reads (decode: B x L x layers x 2 x kv_heads x
-               head_dim x 4 in float32, x 2 with --dtype bfloat16, whose cache holds bfloat16)
+               head_dim x 4 in float32, x 2 with --dtype bfloat16 or --kv-cache-dtype bfloat16, whose cache
+               holds bfloat16)
     FLOPs      2 x tokens x the weights' multiply-adds (the LM head on the sampled rows only: B,
                or 1 for a prefill) + attention: 4 x heads x head_dim x layers x the (query, key)
                pairs (decode: B x L; prefill: T (T + 1) / 2)
@@ -150,13 +151,15 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
     return weights + kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
 
 
-def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path) -> dict:
+def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path,
+          kv_cache_dtype: str = "auto") -> dict:
     """`msinfer bench`'s rows: (batch, input_len) -> row."""
     rows = {}
     for sizes, lengths, new in ((",".join(map(str, batches)), str(prompt), str(NEW)), ("1", str(prefill), "1")):
         d = out / f"in{lengths}"
         cmd = [sys.executable, "-m", "msinfer.launcher.cli", "bench", "--model", str(model), "--batch-size", sizes,
-               "--input-len", lengths, "--output-len", new, "--dtype", dtype, "--repeats", "3",
+               "--input-len", lengths, "--output-len", new, "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype,
+               "--repeats", "3",
                "--max-model-len", str(max(prefill, prompt + NEW) + 16), "--output", str(d), "--no-progress"]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if p.returncode != 0:
@@ -170,6 +173,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="a dense Hugging Face checkpoint (default: the demo model)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                    help="the KV cache's element (model.kv_cache_dtype); with --dtype bfloat16 it is bfloat16 anyway")
     ap.add_argument("--batch-size", default="1,16,64", help="decode batch sizes (default 1,16,64)")
     ap.add_argument("--prompt", type=int, default=PROMPT, help=f"decode prompts' tokens (default {PROMPT})")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
@@ -183,7 +188,7 @@ def main() -> int:
     if cfg.is_moe or cfg.mla is not None:
         sys.exit("roofline: dense models only (a mixture of experts reads the experts its tokens chose)")
     batches = [int(b) for b in args.batch_size.split(",")]
-    kv_bytes = 2 if args.dtype == "bfloat16" else 4      # the KV cache's values (the network: float32)
+    kv_bytes = 2 if "bfloat16" in (args.dtype, args.kv_cache_dtype) else 4    # the cache's values (the network: float32)
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     bw = max(bandwidth(t) for t in sorted({1, cores}))
@@ -199,8 +204,9 @@ def main() -> int:
           + (f"; bfloat16 {bfloat16_rate() / 1e9:.1f} (the kernels' Linear over pairs, 512 rows)"
              if args.dtype == "bfloat16" else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp))
-    print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes)")
+        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype)
+    print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes, "
+          f"KV cache at {kv_bytes})")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'measured ms':>13}{'ratio':>7}")
     L = args.prompt + NEW // 2
     cases = [(f"decode B={b} L={L}", rows[b, args.prompt].get("decode_ms_per_step"),

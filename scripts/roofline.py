@@ -28,6 +28,10 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
                layers and the LM head in bfloat16, attention in float32) their FLOPs at the
                bfloat16 peak (float32's without AVX512-BF16, as the kernels then take FMAs) and
                attention's at float32's
+    phases     the linear layers' bound (their weights' bytes, their FLOPs) plus attention's (the
+               KV bytes, its FLOPs): the kernels run one after the other, so a step whose layers
+               are bound by FLOPs and whose attention by bytes (decode at a long context) cannot
+               reach `bound`, and its ratio to this sum says how far it is from what it can reach
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of --prompt tokens, 64
 new: context L = prompt + 32 on average) and prefill_ms (one prompt of T tokens), on the CPU
@@ -136,11 +140,11 @@ def weight_bytes(cfg, dtype: str) -> int:
 
 
 def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
-              w_bytes: int | None = None) -> tuple[float, float, float]:
-    """(bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of one step: every
-    weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K and V (dtype_bytes
-    a value), `tokens` rows through the layers, `sampled` through the LM head, `pairs` (query,
-    key) pairs attended."""
+              w_bytes: int | None = None) -> tuple[float, float, float, float]:
+    """(weight bytes, KV bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of
+    one step: every weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K
+    and V (dtype_bytes a value), `tokens` rows through the layers, `sampled` through the LM head,
+    `pairs` (query, key) pairs attended."""
     from msinfer.sharding.layout import plan_tensors
     layer_macs = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)
                      if len(p.full_shape) == 2 and ".layers." in p.name)
@@ -148,7 +152,7 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
     weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * (w_bytes or dtype_bytes)
     kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     attention = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
-    return weights + kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
+    return weights, kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
 
 
 def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path,
@@ -207,17 +211,21 @@ def main() -> int:
         rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype)
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes, "
           f"KV cache at {kv_bytes})")
-    print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'measured ms':>13}{'ratio':>7}")
+    print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'phases ms':>11}{'measured ms':>13}{'ratio':>7}"
+          f"{'to phases':>11}")
     L = args.prompt + NEW // 2
     cases = [(f"decode B={b} L={L}", rows[b, args.prompt].get("decode_ms_per_step"),
               step_cost(cfg, kv_bytes, b, b * L, b * L, b, wbytes)) for b in batches]
     T = args.prefill
     cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, kv_bytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
-    for name, measured, (nbytes, layers, others) in cases:
-        bound = 1e3 * max(nbytes / bw, layers / layer_rate + others / rate)     # (others: attention)
+    for name, measured, (weights, kv, layers, others) in cases:
+        bound = 1e3 * max((weights + kv) / bw, layers / layer_rate + others / rate)     # (others: attention)
+        phases = 1e3 * (max(weights / bw, layers / layer_rate) + max(kv / bw, others / rate))
         shown = f"{measured:.1f}" if measured else "-"
         ratio = f"{measured / bound:.2f}" if measured else "-"
-        print(f"{name:<26}{nbytes / 1e6:>8.0f}{(layers + others) / 1e9:>8.2f}{bound:>10.1f}{shown:>13}{ratio:>7}")
+        to_phases = f"{measured / phases:.2f}" if measured else "-"
+        print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + others) / 1e9:>8.2f}{bound:>10.1f}{phases:>11.1f}"
+              f"{shown:>13}{ratio:>7}{to_phases:>11}")
     return 0
 
 

@@ -35,8 +35,9 @@ from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, Result
                                      status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, card_dtype, cpu_bfloat16,
-                                    cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory, emulated_note, fused, int4_on,
-                                    POOLING_TASKS, ops_problem, resolve_device, resolve_dtype)
+                                    cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory,
+                                    emulated_note, fused, int4_on, POOLING_TASKS, ops_problem, resolve_device,
+                                    resolve_dtype)
 from msinfer.sharding.layout import (LayoutError, Stage, bytes_per_rank, check_tp, divisors_problem, plan_tensors,
                                     stage_layers, valid_tp_sizes)
 from msinfer.worker.loader import CheckpointError, check_checkpoint, check_model_dir, holds_weights

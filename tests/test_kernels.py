@@ -749,13 +749,13 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
                                                                            cache, bs):
     """One step as the runner packs it: a prompt's chunk of 21 tokens (positions 5-25, a 16-token
     tile and a 5-token one) after 5 cached positions, three decode tokens with 40, 1 and 70
-    positions, and a padding token, then the 70-position token alone (a step of one sequence);
-    caches paged in blocks of `bs` in shuffled order (a decode token reads a block's positions 8
-    at a time: blocks of 4 give runs of 4, blocks of 16 runs of 8 and the tails of 40 and 70
-    positions, 2 blocks ahead past the last). The kernel
-    norms (Qwen3) and rotates q and k, writes k and v into the caches, then attends. A bfloat16
-    cache (uint16 bits: a job computing in bfloat16) takes k and v rounded to the nearest
-    bfloat16 and is read widened: the result is the float64 one over the values it holds, and
+    positions, and a padding token, then the 70-position token alone (a step of one sequence,
+    whose blocks are split into parts for the threads and put together); caches paged in blocks
+    of `bs` in shuffled order (a decode token reads a block's positions 8 at a time: blocks of 4
+    give runs of 4, blocks of 16 runs of 8 and the tails of 40 and 70 positions, 2 blocks ahead
+    past the last). The kernel norms (Qwen3) and rotates q and k, writes k and v into the
+    caches, then attends. A bfloat16 cache (uint16 bits: a job computing in bfloat16) takes k
+    and v rounded to the nearest bfloat16 and is read widened: the result is the float64 one over the values it holds, and
     the rows written are the float64 k and v rounded (all but a few on a rounding boundary,
     which float32's rotary may put on the other side: those within one bfloat16 step)."""
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
@@ -814,7 +814,7 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
             p = np.exp(score - score.max())
             want[n, h] = p / p.sum() @ V[ctx, h // (H // KV)]
     np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0)
-    one = N - 2            # the 70-position decode token alone, over the cache the step above wrote
+    one = N - 2            # the 70-position decode token alone (4 parts), over the cache the step above wrote
     alone = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv[one:one + 1], qn, kn, norm, cos[one:one + 1],
                                                               sin[one:one + 1])), *caches,
                                         *(Tensor(a) for a in (slots[one:one + 1], tables, rows[one:one + 1],

@@ -203,7 +203,10 @@ struct PagedAttention {
 
   // One token (a decode step's), all its H query heads over its `len` positions: the scores
   // block by block, their softmax, then the values block by block. Each K and V row is read once.
-  void one(int64_t n) const {
+  // A part (`part` given: run() splits a long sequence of a small step) reads blocks b0..b1-1
+  // only and leaves in `part` each head's score max, its sum of exp(score - max) and its values
+  // weighted by those [H][D], for run() to put together.
+  void one(int64_t n, int64_t b0 = 0, int64_t b1 = -1, float* part = nullptr) const {
     thread_local std::vector<float> qv, acc, s;
     T* o = out + n * H * D;
     const int64_t len = lens[n];
@@ -211,23 +214,26 @@ struct PagedAttention {
       std::fill(o, o + H * D, T(0));
       return;
     }
+    const int64_t blocks = b1 < 0 ? (len + bs - 1) / bs : b1, from = b0 * bs;
+    const int64_t count = std::min(len, blocks * bs) - from;           // the positions read
     qv.resize(H * D);
     acc.assign(H * D, 0.f);
-    s.resize(H * len);
+    s.resize(H * count);
     for (int64_t i = 0; i < H * D; ++i) qv[i] = static_cast<float>(q[n * H * D + i]) * scale;
     if (D % 16 != 0) {
-      one_by_rows(n, len, qv.data(), s.data(), acc.data());
+      one_by_rows(n, len, qv.data(), s.data(), acc.data());     // (every position: run() splits no such token)
     } else {
       const int32_t* table = tables + static_cast<int64_t>(rows[n]) * MB;
-      const int64_t stride = KV * D, blocks = (len + bs - 1) / bs;
+      const int64_t stride = KV * D;
       const int64_t block_bytes = bs * stride * static_cast<int64_t>(sizeof(C));
       auto block = [&](const C* cache, int64_t b) { return cache + static_cast<int64_t>(table[b]) * bs * stride; };
-      for (int64_t b = 0; b < std::min(kAheadBlocks, blocks); ++b) prefetch_share(block(kc, b), block_bytes, 0, 1);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t j0 = b * bs, nb = std::min(bs, len - j0), units = (nb + 7) / 8 * KV;
+      for (int64_t b = b0; b < std::min(b0 + kAheadBlocks, blocks); ++b)
+        prefetch_share(block(kc, b), block_bytes, 0, 1);
+      for (int64_t b = b0; b < blocks; ++b) {
+        const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs), units = (nb + 7) / 8 * KV;
         const C* kb = block(kc, b);
         const int64_t a = b + kAheadBlocks;
-        const C* next = a < blocks ? block(kc, a) : a - blocks < blocks ? block(vc, a - blocks) : nullptr;
+        const C* next = a < blocks ? block(kc, a) : b0 + a - blocks < blocks ? block(vc, b0 + a - blocks) : nullptr;
         for (int64_t t0 = 0, unit = 0; t0 < nb; t0 += 8)
           for (int64_t h = 0; h < KV; ++h, ++unit) {
             prefetch_share(next, block_bytes, unit, units);
@@ -235,15 +241,15 @@ struct PagedAttention {
               with_count<8>(std::min<int64_t>(8, nb - t0), [&](auto p) {
                 with_count<3>(std::min<int64_t>(3, G - g0), [&](auto gc) {
                   block_scores<p, gc>(qv.data() + (h * G + g0) * D, D, kb + t0 * stride + h * D, stride,
-                                      s.data() + (h * G + g0) * len + j0 + t0, len);
+                                      s.data() + (h * G + g0) * count + j0 + t0, count);
                 });
               });
           }
       }
-      softmax_rows(s.data(), H, len);
+      softmax_rows(s.data(), H, count, part, part ? part + H : nullptr);
       const int64_t groups = (G + kShared - 1) / kShared, chunks = (D + 63) / 64;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t j0 = b * bs, nb = std::min(bs, len - j0), units = KV * groups * chunks;
+      for (int64_t b = b0; b < blocks; ++b) {
+        const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs), units = KV * groups * chunks;
         const C* vb = block(vc, b);
         const C* next = b + kAheadBlocks < blocks ? block(vc, b + kAheadBlocks) : nullptr;
         for (int64_t h = 0, unit = 0; h < KV; ++h)
@@ -252,14 +258,38 @@ struct PagedAttention {
               prefetch_share(next, block_bytes, unit, units);
               with_count<kShared>(std::min<int64_t>(kShared, G - g0), [&](auto r) {
                 with_count<4>(std::min<int64_t>(4, (D - c0) / 16), [&](auto cv) {
-                  block_values<r, cv>(s.data() + (h * G + g0) * len + j0, len, vb + h * D + c0, stride, nb,
+                  block_values<r, cv>(s.data() + (h * G + g0) * count + j0, count, vb + h * D + c0, stride, nb,
                                       acc.data() + (h * G + g0) * D + c0, D);
                 });
               });
             }
       }
     }
+    if (part != nullptr) {
+      std::copy(acc.begin(), acc.end(), part + 2 * H);
+      return;
+    }
     for (int64_t i = 0; i < H * D; ++i) o[i] = static_cast<T>(acc[i]);
+  }
+
+  // Token n's output from its `parts` parts (as `one` leaves them, one after another): each head's
+  // values weighted by exp(score - the head's max over all parts), over their sum.
+  void merge(int64_t n, const float* parts, int64_t count) const {
+    const int64_t size = 2 * H + H * D;
+    T* o = out + n * H * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float m = parts[h];
+      for (int64_t p = 1; p < count; ++p) m = std::max(m, parts[p * size + h]);
+      float total = 0.f;
+      std::vector<float> sum(D, 0.f);
+      for (int64_t p = 0; p < count; ++p) {
+        const float* part = parts + p * size;
+        const float w = expf(part[h] - m);
+        total += w * part[H + h];
+        for (int64_t d = 0; d < D; ++d) sum[d] += w * part[2 * H + h * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(sum[d] / total);
+    }
   }
 
   // `one` for a head size that is not a multiple of 16: position by position, a vector loop
@@ -371,13 +401,17 @@ struct PagedAttention {
 
   void run() const {
     // Work items: runs of 4 to QT consecutive tokens of one sequence at consecutive positions
-    // (prefill tiles), one item per KV head, and single tokens, one item for all heads.
+    // (prefill tiles), one item per KV head, and single tokens, one item for all heads. When
+    // fewer single tokens than twice the threads would leave threads idle (a decode step of one
+    // to a few sequences), a token of two or more blocks is split into parts of whole blocks,
+    // an item each, put together once all are done (merge).
     // The longest items go first (their cost, positions read times query heads), so that the
     // threads finish together: in index order a long sequence's item could come last.
     struct Item {
-      int64_t n0, count, h, cost;
+      int64_t n0, count, h, cost, b0 = 0, b1 = -1, part = -1;
     };
     std::vector<Item> items;
+    std::vector<int64_t> single;
     for (int64_t n = 0, end; n < N; n = end) {
       for (end = n + 1; end < N && end - n < QT && lens[end] > 1 && rows[end] == rows[n] &&
                         lens[end] == lens[end - 1] + 1;)
@@ -385,18 +419,42 @@ struct PagedAttention {
       if (end - n >= 4 && lens[n] > 0) {
         for (int64_t h = 0; h < KV; ++h) items.push_back({n, end - n, h, lens[end - 1] * (end - n) * G});
       } else {
-        for (int64_t i = n; i < end; ++i) items.push_back({i, 1, -1, lens[i] * H});
+        for (int64_t i = n; i < end; ++i) single.push_back(i);
       }
     }
+    const int64_t want = 2 * g_threads, size = 2 * H + H * D;
+    std::vector<std::pair<int64_t, int64_t>> split;          // (token, its parts), parts in order
+    int64_t parts = 0;
+    for (int64_t i : single) {
+      const int64_t blocks = (std::max<int64_t>(lens[i], 0) + bs - 1) / bs;
+      const int64_t pieces = static_cast<int64_t>(single.size()) < want && D % 16 == 0
+                                 ? std::min(blocks, (want + static_cast<int64_t>(single.size()) - 1) /
+                                                        static_cast<int64_t>(single.size()))
+                                 : 1;
+      if (pieces < 2) {
+        items.push_back({i, 1, -1, lens[i] * H});
+        continue;
+      }
+      split.push_back({i, pieces});
+      for (int64_t p = 0; p < pieces; ++p) {
+        const int64_t b0 = blocks * p / pieces, b1 = blocks * (p + 1) / pieces;
+        items.push_back({i, 1, -1, (b1 - b0) * bs * H, b0, b1, parts++});
+      }
+    }
+    std::vector<float> held(parts * size);
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t i) {
       const Item& it = items[i];
       if (it.h >= 0) {
         tile(it.n0, it.count, it.h);
+      } else if (it.part >= 0) {
+        one(it.n0, it.b0, it.b1, held.data() + it.part * size);
       } else {
         one(it.n0);
       }
     });
+    for (int64_t k = 0, first = 0; k < static_cast<int64_t>(split.size()); first += split[k++].second)
+      merge(split[k].first, held.data() + first * size, split[k].second);
   }
 };
 

@@ -179,20 +179,26 @@ using msinfer_shared::g_int4_calls;
 using msinfer_shared::g_threads;
 using msinfer_shared::parallel_for;
 
-// Softmax over each of `rows` score rows of length len (row r at s + r * len), in place.
-inline void softmax_rows(float* s, int64_t rows, int64_t len) {
+// Softmax over each of `rows` score rows of length len (row r at s + r * len), in place. With
+// `max` and `sum` given, each row is left as exp(score - its max), and its max and sum go there
+// (a part of a row, whose parts are put together later).
+inline void softmax_rows(float* s, int64_t rows, int64_t len, float* max = nullptr, float* sum = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * len;
     float m = sr[0];
 #pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < len; ++j) m = sr[j] > m ? sr[j] : m;   // (std::max stays scalar: 4 cycles a score)
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < len; ++j) {
       sr[j] = expf(sr[j] - m);
-      sum += sr[j];
+      total += sr[j];
     }
-    const float inv = 1.f / sum;
+    if (max != nullptr) {
+      max[r] = m, sum[r] = total;
+      continue;
+    }
+    const float inv = 1.f / total;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) sr[j] *= inv;
   }
@@ -270,9 +276,12 @@ constexpr v16i kSumHi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
 // adds (15 of each) instead of 16 horizontal sums.
 inline v16 sum16(const v16* x) {
   v16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumLo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumHi1);
-  for (int i = 0; i < 4; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumLo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumHi2);
-  for (int i = 0; i < 2; ++i) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumLo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumHi3);
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumLo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumHi1);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumLo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumHi2);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumLo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumHi3);
   return __builtin_shuffle(c[0], c[1], kSumLo4) + __builtin_shuffle(c[0], c[1], kSumHi4);
 }
 
@@ -284,9 +293,11 @@ __attribute__((always_inline)) inline void sum8(const v16 (&x)[P], float* s) {
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : v16{};
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], kSumLo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], kSumHi1);
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], kSumLo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], kSumHi1);
 #pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumLo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumHi2);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumLo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumHi2);
   const v16 c = __builtin_shuffle(b[0], b[1], kSumLo3) + __builtin_shuffle(b[0], b[1], kSumHi3);
   const v16 d = __builtin_shuffle(c, c, kSumLo4) + __builtin_shuffle(c, c, kSumHi4);
 #pragma GCC unroll 8

@@ -277,11 +277,12 @@ struct PagedAttention {
   void merge(int64_t n, const float* parts, int64_t count) const {
     const int64_t size = 2 * H + H * D;
     T* o = out + n * H * D;
+    std::vector<float> sum(D);
     for (int64_t h = 0; h < H; ++h) {
       float m = parts[h];
       for (int64_t p = 1; p < count; ++p) m = std::max(m, parts[p * size + h]);
       float total = 0.f;
-      std::vector<float> sum(D, 0.f);
+      std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t p = 0; p < count; ++p) {
         const float* part = parts + p * size;
         const float w = expf(part[h] - m);
@@ -422,15 +423,12 @@ struct PagedAttention {
         for (int64_t i = n; i < end; ++i) single.push_back(i);
       }
     }
-    const int64_t want = 2 * g_threads, size = 2 * H + H * D;
+    const int64_t want = 2 * g_threads, singles = static_cast<int64_t>(single.size()), size = 2 * H + H * D;
+    const int64_t share = singles < want && D % 16 == 0 ? (want + singles - 1) / singles : 1;   // parts a token
     std::vector<std::pair<int64_t, int64_t>> split;          // (token, its parts), parts in order
     int64_t parts = 0;
     for (int64_t i : single) {
-      const int64_t blocks = (std::max<int64_t>(lens[i], 0) + bs - 1) / bs;
-      const int64_t pieces = static_cast<int64_t>(single.size()) < want && D % 16 == 0
-                                 ? std::min(blocks, (want + static_cast<int64_t>(single.size()) - 1) /
-                                                        static_cast<int64_t>(single.size()))
-                                 : 1;
+      const int64_t blocks = (std::max<int64_t>(lens[i], 0) + bs - 1) / bs, pieces = std::min(blocks, share);
       if (pieces < 2) {
         items.push_back({i, 1, -1, lens[i] * H});
         continue;

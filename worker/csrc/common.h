@@ -261,8 +261,8 @@ inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpre
 inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline void storev(_Float16* p, v16 x) { *reinterpret_cast<h16u*>(p) = __builtin_convertvector(x, h16); }
 
-// The lane orders of sum16's and sum8's rounds: round k's lo and hi take alternate runs of 8 >> (k - 1)
-// lanes from a pair of vectors, so that lo + hi halves the partial sums each vector holds.
+// The lane orders of sum8's rounds: round k's lo and hi take alternate runs of 8 >> (k - 1) lanes
+// from a pair of vectors, so that lo + hi halves the partial sums each vector holds.
 constexpr v16i kSumLo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
 constexpr v16i kSumHi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
 constexpr v16i kSumLo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -272,21 +272,9 @@ constexpr v16i kSumHi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30
 constexpr v16i kSumLo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 constexpr v16i kSumHi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 
-// Lane i of the result is the sum of the lanes of x[i]: four rounds of pairwise shuffles and
-// adds (15 of each) instead of 16 horizontal sums.
-inline v16 sum16(const v16* x) {
-  v16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumLo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], kSumHi1);
-  for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumLo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], kSumHi2);
-  for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumLo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], kSumHi3);
-  return __builtin_shuffle(c[0], c[1], kSumLo4) + __builtin_shuffle(c[0], c[1], kSumHi4);
-}
-
-// s[t] = the sum of x[t]'s lanes for t < P (at most 8): sum16's rounds over 8 vectors (those
-// past P zero), the last round within one vector, whose lanes 0-7 then hold the 8 sums.
+// s[t] = the sum of x[t]'s lanes for t < P (at most 8): rounds of pairwise shuffles and adds over
+// 8 vectors (those past P zero), the last within one vector, whose lanes 0-7 then hold the 8
+// sums; 3 to 4 operations a sum instead of a horizontal sum's 8.
 template <int P>
 __attribute__((always_inline)) inline void sum8(const v16 (&x)[P], float* s) {
   v16 y[8], a[4], b[2];

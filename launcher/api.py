@@ -104,7 +104,8 @@ class LLM:
         import ray
         self.controller.shutdown()
         if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+            from msinfer.launcher.replica import shutdown_ray
+            shutdown_ray()
 
     def __enter__(self) -> LLM:
         return self

@@ -459,7 +459,8 @@ def run_bench(args) -> int:
         run.meta.update(finished_unix=time.time(), replica_starts=engine.setup_info)
         run.write()
         if engine.started_ray and ray.is_initialized():
-            ray.shutdown()
+            from msinfer.launcher.replica import shutdown_ray
+            shutdown_ray()
     title = (f"msinfer bench: {Path(plan.model_dir).name}, tp {plan.tp}, {plan.device} {plan.compute}"
              f"{', random weights' if plan.skip_load else ''}")
     note = plot_results(plan.out_dir / PNG_NAME, run.rows, title)

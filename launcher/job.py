@@ -1045,7 +1045,7 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
     """Ray (embedded or joined) and every replica ready. Returns (controller, started_ray).
     `on_stage(name)`: called as the replicas reach each start-up stage."""
     import ray
-    from msinfer.launcher.replica import init_ray
+    from msinfer.launcher.replica import init_ray, shutdown_ray
 
     spec = plan.spec
     started_ray = not ray.is_initialized()
@@ -1063,7 +1063,7 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
         controller.start()
     except BaseException:
         if started_ray:
-            ray.shutdown()
+            shutdown_ray()
         raise
     return controller, started_ray
 
@@ -1318,7 +1318,8 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             writer.close()
         lock.release()
         if started_ray and ray.is_initialized():
-            ray.shutdown()
+            from msinfer.launcher.replica import shutdown_ray
+            shutdown_ray()
 
 
 def make_drain(spec: JobSpec) -> Drain:

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -76,6 +77,20 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
         for sig, handler in previous.items():
             if callable(handler) and signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), without its second of waiting on the autoscaler's monitor. Ray (2.60,
+    Node.kill_all_processes) stops the GCS before the monitor, whose SIGTERM handler then reports
+    its end to the gone GCS until Ray kills it a second later. An embedded instance's monitor
+    keeps nothing, so it is killed first; a driver joined to a cluster owns no monitor."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    for info in (getattr(node, "all_processes", None) or {}).get("monitor", ()):
+        with contextlib.suppress(OSError, AttributeError, subprocess.TimeoutExpired):
+            if info.process.poll() is None:
+                info.process.kill()
+                info.process.wait(timeout=5)
+    ray.shutdown()
 
 
 def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: int) -> None:

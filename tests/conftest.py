@@ -96,11 +96,11 @@ def hf_greedy(checkpoint):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    from msinfer.launcher.replica import init_ray
+    from msinfer.launcher.replica import init_ray, shutdown_ray
     import ray
     init_ray(None, 4, npus=4)        # emulated Ascend cards for tests of that path (tests/test_ascend.py)
     yield ray
-    ray.shutdown()
+    shutdown_ray()
 
 
 # Test tiers, by what a test starts (`pytest -m unit` runs only the first):

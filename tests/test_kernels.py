@@ -820,3 +820,8 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
                                         *(Tensor(a) for a in (slots[one:one + 1], tables, rows[one:one + 1],
                                                               lens[one:one + 1], meta))).asnumpy()
     np.testing.assert_allclose(alone.reshape(H, D), want[one], atol=tol * np.abs(want).max(), rtol=0)
+    chunk = slice(0, 21)   # the prompt's chunk alone: a step of prefill tiles and no single token
+    tiles = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv[chunk], qn, kn, norm, cos[chunk], sin[chunk])),
+                                        *caches, *(Tensor(a) for a in (slots[chunk], tables, rows[chunk], lens[chunk],
+                                                                       meta))).asnumpy()
+    np.testing.assert_allclose(tiles.reshape(-1, H, D), want[chunk], atol=tol * np.abs(want).max(), rtol=0)

@@ -424,7 +424,8 @@ struct PagedAttention {
       }
     }
     const int64_t want = 2 * g_threads, singles = static_cast<int64_t>(single.size()), size = 2 * H + H * D;
-    const int64_t share = singles < want && D % 16 == 0 ? (want + singles - 1) / singles : 1;   // parts a token
+    // parts a token (a step of prefill tiles alone has no single token to split)
+    const int64_t share = singles > 0 && singles < want && D % 16 == 0 ? (want + singles - 1) / singles : 1;
     std::vector<std::pair<int64_t, int64_t>> split;          // (token, its parts), parts in order
     int64_t parts = 0;
     for (int64_t i : single) {

@@ -1,8 +1,8 @@
 """The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
 (padding), the gate/up projection with its activation, lookups with out-of-range indices, and
-paged attention with head sizes of 24 to 128, float16, and a step that mixes a prefill chunk,
-decode tokens and padding; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
+paged attention with head sizes of 24 to 128, float16, a step that mixes a prefill chunk,
+decode tokens and padding, and random steps of every kind the runner packs; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
 tiles (where the CPU has AMX)."""
 
 from __future__ import annotations
@@ -741,6 +741,33 @@ def _rotate(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
+def _rotated(qkv, qn, kn, qk_norm, eps, cos, sin, H, KV, D):
+    """A step's q, k and v [N, heads, D] in float64, q and k normed (Qwen3's qk_norm) and rotated."""
+    f, N = np.float64, len(qkv)
+    q = qkv[:, : H * D].reshape(N, H, D).astype(f)
+    k = qkv[:, H * D: (H + KV) * D].reshape(N, KV, D).astype(f)
+    v = qkv[:, (H + KV) * D:].reshape(N, KV, D).astype(f)
+    if qk_norm:
+        q, k = _rms(q, qn.astype(f), eps), _rms(k, kn.astype(f), eps)
+    c, s = cos.astype(f)[:, None], sin.astype(f)[:, None]
+    return _rotate(q, c, s), _rotate(k, c, s), v
+
+
+def _attended(q, K, V, tables, rows, lens, bs):
+    """Each token's attention over its sequence's cached positions 0..lens-1 (K, V: the caches'
+    rows [slots, KV, D], read through the block tables), zero for padding (lens 0)."""
+    N, H, D = q.shape
+    G = H // K.shape[1]
+    want = np.zeros((N, H, D))
+    for n in np.flatnonzero(lens > 0):
+        ctx = tables[rows[n], np.arange(lens[n]) // bs] * bs + np.arange(lens[n]) % bs
+        for h in range(H):
+            score = K[ctx, h // G] @ q[n, h] / np.sqrt(D)
+            p = np.exp(score - score.max())
+            want[n, h] = p / p.sum() @ V[ctx, h // G]
+    return want
+
+
 @pytest.mark.parametrize("dtype,tol,cache", [(np.float32, 1e-5, None), (np.float16, 4e-3, None),
                                              (np.float32, 1e-5, "bfloat16")])
 @pytest.mark.parametrize("H,KV,D,qk_norm", [(6, 2, 64, False), (8, 2, 24, True), (5, 1, 128, False)])
@@ -784,14 +811,7 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
     out = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv, qn, kn, norm, cos, sin)), *caches,
                                       *(Tensor(a) for a in (slots, tables, rows, lens, meta))).asnumpy()
 
-    f = np.float64
-    q = qkv[:, : H * D].reshape(N, H, D).astype(f)
-    k = qkv[:, H * D: (H + KV) * D].reshape(N, KV, D).astype(f)
-    v = qkv[:, (H + KV) * D:].reshape(N, KV, D).astype(f)
-    if qk_norm:
-        q, k = _rms(q, qn.astype(f), eps), _rms(k, kn.astype(f), eps)
-    c, s = cos.astype(f)[:, None], sin.astype(f)[:, None]
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    q, k, v = _rotated(qkv, qn, kn, qk_norm, eps, cos, sin, H, KV, D)
     if cache == "bfloat16":
         held = [t.asnumpy().reshape(-1, KV, D) for t in caches]
         others = np.ones(len(held[0]), bool)
@@ -802,17 +822,11 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
             want_bits = bfloat16_rounded(want_rows.astype(np.float32))
             steps = np.abs(written[slots].astype(np.int32) - want_bits.astype(np.int32))
             assert steps.max() <= 1 and (steps == 0).mean() > 0.99, (steps.max(), (steps == 0).mean())
-        K, V = (bfloat16_values(h).astype(f) for h in held)
+        K, V = (bfloat16_values(h).astype(np.float64) for h in held)
     else:
-        K, V = kc.astype(f).reshape(-1, KV, D), vc.astype(f).reshape(-1, KV, D)
+        K, V = kc.astype(np.float64).reshape(-1, KV, D), vc.astype(np.float64).reshape(-1, KV, D)
         K[slots], V[slots] = k, v
-    want = np.zeros((N, H, D))
-    for n in range(N - 1):
-        ctx = tables[rows[n], np.arange(lens[n]) // bs] * bs + np.arange(lens[n]) % bs
-        for h in range(H):
-            score = K[ctx, h // (H // KV)] @ q[n, h] / np.sqrt(D)
-            p = np.exp(score - score.max())
-            want[n, h] = p / p.sum() @ V[ctx, h // (H // KV)]
+    want = _attended(q, K, V, tables, rows, lens, bs)
     np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0)
     one = N - 2            # the 70-position decode token alone (4 parts), over the cache the step above wrote
     alone = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv[one:one + 1], qn, kn, norm, cos[one:one + 1],
@@ -825,3 +839,69 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
                                         *caches, *(Tensor(a) for a in (slots[chunk], tables, rows[chunk], lens[chunk],
                                                                        meta))).asnumpy()
     np.testing.assert_allclose(tiles.reshape(-1, H, D), want[chunk], atol=tol * np.abs(want).max(), rtol=0)
+
+
+# Steps as the runner may pack them (worker.runner.prepare): each sequence's tokens consecutive,
+# a prefill chunk at consecutive positions after what its sequence has cached, a decode token
+# alone, padding (lens 0) last. Each kind reaches its own way through PagedAttention::run.
+STEPS = {
+    "chunks alone": lambda rng: [("chunk", int(rng.integers(0, 20)), int(c)) for c in rng.choice([4, 9, 16, 21, 36], 3)],
+    "one long decode": lambda rng: [("decode", int(rng.integers(40, 90)))],
+    "few decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 3)],
+    "many decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 9)],
+    "mixed": lambda rng: [("chunk", int(rng.integers(0, 30)), int(rng.integers(1, 40))), ("decode", 16),
+                          ("decode", int(rng.integers(1, 90))), ("chunk", 0, 2), ("pad",), ("pad",)],
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
+    """Ten random steps of each kind in each of four layouts: float32 in blocks of 16 (4 query
+    heads a KV head, head size 64, qk norm), a bfloat16 cache in blocks of 4 (one KV head of 5
+    query heads, head size 32), a head size of 24 (not a multiple of 16: position by position)
+    and float16 in blocks of 8 (head size 128). The output equals numpy's attention over the
+    caches the kernel wrote (the bfloat16 one as it holds them; the test above checks the
+    rounding). A run of 4 to 16 tokens of a chunk is a tile, a shorter one single tokens, and a
+    step of fewer single tokens than twice the threads splits a long one into parts."""
+    from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
+    rng = np.random.default_rng(sorted(STEPS).index(step))
+    layouts = ((8, 2, 64, 16, None, True, np.float32, 1e-5), (5, 1, 32, 4, "bfloat16", False, np.float32, 1e-5),
+               (6, 3, 24, 16, None, True, np.float32, 1e-5), (4, 2, 128, 8, None, False, np.float16, 4e-3))
+    for H, KV, D, bs, cache, qk_norm, dtype, tol in layouts * 10:
+        seqs = STEPS[step](rng)
+        rows, pos, lens = [], [], []                    # a token's sequence, position, positions seen
+        for i, seq in enumerate(seqs):
+            if seq[0] == "decode":
+                rows.append(i), pos.append(seq[1] - 1), lens.append(seq[1])
+            elif seq[0] == "chunk":
+                rows += [i] * seq[2]
+                pos += range(seq[1], seq[1] + seq[2])
+                lens += range(seq[1] + 1, seq[1] + seq[2] + 1)
+            else:
+                rows.append(0), pos.append(0), lens.append(0)
+        rows, pos, lens = np.array(rows, np.int32), np.array(pos), np.array(lens, np.int32)
+        per_seq = -(-int(pos.max() + 1) // bs)
+        blocks = len(seqs) * per_seq + 1
+        tables = rng.permutation(blocks - 1).astype(np.int32).reshape(len(seqs), per_seq)   # the last: scratch
+        slots = np.where(lens > 0, tables[rows, pos // bs] * bs + pos % bs, (blocks - 1) * bs).astype(np.int32)
+        N = len(rows)
+        qkv = rng.standard_normal((N, (H + 2 * KV) * D)).astype(dtype)
+        qn, kn = (1 + 0.1 * rng.standard_normal((2, D))).astype(dtype)
+        angle = pos[:, None] / 10000 ** (np.arange(D // 2) / (D // 2))
+        cos, sin = np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
+        kc, vc = rng.standard_normal((2, blocks * bs * KV, D)).astype(dtype)
+        if cache == "bfloat16":
+            kc, vc = bfloat16_rounded(kc), bfloat16_rounded(vc)
+        caches = Tensor(kc), Tensor(vc)
+        norm, meta = np.array([1e-6, float(qk_norm)], np.float32), np.array([bs, KV], np.int32)
+        out = kernels.attention_op(H * D)(*(Tensor(a) for a in (qkv, qn, kn, norm, cos, sin)), *caches,
+                                          *(Tensor(a) for a in (slots, tables, rows, lens, meta))).asnumpy()
+        q, k, v = _rotated(qkv, qn, kn, qk_norm, 1e-6, cos, sin, H, KV, D)
+        if cache == "bfloat16":
+            K, V = (bfloat16_values(t.asnumpy()).astype(np.float64).reshape(-1, KV, D) for t in caches)
+        else:
+            K, V = kc.astype(np.float64).reshape(-1, KV, D), vc.astype(np.float64).reshape(-1, KV, D)
+            K[slots[lens > 0]], V[slots[lens > 0]] = k[lens > 0], v[lens > 0]
+        want = _attended(q, K, V, tables, rows, lens, bs)
+        np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0,
+                                   err_msg=f"{step}: {seqs}, H {H} KV {KV} D {D} blocks of {bs}, cache {cache}")

@@ -21,7 +21,7 @@ from msinfer.launcher.inputs import Record
 from msinfer.launcher.openai_batch import EMBEDDINGS_URL
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
-from msinfer.launcher.tools import ToolUse, constrained_calls, parse_calls, tool_calls_field
+from msinfer.launcher.tools import PARSER_TOKENS, ToolUse, constrained_calls, parse_calls, tool_calls_field
 from msinfer.sharding.config import POOLING_TASKS
 from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
@@ -242,9 +242,10 @@ class RecordCodec:
         vLLM needs --tool-call-parser), and keeps special tokens in its text: the call tags are
         special tokens in some tokenizers (vLLM's hermes parser does the same)."""
         if self.tool_parser is None:
+            *names, last = PARSER_TOKENS
             raise RecordError(f"record '{rec.id}': tool_choice {rec.tool_use.said()} needs output.tool_call_parser "
-                              f"in the job spec (the model's: hermes, llama3_json, deepseek_v3, deepseek_v31 or "
-                              f"qwen3_coder), as vLLM needs --tool-call-parser; or tool_choice 'none'")
+                              f"in the job spec (the model's: {', '.join(names)} or {last}), as vLLM needs "
+                              f"--tool-call-parser; or tool_choice 'none'")
         return dataclasses.replace(sampling, skip_special_tokens=False)
 
     def complete(self, p: SamplingParams, rec: Record) -> SamplingParams:

@@ -5,7 +5,8 @@ serves them (vllm/entrypoints/openai/chat_completion/serving.py, vllm/tool_parse
   also with tool_choice "none", as vLLM does by default.
 - tool_choice "auto" (the default where tools are given): the model writes its calls in its own
   form, and `output.tool_call_parser` finds them in the completion's text (`parse_calls`: hermes,
-  llama3_json, deepseek_v3, deepseek_v31, qwen3_coder, as vLLM's parsers of those names).
+  llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31, qwen3_coder, as
+  vLLM's parsers of those names).
 - tool_choice "required", or a named function: the output is constrained by a JSON schema
   (structured outputs), as vLLM's ToolParser.adjust_request constrains it: for a named function its
   parameters, for "required" a list of one or more {"name", "parameters"} of the given tools.
@@ -39,8 +40,14 @@ DEEPSEEK_V31_CALL = re.compile(f"{_CALL}(.*?){_SEP}(.*?){_CALL_END}", re.DOTALL)
 CODER_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL)
 CODER_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 CODER_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+# Llama 4's markers around pythonic calls, which it writes at times
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+# Mistral's: the calls' token, and (models of tokenizer v11 on) the one between a name and its arguments
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_LIST = re.compile(r"\[{.*}\]", re.DOTALL)
 # the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
-PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
+PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "pythonic": (), "llama4_pythonic": (),
+                 "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
                  "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END), "qwen3_coder": (HERMES_START, HERMES_END)}
 CHOICES = ("none", "auto", "required")
 NAMED = 'a named function {"type": "function", "function": {"name": ...}}'
@@ -208,6 +215,20 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
       "name" and "arguments" (or "parameters"), after `<|python_tag|>` or not, with any separator
       (`; `); the text around them is dropped (content None). An object without them, or a `{`
       that starts no JSON, leaves the whole text as content.
+    - pythonic (Llama 3.2, ToolACE): the whole text one Python list of calls with keyword
+      arguments, `[get_weather(city="Paris", days=3), get_time()]`, whose values are literals
+      (strings, numbers, True, False, None, and lists and dicts of them) that JSON can hold;
+      llama4_pythonic (Llama 4) the same after `<|python_start|>`, its `<|python_end|>`s dropped.
+      Anything else (text around the list, a positional argument, a name that is not a plain
+      name) leaves the whole text as content. The content of calls is None. (vLLM reads only
+      literal values, so `x=-1` leaves its text as content, and drops positional arguments;
+      these read `-1` and keep the text.)
+    - mistral (Mistral 7B v0.3, Mixtral, Mistral Small, Devstral): after `[TOOL_CALLS]`, a JSON
+      list of {"name": ..., "arguments": {...}} (tokenizers before v11), or each call its own
+      `[TOOL_CALLS]NAME[ARGS]ARGS` or `[TOOL_CALLS]NAME{...}` (v11 on), the arguments taken as
+      written. The content is the text before the first `[TOOL_CALLS]`. (vLLM reads the second
+      form only through mistral_common's tokenizer; with a Hugging Face tokenizer, as here, only
+      the list.)
     - deepseek_v3 (DeepSeek-V3, R1): after <｜tool▁calls▁begin｜>, each
       `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`;
       deepseek_v31 (DeepSeek-V3.1): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`.
@@ -231,6 +252,15 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
         content = text[:text.find(HERMES_START)]
     elif parser == "llama3_json":
         calls, content = _json_objects(text), None
+    elif parser in ("pythonic", "llama4_pythonic"):
+        if parser == "llama4_pythonic" and text.startswith(PYTHON_START):
+            text = text[len(PYTHON_START):].replace(PYTHON_END, "")
+        calls, content = _pythonic_calls(text), None
+    elif parser == "mistral":
+        if MISTRAL_CALLS not in text:
+            return None
+        content, *raw = text.split(MISTRAL_CALLS)
+        calls = _mistral_calls(raw)
     elif parser in ("deepseek_v3", "deepseek_v31"):
         if DEEPSEEK_START not in text:
             return None
@@ -337,6 +367,59 @@ def _json_objects(text: str) -> list[tuple[str, str]] | None:
             calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
         except (ValueError, TypeError, KeyError):
             return None
+    return calls
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """pythonic's calls: the text one Python list of calls by plain names with keyword arguments
+    whose values are literals JSON can hold; None for anything else."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        body = ast.parse(text.strip()).body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    value = body[0].value if len(body) == 1 and isinstance(body[0], ast.Expr) else None
+    if not isinstance(value, ast.List) or not all(isinstance(e, ast.Call) for e in value.elts):
+        return None
+    calls = []
+    for call in value.elts:
+        if not isinstance(call.func, ast.Name) or call.args or any(k.arg is None for k in call.keywords):
+            return None
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return calls
+
+
+def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
+    """mistral's calls from the texts after each [TOOL_CALLS]: one JSON list of {"name",
+    "arguments"} (a list found within the text if the whole is no JSON, as vLLM looks for one),
+    or each text `NAME[ARGS]ARGS` or `NAME{...}`, whose arguments are taken as written."""
+    if len(raw) == 1 and raw[0].lstrip().startswith("["):
+        written = raw[0].strip()
+        try:
+            items = json.loads(written)
+        except ValueError:
+            found = MISTRAL_LIST.search(written)
+            try:
+                items = json.loads(found.group(0)) if found else None
+            except ValueError:
+                items = None
+        try:
+            return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items] or None
+        except (TypeError, KeyError):
+            return None
+    calls = []
+    for call in raw:
+        name, sep, args = call.partition(MISTRAL_ARGS)
+        if not sep:
+            if "{" not in call:
+                continue                 # (vLLM passes over a call without arguments)
+            name, args = call[:call.find("{")], call[call.find("{"):]
+        calls.append((name.strip(), args.strip()))
     return calls
 
 

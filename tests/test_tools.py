@@ -86,6 +86,34 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("llama3_json", 'Use {"city": "Paris"} here', None),                  # an object without a name: all text
     ("llama3_json", 'A set {1, 2} and {"name": "f", "arguments": {}}', None),   # a { that starts no JSON
     ("llama3_json", "Paris is sunny.", None),
+    ("pythonic", '[get_weather(city="Paris", days=3), get_time()]',
+     (None, [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")])),
+    ("pythonic", "[f(x=-1.5, flags={'a': [1, True, None]}, note='caf\u00e9')]",
+     (None, [("f", '{"x": -1.5, "flags": {"a": [1, true, null]}, "note": "caf\u00e9"}')])),
+    ("pythonic", "\n[f(x=1)]\n", (None, [("f", '{"x": 1}')])),
+    ("pythonic", "[f(x=1)] is what I would call", None),                     # text after the list
+    ("pythonic", "[f(1)]", None),                                            # a positional argument
+    ("pythonic", "[f(x=g())]", None),                                        # a value that is no literal
+    ("pythonic", "[f(x=float('inf'))]", None),
+    ("pythonic", "[f(x=1e999)]", None),                                      # inf: no JSON
+    ("pythonic", "[a.b(x=1)]", None),                                        # not a plain name
+    ("pythonic", "[1, 2]", None),
+    ("pythonic", "[f(x=1)", None),                                           # cut before its end
+    ("pythonic", "Paris is sunny.", None),
+    ("llama4_pythonic", '<|python_start|>[f(a="b")]<|python_end|>', (None, [("f", '{"a": "b"}')])),
+    ("llama4_pythonic", '[f(a="b")]', (None, [("f", '{"a": "b"}')])),
+    ("pythonic", '<|python_start|>[f(a="b")]<|python_end|>', None),         # pythonic keeps the markers
+    ("mistral", 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "f", "arguments": {}}]',
+     ("Sure.", [("get_weather", '{"city": "Paris"}'), ("f", "{}")])),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] and then', (None, [("f", '{"a": 1}')])),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]f[ARGS]{}',
+     (None, [("get_weather", '{"city": "Rome"}'), ("f", "{}")])),
+    ("mistral", 'Let me check.[TOOL_CALLS]get_weather{"city": "Oslo"}',
+     ("Let me check.", [("get_weather", '{"city": "Oslo"}')])),
+    ("mistral", '[TOOL_CALLS] [{"name": "f"}]', None),                       # no arguments
+    ("mistral", "[TOOL_CALLS] [not json", None),
+    ("mistral", 'The weather is fine [{"name": "f", "arguments": {}}]', None),   # no [TOOL_CALLS]
     ("deepseek_v3", f'Let me see.{CALLS}{B}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{E}'
                     f'{B}function{SEP}get_time\n```json\n{{\n  "zone": "UTC"\n}}\n```{E}{CALLS_END}',
      ("Let me see.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{\n  "zone": "UTC"\n}')])),
@@ -106,7 +134,8 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("qwen3_coder", "<tool_call><function=f</tool_call>", None),               # no '>' after the name
     ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", None),        # hermes' form: no function
 ])
-def test_the_llama_deepseek_and_qwen3_coder_parsers_read_calls_where_vllms_read_them(parser, text, want):
+def test_the_llama_pythonic_mistral_deepseek_and_qwen3_coder_parsers_read_calls_where_vllms_read_them(
+        parser, text, want):
     number = {"type": "object", "properties": {"days": {"type": "integer"}, "city": {"type": "string"}}}
     tools = ({"type": "function", "function": {"name": "get_weather", "parameters": number}},
              {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
@@ -334,8 +363,8 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
     unparsed = done(codec(tool_call_parser=None), record("j"), "x")
     assert unparsed["error"]["message"] == (
         "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (the model's: hermes, "
-        "llama3_json, deepseek_v3, deepseek_v31 or qwen3_coder), as vLLM needs --tool-call-parser; or tool_choice "
-        "'none'")
+        "llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31 or qwen3_coder), as vLLM needs "
+        "--tool-call-parser; or tool_choice 'none'")
 
     def request(custom_id, **body):
         return parse_openai({"custom_id": custom_id, "url": "/v1/chat/completions",
@@ -374,6 +403,9 @@ def test_plan_refuses_a_tool_call_parser_it_cannot_serve(checkpoint, tool_tok_di
                                         r"token for: it is another model's parser; the tokenizer is "):
         plan_job(spec(model={"tokenizer": str(tool_tok_dir)}, output={"tool_call_parser": "deepseek_v3"}),
                  check_io=False)
+    with pytest.raises(SpecError, match=r"output.tool_call_parser 'mistral' reads the calls its models write with "
+                                        r"\[TOOL_CALLS\], which the tokenizer has no token for"):
+        plan_job(spec(model={"tokenizer": str(tool_tok_dir)}, output={"tool_call_parser": "mistral"}), check_io=False)
     with pytest.raises(SpecError, match=r"task: score generates none"):
         plan_job(spec(task="score", model={"tokenizer": str(tool_tok_dir)}), check_io=False)
     plan = plan_job(spec(model={"tokenizer": str(tool_tok_dir)}), check_io=False)

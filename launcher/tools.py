@@ -42,8 +42,9 @@ CODER_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DO
 CODER_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 # Llama 4's markers around pythonic calls, which it writes at times
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
-# Mistral's: the calls' token, and (models of tokenizer v11 on) the one between a name and its arguments
-MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# Mistral's: the calls' token, and (models of tokenizer v11 on) the ones between a name, the call's
+# id, which some write, and its arguments
+MISTRAL_CALLS, MISTRAL_CALL_ID, MISTRAL_ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
 MISTRAL_LIST = re.compile(r"\[{.*}\]", re.DOTALL)
 # the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
 PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "pythonic": (), "llama4_pythonic": (),
@@ -397,7 +398,8 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
 def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
     """mistral's calls from the texts after each [TOOL_CALLS]: one JSON list of {"name",
     "arguments"} (a list found within the text if the whole is no JSON, as vLLM looks for one),
-    or each text `NAME[ARGS]ARGS` or `NAME{...}`, whose arguments are taken as written."""
+    or each text `NAME[ARGS]ARGS` (`NAME[CALL_ID]ID[ARGS]ARGS`) or `NAME{...}`, whose arguments are
+    taken as written."""
     if len(raw) == 1 and raw[0].lstrip().startswith("["):
         written = raw[0].strip()
         try:
@@ -419,7 +421,7 @@ def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
             if "{" not in call:
                 continue                 # (vLLM passes over a call without arguments)
             name, args = call[:call.find("{")], call[call.find("{"):]
-        calls.append((name.strip(), args.strip()))
+        calls.append((name.partition(MISTRAL_CALL_ID)[0].strip(), args.strip()))
     return calls
 
 

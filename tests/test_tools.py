@@ -109,6 +109,8 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] and then', (None, [("f", '{"a": 1}')])),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]f[ARGS]{}',
      (None, [("get_weather", '{"city": "Rome"}'), ("f", "{}")])),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}',
+     (None, [("get_weather", '{"city": "Rome"}')])),
     ("mistral", 'Let me check.[TOOL_CALLS]get_weather{"city": "Oslo"}',
      ("Let me check.", [("get_weather", '{"city": "Oslo"}')])),
     ("mistral", '[TOOL_CALLS] [{"name": "f"}]', None),                       # no arguments

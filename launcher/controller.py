@@ -72,8 +72,8 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, EngineFailed, EngineSetup, describe, fetch,
-                                     wait_any)
+from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, WORKER_DIED, EngineFailed, EngineSetup, describe,
+                                     fetch, wait_any)
 from msinfer.launcher.errors import JobFailed, UserError  # noqa: F401  (raised here, imported from here)
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, error_result
@@ -418,6 +418,12 @@ class Controller:
         if isinstance(error, EngineFailed) and not isinstance(error, RayTaskError):    # a local engine's
             cause = error
         reason = str(cause) if isinstance(cause, EngineFailed) else describe(error)
+        if reason == WORKER_DIED:
+            try:
+                death = slot.replica.death()
+            except Exception:               # (the reason stays as it is)
+                death = None
+            reason = f"{reason}: {death}" if death else reason
         why = f"replica {slot.index} failed ({reason})"
         self.restart_log.append(why)
         number = len(self.restart_log)

@@ -205,12 +205,15 @@ class MergedOutputs:
         return merge_outputs(ray.get(self.refs, timeout=timeout))
 
 
+WORKER_DIED = "a worker process died"
+
+
 def describe(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     if isinstance(e, RayTaskError) and cause is not None:
         return f"{type(cause).__name__}: {cause}"
     if isinstance(e, RayActorError):
-        return "a worker process died"
+        return WORKER_DIED
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,7 +103,8 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
     summary = job.summary()
     assert summary["replica_restarts"] == 1 and summary["records_done"] == n
     assert summary["steps"]["cached_prompt_tokens"] >= 16
-    assert summary["restart_reasons"] == ["replica 0 failed (a worker process died)"]
+    assert re.fullmatch(rf"replica 0 failed \(a worker process died: rank \d \(pid {victim['pid']}\)\)",
+                        *summary["restart_reasons"]), summary["restart_reasons"]      # SIGKILL: no log line
 
 
 # ---- a killed controller ------------------------------------------------------------------------
@@ -173,6 +175,29 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
         assert holds(w.done_ids, {r["id"] for r in kept}) and not w.cut_partial_line
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("log, want", [
+    (":actor_name:WorkerWithEngine\n*** SIGFPE received at time=1795977046 on cpu 1 ***\n"
+     "PC: @     0x7fecc45cee46  (unknown)  PagedAttention\n    @     0x7feed025a050       3904  (unknown)\n"
+     "Fatal Python error: Floating point exception\n\nCurrent thread 0x00007fb0f67fc6c0 (most recent call first):\n"
+     "  <no Python frame>\n\nThread 0x00007fb1 (most recent call first):\n"
+     '  File "/x/worker/runner.py", line 360 in _call\n', "SIGFPE in PagedAttention"),
+    ("*** SIGABRT received at time=1 on cpu 0 ***\nPC: @     0x7fd4bcca8eec  (unknown)  (unknown)\n"
+     "Fatal Python error: Aborted\n\nStack (most recent call first):\n"
+     '  File "/x/worker/actor.py", line 189 in step\n  File "/y/ray/worker.py", line 7 in main\n',
+     "SIGABRT, Python at actor.py:189 in step"),
+    ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call first):\n"
+     '  File "/x/loader.py", line 12 in load\n', "Fatal Python error: Segmentation fault, Python at loader.py:12 in load"),
+    (":actor_name:Worker\nINFO a line\n", None),
+])
+def test_a_dead_workers_log_tells_the_signal_and_where_it_was(log, want):
+    """launcher.replica.crash_note reads a worker's Ray log (its stderr) as Ray's failure handler
+    and Python's faulthandler leave it: the signal, the native function it came in, and the
+    crashing thread's innermost Python frame (not another thread's)."""
+    from msinfer.launcher.replica import crash_note
+    assert crash_note(log) == want
+
+
 # ---- a poison record ----------------------------------------------------------------------------
 
 def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(cli, model, hf_greedy, tmp_path):
@@ -202,6 +227,9 @@ def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(c
     summary = job.summary()
     assert summary["replica_restarts"] == 2 and summary["records_quarantined"] == 1
     assert summary["records_failed"] == 1 and len(summary["restart_reasons"]) == 2
+    for why in summary["restart_reasons"]:          # the signal, from the worker's log, and where that is
+        assert re.fullmatch(r"replica 0 failed \(a worker process died: rank 0 \(pid \d+\): SIGABRT, Python at "
+                            r"actor\.py:\d+ in step; its log: /\S+/worker-\S+\.err\)", why), why
 
 
 # ---- bad input: a clear message, nothing lost, nothing started ---------------------------------

@@ -24,11 +24,10 @@ from msinfer.worker.imports import import_mindspore, own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
 
-# Fault injection, for tests (docs/spec.md): a worker whose step input holds this token id exits
-# at once, as a process a kernel crash takes down does. Read once, and only where it is set.
+# Fault injection, for tests (docs/spec.md): a worker whose step input holds this token id aborts
+# (SIGABRT) at once, as a process a kernel crash takes down does. Read once, and only where it is set.
 POISON_ENV = "MSINFER_FAULT_POISON_TOKEN"
 POISON_TOKEN = int(os.environ[POISON_ENV]) if os.environ.get(POISON_ENV) else None
-POISON_EXIT = 134
 
 
 def peak_rss_bytes() -> int:
@@ -186,7 +185,7 @@ class Worker:
         seqs, released = unpack_step(seqs)
         if POISON_TOKEN is not None and POISON_TOKEN in (
                 seqs.token_ids if isinstance(seqs, DecodeStep) else [t for s in seqs for t in s.token_ids]):
-            os._exit(POISON_EXIT)           # as a kernel crash would (fault injection, tests only)
+            os.abort()                      # as a kernel crash would (fault injection, tests only)
         hidden = next((o.hidden for o in inputs if o.hidden is not None), None)
         sampled = {k: v for o in inputs if o.sampled for k, v in o.sampled.items()}
         with self.turn:

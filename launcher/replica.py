@@ -22,12 +22,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from msinfer.launcher.engine import LocalEngine, MergedOutputs, Pipeline, engine_host, submit_step
 # raised here, and imported from here by the callers
@@ -347,29 +346,35 @@ class Replica:
     def pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]
 
-    def death(self) -> str | None:
-        """Which of this replica's ranks died and how, where a log of this node tells: "rank 1
-        (pid 4242): SIGFPE in PagedAttention; its log: PATH"; a dead rank whose log tells nothing,
-        by its pid; ranks on other nodes, by node and pid. None where no rank is known dead."""
-        here = ray.util.get_node_ip_address()
-        told, silent, elsewhere = [], [], []
-        for rank, info in enumerate(self.ranks):
-            if "pid" not in info:
-                continue
-            if info.get("node_ip", here) != here:
-                elsewhere.append(f"rank {rank} (pid {info['pid']} on {info['node_ip']})")
-            elif not pid_alive(info["pid"]):
-                found = worker_log(info["pid"])
-                note = crash_note(found[1]) if found else None
+    def death(self, wait_s: float = 5.0) -> str | None:
+        """Which of this replica's ranks died and how, as each rank's node tells it: a task on the
+        node waits up to `wait_s` for the rank's process to be gone and reads its Ray log
+        (launcher.worker_logs). "rank 1 (pid 4242 on 10.0.0.2): SIGFPE in PagedAttention; its
+        log: PATH", or a dead rank whose log tells nothing by its pid; None where no node says a
+        rank is dead (a lost node answers nothing)."""
+        from msinfer.launcher.worker_logs import read_worker_log
+        asked = {read_worker_log.options(scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
+                 .remote(info["pid"], wait_s): rank
+                 for rank, info in enumerate(self.ranks) if "pid" in info and "node_id" in info}
+        told, silent = [], []
+        pending, end = list(asked), time.monotonic() + wait_s + 5
+        while pending and not told and time.monotonic() < end:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            for ref in done:
+                try:
+                    alive, path, note = ray.get(ref)
+                except Exception:                 # its node is gone
+                    continue
+                info = self.ranks[asked[ref]]
+                who = f"rank {asked[ref]} (pid {info['pid']} on {info.get('node_ip', '?')})"
                 if note:
-                    told.append(f"rank {rank} (pid {info['pid']}): {note}; its log: {found[0]}")
-                else:
-                    silent.append(f"rank {rank} (pid {info['pid']})")
-        if told:
-            return "; ".join(told)
-        if silent:
-            return "; ".join(silent)
-        return f"one of {', '.join(elsewhere)}" if elsewhere else None
+                    told.append(f"{who}: {note}; its log: {path}")
+                elif not alive:
+                    silent.append(who)
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        return "; ".join(told or silent) or None
 
     def shutdown(self) -> None:
         if isinstance(self.engine, LocalEngine):
@@ -386,52 +391,6 @@ class Replica:
             except Exception:
                 pass
         self.workers, self.scheduler, self.schedulers, self.pgs, self.engine = [], None, [], [], None
-
-
-# What a worker's log says of its end: Ray's failure handler ("*** SIGFPE received at time=...",
-# then "PC: @ 0x... (unknown) PagedAttention"), and Python's faulthandler ("Fatal Python error: ...",
-# then the crashing thread's Python frames, innermost first, where it was running Python).
-_SIGNAL = re.compile(r"\*\*\* (SIG[A-Z]+) received at time=")
-_PC = re.compile(r"PC: @\s+0x[0-9a-f]+\s+\S+\s+(\S+)")
-_FATAL = re.compile(r"^Fatal Python error: (.+)$", re.MULTILINE)
-_FRAME = re.compile(r'\(most recent call first\):\n\s+File "([^"]+)", line (\d+) in (\S+)')
-
-
-def crash_note(log: str) -> str | None:
-    """The end a worker's log tells (the last it tells): "SIGFPE in PagedAttention", "SIGABRT,
-    Python at actor.py:189 in step", "Fatal Python error: ..."; None where it tells none."""
-    signals = list(_SIGNAL.finditer(log))
-    fatal = list(_FATAL.finditer(log))
-    if signals:
-        last = signals[-1]
-        pc = _PC.search(log, last.end())
-        where = pc.group(1) if pc is not None and pc.group(1) != "(unknown)" else None
-        note = f"{last.group(1)} in {where}" if where else last.group(1)
-    elif fatal:
-        note = f"Fatal Python error: {fatal[-1].group(1).strip()}"
-    else:
-        return None
-    first = log.find("(most recent call first):", fatal[-1].end()) if fatal else -1
-    frame = _FRAME.match(log, first) if first >= 0 else None      # the crashing thread's, not another's
-    if frame is not None:
-        note += f", Python at {Path(frame.group(1)).name}:{frame.group(2)} in {frame.group(3)}"
-    return note
-
-
-def worker_log(pid: int, tail_bytes: int = 65536) -> tuple[Path, str] | None:
-    """This node's Ray log of the worker process `pid` (its stderr) and its last bytes, if found."""
-    try:
-        logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    except Exception:                   # no Ray session here
-        return None
-    for path in logs.glob(f"worker-*-{pid}.err"):
-        try:
-            with open(path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
-                return path, f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-    return None
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:

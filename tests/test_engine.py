@@ -139,7 +139,8 @@ def test_a_failed_replicas_records_go_to_the_healthy_one_and_each_result_is_writ
     assert os.path.exists(DiesOnce.flag)
     assert summary["replica_restarts"] == 1
     # an exit, no signal: the rank named by its pid, its log telling nothing more
-    assert re.fullmatch(r"replica [01] failed \(a worker process died: rank 0 \(pid \d+\)\)", *summary["restart_reasons"])
+    assert re.fullmatch(r"replica [01] failed \(a worker process died: rank 0 \(pid \d+ on [\d.]+\)\)",
+                        *summary["restart_reasons"])
     out = results(tmp_path / "out.jsonl")
     assert {k: v["output_token_ids"] for k, v in out.items()} == {
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}

@@ -103,7 +103,7 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
     summary = job.summary()
     assert summary["replica_restarts"] == 1 and summary["records_done"] == n
     assert summary["steps"]["cached_prompt_tokens"] >= 16
-    assert re.fullmatch(rf"replica 0 failed \(a worker process died: rank \d \(pid {victim['pid']}\)\)",
+    assert re.fullmatch(rf"replica 0 failed \(a worker process died: rank \d \(pid {victim['pid']} on {node_ip}\)\)",
                         *summary["restart_reasons"]), summary["restart_reasons"]      # SIGKILL: no log line
 
 
@@ -191,10 +191,10 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     (":actor_name:Worker\nINFO a line\n", None),
 ])
 def test_a_dead_workers_log_tells_the_signal_and_where_it_was(log, want):
-    """launcher.replica.crash_note reads a worker's Ray log (its stderr) as Ray's failure handler
+    """launcher.worker_logs.crash_note reads a worker's Ray log (its stderr) as Ray's failure handler
     and Python's faulthandler leave it: the signal, the native function it came in, and the
     crashing thread's innermost Python frame (not another thread's)."""
-    from msinfer.launcher.replica import crash_note
+    from msinfer.launcher.worker_logs import crash_note
     assert crash_note(log) == want
 
 
@@ -228,7 +228,7 @@ def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(c
     assert summary["replica_restarts"] == 2 and summary["records_quarantined"] == 1
     assert summary["records_failed"] == 1 and len(summary["restart_reasons"]) == 2
     for why in summary["restart_reasons"]:          # the signal, from the worker's log, and where that is
-        assert re.fullmatch(r"replica 0 failed \(a worker process died: rank 0 \(pid \d+\): SIGABRT, Python at "
+        assert re.fullmatch(r"replica 0 failed \(a worker process died: rank 0 \(pid \d+ on [\d.]+\): SIGABRT, Python at "
                             r"actor\.py:\d+ in step; its log: /\S+/worker-\S+\.err\)", why), why
 
 

@@ -1,6 +1,6 @@
 """The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
-last panel narrower than 32 columns (a tensor-parallel shard of an odd size) and zero rows
-(padding), the gate/up projection with its activation, lookups with out-of-range indices, and
+last panel narrower than 32 columns (a tensor-parallel shard of an odd size), zero rows
+(padding) and every row count up to three blocks of rows, the gate/up projection with its activation, lookups with out-of-range indices, and
 paged attention with head sizes of 24 to 128, float16, a step that mixes a prefill chunk,
 decode tokens and padding, and random steps of every kind the runner packs; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
 tiles (where the CPU has AMX)."""
@@ -568,6 +568,48 @@ def _bfloat16_rounded(a) -> np.ndarray:
     a = np.asarray(a, np.float64)
     m, e = np.frexp(a)                                   # a = m 2^e, 0.5 <= |m| < 1
     return (np.round(m * 256) / 256 * 2.0 ** e).astype(np.float32)     # np.round: ties to even
+
+
+ROWS = (*range(1, 18), 27, 28, 29, 42, 64, 125, 126, 127, 128, 141, 252, 253, 300)
+
+
+@pytest.mark.parametrize("way", ["float32 panels", "bfloat16 panels", "bfloat16 pairs"])
+def test_linear_of_every_row_count_gives_x_w_transposed(kernels, way, monkeypatch):
+    """Row counts from 1 to 300 (the micro-kernels' groups of up to 14 rows cut into equal sizes,
+    one to three blocks of 126 rows shared between the threads), each with a K (odd or even) and
+    an N (a last panel narrower than 32, or the gate/up activation) drawn at random, through each
+    way a weight is held: the result is numpy's float64 one over the values the kernel holds
+    (for pairs, x and w rounded to bfloat16; VDPBF16PS and FMAs alike where the CPU has both)."""
+    from msinfer.worker.cpu import set_bf16_dot
+    monkeypatch.setattr(kernels, "amx", False)
+    rng = np.random.default_rng(["float32 panels", "bfloat16 panels", "bfloat16 pairs"].index(way))
+    dot = kernels.bf16_dot
+    try:
+        for M in ROWS:
+            K = int(rng.choice([24, 40, 63, 96]))
+            glu = bool(rng.random() < 0.3)
+            N = int(rng.choice([64, 96])) if glu else int(rng.choice([32, 45, 96, 130]))
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+            if way == "float32 panels":
+                packed, xs, ws = (kernels.pack_glu(w) if glu else kernels.pack(w)), x, w
+            elif way == "bfloat16 panels":
+                ws = _bfloat16(w)
+                packed, _ = kernels.pack_weight(ws, glu)
+                xs = x
+            else:
+                packed, _ = kernels.pack_pairs(w, glu)
+                xs, ws = _bfloat16_rounded(x), _bfloat16_rounded(w)
+            h = xs.astype(np.float64) @ ws.astype(np.float64).T
+            ref = h[:, :N // 2] / (1 + np.exp(-h[:, :N // 2])) * h[:, N // 2:] if glu else h
+            op = kernels.glu_linear_op() if glu else kernels.linear_op()
+            for bf16_dot in ([True, False] if way == "bfloat16 pairs" and dot else [dot]):
+                set_bf16_dot(bf16_dot)
+                y = op(Tensor(x), Tensor(packed)).asnumpy()
+                np.testing.assert_allclose(y, ref, atol=1e-5 * np.abs(ref).max(), rtol=0,
+                                           err_msg=f"{way}: M {M} K {K} N {N} glu {glu} VDPBF16PS {bf16_dot}")
+    finally:
+        set_bf16_dot(dot)
 
 
 @pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (16, 63, 96, False), (33, 24, 45, False),

@@ -1,8 +1,9 @@
 """The CPU kernels against numpy, on the shapes the model tests do not reach: the matmul with a
 last panel narrower than 32 columns (a tensor-parallel shard of an odd size), zero rows
-(padding) and every row count up to three blocks of rows, the gate/up projection with its activation, lookups with out-of-range indices, and
-paged attention with head sizes of 24 to 128, float16, a step that mixes a prefill chunk,
-decode tokens and padding, and random steps of every kind the runner packs; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
+(padding) and every row count up to three blocks of rows, the gate/up projection with its
+activation, lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
+float16, a step that mixes a prefill chunk, decode tokens and padding, and random steps of every
+kind the runner packs; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
 tiles (where the CPU has AMX)."""
 
 from __future__ import annotations

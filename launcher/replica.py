@@ -353,9 +353,11 @@ class Replica:
         log: PATH", or a dead rank whose log tells nothing by its pid; None where no node says a
         rank is dead (a lost node answers nothing)."""
         from msinfer.launcher.worker_logs import read_worker_log
-        asked = {read_worker_log.options(scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
-                 .remote(info["pid"], wait_s): rank
-                 for rank, info in enumerate(self.ranks) if "pid" in info and "node_id" in info}
+        asked = {}
+        for rank, info in enumerate(self.ranks):
+            if "pid" in info and "node_id" in info:
+                on_its_node = NodeAffinitySchedulingStrategy(info["node_id"], soft=False)
+                asked[read_worker_log.options(scheduling_strategy=on_its_node).remote(info["pid"], wait_s)] = rank
         told, silent = [], []
         pending, end = list(asked), time.monotonic() + wait_s + 5
         while pending and not told and time.monotonic() < end:

@@ -72,6 +72,37 @@ def test_grouped_experts_sum_each_tokens_routed_experts_weighted(kernels, inter,
     np.testing.assert_allclose(y, ref, atol=tol * np.abs(ref).max(), rtol=0)
 
 
+
+@pytest.mark.parametrize("routing", ["spread", "one hot expert", "held experts only"])
+def test_grouped_experts_of_any_token_count_and_routing_sum_what_numpy_sums(kernels, routing):
+    """MoeExperts over token counts from 1 to 260 (an expert's rows in groups and blocks of rows,
+    or none), top 1, 2 or 4 of 8 experts, routed evenly, nearly all to one expert, or only to the
+    experts held (4 of them, from expert 2, with and without the fused gate/up), against numpy."""
+    rng = np.random.default_rng(["spread", "one hot expert", "held experts only"].index(routing))
+    H, inter, E_all = 40, 32, 8
+    for N in (1, 2, 5, 16, 33, 130, 260):
+        K = int(rng.choice([1, 2, 4]))
+        first = 2 if routing == "held experts only" else int(rng.choice([0, 2]))
+        E = E_all if first == 0 else 4
+        glu = bool(rng.random() < 0.5)
+        if routing == "one hot expert":
+            ids = np.stack([np.r_[first, rng.choice(np.arange(E_all)[np.arange(E_all) != first], K - 1, replace=False)]
+                            for _ in range(N)])
+        else:
+            pool = np.arange(first, first + E) if routing == "held experts only" else np.arange(E_all)
+            ids = np.stack([rng.choice(pool, K, replace=False) for _ in range(N)])
+        ids = ids.astype(np.int32)
+        x = rng.standard_normal((N, H)).astype(np.float32)
+        weights = rng.random((N, K)).astype(np.float32)
+        w13 = (rng.standard_normal((E, 2 * inter, H)) * 0.2).astype(np.float32)
+        w2 = (rng.standard_normal((E, H, inter)) * 0.2).astype(np.float32)
+        packed13, packed2 = kernels.pack_experts(w13, glu)[0], kernels.pack_experts(w2)[0]
+        y = kernels.moe_op()(Tensor(x), Tensor(ids), Tensor(weights), Tensor(packed13), Tensor(packed2),
+                             Tensor(np.array([first, int(glu)], np.int32))).asnumpy()
+        ref = experts_reference(x, ids, weights, w13, w2, first)
+        said = f"{routing}: {N} tokens, top {K}, experts {first}..{first + E - 1}, glu {glu}"
+        np.testing.assert_allclose(y, ref, atol=1e-5 * np.abs(ref).max(), rtol=0, err_msg=said)
+
 def test_grouped_experts_over_bfloat16_tiles_give_their_float32_panels_result(kernels):
     """Experts of a bfloat16 checkpoint (every value a bfloat16) go to AMX tiles where the CPU has
     them, the gate/up projection fused; the result is the float32 panels' to float32 accuracy."""
@@ -888,7 +919,8 @@ def test_paged_attention_of_a_prefill_chunk_and_decode_tokens_equals_numpy(kerne
 # a prefill chunk at consecutive positions after what its sequence has cached, a decode token
 # alone, padding (lens 0) last. Each kind reaches its own way through PagedAttention::run.
 STEPS = {
-    "chunks alone": lambda rng: [("chunk", int(rng.integers(0, 20)), int(c)) for c in rng.choice([4, 9, 16, 21, 36], 3)],
+    "chunks alone": lambda rng: [("chunk", int(rng.integers(0, 20)), int(c))
+                                 for c in rng.choice([4, 9, 16, 21, 36], 3)],
     "one long decode": lambda rng: [("decode", int(rng.integers(40, 90)))],
     "few decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 3)],
     "many decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 9)],

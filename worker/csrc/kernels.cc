@@ -196,7 +196,8 @@ extern "C" int SampleStatsT(int nparam, void** params, int* ndims, int64_t** sha
 extern "C" int ProcessRows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                            void* stream, void* extra) {
   if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 5 || ndims[2] != 2 || ndims[3] != 2 ||
-      shapes[3][1] != 3 || shapes[3][0] < 1 || shapes[0][0] % shapes[3][0] || shapes[2][0] != shapes[0][0] / shapes[3][0])
+      shapes[3][1] != 3 || shapes[3][0] < 1 || shapes[0][0] % shapes[3][0] ||
+      shapes[2][0] != shapes[0][0] / shapes[3][0])
     return 1;
   const int32_t* meta = static_cast<const int32_t*>(params[3]);
   const int64_t R = shapes[3][0];

@@ -416,6 +416,8 @@ def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
             return None
     calls = []
     for call in raw:
+        if call.lstrip().startswith("["):
+            return None                  # a list after one of several [TOOL_CALLS]: neither form
         name, sep, args = call.partition(MISTRAL_ARGS)
         if not sep:
             if "{" not in call:

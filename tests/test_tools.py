@@ -115,6 +115,7 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
      ("Let me check.", [("get_weather", '{"city": "Oslo"}')])),
     ("mistral", '[TOOL_CALLS] [{"name": "f"}]', None),                       # no arguments
     ("mistral", "[TOOL_CALLS] [not json", None),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}][TOOL_CALLS][{"name": "g", "arguments": {}}]', None),
     ("mistral", 'The weather is fine [{"name": "f", "arguments": {}}]', None),   # no [TOOL_CALLS]
     ("deepseek_v3", f'Let me see.{CALLS}{B}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{E}'
                     f'{B}function{SEP}get_time\n```json\n{{\n  "zone": "UTC"\n}}\n```{E}{CALLS_END}',

@@ -187,7 +187,8 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
      '  File "/x/worker/actor.py", line 189 in step\n  File "/y/ray/worker.py", line 7 in main\n',
      "SIGABRT, Python at actor.py:189 in step"),
     ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call first):\n"
-     '  File "/x/loader.py", line 12 in load\n', "Fatal Python error: Segmentation fault, Python at loader.py:12 in load"),
+     '  File "/x/loader.py", line 12 in load\n',
+     "Fatal Python error: Segmentation fault, Python at loader.py:12 in load"),
     (":actor_name:Worker\nINFO a line\n", None),
 ])
 def test_a_dead_workers_log_tells_the_signal_and_where_it_was(log, want):
@@ -201,13 +202,14 @@ def test_a_dead_workers_log_tells_the_signal_and_where_it_was(log, want):
 # ---- a poison record ----------------------------------------------------------------------------
 
 def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(cli, model, hf_greedy, tmp_path):
-    """MSINFER_FAULT_POISON_TOKEN: a worker whose step input holds the token exits at once, as a
+    """MSINFER_FAULT_POISON_TOKEN: a worker whose step input holds the token aborts at once, as a
     kernel crash takes a process down; record r03's prompt holds it. The first failure takes down
     the batch r03 ran in; its records run again one suspect at a time, and the second failure
     names r03 alone: its result is a "quarantined" error line, every other record gets
     transformers' tokens, and the job exits 0, its two restarts not charged to
-    fault.max_replica_restarts (1). At tp 1: a group's failure and restart is the killed-worker
-    test's."""
+    fault.max_replica_restarts (1). Each failure's reason names the signal and the Python frame
+    it came in, from the worker's log. At tp 1: a group's failure and restart is the
+    killed-worker test's."""
     n, new = 8, 8
     lines = [{"id": f"r{i:02d}", "prompt_token_ids": [(7 * i + 3 * j) % 200 + 3 for j in range(5 + i)]}
              for i in range(n)]

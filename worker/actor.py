@@ -185,6 +185,7 @@ class Worker:
         seqs, released = unpack_step(seqs)
         if POISON_TOKEN is not None and POISON_TOKEN in (
                 seqs.token_ids if isinstance(seqs, DecodeStep) else [t for s in seqs for t in s.token_ids]):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))        # (no core file of a test's fault)
             os.abort()                      # as a kernel crash would (fault injection, tests only)
         hidden = next((o.hidden for o in inputs if o.hidden is not None), None)
         sampled = {k: v for o in inputs if o.sampled for k, v in o.sampled.items()}

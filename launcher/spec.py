@@ -364,7 +364,7 @@ class OutputSpec(Section):
     reasoning_parser: Literal["qwen3", "deepseek_r1", "deepseek_v3"] | None = None
     # vLLM's tool call parser: the calls a chat completion writes, as message.tool_calls (launcher.tools)
     tool_call_parser: Literal["hermes", "llama3_json", "pythonic", "llama4_pythonic", "mistral", "deepseek_v3",
-                              "deepseek_v31", "qwen3_coder"] | None = None
+                              "deepseek_v31", "kimi_k2", "qwen3_coder"] | None = None
     # Prometheus metrics at http://<metrics_host>:<metrics_port>/metrics while the run lasts (launcher.metrics)
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_host: str = Field("127.0.0.1", min_length=1)

@@ -5,8 +5,8 @@ serves them (vllm/entrypoints/openai/chat_completion/serving.py, vllm/tool_parse
   also with tool_choice "none", as vLLM does by default.
 - tool_choice "auto" (the default where tools are given): the model writes its calls in its own
   form, and `output.tool_call_parser` finds them in the completion's text (`parse_calls`: hermes,
-  llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31, qwen3_coder, as
-  vLLM's parsers of those names).
+  llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31, kimi_k2,
+  qwen3_coder, as vLLM's parsers of those names).
 - tool_choice "required", or a named function: the output is constrained by a JSON schema
   (structured outputs), as vLLM's ToolParser.adjust_request constrains it: for a named function its
   parameters, for "required" a list of one or more {"name", "parameters"} of the given tools.
@@ -46,10 +46,15 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # id, which some write, and its arguments
 MISTRAL_CALLS, MISTRAL_CALL_ID, MISTRAL_ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
 MISTRAL_LIST = re.compile(r"\[{.*}\]", re.DOTALL)
+# Kimi K2's: its calls' section, and each call's id (functions.NAME:INDEX) and arguments
+KIMI_START, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]+:\d+)\s*<\|tool_call_argument_begin\|>\s*"
+                       r"((?:(?!<\|tool_call_begin\|>).)*?)\s*<\|tool_call_end\|>", re.DOTALL)
 # the tokens each parser's model writes its calls with, which its tokenizer must have (plan checks)
 PARSER_TOKENS = {"hermes": (), "llama3_json": (LLAMA_TAG,), "pythonic": (), "llama4_pythonic": (),
                  "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DEEPSEEK_START, DEEPSEEK_END),
-                 "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END), "qwen3_coder": (HERMES_START, HERMES_END)}
+                 "deepseek_v31": (DEEPSEEK_START, DEEPSEEK_END), "kimi_k2": (KIMI_START, KIMI_END),
+                 "qwen3_coder": (HERMES_START, HERMES_END)}
 CHOICES = ("none", "auto", "required")
 NAMED = 'a named function {"type": "function", "function": {"name": ...}}'
 
@@ -205,10 +210,11 @@ def check_message_calls(m: dict, where: str) -> str | None:
     return None
 
 
-def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, list[tuple[str, str]]] | None:
+def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, list[tuple]] | None:
     """A completion's (content, calls) as vLLM's parser of that name finds them, each call (name,
-    arguments as JSON text); None where it holds no call the parser can read: the text then stays
-    the message's content, as vLLM gives it back.
+    arguments as JSON text), or (name, arguments, id) where the model writes the call's id (Kimi
+    K2); None where it holds no call the parser can read: the text then stays the message's
+    content, as vLLM gives it back.
 
     - hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
       each; the content is the text before the first.
@@ -236,6 +242,11 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
       The content is the text before the calls; the arguments are taken as written. (vLLM's
       patterns stop at a line break, so it drops arguments written over several lines; these do
       not.)
+    - kimi_k2 (Kimi K2): after <|tool_calls_section_begin|>, each `<|tool_call_begin|>
+      functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>`; the call's id is
+      the model's `functions.NAME:INDEX`, as vLLM keeps it (Kimi's chat template reads it back
+      from the tool messages), and the arguments are taken as written. The content is the text
+      before the section.
     - qwen3_coder (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>...
       </function></tool_call>`; a bare <function= is read too. Each value loses one line break at
       either end and is typed by its parameter's schema in `tools` (`coder_value`). The content
@@ -273,6 +284,11 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
         else:
             calls = DEEPSEEK_V31_CALL.findall(text)
         content = text[:text.find(DEEPSEEK_START)]
+    elif parser == "kimi_k2":
+        if KIMI_START not in text:
+            return None
+        calls = [(ident.split(":")[0].split(".")[-1], args, ident.strip()) for ident, args in KIMI_CALL.findall(text)]
+        content = text[:text.find(KIMI_START)]
     elif parser == "qwen3_coder":
         if "<function=" not in text:
             return None
@@ -286,7 +302,7 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
         content = text[:first]
     else:
         raise ValueError(f"unknown tool call parser {parser!r}")
-    if not calls or not all(isinstance(name, str) and name for name, _ in calls):
+    if not calls or not all(isinstance(call[0], str) and call[0] for call in calls):
         return None
     return (content if content and content.strip() else None), calls
 
@@ -445,10 +461,10 @@ def call_id(record_id: str, choice: int, k: int) -> str:
     return "chatcmpl-tool-" + hashlib.sha256(f"{record_id}\0{choice}\0{k}".encode()).hexdigest()[:32]
 
 
-def tool_calls_field(record_id: str, choice: int, calls: list[tuple[str, str]]) -> list[dict]:
-    """OpenAI's message.tool_calls."""
-    return [{"id": call_id(record_id, choice, k), "type": "function", "function": {"name": name, "arguments": args}}
-            for k, (name, args) in enumerate(calls)]
+def tool_calls_field(record_id: str, choice: int, calls: list[tuple]) -> list[dict]:
+    """OpenAI's message.tool_calls: each call's id the model's where it wrote one, else `call_id`."""
+    return [{"id": call[2] if len(call) > 2 else call_id(record_id, choice, k), "type": "function",
+             "function": {"name": call[0], "arguments": call[1]}} for k, call in enumerate(calls)]
 
 
 def check_parser_tokens(parser: str, encode) -> str | None:

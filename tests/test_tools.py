@@ -125,6 +125,13 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("deepseek_v31", f'{CALLS}{B}get_weather{SEP}{{"city": "Rome"}}{E}{CALLS_END}',
      (None, [("get_weather", '{"city": "Rome"}')])),
     ("deepseek_v31", f'no call {B}f{SEP}{{}}{E}', None),                      # no calls' begin marker
+    ("kimi_k2", 'Checking.<|tool_calls_section_begin|><|tool_call_begin|> functions.get_weather:0 '
+                '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|><|tool_call_begin|>get_time:1'
+                '<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>',
+     ("Checking.", [("get_weather", '{"city": "Paris"}', "functions.get_weather:0"), ("get_time", "{}", "get_time:1")])),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": ',
+     None),                                                                  # cut before its end
+    ("kimi_k2", '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>', None),   # no section
     ("qwen3_coder", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
      ("I'll look.\n", [("get_weather", '{"city": "Paris", "days": 3}')])),
@@ -137,7 +144,7 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("qwen3_coder", "<tool_call><function=f</tool_call>", None),               # no '>' after the name
     ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", None),        # hermes' form: no function
 ])
-def test_the_llama_pythonic_mistral_deepseek_and_qwen3_coder_parsers_read_calls_where_vllms_read_them(
+def test_the_llama_pythonic_mistral_deepseek_kimi_and_qwen3_coder_parsers_read_calls_where_vllms_read_them(
         parser, text, want):
     number = {"type": "object", "properties": {"days": {"type": "integer"}, "city": {"type": "string"}}}
     tools = ({"type": "function", "function": {"name": "get_weather", "parameters": number}},
@@ -358,6 +365,12 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
                  "</parameter>\n</function>\n</tool_call>")
     assert coder["finish_reason"] == "tool_calls" and coder["tool_calls"][0]["function"] == {
         "name": "forecast", "arguments": '{"city": "42", "days": 3}'}          # typed by the record's tools
+    kimi = done(codec(tool_call_parser="kimi_k2"), record("m"),
+                "Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert (kimi["output_text"], kimi["finish_reason"]) == ("Let me look.", "tool_calls")
+    assert kimi["tool_calls"] == [{"id": "functions.get_weather:0", "type": "function",      # the model's id
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     embed = RecordCodec(JobSpec.model_validate({"task": "embed", "model": {"path": "m", "max_model_len": 2048},
                                                 "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}}),
                         SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
@@ -366,8 +379,8 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
     unparsed = done(codec(tool_call_parser=None), record("j"), "x")
     assert unparsed["error"]["message"] == (
         "record 'j': tool_choice 'auto' needs output.tool_call_parser in the job spec (the model's: hermes, "
-        "llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31 or qwen3_coder), as vLLM needs "
-        "--tool-call-parser; or tool_choice 'none'")
+        "llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, deepseek_v31, kimi_k2 or qwen3_coder), as vLLM "
+        "needs --tool-call-parser; or tool_choice 'none'")
 
     def request(custom_id, **body):
         return parse_openai({"custom_id": custom_id, "url": "/v1/chat/completions",

@@ -172,7 +172,7 @@ class Controller:
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
     on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
     ledger: ActorHandle | None = None                  # the Ledger actor (with an engine setup)
-    failures: dict = field(default_factory=dict)       # serial -> [(failure number, why)] it was running in
+    failures: dict = field(default_factory=dict)       # serial -> [(failure number, why, its kind)] it ran in
     blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
     quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
     quarantined: int = 0
@@ -417,17 +417,18 @@ class Controller:
         cause = getattr(error, "cause", None)
         if isinstance(error, EngineFailed) and not isinstance(error, RayTaskError):    # a local engine's
             cause = error
-        reason = str(cause) if isinstance(cause, EngineFailed) else describe(error)
+        reason = kind = str(cause) if isinstance(cause, EngineFailed) else describe(error)
         if reason == WORKER_DIED:
             try:
                 death = slot.replica.death()
             except Exception:               # (the reason stays as it is)
                 death = None
-            reason = f"{reason}: {death}" if death else reason
+            if death is not None:           # the kind, without the rank, process and log: failures alike
+                reason, kind = f"{reason}: {death[0]}", f"{reason}: {death[1]}" if death[1] else reason
         why = f"replica {slot.index} failed ({reason})"
         self.restart_log.append(why)
         number = len(self.restart_log)
-        poison = self._quarantine(slot, number, reason)
+        poison = self._quarantine(slot, number, reason, kind)
         charged = sum(1 for n in range(1, number) if n not in self.blamed)      # failures before this one
         draining = self.stop is not None and not self.stop.dealing()
         if charged >= self.cfg.max_restarts and not poison and not draining:
@@ -454,7 +455,7 @@ class Controller:
         slot.want = self.cfg.replica.engine_setup.queue_target
         slot.starting = self.pool.submit(slot.replica.start, self.cfg.engine_config)
 
-    def _quarantine(self, slot: Slot, number: int, reason: str) -> bool:
+    def _quarantine(self, slot: Slot, number: int, reason: str, kind: str) -> bool:
         """Failure `number` of the job took `slot` down: each record it was running (the ledger's
         word, of those dealt to it) counts one; those now at max_record_failures are quarantined
         (taken out of its records, their error lines queued) and the failures they were running
@@ -470,11 +471,11 @@ class Controller:
             if serial not in slot.outstanding:
                 continue
             seen = self.failures.setdefault(serial, [])
-            seen.append((number, reason))
+            seen.append((number, reason, kind))
             if len(seen) < self.cfg.max_record_failures:
                 continue
             _, rec = slot.outstanding.pop(serial)
-            self.blamed.update(n for n, _ in seen)
+            self.blamed.update(n for n, *_ in seen)
             self.quarantine.append((quarantined_done(serial, rec, seen, self.cfg.replica.engine_setup), rec))
             self.quarantined += 1
             found = True
@@ -528,14 +529,18 @@ class Controller:
 def quarantined_done(serial: int, rec: Record, failures: list, setup: EngineSetup) -> Done:
     """The error line of a quarantined record, in the job's output format."""
     from msinfer.launcher.openai_batch import openai_line
-    causes = "; ".join(dict.fromkeys(why for _, why in failures))
-    message = (f"record '{rec.id}' was running when a replica failed, {len(failures)} times ({causes}); it is "
-               f"quarantined: not computed again (fault.max_record_failures)")
+
+    def said(words):
+        return (f"was running when a replica failed, {len(failures)} times ({'; '.join(dict.fromkeys(words))}); "
+                f"it is quarantined: not computed again (fault.max_record_failures)")
+    message = f"record '{rec.id}' {said(why for _, why, _ in failures)}"
     openai = setup.output_format == "openai"
     result = error_result(rec.id if openai or rec.given_id is None else rec.given_id, "quarantined", message)
     line = openai_line(result, "", None, "", None) if openai else result
+    # its cause, as records that fail alike share it (launcher.job): the failures' kinds, not which
+    # process died or where its log is
     return Done(serial, json.dumps(line, ensure_ascii=False), True, 0, 0, None,
-                message.replace(f"record '{rec.id}'", "a record"))
+                f"a record {said(kind for _, _, kind in failures)}")
 
 
 def launch_error(e: BaseException) -> Exception:

@@ -346,12 +346,13 @@ class Replica:
     def pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]
 
-    def death(self, wait_s: float = 5.0) -> str | None:
+    def death(self, wait_s: float = 5.0) -> tuple[str, str | None] | None:
         """Which of this replica's ranks died and how, as each rank's node tells it: a task on the
         node waits up to `wait_s` for the rank's process to be gone and reads its Ray log
-        (launcher.worker_logs). "rank 1 (pid 4242 on 10.0.0.2): SIGFPE in PagedAttention; its
-        log: PATH", or a dead rank whose log tells nothing by its pid; None where no node says a
-        rank is dead (a lost node answers nothing)."""
+        (launcher.worker_logs). (its words: "rank 1 (pid 4242 on 10.0.0.2): SIGFPE in
+        PagedAttention; its log: PATH", or a dead rank whose log tells nothing by its pid; what
+        the log told: "SIGFPE in PagedAttention", or None). None where no node says a rank is dead
+        (a lost node answers nothing)."""
         from msinfer.launcher.worker_logs import read_worker_log
         asked = {}
         for rank, info in enumerate(self.ranks):
@@ -370,13 +371,14 @@ class Replica:
                 info = self.ranks[asked[ref]]
                 who = f"rank {asked[ref]} (pid {info['pid']} on {info.get('node_ip', '?')})"
                 if note:
-                    told.append(f"{who}: {note}; its log: {path}")
+                    told.append((f"{who}: {note}; its log: {path}", note))
                 elif not alive:
-                    silent.append(who)
+                    silent.append((who, None))
         for ref in pending:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
-        return "; ".join(told or silent) or None
+        found = told or silent
+        return ("; ".join(words for words, _ in found), found[0][1]) if found else None
 
     def shutdown(self) -> None:
         if isinstance(self.engine, LocalEngine):

@@ -4,6 +4,7 @@ one prefill for a record's n samples. Pure Python: no network, no Ray."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections import Counter
 from concurrent.futures import Future
@@ -310,3 +311,30 @@ def test_a_records_n_samples_prefill_its_prompt_once(ahead):
     assert [len(feeds[s.seq_id][0][1].token_ids) for s in samples] == [6, 1, 1, 1]
     assert (sched.prompt_tokens, sched.cached_tokens) == (4 * 6, 3 * 5)
     assert all(s.output_token_ids == reference(prompt)[0][:3] for s in samples)
+
+
+# ---- records quarantined for the same crash ------------------------------------------------------
+
+def test_records_quarantined_for_the_same_crash_share_their_cause_and_their_lines_name_each_process():
+    """Two records each ran in the crashes of two workers (other processes, other logs, the same
+    signal in the same function): their error lines name every failure as it happened, and their
+    causes, by which the job tells records that fail alike (launcher.job: all alike and none
+    succeeded, the job stops without their lines), are one. Another crash is another cause."""
+    from msinfer.launcher.controller import quarantined_done
+    setup = SimpleNamespace(output_format="msinfer")
+
+    def crash(n: int, pid: int, note: str) -> tuple:
+        died = "a worker process died"
+        return (n, f"{died}: rank 0 (pid {pid} on 10.0.0.{n}): {note}; its log: /tmp/ray/worker-{pid}.err",
+                f"{died}: {note}")
+
+    a = quarantined_done(1, Record(id="a", line=1), [crash(1, 101, "SIGFPE in PagedAttention"),
+                                             crash(2, 102, "SIGFPE in PagedAttention")], setup)
+    b = quarantined_done(2, Record(id="b", line=2), [crash(3, 103, "SIGFPE in PagedAttention"),
+                                             crash(4, 104, "SIGFPE in PagedAttention")], setup)
+    c = quarantined_done(3, Record(id="c", line=3), [crash(5, 105, "SIGSEGV in Linear"), crash(6, 106, "SIGSEGV in Linear")],
+                         setup)
+    message = json.loads(a.line)["error"]["message"]
+    assert "pid 101 on 10.0.0.1" in message and "/tmp/ray/worker-102.err" in message and message.startswith(
+        "record 'a' was running when a replica failed, 2 times (")
+    assert a.cause == b.cause != c.cause and "pid" not in a.cause and "SIGFPE in PagedAttention" in a.cause

@@ -234,6 +234,22 @@ def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(c
                             r"actor\.py:\d+ in step; its log: /\S+/worker-\S+\.err\)", why), why
 
 
+
+def test_a_crash_that_takes_down_every_record_stops_the_job_without_their_error_lines(cli, model, tmp_path):
+    """Every record holds the poison token: each crash is quarantined on the records it ran
+    (fault.max_record_failures 1), and as every record then failed alike, for the same crash in
+    the same place, that is no record's fault: the job stops, naming the crash, and writes no
+    error line, so that a run after the fix computes every record."""
+    lines = [{"id": f"r{i}", "prompt_token_ids": [11 + i, 12, 13, 250]} for i in range(2)]
+    job = Job(tmp_path, model, lines, fault={"max_record_failures": 1})
+    p = cli.run("run", job.spec_path, "--no-progress", env={"MSINFER_FAULT_POISON_TOKEN": "250"}, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert re.search(r"all 2 records failed alike \(record 'r\d' was the first\): a record was running when a "
+                     r"replica failed, 1 times \(a worker process died: SIGABRT, Python at actor\.py:\d+ in step\)",
+                     said(p)), said(p)
+    assert not job.output.exists() or job.results() == []
+
+
 # ---- bad input: a clear message, nothing lost, nothing started ---------------------------------
 
 def fails_before_ray(cli, job: Job, *args, prefix: tuple = ()) -> str:

@@ -405,6 +405,42 @@ def test_a_step_runs_padded_in_a_compiled_shape_until_the_padding_would_have_pai
     assert (8, 8) in runner.graphs
 
 
+def test_step_graphs_in_mindspore_inference_mode_run_each_shape_in_its_own_graph(checkpoint, monkeypatch):
+    """The CPU kernels' step graphs run in MindSpore's inference mode, which keeps one graph per
+    value of the network's `phase` whatever the inputs' shapes: prefill and decode steps of three
+    shapes, two of them met again after another, give the logits that graphs compiled in the
+    default mode (MSINFER_INFER_BOOST=0) give, to the bit."""
+    import msinfer.worker.runner as runner_module
+    from msinfer.worker.cpu import CpuOps, INFERENCE_MODE, load_kernels
+    from msinfer.worker.protocol import SeqStep
+    path = str(checkpoint("llama_gqa_tied"))
+    rng = np.random.default_rng(2)
+    table = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    prompts = [[int(t) for t in rng.integers(3, 200, n)] for n in (40, 100, 40)]
+    steps = [([SeqStep(0, prompts[0], 0, table[0])], True),               # N 64
+             ([SeqStep(0, [5], 40, table[0])], False),                    # 8
+             ([SeqStep(1, prompts[1], 0, table[1])], True),               # 128
+             ([SeqStep(2, prompts[2], 0, table[2])], True),               # 64
+             ([SeqStep(0, [6], 41, table[0]), SeqStep(1, [7], 100, table[1])], False)]    # 8
+
+    def logits(runner):
+        return [runner.forward(*step) for step in steps]
+
+    assert CpuOps.static_step_jit_options == INFERENCE_MODE
+    monkeypatch.setattr(runner_module, "PAD_TOKENS_BEFORE_COMPILE", 0)      # a graph for every bucket
+    boosted = ModelRunner(EngineConfig(path, max_model_len=128, max_batch_size=8))
+    monkeypatch.setenv("MSINFER_INFER_BOOST", "0")
+    load_kernels()
+    assert CpuOps.static_step_jit_options is None
+    plain = ModelRunner(EngineConfig(path, max_model_len=128, max_batch_size=8))
+    monkeypatch.delenv("MSINFER_INFER_BOOST")
+    load_kernels()
+    assert boosted.graphs == set() and plain.graphs == set()
+    for a, b in zip(logits(boosted), logits(plain)):
+        np.testing.assert_array_equal(a, b)
+    assert boosted.graphs == {(8, 8), (64, 8), (128, 8)}
+
+
 def test_float16_on_the_cpu_gives_transformers_greedy_tokens(checkpoint, hf_greedy):
     """The CPU kernels' half-precision path (loads and stores in float16, sums in float32), on the
     variant with q/k norms and an odd head_dim; prompts of 2-17 tokens cover single tokens and

@@ -27,6 +27,7 @@ TILE = 32      # csrc/matmul.h amx_rows: N and K of a weight in bfloat16 tiles a
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.
 _LIBRARY = _RMS_NORM = _ADD_RMS_NORM = _SILU_MUL = _ROWS = None
+INFERENCE_MODE = {"jit_level": "O0", "infer_boost": "on"}     # CpuOps.static_step_jit_options
 
 
 class CpuRmsNorm(nn.Cell):
@@ -54,6 +55,13 @@ class CpuOps(MsOps):
     # (A layer with a bias makes them non-zero from there on; they are then computed, as before.)
     pad_id = -1
     dynamic_shapes = False
+    # The step graphs run in MindSpore's inference mode (jit's infer_boost, documented for Atlas A2
+    # and taken by the CPU backend): a call runs the graph the network's `phase` names without
+    # MindSpore's per-call compile lookup and preparing every weight anew, 0.5-2 ms less a decode
+    # step of the demo model (docs/benchmarks.md). That mode keeps one graph per phase, whatever
+    # the inputs' shapes, so the runner gives every shape a phase of its own (runner.by_shape).
+    # MSINFER_INFER_BOOST=0 turns it off (load_kernels).
+    static_step_jit_options = INFERENCE_MODE
 
     @staticmethod
     def cache_shape(num_blocks, block_size, kv_heads, head_dim):
@@ -633,6 +641,7 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
     CpuOps.int4 = bool(lib.Int4Ready()) and os.environ.get("MSINFER_INT4", "1") != "0"
     CpuOps.bf16_panels = bf16_panels_on()
+    CpuOps.static_step_jit_options = INFERENCE_MODE if os.environ.get("MSINFER_INFER_BOOST", "1") != "0" else None
     set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)

@@ -215,6 +215,9 @@ class MsOps:
     fused_attention = False   # True: the attention op takes the qkv projection whole (CpuOps)
     jit_options: dict = {}    # options of mindspore.jit for the step graphs
     phases: dict | None = None   # step kind -> the network's `phase` while it runs (AscendOps)
+    # Static-shape step graphs in MindSpore's inference mode (CpuOps): these jit options for them
+    # (the sampler's graphs and the kernel checks keep jit_options), and a `phase` for each graph.
+    static_step_jit_options: dict | None = None
     # MindSpore's CPU kernel for an elementwise op between tensors of different shapes builds an
     # index table per output element when it first runs a shape (seconds, and ~19 MB a kernel at
     # 2048 x 576, kept for the graph's life). Every operand is therefore broadcast explicitly,

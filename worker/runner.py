@@ -43,6 +43,18 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
+def by_shape(graph, fn):
+    """`graph`, method `fn` of a cell compiled in MindSpore's inference mode (which runs the graph
+    the cell's `phase` names, whatever the inputs' shapes), called with a phase of `fn`'s name and
+    the inputs' shapes: one graph a shape, as MindSpore keys graphs in its other modes."""
+    cell, name = fn.__self__, fn.__name__
+
+    def call(*args):
+        cell.phase = name + "".join(str(getattr(a, "shape", a)) for a in args)
+        return graph(*args)
+    return call
+
+
 def shape_key(inputs: dict) -> str:
     """The graph shape of a step's inputs (see ModelRunner.prepare)."""
     return f"N={inputs['input_ids'].shape[0]} M={inputs['out_index'].shape[0]}"
@@ -151,7 +163,8 @@ class ModelRunner:
     def compiled(self, fn, kind: str):
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count."""
         if not self.dynamic:
-            return self.ms.jit(fn, **self.dev.jit_options)
+            options = self.dev.static_step_jit_options
+            return by_shape(self.ms.jit(fn, **options), fn) if options else self.ms.jit(fn, **self.dev.jit_options)
         from msinfer.worker.model import POOL_INPUTS, SCORE_INPUTS, STEP_INPUTS
         ms = self.ms
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
@@ -377,15 +390,17 @@ class ModelRunner:
     def graph_folder(self, graph: tuple):
         """The compile cache's folder of step graph `graph` (worker.graph_cache): keyed by the model,
         this rank's EngineConfig (less the card's measured figures and the threads), its place in
-        the replica, the device's ops and kernel conventions, its parameters' names, dtypes and
-        shapes as loaded (which layers hold int8 weights depends on the checkpoint's values), the
-        CPU kernels' library and msinfer's environment variables (a CPU feature overridden)."""
+        the replica, the device's ops, kernel conventions and static step graphs' jit options, its
+        parameters' names, dtypes and shapes as loaded (which layers hold int8 weights depends on
+        the checkpoint's values), the CPU kernels' library and msinfer's environment variables (a
+        CPU feature overridden)."""
         import dataclasses
         if self.graph_parts is None:
             params = sorted((p.name, str(p.dtype), tuple(p.shape)) for p in self.model.get_parameters())
             ec = dataclasses.replace(self.ec, card=None, card_env={}, threads=0)
             self.graph_parts = (repr(self.cfg), repr(ec), self.tp, self.dtype, self.dev.__name__,
-                                getattr(self.dev, "conventions", {}), params, self.dynamic,
+                                getattr(self.dev, "conventions", {}), self.dev.static_step_jit_options, params,
+                                self.dynamic,
                                 getattr(sys.modules.get("msinfer.worker.cpu"), "_LIBRARY", None),
                                 sorted((k, v) for k, v in os.environ.items() if k.startswith("MSINFER_")))
         return graph_folder(*self.graph_parts, graph)

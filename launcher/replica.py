@@ -125,6 +125,8 @@ def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: 
              logging_level="ERROR", configure_logging=True)
 
 
+# How long Replica.death waits for another rank's word once a rank is found gone without one.
+SILENT_GRACE_S = 0.5
 _LOG_LINE = re.compile(r"^\[[^\]]*\] \S+\.cc:\d+: (.*)$")
 
 
@@ -352,7 +354,8 @@ class Replica:
         (launcher.worker_logs). (its words: "rank 1 (pid 4242 on 10.0.0.2): SIGFPE in
         PagedAttention; its log: PATH", or a dead rank whose log tells nothing by its pid; what
         the log told: "SIGFPE in PagedAttention", or None). None where no node says a rank is dead
-        (a lost node answers nothing)."""
+        (a lost node answers nothing). Once a rank is found gone without a word (SIGKILL), the
+        others are waited for SILENT_GRACE_S more, not wait_s: those still alive are killed next."""
         from msinfer.launcher.worker_logs import read_worker_log
         asked = {}
         for rank, info in enumerate(self.ranks):
@@ -374,6 +377,8 @@ class Replica:
                     told.append((f"{who}: {note}; its log: {path}", note))
                 elif not alive:
                     silent.append((who, None))
+                    # gone without a word (SIGKILL): the others, alive, are waited for only briefly
+                    end = min(end, time.monotonic() + SILENT_GRACE_S)
         for ref in pending:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)

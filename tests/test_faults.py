@@ -199,6 +199,33 @@ def test_a_dead_workers_log_tells_the_signal_and_where_it_was(log, want):
     assert crash_note(log) == want
 
 
+def test_a_rank_killed_without_a_word_is_named_without_waiting_for_the_live_ranks(ray_local):
+    """Replica.death asks each rank's node how the rank ended, giving a process that is still
+    exiting up to wait_s. Once a rank is found gone without a log line (SIGKILL, the OOM killer),
+    the ranks still alive, which the replica's shutdown kills next, are not waited for."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+    from msinfer.launcher.replica import Replica
+    ray = ray_local
+    context = ray.get_runtime_context()
+    node = {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        t0 = time.monotonic()
+        found = Replica.death(SimpleNamespace(ranks=[{"pid": alive.pid, **node}, {"pid": gone.pid, **node}]),
+                              wait_s=20)
+        took = time.monotonic() - t0
+    finally:
+        alive.kill()
+        alive.wait()
+    assert found == (f"rank 1 (pid {gone.pid} on {node['node_ip']})", None)
+    assert took < 10, f"waited {took:.1f} s for a live rank"
+
+
 # ---- a poison record ----------------------------------------------------------------------------
 
 def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(cli, model, hf_greedy, tmp_path):

@@ -70,6 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     import ray
     from ray import cloudpickle
+    from msinfer.launcher.replica import shutdown_ray
     from scripts.make_demo_model import ensure_demo_model
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +93,7 @@ def main() -> int:
                     print(f"round {r + 1}, {'rebalanced' if rebalance else 'as dealt  '}: "
                           f"{got['generation_s']:.2f} s, {got['moved']} records moved", flush=True)
         finally:
-            ray.shutdown()
+            shutdown_ray()
     for rebalance in (True, False):
         times = [x["generation_s"] for x in rounds[rebalance]]
         print(f"{'rebalanced' if rebalance else 'as dealt'}: median {statistics.median(times):.2f} s "

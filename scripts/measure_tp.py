@@ -21,11 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ray  # noqa: E402
 
 from msinfer.launcher.inputs import Record  # noqa: E402
 from msinfer.launcher.job import make_controller, plan_job  # noqa: E402
-from msinfer.launcher.replica import Replica, ReplicaConfig, init_ray  # noqa: E402
+from msinfer.launcher.replica import Replica, ReplicaConfig, init_ray, shutdown_ray  # noqa: E402
 from msinfer.launcher.spec import JobSpec  # noqa: E402
 from scripts.make_demo_model import ensure_demo_model  # noqa: E402
 from msinfer.worker.protocol import SeqStep  # noqa: E402
@@ -111,7 +110,7 @@ def main() -> None:
         outside = 1 - x["model_ms"] / x["step_ms"]
         print(f"{x['tp']:>3} {'on' if x['async'] else 'off':>6} {x['step_ms']:>8.1f} {x['worker_step_ms']:>10.1f} "
               f"{x['model_ms']:>9.1f} {outside:>13.0%}")
-    ray.shutdown()
+    shutdown_ray()
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ class Record:
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
     openai_reasoning: bool = True               # its include_reasoning (output.reasoning_parser's text in the line)
     openai_base64: bool = False                 # an embeddings request's encoding_format base64
+    # a completions request's echo: "all" (each choice after its prompt), "prompt" (max_tokens 0:
+    # the prompt alone), or None
+    openai_echo: str | None = None
     dimensions: int | None = None               # an embeddings request's: its vector's first k values only
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
@@ -429,7 +432,7 @@ OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top
                   "guided_decoding_backend", "include_reasoning")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
-OPENAI_NEUTRAL = {"best_of": 1, "echo": False, "suffix": None,
+OPENAI_NEUTRAL = {"best_of": 1, "suffix": None,
                   "spaces_between_special_tokens": True,
                   "guided_whitespace_pattern": None}
 # vLLM's structured outputs in a request's body: its `structured_outputs` object (vLLM >= 0.10.2,
@@ -491,9 +494,17 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     for k, neutral in OPENAI_NEUTRAL.items():
         if body.get(k, neutral) not in (neutral, None):
             return f"'{k}' is not supported by msinfer yet"
+    echo = body.get("echo")
+    if echo not in (None, False):
+        if echo is not True:
+            return f"'echo' must be true or false, got {_type(echo)}"
+        if chat:
+            return "'echo' is served for /v1/completions; a chat completion's echo is not supported by msinfer yet"
+        if rec.prompts is not None and len(rec.prompts) > 1:
+            return "'echo' with several prompts in one request is not supported yet; give each prompt a request of its own"
     if chat and (error := _fill_chat(rec, body)):
         return error
-    unknown = [k for k in body if k not in (key, *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
+    unknown = [k for k in body if k not in (key, "echo", *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
                                             *OPENAI_STRUCTURED, *((*CHAT_KEYS, *TOOL_KEYS) if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
@@ -532,6 +543,15 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
                 or not 0 <= rec.openai_logprobs <= 20:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
+    if echo:
+        # vLLM's echo: each choice's text after its prompt's and, with logprobs, the prompt's
+        # log-probabilities (prompt_logprobs at the same k) before its tokens'; max_tokens 0 gives
+        # the prompt alone (one token is generated and left out of the answer)
+        rec.openai_echo = "prompt" if sampling.get("max_new_tokens") == 0 else "all"
+        if rec.openai_echo == "prompt":
+            sampling["max_new_tokens"] = 1
+        if rec.openai_logprobs is not None and sampling.get("prompt_logprobs") is None:
+            sampling["prompt_logprobs"] = rec.openai_logprobs
     rec.sampling = sampling
     return _fill_tools(rec, body) if chat else None
 

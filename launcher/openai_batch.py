@@ -28,11 +28,14 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
 
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
-                cached_tokens: int = 0, reasoning: bool = True) -> dict:
+                cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None) -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
-    tokens found in the prefix cache; `reasoning`: the request's include_reasoning."""
+    tokens found in the prefix cache; `reasoning`: the request's include_reasoning; `echo`: a
+    completion's echo, "all" (the prompt's text, and with log-probabilities its tokens', before
+    each choice's: the result's prompt_text, prompt_token_ids and prompt_logprobs) or "prompt"
+    (the prompt's alone, as vLLM answers max_tokens 0)."""
     custom_id = result["id"]
     if result.get("error"):
         return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
@@ -48,7 +51,10 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
              "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     outputs = result.get("outputs") or [result]
-    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning) for i, out in enumerate(outputs)]
+    prompt = (result["prompt_text"], result["prompt_token_ids"], result.get("prompt_logprobs") or []) \
+        if echo and not chat else None
+    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, prompt)
+               for i, out in enumerate(outputs)]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
@@ -57,22 +63,31 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     return _line(custom_id, 200, body)
 
 
-def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True) -> dict:
+def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True,
+            echo: str | None = None, prompt: tuple | None = None) -> dict:
     text = out.get("output_text") or ""
     logprobs = None
     entries = out.get("logprobs") if top_logprobs is not None else None
-    if entries:
-        ids = out["output_token_ids"]
-        if chat:
-            logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
-                                                  [(token_text(a), v) for a, v, *_ in e["top"][:top_logprobs]])
-                                    for t, e in zip(ids, entries)], "refusal": None}
-        else:
-            texts = [token_text(t) for t in ids]
-            offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
-            logprobs = {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
-                        "top_logprobs": [{token_text(a): v for a, v, *_ in e["top"][:top_logprobs]} for e in entries],
-                        "text_offset": offsets}
+    ids = out.get("output_token_ids") or []
+    if prompt is not None:          # echo: the prompt's text and tokens first, or alone
+        p_text, p_ids, p_entries = prompt
+        text = p_text if echo == "prompt" else p_text + text
+        # the prompt's entries: None for its first token, a float with prompt_logprobs 0
+        head = [e if e is None or isinstance(e, dict) else {"logprob": e, "top": []} for e in p_entries]
+        head += [None] * (len(p_ids) - len(head))
+        if top_logprobs is not None:
+            ids, entries = (p_ids, head) if echo == "prompt" else (p_ids + ids, head + (entries or []))
+    if entries and chat:
+        logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
+                                              [(token_text(a), v) for a, v, *_ in e["top"][:top_logprobs]])
+                                for t, e in zip(ids, entries)], "refusal": None}
+    elif entries:
+        texts = [token_text(t) for t in ids[:len(entries)]]
+        offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+        logprobs = {"tokens": texts, "token_logprobs": [e and e["logprob"] for e in entries],
+                    "top_logprobs": [e and {token_text(a): v for a, v, *_ in e["top"][:top_logprobs]}
+                                     for e in entries],
+                    "text_offset": offsets}
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer

@@ -310,19 +310,24 @@ class RecordCodec:
             return list(rec.continuation_token_ids)
         return self.tok.encode_continuation(rec)
 
-    def request(self, rec: Record) -> tuple[str, int | None, bool, bool] | None:
+    def request(self, rec: Record) -> tuple[str, int | None, bool, bool, tuple | None] | None:
         """How an OpenAI Batch line answers the record (output.format openai): the url it was
         sent to (for a plain record: embeddings with task embed, else chat completions where a
         chat template applies), the log-probability alternatives it asked for, whether its message
-        holds the reasoning (include_reasoning) and whether its embedding is base64
-        (encoding_format). None with output.format msinfer."""
+        holds the reasoning (include_reasoning), whether its embedding is base64 (encoding_format)
+        and a completion's echo: (its mode, its prompt as written or None for token ids), or None.
+        None with output.format msinfer."""
         if not self.openai:
             return None
         from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL
         chat = rec.messages is not None or (rec.prompt is not None and self.spec.input.chat_template
                                             and self.tok is not None and self.tok.has_chat_template)
         url = rec.openai or (EMBEDDINGS_URL if self.embed else CHAT_URL if chat else COMPLETIONS_URL)
-        return url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64
+        echo = None
+        if rec.openai_echo:
+            given = rec.prompt if rec.prompt is not None else rec.prompts[0] if rec.prompts else None
+            echo = (rec.openai_echo, given if isinstance(given, str) else None)
+        return url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64, echo
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -366,7 +371,7 @@ class RecordCodec:
             return self._done(seq.record.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
                                                               seq.record.continuation_logprobs,
                                                               seq.num_prompt_tokens - n), given_id=seq.record.given_id)
-        extra = {**self.logprobs(seq), **self.prompt_logprobs(seq)}
+        extra = {**self.logprobs(seq), **self.prompt_logprobs(seq), **self.echoed(seq)}
         fields, finish = self.message(seq) if self.tok is not None else (None, seq.finish_reason)
         result = ok_result(seq.key, seq.output_token_ids, fields, finish, seq.num_prompt_tokens, extra)
         return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens,
@@ -400,7 +405,7 @@ class RecordCodec:
         result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
                   "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs if not seq.prefix_wait),
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
-                  "error": None}
+                  **self.echoed(first), "error": None}
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs), first.record.given_id)
 
@@ -458,6 +463,19 @@ class RecordCodec:
             got = [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.prompt_token_ids[1:], got)]
         return {"prompt_logprobs": [None, *got]}
 
+    def echoed(self, seq: Sequence) -> dict:
+        """An OpenAI completions request with echo (launcher.inputs): its prompt's token ids and
+        text, which its answer puts before each choice's (launcher.openai_batch). The text is the
+        prompt as written; decoded from the ids where it was token ids or was truncated."""
+        request = seq.record.request
+        if request is None or request[4] is None:
+            return {}
+        ids = list(seq.prompt_token_ids[:seq.num_prompt_tokens])
+        given = request[4][1]
+        text = given if given is not None and not seq.sampling.truncate_prompt_tokens else \
+            self.tok.decode(ids) if self.tok is not None else ""
+        return {"prompt_token_ids": ids, "prompt_text": text}
+
     @staticmethod
     def ttft(seqs: list[Sequence]) -> float | None:
         firsts = [seq.record.t_first for seq in seqs if seq.record.t_first is not None]
@@ -477,8 +495,9 @@ class RecordCodec:
         line = result
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
-            url, top_logprobs, reasoning, _ = request
-            line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning)
+            url, top_logprobs, reasoning, _, echo = request
+            line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning,
+                               echo[0] if echo else None)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])

@@ -142,7 +142,7 @@ class StandInRunner:
                for s, t in zip(seqs, tokens)] if any(s.sampling.logprobs for s in rows) else [None]
         # task embed and classify: a vector drawn by the prompt, as its tokens are
         scores = [self.draw(np.full(self.hidden, keys[s.seq_id], np.uint64), np.arange(self.hidden, dtype=np.uint64))
-                  .astype(np.float32) if s.sampling.pooling else [0.0 for t in s.targets if t >= 0] if s.targets
+                  .astype(np.float32) if s.sampling.pooling else self.target_scores(s) if s.targets
                   else None for s in seqs] if is_prefill else [None]
         self.sampled = {s.seq_id: t for s, t in zip(seqs, tokens) if t >= 0}
         self.wait(t0, fed)
@@ -150,6 +150,13 @@ class StandInRunner:
         scored = any(x is not None and len(x) for x in scores)
         return StepOutput(tokens, lps if logprobs and any(lps) else None, scores if scored else None,
                           seconds, seconds, sampled=self.sampled if stage.count > 1 else None)
+
+    @staticmethod
+    def target_scores(s: SeqStep) -> list:
+        """Each target's log-probability, 0.0, as ModelRunner.forward_scores gives them: with
+        `prompt_logprobs: k`, (0.0, the target at 0.0 k times) for the k most likely."""
+        k = s.sampling.prompt_logprobs or 0
+        return [(0.0, [(t, 0.0)] * k) if k else 0.0 for t in s.targets if t >= 0]
 
     def wait(self, t0: float, fed: int) -> None:
         """Until the step's time since t0 is up (StandIn; a stage's share of it)."""

@@ -94,8 +94,12 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
     (request("x", {"prompt": [1, "a"]}, "/v1/completions"),
      "line 4: 'prompt' must be a non-empty string, a list of token ids, or a list of several prompts (strings, or "
      "lists of token ids)"),
-    (request("x", {"prompt": "hi", "echo": True}, "/v1/completions"),
-     "line 4: 'echo' is not supported by msinfer yet"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
+     "line 4: 'echo' is served for /v1/completions; a chat completion's echo is not supported by msinfer yet"),
+    (request("x", {"prompt": ["a", "b"], "echo": True}, "/v1/completions"),
+     "line 4: 'echo' with several prompts in one request is not supported yet; give each prompt a request of its "
+     "own"),
+    (request("x", {"prompt": "hi", "echo": "yes"}, "/v1/completions"), "line 4: 'echo' must be true or false, got str 'yes'"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),
      "line 4: unknown body key 'temprature'"),
     (request("x", {"prompt": "hi"}), "line 4: the body of a /v1/chat/completions request needs 'messages'"),
@@ -105,6 +109,47 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
 def test_a_request_msinfer_cannot_serve_is_that_requests_error(line, message):
     rec = parse_openai(line, 4)
     assert rec.id == "x" and rec.error == message
+
+
+@pytest.mark.unit
+def test_echo_puts_the_prompt_and_its_log_probabilities_before_each_choice_as_vllm_does():
+    """A completions request with echo (vLLM's): its logprobs k asks for prompt_logprobs at k;
+    max_tokens 0 generates one token and answers with the prompt alone. The answer's text is the
+    prompt's, as written, then the choice's; its logprobs run over the prompt's tokens (None for
+    the first) and then the choice's, with one text offset scale."""
+    from openai.types import Completion
+    rec = parse_openai(request("e", {"prompt": "Hi there", "echo": True, "logprobs": 2, "max_tokens": 3},
+                               "/v1/completions"), 1)
+    assert rec.error is None and rec.openai_echo == "all"
+    assert rec.sampling["prompt_logprobs"] == 2 and rec.sampling["logprobs"] == 2 and rec.sampling["max_new_tokens"] == 3
+    only = parse_openai(request("e0", {"prompt": [5, 6], "echo": True, "max_tokens": 0}, "/v1/completions"), 1)
+    assert only.error is None and only.openai_echo == "prompt" and only.sampling["max_new_tokens"] == 1
+    assert "prompt_logprobs" not in only.sampling                              # no logprobs asked
+    result = ok_result("e", [11, 12], " Paris.", "length", 3,
+                       {"logprobs": [{"logprob": -0.1, "top": [[11, -0.1], [13, -2.5]]},
+                                     {"logprob": -0.2, "top": [[12, -0.2], [14, -3.0]]}],
+                        "prompt_logprobs": [None, {"logprob": -4.0, "top": [[7, -1.0], [8, -4.0]]},
+                                            {"logprob": -0.5, "top": [[9, -0.5], [7, -2.0]]}],
+                        "prompt_token_ids": [5, 8, 9], "prompt_text": "Hi there"})
+    text = lambda t: f"<{t}>"                                                     # noqa: E731
+    # the first prompt token has no log-probability: null, as OpenAI's and vLLM's answers have it
+    # (where the openai package's Completion type wants floats)
+    choice = openai_line(result, "/v1/completions", 2, "m", text, echo="all")["response"]["body"]["choices"][0]
+    assert choice["text"] == "Hi there Paris."
+    assert choice["logprobs"]["tokens"] == ["<5>", "<8>", "<9>", "<11>", "<12>"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -4.0, -0.5, -0.1, -0.2]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"<7>": -1.0, "<8>": -4.0}, {"<9>": -0.5, "<7>": -2.0},
+                                                  {"<11>": -0.1, "<13>": -2.5}, {"<12>": -0.2, "<14>": -3.0}]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9, 13]
+    assert Completion.model_validate(openai_line(result, "/v1/completions", None, "m", text, echo="all")
+                                     ["response"]["body"]).choices[0].text == "Hi there Paris."
+    alone = openai_line(result, "/v1/completions", 2, "m", text, echo="prompt")["response"]["body"]["choices"][0]
+    assert alone["text"] == "Hi there" and alone["logprobs"]["tokens"] == ["<5>", "<8>", "<9>"]
+    plain = openai_line(result, "/v1/completions", None, "m", text, echo="all")["response"]["body"]["choices"][0]
+    assert plain["text"] == "Hi there Paris." and plain["logprobs"] is None
+    floats = dict(result, prompt_logprobs=[None, -4.0, -0.5])                  # prompt_logprobs 0: the values
+    zero = openai_line(floats, "/v1/completions", 0, "m", text, echo="all")["response"]["body"]["choices"][0]
+    assert zero["logprobs"]["token_logprobs"][:3] == [None, -4.0, -0.5] and zero["logprobs"]["top_logprobs"][1] == {}
 
 
 @pytest.mark.unit
@@ -147,6 +192,9 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
              request("two", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2}),
              request("list", {"prompt": ["Once upon a time", "The sky is"], "n": 2, "max_tokens": 3},
                      "/v1/completions"),
+             request("echo", {"prompt": "The sky is", "max_tokens": 3, "echo": True}, "/v1/completions"),
+             request("echo-0", {"prompt": [504, 3575, 282], "max_tokens": 0, "echo": True, "logprobs": 1},
+                     "/v1/completions"),
              request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -158,7 +206,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 5 and summary["records_failed"] == 2
+    assert summary["records_done"] == 7 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -179,11 +227,19 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert [c.index for c in several.choices] == [0, 1, 2, 3]
     assert [c.text for c in several.choices] == [tok.decode(runner.tokens(p, 3)) for p in prompts for _ in range(2)]
     assert several.usage.prompt_tokens == sum(map(len, prompts)) and several.usage.completion_tokens == 12
+    # echo: the prompt as written before the completion; with max_tokens 0 the prompt alone, its
+    # tokens in the logprobs (a stand-in's log-probabilities are 0.0; the first token has none)
+    echo = Completion.model_validate(out["echo"]["response"]["body"])
+    assert echo.choices[0].text == "The sky is" + tok.decode(runner.tokens(tok.encode("The sky is"), 3))
+    alone = out["echo-0"]["response"]["body"]["choices"][0]
+    assert alone["text"] == tok.decode([504, 3575, 282]) and alone["finish_reason"] == "length"
+    assert alone["logprobs"]["tokens"] == [tok.decode([t]) for t in (504, 3575, 282)]
+    assert alone["logprobs"]["token_logprobs"] == [None, 0.0, 0.0]
     assert out["bad-n"]["response"]["status_code"] == 400
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["nothing_to_do"] and again["records_skipped"] == 7      # resumed by custom_id: nothing to do,
+    assert again["nothing_to_do"] and again["records_skipped"] == 9      # resumed by custom_id: nothing to do,
     assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
@@ -192,7 +248,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     (tmp_path / "out.jsonl").write_bytes(torn)
     last = json.loads(data.splitlines()[-1])["custom_id"]
     resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert resumed["records_skipped"] == 6 and resumed["records_done"] + resumed["records_failed"] == 1
+    assert resumed["records_skipped"] == 8 and resumed["records_done"] + resumed["records_failed"] == 1
     again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
     assert again_out[-1]["custom_id"] == last

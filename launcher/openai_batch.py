@@ -11,6 +11,7 @@ body, as OpenAI writes them. `custom_id` comes first: the results file is resume
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 
 CHAT_URL = "/v1/chat/completions"
@@ -83,7 +84,7 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
                                 for t, e in zip(ids, entries)], "refusal": None}
     elif entries:
         texts = [token_text(t) for t in ids[:len(entries)]]
-        offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+        offsets = [0, *itertools.accumulate(map(len, texts))][:len(texts)]     # (an echoed prompt: long)
         logprobs = {"tokens": texts, "token_logprobs": [e and e["logprob"] for e in entries],
                     "top_logprobs": [e and {token_text(a): v for a, v, *_ in e["top"][:top_logprobs]}
                                      for e in entries],

@@ -27,6 +27,15 @@ from msinfer.worker.protocol import SamplingParams
 from msinfer.worker.sampler import draw_key
 
 
+class OpenAIRequest(NamedTuple):
+    """How an OpenAI Batch line answers a record (RecordCodec.request)."""
+    url: str
+    top_logprobs: int | None        # the log-probability alternatives asked for (None: none)
+    reasoning: bool                 # include_reasoning: the reasoning in the message
+    base64: bool                    # an embedding's encoding_format base64
+    echo: tuple | None              # a completion's echo: (its mode, its prompt as written or None), or None
+
+
 class Done(NamedTuple):
     """One record's result as it leaves an engine."""
     serial: int                 # the driver's number for the record (launcher.controller)
@@ -57,7 +66,7 @@ class RecordState:
     where its result goes and what the result line is built from."""
     serial: int = 0                     # the driver's number for its record
     given_id: int | None = None         # its record's id as an integer, as its input gave it (Record.given_id)
-    request: tuple | None = None        # how its OpenAI Batch line answers it (RecordCodec.request), or None
+    request: OpenAIRequest | None = None    # how its OpenAI Batch line answers it, or None
     samples: Samples | None = None      # its record's n samples, n > 1
     stop_matcher: StopStringMatcher | None = None   # its stop strings
     cut_text: str | None = None         # its output text, cut before the stop string it hit
@@ -310,7 +319,7 @@ class RecordCodec:
             return list(rec.continuation_token_ids)
         return self.tok.encode_continuation(rec)
 
-    def request(self, rec: Record) -> tuple[str, int | None, bool, bool, tuple | None] | None:
+    def request(self, rec: Record) -> OpenAIRequest | None:
         """How an OpenAI Batch line answers the record (output.format openai): the url it was
         sent to (for a plain record: embeddings with task embed, else chat completions where a
         chat template applies), the log-probability alternatives it asked for, whether its message
@@ -327,7 +336,7 @@ class RecordCodec:
         if rec.openai_echo:
             given = rec.prompt if rec.prompt is not None else rec.prompts[0] if rec.prompts else None
             echo = (rec.openai_echo, given if isinstance(given, str) else None)
-        return url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64, echo
+        return OpenAIRequest(url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64, echo)
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -384,7 +393,7 @@ class RecordCodec:
         pooling = self.spec.pooling
         vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, pooling.normalize,
                            seq.record.dimensions)
-        as_base64 = seq.record.request is not None and seq.record.request[3]
+        as_base64 = seq.record.request is not None and seq.record.request.base64
         return {"embedding": encoded(vector, as_base64)}
 
     def samples_result(self, samples: Samples) -> Done:
@@ -468,10 +477,10 @@ class RecordCodec:
         text, which its answer puts before each choice's (launcher.openai_batch). The text is the
         prompt as written; decoded from the ids where it was token ids or was truncated."""
         request = seq.record.request
-        if request is None or request[4] is None:
+        if request is None or request.echo is None:
             return {}
         ids = list(seq.prompt_token_ids[:seq.num_prompt_tokens])
-        given = request[4][1]
+        given = request.echo[1]
         text = given if given is not None and not seq.sampling.truncate_prompt_tokens else \
             self.tok.decode(ids) if self.tok is not None else ""
         return {"prompt_token_ids": ids, "prompt_text": text}
@@ -495,9 +504,8 @@ class RecordCodec:
         line = result
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
-            url, top_logprobs, reasoning, _, echo = request
-            line = openai_line(result, url, top_logprobs, self.model_name, self.token_text, cached, reasoning,
-                               echo[0] if echo else None)
+            line = openai_line(result, request.url, request.top_logprobs, self.model_name, self.token_text, cached,
+                               request.reasoning, request.echo[0] if request.echo else None)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])

@@ -411,7 +411,8 @@ def test_step_graphs_in_mindspore_inference_mode_run_each_shape_in_its_own_graph
     shapes, two of them met again after another, give the logits that graphs compiled in the
     default mode (MSINFER_INFER_BOOST=0) give, to the bit."""
     import msinfer.worker.runner as runner_module
-    from msinfer.worker.cpu import CpuOps, INFERENCE_MODE, load_kernels
+    from msinfer.worker.cpu import CpuOps, load_kernels
+    from msinfer.worker.ops import INFERENCE_MODE
     from msinfer.worker.protocol import SeqStep
     path = str(checkpoint("llama_gqa_tied"))
     rng = np.random.default_rng(2)

@@ -46,8 +46,8 @@ import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
 from msinfer.sharding.layers import round_half_away
-from msinfer.worker.ops import (MsOps, PortableLatentAttention, cache_index, latent_paged_attention,
-                                packed_attention, paged_attention, rms_norm)
+from msinfer.worker.ops import (INFERENCE_MODE, MsOps, PortableLatentAttention, cache_index,
+                                latent_paged_attention, packed_attention, paged_attention, rms_norm)
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
 MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4", "MoeTokenUnpermute")
@@ -426,7 +426,7 @@ class AscendOps(MsOps):
     # {"jit_level": "O0", "infer_boost": "on"}) and MindFormers (models/utils.py) compile on cards:
     # the mode in which the internal kernels read lengths by graph input name. infer_boost is
     # deprecated in 2.10 but accepted, also by the CPU backend, so emulation compiles the same way.
-    jit_options = {"jit_level": "O0", "infer_boost": "on"}
+    jit_options = INFERENCE_MODE
     # In that mode MindSpore keeps one compiled graph per value of the network cell's `phase`
     # (graph/api.py, _JitExecutor._predict): without a phase per step kind, a decode would run the
     # prefill graph. vllm-mindspore sets model.phase to "prefill" / "increment" before each call.

@@ -18,7 +18,7 @@ from msinfer.sharding.config import bf16_panels_on
 from msinfer.sharding.layers import PerTokenInt8
 from msinfer.sharding.quant import int8_levels
 from msinfer.worker.build import kernel_library
-from msinfer.worker.ops import MsOps
+from msinfer.worker.ops import INFERENCE_MODE, MsOps
 
 PANEL = 32     # csrc/matmul.h kPanel: the column panels of a packed weight
 GLU_GROUP = PANEL // 2      # outputs per panel of LinearGlu
@@ -27,7 +27,6 @@ TILE = 32      # csrc/matmul.h amx_rows: N and K of a weight in bfloat16 tiles a
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.
 _LIBRARY = _RMS_NORM = _ADD_RMS_NORM = _SILU_MUL = _ROWS = None
-INFERENCE_MODE = {"jit_level": "O0", "infer_boost": "on"}     # CpuOps.static_step_jit_options
 
 
 class CpuRmsNorm(nn.Cell):

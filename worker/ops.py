@@ -171,6 +171,11 @@ class PortableLatentAttention(nn.Cell):
                                       self.values)
 
 
+# MindSpore's inference mode, kernel by kernel: how vllm-mindspore and MindFormers compile on
+# cards (AscendOps.jit_options) and the CPU kernels' step graphs (CpuOps.static_step_jit_options).
+INFERENCE_MODE = {"jit_level": "O0", "infer_boost": "on"}
+
+
 class MsOps:
     """The network's operators in portable MindSpore primitives (`model.ops: portable`): any
     device target, no kernel of ours, dynamic shapes. The base of the other devices' seams."""

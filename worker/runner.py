@@ -390,17 +390,16 @@ class ModelRunner:
     def graph_folder(self, graph: tuple):
         """The compile cache's folder of step graph `graph` (worker.graph_cache): keyed by the model,
         this rank's EngineConfig (less the card's measured figures and the threads), its place in
-        the replica, the device's ops, kernel conventions and static step graphs' jit options, its
-        parameters' names, dtypes and shapes as loaded (which layers hold int8 weights depends on
-        the checkpoint's values), the CPU kernels' library and msinfer's environment variables (a
-        CPU feature overridden)."""
+        the replica, the device's ops and kernel conventions, its parameters' names, dtypes and
+        shapes as loaded (which layers hold int8 weights depends on the checkpoint's values), the
+        CPU kernels' library and msinfer's environment variables (a CPU feature overridden, or
+        MSINFER_INFER_BOOST)."""
         import dataclasses
         if self.graph_parts is None:
             params = sorted((p.name, str(p.dtype), tuple(p.shape)) for p in self.model.get_parameters())
             ec = dataclasses.replace(self.ec, card=None, card_env={}, threads=0)
             self.graph_parts = (repr(self.cfg), repr(ec), self.tp, self.dtype, self.dev.__name__,
-                                getattr(self.dev, "conventions", {}), self.dev.static_step_jit_options, params,
-                                self.dynamic,
+                                getattr(self.dev, "conventions", {}), params, self.dynamic,
                                 getattr(sys.modules.get("msinfer.worker.cpu"), "_LIBRARY", None),
                                 sorted((k, v) for k, v in os.environ.items() if k.startswith("MSINFER_")))
         return graph_folder(*self.graph_parts, graph)

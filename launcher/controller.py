@@ -27,17 +27,17 @@ dealt and not finished go to the other replicas at once (or to itself once resta
 the only one), and it restarts in the background on a fresh placement. Past `max_restarts` the
 job stops (JobFailed), and everything already handed to the caller stays handed.
 
-Poison records: each engine tells a small actor (`Ledger`) which records its steps run before a
-step first runs them, so that a replica that dies (its engine with it, where the engine lives in
-rank 0's process) leaves word of what it was running. The records running in a failure become
-suspects: dealt again, each engine admits them one at a time (Engine.probation), beside any
-other records, so that no step runs two suspects. A record running in `max_record_failures`
-failures is quarantined: its result is an error line (type "quarantined", naming the failures'
-causes) and it is not dealt again. With the default of 2, a record is quarantined when it fails
-a second time as the one suspect of its step: a batch that died with a poison record loses no
-other record, unless a suspect shares its step with a second poison record not yet suspected.
-The failures a quarantined record caused are not charged to `max_restarts`: the job goes on
-while healthy replicas serve the rest.
+Poison records: each engine tells the job's ledger (launcher.engine.Ledger: an entry a replica in
+the cluster's key-value store) which records its steps run before a step first runs them, so that a
+replica that dies (its engine with it, where the engine lives in rank 0's process) leaves word of
+what it was running. The records running in a failure become suspects: dealt again, each engine
+admits them one at a time (Engine.probation), beside any other records, so that no step runs two
+suspects. A record running in `max_record_failures` failures is quarantined: its result is an error
+line (type "quarantined", naming the failures' causes) and it is not dealt again. With the default
+of 2, a record is quarantined when it fails a second time as the one suspect of its step: a batch
+that died with a poison record loses no other record, unless a suspect shares its step with a
+second poison record not yet suspected. The failures a quarantined record caused are not charged to
+`max_restarts`: the job goes on while healthy replicas serve the rest.
 
 The tail: once every record has been read and dealt, while replicas have run out of records,
 as many of the others, the most loaded, are asked (Engine.ask_back) for the records they hold
@@ -57,12 +57,14 @@ deadline leaves no time for is not dealt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import pickle
 import sys
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,10 +72,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import ray
 from ray.exceptions import RayError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, WORKER_DIED, EngineFailed, EngineSetup, describe,
-                                     fetch, wait_any)
+from msinfer.launcher.engine import (COUNTS, STEP_FIGURES, STEP_KINDS, WORKER_DIED, EngineFailed, EngineSetup, Ledger,
+                                     describe, fetch, wait_any)
 from msinfer.launcher.errors import JobFailed, UserError  # noqa: F401  (raised here, imported from here)
 from msinfer.launcher.inputs import Record
 from msinfer.launcher.records import Done, error_result
@@ -81,7 +82,6 @@ from msinfer.launcher.replica import LaunchError, NoRoom, Replica, ReplicaConfig
 
 if TYPE_CHECKING:
     from ray import ObjectRef
-    from ray.actor import ActorHandle
 
     from msinfer.launcher.drain import Drain
     from msinfer.sharding.config import EngineConfig
@@ -113,23 +113,6 @@ def route_key(rec: Record) -> int | None:
     if isinstance(rec.prompt, str) and len(rec.prompt) > ROUTE_PREFIX_CHARS:
         return hash(rec.prompt[:ROUTE_PREFIX_CHARS])
     return None
-
-
-@ray.remote(num_cpus=0)
-class Ledger:
-    """replica -> the serials of the records its steps have run and not finished (Engine._report)."""
-
-    def __init__(self):
-        self.running: dict[int, set] = {}
-
-    def update(self, replica: int, started: list[int], ended: list[int]) -> None:
-        held = self.running.setdefault(replica, set())
-        held.difference_update(ended)
-        held.update(started)
-
-    def take(self, replica: int) -> list[int]:
-        """What replica ran when it failed; it starts again with nothing."""
-        return sorted(self.running.pop(replica, ()))
 
 
 @dataclass
@@ -171,7 +154,7 @@ class Controller:
     seen: dict = field(default_factory=dict)           # hashes of the prompt beginnings seen, oldest first
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
     on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
-    ledger: ActorHandle | None = None                  # the Ledger actor (with an engine setup)
+    ledger: Ledger | None = None                       # which records each replica runs (with an engine setup)
     failures: dict = field(default_factory=dict)       # serial -> [(failure number, why, its kind)] it ran in
     blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
     quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
@@ -194,10 +177,7 @@ class Controller:
         # (replicas need Ray, which the job has started; stand-in replicas without it keep no ledger)
         replica = self.cfg.replica
         if replica.engine_setup is not None and replica.engine_setup.ledger is None and ray.is_initialized():
-            # on the driver's node: a ledger lost with another node would take every engine's
-            # next report with it (the driver's node lost ends the job anyway)
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            self.ledger = Ledger.options(scheduling_strategy=here).remote()
+            self.ledger = Ledger(uuid.uuid4().hex)
             replica.engine_setup = dataclasses.replace(replica.engine_setup, ledger=self.ledger)
         want = replica.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
@@ -463,7 +443,7 @@ class Controller:
         if self.ledger is None:
             return False
         try:
-            running = fetch(self.ledger.take.remote(slot.index), 30)
+            running = self.ledger.take(slot.index)
         except Exception:                   # no word: every record is dealt again
             return False
         found = False
@@ -523,6 +503,9 @@ class Controller:
     def shutdown(self) -> None:
         for slot in self.slots:
             slot.replica.shutdown()
+        if self.ledger is not None:
+            with contextlib.suppress(Exception):        # (the cluster may be gone with the job)
+                self.ledger.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -28,6 +28,7 @@ driver deals its unfinished records to the other replicas and restarts it.
 
 from __future__ import annotations
 
+import json
 import pickle
 import sys
 import threading
@@ -39,13 +40,13 @@ from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.experimental import internal_kv
 
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
 from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
 
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import EngineConfig, ModelConfig
@@ -61,6 +62,34 @@ COUNTS = ("steps", "seqs", "host_bytes")
 
 class EngineFailed(RuntimeError):
     """The replica cannot go on (a worker died, a step timed out); the message says why."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """replica -> the serials of the records its steps have run and not finished (Engine._report),
+    kept in the Ray cluster's key-value store (its GCS, on the head node), which outlives any
+    replica and any worker's process and costs no process of its own: a job's engines write their
+    replica's entry, the driver takes it when that replica fails. `job` keeps one job's entries
+    apart from another's on a shared cluster."""
+    job: str
+
+    NAMESPACE = "msinfer-ledger"
+
+    def _key(self, replica: int) -> bytes:
+        return f"{self.job}/{replica}".encode()
+
+    def put(self, replica: int, running: set[int]) -> None:
+        internal_kv._internal_kv_put(self._key(replica), json.dumps(sorted(running)).encode(), overwrite=True,
+                                     namespace=self.NAMESPACE)
+
+    def take(self, replica: int) -> list[int]:
+        """What replica ran when it failed; it starts again with nothing."""
+        value = internal_kv._internal_kv_get(self._key(replica), namespace=self.NAMESPACE)
+        internal_kv._internal_kv_del(self._key(replica), namespace=self.NAMESPACE)
+        return json.loads(value) if value else []
+
+    def clear(self) -> None:
+        internal_kv._internal_kv_del(f"{self.job}/".encode(), del_by_prefix=True, namespace=self.NAMESPACE)
 
 
 @dataclass
@@ -80,7 +109,7 @@ class EngineSetup:
     # the longest an exchange waits with nothing to report (an engine still computing its
     # records answers this often, to tell the driver its room for more)
     wait_s: float = 1.0
-    ledger: ActorHandle | None = None   # launcher.controller.Ledger's actor: which records each replica runs
+    ledger: Ledger | None = None        # which records each replica runs
 
     @staticmethod
     def intervals(data_parallel: int, local: bool) -> dict:
@@ -252,8 +281,7 @@ class Engine:
         self.submitted = 0
         self.thread: threading.Thread | None = None
         self.loop_cpu = self.exchange_cpu = 0.0
-        self.reported: set[int] = set()       # serials the ledger has as running here
-        self.ended: list[int] = []            # of those, finished since the ledger heard last
+        self.reported: set[int] = set()       # serials running here, as the ledger has them or will
         # records that were running when a replica failed, (serial, sequences): admitted one at a
         # time, so that no step runs two of them and a second failure names one record, not a batch
         self.probation: deque = deque()
@@ -389,9 +417,7 @@ class Engine:
             self.outbox_t = time.perf_counter()
         self.outbox.append(done)
         self.unfinished -= 1
-        if done.serial in self.reported:
-            self.reported.discard(done.serial)
-            self.ended.append(done.serial)
+        self.reported.discard(done.serial)
         if done.serial == self.on_probation:
             self.on_probation = None
 
@@ -448,9 +474,7 @@ class Engine:
             self.probation.clear()
             for serial in returned:
                 self.unfinished -= 1
-                if serial in self.reported:         # (preempted): the ledger hears it ended here
-                    self.reported.discard(serial)
-                    self.ended.append(serial)
+                self.reported.discard(serial)       # (preempted): the ledger hears it ended here
             self.returned += returned
             self.giving_back = False
             self.cond.notify_all()
@@ -478,9 +502,9 @@ class Engine:
 
     def _report(self, seqs: list) -> None:
         """Before a step runs records that no step of this replica ran before, the ledger hears of
-        them (and of the records finished since), so that if the step takes the replica down the
-        driver knows which records were running (launcher.controller, poison records); a step of
-        records it knows costs no call."""
+        them (and of the records finished since): the replica's records running, so that if the
+        step takes the replica down the driver knows which they were (launcher.controller, poison
+        records); a step of records it knows costs no call."""
         if self.setup.ledger is None or self.ledger_lost:
             return
         with self.cond:                       # (_put, in either thread, takes finished ones out)
@@ -488,13 +512,14 @@ class Engine:
             if not new:
                 return
             self.reported |= new
-            ended, self.ended = self.ended, []
+            running = set(self.reported)
         try:
-            ray.get(self.setup.ledger.update.remote(self.index, sorted(new), ended), timeout=60)
-        except RayActorError:       # the ledger's process is gone: records run on, unrecorded (no quarantine)
+            self.setup.ledger.put(self.index, running)
+        except Exception as e:      # the cluster's store unreachable: records run on, unrecorded (no quarantine)
             self.ledger_lost = True
-            print(f"msinfer: note: replica {self.index} lost the job's ledger of running records; a record that "
-                  f"takes a replica down is no longer quarantined", file=sys.stderr, flush=True)
+            print(f"msinfer: note: replica {self.index} cannot write the job's ledger of running records "
+                  f"({type(e).__name__}: {e}); a record that takes a replica down is no longer quarantined",
+                  file=sys.stderr, flush=True)
 
     def _wait(self) -> None:
         """Waits up to a second for the oldest step in flight; a rank > 0 that fails first fails

@@ -82,8 +82,9 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
 def shutdown_ray() -> None:
     """ray.shutdown(), without its second of waiting on the autoscaler's monitor. Ray (2.60,
     Node.kill_all_processes) stops the GCS before the monitor, whose SIGTERM handler then reports
-    its end to the gone GCS until Ray kills it a second later. An embedded instance's monitor
-    keeps nothing, so it is killed first; a driver joined to a cluster owns no monitor."""
+    its end to the gone GCS until Ray kills it a second later. init_ray's embedded instance runs
+    no monitor (_lean_head); one that a plain ray.init started (the scripts' stand-in runs) has
+    one, which keeps nothing, so it is killed first. A driver joined to a cluster owns none."""
     node = getattr(ray._private.worker, "_global_node", None)
     for info in (getattr(node, "all_processes", None) or {}).get("monitor", ()):
         with contextlib.suppress(OSError, AttributeError, subprocess.TimeoutExpired):
@@ -119,10 +120,37 @@ def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: 
     for key, value in {**QUIET_ENV, **WORKER_ALLOCATOR_ENV}.items():
         os.environ.setdefault(key, value)
     # address="local": a new embedded instance even when `ray start` runs on this machine
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
-             resources={"NPU": npus} if npus else None,
-             dashboard_host="127.0.0.1", log_to_driver=False,
-             logging_level="ERROR", configure_logging=True)
+    with _lean_head(dashboard):
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
+                 resources={"NPU": npus} if npus else None,
+                 dashboard_host="127.0.0.1", log_to_driver=False,
+                 logging_level="ERROR", configure_logging=True)
+
+
+@contextlib.contextmanager
+def _lean_head(dashboard: bool):
+    """An embedded instance without three processes that a job on its own one-node instance never
+    uses: the autoscaler's monitor (there is nothing to scale), the log monitor (it sends the
+    workers' output to drivers that ask for it, and msinfer's driver does not: log_to_driver off)
+    and, with the dashboard off, the dashboard's API server (Ray's job server and state API,
+    which nothing calls here). Ray (2.60, Node.start_head_processes and start_ray_processes)
+    starts them on every head, each a Python process importing Ray: together about 1.5
+    CPU-seconds of a start on this machine, taken while the job's own processes start, and the
+    monitors wake every few seconds for the instance's life. A cluster that `ray start` or
+    msinfer-node.sh starts keeps all three."""
+    from ray._private.node import Node
+    saved = Node.start_monitor, Node.start_log_monitor, Node.start_api_server
+
+    def no_api_server(self, *, include_dashboard, raise_on_failure):
+        self._webui_url = None
+
+    Node.start_monitor = Node.start_log_monitor = lambda self: None
+    if not dashboard:
+        Node.start_api_server = no_api_server
+    try:
+        yield
+    finally:
+        Node.start_monitor, Node.start_log_monitor, Node.start_api_server = saved
 
 
 # How long Replica.death waits for another rank's word once a rank is found gone without one.

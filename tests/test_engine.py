@@ -5,10 +5,12 @@ must come from a model, an engine on a rank of the real network in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +45,34 @@ def results(path) -> dict[str, dict]:
     ids = [x["id"] for x in lines]
     assert len(ids) == len(set(ids)), "a record was written twice"
     return {x["id"]: x for x in lines}
+
+
+def test_the_embedded_ray_starts_only_what_a_job_uses_and_keeps_the_ledger_in_its_store(ray_local):
+    """init_ray's instance (the ray_local fixture's) runs its GCS and raylet and no autoscaler
+    monitor, log monitor or dashboard server (launcher.replica._lean_head). The job's ledger of
+    running records lives in the GCS's store: a replica's last entry comes back once to whoever
+    takes it, and one job's entries are apart from another's."""
+    from msinfer.launcher.engine import Ledger
+    node = ray_local._private.worker._global_node
+    started = set(node.all_processes)
+    assert {"gcs_server", "raylet"} <= started and not started & {"monitor", "log_monitor", "dashboard"}
+    session = node.get_session_dir_path().encode()
+    commands = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            commands.append(path.read_bytes())
+    ours = [c for c in commands if session in c]
+    assert any(b"raylet" in c for c in ours)
+    assert not [c for c in ours if b"monitor.py" in c or b"dashboard.py" in c]
+
+    a, b = Ledger("job-a"), Ledger("job-b")
+    a.put(0, {3, 1})
+    a.put(0, {1, 2, 3})
+    a.put(1, {5})
+    b.put(0, {9})
+    assert a.take(0) == [1, 2, 3] and a.take(0) == []
+    a.clear()
+    assert a.take(1) == [] and b.take(0) == [9]
 
 
 def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_without_async_scheduling(

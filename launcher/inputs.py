@@ -64,8 +64,8 @@ class Record:
     openai_logprobs: int | None = None          # the log-probability alternatives it asks for (None: none)
     openai_reasoning: bool = True               # its include_reasoning (output.reasoning_parser's text in the line)
     openai_base64: bool = False                 # an embeddings request's encoding_format base64
-    # a completions request's echo: "all" (each choice after its prompt), "prompt" (max_tokens 0:
-    # the prompt alone), or None
+    # an OpenAI request's echo: a completion's "all" (each choice after its prompt) or "prompt"
+    # (max_tokens 0: the prompt alone); a chat completion's "chat" (`echoed_message`); or None
     openai_echo: str | None = None
     dimensions: int | None = None               # an embeddings request's: its vector's first k values only
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
@@ -498,10 +498,6 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     if echo not in (None, False):
         if echo is not True:
             return f"'echo' must be true or false, got {_type(echo)}"
-        if chat:
-            return "'echo' is served for /v1/completions; a chat completion's echo is not supported by msinfer yet"
-        if rec.prompts is not None and len(rec.prompts) > 1:
-            return "'echo' with several prompts in one request is not supported yet; give each prompt a request of its own"
     if chat and (error := _fill_chat(rec, body)):
         return error
     unknown = [k for k in body if k not in (key, "echo", *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
@@ -543,7 +539,9 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
                 or not 0 <= rec.openai_logprobs <= 20:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
-    if echo:
+    if echo and chat:
+        rec.openai_echo = "chat"            # (echoed_message: what goes before each choice's content)
+    elif echo:
         # vLLM's echo: each choice's text after its prompt's and, with logprobs, the prompt's
         # log-probabilities (prompt_logprobs at the same k) before its tokens'; max_tokens 0 gives
         # the prompt alone (one token is generated and left out of the answer)
@@ -758,6 +756,20 @@ def part_text(part: Any) -> str | None:
     if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
         return part["text"]
     return None
+
+
+def echoed_message(rec: Record) -> str:
+    """What a chat completion with echo puts before each choice's content, as vLLM does: the last
+    message's text where that message is in the answer's role, the assistant's where the template
+    opens an assistant message (add_generation_prompt, on unless the record continues its last
+    message or turns it off), else the last message's own role; "" otherwise. A content list's
+    text parts are joined by newlines."""
+    own = rec.chat or {}
+    opens = own.get("add_generation_prompt", not own.get("continue_final_message", False))
+    last = rec.messages[-1]
+    if opens and last.get("role") != "assistant":
+        return ""
+    return as_text_messages([last])[0]["content"]
 
 
 def as_text_messages(messages: list[dict]) -> list[dict]:

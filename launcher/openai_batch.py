@@ -36,7 +36,8 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     tokens found in the prefix cache; `reasoning`: the request's include_reasoning; `echo`: a
     completion's echo, "all" (the prompt's text, and with log-probabilities its tokens', before
     each choice's: the result's prompt_text, prompt_token_ids and prompt_logprobs) or "prompt"
-    (the prompt's alone, as vLLM answers max_tokens 0)."""
+    (the prompt's alone, as vLLM answers max_tokens 0); a chat completion's, "chat" (the
+    result's prompt_text before each message's content)."""
     custom_id = result["id"]
     if result.get("error"):
         return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
@@ -52,9 +53,13 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
              "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     outputs = result.get("outputs") or [result]
-    prompt = (result["prompt_text"], result["prompt_token_ids"], result.get("prompt_logprobs") or []) \
-        if echo and not chat else None
-    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, prompt)
+
+    def echoed(out: dict) -> tuple:
+        """What echo puts before a choice (of several prompts', each output holds its own)."""
+        given = out if "prompt_text" in out else result
+        return (given["prompt_text"],) if chat else \
+            (given["prompt_text"], given["prompt_token_ids"], given.get("prompt_logprobs") or [])
+    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(out) if echo else None)
                for i, out in enumerate(outputs)]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
@@ -70,7 +75,7 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
     logprobs = None
     entries = out.get("logprobs") if top_logprobs is not None else None
     ids = out.get("output_token_ids") or []
-    if prompt is not None:          # echo: the prompt's text and tokens first, or alone
+    if prompt is not None and not chat:     # echo: the prompt's text and tokens first, or alone
         p_text, p_ids, p_entries = prompt
         text = p_text if echo == "prompt" else p_text + text
         # the prompt's entries: None for its first token, a float with prompt_logprobs 0
@@ -95,6 +100,8 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
             message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)
         if out.get("tool_calls"):       # (launcher.tools) OpenAI's message: content null where it has only calls
             message.update(content=text or None, tool_calls=out["tool_calls"])
+        if prompt is not None:          # echo: the last message's text first (vLLM's, content "" at least)
+            message["content"] = prompt[0] + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from msinfer.launcher.errors import RecordError
-from msinfer.launcher.inputs import Record
+from msinfer.launcher.inputs import Record, echoed_message
 from msinfer.launcher.openai_batch import EMBEDDINGS_URL
 from msinfer.launcher.scheduler import Sequence, fits
 from msinfer.launcher.tokenizer import THINK_END, THINK_START, StopStringMatcher, Tokenizer, split_reasoning
@@ -33,7 +33,9 @@ class OpenAIRequest(NamedTuple):
     top_logprobs: int | None        # the log-probability alternatives asked for (None: none)
     reasoning: bool                 # include_reasoning: the reasoning in the message
     base64: bool                    # an embedding's encoding_format base64
-    echo: tuple | None              # a completion's echo: (its mode, its prompt as written or None), or None
+    # its echo: a completion's (its mode, each prompt as written or None for token ids), a chat
+    # completion's ("chat", the text before each choice's content), or None
+    echo: tuple | None
 
 
 class Done(NamedTuple):
@@ -149,7 +151,7 @@ class RecordCodec:
                 if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so prompts must be token ids")
                 prompts = [list(p) if isinstance(p, list) else self.tok.encode(p) for p in rec.prompts]
-                if len(prompts) > 1 and sampling.prompt_logprobs is not None:
+                if len(prompts) > 1 and sampling.prompt_logprobs is not None and not rec.openai_echo:
                     raise RecordError(f"record '{rec.id}': prompt_logprobs with several prompts in one request is "
                                       f"not supported yet; give each prompt a request of its own")
             elif self.tok is None:
@@ -333,9 +335,11 @@ class RecordCodec:
                                             and self.tok is not None and self.tok.has_chat_template)
         url = rec.openai or (EMBEDDINGS_URL if self.embed else CHAT_URL if chat else COMPLETIONS_URL)
         echo = None
-        if rec.openai_echo:
-            given = rec.prompt if rec.prompt is not None else rec.prompts[0] if rec.prompts else None
-            echo = (rec.openai_echo, given if isinstance(given, str) else None)
+        if rec.openai_echo == "chat":
+            echo = ("chat", echoed_message(rec))
+        elif rec.openai_echo:
+            given = rec.prompts if rec.prompts is not None else [rec.prompt]
+            echo = (rec.openai_echo, tuple(p if isinstance(p, str) else None for p in given))
         return OpenAIRequest(url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64, echo)
 
     # ---- while it runs --------------------------------------------------------------------------
@@ -406,11 +410,16 @@ class RecordCodec:
                       "error": None}
             return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
         outputs = []
+        several = first.sampling.n < len(samples.seqs) and first.record.request is not None \
+            and first.record.request.echo is not None
         for i, seq in enumerate(samples.seqs):
             fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
             outputs.append({"index": i, **fields, "output_token_ids": list(seq.output_token_ids),
                             "finish_reason": finish, "completion_tokens": seq.num_completion_tokens,
                             **self.logprobs(seq)})
+            if several:     # an echo of several prompts: each choice its own prompt's (its first sample's)
+                own = samples.seqs[i - i % seq.sampling.n]
+                outputs[-1].update(self.prompt_logprobs(own) | self.echoed(own))
         result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
                   "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs if not seq.prefix_wait),
                   "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
@@ -475,12 +484,15 @@ class RecordCodec:
     def echoed(self, seq: Sequence) -> dict:
         """An OpenAI completions request with echo (launcher.inputs): its prompt's token ids and
         text, which its answer puts before each choice's (launcher.openai_batch). The text is the
-        prompt as written; decoded from the ids where it was token ids or was truncated."""
+        prompt as written; decoded from the ids where it was token ids or was truncated. A chat
+        completion's: the text before each choice's content (inputs.echoed_message)."""
         request = seq.record.request
         if request is None or request.echo is None:
             return {}
+        if request.echo[0] == "chat":
+            return {"prompt_text": request.echo[1]}
         ids = list(seq.prompt_token_ids[:seq.num_prompt_tokens])
-        given = request.echo[1]
+        given = request.echo[1][seq.sampling.index // seq.sampling.n]       # (its prompt's: choices go n a prompt)
         text = given if given is not None and not seq.sampling.truncate_prompt_tokens else \
             self.tok.decode(ids) if self.tok is not None else ""
         return {"prompt_token_ids": ids, "prompt_text": text}

@@ -94,11 +94,6 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
     (request("x", {"prompt": [1, "a"]}, "/v1/completions"),
      "line 4: 'prompt' must be a non-empty string, a list of token ids, or a list of several prompts (strings, or "
      "lists of token ids)"),
-    (request("x", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
-     "line 4: 'echo' is served for /v1/completions; a chat completion's echo is not supported by msinfer yet"),
-    (request("x", {"prompt": ["a", "b"], "echo": True}, "/v1/completions"),
-     "line 4: 'echo' with several prompts in one request is not supported yet; give each prompt a request of its "
-     "own"),
     (request("x", {"prompt": "hi", "echo": "yes"}, "/v1/completions"), "line 4: 'echo' must be true or false, got str 'yes'"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "temprature": 1}),
      "line 4: unknown body key 'temprature'"),
@@ -153,6 +148,43 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_each_choice_as_vl
 
 
 @pytest.mark.unit
+def test_a_chat_echo_puts_the_last_message_of_the_answers_role_before_each_choice_as_vllm_does():
+    """vLLM's chat echo: the last message's text goes before each choice's content where that
+    message is in the answer's role: the assistant's when the template opens a new message
+    (add_generation_prompt, the default unless continue_final_message), else any role; a content
+    list's text parts joined by newlines. Content only: the log-probabilities stay the choice's."""
+    from openai.types.chat import ChatCompletion
+    from msinfer.launcher.inputs import echoed_message
+    user = {"role": "user", "content": "Name a colour."}
+    said = {"role": "assistant", "content": "The colour is"}
+    cases = [({"messages": [user]}, ""),
+             ({"messages": [user, said]}, "The colour is"),
+             ({"messages": [user, said], "continue_final_message": True}, "The colour is"),
+             ({"messages": [user], "add_generation_prompt": False}, "Name a colour."),
+             ({"messages": [user, {"role": "assistant", "content": [{"type": "text", "text": "A"},
+                                                                    {"type": "text", "text": "B"}]}]}, "A\nB")]
+    for body, echoed in cases:
+        rec = parse_openai(request("c", {**body, "echo": True, "max_tokens": 2}), 1)
+        assert rec.error is None and rec.openai_echo == "chat", rec.error
+        assert echoed_message(rec) == echoed, body
+    result = {"id": "c", "outputs": [{"index": 0, "output_text": " red.", "output_token_ids": [11, 12],
+                                      "finish_reason": "stop", "completion_tokens": 2,
+                                      "logprobs": [{"logprob": -0.1, "top": []}, {"logprob": -0.2, "top": []}]},
+                                     {"index": 1, "output_text": "", "output_token_ids": [13], "finish_reason": "stop",
+                                      "completion_tokens": 1, "logprobs": [{"logprob": -0.3, "top": []}],
+                                      "tool_calls": [{"id": "call_1", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]}],
+              "prompt_tokens": 9, "completion_tokens": 3, "prompt_text": "The colour is", "error": None}
+    body = openai_line(result, CHAT, 0, "m", lambda t: f"<{t}>", echo="chat")["response"]["body"]
+    chat = ChatCompletion.model_validate(body)
+    assert chat.choices[0].message.content == "The colour is red."
+    assert [c.token for c in chat.choices[0].logprobs.content] == ["<11>", "<12>"]
+    assert chat.choices[1].message.content == "The colour is" and chat.choices[1].message.tool_calls
+    plain = openai_line(result, CHAT, None, "m", str)["response"]["body"]["choices"]
+    assert plain[0]["message"]["content"] == " red." and plain[1]["message"]["content"] is None
+
+
+@pytest.mark.unit
 def test_output_lines_parse_as_openai_types():
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
@@ -195,6 +227,12 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
              request("echo", {"prompt": "The sky is", "max_tokens": 3, "echo": True}, "/v1/completions"),
              request("echo-0", {"prompt": [504, 3575, 282], "max_tokens": 0, "echo": True, "logprobs": 1},
                      "/v1/completions"),
+             request("list-echo", {"prompt": ["Once upon a time", "The sky is"], "n": 2, "max_tokens": 3,
+                                   "echo": True, "logprobs": 1}, "/v1/completions"),
+             request("chat-echo", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                                   "continue_final_message": True, "max_tokens": 3, "echo": True}),
+             request("chat-plain", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                                    "continue_final_message": True, "max_tokens": 3}),
              request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -206,7 +244,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 7 and summary["records_failed"] == 2
+    assert summary["records_done"] == 10 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -235,11 +273,23 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert alone["text"] == tok.decode([504, 3575, 282]) and alone["finish_reason"] == "length"
     assert alone["logprobs"]["tokens"] == [tok.decode([t]) for t in (504, 3575, 282)]
     assert alone["logprobs"]["token_logprobs"] == [None, 0.0, 0.0]
+    # echo of several prompts: each choice after its own prompt, its logprobs over that prompt's tokens
+    listed = out["list-echo"]["response"]["body"]["choices"]         # (a null first logprob: raw JSON)
+    assert [c["index"] for c in listed] == [0, 1, 2, 3]
+    for c in listed:
+        p = ("Once upon a time", "The sky is")[c["index"] // 2]
+        assert c["text"] == p + tok.decode(runner.tokens(tok.encode(p), 3))
+        assert c["logprobs"]["tokens"][:len(tok.encode(p))] == [tok.decode([t]) for t in tok.encode(p)]
+        assert c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) == len(tok.encode(p)) + 3
+    # a chat echo: the continued assistant message's text, then the choice's
+    echoed = ChatCompletion.model_validate(out["chat-echo"]["response"]["body"]).choices[0].message.content
+    plain = ChatCompletion.model_validate(out["chat-plain"]["response"]["body"]).choices[0].message.content
+    assert plain and echoed == "Hel" + plain
     assert out["bad-n"]["response"]["status_code"] == 400
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["nothing_to_do"] and again["records_skipped"] == 9      # resumed by custom_id: nothing to do,
+    assert again["nothing_to_do"] and again["records_skipped"] == 12     # resumed by custom_id: nothing to do,
     assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
@@ -248,7 +298,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     (tmp_path / "out.jsonl").write_bytes(torn)
     last = json.loads(data.splitlines()[-1])["custom_id"]
     resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert resumed["records_skipped"] == 8 and resumed["records_done"] + resumed["records_failed"] == 1
+    assert resumed["records_skipped"] == 11 and resumed["records_done"] + resumed["records_failed"] == 1
     again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
     assert again_out[-1]["custom_id"] == last

@@ -65,8 +65,35 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
         body = {"id": _id("cmpl-", custom_id), "object": "text_completion"}
+        for choice, out in zip(choices, outputs):    # vLLM's: a completion's choice holds its prompt's
+            given = out if "prompt_logprobs" in out else result
+            if "prompt_logprobs" in given:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(given, token_text)
     body.update(created=int(time.time()), model=model, choices=choices, usage=usage)
+    if chat and "prompt_logprobs" in result:        # vLLM's: a chat completion's, beside its choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(result, token_text)
     return _line(custom_id, 200, body)
+
+
+def vllm_prompt_logprobs(result: dict, token_text) -> list:
+    """A result's prompt_logprobs as vLLM's OpenAI server answers them: per prompt token None
+    (the first) or {token id: {"logprob", "rank", "decoded_token"}}, the token's own first, then
+    the k most likely (`prompt_logprobs: k`). A rank is where msinfer knows it: an alternative's
+    place among the k, the prompt token's where it is one of them; else null (vLLM's Logprob
+    allows it)."""
+    out = []
+    for token, entry in zip(result["prompt_token_ids"], result["prompt_logprobs"]):
+        if entry is None:
+            out.append(None)
+            continue
+        top = entry["top"] if isinstance(entry, dict) else []
+        ranks = {alt[0]: rank for rank, alt in enumerate(top, 1)}
+        own = entry["logprob"] if isinstance(entry, dict) else entry
+        got = {str(token): {"logprob": own, "rank": ranks.get(token), "decoded_token": token_text(token)}}
+        for rank, (alt, value, *_) in enumerate(top, 1):
+            got.setdefault(str(alt), {"logprob": value, "rank": rank, "decoded_token": token_text(alt)})
+        out.append(got)
+    return out
 
 
 def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True,

@@ -151,9 +151,6 @@ class RecordCodec:
                 if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so prompts must be token ids")
                 prompts = [list(p) if isinstance(p, list) else self.tok.encode(p) for p in rec.prompts]
-                if len(prompts) > 1 and sampling.prompt_logprobs is not None and not rec.openai_echo:
-                    raise RecordError(f"record '{rec.id}': prompt_logprobs with several prompts in one request is "
-                                      f"not supported yet; give each prompt a request of its own")
             elif self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "
@@ -411,13 +408,13 @@ class RecordCodec:
             return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
         outputs = []
         several = first.sampling.n < len(samples.seqs) and first.record.request is not None \
-            and first.record.request.echo is not None
+            and (first.record.request.echo is not None or first.sampling.prompt_logprobs is not None)
         for i, seq in enumerate(samples.seqs):
             fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
             outputs.append({"index": i, **fields, "output_token_ids": list(seq.output_token_ids),
                             "finish_reason": finish, "completion_tokens": seq.num_completion_tokens,
                             **self.logprobs(seq)})
-            if several:     # an echo of several prompts: each choice its own prompt's (its first sample's)
+            if several:     # each choice its own prompt's echo or prompt_logprobs (its first sample's)
                 own = samples.seqs[i - i % seq.sampling.n]
                 outputs[-1].update(self.prompt_logprobs(own) | self.echoed(own))
         result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
@@ -479,7 +476,10 @@ class RecordCodec:
         got = seq.record.prompt_logprobs[:seq.num_prompt_tokens - 1]
         if seq.sampling.prompt_logprobs:
             got = [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.prompt_token_ids[1:], got)]
-        return {"prompt_logprobs": [None, *got]}
+        if seq.record.request is None:
+            return {"prompt_logprobs": [None, *got]}
+        # an OpenAI line keys them by token id (launcher.openai_batch)
+        return {"prompt_logprobs": [None, *got], "prompt_token_ids": list(seq.prompt_token_ids[:seq.num_prompt_tokens])}
 
     def echoed(self, seq: Sequence) -> dict:
         """An OpenAI completions request with echo (launcher.inputs): its prompt's token ids and

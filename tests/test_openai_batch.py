@@ -185,6 +185,37 @@ def test_a_chat_echo_puts_the_last_message_of_the_answers_role_before_each_choic
 
 
 @pytest.mark.unit
+def test_prompt_logprobs_come_back_in_vllm_s_shape_on_a_completion_s_choices_and_beside_a_chat_s():
+    """A request's prompt_logprobs, as vLLM's server answers them: per prompt token null (the first)
+    or {token id: {logprob, rank, decoded_token}}, the prompt token's own first, then the k most
+    likely with their ranks; the prompt token's rank where it is among them, else null. On each
+    choice of a completion, beside the choices of a chat completion."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    text = lambda t: f"<{t}>"                                                     # noqa: E731
+    top = {"prompt_token_ids": [5, 8, 9],
+           "prompt_logprobs": [None, {"token_id": 8, "logprob": -4.0, "top": [[7, -1.0, "<7>"], [6, -2.0, "<6>"]]},
+                               {"token_id": 9, "logprob": -0.5, "top": [[9, -0.5, "<9>"], [7, -2.0, "<7>"]]}]}
+    result = ok_result("p", [11], "x", "length", 3, top)
+    expected = [None, {"8": {"logprob": -4.0, "rank": None, "decoded_token": "<8>"},
+                       "7": {"logprob": -1.0, "rank": 1, "decoded_token": "<7>"},
+                       "6": {"logprob": -2.0, "rank": 2, "decoded_token": "<6>"}},
+                {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "<9>"},
+                 "7": {"logprob": -2.0, "rank": 2, "decoded_token": "<7>"}}]
+    completion = openai_line(result, "/v1/completions", None, "m", text)["response"]["body"]
+    assert completion["choices"][0]["prompt_logprobs"] == expected
+    assert Completion.model_validate(completion).choices[0].text == "x"
+    chat = openai_line(result, CHAT, None, "m", text)["response"]["body"]
+    assert chat["prompt_logprobs"] == expected and "prompt_logprobs" not in chat["choices"][0]
+    assert ChatCompletion.model_validate(chat).choices[0].message.content == "x"
+    values = ok_result("p", [11], "x", "length", 3, {"prompt_token_ids": [5, 8], "prompt_logprobs": [None, -4.0]})
+    assert openai_line(values, CHAT, None, "m", text)["response"]["body"]["prompt_logprobs"] == \
+        [None, {"8": {"logprob": -4.0, "rank": None, "decoded_token": "<8>"}}]             # prompt_logprobs 0
+    assert "prompt_logprobs" not in openai_line(ok_result("p", [11], "x", "length", 3), CHAT, None, "m",
+                                                text)["response"]["body"]
+
+
+@pytest.mark.unit
 def test_output_lines_parse_as_openai_types():
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
@@ -216,6 +247,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     from msinfer.launcher.simulate import StandIn
     from msinfer.launcher.spec import JobSpec
     from scripts.make_demo_model import ensure_demo_model
+    continued = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
     lines = [request("chat-1", {"model": "x", "messages": [{"role": "user", "content": "What is 2+2?"}],
                                 "max_completion_tokens": 5}),
              request("chat-2", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
@@ -229,10 +261,11 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
                      "/v1/completions"),
              request("list-echo", {"prompt": ["Once upon a time", "The sky is"], "n": 2, "max_tokens": 3,
                                    "echo": True, "logprobs": 1}, "/v1/completions"),
-             request("chat-echo", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
-                                   "continue_final_message": True, "max_tokens": 3, "echo": True}),
-             request("chat-plain", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
-                                    "continue_final_message": True, "max_tokens": 3}),
+             request("chat-echo", {"messages": continued, "continue_final_message": True, "max_tokens": 3,
+                                   "echo": True}),
+             request("chat-plain", {"messages": continued, "continue_final_message": True, "max_tokens": 3}),
+             request("list-plp", {"prompt": ["Once upon a time", "The sky is"], "max_tokens": 2, "prompt_logprobs": 1},
+                     "/v1/completions"),
              request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -244,7 +277,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 10 and summary["records_failed"] == 2
+    assert summary["records_done"] == 11 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -281,6 +314,11 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
         assert c["text"] == p + tok.decode(runner.tokens(tok.encode(p), 3))
         assert c["logprobs"]["tokens"][:len(tok.encode(p))] == [tok.decode([t]) for t in tok.encode(p)]
         assert c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) == len(tok.encode(p)) + 3
+    # prompt_logprobs of several prompts: each choice its own prompt's, keyed by its tokens
+    for c in out["list-plp"]["response"]["body"]["choices"]:
+        ids = tok.encode(("Once upon a time", "The sky is")[c["index"]])
+        assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == len(ids)
+        assert [next(iter(e)) for e in c["prompt_logprobs"][1:]] == [str(t) for t in ids[1:]]
     # a chat echo: the continued assistant message's text, then the choice's
     echoed = ChatCompletion.model_validate(out["chat-echo"]["response"]["body"]).choices[0].message.content
     plain = ChatCompletion.model_validate(out["chat-plain"]["response"]["body"]).choices[0].message.content
@@ -289,7 +327,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["nothing_to_do"] and again["records_skipped"] == 12     # resumed by custom_id: nothing to do,
+    assert again["nothing_to_do"] and again["records_skipped"] == 13     # resumed by custom_id: nothing to do,
     assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
@@ -298,7 +336,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     (tmp_path / "out.jsonl").write_bytes(torn)
     last = json.loads(data.splitlines()[-1])["custom_id"]
     resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert resumed["records_skipped"] == 11 and resumed["records_done"] + resumed["records_failed"] == 1
+    assert resumed["records_skipped"] == 12 and resumed["records_done"] + resumed["records_failed"] == 1
     again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
     assert again_out[-1]["custom_id"] == last

@@ -47,7 +47,6 @@ from msinfer.launcher.scheduler import Scheduler
 from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
 
 if TYPE_CHECKING:
-
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import EngineConfig, ModelConfig
 

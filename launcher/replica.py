@@ -132,12 +132,16 @@ def _lean_head(dashboard: bool):
     """An embedded instance without three processes that a job on its own one-node instance never
     uses: the autoscaler's monitor (there is nothing to scale), the log monitor (it sends the
     workers' output to drivers that ask for it, and msinfer's driver does not: log_to_driver off)
-    and, with the dashboard off, the dashboard's API server (Ray's job server and state API,
-    which nothing calls here). Ray (2.60, Node.start_head_processes and start_ray_processes)
-    starts them on every head, each a Python process importing Ray: together about 1.5
-    CPU-seconds of a start on this machine, taken while the job's own processes start, and the
-    monitors wake every few seconds for the instance's life. A cluster that `ray start` or
-    msinfer-node.sh starts keeps all three."""
+    and the dashboard's API server (Ray's job server and state API, which nothing calls here).
+    Ray (2.60, Node.start_head_processes and start_ray_processes) starts them on every head, each
+    a Python process importing Ray: together about 1.5 CPU-seconds of a start on this machine,
+    taken while the job's own processes start, and the monitors wake every few seconds for the
+    instance's life. With `ray.dashboard` on, the head is Ray's whole (the dashboard shows the
+    autoscaler's state and the logs); a cluster that `ray start` or msinfer-node.sh starts keeps
+    them too."""
+    if dashboard:
+        yield
+        return
     from ray._private.node import Node
     saved = Node.start_monitor, Node.start_log_monitor, Node.start_api_server
 
@@ -145,8 +149,7 @@ def _lean_head(dashboard: bool):
         self._webui_url = None
 
     Node.start_monitor = Node.start_log_monitor = lambda self: None
-    if not dashboard:
-        Node.start_api_server = no_api_server
+    Node.start_api_server = no_api_server
     try:
         yield
     finally:

@@ -226,6 +226,16 @@ typedef uint32_t v16u32u __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint16_t v16u16u __attribute__((vector_size(32), aligned(2)));
 
+// A thread's scratch buffer of at least n elements: grown, never shrunk. std::vector::resize
+// value-initializes what it adds, so a buffer sized to each call's rows would be zeroed again
+// whenever a call follows a smaller one (the layers' K alternate 576, 1536, 576: a memset of up
+// to 64 x 1536 values a call, 1.3% of a bfloat16 decode step's samples at batch 64).
+template <typename T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 inline float bf16_value(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
 
 // f rounded to the nearest bfloat16, ties to even: its 16 bits. A NaN stays a quiet NaN, and a

@@ -260,8 +260,7 @@ const float* float32_rows(const T* x, int64_t M, int64_t K) {
     return x;
   } else {
     thread_local std::vector<float> widened;
-    widened.resize(M * K);
-    float* to = widened.data();                 // (this thread's buffer: the helpers write into it)
+    float* to = scratch(widened, M * K);        // (this thread's buffer: the helpers write into it)
     parallel_for(M, 16, [&](int64_t m) {
       for (int64_t k = 0; k < K; ++k) to[m * K + k] = static_cast<float>(x[m * K + k]);
     });
@@ -468,11 +467,11 @@ void linear_vnni(const T* x, const uint8_t* w, const float* scales, float diviso
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> s;
   thread_local std::vector<int32_t> comp;
-  q.resize(L * Kq);
-  s.resize(L);
-  comp.resize(L);
-  quantize_rows(x, L, K, Kq, divisor, away, amax, q.data(), s.data(), comp.data());
-  vnni_rows<T, Glu>(q.data(), s.data(), comp.data(), w, scales, y, L, Kq, N);
+  int8_t* qs = scratch(q, L * Kq);
+  float* ss = scratch(s, L);
+  int32_t* cs = scratch(comp, L);
+  quantize_rows(x, L, K, Kq, divisor, away, amax, qs, ss, cs);
+  vnni_rows<T, Glu>(qs, ss, cs, w, scales, y, L, Kq, N);
 }
 #endif
 
@@ -697,9 +696,8 @@ void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_
   // x rounded, 2 K2 values a row: bfloat16 bits for VDPBF16PS, else the float32 they are
   thread_local std::vector<uint16_t> bits;
   thread_local std::vector<float> values;
-  if (dot) bits.resize(M * 2 * K2); else values.resize(M * 2 * K2);
-  uint16_t* xb = bits.data();
-  float* xv = values.data();
+  uint16_t* xb = dot ? scratch(bits, M * 2 * K2) : nullptr;
+  float* xv = dot ? nullptr : scratch(values, M * 2 * K2);
   parallel_for(M, 16, [&](int64_t m) {
     const float* r = x + m * K;
     if (dot) {

@@ -407,20 +407,25 @@ class RecordCodec:
                       "error": None}
             return self._done(first.record.serial, result, first.record.request, given_id=first.record.given_id)
         outputs = []
+        # an OpenAI request's several prompts with echo or prompt_logprobs: each choice holds its own
+        # prompt's (from that prompt's first sample), else the result holds the one prompt's
         several = first.sampling.n < len(samples.seqs) and first.record.request is not None \
             and (first.record.request.echo is not None or first.sampling.prompt_logprobs is not None)
+        prompts: dict[int, dict] = {}
         for i, seq in enumerate(samples.seqs):
             fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
             outputs.append({"index": i, **fields, "output_token_ids": list(seq.output_token_ids),
                             "finish_reason": finish, "completion_tokens": seq.num_completion_tokens,
                             **self.logprobs(seq)})
-            if several:     # each choice its own prompt's echo or prompt_logprobs (its first sample's)
-                own = samples.seqs[i - i % seq.sampling.n]
-                outputs[-1].update(self.prompt_logprobs(own) | self.echoed(own))
+            if several:
+                p = i - i % seq.sampling.n
+                if p not in prompts:
+                    prompts[p] = self.prompt_logprobs(samples.seqs[p]) | self.echoed(samples.seqs[p])
+                outputs[-1].update(prompts[p])
         result = {"id": first.key, "outputs": outputs,     # (each prompt's tokens once: its first sample's)
                   "prompt_tokens": sum(seq.num_prompt_tokens for seq in samples.seqs if not seq.prefix_wait),
-                  "completion_tokens": sum(o["completion_tokens"] for o in outputs), **self.prompt_logprobs(first),
-                  **self.echoed(first), "error": None}
+                  "completion_tokens": sum(o["completion_tokens"] for o in outputs),
+                  **({} if several else self.prompt_logprobs(first) | self.echoed(first)), "error": None}
         return self._done(first.record.serial, result, first.record.request, self.ttft(samples.seqs),
                           max(seq.num_cached_tokens for seq in samples.seqs), first.record.given_id)
 

@@ -77,21 +77,19 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
 
 def vllm_prompt_logprobs(result: dict, token_text) -> list:
     """A result's prompt_logprobs as vLLM's OpenAI server answers them: per prompt token None
-    (the first) or {token id: {"logprob", "rank", "decoded_token"}}, the token's own first, then
-    the k most likely (`prompt_logprobs: k`). A rank is where msinfer knows it: an alternative's
-    place among the k, the prompt token's where it is one of them; else null (vLLM's Logprob
-    allows it)."""
+    (the first) or {token id: {"logprob", "rank", "decoded_token"}}, the token's own first (its
+    rank: the tokens at least as likely, `prompt_ranks`), then the k most likely
+    (`prompt_logprobs: k`), ranked by their place."""
     out = []
-    for token, entry in zip(result["prompt_token_ids"], result["prompt_logprobs"]):
+    for token, entry, rank in zip(result["prompt_token_ids"], result["prompt_logprobs"], result["prompt_ranks"]):
         if entry is None:
             out.append(None)
             continue
         top = entry["top"] if isinstance(entry, dict) else []
-        ranks = {alt[0]: rank for rank, alt in enumerate(top, 1)}
         own = entry["logprob"] if isinstance(entry, dict) else entry
-        got = {str(token): {"logprob": own, "rank": ranks.get(token), "decoded_token": token_text(token)}}
-        for rank, (alt, value, *_) in enumerate(top, 1):
-            got.setdefault(str(alt), {"logprob": value, "rank": rank, "decoded_token": token_text(alt)})
+        got = {str(token): {"logprob": own, "rank": rank, "decoded_token": token_text(token)}}
+        for place, (alt, value, *_) in enumerate(top, 1):
+            got.setdefault(str(alt), {"logprob": value, "rank": place, "decoded_token": token_text(alt)})
         out.append(got)
     return out
 

@@ -77,9 +77,10 @@ class RecordState:
     thinking: bool | None = None
     tools: ToolUse | None = None        # its tool calls are read from its completion (launcher.tools)
     logprobs: list = dataclasses.field(default_factory=list)    # per generated token: (logprob, [(token, logprob)])
-    continuation_logprobs: list = dataclasses.field(default_factory=list)   # scoring: per continuation token
-    # sampling.prompt_logprobs: per prompt token after the first, its logprob (k = 0) or
-    # (logprob, [(token, logprob)])
+    # scoring: per continuation token (logprob, rank: 1 where no other token is as likely)
+    continuation_logprobs: list = dataclasses.field(default_factory=list)
+    # sampling.prompt_logprobs: per prompt token after the first, (logprob, rank), and with k > 0
+    # [(token, logprob)] of the k most likely third
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     pooled: object = None               # embed, classify: what its prompt's chunks pooled so far (numpy)
     dimensions: int | None = None       # task embed: its vector's first k values only
@@ -478,13 +479,16 @@ class RecordCodec:
         likely alternatives. A preempted sequence computes them again: the first are kept."""
         if seq.sampling.prompt_logprobs is None:
             return {}
-        got = seq.record.prompt_logprobs[:seq.num_prompt_tokens - 1]
+        scored = seq.record.prompt_logprobs[:seq.num_prompt_tokens - 1]
         if seq.sampling.prompt_logprobs:
-            got = [self.logprob_entry(t, lp, top) for t, (lp, top) in zip(seq.prompt_token_ids[1:], got)]
+            got = [self.logprob_entry(t, lp, top) for t, (lp, _, top) in zip(seq.prompt_token_ids[1:], scored)]
+        else:
+            got = [lp for lp, _ in scored]
         if seq.record.request is None:
             return {"prompt_logprobs": [None, *got]}
-        # an OpenAI line keys them by token id (launcher.openai_batch)
-        return {"prompt_logprobs": [None, *got], "prompt_token_ids": list(seq.prompt_token_ids[:seq.num_prompt_tokens])}
+        # an OpenAI line keys them by token id and gives their ranks (launcher.openai_batch)
+        return {"prompt_logprobs": [None, *got], "prompt_ranks": [None, *(s[1] for s in scored)],
+                "prompt_token_ids": list(seq.prompt_token_ids[:seq.num_prompt_tokens])}
 
     def echoed(self, seq: Sequence) -> dict:
         """An OpenAI completions request with echo (launcher.inputs): its prompt's token ids and
@@ -560,13 +564,17 @@ def classified(logits, labels: tuple) -> dict:
             "logits": [float(x) for x in z], "probs": [float(x) for x in probs]}
 
 
-def score_result(id: str, continuation_ids: list[int], logprobs: list[float], prompt_tokens: int) -> dict:
-    """A scored record (task: score): log p of each continuation token given everything before it."""
-    if len(logprobs) != len(continuation_ids):
-        return error_result(id, "InternalError", f"{len(logprobs)} log-probabilities for "
+def score_result(id: str, continuation_ids: list[int], scores: list[tuple], prompt_tokens: int) -> dict:
+    """A scored record (task: score): log p of each continuation token given everything before it,
+    and whether each was the most likely token there (lm-eval's is_greedy): `scores` holds
+    (log-probability, rank) per token, rank 1 where no other token is as likely."""
+    if len(scores) != len(continuation_ids):
+        return error_result(id, "InternalError", f"{len(scores)} log-probabilities for "
                                                  f"{len(continuation_ids)} continuation tokens")
-    return {"id": id, "continuation_token_ids": list(continuation_ids), "continuation_logprobs": list(logprobs),
-            "continuation_logprob_sum": float(sum(logprobs)), "prompt_tokens": prompt_tokens,
+    logprobs = [lp for lp, _ in scores]
+    return {"id": id, "continuation_token_ids": list(continuation_ids), "continuation_logprobs": logprobs,
+            "continuation_logprob_sum": float(sum(logprobs)),
+            "continuation_greedy": all(rank == 1 for _, rank in scores), "prompt_tokens": prompt_tokens,
             "completion_tokens": 0, "error": None}
 
 

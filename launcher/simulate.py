@@ -153,10 +153,10 @@ class StandInRunner:
 
     @staticmethod
     def target_scores(s: SeqStep) -> list:
-        """Each target's log-probability, 0.0, as ModelRunner.forward_scores gives them: with
-        `prompt_logprobs: k`, (0.0, the target at 0.0 k times) for the k most likely."""
+        """Each target's log-probability, 0.0, and rank, 1, as ModelRunner.forward_scores gives
+        them: with `prompt_logprobs: k`, the target at 0.0 k times for the k most likely third."""
         k = s.sampling.prompt_logprobs or 0
-        return [(0.0, [(t, 0.0)] * k) if k else 0.0 for t in s.targets if t >= 0]
+        return [(0.0, 1, [(t, 0.0)] * k) if k else (0.0, 1) for t in s.targets if t >= 0]
 
     def wait(self, t0: float, fed: int) -> None:
         """Until the step's time since t0 is up (StandIn; a stage's share of it)."""

@@ -98,14 +98,16 @@ def test_scoring_log_probabilities_match_transformers(path_kind, dtype, atol, ch
     runner = runner_for(checkpoint(name), path_kind, dtype=dtype)
     step = SeqStep(0, tokens, 0, list(range(8)), targets=tokens[1:] + [-1], sample=False)
     _, scores = runner.execute([step], True)
-    np.testing.assert_allclose(scores[0], hf_logprobs(checkpoint(name), tokens[:1], tokens[1:]), atol=atol)
+    np.testing.assert_allclose([lp for lp, _ in scores[0]], hf_logprobs(checkpoint(name), tokens[:1], tokens[1:]),
+                               atol=atol)
     if dtype == "float32":
         step = SeqStep(1, tokens, 0, list(range(8, 16)), SamplingParams(prompt_logprobs=3), targets=tokens[1:] + [-1],
                        sample=False)
         _, scores = runner.execute([step], True)
         lp = hf_log_softmax(checkpoint(name), tokens)
-        for j, (chosen, top) in enumerate(scores[0]):
+        for j, (chosen, rank, top) in enumerate(scores[0]):
             assert abs(chosen - lp[j, tokens[j + 1]]) < atol
+            assert rank == (lp[j] >= lp[j, tokens[j + 1]]).sum()           # vLLM's rank, as transformers ranks it
             assert [t for t, _ in top] == np.argsort(-lp[j], kind="stable")[:3].tolist()
 
 

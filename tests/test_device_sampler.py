@@ -81,13 +81,20 @@ def test_greedy_full_rows_and_scores_are_those_of_the_whole_vocabulary_at_any_tp
     logits = rng.normal(0, 2, (6, V)).astype(np.float32)
     logits[0, [10, 60, 90]] = 9.0                    # a tie across shards: the lowest id wins, as argmax
     logits[1, 102] = 9.0                             # the last token, next to the padding columns
-    targets = np.array([3, 50, 102, 0, 60, 99], np.int32)
+    targets = np.array([60, 102, 50, 0, 3, 99], np.int32)
     want_lp = log_softmax(logits)[np.arange(6), targets]
+    # vLLM's rank: the tokens whose logit is at least the target's (row 0's target ties two others
+    # in three shards at tp 3; row 1's is the most likely, beside the padding columns)
+    want_rank = (logits >= logits[np.arange(6), targets][:, None]).sum(-1)
+    assert want_rank[0] == 3 and want_rank[1] == 1 and want_rank[2:].min() > 1
     for tp in (1, 3):
         greedy = run(tp, "greedy", logits, kernels=kernels)
         assert greedy.tolist() == logits.argmax(-1).tolist() and greedy[0] == 10
         np.testing.assert_array_equal(run(tp, "full", logits), logits)
-        np.testing.assert_allclose(run(tp, "score", logits, targets, kernels=kernels), want_lp, atol=1e-5)
+        scored = run(tp, "score", logits, targets, kernels=kernels)
+        np.testing.assert_allclose(scored[:, 0], want_lp, atol=1e-5)
+        np.testing.assert_array_equal(run(tp, "logprob", logits, targets, kernels=kernels), scored[:, 0])
+        assert scored[:, 1].tolist() == want_rank.tolist()
 
 
 ROWS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),

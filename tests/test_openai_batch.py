@@ -125,7 +125,7 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_each_choice_as_vl
                                      {"logprob": -0.2, "top": [[12, -0.2], [14, -3.0]]}],
                         "prompt_logprobs": [None, {"logprob": -4.0, "top": [[7, -1.0], [8, -4.0]]},
                                             {"logprob": -0.5, "top": [[9, -0.5], [7, -2.0]]}],
-                        "prompt_token_ids": [5, 8, 9], "prompt_text": "Hi there"})
+                        "prompt_token_ids": [5, 8, 9], "prompt_ranks": [None, 2, 1], "prompt_text": "Hi there"})
     text = lambda t: f"<{t}>"                                                     # noqa: E731
     # the first prompt token has no log-probability: null, as OpenAI's and vLLM's answers have it
     # (where the openai package's Completion type wants floats)
@@ -187,17 +187,17 @@ def test_a_chat_echo_puts_the_last_message_of_the_answers_role_before_each_choic
 @pytest.mark.unit
 def test_prompt_logprobs_come_back_in_vllm_s_shape_on_a_completion_s_choices_and_beside_a_chat_s():
     """A request's prompt_logprobs, as vLLM's server answers them: per prompt token null (the first)
-    or {token id: {logprob, rank, decoded_token}}, the prompt token's own first, then the k most
-    likely with their ranks; the prompt token's rank where it is among them, else null. On each
-    choice of a completion, beside the choices of a chat completion."""
+    or {token id: {logprob, rank, decoded_token}}, the prompt token's own first with its rank (the
+    tokens at least as likely), then the k most likely ranked by place. On each choice of a
+    completion, beside the choices of a chat completion."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
     text = lambda t: f"<{t}>"                                                     # noqa: E731
-    top = {"prompt_token_ids": [5, 8, 9],
+    top = {"prompt_token_ids": [5, 8, 9], "prompt_ranks": [None, 9, 1],
            "prompt_logprobs": [None, {"token_id": 8, "logprob": -4.0, "top": [[7, -1.0, "<7>"], [6, -2.0, "<6>"]]},
                                {"token_id": 9, "logprob": -0.5, "top": [[9, -0.5, "<9>"], [7, -2.0, "<7>"]]}]}
     result = ok_result("p", [11], "x", "length", 3, top)
-    expected = [None, {"8": {"logprob": -4.0, "rank": None, "decoded_token": "<8>"},
+    expected = [None, {"8": {"logprob": -4.0, "rank": 9, "decoded_token": "<8>"},
                        "7": {"logprob": -1.0, "rank": 1, "decoded_token": "<7>"},
                        "6": {"logprob": -2.0, "rank": 2, "decoded_token": "<6>"}},
                 {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "<9>"},
@@ -208,9 +208,10 @@ def test_prompt_logprobs_come_back_in_vllm_s_shape_on_a_completion_s_choices_and
     chat = openai_line(result, CHAT, None, "m", text)["response"]["body"]
     assert chat["prompt_logprobs"] == expected and "prompt_logprobs" not in chat["choices"][0]
     assert ChatCompletion.model_validate(chat).choices[0].message.content == "x"
-    values = ok_result("p", [11], "x", "length", 3, {"prompt_token_ids": [5, 8], "prompt_logprobs": [None, -4.0]})
+    values = ok_result("p", [11], "x", "length", 3, {"prompt_token_ids": [5, 8], "prompt_logprobs": [None, -4.0],
+                                                     "prompt_ranks": [None, 7]})
     assert openai_line(values, CHAT, None, "m", text)["response"]["body"]["prompt_logprobs"] == \
-        [None, {"8": {"logprob": -4.0, "rank": None, "decoded_token": "<8>"}}]             # prompt_logprobs 0
+        [None, {"8": {"logprob": -4.0, "rank": 7, "decoded_token": "<8>"}}]                # prompt_logprobs 0
     assert "prompt_logprobs" not in openai_line(ok_result("p", [11], "x", "length", 3), CHAT, None, "m",
                                                 text)["response"]["body"]
 

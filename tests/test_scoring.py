@@ -139,7 +139,10 @@ def test_scores_equal_transformers_chunked_and_batched_with_a_generation(checkpo
 
     for seq, prompt, cont in zip(scored, (PROMPTS[0], PROMPTS[2]), CONTINUATIONS):
         assert seq.finish_reason == "scored" and len(seq.scores) == len(cont)
-        np.testing.assert_allclose(seq.scores, hf_logprobs(path, prompt, cont), atol=LOGPROB_ATOL)
+        np.testing.assert_allclose([lp for lp, _ in seq.scores], hf_logprobs(path, prompt, cont), atol=LOGPROB_ATOL)
+        # each token's rank: the tokens transformers gives a log-probability at least its own
+        lp = hf_log_softmax(path, list(prompt) + list(cont))[len(prompt) - 1:]
+        assert [rank for _, rank in seq.scores] == [int((row >= row[t]).sum()) for row, t in zip(lp, cont)]
 
     ref_tokens, ref_logits = hf_greedy(name, PROMPTS[1], N_NEW)
     assert gen.output_token_ids == ref_tokens and len(gen.logprobs) == N_NEW
@@ -164,7 +167,9 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
     monkeypatch.setenv("MSINFER_CACHE", cache_with_kernels(tmp_path / "cache"))
     name = "qwen2_qkv_bias"
     path = checkpoint(name)
+    greedy = hf_greedy(name, PROMPTS[0], 4)[0]
     records = [{"id": "s0", "prompt_token_ids": PROMPTS[0], "continuation_token_ids": CONTINUATIONS[0]},
+               {"id": "greedy", "prompt_token_ids": PROMPTS[0], "continuation_token_ids": greedy},
                {"id": "g", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 2}},
                {"id": "s1", "prompt_token_ids": PROMPTS[2], "continuation_token_ids": CONTINUATIONS[1]},
                {"id": "long", "prompt_token_ids": [5] * 60, "continuation_token_ids": [6] * 10}]
@@ -185,6 +190,10 @@ def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(ch
         ref = hf_logprobs(path, prompt, cont)
         np.testing.assert_allclose(r["continuation_logprobs"], ref, atol=LOGPROB_ATOL)
         assert abs(r["continuation_logprob_sum"] - sum(ref)) < LOGPROB_ATOL * len(cont)
+    # lm-eval's is_greedy: every continuation token the most likely there, as transformers' greedy
+    # tokens are; an arbitrary continuation is not
+    assert results["greedy"]["continuation_greedy"] is True
+    assert results["s0"]["continuation_greedy"] is False and results["s1"]["continuation_greedy"] is False
     g = results["g"]
     prompt = PROMPTS[2]
     lp = hf_log_softmax(path, prompt)

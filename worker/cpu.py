@@ -561,9 +561,9 @@ def is_bfloat16(w: np.ndarray) -> bool:
 
 class SamplerKernels:
     """The device sampler's passes over vocabulary shards (worker.device_sampler.VocabSampler:
-    stats, kept, draw; and all of `sample` in one, at tp 1) as the kernels of csrc/sampling.h:
-    x [R M, per] float32 (R shards' rows), meta [R, 2] int32 (each shard's real columns, and
-    whether `stats` sums), parameters per row of a shard."""
+    stats, kept, draw, score's count; and all of `sample` in one, at tp 1) as the kernels of
+    csrc/sampling.h: x [R M, per] float32 (R shards' rows), meta [R, 2] int32 (each shard's real
+    columns, and whether `stats` sums), parameters per row of a shard."""
 
     @staticmethod
     def stats(C: int, temperature: bool = False):
@@ -577,6 +577,11 @@ class SamplerKernels:
     def kept():
         """(x, (g, t, tau) [M, 3], meta) -> [R M]: the sum of the kept weights."""
         return _custom("KeptMass", lambda x, *_: [x[0]])
+
+    @staticmethod
+    def count():
+        """(x, thresholds [M], meta) -> [R M]: each row's real columns at or above its threshold."""
+        return _custom("CountAtLeast", lambda x, *_: [x[0]])
 
     @staticmethod
     def draw():

@@ -8,7 +8,9 @@ go through these functions (ModelRunner.sample):
   each rank's (max, argmax) per row; one all-gather; the first rank with the largest max wins,
   so a tie goes to the lowest token id, as numpy's argmax does on the whole row.
 - `score`, inside the scoring step's graph: log p(target) per row, from each rank's max,
-  normalizer part and the target's logit where the rank holds it (one all-gather).
+  normalizer part and the target's logit where the rank holds it (one all-gather), and the
+  target's rank, each rank's count of tokens at or above that logit (a second all-gather);
+  `logprob`, the first half alone, for the tokens a step drew from changed logits.
 The others are compiled graphs of their own, run on the network's output where a step needs them:
 - `greedy_logprobs`, when every row is greedy but asks for log-probabilities: each rank's max,
   normalizer part and K largest, one all-gather.
@@ -136,6 +138,7 @@ class VocabSampler(nn.Cell):
             self.stats_ops = {c: kernels.stats(c) for c in {1, self.C}}
             self.stats_t_op = kernels.stats(self.C, temperature=True)
             self.kept_op, self.draw_op, self.merge_op = kernels.kept(), kernels.draw(), kernels.merge(self.K)
+            self.count_op = kernels.count()
             self.process_op = kernels.process()
             self.all_starts = Tensor((np.arange(tp.size) * per).astype(np.float32))
             real = np.clip(vocab - starts, 0, per).astype(np.int32)            # real columns of each shard
@@ -280,8 +283,10 @@ class VocabSampler(nn.Cell):
         # float32 array in ~30 ms
         return g if g.shape[1] == self.vocab else g[:, : self.vocab]
 
-    def score(self, logits, targets):
-        """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
+    def _scored(self, logits, targets):
+        """`logprob`'s and `score`'s common part: (this rank's rows `local`, each target's logit
+        [S], each row's log-softmax normalizer log Z [S]), from each rank's max, normalizer part
+        and the target's logit where the rank holds it (one all-gather)."""
         m, _, s, _, _, _ = self.stats(logits, 0, True)
         x = self.local(logits)
         at = targets.expand_dims(0) - self.starts.astype(ms.int32)               # [R, S]
@@ -291,7 +296,25 @@ class VocabSampler(nn.Cell):
         g = self.gather(ops.stack((m, s, own), -1))                             # [S, tp, 3]
         top = ops.amax(g[:, :, 0], -1)
         log_z = top + ops.log((g[:, :, 1] * ops.exp(g[:, :, 0] - top.expand_dims(-1))).sum(-1))
-        return g[:, :, 2].sum(-1) - log_z
+        return x, g[:, :, 2].sum(-1), log_z
+
+    def logprob(self, logits, targets):
+        """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
+        _, target, log_z = self._scored(logits, targets)
+        return target - log_z
+
+    def score(self, logits, targets):
+        """targets [S] int32 -> [S, 2] float32: `logprob`, and the target's rank as vLLM counts it,
+        the tokens whose logit is at least the target's (1: no other is as likely). The rank takes
+        a second all-gather: each rank counts the tokens of its shard at or above the target's
+        logit, which the first made known to every rank."""
+        x, target, log_z = self._scored(logits, targets)
+        if self.kernels is not None:
+            above = self.count_op(self.rows(logits), target, self.meta).reshape(self.R, -1)     # [R, S]
+        else:
+            above = (x >= ops.broadcast_to(target.reshape(1, -1, 1), x.shape)).astype(ms.float32).sum(-1)
+        rank = self.gather(above.expand_dims(-1))[:, :, 0].sum(-1)
+        return ops.stack((target - log_z, rank), -1)
 
     def candidates(self, x, C: int, t=None):
         """Per row over the whole vocabulary: the largest logit [M], its token (float32), the

@@ -528,9 +528,9 @@ class CausalLM(nn.Cell):
               token_len, attn_mask, out_index, score_index, targets, hidden=None):
         """A prefill (of the decode kind: its sequences may have cached tokens) that also scores:
         returns (logits [M, per] at out_index and their greedy tokens, as `decode` returns them;
-        log p(targets[i] | the tokens up to row score_index[i]) [S], float32). The log-softmax and
-        the pick run in the graph, shard by shard (the sampler's `score`), so a scoring step hands
-        back S floats, not S x vocab logits."""
+        [S, 2] float32: log p(targets[i] | the tokens up to row score_index[i]) and the target's
+        rank). The log-softmax, the pick and the count run in the graph, shard by shard (the
+        sampler's `score`), so a scoring step hands back 2 S floats, not S x vocab logits."""
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                               token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
@@ -538,15 +538,15 @@ class CausalLM(nn.Cell):
 
     def score_top(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                   token_len, attn_mask, out_index, score_index, targets, hidden=None):
-        """`score` with the alternatives of `prompt_logprobs: k`: the third output is [S, 1 + 2
-        PROMPT_TOP], per scored row log p(target), the PROMPT_TOP largest log-probabilities and
-        their tokens (float32), as the sampler's `figures`."""
+        """`score` with the alternatives of `prompt_logprobs: k`: the third output is [S, 2 + 2
+        PROMPT_TOP], per scored row log p(target), its rank, the PROMPT_TOP largest
+        log-probabilities and their tokens (float32), as the sampler's `figures`."""
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                               token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
         _, figures = self.scorer.greedy_logprobs(logits[m:])
         return (logits[:m], self.sampler.greedy(logits[:m]),
-                ops.concat((self.sampler.score(logits[m:], targets).expand_dims(-1), figures[:, 1:]), -1))
+                ops.concat((self.sampler.score(logits[m:], targets), figures[:, 1:]), -1))
 
     def pool(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
              token_len, attn_mask, out_index, pool_index, hidden=None):

@@ -108,7 +108,7 @@ class SeqStep:
 class StepOutput:
     token_ids: list[int]              # one sampled token per SeqStep (-1 where sample=False)
     logprobs: list | None = None      # per SeqStep: (chosen logprob, [(token, logprob), ...]) or None
-    scores: list | None = None        # per SeqStep: log-probabilities of its targets >= 0, or None
+    scores: list | None = None        # per SeqStep: (log-probability, rank) of its targets >= 0, or None
     worker_s: float = 0.0             # the step on rank 0, from its call to its return
     model_s: float = 0.0              # of which on the device: the network and the sampler, to their outputs in numpy
     host_bytes: int = 0               # copied from the device to the host in the step, on rank 0

@@ -208,7 +208,7 @@ class ModelRunner:
                 specs = {"logits": ([None, fn.__self__.per], ms.float32)}
                 if name == "sample":
                     specs.update(temperature=rows, top_k=([None], ms.int32), top_p=rows, min_p=rows, u=rows)
-                elif name == "score":
+                elif name == "logprob":
                     specs.update(targets=([None], ms.int32))
                 elif name == "process":
                     specs.update(entries=([None, 5], ms.float32), mask=([None, None], ms.int32))
@@ -448,11 +448,12 @@ class ModelRunner:
         return self.execute(seqs, is_prefill, score=False)[0]
 
     def forward_scores(self, seqs: list[SeqStep], hidden=None):
-        """A prefill that also returns, per sequence, log p(targets[j] | its tokens up to j) for every
-        j with targets[j] >= 0 (None for a sequence without targets; with `prompt_logprobs: k`,
-        each as (that, [(token, log-probability)] of the k most likely)); the last-token logits and
-        greedy tokens stay on the device, as `network` leaves them. The scored rows are padded to
-        a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
+        """A prefill that also returns, per sequence, (log p(targets[j] | its tokens up to j), the
+        target's rank) for every j with targets[j] >= 0 (None for a sequence without targets; with
+        `prompt_logprobs: k`, each with [(token, log-probability)] of the k most likely third); the
+        rank counts the tokens at least as likely as the target (1: the most likely). The
+        last-token logits and greedy tokens stay on the device, as `network` leaves them. The scored
+        rows are padded to a bucket of 16 so that scoring adds few compiled shapes (static shapes)."""
         from msinfer.worker.model import PROMPT_TOP
         inputs, first_row = self.prepare(seqs, True, reuse=False, hidden=hidden)
         rows, targets, counts = [], [], []
@@ -476,15 +477,15 @@ class ModelRunner:
         logits, greedy, logp = self._call("score_top" if any(top) else "score", inputs,
                                           self.ms.Tensor(score_index, i32), self.ms.Tensor(score_targets, i32))
         logp = self.to_host(logp, len(rows))
-        scores, at = [], 0
+        scores, at, K = [], 0, PROMPT_TOP
         for n, k in zip(counts, top):
             if n is None:
                 scores.append(None)
-            elif logp.ndim == 1 or not k:
-                scores.append([float(x) for x in (logp if logp.ndim == 1 else logp[:, 0])[at: at + n]])
-            else:            # (log p(target), [(token, log-probability)] of the k most likely)
-                K = PROMPT_TOP
-                scores.append([(float(r[0]), [(int(t), float(v)) for t, v in zip(r[1 + K: 1 + K + k], r[1: 1 + k])])
+            elif not k:      # (log p(target), its rank)
+                scores.append([(float(r[0]), int(r[1])) for r in logp[at: at + n]])
+            else:            # (log p(target), its rank, [(token, log-probability)] of the k most likely)
+                scores.append([(float(r[0]), int(r[1]), [(int(t), float(v)) for t, v in zip(r[2 + K: 2 + K + k],
+                                                                                           r[2: 2 + k])])
                                for r in logp[at: at + n]])
             at += n or 0
         return logits, greedy, scores
@@ -581,7 +582,7 @@ class ModelRunner:
             tokens = np.zeros(logits.shape[0], np.int32)
             tokens[todo] = picked
             figures = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(raw), len(seqs))[1]
-            figures[:, 0] = self.to_host(self.sampler_fn("score")(raw, self.ms.Tensor(tokens)), len(seqs))
+            figures[:, 0] = self.to_host(self.sampler_fn("logprob")(raw, self.ms.Tensor(tokens)), len(seqs))
         if figures is not None:
             for i, p, token in zip(todo, params, picked):
                 if logprobs and p.logprobs:

@@ -23,7 +23,7 @@
 //   MoeUp, MoeDown  the same in two calls, for experts whose inputs are quantized per token
 //                   (W8A8): over int8 weights with VNNI, or float or int8 weights held as
 //                   MoeExperts holds them (see moe.h)
-//   SampleStats(T), KeptMass, DrawColumn   the device sampler's passes over a vocabulary shard
+//   SampleStats(T), KeptMass, DrawColumn, CountAtLeast   the device sampler's passes over a vocabulary shard
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
 //   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
@@ -238,6 +238,19 @@ extern "C" int KeptMass(int nparam, void** params, int* ndims, int64_t** shapes,
   for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
   kept_mass(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), cols.data(),
             static_cast<float*>(params[3]), shapes[0][0], shapes[2][0], shapes[0][1]);
+  return 0;
+}
+
+// x [Q, P] float32, thresholds [M], meta [R, 2] -> [Q] (count_at_least)
+extern "C" int CountAtLeast(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 2 || shapes[0][0] != shapes[1][0] * shapes[2][0])
+    return 1;
+  const int32_t* meta = static_cast<const int32_t*>(params[2]);
+  std::vector<int32_t> cols(shapes[2][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  count_at_least(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), cols.data(),
+                 static_cast<float*>(params[3]), shapes[0][0], shapes[2][0], shapes[0][1]);
   return 0;
 }
 

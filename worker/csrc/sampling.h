@@ -302,6 +302,22 @@ inline void kept_mass(const float* x, const float* prm, const int32_t* cols, flo
   });
 }
 
+// CountAtLeast: with thresholds t [M] (per row of a shard), out [Q] = how many of the row's real
+// columns are at or above its threshold: a scored token's rank, with its logit (VocabSampler.score).
+inline void count_at_least(const float* x, const float* t, const int32_t* cols, float* out, int64_t Q, int64_t R,
+                           int64_t P) {
+  const int64_t M = Q / R;
+  parallel_for(Q, 1, [&](int64_t q) {
+    const float* r = x + q * P;
+    const float v = t[q % M];
+    const int64_t n = cols[q / M];
+    int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+    for (int64_t k = 0; k < n; ++k) count += r[k] >= v;
+    out[q] = static_cast<float>(count);
+  });
+}
+
 // DrawColumn: with prm [M, 3] = (g, t, tau) and target [Q], out [Q, 2] = (draw_row's column, x there).
 inline void draw_column(const float* x, const float* prm, const float* targets, const int32_t* cols, float* out,
                         int64_t Q, int64_t R, int64_t P) {

@@ -164,14 +164,22 @@ extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
+// Each shard's real columns, at most the rows' width (shapes[0][1]): from meta [R, 2] int32,
+// params[at], whose first column holds them.
+static std::vector<int32_t> real_columns(void** params, int64_t** shapes, int at) {
+  const int32_t* meta = static_cast<const int32_t*>(params[at]);
+  std::vector<int32_t> cols(shapes[at][0]);
+  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  return cols;
+}
+
 // x [Q, P] float32, (t [M]: SampleStatsT), meta [R, 2] int32 (real columns of each shard, with_sum)
 // -> [Q, 4 + 2C] (sample_stats)
 static int sample_stats_call(void** params, int64_t** shapes, const float* t, int meta_at) {
-  const int32_t* meta = static_cast<const int32_t*>(params[meta_at]);
-  std::vector<int32_t> cols(shapes[meta_at][0]);
-  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  const std::vector<int32_t> cols = real_columns(params, shapes, meta_at);
+  const bool with_sum = static_cast<const int32_t*>(params[meta_at])[1] != 0;
   sample_stats(static_cast<const float*>(params[0]), t, cols.data(), static_cast<float*>(params[meta_at + 1]),
-               shapes[0][0], shapes[meta_at][0], shapes[0][1], (shapes[meta_at + 1][1] - 4) / 2, meta[1] != 0);
+               shapes[0][0], shapes[meta_at][0], shapes[0][1], (shapes[meta_at + 1][1] - 4) / 2, with_sum);
   return 0;
 }
 
@@ -233,9 +241,7 @@ extern "C" int KeptMass(int nparam, void** params, int* ndims, int64_t** shapes,
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 3 || ndims[2] != 2 ||
       shapes[0][0] != shapes[1][0] * shapes[2][0])
     return 1;
-  const int32_t* meta = static_cast<const int32_t*>(params[2]);
-  std::vector<int32_t> cols(shapes[2][0]);
-  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  const std::vector<int32_t> cols = real_columns(params, shapes, 2);
   kept_mass(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), cols.data(),
             static_cast<float*>(params[3]), shapes[0][0], shapes[2][0], shapes[0][1]);
   return 0;
@@ -246,9 +252,7 @@ extern "C" int CountAtLeast(int nparam, void** params, int* ndims, int64_t** sha
                             void* stream, void* extra) {
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 2 || shapes[0][0] != shapes[1][0] * shapes[2][0])
     return 1;
-  const int32_t* meta = static_cast<const int32_t*>(params[2]);
-  std::vector<int32_t> cols(shapes[2][0]);
-  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  const std::vector<int32_t> cols = real_columns(params, shapes, 2);
   count_at_least(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), cols.data(),
                  static_cast<float*>(params[3]), shapes[0][0], shapes[2][0], shapes[0][1]);
   return 0;
@@ -260,9 +264,7 @@ extern "C" int DrawColumn(int nparam, void** params, int* ndims, int64_t** shape
   if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][1] != 3 || ndims[2] != 1 || ndims[3] != 2 ||
       shapes[0][0] != shapes[1][0] * shapes[3][0] || shapes[2][0] != shapes[0][0])
     return 1;
-  const int32_t* meta = static_cast<const int32_t*>(params[3]);
-  std::vector<int32_t> cols(shapes[3][0]);
-  for (size_t r = 0; r < cols.size(); ++r) cols[r] = std::min<int32_t>(meta[2 * r], shapes[0][1]);
+  const std::vector<int32_t> cols = real_columns(params, shapes, 3);
   draw_column(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]),
               static_cast<const float*>(params[2]), cols.data(), static_cast<float*>(params[4]), shapes[0][0],
               shapes[3][0], shapes[0][1]);

@@ -53,20 +53,21 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
              "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     outputs = result.get("outputs") or [result]
+    # each choice's prompt fields: its output's where a request's several prompts give each its
+    # own (launcher.records), else the result's
+    prompts = [out if "prompt_token_ids" in out else result for out in outputs]
 
-    def echoed(out: dict) -> tuple:
-        """What echo puts before a choice (of several prompts', each output holds its own)."""
-        given = out if "prompt_text" in out else result
+    def echoed(given: dict) -> tuple:
+        """What echo puts before a choice, from its prompt's fields."""
         return (given["prompt_text"],) if chat else \
             (given["prompt_text"], given["prompt_token_ids"], given.get("prompt_logprobs") or [])
-    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(out) if echo else None)
-               for i, out in enumerate(outputs)]
+    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(given) if echo else None)
+               for i, (out, given) in enumerate(zip(outputs, prompts))]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
         body = {"id": _id("cmpl-", custom_id), "object": "text_completion"}
-        for choice, out in zip(choices, outputs):    # vLLM's: a completion's choice holds its prompt's
-            given = out if "prompt_logprobs" in out else result
+        for choice, given in zip(choices, prompts):    # vLLM's: a completion's choice holds its prompt's
             if "prompt_logprobs" in given:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(given, token_text)
     body.update(created=int(time.time()), model=model, choices=choices, usage=usage)

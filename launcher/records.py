@@ -324,8 +324,7 @@ class RecordCodec:
         sent to (for a plain record: embeddings with task embed, else chat completions where a
         chat template applies), the log-probability alternatives it asked for, whether its message
         holds the reasoning (include_reasoning), whether its embedding is base64 (encoding_format)
-        and a completion's echo: (its mode, its prompt as written or None for token ids), or None.
-        None with output.format msinfer."""
+        and its echo (OpenAIRequest.echo). None with output.format msinfer."""
         if not self.openai:
             return None
         from msinfer.launcher.openai_batch import CHAT_URL, COMPLETIONS_URL

@@ -980,3 +980,75 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
         want = _attended(q, K, V, tables, rows, lens, bs)
         np.testing.assert_allclose(out.reshape(N, H, D), want, atol=tol * np.abs(want).max(), rtol=0,
                                    err_msg=f"{step}: {seqs}, H {H} KV {KV} D {D} blocks of {bs}, cache {cache}")
+
+
+@pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
+def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit(kernels, way, qk_norm):
+    """DecoderLayer (a dense layer in one launch, LayerBase.fuse) on a step of a 6-token prompt
+    chunk after 3 cached positions, two decode tokens and a padding row: its two outputs and the
+    K/V rows it writes are those of AddRmsNorm, Linear (qkv), PagedAttention, Linear (o),
+    AddRmsNorm, LinearGlu and Linear (down) called one by one, to the bit, over float32 panels
+    and bfloat16 pairs (x rounded in every matmul). Over float32 panels both equal the layer in
+    float64 numpy; the padding row stays zero."""
+    from msinfer.worker.cpu import bfloat16_values
+    rng = np.random.default_rng(7 + qk_norm)
+    E, H, KV, D, I, bs, eps = 64, 4, 2, 16, 96, 4, 1e-6
+    rows = np.array([0] * 6 + [1, 2, 0], np.int32)
+    pos = np.array(list(range(3, 9)) + [10, 4, 0])
+    lens = (pos + 1).astype(np.int32)
+    lens[-1] = 0
+    tables = rng.permutation(12).astype(np.int32)[:9].reshape(3, 3)              # block 12: scratch
+    slots = np.where(lens > 0, tables[rows, pos // bs] * bs + pos % bs, 12 * bs).astype(np.int32)
+    N = len(rows)
+    h = rng.standard_normal((N, E)).astype(np.float32)
+    delta = rng.standard_normal((N, E)).astype(np.float32)
+    h[-1] = delta[-1] = 0                                                        # padding
+    f = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)     # noqa: E731
+    w = {"qkv": f((H + 2 * KV) * D, E), "o": f(E, H * D), "gate_up": f(2 * I, E), "down": f(E, I)}
+    norms = [(1 + f(E)).astype(np.float32) for _ in range(2)]
+    qn, kn = 1 + f(D), 1 + f(D)
+    angle = pos[:, None] / 10000 ** (np.arange(D // 2) / (D // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    kc0, vc0 = f(13 * bs * KV, D), f(13 * bs * KV, D)
+    if way == "bfloat16 pairs":
+        held = {k: kernels.pack_pairs(v, k == "gate_up")[0] for k, v in w.items()}
+    else:
+        held = {k: kernels.pack_glu(v) if k == "gate_up" else kernels.pack(v) for k, v in w.items()}
+    held = {k: Tensor(v) for k, v in held.items()}
+    epsT = Tensor(np.array([eps], np.float32))
+    attn_in = [Tensor(a) for a in (qn, kn, np.array([eps, float(qk_norm)], np.float32), cos, sin)]
+    step_in = [Tensor(a) for a in (slots, tables, rows, lens, np.array([bs, KV], np.int32))]
+
+    fused_caches = Tensor(kc0.copy()), Tensor(vc0.copy())
+    out_h, out_d = kernels.decoder_layer_op()(
+        Tensor(h), Tensor(delta), Tensor(norms[0]), epsT, held["qkv"], *attn_in, *fused_caches, *step_in, held["o"],
+        Tensor(norms[1]), epsT, held["gate_up"], held["down"])
+    out_h, out_d = out_h.asnumpy(), out_d.asnumpy()
+
+    norm = kernels.add_rms_norm_op(eps)
+    caches = Tensor(kc0.copy()), Tensor(vc0.copy())
+    s, x = norm(Tensor(h), Tensor(delta), Tensor(norms[0]))
+    a = kernels.attention_op(H * D)(kernels.linear_op()(x, held["qkv"]), *attn_in, *caches, *step_in)
+    s, x = norm(s, kernels.linear_op()(a, held["o"]), Tensor(norms[1]))
+    d = kernels.linear_op()(kernels.glu_linear_op()(x, held["gate_up"]), held["down"])
+    np.testing.assert_array_equal(out_h, s.asnumpy())
+    np.testing.assert_array_equal(out_d, d.asnumpy())
+    for fused, alone in zip(fused_caches, caches):
+        np.testing.assert_array_equal(fused.asnumpy(), alone.asnumpy())
+    assert not out_h[-1].any() and not out_d[-1].any()
+    if way == "bfloat16 pairs":              # x rounded to bfloat16 in each matmul: the seven kernels' only
+        return
+
+    f64 = np.float64
+    s1 = h.astype(f64) + delta
+    x1 = _rms(s1, norms[0], eps)
+    q, k, v = _rotated(x1 @ w["qkv"].T, qn, kn, qk_norm, eps, cos, sin, H, KV, D)
+    K, V = kc0.astype(f64).reshape(-1, KV, D), vc0.astype(f64).reshape(-1, KV, D)
+    K[slots[:-1]], V[slots[:-1]] = k[:-1], v[:-1]
+    att = _attended(q, K, V, tables, rows, lens, bs).reshape(N, H * D)
+    s2 = s1 + att @ w["o"].T
+    g = _rms(s2, norms[1], eps) @ w["gate_up"].T
+    want_d = (g[:, :I] / (1 + np.exp(-g[:, :I])) * g[:, I:]) @ w["down"].T
+    np.testing.assert_allclose(out_h, s2, atol=1e-5 * np.abs(s2).max(), rtol=0)
+    np.testing.assert_allclose(out_d, want_d, atol=1e-5 * np.abs(want_d).max(), rtol=0)

@@ -96,6 +96,35 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
                                   panels.runner.model.weights()["lm_head.weight"])
 
 
+@pytest.mark.parametrize("name,fused", [("llama_gqa_tied", 2), ("qwen3_qknorm_odd_head_dim", 2),
+                                        ("qwen3_moe_top2_dense_layer", 1), ("llama_mha_bias", 0)])
+def test_dense_layers_run_as_one_kernel_call_and_give_their_operators_logits_bit_for_bit(name, fused, checkpoint,
+                                                                                         monkeypatch):
+    """On the CPU kernels each dense layer without biases runs as one DecoderLayer call
+    (LayerBase.fuse): both layers of a Llama and of a Qwen3 with qk norm and a head size of 24,
+    the dense layer of a mixture of experts and not its sparse one, no layer with biases. With
+    MSINFER_FUSED_LAYERS=0 every layer runs its operators one by one, and the tokens and every
+    step's logits are the same to the bit (the parity test above holds the fused ones to
+    transformers)."""
+    from msinfer.worker.cpu import CpuOps, load_kernels
+    one = Recording(runner_for(checkpoint(name)))
+    assert one.runner.fused_layers == fused
+    if not fused:
+        return
+    monkeypatch.setenv("MSINFER_FUSED_LAYERS", "0")
+    load_kernels()
+    assert CpuOps.decoder_layer_op() is None
+    apart = Recording(ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8)))
+    monkeypatch.undo()
+    load_kernels()
+    assert apart.runner.fused_layers == 0 and CpuOps.decoder_layer_op() is not None
+    prompts = dict(enumerate(PROMPTS))
+    assert Driver(one).generate(prompts, N_NEW) == Driver(apart).generate(prompts, N_NEW)
+    assert len(one.logits) == len(apart.logits) == N_NEW          # a prefill and the decode steps
+    for a, b in zip(one.logits, apart.logits):
+        np.testing.assert_array_equal(a, b)
+
+
 def transformers_in_bfloat16_linears(path):
     """transformers' model (float32) computing each linear layer, each expert's projections and
     the LM head as the CPU kernels do with model.dtype bfloat16: inputs and weights rounded to the

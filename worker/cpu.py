@@ -122,6 +122,19 @@ class CpuOps(MsOps):
         cache write and attention in one kernel (kernels.cc), straight from the qkv projection."""
         return _custom("PagedAttention", lambda qkv, *_: [qkv[0], q_size])
 
+    # Whether dense layers run as one DecoderLayer call (LayerBase.fuse): set by load_kernels;
+    # MSINFER_FUSED_LAYERS=0 turns it off (each layer's seven kernels then launch one by one).
+    fused_layers = True
+
+    @classmethod
+    def decoder_layer_op(cls):
+        """(h, delta, the layer's norms, weights, attention inputs: kernels.cc DecoderLayer) ->
+        (the residual stream after attention, the MLP's output): what the layer's seven operators
+        give, from one launch; None where MSINFER_FUSED_LAYERS=0."""
+        if not cls.fused_layers:
+            return None
+        return _custom("DecoderLayer", lambda h, *_: (h, h), lambda h, *_: (h, h))
+
     @staticmethod
     def linear_op():
         """(x [M, K], w [N, K] packed) -> x w^T [M, N]."""
@@ -645,6 +658,7 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.vnni = bool(lib.VnniReady()) and os.environ.get("MSINFER_VNNI", "1") != "0"
     CpuOps.int4 = bool(lib.Int4Ready()) and os.environ.get("MSINFER_INT4", "1") != "0"
     CpuOps.bf16_panels = bf16_panels_on()
+    CpuOps.fused_layers = os.environ.get("MSINFER_FUSED_LAYERS", "1") != "0"
     CpuOps.static_step_jit_options = INFERENCE_MODE if os.environ.get("MSINFER_INFER_BOOST", "1") != "0" else None
     set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
     CpuOps.sampler_kernels = SamplerKernels

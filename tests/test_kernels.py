@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from msinfer.worker.cpu import CpuOps, load_kernels
 
@@ -983,16 +983,16 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
 
 
 @pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
-def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit(kernels, way, qk_norm):
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, False), (False, True)],
+                         ids=["llama", "qwen3-qk-norm", "qwen2-qkv-bias"])
+def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit(kernels, way, qk_norm, bias):
     """DecoderLayer (a dense layer in one launch, LayerBase.fuse) on a step of a 6-token prompt
     chunk after 3 cached positions, two decode tokens and a padding row: its two outputs and the
-    K/V rows it writes are those of AddRmsNorm, Linear (qkv), PagedAttention, Linear (o),
-    AddRmsNorm, LinearGlu and Linear (down) called one by one, to the bit, over float32 panels
-    and bfloat16 pairs (x rounded in every matmul). Over float32 panels both equal the layer in
-    float64 numpy; the padding row stays zero."""
-    from msinfer.worker.cpu import bfloat16_values
-    rng = np.random.default_rng(7 + qk_norm)
+    K/V rows it writes are those of AddRmsNorm, Linear (qkv) and the bias's Add (Qwen2),
+    PagedAttention, Linear (o), AddRmsNorm, LinearGlu and Linear (down) called one by one, to the
+    bit, over float32 panels and bfloat16 pairs (x rounded in every matmul). Over float32 panels
+    both equal the layer in float64 numpy; the padding row stays zero."""
+    rng = np.random.default_rng(7 + qk_norm + 2 * bias)
     E, H, KV, D, I, bs, eps = 64, 4, 2, 16, 96, 4, 1e-6
     rows = np.array([0] * 6 + [1, 2, 0], np.int32)
     pos = np.array(list(range(3, 9)) + [10, 4, 0])
@@ -1020,30 +1020,34 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     attn_in = [Tensor(a) for a in (qn, kn, np.array([eps, float(qk_norm)], np.float32), cos, sin)]
     step_in = [Tensor(a) for a in (slots, tables, rows, lens, np.array([bs, KV], np.int32))]
 
+    b = f((H + 2 * KV) * D) if bias else np.zeros((H + 2 * KV) * D, np.float32)
     fused_caches = Tensor(kc0.copy()), Tensor(vc0.copy())
     out_h, out_d = kernels.decoder_layer_op()(
         Tensor(h), Tensor(delta), Tensor(norms[0]), epsT, held["qkv"], *attn_in, *fused_caches, *step_in, held["o"],
-        Tensor(norms[1]), epsT, held["gate_up"], held["down"])
+        Tensor(norms[1]), epsT, held["gate_up"], held["down"], *((Tensor(b),) if bias else ()))
     out_h, out_d = out_h.asnumpy(), out_d.asnumpy()
 
     norm = kernels.add_rms_norm_op(eps)
     caches = Tensor(kc0.copy()), Tensor(vc0.copy())
     s, x = norm(Tensor(h), Tensor(delta), Tensor(norms[0]))
-    a = kernels.attention_op(H * D)(kernels.linear_op()(x, held["qkv"]), *attn_in, *caches, *step_in)
+    qkv = kernels.linear_op()(x, held["qkv"])
+    if bias:                                      # as LinearBase adds it
+        qkv = qkv + ops.broadcast_to(Tensor(b), qkv.shape)
+    a = kernels.attention_op(H * D)(qkv, *attn_in, *caches, *step_in)
     s, x = norm(s, kernels.linear_op()(a, held["o"]), Tensor(norms[1]))
     d = kernels.linear_op()(kernels.glu_linear_op()(x, held["gate_up"]), held["down"])
     np.testing.assert_array_equal(out_h, s.asnumpy())
     np.testing.assert_array_equal(out_d, d.asnumpy())
     for fused, alone in zip(fused_caches, caches):
         np.testing.assert_array_equal(fused.asnumpy(), alone.asnumpy())
-    assert not out_h[-1].any() and not out_d[-1].any()
+    assert not out_h[-1].any() and not out_d[-1].any()   # (a bias's qkv row attends to nothing)
     if way == "bfloat16 pairs":              # x rounded to bfloat16 in each matmul: the seven kernels' only
         return
 
     f64 = np.float64
     s1 = h.astype(f64) + delta
     x1 = _rms(s1, norms[0], eps)
-    q, k, v = _rotated(x1 @ w["qkv"].T, qn, kn, qk_norm, eps, cos, sin, H, KV, D)
+    q, k, v = _rotated(x1 @ w["qkv"].T + b, qn, kn, qk_norm, eps, cos, sin, H, KV, D)
     K, V = kc0.astype(f64).reshape(-1, KV, D), vc0.astype(f64).reshape(-1, KV, D)
     K[slots[:-1]], V[slots[:-1]] = k[:-1], v[:-1]
     att = _attended(q, K, V, tables, rows, lens, bs).reshape(N, H * D)

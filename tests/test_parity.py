@@ -96,13 +96,14 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
                                   panels.runner.model.weights()["lm_head.weight"])
 
 
-@pytest.mark.parametrize("name,fused", [("llama_gqa_tied", 2), ("qwen3_qknorm_odd_head_dim", 2),
+@pytest.mark.parametrize("name,fused", [("llama_gqa_tied", 2), ("qwen3_qknorm_odd_head_dim", 2), ("qwen2_qkv_bias", 2),
                                         ("qwen3_moe_top2_dense_layer", 1), ("llama_mha_bias", 0)])
 def test_dense_layers_run_as_one_kernel_call_and_give_their_operators_logits_bit_for_bit(name, fused, checkpoint,
                                                                                          monkeypatch):
-    """On the CPU kernels each dense layer without biases runs as one DecoderLayer call
-    (LayerBase.fuse): both layers of a Llama and of a Qwen3 with qk norm and a head size of 24,
-    the dense layer of a mixture of experts and not its sparse one, no layer with biases. With
+    """On the CPU kernels each dense layer without biases (but a qkv one) runs as one DecoderLayer call
+    (LayerBase.fuse): both layers of a Llama, of a Qwen3 with qk norm and a head size of 24 and of
+    a Qwen2 (a qkv bias), the dense layer of a mixture of experts and not its sparse one, no
+    layer of a Llama with biases in its o and MLP projections. With
     MSINFER_FUSED_LAYERS=0 every layer runs its operators one by one, and the tokens and every
     step's logits are the same to the bit (the parity test above holds the fused ones to
     transformers)."""

@@ -325,16 +325,17 @@ class LayerBase(nn.Cell):
         """Runs the layer as one call of the device's decoder_layer_op (the CPU kernels'
         DecoderLayer) where it computes what the layer's operators do: a dense MLP with its
         activation in the gate/up projection, the device's attention from the qkv projection, and
-        linear layers without a bias, a collective, an input quantizer or an int8 matmul of their
-        own (tp 1; float, bfloat16 or int8 panels, bfloat16 pairs or tiles). Called once the
-        weights are packed, before the first step compiles."""
+        linear layers without a collective, an input quantizer or an int8 matmul of their own (tp
+        1; float, bfloat16 or int8 panels, bfloat16 pairs or tiles), and without a bias but the
+        qkv projection's (Qwen2's). Called once the weights are packed, before the first step
+        compiles."""
         attn, mlp = self.self_attn, self.mlp
         if dev.decoder_layer_op is None or not isinstance(attn, Attention) or not isinstance(mlp, MLP):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not (dev.fused_attention and mlp.gate_up_proj.glu and attn.o_proj.all_reduce is None
-                and mlp.down_proj.all_reduce is None
-                and all(x.bias is None and x.input_quant is None and x.int8_matmul is None for x in linears)):
+                and mlp.down_proj.all_reduce is None and all(x.bias is None for x in linears[1:])
+                and all(x.input_quant is None and x.int8_matmul is None for x in linears)):
             return False
         self.fused = dev.decoder_layer_op()
         return self.fused is not None
@@ -350,7 +351,8 @@ class LayerBase(nn.Cell):
                               attn.qkv_proj.weight, *attn.qk_norm, attn.norm_meta, *rope_q, attn.k_cache,
                               attn.v_cache, slot_mapping, block_tables, token_seq, token_len, attn.attn_meta,
                               attn.o_proj.weight, self.post_attention_layernorm.weight,
-                              self.post_attention_layernorm.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                              self.post_attention_layernorm.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                              *(() if attn.qkv_proj.bias is None else (attn.qkv_proj.bias,)))
         h, x = self.input_layernorm(h, delta)
         h, x = self.post_attention_layernorm(h, self.self_attn(x, rope_q, rope_k, ctx, prefill))
         return h, self.mlp(x)

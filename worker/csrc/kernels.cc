@@ -137,12 +137,16 @@ extern "C" int paged_attention_entry(int nparam, void** params, int* ndims, int6
 //   o_w                      o_proj's weight
 //   post_norm [E], post_eps [1]   post_attention_layernorm's
 //   gate_up_w                the MLP's gate/up weight as LinearGlu takes it; down_w: down_proj's
+//   qkv_b [Q]                (optional: Qwen2's) qkv_proj's bias, added to the projection's rows
+//                            as the network's Add does (in the layer's dtype)
 // Outputs: h + delta + the attention's output (the residual stream after the attention) and the
 // MLP's output [N, E], as LayerBase.construct returns them.
 extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
-  if (nparam != 24) return 1;
-  for (int i : {0, 1, 22, 23})
+  if (nparam != 24 && nparam != 25) return 1;
+  const bool bias = nparam == 25;
+  const int out_h = nparam - 2, out_d = nparam - 1;
+  for (int i : {0, 1, out_h, out_d})
     if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] || std::strcmp(dtypes[i], dtypes[0]))
       return 1;
   if (ndims[4] != 2 || ndims[17] != 2 || ndims[20] != 2 || ndims[21] != 2 || ndims[10] != 2 || shapes[16][0] != 2)
@@ -150,6 +154,7 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   const int64_t N = shapes[0][0], E = shapes[0][1], Q = shapes[4][0], D = shapes[10][1];
   const int64_t KV = static_cast<const int32_t*>(params[16])[1], A = Q - 2 * KV * D, I = shapes[20][0] / 2;
   if (A <= 0 || shapes[17][0] != E || shapes[21][0] != E) return 2;
+  if (bias && (ndims[22] != 1 || shapes[22][0] != Q || std::strcmp(dtypes[22], dtypes[0]))) return 2;
   const int64_t es = std::strcmp(dtypes[0], "float16") ? 4 : 2;
   thread_local std::vector<char> buf;             // x [N, E], qkv [N, Q], attention [N, A], o [N, E], glu [N, I]
   char* x = scratch(buf, static_cast<size_t>(N * (E + Q + A + E + I) * es));
@@ -171,11 +176,22 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
     for (const auto& [k, buffer] : at) p[k] = buffer.first, nd[k] = 2, sh[k] = buffer.second, dt[k] = d0;
     return entry(n, p, nd, sh, dt, nullptr, nullptr);
   };
-  void* h = params[22];
-  void* delta = params[23];
+  void* h = params[out_h];
+  void* delta = params[out_d];
   int rc = 0;
   rc = rc ? rc : call(AddRmsNorm, {0, 1, 2, 3, 0, 0}, {{4, {h, sE}}, {5, {x, sE}}});
   rc = rc ? rc : call(Linear, {0, 4, 0}, {{0, {x, sE}}, {2, {qkv, sQ}}});
+  if (rc == 0 && bias) {
+    with_dtype(d0, [&](auto tag) {
+      using T = decltype(tag);
+      T* y = reinterpret_cast<T*>(qkv);
+      const T* b = static_cast<const T*>(params[22]);
+      parallel_for(N, 16, [&](int64_t n) {
+#pragma omp simd
+        for (int64_t j = 0; j < Q; ++j) y[n * Q + j] = static_cast<T>(y[n * Q + j] + b[j]);
+      });
+    });
+  }
   rc = rc ? rc : call(paged_attention_entry, {0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0},
                       {{0, {qkv, sQ}}, {13, {att, sA}}});
   rc = rc ? rc : call(Linear, {0, 17, 0}, {{0, {att, sA}}, {2, {o, sE}}});

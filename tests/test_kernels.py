@@ -989,9 +989,10 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     """DecoderLayer (a dense layer in one launch, LayerBase.fuse) on a step of a 6-token prompt
     chunk after 3 cached positions, two decode tokens and a padding row: its two outputs and the
     K/V rows it writes are those of AddRmsNorm, Linear (qkv) and the bias's Add (Qwen2),
-    PagedAttention, Linear (o), AddRmsNorm, LinearGlu and Linear (down) called one by one, to the
-    bit, over float32 panels and bfloat16 pairs (x rounded in every matmul). Over float32 panels
-    both equal the layer in float64 numpy; the padding row stays zero."""
+    PagedAttention, Linear (o), AddRmsNorm, LinearGlu and Linear (down) called one by one, and of
+    its two halves (DecoderAttention, DecoderMlp: tp > 1), to the bit, over float32 panels and
+    bfloat16 pairs (x rounded in every matmul). Over float32 panels they equal the layer in
+    float64 numpy; the padding row stays zero."""
     rng = np.random.default_rng(7 + qk_norm + 2 * bias)
     E, H, KV, D, I, bs, eps = 64, 4, 2, 16, 96, 4, 1e-6
     rows = np.array([0] * 6 + [1, 2, 0], np.int32)
@@ -1026,6 +1027,16 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
         Tensor(h), Tensor(delta), Tensor(norms[0]), epsT, held["qkv"], *attn_in, *fused_caches, *step_in, held["o"],
         Tensor(norms[1]), epsT, held["gate_up"], held["down"], *((Tensor(b),) if bias else ()))
     out_h, out_d = out_h.asnumpy(), out_d.asnumpy()
+    # its two halves (tp > 1: an all-reduce of o and of the MLP's output after each)
+    first, then = kernels.decoder_layer_op(halves=True)
+    half_caches = Tensor(kc0.copy()), Tensor(vc0.copy())
+    h1, o = first(Tensor(h), Tensor(delta), Tensor(norms[0]), epsT, held["qkv"], *attn_in, *half_caches, *step_in,
+                  held["o"], *((Tensor(b),) if bias else ()))
+    h2, d2 = then(h1, o, Tensor(norms[1]), epsT, held["gate_up"], held["down"])
+    np.testing.assert_array_equal(h2.asnumpy(), out_h)
+    np.testing.assert_array_equal(d2.asnumpy(), out_d)
+    for half, fused in zip(half_caches, fused_caches):
+        np.testing.assert_array_equal(half.asnumpy(), fused.asnumpy())
 
     norm = kernels.add_rms_norm_op(eps)
     caches = Tensor(kc0.copy()), Tensor(vc0.copy())

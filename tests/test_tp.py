@@ -29,12 +29,14 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
     row-parallel o_proj/down_proj biases added once, after the all-reduce: tests/test_quant.py's
     tp 2 test, quantized; Qwen2's q/k/v biases at tp 2: test_moe); the bfloat16
     checkpoint's shards go to AMX tiles where the CPU has them. Decodes feed SAMPLED (async
-    scheduling): each rank must have sampled the token rank 0 returned."""
+    scheduling): each rank must have sampled the token rank 0 returned. Each layer runs as the
+    two kernel calls of its halves, around the o and down projections' all-reduces."""
     r = start(checkpoint(name), 2)
     try:
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
+        assert ray_get([w.__ray_call__.remote(fused_layers) for w in r.workers]) == [2, 2]
         if name.endswith("_bfloat16"):   # qkv, o, gate_up, down of 2 layers; the embedding = LM head
             for w in r.workers:
                 amx, (tiles,) = ray_get([w.__ray_call__.remote(grants_amx),
@@ -115,6 +117,10 @@ def count_dtypes(worker, *dtypes: str) -> tuple[int, ...]:
     import mindspore as ms
     params = list(worker.runner.model.get_parameters())
     return tuple(sum(p.dtype == getattr(ms, d) for p in params) for d in dtypes)
+
+
+def fused_layers(worker) -> int:
+    return worker.runner.fused_layers
 
 
 def grants_amx(worker) -> bool:

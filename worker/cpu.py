@@ -127,13 +127,17 @@ class CpuOps(MsOps):
     fused_layers = True
 
     @classmethod
-    def decoder_layer_op(cls):
+    def decoder_layer_op(cls, halves: bool = False):
         """(h, delta, the layer's norms, weights, attention inputs: kernels.cc DecoderLayer) ->
         (the residual stream after attention, the MLP's output): what the layer's seven operators
-        give, from one launch; None where MSINFER_FUSED_LAYERS=0."""
+        give, from one launch; with `halves`, the two ops of a layer whose all-reduces come
+        between them (DecoderAttention, DecoderMlp); None where MSINFER_FUSED_LAYERS=0."""
         if not cls.fused_layers:
             return None
-        return _custom("DecoderLayer", lambda h, *_: (h, h), lambda h, *_: (h, h))
+        two = (lambda h, *_: (h, h), lambda h, *_: (h, h))
+        if halves:
+            return _custom("DecoderAttention", *two), _custom("DecoderMlp", *two)
+        return _custom("DecoderLayer", *two)
 
     @staticmethod
     def linear_op():

@@ -319,40 +319,55 @@ class LayerBase(nn.Cell):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
-        self.fused = None                    # the device's one-call layer, once `fuse` finds it applies
+        # the device's one-call layer (`fuse`), or the two calls of its halves around its all-reduces
+        self.fused = self.attention_half = self.mlp_half = None
 
     def fuse(self, dev) -> bool:
         """Runs the layer as one call of the device's decoder_layer_op (the CPU kernels'
-        DecoderLayer) where it computes what the layer's operators do: a dense MLP with its
-        activation in the gate/up projection, the device's attention from the qkv projection, and
-        linear layers without a collective, an input quantizer or an int8 matmul of their own (tp
-        1; float, bfloat16 or int8 panels, bfloat16 pairs or tiles), and without a bias but the
+        DecoderLayer), or at tp > 1 as the two calls of its halves with the o and down
+        projections' all-reduces after each, where they compute what the layer's operators do: a
+        dense MLP with its activation in the gate/up projection, the device's attention from the
+        qkv projection, and linear layers without an input quantizer or an int8 matmul of their
+        own (float, bfloat16 or int8 panels, bfloat16 pairs or tiles) and without a bias but the
         qkv projection's (Qwen2's). Called once the weights are packed, before the first step
         compiles."""
         attn, mlp = self.self_attn, self.mlp
         if dev.decoder_layer_op is None or not isinstance(attn, Attention) or not isinstance(mlp, MLP):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not (dev.fused_attention and mlp.gate_up_proj.glu and attn.o_proj.all_reduce is None
-                and mlp.down_proj.all_reduce is None and all(x.bias is None for x in linears[1:])
+        halves = attn.o_proj.all_reduce is not None
+        if not (dev.fused_attention and mlp.gate_up_proj.glu and (mlp.down_proj.all_reduce is not None) == halves
+                and all(x.bias is None for x in linears[1:])
                 and all(x.input_quant is None and x.int8_matmul is None for x in linears)):
             return False
-        self.fused = dev.decoder_layer_op()
-        return self.fused is not None
+        op = dev.decoder_layer_op(halves)
+        if op is None:
+            return False
+        if halves:
+            self.attention_half, self.mlp_half = op
+        else:
+            self.fused = op
+        return True
 
     def construct(self, h, delta, rope_q, rope_k, ctx, prefill: bool):
         """(the residual stream before the layer before's output is added, that output) ->
         the same pair after this layer: each residual add goes with the norm after it
         (RMSNorm with a delta), one kernel where the device fuses them."""
-        if self.fused is not None:
+        if self.fused is not None or self.attention_half is not None:
             attn, mlp = self.self_attn, self.mlp
+            post = self.post_attention_layernorm
             slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
-            return self.fused(h, delta, self.input_layernorm.weight, self.input_layernorm.add_op.eps,
-                              attn.qkv_proj.weight, *attn.qk_norm, attn.norm_meta, *rope_q, attn.k_cache,
-                              attn.v_cache, slot_mapping, block_tables, token_seq, token_len, attn.attn_meta,
-                              attn.o_proj.weight, self.post_attention_layernorm.weight,
-                              self.post_attention_layernorm.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                              *(() if attn.qkv_proj.bias is None else (attn.qkv_proj.bias,)))
+            first = (h, delta, self.input_layernorm.weight, self.input_layernorm.add_op.eps, attn.qkv_proj.weight,
+                     *attn.qk_norm, attn.norm_meta, *rope_q, attn.k_cache, attn.v_cache, slot_mapping, block_tables,
+                     token_seq, token_len, attn.attn_meta, attn.o_proj.weight)
+            bias = () if attn.qkv_proj.bias is None else (attn.qkv_proj.bias,)
+            if self.fused is not None:
+                return self.fused(*first, post.weight, post.add_op.eps, mlp.gate_up_proj.weight,
+                                  mlp.down_proj.weight, *bias)
+            h, o = self.attention_half(*first, *bias)
+            h, d = self.mlp_half(h, attn.o_proj.all_reduce(o), post.weight, post.add_op.eps,
+                                  mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            return h, mlp.down_proj.all_reduce(d)
         h, x = self.input_layernorm(h, delta)
         h, x = self.post_attention_layernorm(h, self.self_attn(x, rope_q, rope_k, ctx, prefill))
         return h, self.mlp(x)

@@ -19,7 +19,8 @@
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
 //   DecoderLayer    a dense decoder layer of one rank in one call: AddRmsNorm, Linear (qkv),
 //                   PagedAttention, Linear (o), AddRmsNorm, LinearGlu, Linear (down), as the
-//                   network calls them one by one (see the entry point)
+//                   network calls them one by one (see the entry point); DecoderAttention and
+//                   DecoderMlp, its halves, where an all-reduce comes between them (tp > 1)
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it;
 //                   weights float, bfloat16 (tiles, or pairs computing in bfloat16), int8 per
 //                   channel or int4 per group (W4A16)
@@ -125,10 +126,108 @@ extern "C" int LinearGlu(int nparam, void** params, int* ndims, int64_t** shapes
 extern "C" int paged_attention_entry(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                      void* stream, void* extra) __asm__("PagedAttention");
 
-// A dense decoder layer without biases on one rank (worker/model.py LayerBase.fuse), in one call:
-// the seven kernels the network otherwise calls one operator at a time, called here in the same
-// order on the same values, so the outputs are theirs to the bit. On the CPU, MindSpore spends
-// about 5 us launching an operator: the 210 of a 30-layer model's layers, 1 ms of a decode step.
+namespace {
+
+// One entry point over params `from` of a fused call (their ndims, shapes, dtypes), with
+// buffers at the places `at` names ([rows, cols] of the layer's dtype `dt0`).
+struct Buffer {
+  int at;
+  void* data;
+  int64_t* shape;
+};
+template <typename Entry>
+int call_entry(Entry entry, void** params, int* ndims, int64_t** shapes, const char** dtypes, const char* dt0,
+               std::initializer_list<int> from, std::initializer_list<Buffer> at) {
+  void* p[16];
+  int nd[16];
+  int64_t* sh[16];
+  const char* dt[16];
+  int n = 0;
+  for (int i : from) {
+    p[n] = params[i], nd[n] = ndims[i], sh[n] = shapes[i], dt[n] = dtypes[i];
+    ++n;
+  }
+  for (const Buffer& b : at) p[b.at] = b.data, nd[b.at] = 2, sh[b.at] = b.shape, dt[b.at] = dt0;
+  return entry(n, p, nd, sh, dt, nullptr, nullptr);
+}
+
+// A decoder layer's first half, params as DecoderLayer's 0-17 (and its qkv bias at `bias`, or
+// -1): h + delta into `h_out`, its norm, qkv (+ bias), attention, o into `o_out` [N, E]. 0, or
+// what the first failing entry point returned.
+int attention_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, int bias, void* h_out,
+                   void* o_out) {
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[4] != 2 || ndims[17] != 2 || ndims[10] != 2 || shapes[16][0] != 2 ||
+      shapes[1][0] != shapes[0][0] || shapes[1][1] != shapes[0][1] || std::strcmp(dtypes[1], dtypes[0]))
+    return 1;
+  const int64_t N = shapes[0][0], E = shapes[0][1], Q = shapes[4][0], D = shapes[10][1];
+  const int64_t KV = static_cast<const int32_t*>(params[16])[1], A = Q - 2 * KV * D;
+  if (A <= 0 || shapes[17][0] != E) return 2;
+  if (bias >= 0 && (ndims[bias] != 1 || shapes[bias][0] != Q || std::strcmp(dtypes[bias], dtypes[0]))) return 2;
+  const char* d0 = dtypes[0];
+  const int64_t es = std::strcmp(d0, "float16") ? 4 : 2;
+  thread_local std::vector<char> buf;             // x [N, E], qkv [N, Q], attention [N, A]
+  char* x = scratch(buf, static_cast<size_t>(N * (E + Q + A) * es));
+  char *qkv = x + N * E * es, *att = qkv + N * Q * es;
+  int64_t sE[2] = {N, E}, sQ[2] = {N, Q}, sA[2] = {N, A};
+  auto call = [&](auto entry, std::initializer_list<int> from, std::initializer_list<Buffer> at) {
+    return call_entry(entry, params, ndims, shapes, dtypes, d0, from, at);
+  };
+  int rc = call(AddRmsNorm, {0, 1, 2, 3, 0, 0}, {{4, h_out, sE}, {5, x, sE}});
+  rc = rc ? rc : call(Linear, {0, 4, 0}, {{0, x, sE}, {2, qkv, sQ}});
+  if (rc == 0 && bias >= 0) {
+    with_dtype(d0, [&](auto tag) {
+      using T = decltype(tag);
+      T* y = reinterpret_cast<T*>(qkv);
+      const T* b = static_cast<const T*>(params[bias]);
+      parallel_for(N, 16, [&](int64_t n) {
+#pragma omp simd
+        for (int64_t j = 0; j < Q; ++j) y[n * Q + j] = static_cast<T>(y[n * Q + j] + b[j]);
+      });
+    });
+  }
+  rc = rc ? rc : call(paged_attention_entry, {0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0},
+                      {{0, qkv, sQ}, {13, att, sA}});
+  return rc ? rc : call(Linear, {0, 17, 0}, {{0, att, sA}, {2, o_out, sE}});
+}
+
+// Its second half: params 0 h [N, E] (the residual stream after the attention's input, h_out
+// above), 1 o [N, E] (the attention's output, all-reduced), 2 post_norm, 3 post_eps, 4
+// gate_up_w, 5 down_w: h + o into `h_out` (h_out may be h), its norm, the gate/up projection with
+// its activation, down into `d_out`.
+int mlp_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, void* h_out, void* d_out) {
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[4] != 2 || ndims[5] != 2 || shapes[1][0] != shapes[0][0] ||
+      shapes[1][1] != shapes[0][1] || std::strcmp(dtypes[1], dtypes[0]))
+    return 1;
+  const int64_t N = shapes[0][0], E = shapes[0][1], I = shapes[4][0] / 2;
+  if (shapes[5][0] != E) return 2;
+  const char* d0 = dtypes[0];
+  const int64_t es = std::strcmp(d0, "float16") ? 4 : 2;
+  thread_local std::vector<char> buf;             // x [N, E], glu [N, I]
+  char* x = scratch(buf, static_cast<size_t>(N * (E + I) * es));
+  char* g = x + N * E * es;
+  int64_t sE[2] = {N, E}, sI[2] = {N, I};
+  auto call = [&](auto entry, std::initializer_list<int> from, std::initializer_list<Buffer> at) {
+    return call_entry(entry, params, ndims, shapes, dtypes, d0, from, at);
+  };
+  int rc = call(AddRmsNorm, {0, 1, 2, 3, 0, 0}, {{4, h_out, sE}, {5, x, sE}});
+  rc = rc ? rc : call(LinearGlu, {0, 4, 0}, {{0, x, sE}, {2, g, sI}});
+  return rc ? rc : call(Linear, {0, 5, 0}, {{0, g, sI}, {2, d_out, sE}});
+}
+
+// The outputs' check: params a and b [N, E] of params[0]'s shape and dtype.
+bool rows_like_x(int* ndims, int64_t** shapes, const char** dtypes, int a, int b) {
+  for (int i : {a, b})
+    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] || std::strcmp(dtypes[i], dtypes[0]))
+      return false;
+  return true;
+}
+
+}  // namespace
+
+// A dense decoder layer of one rank in one call (worker/model.py LayerBase.fuse): the seven
+// kernels the network otherwise calls one operator at a time, called here in the same order on
+// the same values, so the outputs are theirs to the bit. On the CPU, MindSpore spends about 5 us
+// launching an operator: the 210 of a 30-layer model's layers, 1 ms of a decode step.
 //   h, delta [N, E]          the residual stream and the layer before's output (LayerBase.construct)
 //   in_norm [E], in_eps [1]  input_layernorm's weight and eps (float32)
 //   qkv_w                    qkv_proj's weight, as Linear takes it (3 params: any of its packings)
@@ -143,62 +242,37 @@ extern "C" int paged_attention_entry(int nparam, void** params, int* ndims, int6
 // MLP's output [N, E], as LayerBase.construct returns them.
 extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
-  if (nparam != 24 && nparam != 25) return 1;
-  const bool bias = nparam == 25;
-  const int out_h = nparam - 2, out_d = nparam - 1;
-  for (int i : {0, 1, out_h, out_d})
-    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] || std::strcmp(dtypes[i], dtypes[0]))
-      return 1;
-  if (ndims[4] != 2 || ndims[17] != 2 || ndims[20] != 2 || ndims[21] != 2 || ndims[10] != 2 || shapes[16][0] != 2)
-    return 1;
-  const int64_t N = shapes[0][0], E = shapes[0][1], Q = shapes[4][0], D = shapes[10][1];
-  const int64_t KV = static_cast<const int32_t*>(params[16])[1], A = Q - 2 * KV * D, I = shapes[20][0] / 2;
-  if (A <= 0 || shapes[17][0] != E || shapes[21][0] != E) return 2;
-  if (bias && (ndims[22] != 1 || shapes[22][0] != Q || std::strcmp(dtypes[22], dtypes[0]))) return 2;
+  if ((nparam != 24 && nparam != 25) || !rows_like_x(ndims, shapes, dtypes, nparam - 2, nparam - 1)) return 1;
+  void* h = params[nparam - 2];
+  thread_local std::vector<char> o;              // the attention's output [N, E]
   const int64_t es = std::strcmp(dtypes[0], "float16") ? 4 : 2;
-  thread_local std::vector<char> buf;             // x [N, E], qkv [N, Q], attention [N, A], o [N, E], glu [N, I]
-  char* x = scratch(buf, static_cast<size_t>(N * (E + Q + A + E + I) * es));
-  char *qkv = x + N * E * es, *att = qkv + N * Q * es, *o = att + N * A * es, *g = o + N * E * es;
-  const char* d0 = dtypes[0];
-  int64_t sE[2] = {N, E}, sQ[2] = {N, Q}, sA[2] = {N, A}, sI[2] = {N, I};
-  // one entry point over the layer's params `from` (their ndims, shapes, dtypes), with scratch
-  // buffers or outputs at the places `at` names (a buffer's shape, the layer's dtype)
-  auto call = [&](auto entry, std::initializer_list<int> from, std::initializer_list<std::pair<int, std::pair<void*, int64_t*>>> at) {
-    void* p[16];
-    int nd[16];
-    int64_t* sh[16];
-    const char* dt[16];
-    int n = 0;
-    for (int i : from) {
-      p[n] = params[i], nd[n] = ndims[i], sh[n] = shapes[i], dt[n] = dtypes[i];
-      ++n;
-    }
-    for (const auto& [k, buffer] : at) p[k] = buffer.first, nd[k] = 2, sh[k] = buffer.second, dt[k] = d0;
-    return entry(n, p, nd, sh, dt, nullptr, nullptr);
-  };
-  void* h = params[out_h];
-  void* delta = params[out_d];
-  int rc = 0;
-  rc = rc ? rc : call(AddRmsNorm, {0, 1, 2, 3, 0, 0}, {{4, {h, sE}}, {5, {x, sE}}});
-  rc = rc ? rc : call(Linear, {0, 4, 0}, {{0, {x, sE}}, {2, {qkv, sQ}}});
-  if (rc == 0 && bias) {
-    with_dtype(d0, [&](auto tag) {
-      using T = decltype(tag);
-      T* y = reinterpret_cast<T*>(qkv);
-      const T* b = static_cast<const T*>(params[22]);
-      parallel_for(N, 16, [&](int64_t n) {
-#pragma omp simd
-        for (int64_t j = 0; j < Q; ++j) y[n * Q + j] = static_cast<T>(y[n * Q + j] + b[j]);
-      });
-    });
-  }
-  rc = rc ? rc : call(paged_attention_entry, {0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0},
-                      {{0, {qkv, sQ}}, {13, {att, sA}}});
-  rc = rc ? rc : call(Linear, {0, 17, 0}, {{0, {att, sA}}, {2, {o, sE}}});
-  rc = rc ? rc : call(AddRmsNorm, {0, 0, 18, 19, 0, 0}, {{0, {h, sE}}, {1, {o, sE}}, {4, {h, sE}}, {5, {x, sE}}});
-  rc = rc ? rc : call(LinearGlu, {0, 20, 0}, {{0, {x, sE}}, {2, {g, sI}}});
-  rc = rc ? rc : call(Linear, {0, 21, 0}, {{0, {g, sI}}, {2, {delta, sE}}});
-  return rc;
+  int rc = attention_half(params, ndims, shapes, dtypes, nparam == 25 ? 22 : -1, h,
+                          scratch(o, static_cast<size_t>(shapes[0][0] * shapes[0][1] * es)));
+  if (rc) return rc;
+  void* p[6] = {h, o.data(), params[18], params[19], params[20], params[21]};
+  int nd[6] = {2, 2, ndims[18], ndims[19], ndims[20], ndims[21]};
+  int64_t* sh[6] = {shapes[0], shapes[0], shapes[18], shapes[19], shapes[20], shapes[21]};
+  const char* dt[6] = {dtypes[0], dtypes[0], dtypes[18], dtypes[19], dtypes[20], dtypes[21]};
+  return mlp_half(p, nd, sh, dt, h, params[nparam - 1]);
+}
+
+// The two halves of DecoderLayer, for a layer whose o and down projections' partial sums are
+// all-reduced between them (tp above 1): DecoderAttention takes DecoderLayer's inputs up to
+// o_w (and the qkv bias after them) and gives (h + delta, the attention's output before its
+// all-reduce); DecoderMlp takes (that h, the reduced output, post_norm, post_eps, gate_up_w,
+// down_w) and gives (the residual stream after the attention, the MLP's output before its
+// all-reduce).
+extern "C" int DecoderAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                                void* stream, void* extra) {
+  if ((nparam != 20 && nparam != 21) || !rows_like_x(ndims, shapes, dtypes, nparam - 2, nparam - 1)) return 1;
+  return attention_half(params, ndims, shapes, dtypes, nparam == 21 ? 18 : -1, params[nparam - 2],
+                        params[nparam - 1]);
+}
+
+extern "C" int DecoderMlp(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                          void* stream, void* extra) {
+  if (nparam != 8 || !rows_like_x(ndims, shapes, dtypes, 6, 7)) return 1;
+  return mlp_half(params, ndims, shapes, dtypes, params[6], params[7]);
 }
 
 // x [..., H], w [H], eps [1] float32 -> [..., H]

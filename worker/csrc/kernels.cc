@@ -128,13 +128,15 @@ extern "C" int paged_attention_entry(int nparam, void** params, int* ndims, int6
 
 namespace {
 
-// One entry point over params `from` of a fused call (their ndims, shapes, dtypes), with
-// buffers at the places `at` names ([rows, cols] of the layer's dtype `dt0`).
+// A [rows, cols] buffer of the layer's dtype at place `at` of an entry point's params.
 struct Buffer {
   int at;
   void* data;
   int64_t* shape;
 };
+
+// One entry point over params `from` of a fused call (their ndims, shapes, dtypes), with
+// buffers at the places `at` names (of dtype `dt0`).
 template <typename Entry>
 int call_entry(Entry entry, void** params, int* ndims, int64_t** shapes, const char** dtypes, const char* dt0,
                std::initializer_list<int> from, std::initializer_list<Buffer> at) {
@@ -165,9 +167,11 @@ int attention_half(void** params, int* ndims, int64_t** shapes, const char** dty
   if (bias >= 0 && (ndims[bias] != 1 || shapes[bias][0] != Q || std::strcmp(dtypes[bias], dtypes[0]))) return 2;
   const char* d0 = dtypes[0];
   const int64_t es = std::strcmp(d0, "float16") ? 4 : 2;
-  thread_local std::vector<char> buf;             // x [N, E], qkv [N, Q], attention [N, A]
-  char* x = scratch(buf, static_cast<size_t>(N * (E + Q + A) * es));
-  char *qkv = x + N * E * es, *att = qkv + N * Q * es;
+  // x [N, E], then the attention's output [N, A] in its place (the qkv projection has read x); qkv [N, Q]
+  thread_local std::vector<char> buf;
+  const int64_t first = std::max(E, A);
+  char* x = scratch(buf, static_cast<size_t>(N * (first + Q) * es));
+  char *qkv = x + N * first * es, *att = x;
   int64_t sE[2] = {N, E}, sQ[2] = {N, Q}, sA[2] = {N, A};
   auto call = [&](auto entry, std::initializer_list<int> from, std::initializer_list<Buffer> at) {
     return call_entry(entry, params, ndims, shapes, dtypes, d0, from, at);

@@ -206,6 +206,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert summary["spec"]["sampling"]["max_new_tokens"] == 40
     assert summary["records_skipped"] == len(done_before)
     assert [s["allocator"] for s in summary["setup"]] == ["libjemalloc.so"]
+    assert [s["fused_layers"] for s in summary["setup"]] == [2]     # both layers: one kernel call each
     assert [s.get("environment_set") for s in summary["setup"]] == [CPU_ENVIRONMENT]
     steps = summary["steps"]          # the controller's, the worker's and the network's share of each step
     for kind in ("prefill", "decode"):

@@ -172,8 +172,8 @@ class Worker:
         return {**card, "rank": self.tp.rank, "comm_init_s": self.comm_s, "load_s": self.runner.load_s,
                 "setup_s": self.comm_s + time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "allocator": allocator(), "num_blocks": self.runner.num_blocks,
-                "dtype": self.runner.dtype, **({"kernel_check": self.runner.kernel_check}
-                                               if self.runner.kernel_check is not None else {})}
+                "dtype": self.runner.dtype, "fused_layers": self.runner.fused_layers,
+                **({"kernel_check": self.runner.kernel_check} if self.runner.kernel_check is not None else {})}
 
     def step(self, seqs: bytes, is_prefill: bool, index: int = -1, *inputs: StepOutput) -> StepOutput | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With

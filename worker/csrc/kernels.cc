@@ -221,7 +221,8 @@ int mlp_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, v
 // The outputs' check: params a and b [N, E] of params[0]'s shape and dtype.
 bool rows_like_x(int* ndims, int64_t** shapes, const char** dtypes, int a, int b) {
   for (int i : {a, b})
-    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] || std::strcmp(dtypes[i], dtypes[0]))
+    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] ||
+        std::strcmp(dtypes[i], dtypes[0]))
       return false;
   return true;
 }

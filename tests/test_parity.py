@@ -97,16 +97,18 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
 
 
 @pytest.mark.parametrize("name,fused", [("llama_gqa_tied", 2), ("qwen3_qknorm_odd_head_dim", 2), ("qwen2_qkv_bias", 2),
-                                        ("qwen3_moe_top2_dense_layer", 1), ("llama_mha_bias", 0)])
-def test_dense_layers_run_as_one_kernel_call_and_give_their_operators_logits_bit_for_bit(name, fused, checkpoint,
-                                                                                         monkeypatch):
-    """On the CPU kernels each dense layer without biases (but a qkv one) runs as one DecoderLayer call
-    (LayerBase.fuse): both layers of a Llama, of a Qwen3 with qk norm and a head size of 24 and of
-    a Qwen2 (a qkv bias), the dense layer of a mixture of experts and not its sparse one, no
-    layer of a Llama with biases in its o and MLP projections. With
-    MSINFER_FUSED_LAYERS=0 every layer runs its operators one by one, and the tokens and every
-    step's logits are the same to the bit (the parity test above holds the fused ones to
-    transformers)."""
+                                        ("qwen3_moe_top2_dense_layer", 2), ("deepseek_v3_yarn_groups", 1),
+                                        ("llama_mha_bias", 0)])
+def test_layers_and_their_halves_run_as_kernel_calls_giving_their_operators_logits(name, fused, checkpoint,
+                                                                                   monkeypatch):
+    """On the CPU kernels a layer's attention and MLP halves run as one kernel call each where they
+    can (LayerBase.fuse), and a layer with both as one DecoderLayer call: both layers of a Llama,
+    of a Qwen3 with qk norm and a head size of 24 and of a Qwen2 (a qkv bias); the dense layer of
+    a mixture of experts whole and its sparse layer's attention; the MLP of DeepSeek-V3's dense
+    layer (latent attention keeps its operators, as do the experts); nothing of a Llama with
+    biases in its o and MLP projections. With MSINFER_FUSED_LAYERS=0 every layer runs its
+    operators one by one, and the tokens and every step's logits are the same to the bit (the
+    parity test above holds the fused ones to transformers)."""
     from msinfer.worker.cpu import CpuOps, load_kernels
     one = Recording(runner_for(checkpoint(name)))
     assert one.runner.fused_layers == fused

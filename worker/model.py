@@ -319,43 +319,47 @@ class LayerBase(nn.Cell):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
-        # the device's one-call layer (`fuse`), or the two calls of its halves around its all-reduces
+        # the device's one-call layer, or its halves' calls (`fuse`)
         self.fused = self.attention_half = self.mlp_half = None
 
     def fuse(self, dev) -> bool:
-        """Runs the layer as one call of the device's decoder_layer_op (the CPU kernels'
-        DecoderLayer), or at tp > 1 as the two calls of its halves with the o and down
-        projections' all-reduces after each, where they compute what the layer's operators do: a
-        dense MLP with its activation in the gate/up projection, the device's attention from the
-        qkv projection, and linear layers without an input quantizer or an int8 matmul of their
-        own (float, bfloat16 or int8 panels, bfloat16 pairs or tiles) and without a bias but the
-        qkv projection's (Qwen2's). Called once the weights are packed, before the first step
-        compiles."""
+        """Runs the layer's halves as calls of the device's decoder_layer_op (the CPU kernels'
+        DecoderAttention and DecoderMlp) where they compute what its operators do: the attention
+        half (its norm, the qkv projection with or without Qwen2's bias, the device's attention
+        from it, the o projection without a bias) and the MLP half (its norm, a dense MLP with its
+        activation in the gate/up projection, neither projection with a bias), their linear
+        layers without an input quantizer or an int8 matmul of their own (float, bfloat16 or int8
+        panels, bfloat16 pairs or tiles). With both halves and no all-reduce between them (tp 1),
+        the whole layer is one call (DecoderLayer). A mixture of experts' layer fuses its
+        attention half; latent attention's keeps its operators. Called once the weights are
+        packed, before the first step compiles; whether any part of the layer runs fused."""
         attn, mlp = self.self_attn, self.mlp
-        if dev.decoder_layer_op is None or not isinstance(attn, Attention) or not isinstance(mlp, MLP):
+        if dev.decoder_layer_op is None or not dev.fused_attention:
             return False
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        halves = attn.o_proj.all_reduce is not None
-        if not (dev.fused_attention and mlp.gate_up_proj.glu and (mlp.down_proj.all_reduce is not None) == halves
-                and all(x.bias is None for x in linears[1:])
-                and all(x.input_quant is None and x.int8_matmul is None for x in linears)):
+
+        def plain(x):
+            return x.input_quant is None and x.int8_matmul is None
+        attention = isinstance(attn, Attention) and attn.o_proj.bias is None and plain(attn.qkv_proj) \
+            and plain(attn.o_proj)
+        dense = isinstance(mlp, MLP) and mlp.gate_up_proj.glu and mlp.gate_up_proj.bias is None \
+            and mlp.down_proj.bias is None and plain(mlp.gate_up_proj) and plain(mlp.down_proj)
+        if attention and dense and attn.o_proj.all_reduce is None and mlp.down_proj.all_reduce is None:
+            self.fused = dev.decoder_layer_op()
+            return self.fused is not None
+        halves = dev.decoder_layer_op(True) if attention or dense else None
+        if halves is None:
             return False
-        op = dev.decoder_layer_op(halves)
-        if op is None:
-            return False
-        if halves:
-            self.attention_half, self.mlp_half = op
-        else:
-            self.fused = op
+        self.attention_half = halves[0] if attention else None
+        self.mlp_half = halves[1] if dense else None
         return True
 
     def construct(self, h, delta, rope_q, rope_k, ctx, prefill: bool):
         """(the residual stream before the layer before's output is added, that output) ->
         the same pair after this layer: each residual add goes with the norm after it
-        (RMSNorm with a delta), one kernel where the device fuses them."""
+        (RMSNorm with a delta), one kernel where the device fuses them; the layer or its halves
+        in one call each where `fuse` found they can be."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
         if self.fused is not None or self.attention_half is not None:
-            attn, mlp = self.self_attn, self.mlp
-            post = self.post_attention_layernorm
             slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
             first = (h, delta, self.input_layernorm.weight, self.input_layernorm.add_op.eps, attn.qkv_proj.weight,
                      *attn.qk_norm, attn.norm_meta, *rope_q, attn.k_cache, attn.v_cache, slot_mapping, block_tables,
@@ -365,11 +369,15 @@ class LayerBase(nn.Cell):
                 return self.fused(*first, post.weight, post.add_op.eps, mlp.gate_up_proj.weight,
                                   mlp.down_proj.weight, *bias)
             h, o = self.attention_half(*first, *bias)
-            h, d = self.mlp_half(h, attn.o_proj.all_reduce(o), post.weight, post.add_op.eps,
-                                  mlp.gate_up_proj.weight, mlp.down_proj.weight)
-            return h, mlp.down_proj.all_reduce(d)
-        h, x = self.input_layernorm(h, delta)
-        h, x = self.post_attention_layernorm(h, self.self_attn(x, rope_q, rope_k, ctx, prefill))
+            if attn.o_proj.all_reduce is not None:
+                o = attn.o_proj.all_reduce(o)
+        else:
+            h, x = self.input_layernorm(h, delta)
+            o = self.self_attn(x, rope_q, rope_k, ctx, prefill)
+        if self.mlp_half is not None:
+            h, d = self.mlp_half(h, o, post.weight, post.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            return h, d if mlp.down_proj.all_reduce is None else mlp.down_proj.all_reduce(d)
+        h, x = post(h, o)
         return h, self.mlp(x)
 
 

@@ -20,7 +20,8 @@
 //   DecoderLayer    a dense decoder layer of one rank in one call: AddRmsNorm, Linear (qkv),
 //                   PagedAttention, Linear (o), AddRmsNorm, LinearGlu, Linear (down), as the
 //                   network calls them one by one (see the entry point); DecoderAttention and
-//                   DecoderMlp, its halves, where an all-reduce comes between them (tp > 1)
+//                   DecoderMlp, its halves, where an all-reduce comes between them (tp > 1) or
+//                   the other half keeps its operators
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it;
 //                   weights float, bfloat16 (tiles, or pairs computing in bfloat16), int8 per
 //                   channel or int4 per group (W4A16)
@@ -262,11 +263,11 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 }
 
 // The two halves of DecoderLayer, for a layer whose o and down projections' partial sums are
-// all-reduced between them (tp above 1): DecoderAttention takes DecoderLayer's inputs up to
-// o_w (and the qkv bias after them) and gives (h + delta, the attention's output before its
-// all-reduce); DecoderMlp takes (that h, the reduced output, post_norm, post_eps, gate_up_w,
-// down_w) and gives (the residual stream after the attention, the MLP's output before its
-// all-reduce).
+// all-reduced between them (tp above 1), or whose other half keeps its operators (experts,
+// latent attention): DecoderAttention takes DecoderLayer's inputs up to o_w (and the qkv bias
+// after them) and gives (h + delta, the attention's output before any all-reduce); DecoderMlp
+// takes (that h, the attention's output, reduced, post_norm, post_eps, gate_up_w, down_w) and
+// gives (the residual stream after the attention, the MLP's output before any all-reduce).
 extern "C" int DecoderAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
   if ((nparam != 20 && nparam != 21) || !rows_like_x(ndims, shapes, dtypes, nparam - 2, nparam - 1)) return 1;

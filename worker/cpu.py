@@ -122,16 +122,17 @@ class CpuOps(MsOps):
         cache write and attention in one kernel (kernels.cc), straight from the qkv projection."""
         return _custom("PagedAttention", lambda qkv, *_: [qkv[0], q_size])
 
-    # Whether dense layers run as one DecoderLayer call (LayerBase.fuse): set by load_kernels;
-    # MSINFER_FUSED_LAYERS=0 turns it off (each layer's seven kernels then launch one by one).
+    # Whether a layer or its halves run as one kernel call each (LayerBase.fuse): set by
+    # load_kernels; MSINFER_FUSED_LAYERS=0 turns it off (each layer's kernels then launch one by one).
     fused_layers = True
 
     @classmethod
     def decoder_layer_op(cls, halves: bool = False):
         """(h, delta, the layer's norms, weights, attention inputs: kernels.cc DecoderLayer) ->
         (the residual stream after attention, the MLP's output): what the layer's seven operators
-        give, from one launch; with `halves`, the two ops of a layer whose all-reduces come
-        between them (DecoderAttention, DecoderMlp); None where MSINFER_FUSED_LAYERS=0."""
+        give, from one launch; with `halves`, the ops of its two halves (DecoderAttention,
+        DecoderMlp), for a layer whose all-reduces come between them or whose other half keeps
+        its operators; None where MSINFER_FUSED_LAYERS=0."""
         if not cls.fused_layers:
             return None
         two = (lambda h, *_: (h, h), lambda h, *_: (h, h))

@@ -218,8 +218,8 @@ class MsOps:
     dynamic_shapes = True     # one graph per step kind (worker/runner.py); False: power-of-two buckets
     paged_mask = False        # whether paged steps take an additive causal mask input (AscendOps)
     fused_attention = False   # True: the attention op takes the qkv projection whole (CpuOps)
-    # (halves) -> an op that runs a dense decoder layer in one call, or the two ops of its halves
-    # around its all-reduces (CpuOps: LayerBase.fuse); or None
+    # (halves) -> an op that runs a dense decoder layer in one call, or the ops of its attention
+    # and MLP halves (CpuOps: LayerBase.fuse); or None
     decoder_layer_op = None
     jit_options: dict = {}    # options of mindspore.jit for the step graphs
     phases: dict | None = None   # step kind -> the network's `phase` while it runs (AscendOps)

@@ -341,6 +341,13 @@ void with_dtype(const char* dtype, F&& f) {
   }
 }
 
+// The bytes of one element of the type with_dtype gives for `dtype`.
+inline int64_t dtype_bytes(const char* dtype) {
+  int64_t n = 0;
+  with_dtype(dtype, [&](auto tag) { n = sizeof(tag); });
+  return n;
+}
+
 // f(std::integral_constant<int, n>{}) for a run-time n in [1, Max]: a count of rows, heads or
 // vectors becomes the compile-time size of a kernel's register block.
 template <int Max, typename F>

@@ -154,20 +154,29 @@ int call_entry(Entry entry, void** params, int* ndims, int64_t** shapes, const c
   return entry(n, p, nd, sh, dt, nullptr, nullptr);
 }
 
+// Whether params `which` are [N, E] of params[0]'s shape and dtype (0 among them: 2-D).
+bool rows_like_x(int* ndims, int64_t** shapes, const char** dtypes, std::initializer_list<int> which) {
+  for (int i : which)
+    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] ||
+        std::strcmp(dtypes[i], dtypes[0]))
+      return false;
+  return true;
+}
+
 // A decoder layer's first half, params as DecoderLayer's 0-17 (and its qkv bias at `bias`, or
 // -1): h + delta into `h_out`, its norm, qkv (+ bias), attention, o into `o_out` [N, E]. 0, or
 // what the first failing entry point returned.
 int attention_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, int bias, void* h_out,
                    void* o_out) {
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[4] != 2 || ndims[17] != 2 || ndims[10] != 2 || shapes[16][0] != 2 ||
-      shapes[1][0] != shapes[0][0] || shapes[1][1] != shapes[0][1] || std::strcmp(dtypes[1], dtypes[0]))
+  if (!rows_like_x(ndims, shapes, dtypes, {0, 1}) || ndims[4] != 2 || ndims[17] != 2 || ndims[10] != 2 ||
+      shapes[16][0] != 2)
     return 1;
   const int64_t N = shapes[0][0], E = shapes[0][1], Q = shapes[4][0], D = shapes[10][1];
   const int64_t KV = static_cast<const int32_t*>(params[16])[1], A = Q - 2 * KV * D;
   if (A <= 0 || shapes[17][0] != E) return 2;
   if (bias >= 0 && (ndims[bias] != 1 || shapes[bias][0] != Q || std::strcmp(dtypes[bias], dtypes[0]))) return 2;
   const char* d0 = dtypes[0];
-  const int64_t es = std::strcmp(d0, "float16") ? 4 : 2;
+  const int64_t es = dtype_bytes(d0);
   // x [N, E], then the attention's output [N, A] in its place (the qkv projection has read x); qkv [N, Q]
   thread_local std::vector<char> buf;
   const int64_t first = std::max(E, A);
@@ -200,13 +209,11 @@ int attention_half(void** params, int* ndims, int64_t** shapes, const char** dty
 // gate_up_w, 5 down_w: h + o into `h_out` (h_out may be h), its norm, the gate/up projection with
 // its activation, down into `d_out`.
 int mlp_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, void* h_out, void* d_out) {
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[4] != 2 || ndims[5] != 2 || shapes[1][0] != shapes[0][0] ||
-      shapes[1][1] != shapes[0][1] || std::strcmp(dtypes[1], dtypes[0]))
-    return 1;
+  if (!rows_like_x(ndims, shapes, dtypes, {0, 1}) || ndims[4] != 2 || ndims[5] != 2) return 1;
   const int64_t N = shapes[0][0], E = shapes[0][1], I = shapes[4][0] / 2;
   if (shapes[5][0] != E) return 2;
   const char* d0 = dtypes[0];
-  const int64_t es = std::strcmp(d0, "float16") ? 4 : 2;
+  const int64_t es = dtype_bytes(d0);
   thread_local std::vector<char> buf;             // x [N, E], glu [N, I]
   char* x = scratch(buf, static_cast<size_t>(N * (E + I) * es));
   char* g = x + N * E * es;
@@ -217,15 +224,6 @@ int mlp_half(void** params, int* ndims, int64_t** shapes, const char** dtypes, v
   int rc = call(AddRmsNorm, {0, 1, 2, 3, 0, 0}, {{4, h_out, sE}, {5, x, sE}});
   rc = rc ? rc : call(LinearGlu, {0, 4, 0}, {{0, x, sE}, {2, g, sI}});
   return rc ? rc : call(Linear, {0, 5, 0}, {{0, g, sI}, {2, d_out, sE}});
-}
-
-// The outputs' check: params a and b [N, E] of params[0]'s shape and dtype.
-bool rows_like_x(int* ndims, int64_t** shapes, const char** dtypes, int a, int b) {
-  for (int i : {a, b})
-    if (ndims[i] != 2 || shapes[i][0] != shapes[0][0] || shapes[i][1] != shapes[0][1] ||
-        std::strcmp(dtypes[i], dtypes[0]))
-      return false;
-  return true;
 }
 
 }  // namespace
@@ -248,10 +246,10 @@ bool rows_like_x(int* ndims, int64_t** shapes, const char** dtypes, int a, int b
 // MLP's output [N, E], as LayerBase.construct returns them.
 extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
-  if ((nparam != 24 && nparam != 25) || !rows_like_x(ndims, shapes, dtypes, nparam - 2, nparam - 1)) return 1;
+  if ((nparam != 24 && nparam != 25) || !rows_like_x(ndims, shapes, dtypes, {nparam - 2, nparam - 1})) return 1;
   void* h = params[nparam - 2];
   thread_local std::vector<char> o;              // the attention's output [N, E]
-  const int64_t es = std::strcmp(dtypes[0], "float16") ? 4 : 2;
+  const int64_t es = dtype_bytes(dtypes[0]);
   int rc = attention_half(params, ndims, shapes, dtypes, nparam == 25 ? 22 : -1, h,
                           scratch(o, static_cast<size_t>(shapes[0][0] * shapes[0][1] * es)));
   if (rc) return rc;
@@ -270,14 +268,14 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 // gives (the residual stream after the attention, the MLP's output before any all-reduce).
 extern "C" int DecoderAttention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
-  if ((nparam != 20 && nparam != 21) || !rows_like_x(ndims, shapes, dtypes, nparam - 2, nparam - 1)) return 1;
+  if ((nparam != 20 && nparam != 21) || !rows_like_x(ndims, shapes, dtypes, {nparam - 2, nparam - 1})) return 1;
   return attention_half(params, ndims, shapes, dtypes, nparam == 21 ? 18 : -1, params[nparam - 2],
                         params[nparam - 1]);
 }
 
 extern "C" int DecoderMlp(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                           void* stream, void* extra) {
-  if (nparam != 8 || !rows_like_x(ndims, shapes, dtypes, 6, 7)) return 1;
+  if (nparam != 8 || !rows_like_x(ndims, shapes, dtypes, {6, 7})) return 1;
   return mlp_half(params, ndims, shapes, dtypes, params[6], params[7]);
 }
 

@@ -119,6 +119,21 @@ def new_param(shape, dtype, name: str) -> Parameter:
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
 
 
+# How a tensor-parallel group sums a tensor over its ranks and gathers every rank's, factories of
+# the operators: MindSpore's AllReduce and AllGather (HCCL on cards, MCCL on the CPU), or the CPU
+# kernels' NodeAllReduce and NodeAllGather once the worker's ranks have joined a node group
+# (worker.device.join_node_group). Set before the networks are built.
+ALL_REDUCE, ALL_GATHER = ops.AllReduce, ops.AllGather
+
+
+def all_reduce():
+    return ALL_REDUCE()
+
+
+def all_gather():
+    return ALL_GATHER()
+
+
 class PerTokenInt8(nn.Cell):
     """A W8A8 layer's input as compressed-tensors quantizes it (sharding.quant): each token's row
     to int8 levels of max|x| / 127.5, rounded half to even, and back, in float32. group_max > 1:
@@ -297,7 +312,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_size, out_size, bias, tp, dtype, linear=None, reduce: bool = True):
         super().__init__(in_size // tp.size, out_size, bias, tp, dtype, linear)
         assert reduce or not bias, "a bias is added after the reduce"
-        self.all_reduce = ops.AllReduce() if tp.size > 1 and reduce else None
+        self.all_reduce = all_reduce() if tp.size > 1 and reduce else None
 
     def construct(self, x):
         y = self.product(x)
@@ -459,7 +474,7 @@ class VocabParallelEmbedding(nn.Cell):
         self.vocab_size = vocab_size
         self.start, self.stop, per = vocab_shard(vocab_size, tp)
         self.weight = new_param((per, hidden), dtype, "weight")
-        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+        self.all_reduce = all_reduce() if tp.size > 1 else None
         self.host: dict[str, list] = {}      # a padded shard being gathered (gather_part)
 
     def weight_loader(self, param, src, name, shard_id=None):

@@ -30,13 +30,16 @@ def test_tp2_generates_what_transformers_generates(name, checkpoint, hf_greedy, 
     tp 2 test, quantized; Qwen2's q/k/v biases at tp 2: test_moe); the bfloat16
     checkpoint's shards go to AMX tiles where the CPU has them. Decodes feed SAMPLED (async
     scheduling): each rank must have sampled the token rank 0 returned. Each layer runs as the
-    two kernel calls of its halves, around the o and down projections' all-reduces."""
+    two kernel calls of its halves, around the o and down projections' all-reduces, which sum
+    through the node's shared memory."""
     r = start(checkpoint(name), 2)
     try:
         out = Driver(r, feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
         for i, prompt in enumerate(PROMPTS):
             assert out[i] == hf_greedy(name, prompt, N_NEW)[0], f"{name} prompt {i}"
         assert ray_get([w.__ray_call__.remote(fused_layers) for w in r.workers]) == [2, 2]
+        # the row-parallel layers' sums go through the node's shared memory (worker/csrc/collective.h)
+        assert [i["all_reduce"] for i in r.setup_info] == ["shared_memory"] * 2
         if name.endswith("_bfloat16"):   # qkv, o, gate_up, down of 2 layers; the embedding = LM head
             for w in r.workers:
                 amx, (tiles,) = ray_get([w.__ray_call__.remote(grants_amx),
@@ -178,6 +181,7 @@ def test_tp3_on_the_demo_model_answers_like_transformers_and_follows_structured_
     assert out[:len(ref)] == ref            # transformers stops at EOS; the driver does not
     # each rank holds a third of the sharded weights plus the replicated norms
     assert len({i["param_bytes"] for i in info}) == 1
+    assert [i["all_reduce"] for i in info] == ["shared_memory"] * 3
     assert all(v["finish_reason"] == "stop" for v in lines.values()), lines
     assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", lines["regex"]["output_text"])
     assert lines["choice"]["output_text"] in ("yes", "no")

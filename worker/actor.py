@@ -19,7 +19,8 @@ import time
 
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import (CPU_ENVIRONMENT, apply_environment, free_port, init_communication,
-                                   join_through_store, preflight, select_device, start_scheduler_thread)
+                                   join_node_group, join_through_store, preflight, select_device,
+                                   start_scheduler_thread)
 from msinfer.worker.imports import import_mindspore, own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
@@ -82,6 +83,7 @@ class Worker:
         self.tp = TPInfo(rank, world)
         self.device = select_device(device, rank=rank)
         self.runner = None
+        self.all_reduce = None           # how the group sums (join): shared_memory, mccl, hccl; None at tp 1
         self.environment: dict = {}          # what this worker set (worker.device: card_environment, CPU_ENVIRONMENT)
         self.turn = threading.Condition()       # steps run one at a time, in order (see step)
         self.next_index = 0
@@ -97,9 +99,10 @@ class Worker:
 
     def join(self, engine_config, sched_host: str | None, sched_port: int | None, timeout_s: float = 300.0) -> float:
         """Start-up stage 1: the device, and the group's communication cluster (tp > 1): on the CPU
-        (and Ascend emulated) through rank 0's TCPStore at sched_host:sched_port, on a card through
-        the group's MindSpore scheduler there. timeout_s: how long a rank waits for the others.
-        Returns its seconds."""
+        (and Ascend emulated) through rank 0's TCPStore at sched_host:sched_port, then, on the CPU
+        kernels, the node group that sums through shared memory where the ranks share a node
+        (worker.device.join_node_group); on a card through the group's MindSpore scheduler there.
+        timeout_s: how long a rank waits for the others. Returns its seconds."""
         t0 = time.perf_counter()
         if self.device.target == "Ascend" and not engine_config.emulate:     # before MindSpore starts
             self.environment = apply_environment(engine_config.card_env)
@@ -117,8 +120,15 @@ class Worker:
             threads_num(engine_config.threads)
         if self.tp.size > 1 and engine_config.on_cpu:
             join_through_store(sched_host, sched_port, self.tp.size, self.tp.rank, timeout_s)
+            self.all_reduce = "mccl"
+            if engine_config.cpu_kernels:
+                from msinfer.worker.cpu import load_kernels
+                load_kernels(engine_config.threads)
+                if join_node_group(self.tp.rank, self.tp.size, timeout_s):
+                    self.all_reduce = "shared_memory"
         elif self.tp.size > 1:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
+            self.all_reduce = "hccl"
         self.comm_s = time.perf_counter() - t0
         return self.comm_s
 
@@ -172,7 +182,7 @@ class Worker:
         return {**card, "rank": self.tp.rank, "comm_init_s": self.comm_s, "load_s": self.runner.load_s,
                 "setup_s": self.comm_s + time.perf_counter() - t0, "param_bytes": self.runner.load_stats["bytes"],
                 "peak_rss_bytes": peak_rss_bytes(), "allocator": allocator(), "num_blocks": self.runner.num_blocks,
-                "dtype": self.runner.dtype, "fused_layers": self.runner.fused_layers,
+                "dtype": self.runner.dtype, "fused_layers": self.runner.fused_layers, "all_reduce": self.all_reduce,
                 **({"kernel_check": self.runner.kernel_check} if self.runner.kernel_check is not None else {})}
 
     def step(self, seqs: bytes, is_prefill: bool, index: int = -1, *inputs: StepOutput) -> StepOutput | None:

@@ -634,6 +634,50 @@ def _custom(func: str, out_shape, out_dtype=lambda x, *_: x):
     return ops.Custom(f"{_LIBRARY}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
 
 
+class NodeAllReduce(nn.Cell):
+    """The sum of a tensor over a tensor-parallel group whose ranks share this node, through the
+    segment they have mapped (worker.device.join_node_group; worker/csrc/collective.h): the
+    library's NodeAllReduce with this call site's tag, the count of sites built before it in this
+    process, so that ranks building the same networks give each site the same tag."""
+    sites = 0
+    kernel = "NodeAllReduce"
+
+    def __init__(self):
+        super().__init__()
+        NodeAllReduce.sites += 1
+        self.tag = Tensor(np.array([NodeAllReduce.sites], np.int32))
+        self.op = _custom(self.kernel, self.shape)
+
+    @staticmethod
+    def shape(x, tag):
+        return x
+
+    def construct(self, x):
+        return self.op(x, self.tag)
+
+
+class NodeAllGather(NodeAllReduce):
+    """Every rank's tensor [n, ...], rank after rank [world n, ...], as MindSpore's AllGather gives
+    them, through the node group's segment (the library's NodeAllGather)."""
+    world = 0             # the node group's ranks (attach_node_group)
+    kernel = "NodeAllGather"
+
+    @staticmethod
+    def shape(x, tag):
+        return [NodeAllGather.world * x[0], *x[1:]]
+
+
+def attach_node_group(segment: memoryview, rank: int, world: int, slot_bytes: int, timeout_s: float) -> bool:
+    """Gives the library's NodeAllReduce and NodeAllGather this rank's group: the mapped `segment` (its header, then
+    two buffers of `world` slots of `slot_bytes`), and how long a rank waits for the others."""
+    fn = ctypes.CDLL(_LIBRARY).NodeGroupAttach
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_double)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(segment))
+    NodeAllGather.world = world
+    return fn(base, len(segment), rank, world, slot_bytes, timeout_s) == 0
+
+
 def set_bf16_dot(on: bool) -> bool:
     """Whether the kernels compute bfloat16 pairs (`CpuOps.pack_pairs`) with VDPBF16PS: `on` where
     the library was built for a CPU with AVX512-BF16, else never (FMAs, to the same bits).

@@ -158,6 +158,97 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
     _init_with_store(backend="mccl", timeout=timeout, world_size=world, rank=rank, store=_STORE)
 
 
+# A node group's segment: a slot of each rank in each of two buffers (a call larger than a slot
+# runs as several steps), after a header of a 64-byte line per rank. 2 x 3 slots of 1 MiB for the
+# demo's group: /dev/shm is 64 MiB in a container by default.
+NODE_SLOT_BYTES = 1 << 20
+_NODE_SEGMENT = None     # the node group's mapping, held for the life of the process
+
+
+def node_segment_bytes(world: int) -> int:
+    return -(-world * 64 // 4096) * 4096 + 2 * world * NODE_SLOT_BYTES
+
+
+def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
+    """After a CPU group has joined through rank 0's TCPStore: sums over the group go through a
+    shared-memory segment (worker/csrc/collective.h) when every rank can map it, i.e. the ranks
+    share a node (and its /dev/shm), and MSINFER_NODE_ALLREDUCE is not 0 on rank 0. Rank 0
+    creates the segment under a random name and puts the name and a random token in the store;
+    each rank maps it and says in the store whether it read the token; only if all did does any
+    use it, so the ranks agree (else all keep MCCL). Rank 0 then unlinks the file: the mappings
+    live on, and nothing is left in /dev/shm when the processes end. Each network and sampler
+    built after this sums and gathers with it (sharding.layers.ALL_REDUCE, ALL_GATHER). `timeout_s`: how long a rank waits for the
+    others within a call. Returns whether the group is in use."""
+    import mmap
+    import secrets
+
+    from msinfer.sharding import layers
+    from msinfer.worker import cpu
+    global _NODE_SEGMENT
+    size = node_segment_bytes(world)
+    path = None
+    if rank == 0:
+        offer = "none"
+        if os.environ.get("MSINFER_NODE_ALLREDUCE", "1") != "0" and os.path.isdir("/dev/shm"):
+            path, token = f"/dev/shm/msinfer-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_hex(16)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)       # tmpfs refuses here, not with SIGBUS on first touch
+                    os.pwrite(fd, token.encode(), size - len(token))
+                finally:
+                    os.close(fd)
+                offer = f"{path} {token}"
+            except OSError:
+                offer = "none"
+        _STORE.set("msinfer/node_group", offer)
+    offer = _STORE.get("msinfer/node_group").decode()
+    segment = None
+    if offer != "none":
+        where, token = offer.split()
+        try:
+            fd = os.open(where, os.O_RDWR)
+            try:
+                segment = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            if segment[size - len(token):] != token.encode():
+                segment.close()
+                segment = None
+        except (OSError, ValueError):
+            segment = None
+    _STORE.set(f"msinfer/node_group/{rank}", "1" if segment is not None else "0")
+    every = all(_STORE.get(f"msinfer/node_group/{r}") == b"1" for r in range(world))
+    if path is not None:
+        os.unlink(path)
+    if not every:
+        if segment is not None:
+            segment.close()
+        return False
+    if not cpu.attach_node_group(memoryview(segment), rank, world, NODE_SLOT_BYTES, timeout_s):
+        raise RuntimeError(f"the kernel library refused a node group of {world} ranks in {size} bytes")
+    _NODE_SEGMENT = segment
+    layers.ALL_REDUCE, layers.ALL_GATHER = cpu.NodeAllReduce, cpu.NodeAllGather
+    return True
+
+
+# What the library's NodeAllReduce and NodeAllGather return when a call fails (collective.h)
+NODE_GROUP_FAILURES = {
+    2: "a rank of the group did not come within fault.startup_timeout_s (it failed or stopped before "
+       "this collective)",
+    3: "the ranks reached different collectives (their steps ran them in different orders)"}
+
+
+def node_group_error(error: Exception) -> RuntimeError | None:
+    """A step's failure that MindSpore reports as a node group's collective returning a code, said
+    in words (the replica is restarted as for any failed step); None for any other failure."""
+    import re
+    m = re.search(r"function\((NodeAll(?:Reduce|Gather))\) is (\d+)", str(error))
+    if m is None:
+        return None
+    why = NODE_GROUP_FAILURES.get(int(m[2]), f"it returned {m[2]}")
+    return RuntimeError(f"the tensor-parallel group's {m[1]} through shared memory failed: {why}")
+
 
 def start_scheduler_thread(host: str, port: int, world: int) -> threading.Thread:
     """Runs the scheduler role in a daemon thread: its `init()` blocks for the life of the cluster."""

@@ -58,6 +58,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from msinfer.sharding.layers import all_gather, all_reduce
 from msinfer.sharding.layout import TPInfo, vocab_shard
 from msinfer.worker.sampler import mix64
 
@@ -150,7 +151,7 @@ class VocabSampler(nn.Cell):
                 self.meta_c = Tensor(np.array([[vocab, self.C]], np.int32))
         self.all_gather = self.all_reduce = None
         if tp.size > 1 and not simulate_ranks:
-            self.all_gather, self.all_reduce = ops.AllGather(), ops.AllReduce()
+            self.all_gather, self.all_reduce = all_gather(), all_reduce()
 
     # ---- the two collectives, over [R, M, k] ----------------------------------------------------
     def gather(self, x):

@@ -19,7 +19,8 @@ import numpy as np
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                                     StaticInt8, VocabParallelEmbedding, carried_levels, load_replicated, new_param)
+                                     StaticInt8, VocabParallelEmbedding, all_reduce, carried_levels, load_replicated,
+                                     new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
@@ -282,7 +283,7 @@ class SparseMoeBlock(nn.Cell):
             self.shared_expert = MLP(cfg, tp, dtype, dev, cfg.shared_expert_size, reduce=False)
             if cfg.routing is None:
                 self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, tp, dtype, dev.linear_op)
-        self.all_reduce = ops.AllReduce() if tp.size > 1 else None
+        self.all_reduce = all_reduce() if tp.size > 1 else None
 
     def construct(self, x):
         weights, ids = self.route(self.gate(x.astype(ms.float32)) if self.gate_fp32 else self.gate(x))

@@ -394,22 +394,27 @@ class ModelRunner:
         the replica, the device's ops and kernel conventions, its parameters' names, dtypes and
         shapes as loaded (which layers hold int8 weights depends on the checkpoint's values), the
         CPU kernels' library and msinfer's environment variables (a CPU feature overridden, or
-        MSINFER_INFER_BOOST)."""
+        MSINFER_INFER_BOOST) and how its group sums (sharding.layers.ALL_REDUCE)."""
         import dataclasses
+
+        from msinfer.sharding import layers
         if self.graph_parts is None:
             params = sorted((p.name, str(p.dtype), tuple(p.shape)) for p in self.model.get_parameters())
             ec = dataclasses.replace(self.ec, card=None, card_env={}, threads=0)
             self.graph_parts = (repr(self.cfg), repr(ec), self.tp, self.dtype, self.dev.__name__,
                                 getattr(self.dev, "conventions", {}), params, self.dynamic,
                                 getattr(sys.modules.get("msinfer.worker.cpu"), "_LIBRARY", None),
-                                sorted((k, v) for k, v in os.environ.items() if k.startswith("MSINFER_")))
+                                sorted((k, v) for k, v in os.environ.items() if k.startswith("MSINFER_")),
+                                layers.ALL_REDUCE.__name__)
         return graph_folder(*self.graph_parts, graph)
 
     def kernel_error(self, error: RuntimeError, inputs: dict, kind: str) -> Exception:
         """On the Ascend path, a failure MindSpore blames on a fused kernel becomes a KernelError
-        that names it (worker.ascend.kernel_error); anything else stays as it was."""
+        that names it (worker.ascend.kernel_error); on the CPU, a node group's collective that
+        failed says why (worker.device.node_group_error); anything else stays as it was."""
         if not fused(self.ec.device, self.ec.ops):
-            return error
+            from msinfer.worker.device import node_group_error
+            return node_group_error(error) or error
         from msinfer.worker.ascend import kernel_error
         attn = self.model.layers[0].self_attn
         held = next(((layer.mlp.experts.count, layer.mlp.experts.inter) for layer in self.model.layers

@@ -32,6 +32,9 @@
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
 //   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
+//   NodeAllReduce   the sum over a tensor-parallel group whose ranks share a node, and
+//   NodeAllGather   every rank's tensor, through shared memory (collective.h; NodeGroupAttach
+//                   gives them the group)
 // One kernel call replaces the 5-10 MindSpore operators of each, which on the CPU cost a launch
 // apiece, an explicit broadcast (see worker/ops.py) and a compile step per graph.
 //
@@ -71,6 +74,7 @@
 #include <limits>
 
 #include "attention.h"
+#include "collective.h"
 #include "common.h"
 #include "matmul.h"
 #include "sampling.h"
@@ -451,6 +455,51 @@ extern "C" int SampleRows(int nparam, void** params, int* ndims, int64_t** shape
   sample_rows(static_cast<const float*>(params[0]), static_cast<const float*>(params[1]), n,
               static_cast<float*>(params[3]), shapes[0][0], shapes[0][1], C, K);
   return 0;
+}
+
+// This process's rank of a node group: the segment every rank has mapped at `base` (`bytes`, its
+// header and two buffers of `world` slots of `slot_bytes`), and how long a rank waits for the
+// others. 0, or 1: the segment cannot hold them, or the library was built elsewhere than Linux.
+extern "C" int NodeGroupAttach(void* base, int64_t bytes, int rank, int world, int64_t slot_bytes, double timeout_s) {
+#ifndef MSINFER_NODE_GROUP
+  return 1;
+#endif
+  if (base == nullptr || world < 2 || world > 64 || rank < 0 || rank >= world || slot_bytes < 64 ||
+      slot_bytes % 64 || NodeGroup::header_bytes(world) + 2 * world * slot_bytes > bytes)
+    return 1;
+  g_node = NodeGroup{static_cast<char*>(base), rank, world, slot_bytes, static_cast<int64_t>(timeout_s * 1e9), 0};
+  return 0;
+}
+
+// x [...] float32, float16 or bfloat16, tag [1] int32 (the call site) -> the sum of x over the
+// node group's ranks, the same bits on each. 1: no group or a bad argument; 2: a rank did not
+// come within the group's timeout; 3: the ranks reached different call sites.
+extern "C" int NodeAllReduce(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                             void* extra) {
+  if (nparam != 3 || g_node.base == nullptr || std::strcmp(dtypes[0], dtypes[2]) ||
+      numel(ndims[0], shapes[0]) != numel(ndims[2], shapes[2]) || numel(ndims[1], shapes[1]) != 1)
+    return 1;
+  const int64_t n = numel(ndims[0], shapes[0]);
+  const int32_t tag = *static_cast<const int32_t*>(params[1]);
+  if (std::strcmp(dtypes[0], "bfloat16") == 0)
+    return node_all_reduce(static_cast<const uint16_t*>(params[0]), static_cast<uint16_t*>(params[2]), n, tag);
+  if (std::strcmp(dtypes[0], "float16") == 0)
+    return node_all_reduce(static_cast<const _Float16*>(params[0]), static_cast<_Float16*>(params[2]), n, tag);
+  if (std::strcmp(dtypes[0], "float32") == 0)
+    return node_all_reduce(static_cast<const float*>(params[0]), static_cast<float*>(params[2]), n, tag);
+  return 1;
+}
+
+// x [n, ...] (any dtype), tag [1] int32 -> [world n, ...]: every rank's x, rank after rank. Codes as
+// NodeAllReduce's.
+extern "C" int NodeAllGather(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                             void* extra) {
+  const int64_t size = element_bytes(dtypes[0]);
+  if (nparam != 3 || g_node.base == nullptr || size == 0 || std::strcmp(dtypes[0], dtypes[2]) ||
+      numel(ndims[2], shapes[2]) != g_node.world * numel(ndims[0], shapes[0]) || numel(ndims[1], shapes[1]) != 1)
+    return 1;
+  return node_all_gather(static_cast<const char*>(params[0]), static_cast<char*>(params[2]),
+                         numel(ndims[0], shapes[0]) * size, *static_cast<const int32_t*>(params[1]));
 }
 
 // Whether Linear and Embed take bfloat16 weights in AMX tiles (int16): the library was built for a

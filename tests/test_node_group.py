@@ -1,0 +1,202 @@
+"""The all-reduce and all-gather of a tensor-parallel group whose ranks share a node
+(worker/csrc/collective.h, worker.device.join_node_group): processes that map one segment sum
+their tensors to numpy's sum in rank order, bit for bit on every rank, and gather them, in steps
+smaller than the tensor; a rank at another call site or one that never comes fails the call
+instead of summing; and the ranks use the segment only when all of them can (else they all keep
+MCCL), leaving nothing in /dev/shm.
+The groups of Ray workers that run through it: tests/test_tp.py, test_moe.py, test_quant.py."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from msinfer.worker import cpu, device
+from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values, load_kernels
+
+SLOT = 4096          # bytes: a float32 tensor of 2,500 values is three steps
+
+
+def call_kernel(lib, name: str, arrays: list[np.ndarray], dtypes: list[str]) -> int:
+    """The custom-operator entry point `name` over numpy arrays (inputs, then the output)."""
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    dims = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
+    names = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes])
+    return getattr(lib, name)(n, params, ndims, shapes, names, None, None)
+
+
+def rank_main(library: str, path: str, rank: int, world: int, timeout_s: float, calls: list, out) -> None:
+    """One rank's process: maps the segment at `path`, attaches, runs `calls` ((dtype name, x, tag),
+    an all-reduce, or (dtype name, x, tag, "gather")) in order and puts (rank, [(return code, y,
+    seconds)])."""
+    import mmap
+    lib = ctypes.CDLL(library)
+    fd = os.open(path, os.O_RDWR)
+    segment = mmap.mmap(fd, os.path.getsize(path))
+    os.close(fd)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(segment))
+    lib.NodeGroupAttach.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                    ctypes.c_double)
+    assert lib.NodeGroupAttach(base, len(segment), rank, world, SLOT, timeout_s) == 0
+    results = []
+    for dtype, x, tag, *gather in calls:
+        y = np.zeros((world * x.shape[0], *x.shape[1:]) if gather else x.shape, x.dtype)
+        t0 = time.perf_counter()
+        code = call_kernel(lib, "NodeAllGather" if gather else "NodeAllReduce", [x, np.array([tag], np.int32), y],
+                           [dtype, "int32", dtype])
+        results.append((code, y, time.perf_counter() - t0))
+    out.put((rank, results))
+
+
+def run_group(tmp_path, world: int, calls_of, ranks=None, timeout_s: float = 60.0) -> dict:
+    """The results of ranks `ranks` (all of `world` by default) each running calls_of(rank)."""
+    load_kernels(1)
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(-(-world * 64 // 4096) * 4096 + 2 * world * SLOT))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(cpu._LIBRARY, str(path), r, world, timeout_s, calls_of(r), out))
+             for r in (range(world) if ranks is None else ranks)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return got
+
+
+def test_ranks_of_a_node_group_sum_in_rank_order_to_the_same_bits_on_each(tmp_path):
+    """An all-reduce of each dtype, one of a few values and ones of several steps, after and before
+    gathers: every rank gets numpy's float32 sum in rank order, rounded once, and the gathers
+    every rank's tensor, rank after rank."""
+    rng = np.random.default_rng(0)
+    world = 3
+    # (dtype name, numpy array of each rank): a few values, several steps of a slot with a remainder,
+    # float16 and bfloat16 (uint16 bits) summed in float32 and rounded once
+    shapes = [("float32", (5,)), ("float32", (50, 50)), ("float16", (3000,)), ("bfloat16", (1000,)),
+              ("float32", (7,))]
+    values = {}
+    for k, (dtype, shape) in enumerate(shapes):
+        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(world)]
+        if dtype == "float16":
+            xs = [x.astype(np.float16) for x in xs]
+        elif dtype == "bfloat16":
+            xs = [bfloat16_rounded(x) for x in xs]
+        values[k] = xs
+    gathered = [rng.standard_normal((2, 3)).astype(np.float32), rng.integers(0, 9, (700, 3)).astype(np.int32)]
+    got = run_group(tmp_path, world, lambda r: [("float32", gathered[0] + r, 1, "gather")] + [
+        (d, values[k][r], 10 + k) for k, (d, _) in enumerate(shapes)] + [("int32", gathered[1] * r, 2, "gather")])
+    for r in range(world):
+        first, *sums, last = got[r]
+        assert first[0] == last[0] == 0
+        np.testing.assert_array_equal(first[1], np.concatenate([gathered[0] + q for q in range(world)]))
+        np.testing.assert_array_equal(last[1], np.concatenate([gathered[1] * q for q in range(world)]))
+        got[r] = sums
+    for k, (dtype, _) in enumerate(shapes):
+        xs = values[k]
+        wide = [bfloat16_values(x) if dtype == "bfloat16" else x.astype(np.float32) for x in xs]
+        total = wide[0].copy()
+        for x in wide[1:]:
+            total += x                                          # float32, rank after rank
+        ref = bfloat16_rounded(total) if dtype == "bfloat16" else total.astype(xs[0].dtype)
+        for r in range(world):
+            code, y, _ = got[r][k]
+            assert code == 0, (dtype, r)
+            np.testing.assert_array_equal(y, ref, err_msg=f"{dtype} {xs[0].shape} rank {r}")
+
+
+def test_a_rank_at_another_call_site_or_one_that_never_comes_fails_the_call(tmp_path):
+    x = np.ones(16, np.float32)
+    got = run_group(tmp_path, 2, lambda r: [("float32", x, 1 + r)])        # tags 1 and 2
+    assert [got[r][0][0] for r in range(2)] == [3, 3]
+    got = run_group(tmp_path, 2, lambda r: [("float32", x, 1)], ranks=[0], timeout_s=0.5)
+    code, _, seconds = got[0][0]
+    assert code == 2 and 0.5 <= seconds < 10
+
+
+class FakeStore:
+    """rank 0's TCPStore as join_node_group uses it (set; get waits for the key), shared by threads
+    that stand for the ranks; `offers` changes what a rank reads of rank 0's offer."""
+
+    def __init__(self, offers=None):
+        self.values, self.cond, self.offers = {}, threading.Condition(), offers or {}
+
+    def set(self, key, value):
+        with self.cond:
+            self.values[key] = value.encode() if isinstance(value, str) else value
+            self.cond.notify_all()
+
+    def get(self, key):
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.values, timeout=30), key
+            value = self.values[key]
+        change = self.offers.get(threading.current_thread().name)
+        return change(value) if change and key == "msinfer/node_group" else value
+
+
+def join_in_threads(world: int) -> list:
+    got = [None] * world
+
+    def rank(r):
+        got[r] = device.join_node_group(r, world, 5.0)
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+@pytest.mark.parametrize("why", ["turned off on rank 0", "a rank on another node"])
+def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monkeypatch):
+    """A rank that cannot map what rank 0 offers (another node's /dev/shm: here, a token it does
+    not find) says so, and no rank attaches; MSINFER_NODE_ALLREDUCE=0 on rank 0 offers nothing."""
+    from msinfer.sharding import layers
+    load_kernels(1)
+    before = set(os.listdir("/dev/shm"))
+    if why == "turned off on rank 0":
+        monkeypatch.setenv("MSINFER_NODE_ALLREDUCE", "0")
+        store = FakeStore()
+    else:
+        store = FakeStore({"rank2": lambda offer: offer[:-4] + b"0000"})
+    monkeypatch.setattr(device, "_STORE", store)
+    assert join_in_threads(3) == [False, False, False]
+    assert (layers.ALL_REDUCE, layers.ALL_GATHER) == (layers.ops.AllReduce, layers.ops.AllGather)
+    assert device._NODE_SEGMENT is None
+    offer = store.values["msinfer/node_group"]
+    assert (offer == b"none") == (why == "turned off on rank 0")
+    assert [store.values[f"msinfer/node_group/{r}"] for r in range(3)] == (
+        [b"0"] * 3 if offer == b"none" else [b"1", b"1", b"0"])
+    assert set(os.listdir("/dev/shm")) == before           # rank 0 unlinked the segment
+
+
+KEEP = []          # a segment the library keeps pointing at after the test below
+
+
+def test_a_failed_collective_says_why_in_the_step_s_error():
+    """A network's NodeAllReduce whose peer never comes: MindSpore's error (the kernel's return
+    code) becomes one sentence that says a rank did not come within the timeout."""
+    import mmap
+
+    import mindspore as ms
+    load_kernels(1)
+    segment = mmap.mmap(-1, device.node_segment_bytes(2))
+    KEEP.append(segment)
+    assert cpu.attach_node_group(memoryview(segment), 0, 2, device.NODE_SLOT_BYTES, 0.3)
+    with pytest.raises(RuntimeError) as raised:
+        cpu.NodeAllReduce()(ms.Tensor(np.ones(4, np.float32))).asnumpy()
+    error = device.node_group_error(raised.value)
+    assert str(error) == ("the tensor-parallel group's NodeAllReduce through shared memory failed: a rank of the "
+                          "group did not come within fault.startup_timeout_s (it failed or stopped before this "
+                          "collective)")
+    assert device.node_group_error(RuntimeError("anything else")) is None

@@ -345,7 +345,7 @@ class BenchEngine:
         prompts = rng.integers(0, self.plan.model.vocab_size, (B, n_in)).tolist()
         records = [parse_record({"id": i, "prompt_token_ids": p}, i + 1, "prompt") for i, p in enumerate(prompts)]
         self.controller.configure(self.plan.case_spec(case))
-        before = self.controller.engine_stats()[0]["steps"]
+        before = self.steps()
         ttfts, failed = [], []
 
         def on_done(done, rec):
@@ -358,11 +358,20 @@ class BenchEngine:
         e2e = time.perf_counter() - t0
         if failed:
             raise RuntimeError(f"{len(failed)} of {B} records failed: {failed[0]}")
-        after = self.controller.engine_stats()[0]["steps"]
+        after = self.steps()
         prefill, decode = ({x: a - b for x, a, b in zip(STEP_FIGURES, after[kind], before[kind])}
                            for kind in ("prefill", "decode"))
         return Timing(prefill["worker_s"] / max(1, prefill["steps"]), prefill["steps"], max(ttfts), decode["s"],
                       decode["steps"], e2e)
+
+    def steps(self) -> dict:
+        """The engine's step figures so far. An engine that does not answer is down with its
+        replica: the workers' own failure is raised (a worker process died), else that."""
+        got = self.controller.engine_stats()
+        if not got:
+            self.stats()
+            raise RuntimeError("the replica's engine does not answer")
+        return got[0]["steps"]
 
     def stats(self) -> list[dict]:
         import ray

@@ -280,7 +280,7 @@ class Replica:
                                     .remote(r, tp, self.cfg.device, **self.cfg.worker_options))
         addresses = [(None, None)] * pp
         communicates = tp > 1 and self.cfg.worker_cls.communicates
-        if communicates and engine_config.on_cpu:      # MCCL: rank 0 of each stage serves its group's store
+        if communicates and engine_config.on_cpu:      # the CPU: rank 0 of each stage serves its group's store
             addresses = self._stage("its communication rendezvous", [self.workers[st * tp].rendezvous.remote()
                                                                      for st in range(pp)])
         elif communicates:                              # HCCL: a MindSpore scheduler per stage

@@ -144,7 +144,7 @@ class PerTokenInt8(nn.Cell):
     def __init__(self, group_max: int = 0, divisor: float = 127.5, half_away: bool = False, kernel=None):
         super().__init__()
         self.ranks, self.divisor, self.half_away = group_max, divisor, half_away
-        self.gather = ops.AllGather() if group_max > 1 else None
+        self.gather = all_gather() if group_max > 1 else None
         self.eps = float(np.finfo(np.float32).eps)      # the scale of a row of zeros
         # the device's one-pass kernel (a row whole on this rank), else MindSpore's operators
         self.kernel = kernel() if kernel is not None and self.gather is None else None

@@ -160,10 +160,16 @@ def join_in_threads(world: int) -> list:
 @pytest.mark.parametrize("why", ["turned off on rank 0", "a rank on another node"])
 def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monkeypatch):
     """A rank that cannot map what rank 0 offers (another node's /dev/shm: here, a token it does
-    not find) says so, and no rank attaches; MSINFER_NODE_ALLREDUCE=0 on rank 0 offers nothing."""
+    not find) says so, and no rank attaches; MSINFER_NODE_ALLREDUCE=0 on rank 0 offers nothing.
+    Rank 0 removes a segment that a process no longer alive left, before it creates its own."""
+    import subprocess
     from msinfer.sharding import layers
     load_kernels(1)
-    before = set(os.listdir("/dev/shm"))
+    done = subprocess.Popen(["true"])
+    done.wait()
+    stale = f"/dev/shm/msinfer-{done.pid}-0123456789abcdef"        # a segment whose creator died
+    open(stale, "wb").close()
+    before = set(os.listdir("/dev/shm")) - {os.path.basename(stale)}
     if why == "turned off on rank 0":
         monkeypatch.setenv("MSINFER_NODE_ALLREDUCE", "0")
         store = FakeStore()
@@ -177,7 +183,11 @@ def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monke
     assert (offer == b"none") == (why == "turned off on rank 0")
     assert [store.values[f"msinfer/node_group/{r}"] for r in range(3)] == (
         [b"0"] * 3 if offer == b"none" else [b"1", b"1", b"0"])
-    assert set(os.listdir("/dev/shm")) == before           # rank 0 unlinked the segment
+    assert set(os.listdir("/dev/shm")) - {os.path.basename(stale)} == before   # rank 0 unlinked the segment
+    # rank 0 removed the stale one before it created its own (when it created one)
+    assert os.path.exists(stale) == (why == "turned off on rank 0")
+    if os.path.exists(stale):
+        os.unlink(stale)
 
 
 KEEP = []          # a segment the library keeps pointing at after the test below
@@ -200,3 +210,22 @@ def test_a_failed_collective_says_why_in_the_step_s_error():
                           "group did not come within fault.startup_timeout_s (it failed or stopped before this "
                           "collective)")
     assert device.node_group_error(RuntimeError("anything else")) is None
+
+
+def test_a_group_that_keeps_mccl_generates_transformers_tokens(cli, model, hf_greedy, tmp_path):
+    """MSINFER_NODE_ALLREDUCE=0 on the driver (an embedded Ray's ranks inherit it): a tp-2 job's
+    ranks agree to start MindSpore's MCCL group instead, after their exchange through the store,
+    as ranks that cannot map one segment do, and greedy gives transformers' tokens."""
+    import json
+    from pathlib import Path
+
+    from tests.conftest import PROMPTS
+    from tests.test_cli import Job
+    lines = [{"id": f"p{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
+    job = Job(tmp_path, model, lines, parallel={"tensor_parallel": 2}, sampling={"max_new_tokens": 6})
+    p = cli.run("run", job.spec_path, "--no-progress", env={"MSINFER_NODE_ALLREDUCE": "0"})
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(Path(f"{job.output}.summary.json").read_text())
+    assert [s["all_reduce"] for s in summary["setup"]] == ["mccl", "mccl"]
+    for r in job.results():
+        assert r["output_token_ids"] == hf_greedy("llama_gqa_tied", PROMPTS[int(r["id"][1:])], 6)[0], r["id"]

@@ -19,8 +19,7 @@ import time
 
 from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import (CPU_ENVIRONMENT, apply_environment, free_port, init_communication,
-                                   join_node_group, join_through_store, preflight, select_device,
-                                   start_scheduler_thread)
+                                   join_through_store, preflight, select_device, start_scheduler_thread)
 from msinfer.worker.imports import import_mindspore, own_process
 from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
 
@@ -99,9 +98,9 @@ class Worker:
 
     def join(self, engine_config, sched_host: str | None, sched_port: int | None, timeout_s: float = 300.0) -> float:
         """Start-up stage 1: the device, and the group's communication cluster (tp > 1): on the CPU
-        (and Ascend emulated) through rank 0's TCPStore at sched_host:sched_port, then, on the CPU
-        kernels, the node group that sums through shared memory where the ranks share a node
-        (worker.device.join_node_group); on a card through the group's MindSpore scheduler there.
+        (and Ascend emulated) through rank 0's TCPStore at sched_host:sched_port, on the CPU kernels
+        as a node group that sums through shared memory where the ranks share a node (else MCCL:
+        worker.device.join_through_store); on a card through the group's MindSpore scheduler there.
         timeout_s: how long a rank waits for the others. Returns its seconds."""
         t0 = time.perf_counter()
         if self.device.target == "Ascend" and not engine_config.emulate:     # before MindSpore starts
@@ -119,13 +118,11 @@ class Worker:
             from mindspore.device_context.cpu import threads_num
             threads_num(engine_config.threads)
         if self.tp.size > 1 and engine_config.on_cpu:
-            join_through_store(sched_host, sched_port, self.tp.size, self.tp.rank, timeout_s)
-            self.all_reduce = "mccl"
-            if engine_config.cpu_kernels:
+            if engine_config.cpu_kernels:           # their library sums through shared memory
                 from msinfer.worker.cpu import load_kernels
                 load_kernels(engine_config.threads)
-                if join_node_group(self.tp.rank, self.tp.size, timeout_s):
-                    self.all_reduce = "shared_memory"
+            self.all_reduce = join_through_store(sched_host, sched_port, self.tp.size, self.tp.rank, timeout_s,
+                                                 node_group=engine_config.cpu_kernels)
         elif self.tp.size > 1:
             init_communication(sched_host, sched_port, self.tp.size, self.tp.rank)
             self.all_reduce = "hccl"

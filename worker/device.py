@@ -6,8 +6,10 @@ set, Ray leaves the variable as the node had it and the worker finds its card by
 assigned; without any assignment we fall back to the card listed for this rank. On the CPU there
 is no device id.
 
-A tensor-parallel group is one MindSpore cluster started without msrun. On the CPU (MCCL), rank
-0 serves a TCPStore on its node and every rank joins through it (`join_through_store`). On cards
+A tensor-parallel group is one MindSpore cluster started without msrun. On the CPU, rank 0 serves
+a TCPStore on its node and every rank joins through it (`join_through_store`): on the CPU kernels
+the ranks of one node then sum through shared memory and MindSpore's MCCL is not started
+(`join_node_group`), elsewhere they start MCCL. On cards
 (HCCL), one scheduler process (`MS_ROLE=MS_SCHED`) and one worker process per rank
 (`MS_ROLE=MS_WORKER`, `MS_NODE_ID`=rank) are all pointed at the scheduler's host and port
 (`init_communication`). Every process joins once in its life, so a restarted group gets fresh
@@ -16,6 +18,7 @@ processes and a fresh port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -136,10 +139,14 @@ def init_communication(host: str, port: int, world: int, rank: int) -> None:
 _STORE = None       # the group's TCPStore (rank 0 serves it), held for the life of the process
 
 
-def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: float) -> None:
-    """Joins a CPU (MCCL) group without a scheduler process: rank 0 serves a MindSpore TCPStore at
+def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: float,
+                       node_group: bool = False) -> str:
+    """Joins a CPU group without a scheduler process: rank 0 serves a MindSpore TCPStore at
     host:port (on its own node) and the other ranks connect to it, as torch's init_process_group
-    does. MindSpore's public `mint.distributed.init_process_group` takes a store for HCCL only;
+    does. With `node_group` (the CPU kernels), the ranks first try to sum through shared memory
+    (join_node_group); where they do, MindSpore's communication is not started at all, and its
+    3 s below with it. Returns how the group sums: "shared_memory", or "mccl".
+    MindSpore's public `mint.distributed.init_process_group` takes a store for HCCL only;
     `communication.management._init_with_store`, which it calls, takes MCCL too, and is what is
     called here. Against the scheduler (`init_communication`), a group of 3 on 2 cores had its
     first all-reduce done 3.1-3.2 s after init began instead of 6.6 s, and the scheduler's
@@ -155,7 +162,10 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
     global _STORE
     timeout = timedelta(seconds=max(1.0, timeout_s))
     _STORE = TCPStore(host_name=host, port=port, world_size=world, is_master=rank == 0, timeout=timeout)
+    if node_group and join_node_group(rank, world, timeout_s):
+        return "shared_memory"
     _init_with_store(backend="mccl", timeout=timeout, world_size=world, rank=rank, store=_STORE)
+    return "mccl"
 
 
 # A node group's segment: a slot of each rank in each of two buffers (a call larger than a slot
@@ -169,16 +179,28 @@ def node_segment_bytes(world: int) -> int:
     return -(-world * 64 // 4096) * 4096 + 2 * world * NODE_SLOT_BYTES
 
 
+def remove_stale_segments() -> None:
+    """Node group segments whose creator is gone (killed between creating and unlinking one)."""
+    from msinfer.worker.graph_cache import pid_alive
+    for name in os.listdir("/dev/shm"):
+        pid = name.split("-")[1] if name.startswith("msinfer-") and name.count("-") == 2 else ""
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
-    """After a CPU group has joined through rank 0's TCPStore: sums over the group go through a
+    """Once a CPU group's ranks reach rank 0's TCPStore: sums over the group go through a
     shared-memory segment (worker/csrc/collective.h) when every rank can map it, i.e. the ranks
     share a node (and its /dev/shm), and MSINFER_NODE_ALLREDUCE is not 0 on rank 0. Rank 0
     creates the segment under a random name and puts the name and a random token in the store;
     each rank maps it and says in the store whether it read the token; only if all did does any
-    use it, so the ranks agree (else all keep MCCL). Rank 0 then unlinks the file: the mappings
-    live on, and nothing is left in /dev/shm when the processes end. Each network and sampler
-    built after this sums and gathers with it (sharding.layers.ALL_REDUCE, ALL_GATHER). `timeout_s`: how long a rank waits for the
-    others within a call. Returns whether the group is in use."""
+    use it, so the ranks agree (else all start MCCL). Rank 0 then unlinks the file: the mappings
+    live on, and nothing is left in /dev/shm when the processes end; before it creates one, it
+    removes those that processes no longer alive left (their name holds the creator's pid). Each
+    network and sampler built after this sums and gathers with it (sharding.layers.ALL_REDUCE,
+    ALL_GATHER). `timeout_s`: how long a rank waits for the others within a call. Returns
+    whether the group is in use."""
     import mmap
     import secrets
 
@@ -190,6 +212,7 @@ def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
     if rank == 0:
         offer = "none"
         if os.environ.get("MSINFER_NODE_ALLREDUCE", "1") != "0" and os.path.isdir("/dev/shm"):
+            remove_stale_segments()
             path, token = f"/dev/shm/msinfer-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_hex(16)
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -309,7 +332,9 @@ def preflight(world: int) -> None:
     """A small all-reduce over the group that has just joined: every rank's 1 sums to `world`, or
     the communication between the ranks does not work (an HCCL or MCCL link, a firewall); a hang
     here is a start-up stage's timeout, which names the ranks that did not answer."""
-    from mindspore import Tensor, ops
-    got = ops.AllReduce()(Tensor(np.ones(1, np.float32))).asnumpy()
+    from mindspore import Tensor
+
+    from msinfer.sharding.layers import all_reduce
+    got = all_reduce()(Tensor(np.ones(1, np.float32))).asnumpy()
     if abs(float(got[0]) - world) > 1e-3:
         raise RuntimeError(f"the communication pre-flight summed {float(got[0]):g} over {world} ranks")

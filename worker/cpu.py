@@ -668,8 +668,9 @@ class NodeAllGather(NodeAllReduce):
 
 
 def attach_node_group(segment: memoryview, rank: int, world: int, slot_bytes: int, timeout_s: float) -> bool:
-    """Gives the library's NodeAllReduce and NodeAllGather this rank's group: the mapped `segment` (its header, then
-    two buffers of `world` slots of `slot_bytes`), and how long a rank waits for the others."""
+    """Gives the library's NodeAllReduce and NodeAllGather this rank's group: the mapped `segment`
+    (its header, then two buffers of `world` slots of `slot_bytes`), and how long a rank waits for
+    the others."""
     fn = ctypes.CDLL(_LIBRARY).NodeGroupAttach
     fn.restype = ctypes.c_int
     fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_double)

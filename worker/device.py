@@ -144,8 +144,8 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
     """Joins a CPU group without a scheduler process: rank 0 serves a MindSpore TCPStore at
     host:port (on its own node) and the other ranks connect to it, as torch's init_process_group
     does. With `node_group` (the CPU kernels), the ranks first try to sum through shared memory
-    (join_node_group); where they do, MindSpore's communication is not started at all, and its
-    3 s below with it. Returns how the group sums: "shared_memory", or "mccl".
+    (join_node_group); where they do, MindSpore's communication is not started at all, nor the
+    3 s below. Returns how the group sums: "shared_memory", or "mccl".
     MindSpore's public `mint.distributed.init_process_group` takes a store for HCCL only;
     `communication.management._init_with_store`, which it calls, takes MCCL too, and is what is
     called here. Against the scheduler (`init_communication`), a group of 3 on 2 cores had its
@@ -172,6 +172,7 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
 # runs as several steps), after a header of a 64-byte line per rank. 2 x 3 slots of 1 MiB for the
 # demo's group: /dev/shm is 64 MiB in a container by default.
 NODE_SLOT_BYTES = 1 << 20
+NODE_GROUP_MAX_RANKS = 64    # the library's (collective.h)
 _NODE_SEGMENT = None     # the node group's mapping, held for the life of the process
 
 
@@ -192,7 +193,8 @@ def remove_stale_segments() -> None:
 def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
     """Once a CPU group's ranks reach rank 0's TCPStore: sums over the group go through a
     shared-memory segment (worker/csrc/collective.h) when every rank can map it, i.e. the ranks
-    share a node (and its /dev/shm), and MSINFER_NODE_ALLREDUCE is not 0 on rank 0. Rank 0
+    share a node (and its /dev/shm), MSINFER_NODE_ALLREDUCE is not 0 on rank 0 and the group has
+    at most NODE_GROUP_MAX_RANKS. Rank 0
     creates the segment under a random name and puts the name and a random token in the store;
     each rank maps it and says in the store whether it read the token; only if all did does any
     use it, so the ranks agree (else all start MCCL). Rank 0 then unlinks the file: the mappings
@@ -211,7 +213,8 @@ def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
     path = None
     if rank == 0:
         offer = "none"
-        if os.environ.get("MSINFER_NODE_ALLREDUCE", "1") != "0" and os.path.isdir("/dev/shm"):
+        if (os.environ.get("MSINFER_NODE_ALLREDUCE", "1") != "0" and os.path.isdir("/dev/shm")
+                and world <= NODE_GROUP_MAX_RANKS):
             remove_stale_segments()
             path, token = f"/dev/shm/msinfer-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_hex(16)
             try:

@@ -94,8 +94,7 @@ inline int64_t element_bytes(const char* dtype) {
 
 // Rank r's post reaches step s (step counts wrap: compared by their difference): true, or false
 // past the deadline.
-bool wait_post(const Post* p_const, uint32_t s, int64_t deadline) {
-  Post* p = const_cast<Post*>(p_const);
+bool wait_post(Post* p, uint32_t s, int64_t deadline) {
   auto reached = [&] { return static_cast<int32_t>(p->step.load() - s) >= 0; };
   for (int i = 0; i < kSpin; ++i) {
     if (reached()) return true;

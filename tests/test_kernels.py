@@ -4,7 +4,8 @@ last panel narrower than 32 columns (a tensor-parallel shard of an odd size), ze
 activation, lookups with out-of-range indices, and paged attention with head sizes of 24 to 128,
 float16, a step that mixes a prefill chunk, decode tokens and padding, and random steps of every
 kind the runner packs; a mixture of experts' grouped experts; and the bfloat16 weights in AMX
-tiles (where the CPU has AMX)."""
+tiles (where the CPU has AMX). All of it again with the library built for a CPU without AVX-512
+(where this one has it)."""
 
 from __future__ import annotations
 
@@ -1067,3 +1068,35 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     want_d = (g[:, :I] / (1 + np.exp(-g[:, :I])) * g[:, I:]) @ w["down"].T
     np.testing.assert_allclose(out_h, s2, atol=1e-5 * np.abs(s2).max(), rtol=0)
     np.testing.assert_allclose(out_d, want_d, atol=1e-5 * np.abs(want_d).max(), rtol=0)
+
+
+def test_the_kernels_built_for_a_cpu_without_avx512_give_numpy_s_results_too():
+    """This file's tests again in a process whose library is built for Haswell
+    (MSINFER_KERNEL_ARCH=haswell: AVX2 and FMA, no AVX-512): the kernels a CPU without AVX-512
+    gets (3-row micro-kernels of 8 lanes, bfloat16 pairs by FMAs, no VNNI, int4 or AMX), run on
+    this one against the same numpy references. On a CPU without AVX-512 the suite's own build
+    is that one."""
+    import os
+    import re
+    import subprocess
+    import sys
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    if "avx512f" not in flags:
+        pytest.skip("no AVX-512 on this CPU: the suite's own library is the AVX2 one")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", __file__,
+                        "-k", "not without_avx512"], env={**os.environ, "MSINFER_KERNEL_ARCH": "haswell"},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert int(re.search(r"(\d+) passed", p.stdout)[1]) >= 60, p.stdout[-1000:]
+    skipped = re.findall(r"SKIPPED \[\d+\] .*?: (.*)", p.stdout)
+    assert all("AVX-512" in why or "AVX512" in why or "AMX" in why for why in skipped), skipped
+
+
+def test_a_kernel_arch_that_is_no_cpu_name_is_refused_by_name(monkeypatch):
+    from msinfer.worker import build
+    monkeypatch.setenv("MSINFER_KERNEL_ARCH", "native -fplugin=x.so")
+    with pytest.raises(RuntimeError, match=r"MSINFER_KERNEL_ARCH='native -fplugin=x.so' is not a CPU name"):
+        build.cxxflags()
+    monkeypatch.setenv("MSINFER_KERNEL_ARCH", "haswell")
+    assert build.cxxflags()[:2] == ("-O3", "-march=haswell")

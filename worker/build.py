@@ -16,6 +16,7 @@ import hashlib
 import os
 from pathlib import Path
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,17 @@ import tempfile
 from msinfer.sharding.config import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC",
-            "-pthread")
+CXXFLAGS = ("-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-pthread")
+
+
+def cxxflags() -> tuple[str, ...]:
+    """The compiler's flags: for this machine's CPU (-march=native), or for the one GCC names in
+    MSINFER_KERNEL_ARCH (haswell: AVX2 and FMA without AVX-512), so that this machine runs the
+    kernels an older CPU gets (tests/test_kernels.py builds them for Haswell)."""
+    arch = os.environ.get("MSINFER_KERNEL_ARCH") or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
+        raise RuntimeError(f"MSINFER_KERNEL_ARCH={arch!r} is not a CPU name GCC's -march takes (such as haswell)")
+    return ("-O3", f"-march={arch}", *CXXFLAGS)
 
 
 def compiler() -> str:
@@ -43,7 +53,7 @@ def library_path(name: str, cxx: str) -> Path:
         with open("/proc/cpuinfo") as f:
             cpu = next((line for line in f if line.startswith("flags")), "")
     sources = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))
-    key = hashlib.sha256(sources + " ".join((cxx, *CXXFLAGS, platform.machine(), cpu)).encode())
+    key = hashlib.sha256(sources + " ".join((cxx, *cxxflags(), platform.machine(), cpu)).encode())
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 
 
@@ -64,7 +74,7 @@ def kernel_library(name: str) -> str:
             units = sorted(CSRC.glob("*.cc"))
             with tempfile.TemporaryDirectory(dir=root) as tmp:
                 objects = [Path(tmp) / f"{src.stem}.o" for src in units]
-                builds = [subprocess.Popen([cxx, *CXXFLAGS, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                builds = [subprocess.Popen([cxx, *cxxflags(), "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True) for src, obj in zip(units, objects)]
                 said = [b.communicate() for b in builds]
                 for src, b, (_, err) in zip(units, builds, said):

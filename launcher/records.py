@@ -457,14 +457,19 @@ class RecordCodec:
             finish = "tool_calls"
         return {**fields, "output_text": content, "tool_calls": tool_calls_field(seq.key, index, calls)}, finish
 
-    def logprob_entry(self, token: int, lp: float, top: list) -> dict:
+    def logprob_entry(self, token: int, lp: float, top: list, rank: int | None = None) -> dict:
         """One token's `logprobs` entry: its id, its text (with a tokenizer), its log-probability,
-        and the most likely tokens as [id, log-probability, text] ([id, log-probability] without a
-        tokenizer), as vLLM's and OpenAI's logprobs give each token's text beside it."""
-        if self.tok is None:
-            return {"token_id": token, "logprob": lp, "top": [[t, v] for t, v in top]}
-        text = self.token_text
-        return {"token_id": token, "token": text(token), "logprob": lp, "top": [[t, v, text(t)] for t, v in top]}
+        its rank where known (a prompt token's: how many tokens are at least as likely, as vLLM
+        ranks it), and the most likely tokens as [id, log-probability, text] ([id,
+        log-probability] without a tokenizer), as vLLM's and OpenAI's logprobs give each token's
+        text beside it."""
+        entry = {"token_id": token} if self.tok is None else {"token_id": token, "token": self.token_text(token)}
+        entry["logprob"] = lp
+        if rank is not None:
+            entry["rank"] = rank
+        entry["top"] = ([[t, v] for t, v in top] if self.tok is None
+                        else [[t, v, self.token_text(t)] for t, v in top])
+        return entry
 
     def logprobs(self, seq: Sequence) -> dict:
         if not seq.record.logprobs:
@@ -474,13 +479,15 @@ class RecordCodec:
 
     def prompt_logprobs(self, seq: Sequence) -> dict:
         """As vLLM gives them: per prompt token, its log-probability given the ones before it
-        (None for the first); with `prompt_logprobs: k` > 0, as `logprobs` entries with the k most
-        likely alternatives. A preempted sequence computes them again: the first are kept."""
+        (None for the first); with `prompt_logprobs: k` > 0, as `logprobs` entries with the
+        token's rank and the k most likely alternatives. A preempted sequence computes them
+        again: the first are kept."""
         if seq.sampling.prompt_logprobs is None:
             return {}
         scored = seq.record.prompt_logprobs[:seq.num_prompt_tokens - 1]
         if seq.sampling.prompt_logprobs:
-            got = [self.logprob_entry(t, lp, top) for t, (lp, _, top) in zip(seq.prompt_token_ids[1:], scored)]
+            got = [self.logprob_entry(t, lp, top, rank)
+                   for t, (lp, rank, top) in zip(seq.prompt_token_ids[1:], scored)]
         else:
             got = [lp for lp, _ in scored]
         if seq.record.request is None:

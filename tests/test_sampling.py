@@ -244,8 +244,8 @@ def test_structured_outputs_and_tool_choices_follow_their_schema_regex_choice_gr
 def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation_goes_on(checkpoint, reference):
     """prompt_logprobs: 0 on a 30-token prompt prefilled in chunks of 16: per prompt token its
     log-probability given the ones before it (None first), within 1e-4 of transformers' float32,
-    and the record still generates its greedy tokens; with prompt_logprobs: 3, also the three most
-    likely tokens there; more than 20 is the record's error."""
+    and the record still generates its greedy tokens; with prompt_logprobs: 3, also the token's
+    rank and the three most likely tokens there; more than 20 is the record's error."""
     import torch
     import transformers
     from msinfer.launcher.errors import RecordError
@@ -268,6 +268,8 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation
     assert alternatives[0] is None and len(alternatives) == len(prompt)
     for j, entry in enumerate(alternatives[1:]):
         np.testing.assert_allclose(entry["logprob"], want[j], atol=1e-4)
+        # its rank: how many tokens are at least as likely (float32 against float64: a margin)
+        assert (lp[j] > want[j] + 1e-4).sum() + 1 <= entry["rank"] <= (lp[j] >= want[j] - 1e-4).sum(), j
         ids = [t for t, _, *_ in entry["top"]]
         assert ids == np.argsort(-lp[j], kind="stable")[:3].tolist()
         np.testing.assert_allclose([v for _, v, *_ in entry["top"]], lp[j, ids], atol=1e-4)

@@ -172,7 +172,7 @@ def join_through_store(host: str, port: int, world: int, rank: int, timeout_s: f
 # runs as several steps), after a header of a 64-byte line per rank. 2 x 3 slots of 1 MiB for the
 # demo's group: /dev/shm is 64 MiB in a container by default.
 NODE_SLOT_BYTES = 1 << 20
-NODE_GROUP_MAX_RANKS = 64    # the library's (collective.h)
+NODE_GROUP_MAX_RANKS = 64    # the library's kNodeMaxRanks (collective.h)
 _NODE_SEGMENT = None     # the node group's mapping, held for the life of the process
 
 

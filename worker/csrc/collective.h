@@ -36,6 +36,8 @@
 
 namespace {
 
+constexpr int kNodeMaxRanks = 64;   // a node group's ranks at most (worker/device.py NODE_GROUP_MAX_RANKS)
+
 struct alignas(64) Post {
   std::atomic<uint32_t> step;       // the last step this rank has written
   std::atomic<int32_t> tag[2];      // the call site of the step in each buffer
@@ -157,7 +159,7 @@ int node_all_reduce(const T* x, T* out, int64_t n, int32_t tag) {
     int code = 0;
     const uint32_t s = exchange(x + at, len * static_cast<int64_t>(sizeof(T)), tag, code);
     if (code) return code;
-    const T* slots[64];
+    const T* slots[kNodeMaxRanks];
     for (int r = 0; r < g.world; ++r) slots[r] = reinterpret_cast<const T*>(g.slot(s, r));
     T* o = out + at;
     for (int64_t i = 0; i < len; i += 4096) {            // a slice at a time, the sums in a stack buffer

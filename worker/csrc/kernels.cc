@@ -464,7 +464,7 @@ extern "C" int NodeGroupAttach(void* base, int64_t bytes, int rank, int world, i
 #ifndef MSINFER_NODE_GROUP
   return 1;
 #endif
-  if (base == nullptr || world < 2 || world > 64 || rank < 0 || rank >= world || slot_bytes < 64 ||
+  if (base == nullptr || world < 2 || world > kNodeMaxRanks || rank < 0 || rank >= world || slot_bytes < 64 ||
       slot_bytes % 64 || NodeGroup::header_bytes(world) + 2 * world * slot_bytes > bytes)
     return 1;
   g_node = NodeGroup{static_cast<char*>(base), rank, world, slot_bytes, static_cast<int64_t>(timeout_s * 1e9), 0};

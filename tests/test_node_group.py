@@ -164,6 +164,8 @@ def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monke
     Rank 0 removes a segment that a process no longer alive left, before it creates its own."""
     import subprocess
     from msinfer.sharding import layers
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine: rank 0 offers no segment")
     load_kernels(1)
     done = subprocess.Popen(["true"])
     done.wait()

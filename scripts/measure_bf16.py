@@ -31,9 +31,10 @@ LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, Fa
 
 
 class Call:
-    """One AOT call of `fn` (the custom operators' signature) over numpy arrays it keeps alive."""
+    """One AOT call of `fn` (the custom operators' signature) over numpy arrays it keeps alive,
+    each named by its numpy dtype or by `dtypes` (MindSpore's names: "bfloat16" for uint16 bits)."""
 
-    def __init__(self, fn, *arrays: np.ndarray):
+    def __init__(self, fn, *arrays: np.ndarray, dtypes: list[str] | None = None):
         self.fn, self.arrays = fn, arrays
         n = len(arrays)
         self.params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
@@ -41,10 +42,15 @@ class Call:
         self.dims = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
         self.shapes = (ctypes.POINTER(ctypes.c_int64) * n)(
             *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in self.dims])
-        self.dtypes = (ctypes.c_char_p * n)(*[str(a.dtype).encode() for a in arrays])
+        names = dtypes if dtypes is not None else [str(a.dtype) for a in arrays]
+        self.dtypes = (ctypes.c_char_p * n)(*[d.encode() for d in names])
+
+    def code(self) -> int:
+        """The kernel's return value (0: done)."""
+        return self.fn(len(self.arrays), self.params, self.ndims, self.shapes, self.dtypes, None, None)
 
     def __call__(self) -> None:
-        if self.fn(len(self.arrays), self.params, self.ndims, self.shapes, self.dtypes, None, None):
+        if self.code():
             raise RuntimeError("the kernel refused its arguments")
 
 

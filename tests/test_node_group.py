@@ -19,19 +19,9 @@ import pytest
 
 from msinfer.worker import cpu, device
 from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values, load_kernels
+from scripts.measure_bf16 import Call
 
 SLOT = 4096          # bytes: a float32 tensor of 2,500 values is three steps
-
-
-def call_kernel(lib, name: str, arrays: list[np.ndarray], dtypes: list[str]) -> int:
-    """The custom-operator entry point `name` over numpy arrays (inputs, then the output)."""
-    n = len(arrays)
-    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-    dims = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
-    names = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes])
-    return getattr(lib, name)(n, params, ndims, shapes, names, None, None)
 
 
 def rank_main(library: str, path: str, rank: int, world: int, timeout_s: float, calls: list, out) -> None:
@@ -39,20 +29,19 @@ def rank_main(library: str, path: str, rank: int, world: int, timeout_s: float, 
     an all-reduce, or (dtype name, x, tag, "gather")) in order and puts (rank, [(return code, y,
     seconds)])."""
     import mmap
+    cpu._LIBRARY = library
     lib = ctypes.CDLL(library)
     fd = os.open(path, os.O_RDWR)
     segment = mmap.mmap(fd, os.path.getsize(path))
     os.close(fd)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(segment))
-    lib.NodeGroupAttach.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                    ctypes.c_double)
-    assert lib.NodeGroupAttach(base, len(segment), rank, world, SLOT, timeout_s) == 0
+    assert cpu.attach_node_group(memoryview(segment), rank, world, SLOT, timeout_s)
     results = []
     for dtype, x, tag, *gather in calls:
         y = np.zeros((world * x.shape[0], *x.shape[1:]) if gather else x.shape, x.dtype)
+        call = Call(lib.NodeAllGather if gather else lib.NodeAllReduce, x, np.array([tag], np.int32), y,
+                    dtypes=[dtype, "int32", dtype])
         t0 = time.perf_counter()
-        code = call_kernel(lib, "NodeAllGather" if gather else "NodeAllReduce", [x, np.array([tag], np.int32), y],
-                           [dtype, "int32", dtype])
+        code = call.code()
         results.append((code, y, time.perf_counter() - t0))
     out.put((rank, results))
 
@@ -61,7 +50,7 @@ def run_group(tmp_path, world: int, calls_of, ranks=None, timeout_s: float = 60.
     """The results of ranks `ranks` (all of `world` by default) each running calls_of(rank)."""
     load_kernels(1)
     path = tmp_path / "segment"
-    path.write_bytes(bytes(-(-world * 64 // 4096) * 4096 + 2 * world * SLOT))
+    path.write_bytes(bytes(device.node_segment_bytes(world, SLOT)))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(cpu._LIBRARY, str(path), r, world, timeout_s, calls_of(r), out))

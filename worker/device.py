@@ -176,8 +176,8 @@ NODE_GROUP_MAX_RANKS = 64    # the library's kNodeMaxRanks (collective.h)
 _NODE_SEGMENT = None     # the node group's mapping, held for the life of the process
 
 
-def node_segment_bytes(world: int) -> int:
-    return -(-world * 64 // 4096) * 4096 + 2 * world * NODE_SLOT_BYTES
+def node_segment_bytes(world: int, slot_bytes: int = NODE_SLOT_BYTES) -> int:
+    return -(-world * 64 // 4096) * 4096 + 2 * world * slot_bytes
 
 
 def remove_stale_segments() -> None:

@@ -210,8 +210,8 @@ __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, in
 // groups are computed, the next panel of the run is prefetched, a share per group; the run's
 // first panel is prefetched ahead of its own first group only, so it comes late. Rows that fit
 // one block (a decode step) are therefore one run per thread: the 120 linear layers of a
-// 16-row step, Zen 5, 3 rounds, float32 panels 8.6-9.3 ms in runs of 8 against 7.9-8.1, pairs
-// with VDPBF16PS 6.7-7.6 against 6.0-6.5; at 64 rows within the rounds' spread.
+// 16-row step, Zen 5, medians of 8 alternating rounds, float32 panels 7.84 ms in runs of 8
+// against 7.44, pairs with VDPBF16PS 5.68 against 5.40 (docs/benchmarks.md, Nov 30).
 constexpr int64_t kRun = 8;
 
 // The work items above for a matmul of M rows over `panels` column panels, each panel `steps`

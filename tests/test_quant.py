@@ -40,6 +40,28 @@ def steps_held(name: str, tokens: list, ref_tokens: list, ref_logits: list, tol:
     return len(ref_tokens)
 
 
+def compare_runs(name: str, scheme: str, rec, out: dict, reference) -> tuple[int, int, list]:
+    """Each prompt's tokens and logits (`out`, `rec.logits`) against `reference(prompt)` ->
+    (tokens, per-step logits): every token the reference's (W8A8: up to a near tie, `steps_held`),
+    each compared step's logits within the scheme's tolerance. Returns (steps compared, rows within
+    float32's noise, the compared (prompt, step) pairs)."""
+    same = compared = 0
+    pairs = []
+    tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = reference(prompt)
+        if scheme != "w8a8":
+            assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
+        steps = steps_held(f"{name} {scheme} prompt {i}", out[i], ref_tokens, ref_logits, tol)
+        compared += steps
+        for step in range(steps):
+            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
+            assert diff < tol, f"{name} {scheme} prompt {i} step {step}: {diff}"
+            same += diff < LOGIT_ATOL
+            pairs.append((i, step))
+    return compared, same, pairs
+
+
 def hf_quantized(path, prompt, n=N_NEW, act_quant=True):
     """transformers' greedy tokens and per-step logits on a compressed-tensors checkpoint;
     act_quant=False: the same dequantized weights with the inputs left float."""
@@ -122,20 +144,9 @@ def test_greedy_tokens_and_logits_match_transformers_with_compressed_tensors(nam
     assert (CpuInt8Linear in kernels) == (CpuOps.vnni and scheme == "w8a8"), kernels
     assert (CpuInt4Linear in kernels) == (CpuOps.int4 and scheme == "w4a16"), kernels
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
-    same = float_inputs = compared = 0
-    tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL
-    for i, prompt in enumerate(PROMPTS):
-        ref_tokens, ref_logits = hf_quantized(path, prompt)
-        if scheme != "w8a8":
-            assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
-        steps = steps_held(f"{name} {scheme} prompt {i}", out[i], ref_tokens, ref_logits, tol)
-        compared += steps
-        for step in range(steps):
-            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
-            assert diff < tol, f"{name} {scheme} prompt {i} step {step}: {diff}"
-            same += diff < LOGIT_ATOL
-            if scheme == "w8a8":
-                float_inputs += np.abs(rec.logits[step][i] - hf_quantized(path, prompt, act_quant=False)[1][step]).max() < LOGIT_ATOL
+    compared, same, pairs = compare_runs(name, scheme, rec, out, lambda prompt: hf_quantized(path, prompt))
+    float_inputs = sum(np.abs(rec.logits[step][i] - hf_quantized(path, PROMPTS[i], act_quant=False)[1][step]).max()
+                       < LOGIT_ATOL for i, step in pairs) if scheme == "w8a8" else 0
     assert compared >= 0.75 * len(PROMPTS) * N_NEW and same >= 0.5 * compared and float_inputs == 0, \
         (compared, same, float_inputs)
 
@@ -153,18 +164,8 @@ def test_quantized_deepseek_gives_the_tokens_of_transformers_running_the_same_sc
     rec = Recording(runner_for(path))
     assert plan_job(spec_for(path, tmp_path), check_io=False).weight_bytes_per_rank == rec.runner.load_stats["bytes"]
     out = Driver(rec).generate(dict(enumerate(PROMPTS)), N_NEW)
-    same = compared = 0
-    tol = 0.1 if scheme == "w8a8" else LOGIT_ATOL
-    for i, prompt in enumerate(PROMPTS):
-        ref_tokens, ref_logits = hf_prepared(checkpoint(name), scheme, prompt)
-        if scheme != "w8a8":
-            assert out[i] == ref_tokens, f"{name} {scheme} prompt {i}"
-        steps = steps_held(f"{name} {scheme} prompt {i}", out[i], ref_tokens, ref_logits, tol)
-        compared += steps
-        for step in range(steps):
-            diff = np.abs(rec.logits[step][i] - ref_logits[step]).max()
-            assert diff < tol, f"{name} {scheme} prompt {i} step {step}: {diff}"
-            same += diff < LOGIT_ATOL
+    compared, same, _ = compare_runs(name, scheme, rec, out,
+                                     lambda prompt: hf_prepared(checkpoint(name), scheme, prompt))
     # A step's logits move by ~1e-2 once a float32 rounding difference moves one of its int8 inputs
     # a level. Latent attention quantizes more inputs a layer (q_a, q_b, kv_a, the latent, o) than
     # Llama's: rows within 2e-4 were 13 of 24 on one CPU and 10 of 24 on another (other kernels).

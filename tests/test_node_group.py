@@ -146,11 +146,12 @@ def join_in_threads(world: int) -> list:
     return got
 
 
-@pytest.mark.parametrize("why", ["turned off on rank 0", "a rank on another node"])
+@pytest.mark.parametrize("why", ["turned off on rank 0", "a rank on another node", "rank 0 cannot create it"])
 def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monkeypatch):
     """A rank that cannot map what rank 0 offers (another node's /dev/shm: here, a token it does
-    not find) says so, and no rank attaches; MSINFER_NODE_ALLREDUCE=0 on rank 0 offers nothing.
-    Rank 0 removes a segment that a process no longer alive left, before it creates its own."""
+    not find) says so, and no rank attaches; MSINFER_NODE_ALLREDUCE=0 on rank 0 offers nothing,
+    and so does a rank 0 that cannot create the segment (a /dev/shm it may not write to). Rank 0
+    removes a segment that a process no longer alive left, before it creates its own."""
     import subprocess
     from msinfer.sharding import layers
     if not os.path.isdir("/dev/shm"):
@@ -164,6 +165,15 @@ def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monke
     if why == "turned off on rank 0":
         monkeypatch.setenv("MSINFER_NODE_ALLREDUCE", "0")
         store = FakeStore()
+    elif why == "rank 0 cannot create it":
+        real_open = os.open
+
+        def refuse_to_create(path, flags, *args):
+            if flags & os.O_CREAT and str(path).startswith("/dev/shm/msinfer-"):
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, flags, *args)
+        monkeypatch.setattr(os, "open", refuse_to_create)
+        store = FakeStore()
     else:
         store = FakeStore({"rank2": lambda offer: offer[:-4] + b"0000"})
     monkeypatch.setattr(device, "_STORE", store)
@@ -171,7 +181,7 @@ def test_the_ranks_keep_mccl_together_when_any_cannot_map_the_segment(why, monke
     assert (layers.ALL_REDUCE, layers.ALL_GATHER) == (layers.ops.AllReduce, layers.ops.AllGather)
     assert device._NODE_SEGMENT is None
     offer = store.values["msinfer/node_group"]
-    assert (offer == b"none") == (why == "turned off on rank 0")
+    assert (offer == b"none") == (why != "a rank on another node")
     assert [store.values[f"msinfer/node_group/{r}"] for r in range(3)] == (
         [b"0"] * 3 if offer == b"none" else [b"1", b"1", b"0"])
     assert set(os.listdir("/dev/shm")) - {os.path.basename(stale)} == before   # rank 0 unlinked the segment

@@ -219,14 +219,17 @@ def join_node_group(rank: int, world: int, timeout_s: float) -> bool:
             path, token = f"/dev/shm/msinfer-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_hex(16)
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except OSError:                               # (a /dev/shm it may not write to)
+                path = None
+            else:
                 try:
                     os.posix_fallocate(fd, 0, size)       # tmpfs refuses here, not with SIGBUS on first touch
                     os.pwrite(fd, token.encode(), size - len(token))
+                    offer = f"{path} {token}"
+                except OSError:
+                    pass
                 finally:
                     os.close(fd)
-                offer = f"{path} {token}"
-            except OSError:
-                offer = "none"
         _STORE.set("msinfer/node_group", offer)
     offer = _STORE.get("msinfer/node_group").decode()
     segment = None

@@ -201,12 +201,20 @@ struct PagedAttention {
     for (int64_t l = from; l < to; ++l) __builtin_prefetch(static_cast<const char*>(block) + l * 64, 0, 1);
   }
 
+  // K block j of token `follow`'s sequence (nullptr past its blocks, or for no token, -1): what
+  // a thread asks for at the end of a token when it knows the token it computes next.
+  const C* follow_block(int64_t follow, int64_t j) const {
+    if (follow < 0 || j >= (static_cast<int64_t>(lens[follow]) + bs - 1) / bs) return nullptr;
+    const int32_t* table = tables + static_cast<int64_t>(rows[follow]) * MB;
+    return kc + static_cast<int64_t>(table[j]) * bs * KV * D;
+  }
+
   // One token (a decode step's), all its H query heads over its `len` positions: the scores
   // block by block, their softmax, then the values block by block. Each K and V row is read once.
   // A part (`part` given: run() splits a long sequence of a small step) reads blocks b0..b1-1
   // only and leaves in `part` each head's score max, its sum of exp(score - max) and its values
   // weighted by those [H][D], for run() to put together.
-  void one(int64_t n, int64_t b0 = 0, int64_t b1 = -1, float* part = nullptr) const {
+  void one(int64_t n, int64_t b0 = 0, int64_t b1 = -1, float* part = nullptr, int64_t follow = -1) const {
     thread_local std::vector<float> qv, acc, s;
     T* o = out + n * H * D;
     const int64_t len = lens[n];
@@ -251,7 +259,8 @@ struct PagedAttention {
       for (int64_t b = b0; b < blocks; ++b) {
         const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs), units = KV * groups * chunks;
         const C* vb = block(vc, b);
-        const C* next = b + kAheadBlocks < blocks ? block(vc, b + kAheadBlocks) : nullptr;
+        const C* next = b + kAheadBlocks < blocks ? block(vc, b + kAheadBlocks)
+                                                  : follow_block(follow, b + kAheadBlocks - blocks);
         for (int64_t h = 0, unit = 0; h < KV; ++h)
           for (int64_t g0 = 0; g0 < G; g0 += kShared)
             for (int64_t c0 = 0; c0 < D; c0 += 64, ++unit) {
@@ -442,7 +451,19 @@ struct PagedAttention {
     }
     std::vector<float> held(parts * size);
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-    parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t i) {
+    const int64_t count = static_cast<int64_t>(items.size());
+    if (parts == 0 && count == singles && count >= 2 * g_threads && D % 16 == 0) {
+      // Single tokens alone (a decode step): one run per thread, items r, r + runs, ... (the
+      // longest first, dealt round), each token asking for its successor's first K blocks as it
+      // finishes, so that a thread starts no token but its run's first on a cold cache.
+      const int64_t runs = g_threads;
+      parallel_for(runs, 1, [&](int64_t r) {
+        for (int64_t i = r; i < count; i += runs)
+          one(items[i].n0, 0, -1, nullptr, i + runs < count ? items[i + runs].n0 : -1);
+      });
+      return;
+    }
+    parallel_for(count, 1, [&](int64_t i) {
       const Item& it = items[i];
       if (it.h >= 0) {
         tile(it.n0, it.count, it.h);

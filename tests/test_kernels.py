@@ -492,6 +492,57 @@ def test_embedding_and_row_lookups_give_zeros_outside_the_table(kernels):
     np.testing.assert_array_equal(kernels.rows(Tensor(table), Tensor(ids)).asnumpy(), want)
 
 
+def test_rotary_tables_in_one_kernel_are_the_rounded_cosine_and_sine_of_the_angles(kernels):
+    """RopeTables (CausalLM.forward's MatMul, Cos and Sin): plain RoPE (one position component)
+    and three components that each drive a third of the frequencies (Qwen2-VL's M-RoPE), with
+    YaRN's attention factor or none. Each angle is the float32 sum of the products, and its
+    cosine and sine the float64 ones rounded to float32, then times the factor; MindSpore's own
+    operators give the same within one float32 step."""
+    rng = np.random.default_rng(5)
+    for P, N, factor in ((1, 16, 1.0), (1, 300, 1.0), (3, 37, 1.25)):
+        positions = rng.integers(0, 40000, (N, P)).astype(np.float32)
+        inv = (1.0 / 500000 ** (np.arange(32) / 32)).astype(np.float32)
+        freq = np.zeros((P, 32), np.float32)
+        for j in range(32):
+            freq[j * P // 32, j] = inv[j]
+        cos, sin = (t.asnumpy() for t in kernels.rope_angles(Tensor(positions), Tensor(freq),
+                                                              Tensor(np.array([factor], np.float32))))
+        angles = (positions[:, :, None] * freq[None]).sum(1, dtype=np.float32)
+        for got, f in ((cos, np.cos), (sin, np.sin)):
+            assert got.dtype == np.float32 and got.shape == (N, 32)
+            np.testing.assert_array_equal(got, f(angles.astype(np.float64)).astype(np.float32) * np.float32(factor))
+        theirs = ops.matmul(Tensor(positions), Tensor(freq))
+        for got, op in ((cos, ops.cos), (sin, ops.sin)):
+            want = op(theirs).asnumpy() * np.float32(factor)
+            np.testing.assert_allclose(got, want, rtol=0, atol=np.spacing(np.abs(want).max()))
+
+
+def test_greedy_rows_pick_the_first_largest_real_column_as_the_stats_kernel_does(kernels):
+    """GreedyRows (VocabSampler.greedy at tp 1): over rows of 5, 1023, 1025, 3000 and 49,152
+    columns, of which the first `real` are the vocabulary's (the rest pad a shard: larger there
+    changes nothing), each row's token is numpy's argmax over its real columns (the first of a
+    tie, within a block of 1024 and across blocks), and the column SampleStats puts first, a NaN
+    row included; a shard without real columns gives 0."""
+    from msinfer.worker.cpu import SamplerKernels
+    rng = np.random.default_rng(9)
+    greedy, stats = SamplerKernels.greedy(), SamplerKernels.stats(1)
+    for P, real in ((5, 5), (1023, 1000), (1025, 1025), (3000, 2999), (49152, 49152), (49152, 48000), (64, 0)):
+        x = rng.standard_normal((7, P)).astype(np.float32)
+        x[:, real:] = 50.0                                   # padding columns, never a token
+        if real > 3:
+            x[0, [1, real - 1]] = 9.0                        # a tie: the first wins
+            x[1, [real // 2, real - 2]] = 9.0
+            x[2, 0] = 9.0                                    # the first column
+            x[3, real - 1] = 9.0                             # the last real column
+            x[4, real // 3] = np.nan                         # a NaN is never the largest
+        meta = Tensor(np.array([[real, 0]], np.int32))
+        got = greedy(Tensor(x), meta).asnumpy()
+        assert got.dtype == np.int32
+        want = [int(np.nanargmax(r[:real])) if real else 0 for r in x]
+        assert got.tolist() == want, (P, real)
+        assert got.tolist() == stats(Tensor(x), meta).asnumpy()[:, 1].astype(np.int32).tolist(), (P, real)
+
+
 @pytest.fixture(scope="module")
 def tiles(kernels):
     if not kernels.amx:
@@ -925,6 +976,7 @@ STEPS = {
     "one long decode": lambda rng: [("decode", int(rng.integers(40, 90)))],
     "few decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 3)],
     "many decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 9)],
+    "decodes and padding": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 5)] + [("pad",)] * 2,
     "mixed": lambda rng: [("chunk", int(rng.integers(0, 30)), int(rng.integers(1, 40))), ("decode", 16),
                           ("decode", int(rng.integers(1, 90))), ("chunk", 0, 2), ("pad",), ("pad",)],
 }
@@ -937,8 +989,10 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
     query heads, head size 32), a head size of 24 (not a multiple of 16: position by position)
     and float16 in blocks of 8 (head size 128). The output equals numpy's attention over the
     caches the kernel wrote (the bfloat16 one as it holds them; the test above checks the
-    rounding). A run of 4 to 16 tokens of a chunk is a tile, a shorter one single tokens, and a
-    step of fewer single tokens than twice the threads splits a long one into parts."""
+    rounding). A run of 4 to 16 tokens of a chunk is a tile, a shorter one single tokens; a
+    step of fewer single tokens than twice the threads splits a long one into parts, and one of
+    single tokens alone, as many or more, gives each thread a run of them (each asking for the
+    next one's first blocks; a padding token's are none)."""
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
     rng = np.random.default_rng(sorted(STEPS).index(step))
     layouts = ((8, 2, 64, 16, None, True, np.float32, 1e-5), (5, 1, 32, 4, "bfloat16", False, np.float32, 1e-5),

@@ -26,7 +26,7 @@ TILE = 32      # csrc/matmul.h amx_rows: N and K of a weight in bfloat16 tiles a
 
 # The kernels' library and primitives, set by `load_kernels` before any network that uses them
 # is built.
-_LIBRARY = _RMS_NORM = _ADD_RMS_NORM = _SILU_MUL = _ROWS = None
+_LIBRARY = _RMS_NORM = _ADD_RMS_NORM = _SILU_MUL = _ROWS = _ROPE = None
 
 
 class CpuRmsNorm(nn.Cell):
@@ -73,6 +73,10 @@ class CpuOps(MsOps):
     @staticmethod
     def add_rms_norm_op(eps, norm=None):
         return CpuAddRmsNorm(eps)             # one kernel: the add and the norm
+
+    @staticmethod
+    def rope_angles(positions, freq_matrix, factor):
+        return _ROPE(positions, freq_matrix, factor)     # one kernel (RopeTables) for MatMul, Cos and Sin
 
     @staticmethod
     def rope_tables(cos, sin, heads):
@@ -592,6 +596,11 @@ class SamplerKernels:
         return _custom("SampleStats", lambda x, meta: [x[0], 4 + 2 * C])
 
     @staticmethod
+    def greedy():
+        """(x [M, per], meta [1, 2]) -> [M] int32: each row's greedy token (stats' column, R = 1)."""
+        return _custom("GreedyRows", lambda x, *_: [x[0]], lambda *_: ms.int32)
+
+    @staticmethod
     def kept():
         """(x, (g, t, tau) [M, 3], meta) -> [R M]: the sum of the kept weights."""
         return _custom("KeptMass", lambda x, *_: [x[0]])
@@ -700,7 +709,7 @@ def peak_flops():
 def load_kernels(threads: int = 0) -> None:
     """Builds (once per machine) and loads the CPU kernels; `threads` of theirs, the caller's
     included (0: every core), as many as the worker gives MindSpore."""
-    global _LIBRARY, _RMS_NORM, _ADD_RMS_NORM, _SILU_MUL, _ROWS
+    global _LIBRARY, _RMS_NORM, _ADD_RMS_NORM, _SILU_MUL, _ROWS, _ROPE
     _LIBRARY = kernel_library("kernels")
     lib = ctypes.CDLL(_LIBRARY)                        # the same library MindSpore opens
     lib.SetThreads(ctypes.c_int(threads or os.cpu_count() or 1))
@@ -716,3 +725,4 @@ def load_kernels(threads: int = 0) -> None:
     _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
     _SILU_MUL = _custom("SiluMul", lambda x: [*x[:-1], x[-1] // 2])
     _ROWS = _custom("Rows", lambda x, index: [index[0], x[1]])
+    _ROPE = _custom("RopeTables", lambda p, f, _: ([p[0], f[1]], [p[0], f[1]]), lambda p, *_: (p, p))

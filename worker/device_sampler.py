@@ -137,6 +137,7 @@ class VocabSampler(nn.Cell):
         self.kernels = kernels
         if kernels is not None:
             self.stats_ops = {c: kernels.stats(c) for c in {1, self.C}}
+            self.greedy_op = kernels.greedy()
             self.stats_t_op = kernels.stats(self.C, temperature=True)
             self.kept_op, self.draw_op, self.merge_op = kernels.kept(), kernels.draw(), kernels.merge(self.K)
             self.count_op = kernels.count()
@@ -238,8 +239,8 @@ class VocabSampler(nn.Cell):
     # ---- the functions ------------------------------------------------------------------------
     def greedy(self, logits):
         """-> token ids [M] int32."""
-        if self.tp_size == 1 and self.kernels is not None:    # the fewest operators: in every step's graph
-            return self.stats_ops[1](self.rows(logits), self.meta)[:, 1].astype(ms.int32)
+        if self.tp_size == 1 and self.kernels is not None:    # one operator: in every step's graph
+            return self.greedy_op(self.rows(logits), self.meta)
         if self.tp_size == 1:
             return ops.argmax(self.rows(logits), -1).astype(ms.int32)
         m, arg, _, _, _, _ = self.stats(logits, 0, False)

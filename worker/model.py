@@ -503,6 +503,7 @@ class CausalLM(nn.Cell):
         self.dtype = dtype
         self.dev = dev
         self.rope_factor, self.latent = cfg.rope_factor, cfg.mla is not None
+        self.rope_scale = Tensor(np.array([cfg.rope_factor], np.float32))
         self.has_lm_head = cfg.lm_head           # (graphs read plain attributes, not the config's)
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = attn.heads, attn.kv_heads
@@ -538,10 +539,13 @@ class CausalLM(nn.Cell):
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                 token_len, attn_mask, out_index, prefill: bool, hidden=None):
         x = self.embed_tokens(input_ids) if self.first else hidden.astype(self.dtype)
-        angles = ops.matmul(positions, self.freq_matrix)                 # [N, D/2]
-        cos, sin = ops.cos(angles), ops.sin(angles)
-        if self.rope_factor != 1.0:                                      # YaRN's attention factor
-            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        if self.dev.rope_angles is not None:                            # one operator (the CPU kernels)
+            cos, sin = self.dev.rope_angles(positions, self.freq_matrix, self.rope_scale)
+        else:
+            angles = ops.matmul(positions, self.freq_matrix)             # [N, D/2]
+            cos, sin = ops.cos(angles), ops.sin(angles)
+            if self.rope_factor != 1.0:                                  # YaRN's attention factor
+                cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.astype(self.dtype), sin.astype(self.dtype)
         if not self.latent:
             rope_q = self.dev.rope_tables(cos, sin, self.heads)

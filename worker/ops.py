@@ -252,6 +252,11 @@ class MsOps:
         residual add and the norm after it. `norm`: the norm's own rms_norm_op cell, to reuse."""
         return AddThenNorm(norm if norm is not None else cls.rms_norm_op(eps))
 
+    # CausalLM's rotary tables in one operator (CpuOps): (positions [N, P] float32, freq_matrix
+    # [P, D/2] float32, factor [1] float32) -> (cos, sin) [N, D/2] float32, the angles' cosine and
+    # sine times the factor. None: MatMul, Cos and Sin (and Mul by the factor).
+    rope_angles = None
+
     @staticmethod
     def rope_tables(cos, sin, heads):
         """cos/sin [N, D/2] -> the tables `rotary` takes, built once per step: [N, heads, D/2]."""

@@ -336,6 +336,48 @@ extern "C" int Rows(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
+// positions [N, P] float32, freq [P, F] float32, factor [1] float32 -> cos, sin [N, F] float32:
+// each angle sum_p positions[n][p] freq[p][f] in float32 (p in order, as MindSpore's MatMul of
+// the two), its cosine and sine computed in double and rounded to float32, then times factor
+// (YaRN's attention factor; 1 leaves them as they are). CausalLM.forward's rotary tables in one
+// operator where MatMul, Cos and Sin were three.
+extern "C" int RopeTables(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][0] || numel(ndims[2], shapes[2]) != 1)
+    return 1;
+  for (int i = 0; i < 3; ++i)
+    if (std::strcmp(dtypes[i], "float32")) return 1;
+  const int64_t N = shapes[0][0], P = shapes[0][1], F = shapes[1][1];
+  const float* pos = static_cast<const float*>(params[0]);
+  const float* freq = static_cast<const float*>(params[1]);
+  const float factor = *static_cast<const float*>(params[2]);
+  float* cos = static_cast<float*>(params[3]);
+  float* sin = static_cast<float*>(params[4]);
+  parallel_for(N, 64, [&](int64_t n) {
+    for (int64_t f = 0; f < F; ++f) {
+      float a = 0.f;
+      for (int64_t p = 0; p < P; ++p) a += pos[n * P + p] * freq[p * F + f];
+      double s, c;
+      ::sincos(static_cast<double>(a), &s, &c);
+      cos[n * F + f] = static_cast<float>(c) * factor;
+      sin[n * F + f] = static_cast<float>(s) * factor;
+    }
+  });
+  return 0;
+}
+
+// x [M, P] float32, meta [1, 2] int32 (the shard's real columns first) -> [M] int32: each row's
+// greedy token (greedy_row), the whole of VocabSampler.greedy at tp 1
+extern "C" int GreedyRows(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[1][0] != 1 || shapes[1][1] != 2 ||
+      std::strcmp(dtypes[0], "float32"))
+    return 1;
+  const int64_t P = shapes[0][1], n = std::min<int64_t>(static_cast<const int32_t*>(params[1])[0], P);
+  greedy_rows(static_cast<const float*>(params[0]), n, static_cast<int32_t*>(params[2]), shapes[0][0], P);
+  return 0;
+}
+
 // Each shard's real columns, at most the rows' width (shapes[0][1]): from meta [R, 2] int32,
 // params[at], whose first column holds them.
 static std::vector<int32_t> real_columns(void** params, int64_t** shapes, int at) {

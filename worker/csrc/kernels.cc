@@ -17,6 +17,7 @@
 //   RmsNorm         x * rsqrt(mean(x^2) + eps) * w over the last dimension
 //   AddRmsNorm      x + d (a layer's residual add) and RmsNorm of it, two outputs in one pass
 //   SiluMul         silu(gate) * up of a merged [gate | up] projection
+//   RopeTables      each token's rotary cos and sin from its position components
 //   DecoderLayer    a dense decoder layer of one rank in one call: AddRmsNorm, Linear (qkv),
 //                   PagedAttention, Linear (o), AddRmsNorm, LinearGlu, Linear (down), as the
 //                   network calls them one by one (see the entry point); DecoderAttention and
@@ -32,6 +33,7 @@
 //   SampleMerge     the step of `sample` between the ranks' stats and a draw over a shard
 //   ProcessRows     what penalties, biases, bans and token masks do to the logits, before sampling
 //   SampleRows      all of them in one call, for a shard that holds the whole vocabulary (tp 1)
+//   GreedyRows      each row's greedy token, for such a shard
 //   NodeAllReduce   the sum over a tensor-parallel group whose ranks share a node, and
 //   NodeAllGather   every rank's tensor, through shared memory (collective.h; NodeGroupAttach
 //                   gives them the group)

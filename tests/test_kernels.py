@@ -505,7 +505,7 @@ def test_rotary_tables_in_one_kernel_are_the_rounded_cosine_and_sine_of_the_angl
         freq = np.zeros((P, 32), np.float32)
         for j in range(32):
             freq[j * P // 32, j] = inv[j]
-        cos, sin = (t.asnumpy() for t in kernels.rope_angles(Tensor(positions), Tensor(freq),
+        cos, sin = (t.asnumpy() for t in kernels.rope_cos_sin(Tensor(positions), Tensor(freq),
                                                               Tensor(np.array([factor], np.float32))))
         angles = (positions[:, :, None] * freq[None]).sum(1, dtype=np.float32)
         for got, f in ((cos, np.cos), (sin, np.sin)):

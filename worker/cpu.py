@@ -75,7 +75,7 @@ class CpuOps(MsOps):
         return CpuAddRmsNorm(eps)             # one kernel: the add and the norm
 
     @staticmethod
-    def rope_angles(positions, freq_matrix, factor):
+    def rope_cos_sin(positions, freq_matrix, factor):
         return _ROPE(positions, freq_matrix, factor)     # one kernel (RopeTables) for MatMul, Cos and Sin
 
     @staticmethod

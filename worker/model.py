@@ -539,8 +539,8 @@ class CausalLM(nn.Cell):
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                 token_len, attn_mask, out_index, prefill: bool, hidden=None):
         x = self.embed_tokens(input_ids) if self.first else hidden.astype(self.dtype)
-        if self.dev.rope_angles is not None:                            # one operator (the CPU kernels)
-            cos, sin = self.dev.rope_angles(positions, self.freq_matrix, self.rope_scale)
+        if self.dev.rope_cos_sin is not None:                            # one operator (the CPU kernels)
+            cos, sin = self.dev.rope_cos_sin(positions, self.freq_matrix, self.rope_scale)
         else:
             angles = ops.matmul(positions, self.freq_matrix)             # [N, D/2]
             cos, sin = ops.cos(angles), ops.sin(angles)

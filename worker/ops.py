@@ -255,7 +255,7 @@ class MsOps:
     # CausalLM's rotary tables in one operator (CpuOps): (positions [N, P] float32, freq_matrix
     # [P, D/2] float32, factor [1] float32) -> (cos, sin) [N, D/2] float32, the angles' cosine and
     # sine times the factor. None: MatMul, Cos and Sin (and Mul by the factor).
-    rope_angles = None
+    rope_cos_sin = None
 
     @staticmethod
     def rope_tables(cos, sin, heads):

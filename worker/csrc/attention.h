@@ -93,9 +93,16 @@ struct PagedAttention {
 
   // Each token's rotated K (normed first if qn) and its V into the cache at its slot, its
   // rotated q into `out`. A cache of another element takes K once rotated, from a row of T.
-  static void write(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, C* kc, C* vc,
-                    const int32_t* slots, T* out, int64_t N, int64_t H, int64_t KV, int64_t D) {
-    parallel_for(N, 16, [&](int64_t n) {
+  struct Writer {
+    const T *qkv, *qn, *kn;
+    float eps;
+    const T *cos, *sin;
+    C *kc, *vc;
+    const int32_t* slots;
+    T* out;
+    int64_t H, KV, D;
+
+    void token(int64_t n) const {
       thread_local std::vector<T> k_row;
       const T* c = cos + n * D / 2;
       const T* s = sin + n * D / 2;
@@ -121,8 +128,12 @@ struct PagedAttention {
       rotate(k, KV, D, c, s, ko);
       if constexpr (!std::is_same_v<C, T>) to_cache(ko, kc + row, KV * D);
       to_cache(v, vc + row, KV * D);
-    });
-  }
+    }
+
+    void all(int64_t N) const {
+      parallel_for(N, 16, [&](int64_t n) { token(n); });
+    }
+  };
 
   // Cache rows (K; V at the same offset) of positions 0..len-1 of token n's sequence, KV head h.
   void key_rows(int64_t n, int64_t h, int64_t len, std::vector<const C*>& krow) const {
@@ -412,7 +423,20 @@ struct PagedAttention {
       }
   }
 
-  void run() const {
+  // Whether no two tokens are of one sequence (row of the block tables); padding tokens (no
+  // positions) read nothing.
+  bool distinct_rows() const {
+    std::vector<int32_t> r;
+    for (int64_t n = 0; n < N; ++n)
+      if (lens[n] > 0) r.push_back(rows[n]);
+    std::sort(r.begin(), r.end());
+    return std::adjacent_find(r.begin(), r.end()) == r.end();
+  }
+
+  // The step's attention after `writer` has written each token (a decode step's single tokens of
+  // distinct sequences: each in its own run, just before its attention, so that its q and K/V
+  // rows are still in the thread's cache and no pass over the step writes them first).
+  void run(const Writer& writer) const {
     // Work items: runs of 4 to QT consecutive tokens of one sequence at consecutive positions
     // (prefill tiles), one item per KV head, and single tokens, one item for all heads. When
     // fewer single tokens than twice the threads would leave threads idle (a decode step of one
@@ -455,17 +479,22 @@ struct PagedAttention {
     std::vector<float> held(parts * size);
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const int64_t count = static_cast<int64_t>(items.size());
-    if (parts == 0 && count == singles && count >= 2 * g_threads && D % 16 == 0) {
+    if (parts == 0 && count == singles && count >= 2 * g_threads && D % 16 == 0 && distinct_rows()) {
       // Single tokens alone (a decode step): one run per thread, items r, r + runs, ... (the
       // longest first, dealt round), each token asking for its successor's first K blocks as it
-      // finishes, so that a thread starts no token but its run's first on a cold cache.
+      // finishes, so that a thread starts no token but its run's first on a cold cache. A token
+      // reads no other token's K/V (each is of its own sequence), so each is written as its
+      // attention begins.
       const int64_t runs = g_threads;
       parallel_for(runs, 1, [&](int64_t r) {
-        for (int64_t i = r; i < count; i += runs)
+        for (int64_t i = r; i < count; i += runs) {
+          writer.token(items[i].n0);
           one(items[i].n0, 0, -1, nullptr, i + runs < count ? items[i + runs].n0 : -1);
+        }
       });
       return;
     }
+    writer.all(N);
     parallel_for(count, 1, [&](int64_t i) {
       const Item& it = items[i];
       if (it.h >= 0) {
@@ -485,9 +514,9 @@ template <typename T, typename C = T>
 void attend(const T* qkv, const T* qn, const T* kn, float eps, const T* cos, const T* sin, C* kc, C* vc,
             const int32_t* slots, const int32_t* tables, const int32_t* rows, const int32_t* lens, T* out, int64_t N,
             int64_t H, int64_t D, int64_t KV, int64_t MB, int64_t bs) {
-  PagedAttention<T, C>::write(qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, N, H, KV, D);
+  const typename PagedAttention<T, C>::Writer writer{qkv, qn, kn, eps, cos, sin, kc, vc, slots, out, H, KV, D};
   PagedAttention<T, C>{out, kc, vc, tables, rows, lens, out, N, H, D, KV, MB, bs, H / KV,
-                       1.0f / std::sqrt(static_cast<float>(D))}.run();
+                       1.0f / std::sqrt(static_cast<float>(D))}.run(writer);
 }
 
 }  // namespace

@@ -977,6 +977,9 @@ STEPS = {
     "few decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 3)],
     "many decodes": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 9)],
     "decodes and padding": lambda rng: [("decode", int(n)) for n in rng.integers(1, 90, 5)] + [("pad",)] * 2,
+    # single tokens alone, some of one sequence (chunks of 2 and 3): each must see the ones before it
+    "short chunks and decodes": lambda rng: [("chunk", int(rng.integers(0, 30)), 3), ("decode", int(rng.integers(1, 90))),
+                                             ("chunk", int(rng.integers(0, 30)), 2)],
     "mixed": lambda rng: [("chunk", int(rng.integers(0, 30)), int(rng.integers(1, 40))), ("decode", 16),
                           ("decode", int(rng.integers(1, 90))), ("chunk", 0, 2), ("pad",), ("pad",)],
 }
@@ -992,7 +995,8 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
     rounding). A run of 4 to 16 tokens of a chunk is a tile, a shorter one single tokens; a
     step of fewer single tokens than twice the threads splits a long one into parts, and one of
     single tokens alone, as many or more, gives each thread a run of them (each asking for the
-    next one's first blocks; a padding token's are none)."""
+    next one's first blocks; a padding token's are none), each token written as its attention
+    begins where no two are of one sequence."""
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
     rng = np.random.default_rng(sorted(STEPS).index(step))
     layouts = ((8, 2, 64, 16, None, True, np.float32, 1e-5), (5, 1, 32, 4, "bfloat16", False, np.float32, 1e-5),
@@ -1037,6 +1041,19 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
                                    err_msg=f"{step}: {seqs}, H {H} KV {KV} D {D} blocks of {bs}, cache {cache}")
 
 
+def _layer_step(rng, bs: int):
+    """The decoder layer tests' step: a 6-token prompt chunk after 3 cached positions, two decode
+    tokens and a padding row, in blocks of bs scattered over a cache of 13 (the last: scratch).
+    Each token's sequence, position, positions seen, the block tables, each token's slot."""
+    rows = np.array([0] * 6 + [1, 2, 0], np.int32)
+    pos = np.array(list(range(3, 9)) + [10, 4, 0])
+    lens = (pos + 1).astype(np.int32)
+    lens[-1] = 0
+    tables = rng.permutation(12).astype(np.int32)[:9].reshape(3, 3)
+    slots = np.where(lens > 0, tables[rows, pos // bs] * bs + pos % bs, 12 * bs).astype(np.int32)
+    return rows, pos, lens, tables, slots
+
+
 @pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
 @pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, False), (False, True)],
                          ids=["llama", "qwen3-qk-norm", "qwen2-qkv-bias"])
@@ -1050,12 +1067,7 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     float64 numpy; the padding row stays zero."""
     rng = np.random.default_rng(7 + qk_norm + 2 * bias)
     E, H, KV, D, I, bs, eps = 64, 4, 2, 16, 96, 4, 1e-6
-    rows = np.array([0] * 6 + [1, 2, 0], np.int32)
-    pos = np.array(list(range(3, 9)) + [10, 4, 0])
-    lens = (pos + 1).astype(np.int32)
-    lens[-1] = 0
-    tables = rng.permutation(12).astype(np.int32)[:9].reshape(3, 3)              # block 12: scratch
-    slots = np.where(lens > 0, tables[rows, pos // bs] * bs + pos % bs, 12 * bs).astype(np.int32)
+    rows, pos, lens, tables, slots = _layer_step(rng, bs)
     N = len(rows)
     h = rng.standard_normal((N, E)).astype(np.float32)
     delta = rng.standard_normal((N, E)).astype(np.float32)
@@ -1122,6 +1134,67 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     want_d = (g[:, :I] / (1 + np.exp(-g[:, :I])) * g[:, I:]) @ w["down"].T
     np.testing.assert_allclose(out_h, s2, atol=1e-5 * np.abs(s2).max(), rtol=0)
     np.testing.assert_allclose(out_d, want_d, atol=1e-5 * np.abs(want_d).max(), rtol=0)
+
+
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)], ids=["llama", "qk-norm-and-bias"])
+def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk_norm, bias):
+    """DecoderStack (every layer of a model in one launch, CausalLM.fuse) over three layers of
+    their own weights and caches, on the step of the layer test above: its two outputs and every
+    layer's K/V cache are those of the three DecoderLayer calls one after another, to the bit,
+    with the inputs every layer has alike (eps, metadata; the qk norms without qk_norm) passed
+    once. Metadata that names an input outside the call's shared ones is refused."""
+    rng = np.random.default_rng(11 + qk_norm)
+    E, H, KV, D, I, bs, eps, L = 64, 4, 2, 16, 96, 4, 1e-6, 3
+    rows, pos, lens, tables, slots = _layer_step(rng, bs)
+    N = len(rows)
+    f = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)     # noqa: E731
+    h, delta = f(N, E) * 5, f(N, E) * 5
+    h[-1] = delta[-1] = 0                                                        # padding
+    angle = pos[:, None] / 10000 ** (np.arange(D // 2) / (D // 2))
+    shared = [Tensor(a) for a in (np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32),
+                                  slots, tables, rows, lens)]
+    eps_t, meta = Tensor(np.array([eps], np.float32)), Tensor(np.array([bs, KV], np.int32))
+    norm_meta, ones = Tensor(np.array([eps, float(qk_norm)], np.float32)), Tensor(np.ones(D, np.float32))
+    layers, caches = [], []
+    for _ in range(L):      # each layer's DecoderLayer inputs past the shared ones, in DecoderStack's order
+        qn, kn = (Tensor(1 + f(D)), Tensor(1 + f(D))) if qk_norm else (ones, ones)
+        caches.append((f(13 * bs * KV, D), f(13 * bs * KV, D)))
+        layers.append([Tensor(1 + f(E)), eps_t, Tensor(kernels.pack(f((H + 2 * KV) * D, E))), qn, kn, norm_meta,
+                       None, None, meta, Tensor(kernels.pack(f(E, H * D))), Tensor(1 + f(E)), eps_t,
+                       Tensor(kernels.pack_glu(f(2 * I, E))), Tensor(kernels.pack(f(E, I)))]
+                      + ([Tensor(f((H + 2 * KV) * D))] if bias else []))
+
+    # one DecoderLayer call after another
+    layer_caches = [(Tensor(k.copy()), Tensor(v.copy())) for k, v in caches]
+    x, d = Tensor(h), Tensor(delta)
+    for own, (kc, vc) in zip(layers, layer_caches):
+        x, d = kernels.decoder_layer_op()(x, d, *own[:5], own[5], *shared[:2], kc, vc, *shared[2:], *own[8:14],
+                                          *own[14:])
+    # DecoderStack: an input is shared where every layer has the same one (the qk norms: `ones`)
+    stack_caches = [(Tensor(k.copy()), Tensor(v.copy())) for k, v in caches]
+    for own, (kc, vc) in zip(layers, stack_caches):
+        own[6], own[7] = kc, vc
+    columns = list(zip(*layers))
+    alike = [all(v is c[0] for v in c) for c in columns]
+    common = [c[0] for c, a in zip(columns, alike) if a]
+    where, n_own, n_common = [], 0, 0
+    for a in alike:
+        where.append(-1 - (9 + n_common) if a else n_own)
+        n_common, n_own = n_common + a, n_own + (not a)
+    assert n_common == (4 if qk_norm else 6)
+    stack_meta = Tensor(np.array([L, n_own, *where], np.int32))
+    own_inputs = [v for layer in layers for v, a in zip(layer, alike) if not a]
+    sx, sd = kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, stack_meta, *common, *own_inputs)
+    np.testing.assert_array_equal(sx.asnumpy(), x.asnumpy())
+    np.testing.assert_array_equal(sd.asnumpy(), d.asnumpy())
+    for (a, b), (c, e) in zip(stack_caches, layer_caches):
+        np.testing.assert_array_equal(a.asnumpy(), c.asnumpy())
+        np.testing.assert_array_equal(b.asnumpy(), e.asnumpy())
+    assert not np.array_equal(x.asnumpy(), h)            # (the layers did change the stream)
+    # a shared input's index past the shared ones: into the layers' own inputs
+    bad = Tensor(np.array([L, n_own, *[w if w >= 0 else -1 - (9 + n_common) for w in where]], np.int32))
+    with pytest.raises(RuntimeError):
+        kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, bad, *common, *own_inputs)[0].asnumpy()
 
 
 def test_the_kernels_built_for_a_cpu_without_avx512_give_numpy_s_results_too():

@@ -96,22 +96,24 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
                                   panels.runner.model.weights()["lm_head.weight"])
 
 
-@pytest.mark.parametrize("name,fused", [("llama_gqa_tied", 2), ("qwen3_qknorm_odd_head_dim", 2), ("qwen2_qkv_bias", 2),
-                                        ("qwen3_moe_top2_dense_layer", 2), ("deepseek_v3_yarn_groups", 1),
-                                        ("llama_mha_bias", 0)])
-def test_layers_and_their_halves_run_as_kernel_calls_giving_their_operators_logits(name, fused, checkpoint,
+@pytest.mark.parametrize("name,fused,stacked", [
+    ("llama_gqa_tied", 2, True), ("qwen3_qknorm_odd_head_dim", 2, True), ("qwen2_qkv_bias", 2, True),
+    ("qwen3_moe_top2_dense_layer", 2, False), ("deepseek_v3_yarn_groups", 1, False), ("llama_mha_bias", 0, False)])
+def test_layers_and_their_halves_run_as_kernel_calls_giving_their_operators_logits(name, fused, stacked, checkpoint,
                                                                                    monkeypatch):
     """On the CPU kernels a layer's attention and MLP halves run as one kernel call each where they
     can (LayerBase.fuse), and a layer with both as one DecoderLayer call: both layers of a Llama,
     of a Qwen3 with qk norm and a head size of 24 and of a Qwen2 (a qkv bias); the dense layer of
     a mixture of experts whole and its sparse layer's attention; the MLP of DeepSeek-V3's dense
     layer (latent attention keeps its operators, as do the experts); nothing of a Llama with
-    biases in its o and MLP projections. With MSINFER_FUSED_LAYERS=0 every layer runs its
+    biases in its o and MLP projections. Where every layer is one call, all of them are one
+    DecoderStack call (CausalLM.fuse). With MSINFER_FUSED_LAYERS=0 every layer runs its
     operators one by one, and the tokens and every step's logits are the same to the bit (the
     parity test above holds the fused ones to transformers)."""
     from msinfer.worker.cpu import CpuOps, load_kernels
     one = Recording(runner_for(checkpoint(name)))
     assert one.runner.fused_layers == fused
+    assert (one.runner.model.stack is not None) == stacked
     if not fused:
         return
     monkeypatch.setenv("MSINFER_FUSED_LAYERS", "0")
@@ -120,7 +122,8 @@ def test_layers_and_their_halves_run_as_kernel_calls_giving_their_operators_logi
     apart = Recording(ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8)))
     monkeypatch.undo()
     load_kernels()
-    assert apart.runner.fused_layers == 0 and CpuOps.decoder_layer_op() is not None
+    assert apart.runner.fused_layers == 0 and apart.runner.model.stack is None
+    assert CpuOps.decoder_layer_op() is not None
     prompts = dict(enumerate(PROMPTS))
     assert Driver(one).generate(prompts, N_NEW) == Driver(apart).generate(prompts, N_NEW)
     assert len(one.logits) == len(apart.logits) == N_NEW          # a prefill and the decode steps

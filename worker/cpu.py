@@ -144,6 +144,15 @@ class CpuOps(MsOps):
             return _custom("DecoderAttention", *two), _custom("DecoderMlp", *two)
         return _custom("DecoderLayer", *two)
 
+    @classmethod
+    def decoder_stack_op(cls):
+        """(h, delta, the attention's shared inputs, [layers, inputs a layer] int32, each layer's
+        own inputs: kernels.cc DecoderStack) -> (h, delta) after the last: the layers'
+        DecoderLayer calls from one launch; None where MSINFER_FUSED_LAYERS=0."""
+        if not cls.fused_layers:
+            return None
+        return _custom("DecoderStack", lambda h, *_: (h, h), lambda h, *_: (h, h))
+
     @staticmethod
     def linear_op():
         """(x [M, K], w [N, K] packed) -> x w^T [M, N]."""

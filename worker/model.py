@@ -381,6 +381,17 @@ class LayerBase(nn.Cell):
         h, x = post(h, o)
         return h, self.mlp(x)
 
+    def stack_inputs(self) -> tuple:
+        """The inputs of this layer's DecoderLayer call (`construct`) but those every layer takes
+        from the step (the residual stream, the rotary tables, the step's tokens), in that order:
+        its norms, weights, caches and metadata, which the device's DecoderStack takes for every
+        layer (CausalLM.fuse)."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        bias = () if attn.qkv_proj.bias is None else (attn.qkv_proj.bias,)
+        return (self.input_layernorm.weight, self.input_layernorm.add_op.eps, attn.qkv_proj.weight, *attn.qk_norm,
+                attn.norm_meta, attn.k_cache, attn.v_cache, attn.attn_meta, attn.o_proj.weight, post.weight,
+                post.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight, *bias)
+
 
 class DecoderLayer(LayerBase):
     # Compiled once and reused for every layer: a 30-layer step compiles in ~2/3 of the time.
@@ -450,6 +461,10 @@ def hold_int4_experts(dev, cell: FusedExperts, dtype=ms.float32) -> dict | None:
             for name, (_, unpack), s, g in held}
 
 
+# The inputs of the device's decoder_stack_op before its `stack` metadata (CausalLM.forward).
+STACK_FIXED = 9
+
+
 class CausalLM(nn.Cell):
     """Inputs of one step (N tokens of B sequences, in M >= B rows; see ModelRunner.prepare):
         input_ids          [N]      int32   the new tokens, packed one sequence after another
@@ -514,8 +529,46 @@ class CausalLM(nn.Cell):
         # runner from EngineConfig.matmul_dtype before the weights load
         self.bf16_matmuls = False
         self.uncollected = 0                 # bytes of parameters replaced since the last collection (pack_layer)
+        # the device's one call for every layer (`fuse`), its [layers, inputs a layer] and those inputs
+        self.stack = self.stack_meta = None
+        self.stack_args = ()
         if cfg.quant is not None:
             self.quantize_inputs()
+
+    def fuse(self) -> int:
+        """Each layer's `fuse`, then, where every layer is one call of the same inputs (dense, at
+        tp 1, all with or all without a qkv bias) and the device has one, the layers as one call
+        of its decoder_stack_op: an input that is the same in every layer (a constant of equal
+        values, or one Parameter) passed once, the others layer by layer. How many layers run any
+        part fused."""
+        fused = sum(layer.fuse(self.dev) for layer in self.layers)
+        if (self.dev.decoder_stack_op is None or len(self.layers) < 2
+                or any(layer.fused is None for layer in self.layers)):
+            return fused
+        inputs = [layer.stack_inputs() for layer in self.layers]
+        if len({len(x) for x in inputs}) != 1:
+            return fused
+
+        def same(values) -> bool:
+            if all(v is values[0] for v in values):
+                return True
+            if any(isinstance(v, Parameter) for v in values):
+                return False
+            first = values[0].asnumpy()
+            return all(v.shape == first.shape and v.dtype == values[0].dtype and np.array_equal(v.asnumpy(), first)
+                       for v in values[1:])
+        shared, own, where = [], [], []              # own: [input][layer]
+        for values in zip(*inputs):
+            if same(values):
+                where.append(-1 - (STACK_FIXED + len(shared)))
+                shared.append(values[0])
+            else:
+                where.append(len(own))
+                own.append(values)
+        self.stack = self.dev.decoder_stack_op()
+        self.stack_meta = Tensor(np.array([len(self.layers), len(own), *where], np.int32))
+        self.stack_args = (*shared, *(values[layer] for layer in range(len(self.layers)) for values in own))
+        return fused
 
     def quantize_inputs(self) -> None:
         """W8A8 (sharding.quant): each layer whose scheme quantizes its inputs does so before its
@@ -554,8 +607,12 @@ class CausalLM(nn.Cell):
             rope_q = rope_k = (cos, sin)
         ctx = (slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask)
         delta = ops.zeros_like(x)
-        for layer in self.layers:
-            x, delta = layer(x, delta, rope_q, rope_k, ctx, prefill)
+        if self.stack is not None:
+            x, delta = self.stack(x, delta, *rope_q, slot_mapping, block_tables, token_seq, token_len,
+                                  self.stack_meta, *self.stack_args)
+        else:
+            for layer in self.layers:
+                x, delta = layer(x, delta, rope_q, rope_k, ctx, prefill)
         if not self.last:
             return (x + delta).astype(ms.float32)
         _, x = self.norm(self.dev.rows(x, out_index), self.dev.rows(delta, out_index))

@@ -221,6 +221,9 @@ class MsOps:
     # (halves) -> an op that runs a dense decoder layer in one call, or the ops of its attention
     # and MLP halves (CpuOps: LayerBase.fuse); or None
     decoder_layer_op = None
+    # () -> an op that runs every layer of a model whose layers each run as one call, in one
+    # call (CpuOps: CausalLM.fuse); or None
+    decoder_stack_op = None
     jit_options: dict = {}    # options of mindspore.jit for the step graphs
     phases: dict | None = None   # step kind -> the network's `phase` while it runs (AscendOps)
     # Static-shape step graphs in MindSpore's inference mode (CpuOps): these jit options for them

@@ -23,6 +23,8 @@
 //                   network calls them one by one (see the entry point); DecoderAttention and
 //                   DecoderMlp, its halves, where an all-reduce comes between them (tp > 1) or
 //                   the other half keeps its operators
+//   DecoderStack    every layer of a model whose layers are each one DecoderLayer call, in one
+//                   call: those calls in order
 //   MoeExperts      a mixture-of-experts layer's experts, each over the tokens routed to it;
 //                   weights float, bfloat16 (tiles, or pairs computing in bfloat16), int8 per
 //                   channel or int4 per group (W4A16)
@@ -264,6 +266,64 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   int64_t* sh[6] = {shapes[0], shapes[0], shapes[18], shapes[19], shapes[20], shapes[21]};
   const char* dt[6] = {dtypes[0], dtypes[0], dtypes[18], dtypes[19], dtypes[20], dtypes[21]};
   return mlp_half(p, nd, sh, dt, h, params[nparam - 1]);
+}
+
+// A run of dense decoder layers in one call: DecoderLayer's for each, in order, on the residual
+// stream and the output the layer before leaves in the outputs (so the results are those of the
+// layers' calls one by one, to the bit). MindSpore spends its time between one operator and the
+// next, and on each input of an operator, once a step instead of once a layer, and on an input
+// that every layer shares (eps, metadata) once.
+//   0-7  h, delta [N, E]; cos, sin, slots, tables, rows, lens: DecoderLayer's first two, and
+//        PagedAttention's inputs that every layer shares
+//   8    stack [2 + S] int32: the layers L, the inputs K each has of its own (the last L x K
+//        inputs, layer after layer), then where each of DecoderLayer's S inputs of a layer is
+//        (S = 14 or 15: in_norm, in_eps, qkv_w, q_norm, k_norm, norm, k_cache, v_cache, meta,
+//        o_w, post_norm, post_eps, gate_up_w, down_w[, qkv_b]): v >= 0, the layer's own input v;
+//        v < 0, this call's input -1 - v, the same for every layer
+//   then the shared inputs, then each layer's own
+// Outputs: h and delta after the last layer.
+extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                            void* stream, void* extra) {
+  constexpr int kFixed = 9;
+  if (nparam < kFixed + 2 || ndims[8] != 1 || shapes[8][0] < 2 || std::strcmp(dtypes[8], "int32")) return 1;
+  const int32_t* stack = static_cast<const int32_t*>(params[8]);
+  const int64_t L = stack[0], K = stack[1], S = shapes[8][0] - 2, first = nparam - 2 - L * K;   // (its own)
+  if ((S != 14 && S != 15) || L < 1 || K < 0 || first < kFixed ||
+      !rows_like_x(ndims, shapes, dtypes, {1, nparam - 2, nparam - 1}))
+    return 1;
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t v = stack[2 + j];
+    if (v >= K || (v < 0 && (-1 - v < kFixed || -1 - v >= first))) return 1;
+  }
+  void *h = params[nparam - 2], *d = params[nparam - 1];
+  const size_t bytes = static_cast<size_t>(shapes[0][0] * shapes[0][1] * dtype_bytes(dtypes[0]));
+  std::memcpy(h, params[0], bytes);
+  std::memcpy(d, params[1], bytes);
+  // DecoderLayer's inputs: the outputs (h, delta), the shared ones (this call's 2-7), and S of a layer
+  constexpr int kShared[6][2] = {{8, 2}, {9, 3}, {12, 4}, {13, 5}, {14, 6}, {15, 7}};
+  constexpr int kLayer[15] = {2, 3, 4, 5, 6, 7, 10, 11, 16, 17, 18, 19, 20, 21, 22};
+  const int n = static_cast<int>(8 + S);
+  for (int64_t l = 0; l < L; ++l) {
+    void* p[25];
+    int nd[25];
+    int64_t* sh[25];
+    const char* dt[25];
+    auto put = [&](int i, int64_t from) {
+      p[i] = params[from], nd[i] = ndims[from], sh[i] = shapes[from], dt[i] = dtypes[from];
+    };
+    put(0, nparam - 2);
+    put(1, nparam - 1);
+    for (const auto& [i, from] : kShared) put(i, from);
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t v = stack[2 + j];
+      put(kLayer[j], v >= 0 ? first + l * K + v : -1 - v);
+    }
+    put(n, nparam - 2);
+    put(n + 1, nparam - 1);
+    const int rc = DecoderLayer(n + 2, p, nd, sh, dt, stream, extra);
+    if (rc) return rc;
+  }
+  return 0;
 }
 
 // The two halves of DecoderLayer, for a layer whose o and down projections' partial sums are

@@ -1136,13 +1136,16 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     np.testing.assert_allclose(out_d, want_d, atol=1e-5 * np.abs(want_d).max(), rtol=0)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["caches-apart", "caches-stacked"])
 @pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)], ids=["llama", "qk-norm-and-bias"])
-def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk_norm, bias):
+def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk_norm, bias, stacked):
     """DecoderStack (every layer of a model in one launch, CausalLM.fuse) over three layers of
     their own weights and caches, on the step of the layer test above: its two outputs and every
     layer's K/V cache are those of the three DecoderLayer calls one after another, to the bit,
     with the inputs every layer has alike (eps, metadata; the qk norms without qk_norm) passed
-    once. Metadata that names an input outside the call's shared ones is refused."""
+    once, and the caches each layer's own or all in one [layers, ...] input each. Metadata that
+    names an input outside the call's shared ones, or slices one that is not [layers, ...], is
+    refused."""
     rng = np.random.default_rng(11 + qk_norm)
     E, H, KV, D, I, bs, eps, L = 64, 4, 2, 16, 96, 4, 1e-6, 3
     rows, pos, lens, tables, slots = _layer_step(rng, bs)
@@ -1176,25 +1179,41 @@ def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk
         own[6], own[7] = kc, vc
     columns = list(zip(*layers))
     alike = [all(v is c[0] for v in c) for c in columns]
-    common = [c[0] for c, a in zip(columns, alike) if a]
-    where, n_own, n_common = [], 0, 0
-    for a in alike:
-        where.append(-1 - (9 + n_common) if a else n_own)
-        n_common, n_own = n_common + a, n_own + (not a)
-    assert n_common == (4 if qk_norm else 6)
-    stack_meta = Tensor(np.array([L, n_own, *where], np.int32))
+    assert sum(alike) == (4 if qk_norm else 6)
+    # the caches (inputs 6, 7) in one [L, ...] input each, shared and sliced
+    whole = [Tensor(np.stack([c[kind] for c in caches])) for kind in (0, 1)] if stacked else []
+    common, where, sliced, n_own = [], [], [], 0
+    for j, (c, a) in enumerate(zip(columns, alike)):
+        if stacked and j in (6, 7):
+            where.append(-1 - (9 + len(common)))
+            common.append(whole[j - 6])
+            alike[j] = True
+        elif a:
+            where.append(-1 - (9 + len(common)))
+            common.append(c[0])
+        else:
+            where.append(n_own)
+            n_own += 1
+        sliced.append(int(stacked and j in (6, 7)))
+    stack_meta = Tensor(np.array([L, n_own, *where, *sliced], np.int32))
     own_inputs = [v for layer in layers for v, a in zip(layer, alike) if not a]
     sx, sd = kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, stack_meta, *common, *own_inputs)
     np.testing.assert_array_equal(sx.asnumpy(), x.asnumpy())
     np.testing.assert_array_equal(sd.asnumpy(), d.asnumpy())
-    for (a, b), (c, e) in zip(stack_caches, layer_caches):
+    for layer, ((a, b), (c, e)) in enumerate(zip(stack_caches, layer_caches)):
+        if stacked:
+            a, b = whole[0][layer], whole[1][layer]
         np.testing.assert_array_equal(a.asnumpy(), c.asnumpy())
         np.testing.assert_array_equal(b.asnumpy(), e.asnumpy())
     assert not np.array_equal(x.asnumpy(), h)            # (the layers did change the stream)
-    # a shared input's index past the shared ones: into the layers' own inputs
-    bad = Tensor(np.array([L, n_own, *[w if w >= 0 else -1 - (9 + n_common) for w in where]], np.int32))
-    with pytest.raises(RuntimeError):
-        kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, bad, *common, *own_inputs)[0].asnumpy()
+    # a shared input's index past the shared ones (into the layers' own inputs), a slice of an
+    # input that is not [layers, ...] (eps)
+    past = [w if w >= 0 else -1 - (len(common) + 9) for w in where]
+    eps_sliced = [1 if w == where[1] else f for w, f in zip(where, sliced)]
+    for meta in ([L, n_own, *past, *sliced], [L, n_own, *where, *eps_sliced]):
+        with pytest.raises(RuntimeError):
+            kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, Tensor(np.array(meta, np.int32)), *common,
+                                       *own_inputs)[0].asnumpy()
 
 
 def test_the_kernels_built_for_a_cpu_without_avx512_give_numpy_s_results_too():

@@ -539,8 +539,10 @@ class CausalLM(nn.Cell):
         """Each layer's `fuse`, then, where every layer is one call of the same inputs (dense, at
         tp 1, all with or all without a qkv bias) and the device has one, the layers as one call
         of its decoder_stack_op: an input that is the same in every layer (a constant of equal
-        values, or one Parameter) passed once, the others layer by layer. How many layers run any
-        part fused."""
+        values, or one Parameter) passed once, the K and V caches as one [layers, ...] cache
+        each (`stack_caches`: MindSpore charges each distinct Parameter of a call, and the
+        layers' own caches, never written, hold no memory), the others layer by layer. How many
+        layers run any part fused."""
         fused = sum(layer.fuse(self.dev) for layer in self.layers)
         if (self.dev.decoder_stack_op is None or len(self.layers) < 2
                 or any(layer.fused is None for layer in self.layers)):
@@ -557,18 +559,33 @@ class CausalLM(nn.Cell):
             first = values[0].asnumpy()
             return all(v.shape == first.shape and v.dtype == values[0].dtype and np.array_equal(v.asnumpy(), first)
                        for v in values[1:])
-        shared, own, where = [], [], []              # own: [input][layer]
+        caches = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in self.layers]
+        shared, own, where, sliced = [], [], [], []              # own: [input][layer]
         for values in zip(*inputs):
-            if same(values):
+            kind = next((k for k in (0, 1) if all(v is c[k] for v, c in zip(values, caches))), None)
+            if kind is not None or same(values):
                 where.append(-1 - (STACK_FIXED + len(shared)))
-                shared.append(values[0])
+                sliced.append(int(kind is not None))
+                shared.append(values[0] if kind is None else self.stack_caches[kind])
             else:
                 where.append(len(own))
+                sliced.append(0)
                 own.append(values)
         self.stack = self.dev.decoder_stack_op()
-        self.stack_meta = Tensor(np.array([len(self.layers), len(own), *where], np.int32))
+        self.stack_meta = Tensor(np.array([len(self.layers), len(own), *where, *sliced], np.int32))
         self.stack_args = (*shared, *(values[layer] for layer in range(len(self.layers)) for values in own))
         return fused
+
+    @property
+    def stack_caches(self) -> tuple:
+        """The K and V caches of every layer, [layers, ...] each, for DecoderStack: parameters of
+        this cell (made on first use, as a layer's are: zero pages until written)."""
+        if not hasattr(self, "stack_k_cache"):
+            k = self.layers[0].self_attn.k_cache
+            for name in ("k_cache", "v_cache"):
+                self.insert_param_to_cell(f"stack_{name}",
+                                          self.dev.cache_param((len(self.layers), *k.shape), k.dtype, f"stack.{name}"))
+        return self.stack_k_cache, self.stack_v_cache
 
     def quantize_inputs(self) -> None:
         """W8A8 (sharding.quant): each layer whose scheme quantizes its inputs does so before its

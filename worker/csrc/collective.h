@@ -81,7 +81,8 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 // the demo model in 35.1-36.1 ms with 200, 39.6-39.8 with 2,000 (docs/benchmarks.md).
 constexpr int kSpin = 200;
 
-// The bytes of one element of a MindSpore dtype the collectives move, 0 for another.
+// The bytes of one element of a MindSpore dtype (the collectives move, DecoderStack slices), 0 for
+// another.
 inline int64_t element_bytes(const char* dtype) {
   for (const char* d : {"float32", "int32", "uint32"})
     if (std::strcmp(dtype, d) == 0) return 4;

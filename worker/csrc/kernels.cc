@@ -275,25 +275,29 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 // that every layer shares (eps, metadata) once.
 //   0-7  h, delta [N, E]; cos, sin, slots, tables, rows, lens: DecoderLayer's first two, and
 //        PagedAttention's inputs that every layer shares
-//   8    stack [2 + S] int32: the layers L, the inputs K each has of its own (the last L x K
+//   8    stack [2 + 2 S] int32: the layers L, the inputs K each has of its own (the last L x K
 //        inputs, layer after layer), then where each of DecoderLayer's S inputs of a layer is
 //        (S = 14 or 15: in_norm, in_eps, qkv_w, q_norm, k_norm, norm, k_cache, v_cache, meta,
 //        o_w, post_norm, post_eps, gate_up_w, down_w[, qkv_b]): v >= 0, the layer's own input v;
-//        v < 0, this call's input -1 - v, the same for every layer
+//        v < 0, this call's input -1 - v, the same for every layer; then, for each, 1 where that
+//        input of the call holds every layer's, [L, ...] (layer l's: its l-th [...]), else 0
 //   then the shared inputs, then each layer's own
 // Outputs: h and delta after the last layer.
 extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
   constexpr int kFixed = 9;
-  if (nparam < kFixed + 2 || ndims[8] != 1 || shapes[8][0] < 2 || std::strcmp(dtypes[8], "int32")) return 1;
+  if (nparam < kFixed + 2 || ndims[8] != 1 || shapes[8][0] % 2 || std::strcmp(dtypes[8], "int32")) return 1;
   const int32_t* stack = static_cast<const int32_t*>(params[8]);
-  const int64_t L = stack[0], K = stack[1], S = shapes[8][0] - 2, first = nparam - 2 - L * K;   // (its own)
+  const int64_t L = stack[0], K = stack[1], S = (shapes[8][0] - 2) / 2, first = nparam - 2 - L * K;   // (its own)
+  const int32_t *where = stack + 2, *sliced = stack + 2 + S;
   if ((S != 14 && S != 15) || L < 1 || K < 0 || first < kFixed ||
       !rows_like_x(ndims, shapes, dtypes, {1, nparam - 2, nparam - 1}))
     return 1;
   for (int64_t j = 0; j < S; ++j) {
-    const int64_t v = stack[2 + j];
-    if (v >= K || (v < 0 && (-1 - v < kFixed || -1 - v >= first))) return 1;
+    const int64_t v = where[j], at = -1 - v;
+    if (v >= K || (v < 0 && (at < kFixed || at >= first)) ||
+        (sliced[j] && (v >= 0 || ndims[at] < 2 || shapes[at][0] != L || element_bytes(dtypes[at]) == 0)))
+      return 1;
   }
   void *h = params[nparam - 2], *d = params[nparam - 1];
   const size_t bytes = static_cast<size_t>(shapes[0][0] * shapes[0][1] * dtype_bytes(dtypes[0]));
@@ -315,8 +319,14 @@ extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** sha
     put(1, nparam - 1);
     for (const auto& [i, from] : kShared) put(i, from);
     for (int64_t j = 0; j < S; ++j) {
-      const int64_t v = stack[2 + j];
-      put(kLayer[j], v >= 0 ? first + l * K + v : -1 - v);
+      const int64_t v = where[j], at = v >= 0 ? first + l * K + v : -1 - v;
+      put(kLayer[j], at);
+      if (sliced[j]) {            // layer l's [...] of an [L, ...] input
+        const int64_t bytes = numel(ndims[at], shapes[at]) / L * element_bytes(dtypes[at]);
+        p[kLayer[j]] = static_cast<char*>(params[at]) + l * bytes;
+        nd[kLayer[j]] = ndims[at] - 1;
+        sh[kLayer[j]] = shapes[at] + 1;
+      }
     }
     put(n, nparam - 2);
     put(n + 1, nparam - 1);

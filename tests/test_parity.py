@@ -77,8 +77,12 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_gives_the_tokens_of_float32_pa
     halved = Recording(runner_for(checkpoint(name)))
     assert planned() == halved.runner.load_stats["bytes"]
     kind = ms.int16 if CpuOps.amx else ms.uint16
-    held = [p.name for p in halved.runner.model.get_parameters() if p.dtype == kind]
+    params = list(halved.runner.model.get_parameters())
+    held = [p.name for p in params if p.dtype == kind and not p.name.startswith("stack.")]
     assert len(held) == 4 * halved.runner.cfg.num_layers + 1          # qkv, o, gate_up, down; embedding = LM head
+    # the layers in one call (CausalLM.fuse) read each kind from one [layers, ...] Parameter, in the same dtype
+    stacks = [p for p in params if p.name.startswith("stack.") and p.dtype == kind]
+    assert len(stacks) == 4 and all(p.shape[0] == halved.runner.cfg.num_layers for p in stacks)
     monkeypatch.setenv("MSINFER_AMX", "0")
     monkeypatch.setenv("MSINFER_BF16_PANELS", "0")
     panels = Recording(ModelRunner(EngineConfig(str(checkpoint(name)), max_model_len=128, max_batch_size=8)))
@@ -246,7 +250,8 @@ def test_bfloat16_linear_layers_give_the_tokens_of_transformers_rounding_the_sam
               if isinstance(c, (LinearBase, VocabParallelEmbedding))}
     experts = {w.name for _, c in runner.model.cells_and_names() if isinstance(c, FusedExperts) for w in (c.w13, c.w2)}
     assert len(experts) == (2 * runner.cfg.num_layers if "moe" in name else 0)
-    pairs = {p.name: p for p in runner.model.get_parameters() if p.dtype == ms.uint32}
+    pairs = {p.name: p for p in runner.model.get_parameters()             # (not the layers' stacks: fuse)
+             if p.dtype == ms.uint32 and not p.name.startswith("stack.")}
     assert set(pairs) == linear | experts and len(linear) >= 4 * runner.cfg.num_layers + 1
     for key, p in pairs.items():            # half float32's bytes, an odd input padded
         *lead, rows, cols = float32[key].shape

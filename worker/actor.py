@@ -216,8 +216,9 @@ class Worker:
         from mindspore import Tensor
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
+        stacked = self.runner.model.stacked      # (a layer's weight held in its stack: never written)
         for p in self.runner.model.get_parameters():
-            if "cache" not in p.name and p.name != "freq_matrix":
+            if "cache" not in p.name and p.name != "freq_matrix" and p.name not in stacked:
                 p.set_data(Tensor(random_values(p.shape, p.dtype, rng, scale), dtype=p.dtype))
                 filled += p.nbytes
         return filled

@@ -12,6 +12,7 @@ never by a caller.
 from __future__ import annotations
 
 import gc
+import re
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
@@ -381,16 +382,17 @@ class LayerBase(nn.Cell):
         h, x = post(h, o)
         return h, self.mlp(x)
 
-    def stack_inputs(self) -> tuple:
+    def stack_slots(self) -> list:
         """The inputs of this layer's DecoderLayer call (`construct`) but those every layer takes
         from the step (the residual stream, the rotary tables, the step's tokens), in that order:
         its norms, weights, caches and metadata, which the device's DecoderStack takes for every
-        layer (CausalLM.fuse)."""
+        layer (CausalLM.fuse). A norm's or linear layer's weight (or bias) is given as (its cell,
+        the attribute), the others as they are."""
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        bias = () if attn.qkv_proj.bias is None else (attn.qkv_proj.bias,)
-        return (self.input_layernorm.weight, self.input_layernorm.add_op.eps, attn.qkv_proj.weight, *attn.qk_norm,
-                attn.norm_meta, attn.k_cache, attn.v_cache, attn.attn_meta, attn.o_proj.weight, post.weight,
-                post.add_op.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight, *bias)
+        bias = [] if attn.qkv_proj.bias is None else [(attn.qkv_proj, "bias")]
+        return [(self.input_layernorm, "weight"), self.input_layernorm.add_op.eps, (attn.qkv_proj, "weight"),
+                *attn.qk_norm, attn.norm_meta, attn.k_cache, attn.v_cache, attn.attn_meta, (attn.o_proj, "weight"),
+                (post, "weight"), post.add_op.eps, (mlp.gate_up_proj, "weight"), (mlp.down_proj, "weight"), *bias]
 
 
 class DecoderLayer(LayerBase):
@@ -532,23 +534,25 @@ class CausalLM(nn.Cell):
         # the device's one call for every layer (`fuse`), its [layers, inputs a layer] and those inputs
         self.stack = self.stack_meta = None
         self.stack_args = ()
+        self.stacked: dict = {}              # a layer weight's name -> (its stack_weights Parameter, the layer)
         if cfg.quant is not None:
             self.quantize_inputs()
 
     def fuse(self) -> int:
         """Each layer's `fuse`, then, where every layer is one call of the same inputs (dense, at
         tp 1, all with or all without a qkv bias) and the device has one, the layers as one call
-        of its decoder_stack_op: an input that is the same in every layer (a constant of equal
-        values, or one Parameter) passed once, the K and V caches as one [layers, ...] cache
-        each (`stack_caches`: MindSpore charges each distinct Parameter of a call, and the
-        layers' own caches, never written, hold no memory), the others layer by layer. How many
-        layers run any part fused."""
+        of its decoder_stack_op. MindSpore charges a call for each distinct Parameter it takes
+        (~2 us each, at its start and end), so the call takes every layer's weights of one kind
+        as one [layers, ...] Parameter (`stack_weights`), the K and V caches likewise
+        (`stack_caches`), and an input that is the same in every layer (a constant of equal
+        values, or one Parameter) once; the rest layer by layer. How many layers run any part
+        fused."""
         fused = sum(layer.fuse(self.dev) for layer in self.layers)
         if (self.dev.decoder_stack_op is None or len(self.layers) < 2
                 or any(layer.fused is None for layer in self.layers)):
             return fused
-        inputs = [layer.stack_inputs() for layer in self.layers]
-        if len({len(x) for x in inputs}) != 1:
+        slots = [layer.stack_slots() for layer in self.layers]
+        if len({len(x) for x in slots}) != 1:
             return fused
 
         def same(values) -> bool:
@@ -559,9 +563,21 @@ class CausalLM(nn.Cell):
             first = values[0].asnumpy()
             return all(v.shape == first.shape and v.dtype == values[0].dtype and np.array_equal(v.asnumpy(), first)
                        for v in values[1:])
+
+        def stackable(column) -> bool:       # one weight a layer, all of one shape and dtype
+            if not all(isinstance(x, tuple) for x in column):
+                return False
+            first = getattr(*column[0])
+            return all(getattr(*x).shape == first.shape and getattr(*x).dtype == first.dtype for x in column)
         caches = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in self.layers]
         shared, own, where, sliced = [], [], [], []              # own: [input][layer]
-        for values in zip(*inputs):
+        for column in zip(*slots):
+            if stackable(column):
+                where.append(-1 - (STACK_FIXED + len(shared)))
+                sliced.append(1)
+                shared.append(self.stack_weights(column))
+                continue
+            values = [getattr(*x) if isinstance(x, tuple) else x for x in column]
             kind = next((k for k in (0, 1) if all(v is c[k] for v, c in zip(values, caches))), None)
             if kind is not None or same(values):
                 where.append(-1 - (STACK_FIXED + len(shared)))
@@ -571,10 +587,38 @@ class CausalLM(nn.Cell):
                 where.append(len(own))
                 sliced.append(0)
                 own.append(values)
+        if self.uncollected >= self.STACKED_BYTES:      # the layers' weights, now in their stacks
+            gc.collect()
+            self.uncollected = 0
         self.stack = self.dev.decoder_stack_op()
         self.stack_meta = Tensor(np.array([len(self.layers), len(own), *where, *sliced], np.int32))
         self.stack_args = (*shared, *(values[layer] for layer in range(len(self.layers)) for values in own))
         return fused
+
+    def stack_weights(self, column) -> Parameter:
+        """One Parameter [layers, ...] of the weights `column` names, (cell, attribute) of each
+        layer, named as theirs with `stack.` for the layer's prefix. Each layer's is copied into it
+        and replaced by a Parameter of its name, shape and dtype that is never written (zero
+        pages, no memory: `stacked` says where its values are); the replaced ones are freed as
+        pack_layer's are."""
+        first = getattr(*column[0])
+        name = re.sub(r"^(.*\.)?layers\.\d+\.", "stack.", first.name)
+        whole = new_param((len(column), *first.shape), first.dtype, name)
+        self.insert_param_to_cell(name.replace(".", "_"), whole)
+        held = whole.asnumpy()                   # (the Parameter's own memory)
+        for layer, (cell, attr) in enumerate(column):
+            p = getattr(cell, attr)
+            held[layer] = p.asnumpy()
+            self.stacked[p.name] = (whole, layer)
+            setattr(cell, attr, new_param(p.shape, p.dtype, p.name))
+            if self.held_weights.get(p.name) is p:
+                self.held_weights[p.name] = getattr(cell, attr)
+            self.uncollected += p.nbytes
+            del p
+            if self.uncollected >= self.UNCOLLECTED_BYTES:
+                gc.collect()
+                self.uncollected = 0
+        return whole
 
     @property
     def stack_caches(self) -> tuple:
@@ -737,8 +781,10 @@ class CausalLM(nn.Cell):
                 if getattr(p, attr, None) is not None:  # collection) and those kept as float alike
                     delattr(p, attr)
 
-    # The bytes of replaced parameters that pack_layer lets wait for a collection.
+    # The bytes of replaced parameters that pack_layer lets wait for a collection, and that fuse
+    # leaves once the weights are stacked (a small model's: a test's process, where one takes ~90 ms).
     UNCOLLECTED_BYTES = 64 << 20
+    STACKED_BYTES = 8 << 20
 
     def pack_layer(self, index: int) -> None:
         """`pack_weights` of decoder layer `index` (the checkpoint's numbering), which the loader
@@ -850,10 +896,16 @@ class CausalLM(nn.Cell):
 
     def weights(self) -> dict[str, np.ndarray]:
         """name -> value of every parameter but the KV cache, in the Hugging Face layout (an int8
-        weight dequantized, its scales not listed)."""
-        scales = {id(p) for p in self.int8_scales()}
-        return {p.name: self.packed[p.name](p.asnumpy()) if p.name in self.packed else p.asnumpy()
-                for p in self.get_parameters() if "cache" not in p.name and id(p) not in scales}
+        weight dequantized, its scales not listed; a layer's weight in its stack, `stacked`, read
+        there, the stacks not listed)."""
+        scales, stacks = {id(p) for p in self.int8_scales()}, {id(w) for w, _ in self.stacked.values()}
+        out = {}
+        for p in self.get_parameters():
+            if "cache" in p.name or id(p) in scales or id(p) in stacks:
+                continue
+            value = self.stacked[p.name][0].asnumpy()[self.stacked[p.name][1]] if p.name in self.stacked else p.asnumpy()
+            out[p.name] = self.packed[p.name](value) if p.name in self.packed else value
+        return out
 
     def named_loaders(self):
         """checkpoint tensor name -> (layer, parameter, shard id), for the streaming loader."""

@@ -146,9 +146,10 @@ class CpuOps(MsOps):
 
     @classmethod
     def decoder_stack_op(cls):
-        """(h, delta, the attention's shared inputs, [layers, inputs a layer] int32, each layer's
-        own inputs: kernels.cc DecoderStack) -> (h, delta) after the last: the layers'
-        DecoderLayer calls from one launch; None where MSINFER_FUSED_LAYERS=0."""
+        """(h, delta, the attention's inputs from the step, the stack's metadata int32, the inputs
+        of every layer given once, each layer's own: kernels.cc DecoderStack) -> (h, delta) after
+        the last: the layers' DecoderLayer calls from one launch; None where
+        MSINFER_FUSED_LAYERS=0."""
         if not cls.fused_layers:
             return None
         return _custom("DecoderStack", lambda h, *_: (h, h), lambda h, *_: (h, h))

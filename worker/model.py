@@ -531,7 +531,7 @@ class CausalLM(nn.Cell):
         # runner from EngineConfig.matmul_dtype before the weights load
         self.bf16_matmuls = False
         self.uncollected = 0                 # bytes of parameters replaced since the last collection (pack_layer)
-        # the device's one call for every layer (`fuse`), its [layers, inputs a layer] and those inputs
+        # the device's one call for every layer (`fuse`), its metadata and its inputs past the step's
         self.stack = self.stack_meta = None
         self.stack_args = ()
         self.stacked: dict = {}              # a layer weight's name -> (its stack_weights Parameter, the layer)

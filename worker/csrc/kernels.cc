@@ -271,8 +271,9 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 // A run of dense decoder layers in one call: DecoderLayer's for each, in order, on the residual
 // stream and the output the layer before leaves in the outputs (so the results are those of the
 // layers' calls one by one, to the bit). MindSpore spends its time between one operator and the
-// next, and on each input of an operator, once a step instead of once a layer, and on an input
-// that every layer shares (eps, metadata) once.
+// next, and on each input of an operator, once a step instead of once a layer; an input that every
+// layer shares (eps, metadata), or that holds every layer's (the weights or caches of one kind,
+// [L, ...]), once.
 //   0-7  h, delta [N, E]; cos, sin, slots, tables, rows, lens: DecoderLayer's first two, and
 //        PagedAttention's inputs that every layer shares
 //   8    stack [2 + 2 S] int32: the layers L, the inputs K each has of its own (the last L x K

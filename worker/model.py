@@ -587,9 +587,7 @@ class CausalLM(nn.Cell):
                 where.append(len(own))
                 sliced.append(0)
                 own.append(values)
-        if self.uncollected >= self.STACKED_BYTES:      # the layers' weights, now in their stacks
-            gc.collect()
-            self.uncollected = 0
+        self.replaced(0, self.STACKED_BYTES)              # the layers' weights, now in their stacks
         self.stack = self.dev.decoder_stack_op()
         self.stack_meta = Tensor(np.array([len(self.layers), len(own), *where, *sliced], np.int32))
         self.stack_args = (*shared, *(values[layer] for layer in range(len(self.layers)) for values in own))
@@ -613,11 +611,9 @@ class CausalLM(nn.Cell):
             setattr(cell, attr, new_param(p.shape, p.dtype, p.name))
             if self.held_weights.get(p.name) is p:
                 self.held_weights[p.name] = getattr(cell, attr)
-            self.uncollected += p.nbytes
+            nbytes = p.nbytes
             del p
-            if self.uncollected >= self.UNCOLLECTED_BYTES:
-                gc.collect()
-                self.uncollected = 0
+            self.replaced(nbytes)
         return whole
 
     @property
@@ -801,8 +797,13 @@ class CausalLM(nn.Cell):
         before = {id(p): p.nbytes for p in layer.get_parameters()}
         self.pack_weights(layer)
         after = {id(p) for p in layer.get_parameters()}
-        self.uncollected += sum(n for i, n in before.items() if i not in after)
-        if self.uncollected >= self.UNCOLLECTED_BYTES:
+        self.replaced(sum(n for i, n in before.items() if i not in after))
+
+    def replaced(self, nbytes: int, wait: int | None = None) -> None:
+        """`nbytes` more of replaced parameters wait for a collection (see pack_layer), which runs
+        once `wait` (UNCOLLECTED_BYTES) bytes of them do."""
+        self.uncollected += nbytes
+        if self.uncollected >= (self.UNCOLLECTED_BYTES if wait is None else wait):
             gc.collect()
             self.uncollected = 0
 
@@ -903,7 +904,11 @@ class CausalLM(nn.Cell):
         for p in self.get_parameters():
             if "cache" in p.name or id(p) in scales or id(p) in stacks:
                 continue
-            value = self.stacked[p.name][0].asnumpy()[self.stacked[p.name][1]] if p.name in self.stacked else p.asnumpy()
+            if p.name in self.stacked:
+                whole, layer = self.stacked[p.name]
+                value = whole.asnumpy()[layer]
+            else:
+                value = p.asnumpy()
             out[p.name] = self.packed[p.name](value) if p.name in self.packed else value
         return out
 

@@ -1136,20 +1136,36 @@ def test_a_decoder_layer_in_one_call_gives_its_seven_kernels_results_bit_for_bit
     np.testing.assert_allclose(out_d, want_d, atol=1e-5 * np.abs(want_d).max(), rtol=0)
 
 
+def _shared_step(rng, bs: int):
+    """A step DecoderStack splits between 2 threads (each runs every layer for its share): 17
+    decode tokens, a 6-token prompt chunk after 3 cached positions across the middle (the split
+    moves to its end), 16 decode tokens and a padding row; blocks of bs scattered over a cache of
+    106 (the last: scratch). As _layer_step returns them."""
+    rows = np.array(list(range(17)) + [17] * 6 + list(range(18, 34)) + [0], np.int32)
+    pos = np.concatenate([rng.integers(0, 12, 17), np.arange(3, 9), rng.integers(0, 12, 16), [0]])
+    lens = (pos + 1).astype(np.int32)
+    lens[-1] = 0
+    tables = rng.permutation(105).astype(np.int32)[:102].reshape(34, 3)
+    slots = np.where(lens > 0, tables[rows, pos // bs] * bs + pos % bs, 105 * bs).astype(np.int32)
+    return rows, pos, lens, tables, slots
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["caches-apart", "caches-stacked"])
 @pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)], ids=["llama", "qk-norm-and-bias"])
-def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk_norm, bias, stacked):
+@pytest.mark.parametrize("step", ["mixed", "shared"])
+def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk_norm, bias, stacked, step):
     """DecoderStack (every layer of a model in one launch, CausalLM.fuse) over three layers of
-    their own weights and caches, on the step of the layer test above: its two outputs and every
-    layer's K/V cache are those of the three DecoderLayer calls one after another, to the bit,
-    with the inputs every layer has alike (eps, metadata; the qk norms without qk_norm) passed
-    once, and the caches each layer's own or all in one [layers, ...] input each. Metadata that
-    names an input outside the call's shared ones, or slices one that is not [layers, ...], is
-    refused."""
+    their own weights and caches: its two outputs and every layer's K/V cache are those of the
+    three DecoderLayer calls one after another, to the bit, with the inputs every layer has alike
+    (eps, metadata; the qk norms without qk_norm) passed once, and the caches each layer's own or
+    all in one [layers, ...] input each. On the step of the layer test above, and on one of 39
+    tokens that the stack splits between the two threads, each running every layer for its
+    sequences alone (the other DecoderLayer calls share each kernel). Metadata that names an
+    input outside the call's shared ones, or slices one that is not [layers, ...], is refused."""
     rng = np.random.default_rng(11 + qk_norm)
     E, H, KV, D, I, bs, eps, L = 64, 4, 2, 16, 96, 4, 1e-6, 3
-    rows, pos, lens, tables, slots = _layer_step(rng, bs)
-    N = len(rows)
+    rows, pos, lens, tables, slots = (_layer_step if step == "mixed" else _shared_step)(rng, bs)
+    N, blocks = len(rows), 13 if step == "mixed" else 106
     f = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)     # noqa: E731
     h, delta = f(N, E) * 5, f(N, E) * 5
     h[-1] = delta[-1] = 0                                                        # padding
@@ -1161,7 +1177,7 @@ def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk
     layers, caches = [], []
     for _ in range(L):      # each layer's DecoderLayer inputs past the shared ones, in DecoderStack's order
         qn, kn = (Tensor(1 + f(D)), Tensor(1 + f(D))) if qk_norm else (ones, ones)
-        caches.append((f(13 * bs * KV, D), f(13 * bs * KV, D)))
+        caches.append((f(blocks * bs * KV, D), f(blocks * bs * KV, D)))
         layers.append([Tensor(1 + f(E)), eps_t, Tensor(kernels.pack(f((H + 2 * KV) * D, E))), qn, kn, norm_meta,
                        None, None, meta, Tensor(kernels.pack(f(E, H * D))), Tensor(1 + f(E)), eps_t,
                        Tensor(kernels.pack_glu(f(2 * I, E))), Tensor(kernels.pack(f(E, I)))]
@@ -1197,9 +1213,12 @@ def test_the_layers_in_one_call_give_their_calls_results_bit_for_bit(kernels, qk
         sliced.append(int(stacked and j in (6, 7)))
     stack_meta = Tensor(np.array([L, n_own, *where, *sliced], np.int32))
     own_inputs = [v for layer in layers for v, a in zip(layer, alike) if not a]
-    sx, sd = kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, stack_meta, *common, *own_inputs)
-    np.testing.assert_array_equal(sx.asnumpy(), x.asnumpy())
-    np.testing.assert_array_equal(sd.asnumpy(), d.asnumpy())
+    shared_before = kernels.stack_shares()
+    sx, sd = (t.asnumpy() for t in kernels.decoder_stack_op()(Tensor(h), Tensor(delta), *shared, stack_meta,
+                                                               *common, *own_inputs))
+    assert kernels.stack_shares() - shared_before == (step == "shared")      # (once it ran: asnumpy)
+    np.testing.assert_array_equal(sx, x.asnumpy())
+    np.testing.assert_array_equal(sd, d.asnumpy())
     for layer, ((a, b), (c, e)) in enumerate(zip(stack_caches, layer_caches)):
         if stacked:
             a, b = whole[0][layer], whole[1][layer]

@@ -155,6 +155,14 @@ class CpuOps(MsOps):
         return _custom("DecoderStack", lambda h, *_: (h, h), lambda h, *_: (h, h))
 
     @staticmethod
+    def stack_shares() -> int:
+        """How many DecoderStack calls of this process split their step between the kernels'
+        threads, each running every layer for its share of the sequences (kernels.cc)."""
+        fn = ctypes.CDLL(_LIBRARY).StackShares
+        fn.restype = ctypes.c_int64
+        return fn()
+
+    @staticmethod
     def linear_op():
         """(x [M, K], w [N, K] packed) -> x w^T [M, N]."""
         return _custom("Linear", lambda x, w: [x[0], w[0]])
@@ -730,6 +738,7 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.fused_layers = os.environ.get("MSINFER_FUSED_LAYERS", "1") != "0"
     CpuOps.static_step_jit_options = INFERENCE_MODE if os.environ.get("MSINFER_INFER_BOOST", "1") != "0" else None
     set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
+    lib.SetAlone(ctypes.c_int(int(os.environ.get("MSINFER_ALONE", "1") != "0")))
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))

@@ -152,11 +152,22 @@ class Pool {
 
 inline int g_threads = 1;        // SetThreads
 
+// Set on a thread that runs a share of a call's tokens by itself (DecoderStack): its kernels
+// then take no helper, and their work is split as for one thread.
+inline thread_local bool t_alone = false;
+inline int threads_now() { return t_alone ? 1 : g_threads; }
+inline bool g_alone = true;      // SetAlone
+
 // fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
 // calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a
 // time: a claim is an atomic add on a line both cores write, ~0.1 us, as long as a row of RmsNorm.
+// On one thread, the caller's loop (a thread alone may be a pool task: it must not call the pool).
 inline void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t)>& fn) {
-  const int threads = static_cast<int>(std::min<int64_t>(g_threads, std::max<int64_t>(1, n / grain)));
+  const int threads = static_cast<int>(std::min<int64_t>(threads_now(), std::max<int64_t>(1, n / grain)));
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   if (grain <= 1) return Pool::get().run(n, threads, fn);
   Pool::get().run((n + grain - 1) / grain, threads, [&](int64_t c) {
     for (int64_t i = c * grain; i < std::min(n, (c + 1) * grain); ++i) fn(i);
@@ -177,6 +188,7 @@ namespace {
 using msinfer_shared::g_bf16_dot;
 using msinfer_shared::g_int4_calls;
 using msinfer_shared::g_threads;
+using msinfer_shared::threads_now;
 using msinfer_shared::parallel_for;
 
 // A decode token's K/V rows read position by position (PagedAttention::one_by_rows, a head size

@@ -268,6 +268,43 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
   return mlp_half(p, nd, sh, dt, h, params[nparam - 1]);
 }
 
+namespace {
+// Tokens per thread from which DecoderStack gives each thread a share of a step's sequences to
+// run through every layer alone, instead of sharing each kernel between the threads. Each thread
+// then streams every weight (the other's copy is in L3, a layer's weights being a few MB), no
+// kernel waits for the slower thread, and one thread's attention (bound by memory) runs while
+// the other's matmuls (bound by multiply-adds) do. At 8 tokens a thread the weights' stream
+// outruns the caches (the demo model at batch 16 in bfloat16 pairs, Zen 5: 11.99 ms a step
+// against 9.33 shared); at 16 and 32 the split was 3-6% faster (docs/benchmarks.md).
+constexpr int64_t kAloneRows = 16;
+// Steps of more tokens (a prefill) share each kernel: their matmuls' rows are blocks that reuse
+// each panel from L2, and their weights are read once.
+constexpr int64_t kAloneMaxTokens = 128;
+std::atomic<int64_t> g_stack_shares{0};         // DecoderStack calls that split their step (StackShares)
+
+// Where DecoderStack's shares of a step of N tokens start (seq: each token's sequence, tokens of
+// a sequence consecutive; lens: 0 for padding, which comes last) and end (at[parts]): one share a
+// thread, split where a sequence ends, at most 1.5 times the even share each. None (an empty
+// vector) when the step is too small, or too uneven (a long prompt's chunk), to split.
+std::vector<int64_t> alone_shares(int64_t N, const int32_t* seq, const int32_t* lens) {
+  const int64_t threads = threads_now();
+  if (!msinfer_shared::g_alone || threads < 2 || N > kAloneMaxTokens) return {};
+  int64_t live = N;
+  while (live > 0 && lens[live - 1] <= 0) --live;
+  if (live < kAloneRows * threads) return {};
+  std::vector<int64_t> at(threads + 1, N);
+  at[0] = 0;
+  for (int64_t k = 1; k < threads; ++k) {
+    int64_t b = std::max(at[k - 1], live * k / threads);
+    while (b < live && seq[b] == seq[b - 1]) ++b;
+    at[k] = b;
+  }
+  for (int64_t k = 0; k < threads; ++k)
+    if (2 * (std::min(at[k + 1], live) - at[k]) * threads > 3 * live) return {};
+  return at;
+}
+}  // namespace
+
 // A run of dense decoder layers in one call: DecoderLayer's for each, in order, on the residual
 // stream and the output the layer before leaves in the outputs (so the results are those of the
 // layers' calls one by one, to the bit). MindSpore spends its time between one operator and the
@@ -284,6 +321,10 @@ extern "C" int DecoderLayer(int nparam, void** params, int* ndims, int64_t** sha
 //        input of the call holds every layer's, [L, ...] (layer l's: its l-th [...]), else 0
 //   then the shared inputs, then each layer's own
 // Outputs: h and delta after the last layer.
+// A decode step of enough tokens (alone_shares) is split between the threads at sequence
+// boundaries, and each thread runs every layer for its share with t_alone set: its kernels take
+// no helper. A token's results do not depend on the other rows of its step, so they are the
+// same to the bit either way.
 extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                             void* stream, void* extra) {
   constexpr int kFixed = 9;
@@ -308,33 +349,59 @@ extern "C" int DecoderStack(int nparam, void** params, int* ndims, int64_t** sha
   constexpr int kShared[6][2] = {{8, 2}, {9, 3}, {12, 4}, {13, 5}, {14, 6}, {15, 7}};
   constexpr int kLayer[15] = {2, 3, 4, 5, 6, 7, 10, 11, 16, 17, 18, 19, 20, 21, 22};
   const int n = static_cast<int>(8 + S);
-  for (int64_t l = 0; l < L; ++l) {
-    void* p[25];
-    int nd[25];
-    int64_t* sh[25];
-    const char* dt[25];
-    auto put = [&](int i, int64_t from) {
-      p[i] = params[from], nd[i] = ndims[from], sh[i] = shapes[from], dt[i] = dtypes[from];
-    };
-    put(0, nparam - 2);
-    put(1, nparam - 1);
-    for (const auto& [i, from] : kShared) put(i, from);
-    for (int64_t j = 0; j < S; ++j) {
-      const int64_t v = where[j], at = v >= 0 ? first + l * K + v : -1 - v;
-      put(kLayer[j], at);
-      if (sliced[j]) {            // layer l's [...] of an [L, ...] input
-        const int64_t bytes = numel(ndims[at], shapes[at]) / L * element_bytes(dtypes[at]);
-        p[kLayer[j]] = static_cast<char*>(params[at]) + l * bytes;
-        nd[kLayer[j]] = ndims[at] - 1;
-        sh[kLayer[j]] = shapes[at] + 1;
+  // Every layer for tokens n0..n1-1: their rows of the outputs and of the inputs by token (cos,
+  // sin, slots, rows, lens), the rest as they are.
+  auto layers = [&](int64_t n0, int64_t n1) {
+    const int64_t rows = n1 - n0;
+    int64_t sE[2] = {rows, shapes[0][1]}, sR[2] = {rows, shapes[2][1]}, sN[1] = {rows};
+    for (int64_t l = 0; l < L; ++l) {
+      void* p[25];
+      int nd[25];
+      int64_t* sh[25];
+      const char* dt[25];
+      auto put = [&](int i, int64_t from) {
+        p[i] = params[from], nd[i] = ndims[from], sh[i] = shapes[from], dt[i] = dtypes[from];
+      };
+      put(0, nparam - 2);
+      put(1, nparam - 1);
+      for (const auto& [i, from] : kShared) put(i, from);
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t v = where[j], at = v >= 0 ? first + l * K + v : -1 - v;
+        put(kLayer[j], at);
+        if (sliced[j]) {            // layer l's [...] of an [L, ...] input
+          const int64_t bytes = numel(ndims[at], shapes[at]) / L * element_bytes(dtypes[at]);
+          p[kLayer[j]] = static_cast<char*>(params[at]) + l * bytes;
+          nd[kLayer[j]] = ndims[at] - 1;
+          sh[kLayer[j]] = shapes[at] + 1;
+        }
       }
+      put(n, nparam - 2);
+      put(n + 1, nparam - 1);
+      if (rows != shapes[0][0]) {
+        for (int i : {0, 1, n, n + 1}) p[i] = static_cast<char*>(p[i]) + n0 * sE[1] * dtype_bytes(dt[0]), sh[i] = sE;
+        for (int i : {8, 9}) p[i] = static_cast<char*>(p[i]) + n0 * sR[1] * element_bytes(dt[i]), sh[i] = sR;
+        for (int i : {12, 14, 15}) p[i] = static_cast<int32_t*>(p[i]) + n0, sh[i] = sN;
+      }
+      const int rc = DecoderLayer(n + 2, p, nd, sh, dt, stream, extra);
+      if (rc) return rc;
     }
-    put(n, nparam - 2);
-    put(n + 1, nparam - 1);
-    const int rc = DecoderLayer(n + 2, p, nd, sh, dt, stream, extra);
-    if (rc) return rc;
-  }
-  return 0;
+    return 0;
+  };
+  // A decode step of enough tokens: each thread runs every layer for its share of the sequences,
+  // alone (t_alone: its kernels take no helper).
+  const std::vector<int64_t> at = alone_shares(shapes[0][0], static_cast<const int32_t*>(params[6]),
+                                               static_cast<const int32_t*>(params[7]));
+  if (at.empty()) return layers(0, shapes[0][0]);
+  const int64_t parts = static_cast<int64_t>(at.size()) - 1;
+  g_stack_shares.fetch_add(1, std::memory_order_relaxed);
+  std::atomic<int> failed{0};
+  parallel_for(parts, 1, [&](int64_t k) {
+    msinfer_shared::t_alone = true;
+    const int rc = at[k] < at[k + 1] ? layers(at[k], at[k + 1]) : 0;
+    msinfer_shared::t_alone = false;
+    if (rc) failed.store(rc);
+  });
+  return failed.load();
 }
 
 // The two halves of DecoderLayer, for a layer whose o and down projections' partial sums are
@@ -659,6 +726,11 @@ extern "C" int Bf16DotReady() {
 
 // SetBf16Dot(0): bfloat16 pairs with FMAs even where VDPBF16PS is there (MSINFER_BF16_DOT=0).
 extern "C" void SetBf16Dot(int on) { g_bf16_dot = on != 0; }
+
+// SetAlone(0): DecoderStack shares each kernel between the threads at every step (MSINFER_ALONE=0).
+extern "C" void SetAlone(int on) { msinfer_shared::g_alone = on != 0; }
+// How many DecoderStack calls split their step between the threads (tests).
+extern "C" int64_t StackShares() { return g_stack_shares.load(); }
 
 // How many threads the kernels use, the caller's included (the worker's MindSpore thread count).
 extern "C" void SetThreads(int threads) { g_threads = std::max(1, threads); }

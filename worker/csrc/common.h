@@ -156,7 +156,6 @@ inline int g_threads = 1;        // SetThreads
 // then take no helper, and their work is split as for one thread.
 inline thread_local bool t_alone = false;
 inline int threads_now() { return t_alone ? 1 : g_threads; }
-inline bool g_alone = true;      // SetAlone
 
 // fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
 // calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a

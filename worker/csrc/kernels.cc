@@ -280,6 +280,7 @@ constexpr int64_t kAloneRows = 16;
 // Steps of more tokens (a prefill) share each kernel: their matmuls' rows are blocks that reuse
 // each panel from L2, and their weights are read once.
 constexpr int64_t kAloneMaxTokens = 128;
+bool g_alone = true;                            // SetAlone
 std::atomic<int64_t> g_stack_shares{0};         // DecoderStack calls that split their step (StackShares)
 
 // Where DecoderStack's shares of a step of N tokens start (seq: each token's sequence, tokens of
@@ -288,7 +289,7 @@ std::atomic<int64_t> g_stack_shares{0};         // DecoderStack calls that split
 // vector) when the step is too small, or too uneven (a long prompt's chunk), to split.
 std::vector<int64_t> alone_shares(int64_t N, const int32_t* seq, const int32_t* lens) {
   const int64_t threads = threads_now();
-  if (!msinfer_shared::g_alone || threads < 2 || N > kAloneMaxTokens) return {};
+  if (!g_alone || threads < 2 || N > kAloneMaxTokens) return {};
   int64_t live = N;
   while (live > 0 && lens[live - 1] <= 0) --live;
   if (live < kAloneRows * threads) return {};
@@ -728,7 +729,7 @@ extern "C" int Bf16DotReady() {
 extern "C" void SetBf16Dot(int on) { g_bf16_dot = on != 0; }
 
 // SetAlone(0): DecoderStack shares each kernel between the threads at every step (MSINFER_ALONE=0).
-extern "C" void SetAlone(int on) { msinfer_shared::g_alone = on != 0; }
+extern "C" void SetAlone(int on) { g_alone = on != 0; }
 // How many DecoderStack calls split their step between the threads (tests).
 extern "C" int64_t StackShares() { return g_stack_shares.load(); }
 

@@ -459,7 +459,8 @@ struct PagedAttention {
         for (int64_t i = n; i < end; ++i) single.push_back(i);
       }
     }
-    const int64_t want = 2 * threads_now(), singles = static_cast<int64_t>(single.size()), size = 2 * H + H * D;
+    const int64_t threads = threads_now();
+    const int64_t want = 2 * threads, singles = static_cast<int64_t>(single.size()), size = 2 * H + H * D;
     // parts a token (a step of prefill tiles alone has no single token to split)
     const int64_t share = singles > 0 && singles < want && D % 16 == 0 ? (want + singles - 1) / singles : 1;
     std::vector<std::pair<int64_t, int64_t>> split;          // (token, its parts), parts in order
@@ -479,13 +480,13 @@ struct PagedAttention {
     std::vector<float> held(parts * size);
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const int64_t count = static_cast<int64_t>(items.size());
-    if (parts == 0 && count == singles && count >= 2 * threads_now() && D % 16 == 0 && distinct_rows()) {
+    if (parts == 0 && count == singles && count >= 2 * threads && D % 16 == 0 && distinct_rows()) {
       // Single tokens alone (a decode step): one run per thread, items r, r + runs, ... (the
       // longest first, dealt round), each token asking for its successor's first K blocks as it
       // finishes, so that a thread starts no token but its run's first on a cold cache. A token
       // reads no other token's K/V (each is of its own sequence), so each is written as its
       // attention begins.
-      const int64_t runs = threads_now();
+      const int64_t runs = threads;
       parallel_for(runs, 1, [&](int64_t r) {
         for (int64_t i = r; i < count; i += runs) {
           writer.token(items[i].n0);

@@ -157,7 +157,7 @@ inline int g_threads = 1;        // SetThreads
 inline thread_local bool t_alone = false;
 inline int threads_now() { return t_alone ? 1 : g_threads; }
 
-// fn(i) for i in [0, n) on up to g_threads threads, one more thread per `grain` indices (smaller
+// fn(i) for i in [0, n) on up to threads_now() threads, one more thread per `grain` indices (smaller
 // calls are not worth waking a helper for). The threads claim `grain` consecutive indices at a
 // time: a claim is an atomic add on a line both cores write, ~0.1 us, as long as a row of RmsNorm.
 // On one thread, the caller's loop (a thread alone may be a pool task: it must not call the pool).

@@ -225,8 +225,8 @@ void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t
   const int64_t blocks = (M + RowBlock - 1) / RowBlock;
   // The panels are split into runs of near-equal length, as many as the threads can share evenly
   // and about kRun long: three runs of 8, 8 and 2 panels would leave one thread idle for 6.
-  const int64_t runs =
-      blocks == 1 ? threads_now() : std::max<int64_t>(1, (panels + kRun - 1) / kRun / threads_now()) * threads_now();
+  const int64_t threads = threads_now();
+  const int64_t runs = blocks == 1 ? threads : std::max<int64_t>(1, (panels + kRun - 1) / kRun / threads) * threads;
   const int64_t panel_bytes = steps * step_bytes;
   // The runs one panel longer come first: the threads claim runs in order, so each takes as many
   // of those as the others (30 panels in runs of 8, 8, 7, 7: 15 each; in 7, 8, 7, 8 one thread

@@ -578,7 +578,8 @@ class Engine:
     def _postprocess(self, seqs: list, out, now: float, is_prefill: bool) -> None:
         # a sequence that finished while this step was in flight (async scheduling: it stopped in
         # the step before) gets nothing from it
-        live = [seq for seq in seqs if not seq.is_finished] if self.stream else None
+        fresh = [seq for seq in seqs if not seq.is_finished]
+        live = fresh if self.stream else None
         if is_prefill:                      # a sequence's first token comes from a prefill
             for seq, tok in zip(seqs, out.token_ids):
                 if tok >= 0 and seq.record.t_first is None and not seq.is_finished:
@@ -594,10 +595,17 @@ class Engine:
             elif scores:                        # log-probabilities of the continuation (or prompt) tokens it saw
                 (seq.record.continuation_logprobs if seq.is_scoring else seq.record.prompt_logprobs).extend(scores)
         finished = self.scheduler.postprocess(seqs, out.token_ids)
-        for seq in seqs:                    # stop_string skips the finished
-            if seq.record.stop_matcher is not None and self.codec.stop_string(seq):
-                self.scheduler.finish(seq, "stop")
-                finished.append(seq)
+        # A stop string in a sequence's new text ends it, "stop" also where its length limit ends it
+        # at the same token (as vLLM: the text is cut all the same). One that a stop token ended
+        # got no new text (the token is not in its text).
+        for seq in fresh:
+            if seq.record.stop_matcher is not None and seq.finish_reason in (None, "length") \
+                    and self.codec.stop_string(seq):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+                    finished.append(seq)
         if live and self.codec.tok is not None:
             self._stream(live)
         self._finished(finished)

@@ -341,13 +341,14 @@ class RecordCodec:
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
-        """Whether the sequence's output now holds one of its stop strings (its text is then cut
-        before it, in `seq.record.cut_text`); not before min_tokens tokens."""
+        """Whether the text of the sequence's newest token completes one of its stop strings (its
+        text is then cut before it, in `seq.record.cut_text`). As vLLM's detokenizer, the text of
+        its first min_tokens tokens is not searched: a stop string must end after it."""
         out = len(seq.output_token_ids)
-        if seq.record.stop_matcher is None or seq.is_finished or not out or out < seq.sampling.min_tokens:
+        if seq.record.stop_matcher is None or not out:
             return False
         text = self.decoded(seq)
-        cut = seq.record.stop_matcher.check(text)
+        cut = seq.record.stop_matcher.check(text, search=out > seq.sampling.min_tokens)
         if cut is None:
             return False
         seq.record.cut_text = text[:cut]

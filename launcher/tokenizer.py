@@ -194,23 +194,26 @@ class StopStringMatcher:
     Call `check(text)` with the whole decoded output after each new token; it returns the index
     at which to cut the output or None: where the earliest stop string starts (the stop string
     is not part of the output), or with `include` (vLLM's include_stop_str_in_output) where it
-    ends. Only the tail that could hold a new match is searched, so a long output costs no more
-    per step than a short one.
+    ends. As vLLM's detokenizer (check_stop_strings), only a stop string that ends in the text
+    added since the last call is looked for, so a long output costs no more per step than a
+    short one; `check(text, search=False)` takes the text as seen without looking in it (the
+    text of a sequence's first min_tokens tokens, which vLLM never searches).
     """
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(s for s in stop if s)
         self.include = include
-        self.longest = max(map(len, self.stop), default=0)
-        self.checked = 0  # leading characters of the text known to hold no stop string
+        self.checked = 0  # leading characters of the text already seen
 
-    def check(self, text: str) -> int | None:
+    def check(self, text: str, search: bool = True) -> int | None:
         if not self.stop:
             return None
-        start = max(0, min(self.checked, len(text)) - self.longest + 1)
-        hits = [(i, k) for k, s in enumerate(self.stop) if (i := text.find(s, start)) >= 0]
+        seen = min(self.checked, len(text))
         # a trailing U+FFFD is a multi-byte character still incomplete: the next token may change it
         self.checked = len(text.rstrip("\ufffd"))
+        if not search:
+            return None
+        hits = [(i, k) for k, s in enumerate(self.stop) if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, k = min(hits)            # the earliest; of those starting together, the first listed

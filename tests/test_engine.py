@@ -112,28 +112,43 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
 def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
     """Stop strings are matched in the engine on the decoded text: the output is cut before the
     first occurrence (after it, with include_stop_str_in_output), finish_reason stop, and the
-    record generates no further."""
+    record generates no further. As in vLLM, a stop string completed by the last token that
+    max_new_tokens allows still cuts the text (finish_reason stop, not length), and one that
+    ends within the first min_tokens tokens' text is not looked for."""
     from msinfer.launcher.simulate import StandInRunner
     from msinfer.launcher.tokenizer import load_tokenizer
 
     tok = load_tokenizer(demo)
     prompt = "Once upon a time"
     spec = job_spec(demo, tmp_path, [])
-    text = tok.decode(StandInRunner(plan_job(spec, weights=False).engine, StandIn()).tokens(tok.encode(prompt), 24))
+    tokens = StandInRunner(plan_job(spec, weights=False).engine, StandIn()).tokens(tok.encode(prompt), 24)
+    text = tok.decode(tokens)
     stop = text[len(text) // 2:].lstrip()[:3]
     assert len(text) > 10 and stop.strip(), text
+    at = next(n for n in range(1, 25) if stop in tok.decode(tokens[:n]))     # the token that completes it
+    seen = len(tok.decode(tokens[:at]))             # min_tokens `at`: the first occurrence is in this text
+    later = text.find(stop, seen - len(stop) + 1)
     spec = job_spec(demo, tmp_path, [{"id": "s", "prompt": prompt, "sampling": {"max_new_tokens": 24, "stop": [stop]}},
                                      {"id": "kept", "prompt": prompt, "sampling": {
-                                         "max_new_tokens": 24, "stop": [stop], "include_stop_str_in_output": True}}])
+                                         "max_new_tokens": 24, "stop": [stop], "include_stop_str_in_output": True}},
+                                     {"id": "last", "prompt": prompt, "sampling": {"max_new_tokens": at, "stop": [stop]}},
+                                     {"id": "min", "prompt": prompt, "sampling": {
+                                         "max_new_tokens": 24, "stop": [stop], "min_tokens": at}}])
     run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     got = results(tmp_path / "out.jsonl")
     cut = got["s"]
     assert cut["finish_reason"] == "stop" and cut["output_text"] == text[:text.find(stop)]
-    assert cut["completion_tokens"] < 24
+    assert cut["completion_tokens"] == at < 24
     # vLLM's include_stop_str_in_output: the same tokens, the text up to the stop string's end
     kept = got["kept"]
     assert kept["output_text"] == text[:text.find(stop) + len(stop)] and kept["finish_reason"] == "stop"
     assert kept["output_token_ids"] == cut["output_token_ids"]
+    assert {k: got["last"][k] for k in ("output_text", "finish_reason", "output_token_ids")} == {
+        k: cut[k] for k in ("output_text", "finish_reason", "output_token_ids")}
+    late = got["min"]
+    assert late["output_text"] == (text[:later] if later >= 0 else text), (stop, text)
+    assert late["finish_reason"] == ("stop" if later >= 0 else "length")
+    assert late["completion_tokens"] > at
 
 
 class DiesOnce(StandInWorker):

@@ -150,6 +150,21 @@ def test_stop_string_matcher_incremental():
     assert m.check("caf\ufffd") is None and m.check("café!") == 3  # an incomplete character is checked again
     m = StopStringMatcher(["ab", "a", "b"], include=True)          # vLLM's include_stop_str_in_output
     assert m.check("xxb") == 3 and StopStringMatcher(["ab", "a"], include=True).check("xab") == 3
+    # Text taken as seen without a search (a sequence's first min_tokens tokens) is never searched
+    # again: only a stop string that ends after it counts, one that starts in it included (vLLM's
+    # tests/detokenizer/test_min_tokens.py: min_tokens 5, stop "e" -> " is Lee, and I'm a stud").
+    m = StopStringMatcher(["e"])
+    pieces = [" is", " Lee", ",", " and", " I", "'m", " a", " student"]
+    text, cut = "", None
+    for n, piece in enumerate(pieces, 1):
+        text += piece
+        if (cut := m.check(text, search=n > 5)) is not None:
+            break
+    assert text[:cut] == " is Lee, and I'm a stud"
+    m = StopStringMatcher(["END", "xy"])
+    assert m.check("aEN", search=False) is None and m.check("aENDxy") == 1   # "END" ends in the new text
+    m = StopStringMatcher(["xy"])
+    assert m.check("axy", search=False) is None and m.check("axyb") is None
 
 
 def test_a_scored_text_prompt_is_scored_as_written_and_a_generated_one_gets_the_template(tok):

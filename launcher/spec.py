@@ -291,6 +291,16 @@ class SamplingSpec(Section):
                 return value
         return value
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        # vLLM's `stop` is one string or a list of them
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list):
+            raise ValueError(f"expected a string or a list of strings (a number quoted: '5'), got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> SamplingSpec:
         if self.truncate_prompt_tokens == 0:

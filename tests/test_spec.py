@@ -280,6 +280,10 @@ def test_sampling_merge():
         base.merge({"top_p": 2}, "r8")
     with pytest.raises(RecordError, match=r"record 'r9': sampling: expected a mapping"):
         base.merge(["x"], "r9")
+    # vLLM's stop: one string or a list; a number is neither
+    assert SamplingSpec(stop="END").stop == ["END"] and base.merge({"stop": "y"}, "r1").stop == ["y"]
+    with pytest.raises(RecordError, match=r"sampling.stop: expected a string or a list of strings .*got 5"):
+        base.merge({"stop": 5}, "r2")
 
 
 def test_to_params_is_hashable_worker_dataclass():

@@ -23,7 +23,7 @@ from msinfer.launcher.embed import resolve_pooling
 from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
 from msinfer.launcher.idset import IdSet, chunks
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
-                                    is_openai_batch, location, longest_first, reads_back, unit_of)
+                                    is_openai_batch, line_id, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
 from msinfer.launcher.records import Done
 from msinfer.launcher.shards import check_shard_by, for_shard, shard_files, shard_input
@@ -32,7 +32,7 @@ from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoni
 from msinfer.launcher.tools import check_parser_tokens
 from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, ResultWriter, Stats, check_output,
                                      digest_value, held_ids, holds_results, input_digest_index, read_summary,
-                                     status_path, summary_path, write_json_atomic)
+                                     recorded_ids, status_path, summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, card_dtype, cpu_bfloat16,
                                     cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory,
@@ -1155,41 +1155,72 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
                       f"to compute every record with these settings, or write to another output.path")
 
 
-def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> frozenset:
+def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> tuple[frozenset, int]:
     """The ids of the records whose result line in the results file answers another input than
     the record has now (launcher.writer.input_digest_index): a prompt edited since, or, where ids
     are line numbers (a .txt file, records without an id), a file whose lines were replaced,
-    inserted or removed. A re-run would skip them and keep the old answers. Without
-    `redo_changed` the run stops (OutputError) naming them; with it, they are returned, for the
-    writer to drop their lines and the run to compute them again. An error line's record is not
-    counted with `retry_failed` (computed again anyway). A results file without digests (empty,
-    or written before msinfer kept them) is not checked. id_key: the key of a result line that
-    holds its record's id (launcher.writer.ResultWriter)."""
+    inserted or removed; and of the result lines named by such a line number that no longer
+    holds a record (blank now, or past the file's end). A re-run would skip them and keep the
+    old answers. Without `redo_changed` the run stops (OutputError) naming them; with it, they
+    are returned, for the writer to drop their lines and the run to compute them again (those
+    of lines gone: their count, the second figure, as they are not computed again). An error
+    line's record is not counted with `retry_failed` (computed again anyway). A results file
+    without digests (empty, or written before msinfer kept them) is not checked. id_key: the key
+    of a result line that holds its record's id (launcher.writer.ResultWriter)."""
     output = spec.output.path
     if not holds_results(output):
-        return frozenset()
+        return frozenset(), 0
     before = input_digest_index(output)
     if not len(before):
-        return frozenset()
-    changed = []                        # (id, its file's name, line): not whole records, of which there may be many
+        return frozenset(), 0
+    changed = []                        # (id, its file's name, line, gone): not whole records, of which there may be many
+    numbered: dict[str, bytearray] = {}   # each file whose records are named by their lines: which lines hold one
     for chunk in chunks(shard_input(spec)):
         for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
+            if rec.id == line_id(rec.source, rec.line):
+                lines = numbered.setdefault(rec.source, bytearray())
+                lines.extend(bytes(max(0, rec.line + 1 - len(lines))))
+                lines[rec.line] = 1
             if old < 0 or old == DIGEST_DROPPED or rec.digest is None or (retry_failed and old & 1):
                 continue
             if old >> 1 != digest_value(rec.digest) >> 1:
-                changed.append((rec.id, rec.source, rec.line))
+                changed.append((rec.id, rec.source, rec.line, False))
+    changed += lines_gone(output, before, numbered, retry_failed)
     if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
-        held = held_ids(output, {rid for rid, _, _ in changed}, id_key)
+        held = held_ids(output, {c[0] for c in changed}, id_key)
         changed = [c for c in changed if c[0] in held]
     if not changed or redo_changed:
-        return frozenset(rid for rid, _, _ in changed)
+        return frozenset(c[0] for c in changed), sum(c[3] for c in changed)
     unit = unit_of(input_files(spec.input.path)[0][0])
-    shown = ", ".join(f"'{rid}' ({location(source, line, unit)})" for rid, source, line in changed[:4])
+    shown = ", ".join(f"'{rid}' ({location(source, line, unit)}{', no longer a record' if gone else ''})"
+                      for rid, source, line, gone in changed[:4])
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     raise OutputError(f"{output} holds results of {len(changed)} record(s) whose input in {spec.input.path} changed "
                       f"since they were written: {shown}{more}. A re-run skips the records it holds, so they would "
-                      f"keep the answers to their old input. Run with --redo-changed to compute these again, with "
-                      f"--overwrite to compute every record again, or write to another output.path")
+                      f"keep the answers to their old input. Run with --redo-changed to compute these again (and "
+                      f"drop the results of lines that are no longer records), with --overwrite to compute every "
+                      f"record again, or write to another output.path")
+
+
+def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], retry_failed: bool) -> list[tuple]:
+    """(id, file, line, True) of each result in `<output>.inputs` (its latest digest in `before`)
+    whose id is a line number (launcher.inputs.line_id) of a file whose records are named so,
+    `numbered` (file -> 1 at each line that holds a record now), where that line holds none: a
+    line removed, or blanked, since its result was written. Its record is gone; a re-run would
+    keep its result beside those of the lines that moved into its place."""
+    gone = {}
+    for rid in recorded_ids(output):
+        source, _, n = rid.rpartition(":")
+        lines = numbered.get(source)
+        if lines is None or not n.isdigit() or str(int(n)) != n:
+            continue
+        if int(n) >= len(lines) or not lines[int(n)]:
+            gone[rid] = (source, int(n))
+    if not gone:
+        return []
+    latest = before.lookup(list(gone))
+    return [(rid, source, n, True) for (rid, (source, n)), v in zip(gone.items(), latest)
+            if v >= 0 and v != DIGEST_DROPPED and not (retry_failed and v & 1)]
 
 
 def resolve_output_format(spec: JobSpec, check_io: bool = True) -> str:
@@ -1246,10 +1277,10 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     started_ray = False
     try:
         settings, id_key = result_settings(plan), result_id_key(plan.output_format)
-        redo = frozenset()
+        redo, removed = frozenset(), 0
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings, plan.sampling_from_model)
-            redo = changed_records(spec, id_key, retry_failed, redo_changed)
+            redo, removed = changed_records(spec, id_key, retry_failed, redo_changed)
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
                               retry_failed=retry_failed, redo_ids=redo)
         job = JobRun(plan, None, writer.write_line, writer.done_ids, stream, progress, flush=writer.flush)
@@ -1261,7 +1292,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             job.metrics = metrics = JobMetrics(spec.output.metrics_host, spec.output.metrics_port)
             print(f"msinfer: metrics at {metrics.address}", file=sys.stderr, flush=True)
         resumed = {"records_skipped_failed": writer.failed_lines, "records_retried": writer.dropped_failed,
-                   "records_redone": writer.dropped_changed}
+                   "records_redone": writer.dropped_changed - removed, "records_removed": removed}
         records = job.new_records(shard_input(spec))
         first = next(records, None)
         if first is None:               # every record has its line: nothing to start

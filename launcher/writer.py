@@ -98,6 +98,12 @@ def input_digest_index(output: str | Path) -> IdSet:
     return index
 
 
+def recorded_ids(output: str | Path):
+    """The ids of `<output>.inputs`' whole lines, in order (a dropped line's too: an id may come
+    more than once; `input_digest_index` holds each one's latest)."""
+    return (rid for rid, _, _ in _input_lines(output))
+
+
 def digest_value(digest: str, failed: bool = False) -> int:
     """An input digest (16 hexadecimal digits) as `input_digest_index` holds it."""
     try:

@@ -556,6 +556,26 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
     with pytest.raises(OutputError, match=r"results of 1 record\(s\) .*: '3' \(line 3\)\."):
         run(spec)
 
+    # A line removed, or blanked: the lines after it move up, and the result of the last line
+    # (or of the blank one) names a record that is no longer there.
+    records = [{"prompt_token_ids": [1, 2, 3 + i]} for i in range(4)]             # ids: line numbers
+    spec = job_spec(demo, tmp_path, records, output={"path": str(tmp_path / "lines.jsonl")})
+    assert run(spec)["records_done"] == 4
+    del records[0]
+    spec = job_spec(demo, tmp_path, records, output={"path": str(tmp_path / "lines.jsonl")})
+    with pytest.raises(OutputError, match=r"results of 4 record\(s\) .*'1' \(line 1\), '2' \(line 2\), "
+                                          r"'3' \(line 3\), '4' \(line 4, no longer a record\)\."):
+        run(spec)
+    summary = run(spec, redo_changed=True)
+    assert (summary["records_redone"], summary["records_removed"], summary["records_done"]) == (3, 1, 3)
+    assert sorted(results(tmp_path / "lines.jsonl")) == ["1", "2", "3"]
+    assert run(spec)["records_skipped"] == 3                                       # each line answers its record
+    (tmp_path / "in.jsonl").write_text("\n".join([json.dumps(records[0]), "", json.dumps(records[2])]) + "\n")
+    with pytest.raises(OutputError, match=r"results of 1 record\(s\) .*'2' \(line 2, no longer a record\)\."):
+        run(spec)
+    assert run(spec, redo_changed=True)["records_removed"] == 1 and sorted(results(tmp_path / "lines.jsonl")) == [
+        "1", "3"]
+
 
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):
     """At dp 2 with prefix caching: 4 groups of 6 records (two groups named to each replica by

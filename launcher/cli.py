@@ -134,8 +134,12 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         print(json.dumps({k: summary.get(k) for k in keys}))
         drained = summary.get("drained")
         if drained:
-            lost = [f"{n} record(s) {what}" for n, what in ((drained["records_in_flight_abandoned"], "in flight given up"),
-                                                               (drained["records_not_dealt"], "not started")) if n]
+            lost = []
+            if drained["records_in_flight_abandoned"]:
+                lost.append(f"{drained['records_in_flight_abandoned']} record(s) in flight given up")
+            if drained["records_not_dealt"]:
+                lost.append(f"{'at least ' if drained.get('records_not_dealt_at_least') else ''}"
+                            f"{drained['records_not_dealt']} record(s) not started")
             _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
                  f"{spec.output.path}, and running the same job again resumes after them", prefix="msinfer: ")
             return EXIT_DRAINED

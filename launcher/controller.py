@@ -300,7 +300,7 @@ class Controller:
             if stop is not None and (stop.over() or not stop.dealing() and not any(s.outstanding for s in self.slots)):
                 self.abandoned = (sum(len(s.outstanding) + len(s.held) for s in self.slots) + len(self.requeue)
                                   + len(self.given))
-                exhausted = exhausted or next(records, None) is None
+                exhausted = exhausted or not stop.count_unread(records)
                 return exhausted and not self.abandoned and not stop.left
             if on_tick is not None:
                 on_tick()

@@ -37,6 +37,9 @@ STOP_MARGIN_S = 10.0       # a deadline's run ends this much before it: results 
 RATE_WINDOW = 256
 RATE_QUANTILE = 0.9
 MISFITS_MAX = 256
+# How long a stopped run spends counting the records of its input it did not read (its summary's
+# records_not_dealt), well inside STOP_MARGIN_S.
+UNREAD_COUNT_S = 2.0
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
@@ -120,6 +123,8 @@ class Drain:
         self.rates: deque = deque(maxlen=RATE_WINDOW)           # seconds per expected token, per record
         self.quantile: float | None = None                      # of rates, until the next one comes
         self.left = 0        # records not dealt: they would not fit, or an engine gave them back unstarted
+        self.unread = 0      # records the run did not read from its input (`count_unread`)
+        self.unread_whole = True                                # all of them counted
         self.misfits = 0                                        # of those, in a row
         self.stopped = ""                                       # why the run ended before its records did
 
@@ -159,6 +164,19 @@ class Drain:
         self.misfits += 1
         return False
 
+    def count_unread(self, records) -> bool:
+        """Counts the records a stopped run did not read (`records`: the rest of its input, less
+        those whose results the file holds), for up to UNREAD_COUNT_S seconds: a huge input's
+        rest is not read to the end while a time limit nears (`unread_whole` False). Whether
+        any is left."""
+        until = time.monotonic() + UNREAD_COUNT_S
+        for _ in records:
+            self.unread += 1
+            if self.unread % 256 == 0 and time.monotonic() > until:
+                self.unread_whole = False
+                break
+        return self.unread > 0
+
     def finished(self, rec, seconds: float) -> None:
         """A record's seconds from dealing to result; measured only for a deadline's estimate."""
         if self.deadline is not None and self.length is not None:
@@ -189,8 +207,17 @@ class Drain:
         return (f"{self.deadline_words()}: records that would not have finished before it were not dealt"
                 + (", then dealing stopped" if self.misfits >= MISFITS_MAX else ""))
 
+    def deadline_summary(self) -> dict:
+        """The summary's `deadline`: when, and what set it."""
+        return {"at": datetime.fromtimestamp(self.deadline).astimezone().isoformat("T", "seconds"),
+                "source": self.source}
+
     def summary(self, abandoned: int) -> dict:
-        return {"why": self.why(), "records_in_flight_abandoned": abandoned, "records_not_dealt": self.left,
+        """records_not_dealt: those read and not dealt (or handed back) and those not read; at least
+        that many where the latter were not all counted (records_not_dealt_at_least)."""
+        return {"why": self.why(), "records_in_flight_abandoned": abandoned,
+                "records_not_dealt": self.left + self.unread,
+                **({} if self.unread_whole else {"records_not_dealt_at_least": True}),
                 **({"deadline_unix": round(self.deadline, 3), "deadline_source": self.source}
                    if self.deadline is not None else {})}
 

@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
@@ -1297,6 +1296,13 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         first = next(records, None)
         if first is None:               # every record has its line: nothing to start
             return job.nothing_to_do(t_start, resumed)
+        if drain.over():        # a deadline too near to finish anything: nothing is started
+            drain.count_unread(itertools.chain([first], records))
+            summary = {**job.summary(0.0), **resumed, "deadline": drain.deadline_summary(),
+                       "drained": drain.summary(0)}
+            write_json_atomic(summary_path(spec.output.path), summary)
+            job.write_status("drained")
+            return summary
         job.write_status("starting")
         controller, started_ray = start_controller(plan, simulate, stream, on_stage=job.on_stage)
         job.controller = controller
@@ -1316,8 +1322,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             SIGNALS.drain = None
         summary = {**job.summary(startup_s), **resumed}
         if drain.deadline is not None:
-            summary["deadline"] = {"at": datetime.fromtimestamp(drain.deadline).astimezone().isoformat("T", "seconds"),
-                                   "source": drain.source}
+            summary["deadline"] = drain.deadline_summary()
         if not complete:
             summary["drained"] = drain.summary(controller.abandoned)
         if simulate is not None:

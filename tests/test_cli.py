@@ -178,6 +178,8 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert kept.endswith(b"\n")
     done_before = job.ids()
     assert len(done_before) < len(lines), "the interrupt came too late to test a resume"
+    # not started: handed back by the engine, read ahead for the dealing order, or never read
+    assert job.summary()["drained"]["records_not_dealt"] == len(lines) - len(done_before)
 
     p = cli.run(*command, env=user)
     assert p.returncode == 0, p.stderr
@@ -320,6 +322,13 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     assert ended < datetime.fromisoformat(summary["deadline"]["at"]).timestamp()       # the command too
     assert _json(Path(f"{out}.status.json"))["state"] == "drained"
     assert first <= line_count(out) < len(lines)
+    left = summary["drained"]
+    assert left["records_not_dealt"] + left["records_in_flight_abandoned"] == len(lines) - line_count(out)
+    # a deadline inside the time a run keeps to shut down: nothing is started, nothing is lost
+    p = cli.run(*command, "--set", "run.deadline=5s")
+    summary = _json(Path(f"{out}.summary.json"))
+    assert p.returncode == 75 and "drained (the deadline (run.deadline 5s, " in said(p), p.stderr
+    assert summary["drained"]["records_not_dealt"] == len(lines) - line_count(out) and "setup" not in summary
 
     p = cli.run(*command)
     assert p.returncode == 0, p.stderr

@@ -631,6 +631,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
             raise LayoutError(f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                               f"scheduler.max_batch_size or model.max_model_len")
     check_structured(spec.sampling, tokenizer)
+    check_token_ids(spec.sampling, m.vocab_size)
     if absent:
         ckpt_bytes = bytes_per_rank(m, 1, dtype_bytes(m.torch_dtype))
         notes.append("the folder holds no weights yet: every figure comes from config.json; `msinfer run` needs the "
@@ -688,6 +689,16 @@ def check_structured(sampling, tokenizer) -> None:
         error = str(e)
     if error:
         raise SpecError(f"sampling.structured_outputs: {error.strip()}")
+
+
+def check_token_ids(sampling, vocab_size: int) -> None:
+    """The job's default token ids (sampling.logit_bias, allowed_token_ids) within the model's
+    vocabulary, before any worker starts: out of it, every record would fail alike (one
+    record's own are checked where it is read, launcher.records)."""
+    for key, ids in (("logit_bias", list(sampling.logit_bias)), ("allowed_token_ids", sampling.allowed_token_ids or [])):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SpecError(f"sampling.{key}: token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})")
 
 
 def same_named(spec: JobSpec) -> dict:

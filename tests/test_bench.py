@@ -196,3 +196,23 @@ def test_the_job_s_chat_template_variables_are_checked_and_rendered_by_plan(chec
     assert plan({"enable_thinking": False}).spec.input.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(SpecError, match=r"'input.chat_template_kwargs' cannot set 'add_generation_prompt'"):
         plan({"add_generation_prompt": False})
+
+
+def test_the_job_s_token_ids_outside_the_vocabulary_are_refused_by_plan(checkpoint):
+    """sampling.logit_bias and allowed_token_ids for the whole job: a token id outside the model's
+    vocabulary would fail every record alike, so plan refuses it, naming the key and the range."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+
+    def plan(**sampling):
+        return plan_job(JobSpec.model_validate({"model": {"path": str(checkpoint("llama_gqa_tied"))},
+                                                "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+                                                "sampling": sampling}), check_io=False)
+    vocab = plan().model.vocab_size
+    assert plan(logit_bias={vocab - 1: 5.0}, allowed_token_ids=[0, vocab - 1]).spec.sampling.logit_bias
+    with pytest.raises(SpecError, match=rf"sampling.logit_bias: token id {vocab} is outside the model's "
+                                        rf"vocabulary \(0..{vocab - 1}\)"):
+        plan(logit_bias={str(vocab): 5.0})
+    with pytest.raises(SpecError, match=rf"sampling.allowed_token_ids: token id {vocab + 7} is outside"):
+        plan(allowed_token_ids=[1, vocab + 7])

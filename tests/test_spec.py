@@ -104,7 +104,7 @@ def test_missing_required_keys_named(tmp_path):
     ("sampling", "top_p", "1.5", "expected a number <= 1, got 1.5"),
     ("sampling", "top_k", "-1", "expected an integer >= 0, got -1"),
     ("sampling", "max_new_tokens", "0", "expected an integer >= 1, got 0"),
-    ("sampling", "stop", "'\\n'", "expected a list"),
+    ("sampling", "stop", "5", "expected a string or a list of strings (a number quoted: '5'), got 5"),
     ("sampling", "temperature", ".nan", "expected a finite number"),
     ("model", "graph_mode", "maybe", "expected true or false, got 'maybe'"),
     ("scheduler", "kv_cache_blocks", "0", "expected an integer >= 1, got 0"),

@@ -642,6 +642,8 @@ class Engine:
         new = []
         for seq in seqs:
             text = self.codec.text(seq)
+            if not seq.is_finished and seq.record.stop_matcher is not None:
+                text = text[:max(0, len(text) - seq.record.stop_matcher.held)]
             key = stream_key(seq)
             done = self.streamed.get(key, 0)
             if len(text) > done:

@@ -204,6 +204,9 @@ class StopStringMatcher:
         self.stop = tuple(s for s in stop if s)
         self.include = include
         self.checked = 0  # leading characters of the text already seen
+        # the characters at the end of a running sequence's text that a stream holds back: the
+        # start of a stop string that the next tokens may complete (vLLM's stop_buffer_length)
+        self.held = 0 if include else max(map(len, self.stop), default=1) - 1
 
     def check(self, text: str, search: bool = True) -> int | None:
         if not self.stop:

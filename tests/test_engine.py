@@ -109,12 +109,13 @@ def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_wit
     assert got[True] == got[False]
 
 
-def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
+def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local, capsys):
     """Stop strings are matched in the engine on the decoded text: the output is cut before the
     first occurrence (after it, with include_stop_str_in_output), finish_reason stop, and the
     record generates no further. As in vLLM, a stop string completed by the last token that
-    max_new_tokens allows still cuts the text (finish_reason stop, not length), and one that
-    ends within the first min_tokens tokens' text is not looked for."""
+    max_new_tokens allows still cuts the text (finish_reason stop, not length), one that ends
+    within the first min_tokens tokens' text is not looked for, and --stream holds back the
+    start of a stop string that the next token may complete: it prints each record's text."""
     from msinfer.launcher.simulate import StandInRunner
     from msinfer.launcher.tokenizer import load_tokenizer
 
@@ -123,8 +124,9 @@ def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
     spec = job_spec(demo, tmp_path, [])
     tokens = StandInRunner(plan_job(spec, weights=False).engine, StandIn()).tokens(tok.encode(prompt), 24)
     text = tok.decode(tokens)
-    stop = text[len(text) // 2:].lstrip()[:3]
-    assert len(text) > 10 and stop.strip(), text
+    ends = [len(tok.decode(tokens[:n])) for n in range(12, 20)]     # where tokens end, mid-text
+    # a stop string across two tokens' text, and its first occurrence
+    stop = next(text[b - 1:b + 2] for b in ends if text[b - 1:b + 2].strip() and text.find(text[b - 1:b + 2]) == b - 1)
     at = next(n for n in range(1, 25) if stop in tok.decode(tokens[:n]))     # the token that completes it
     seen = len(tok.decode(tokens[:at]))             # min_tokens `at`: the first occurrence is in this text
     later = text.find(stop, seen - len(stop) + 1)
@@ -134,8 +136,12 @@ def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local):
                                      {"id": "last", "prompt": prompt, "sampling": {"max_new_tokens": at, "stop": [stop]}},
                                      {"id": "min", "prompt": prompt, "sampling": {
                                          "max_new_tokens": 24, "stop": [stop], "min_tokens": at}}])
-    run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
+    capsys.readouterr()
+    run_job(spec, progress=False, stream=True, simulate=StandIn(step_ms=1.0))
+    streamed = capsys.readouterr().err.splitlines()
     got = results(tmp_path / "out.jsonl")
+    for rid, r in got.items():
+        assert "\n".join(x[len(f"[{rid}] "):] for x in streamed if x.startswith(f"[{rid}] ")) == r["output_text"]
     cut = got["s"]
     assert cut["finish_reason"] == "stop" and cut["output_text"] == text[:text.find(stop)]
     assert cut["completion_tokens"] == at < 24

@@ -24,7 +24,7 @@ from msinfer.launcher.idset import IdSet, chunks
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, line_id, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
-from msinfer.launcher.records import Done
+from msinfer.launcher.records import Done, outside_vocabulary
 from msinfer.launcher.shards import check_shard_by, for_shard, shard_files, shard_input
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
@@ -695,10 +695,8 @@ def check_token_ids(sampling, vocab_size: int) -> None:
     """The job's default token ids (sampling.logit_bias, allowed_token_ids) within the model's
     vocabulary, before any worker starts: out of it, every record would fail alike (one
     record's own are checked where it is read, launcher.records)."""
-    for key, ids in (("logit_bias", list(sampling.logit_bias)), ("allowed_token_ids", sampling.allowed_token_ids or [])):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise SpecError(f"sampling.{key}: token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})")
+    if bad := outside_vocabulary(sampling.to_params(), vocab_size):
+        raise SpecError(f"sampling.{bad[0]}: token id {bad[1]} is outside the model's vocabulary (0..{vocab_size - 1})")
 
 
 def same_named(spec: JobSpec) -> dict:

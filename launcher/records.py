@@ -262,11 +262,9 @@ class RecordCodec:
         bad words' token ids, the token ids min_tokens holds back; its token ids checked against
         the vocabulary."""
         where = f"record '{rec.id}': sampling"
-        for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RecordError(f"{where}.{key}: token id {bad[0]} is outside the vocabulary "
-                                  f"(0..{self.vocab_size - 1})")
+        if bad := outside_vocabulary(p, self.vocab_size):
+            raise RecordError(f"{where}.{bad[0]}: token id {bad[1]} is outside the vocabulary "
+                              f"(0..{self.vocab_size - 1})")
         extra = {}
         if self.pools and p.prompt_logprobs is not None:
             raise RecordError(f"{where}.prompt_logprobs: task {self.spec.task} computes no log-probabilities")
@@ -542,6 +540,15 @@ class RecordCodec:
 
 
 # ---- result lines -------------------------------------------------------------------------------
+
+def outside_vocabulary(p: SamplingParams, vocab_size: int) -> tuple[str, int] | None:
+    """The first of the token ids a sampling names (logit_bias, allowed_token_ids) that is outside
+    the vocabulary, and its key; None where there is none."""
+    for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids)):
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            return key, bad[0]
+    return None
+
 
 def ok_result(id: str, token_ids: list[int], text: str | dict | None, finish_reason: str, prompt_tokens: int,
               extra: dict | None = None) -> dict:

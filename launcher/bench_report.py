@@ -56,7 +56,7 @@ class BenchRun:
 
     def write(self) -> None:
         d = self.plan.out_dir
-        from msinfer.launcher.writer import write_json_atomic
+        from msinfer.launcher.writer import keep_mode, write_json_atomic
         try:
             write_json_atomic(d / JSON_NAME, {"bench": self.meta, "cases": self.rows})
             fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{CSV_NAME}.", suffix=".tmp")
@@ -65,6 +65,7 @@ class BenchRun:
                 w.writeheader()
                 for row in self.rows:
                     w.writerow({k: csv_value(k, row[k]) for k in COLUMNS})
+            keep_mode(tmp, d / CSV_NAME)
             os.replace(tmp, d / CSV_NAME)
         except OSError as e:
             raise OutputError(f"--output {d}: cannot write the results ({e.strerror or e})") from None

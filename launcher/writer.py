@@ -20,6 +20,7 @@ import json
 import os
 import re
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -466,6 +467,7 @@ class ResultWriter:
                     inputs.write(b"".join(input_line(rid, None) for rid in dropped if rid is not None))
                     inputs.flush()
                     os.fsync(inputs.fileno())
+                keep_mode(tmp, self.path)
                 os.replace(tmp, self.path)
             else:
                 os.remove(tmp)
@@ -641,6 +643,29 @@ def read_summary(path: str | Path) -> dict | None:
     return summary if isinstance(summary, dict) else None
 
 
+def umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def keep_mode(tmp: str | Path, path: str | Path) -> None:
+    """Gives `tmp`, about to replace `path`, the mode of `path`, or where there is none yet a new
+    file's (0o644 less the umask, as the results file is opened): tempfile.mkstemp makes its
+    files 0o600, which a file replaced through one would take."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = 0o644 & ~umask()
+    os.chmod(tmp, mode)
+
+
 def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
     """Replaces `path` with `obj` as JSON; `durable`: synced to disk first (the status file, which
     is rewritten every few seconds and only informs, is not: a sync there stalled the driver's
@@ -655,6 +680,7 @@ def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+        keep_mode(tmp, path)
         os.replace(tmp, path)
     except OSError as e:
         if tmp is not None and os.path.exists(tmp):

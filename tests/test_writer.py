@@ -291,11 +291,29 @@ def test_retry_failed_drops_the_error_lines_so_their_records_run_again(tmp_path)
     kept.close()
     with open(path, "ab") as f:
         f.write(b'{"id": "d", "outp')
+    os.chmod(path, 0o640)                   # the user's: the rewrite keeps it (mkstemp's file is 0o600)
     retry = ResultWriter(path, retry_failed=True)
     assert holds(retry.done_ids, {"a", "c"}) and retry.dropped_failed == 1 and retry.failed_lines == 0
     retry.write(ok_result("b", [3], "y", "stop", 1))
     retry.close()
     assert [r["id"] for r in lines(path)] == ["a", "c", "b"] and not [r for r in lines(path) if r["error"]]
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+def test_files_written_through_a_temporary_file_get_a_new_file_s_mode_or_keep_theirs(tmp_path):
+    """The summary, status and bench files are written to a temporary file and renamed: they get
+    the mode a new file gets (0o644 less the umask), not mkstemp's 0o600, and keep one they have."""
+    path = tmp_path / "s.json"
+    writer_module.write_json_atomic(path, {"a": 1})
+    assert os.stat(path).st_mode & 0o777 == 0o644 & ~writer_module.umask()
+    os.chmod(path, 0o600)
+    writer_module.write_json_atomic(path, {"a": 2})
+    assert os.stat(path).st_mode & 0o777 == 0o600 and json.loads(path.read_text()) == {"a": 2}
+    old = os.umask(0o077)
+    try:
+        assert writer_module.umask() == 0o077
+    finally:
+        os.umask(old)
 
 
 def test_each_result_s_input_digest_is_kept_beside_it_the_last_one_for_an_id_counting(tmp_path):

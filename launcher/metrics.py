@@ -11,6 +11,7 @@ to an engine to when its result reached the driver, a requeue after a replica fa
 
 from __future__ import annotations
 
+import errno
 import socket
 
 from msinfer.launcher.errors import OutputError
@@ -27,6 +28,10 @@ def check_port(host: str, port: int) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:     # the host's fault, not the port's
+            raise OutputError(f"output.metrics_host {host}: the metrics endpoint cannot listen on {host}:{port} "
+                              f"({e.strerror or e}); give an address of this machine (0.0.0.0: all of them), or "
+                              f"leave output.metrics_host unset") from None
         raise OutputError(f"output.metrics_port {port}: the metrics endpoint cannot listen on {host}:{port} "
                           f"({e.strerror or e}); choose a free port, or leave output.metrics_port unset") from None
 

@@ -400,6 +400,11 @@ def test_the_metrics_endpoint_answers_during_a_job_with_counters_that_grow_and_c
         taken = busy.getsockname()[1]
         with pytest.raises(OutputError, match=rf"output.metrics_port {taken}: the metrics endpoint cannot listen"):
             plan_job(job_spec(demo, tmp_path, records, output={"metrics_port": taken}), weights=False)
+    # a host that is no address (or not this machine's) is the host's fault, not the port's
+    for host in ("999.1.1.1", "198.51.100.7"):
+        with pytest.raises(OutputError, match=rf"output.metrics_host {host}: .* give an address of this machine"):
+            plan_job(job_spec(demo, tmp_path, records, output={"metrics_port": 9421, "metrics_host": host}),
+                     weights=False)
 
 
 def test_a_systemic_error_in_an_engine_stops_the_job(ray_local):

@@ -239,10 +239,12 @@ class Controller:
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, records: Iterator[Record], on_done: Callable[[Done, Record], None],
-            on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None) -> bool:
+            on_stream: Callable[[str, str], None] | None = None, on_tick: Callable[[], None] | None = None,
+            tick_s: float = 1.0) -> bool:
         """Deals `records` (read lazily) to the engines; `on_done(result, record)` once per
         record, `on_stream(key, text)` for streamed text, `on_tick()` once per pass of the loop,
-        before it waits (so at least once a second, and after the results of the pass before).
+        before it waits (so at least once every `tick_s` seconds, and after the results of the
+        pass before).
         Returns whether every record was handed on (False where `stop` ended the loop first;
         `abandoned` then counts the records dealt and not finished)."""
         exhausted = False
@@ -312,7 +314,7 @@ class Controller:
                     return stop is None or not stop.left
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
                 continue
-            for ref in wait_any(list(pending), 1.0):
+            for ref in wait_any(list(pending), tick_s):
                 self._receive(pending[ref], ref, on_done, on_stream)
             now = time.perf_counter()
             for slot in pending.values():   # an engine that does not answer: wedged, or its node gone

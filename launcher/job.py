@@ -806,8 +806,9 @@ class JobRun:
         early does not write the failed results it held back (`_hold`): the next run computes
         them again."""
         self.t_gen = time.perf_counter()
+        # a tick at least every second, and twice per output.status_interval_s (the status file's)
         complete = self.controller.run(records, self.on_done, self.stream.write if self.stream else None,
-                                       self.on_tick)
+                                       self.on_tick, min(1.0, self.spec.output.status_interval_s / 2))
         if complete:
             self.flush_held(end=True)
         self.flush()

@@ -183,6 +183,7 @@ class BenchPlan:
 
 def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
+    from msinfer.launcher.errors import SpecError
     from msinfer.launcher.job import host_memory_problem, plan_job, resolve_layout
     from msinfer.launcher.spec import JobSpec
     from msinfer.sharding.config import ModelConfig, kv_dtype_bytes
@@ -222,14 +223,19 @@ def plan_bench(args) -> BenchPlan:
                            f"({'--max-model-len' if args.max_model_len else 'max_position_embeddings'})")
         elif on_host and (problem := host_memory_problem(tp * pp, weights, int(kv_share * c.kv_bytes))):
             rejected[c] = f"does not fit in memory: {problem}"
-    runnable = [c for c in cases if c not in rejected] or cases[:1]   # size the engine for something
+    runnable = [c for c in cases if c not in rejected]
+    if not runnable:
+        shown = "; ".join(f"{c}: {why}" for c, why in list(rejected.items())[:3])
+        raise BenchError(f"no case can run: {shown}{' ...' if len(rejected) > 3 else ''}")
     block_size = 16
     blocks = {c: c.batch_size * -(-c.seq_len // block_size) for c in runnable}
     spec = JobSpec.model_validate({
         # greedy steps as they are: not the sampling (a repetition penalty, ...) the model may recommend
         "model": {"path": str(args.model), "dtype": args.dtype, "ops": args.ops, "generation_config": "msinfer",
                   "kv_cache_dtype": args.kv_cache_dtype,
-                  "max_model_len": max(c.seq_len for c in runnable)},
+                  "max_model_len": max(c.seq_len for c in runnable),
+                  # past the model's positions only where --max-model-len asks for it
+                  "allow_long_max_model_len": max_len > m.max_position_embeddings},
         "parallel": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "device": args.device},
         "input": {"path": "bench-cases.jsonl", "chat_template": False},
         "output": {"path": "bench-results.jsonl"},
@@ -245,7 +251,7 @@ def plan_bench(args) -> BenchPlan:
     })
     try:
         job = plan_job(spec, check_io=False, weights=not args.skip_load)       # reads the checkpoint's headers
-    except LayoutError as e:
+    except (LayoutError, SpecError) as e:
         raise BenchError(flag_names(str(e))) from None
     except CheckpointError as e:
         raise CheckpointError(f"{e} (--skip-load runs on random weights with config.json alone)") from None

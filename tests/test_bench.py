@@ -95,7 +95,7 @@ def test_plan_and_bench_refuse_alike_what_this_machine_cannot_hold(checkpoint, t
     """One memory plan for both: `plan` refuses a KV cache the machine's memory cannot hold, and
     `bench` records the case that needs one, each with the same account of it."""
     import psutil
-    from msinfer.launcher.bench import plan_bench
+    from msinfer.launcher.bench import BenchError, plan_bench
     from msinfer.launcher.cli import _parser
     from msinfer.launcher.job import host_memory_problem, plan_job
     from msinfer.launcher.spec import JobSpec
@@ -116,6 +116,17 @@ def test_plan_and_bench_refuse_alike_what_this_machine_cannot_hold(checkpoint, t
     huge = next(c for c in plan.cases if c.batch_size == batch)
     assert list(plan.rejected) == [huge]
     assert plan.rejected[huge].startswith("does not fit in memory: 1 worker(s) x (weights 0.00 GiB + KV cache ")
+    # no case that can run: bench's own flags are named, before anything is planned for a case that cannot
+    positions = plan.model.max_position_embeddings
+    args = _parser().parse_args(["bench", "--model", path, "--input-len", "16", "--output-len", str(positions),
+                                 "--output", str(tmp_path / "out")])
+    with pytest.raises(BenchError, match=rf"no case can run: B=1 in=16 out={positions}: input_len \+ output_len = "
+                                         rf"{positions + 16} exceeds the max model len {positions} "
+                                         rf"\(max_position_embeddings\)$"):
+        plan_bench(args)
+    args = _parser().parse_args(["bench", "--model", path, "--input-len", "16", "--output-len", str(positions),
+                                 "--max-model-len", str(positions + 16), "--output", str(tmp_path / "out")])
+    assert plan_bench(args).job.spec.model.max_model_len == positions + 16      # asked for: allowed
 
 
 def test_a_max_model_len_past_the_positions_the_model_is_made_for_is_refused_unless_allowed(checkpoint):

@@ -181,17 +181,34 @@ def cut_note(summary: dict) -> str:
 
 def merge_job(spec) -> dict:
     """`msinfer merge`: the shards of spec's input.shard (K/N, or auto under a Slurm array) merged
-    into output.path (launcher.shards.merge_shards)."""
-    from msinfer.launcher.errors import SpecError
+    into output.path (launcher.shards.merge_shards), once each shard's results were computed with
+    the spec's settings (launcher.job.result_settings); the merged file's status file keeps them,
+    for a run on it to check as it checks a run's."""
+    import time
+
+    from msinfer.launcher.errors import OutputError, SpecError
     from msinfer.launcher.inputs import read_records
-    from msinfer.launcher.job import resolve_output_format, result_id_key
-    from msinfer.launcher.shards import merge_shards, resolve_shard
+    from msinfer.launcher.job import changed_settings, kept_settings, plan_job, result_id_key, result_settings, \
+        shown_settings
+    from msinfer.launcher.shards import merge_shards, resolve_shard, shard_path
+    from msinfer.launcher.writer import status_path, write_json_atomic
     shard = resolve_shard(spec.input.shard)
     if shard is None:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
                         "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
+    plan = plan_job(spec, weights=False)
+    settings = result_settings(plan)
+    for k in range(shard[1]):
+        path = shard_path(spec.output.path, k, shard[1])
+        if changed := changed_settings(kept_settings(path), settings):
+            raise OutputError(f"msinfer merge: shard {k} of {shard[1]} ({path}) holds results of a run with other "
+                              f"settings than the spec's ({shown_settings(changed)}); merge the shards of one job, "
+                              f"with the spec they ran with. Nothing was written")
     ids = (r.id for r in read_records(spec.input.path))       # (read as the merge asks: none are held)
-    return merge_shards(ids, spec.output.path, shard[1], result_id_key(resolve_output_format(spec)))
+    merged = merge_shards(ids, spec.output.path, shard[1], result_id_key(plan.output_format))
+    write_json_atomic(status_path(spec.output.path), {"state": "done", "updated_unix": time.time(),
+                                                      "merged_shards": shard[1], "settings": settings})
+    return merged
 
 
 def entry() -> int:

@@ -1130,9 +1130,29 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
     model's generation_config.json, which the message names (a run from before msinfer took them)."""
     if not holds_results(output):
         return
-    before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
-    if not isinstance(before, dict):
+    changed = changed_settings(kept_settings(output), settings)
+    if not changed:
         return
+    shown = shown_settings(changed)
+    model = [k for k, _, _ in changed if k.startswith("sampling.") and k[len("sampling."):] in from_model]
+    why = (f" ({', '.join(model)} now from the model's generation_config.json: set {'it' if len(model) == 1 else 'them'} "
+           f"in the spec's sampling section, or model.generation_config: msinfer, to keep the run's)" if model else "")
+    raise OutputError(f"{output} holds results of a run with other settings ({shown}){why}. A re-run skips "
+                      f"the records it holds, so they would keep the other settings' results. Run with --overwrite "
+                      f"to compute every record with these settings, or write to another output.path")
+
+
+def kept_settings(output: str) -> dict | None:
+    """The settings the status file beside a results file keeps (None: none, or no such file)."""
+    before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
+    return before if isinstance(before, dict) else None
+
+
+def changed_settings(before: dict | None, settings: dict) -> list[tuple[str, object, object]]:
+    """(key, value then, value now) of each setting in which `settings` differ from those a run
+    kept (`before`; None: nothing to compare)."""
+    if before is None:
+        return []
 
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
@@ -1151,17 +1171,12 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
 
     old, new = flat(before), flat(settings)
     old.update({k: v for k, v in SETTINGS_SINCE.items() if k not in old and k in new})
-    changed = [k for k in sorted(old.keys() | new.keys()) if differs(k)]
-    if not changed:
-        return
-    shown = ", ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed[:4])
+    return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if differs(k)]
+
+
+def shown_settings(changed: list[tuple[str, object, object]]) -> str:
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-    model = [k for k in changed if k.startswith("sampling.") and k[len("sampling."):] in from_model]
-    why = (f" ({', '.join(model)} now from the model's generation_config.json: set {'it' if len(model) == 1 else 'them'} "
-           f"in the spec's sampling section, or model.generation_config: msinfer, to keep the run's)" if model else "")
-    raise OutputError(f"{output} holds results of a run with other settings ({shown}{more}){why}. A re-run skips "
-                      f"the records it holds, so they would keep the other settings' results. Run with --overwrite "
-                      f"to compute every record with these settings, or write to another output.path")
+    return ", ".join(f"{k} {then!r} then, {now!r} now" for k, then, now in changed[:4]) + more
 
 
 def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> tuple[frozenset, int]:

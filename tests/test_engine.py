@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from msinfer.launcher.engine import STEP_FIGURES
+from msinfer.launcher.errors import OutputError
 from msinfer.launcher.inputs import parse_record
 from msinfer.launcher.job import plan_job, run_job
 from msinfer.launcher.simulate import StandIn, StandInWorker
@@ -315,6 +316,18 @@ def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
     assert merge_job(spec)["records"] == 30
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [got[r["id"]] for r in records]
+    # the merged file keeps the shards' settings: a run on it with others stops, as on a run's file
+    with pytest.raises(OutputError, match=r"out.jsonl holds results of a run with other settings "
+                                          r"\(sampling.max_new_tokens 6 then, 5 now\)"):
+        run_job(job_spec(demo, tmp_path, records, sampling={"max_new_tokens": 5}), progress=False,
+                simulate=StandIn(step_ms=1.0))
+    # and shards computed with other settings than the spec's are not merged
+    run_job(job_spec(demo, tmp_path, records, input={"shard": "1/3"}, sampling={"max_new_tokens": 5}),
+            overwrite=True, progress=False, simulate=StandIn(step_ms=1.0))
+    with pytest.raises(OutputError, match=r"msinfer merge: shard 1 of 3 \(.*out.1-of-3.jsonl\) holds results of a "
+                                          r"run with other settings than the spec's \(sampling.max_new_tokens 5 then, "
+                                          r"6 now\); .* Nothing was written"):
+        merge_job(spec)
 
     # input.shard_by file: shard 1 of 2 reads b.jsonl and d.jsonl only; c.jsonl is not even UTF-8
     folder = tmp_path / "files"
@@ -357,7 +370,6 @@ def test_the_metrics_endpoint_answers_during_a_job_with_counters_that_grow_and_c
     use is refused by the plan (exit 2), naming the key."""
     import threading
 
-    from msinfer.launcher.errors import OutputError
     port = free_port()
     records = [{"id": f"r{i}", "prompt_token_ids": [40 + i] * 20, "sampling": {"max_new_tokens": 12}}
                for i in range(24)]
@@ -490,7 +502,6 @@ def test_a_re_run_with_other_settings_on_a_results_file_stops_instead_of_keeping
     dtype, ...) they would keep the first run's results without a word. It stops (exit 2) naming
     what changed; the same settings resume, a model moved to another folder is the same model,
     and --overwrite starts over."""
-    from msinfer.launcher.errors import OutputError
 
     records = [{"id": f"r{i}", "prompt_token_ids": [1, 2, 3 + i]} for i in range(3)]
     records.append({"id": "bad", "prompt_token_ids": [10**6]})          # an error line
@@ -522,7 +533,6 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
     The run stops naming them (exit 2, the file as it was), and `msinfer plan` says it would;
     --redo-changed computes just those again; lines appended to the input are only new records; --retry-failed's error lines are not
     counted as changed."""
-    from msinfer.launcher.errors import OutputError
     from msinfer.launcher.job import resume_summary
 
     def run(spec, **kw):

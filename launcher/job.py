@@ -1175,6 +1175,7 @@ def changed_settings(before: dict | None, settings: dict) -> list[tuple[str, obj
 
 
 def shown_settings(changed: list[tuple[str, object, object]]) -> str:
+    """`changed_settings`' first four, as a message names them."""
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
     return ", ".join(f"{k} {then!r} then, {now!r} now" for k, then, now in changed[:4]) + more
 

@@ -69,6 +69,22 @@ def test_tp1_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, c
     assert [out[i] for i in range(len(PROMPTS))] == expected
 
 
+def test_pipeline_stages_each_merge_the_adapter_s_modules_of_their_own_layers(adapter, checkpoint):
+    """pipeline_parallel 2: each stage holds its own layers, and merges the adapter into them; the
+    stages in turn give transformers' tokens with the adapter merged."""
+    import dataclasses
+
+    from msinfer.sharding.config import ModelConfig
+    from msinfer.sharding.layout import stage_layers
+    from tests.test_pipeline import StageChain
+    adapter_dir, expected = adapter
+    ranges = stage_layers(ModelConfig.from_dir(checkpoint(NAME)).num_layers, 2, None)
+    runners = [ModelRunner(dataclasses.replace(engine_config(checkpoint(NAME), adapter_dir), pipeline=ranges, stage=s))
+               for s in range(2)]
+    out = Driver(StageChain(runners), feed_sampled=True).generate(dict(enumerate(PROMPTS)), N_NEW)
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+
 def test_tp2_greedy_tokens_equal_transformers_with_the_merged_adapter(adapter, checkpoint, ray_local):
     """Each rank merges only its slice: its rows of B for q/k/v and gate/up, its columns of A for
     o_proj and down_proj."""

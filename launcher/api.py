@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from msinfer.launcher.errors import SpecError
+from msinfer.launcher.errors import InputError, SpecError
 from msinfer.launcher.inputs import parse_record
 from msinfer.launcher.job import StreamPrinter, plan_job, run_job as _run_job, start_controller
 from msinfer.launcher.spec import JobSpec, SamplingSpec, load_spec, validate
@@ -55,8 +55,9 @@ class LLM:
         self.calls = 0              # generate() calls so far: the job seed of a call that sets none
 
     def generate(self, prompts: list, sampling: dict | SamplingSpec | None = None, stream: bool = False) -> list[dict]:
-        """prompts: text, chat messages (a list of {role, content}) or token ids, or whole records
-        ({"prompt": ..., "sampling": {...}}). Returns one result dict per prompt, in order.
+        """prompts: text, chat messages (a list of {role, content}) or token ids (a list or numpy
+        array of integers), or whole records ({"prompt": ..., "sampling": {...}}); or one text or
+        record alone. Returns one result dict per prompt, in order.
         Records are numbered from 0 in each call, and a record's random stream is keyed by the
         job's seed and its id (docs/spec.md, "Random streams"): a call whose sampling sets no
         seed takes the call's number (0 for the first) as the job's seed, so that calling again
@@ -82,6 +83,11 @@ class LLM:
         return self._run(prompts, None, False)
 
     def _run(self, prompts: list, sampling, stream: bool) -> list[dict]:
+        if self.controller is None:
+            raise RuntimeError("this LLM was shut down (shutdown(), or the end of its with block); make a new LLM")
+        if isinstance(prompts, (str, dict)):            # one prompt, as vLLM's LLM takes it
+            prompts = [prompts]
+        records = [parse_record({**as_record(p, i + 1), "id": str(i)}, i + 1, "prompt") for i, p in enumerate(prompts)]
         defaults = (sampling if isinstance(sampling, SamplingSpec) else
                     validate(SamplingSpec, sampling or {}, "generate(sampling=...)", "sampling"))
         if self.plan.spec.model.generation_config == "auto":
@@ -91,7 +97,6 @@ class LLM:
             defaults = defaults.model_copy(update={"seed": self.calls})
         self.calls += 1
         self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
-        records = [parse_record({**as_record(p), "id": str(i)}, i + 1, "prompt") for i, p in enumerate(prompts)]
         results: dict[str, dict] = {}
         printer = StreamPrinter(sys.stderr) if stream else None
         self.controller.run(iter(records), lambda done, rec: results.__setitem__(rec.id, json.loads(done.line)),
@@ -102,7 +107,10 @@ class LLM:
 
     def shutdown(self) -> None:
         import ray
+        if self.controller is None:
+            return
         self.controller.shutdown()
+        self.controller = None
         if self._started_ray and ray.is_initialized():
             from msinfer.launcher.replica import shutdown_ray
             shutdown_ray()
@@ -114,11 +122,19 @@ class LLM:
         self.shutdown()
 
 
-def as_record(p) -> dict:
+def as_record(p, n: int) -> dict:
+    """Prompt `n` (from 1) of a generate() call as a record: a record itself, text, chat messages
+    or token ids (a list, tuple or numpy array)."""
+    if hasattr(p, "tolist"):                        # numpy: its values as Python's
+        p = p.tolist()
     if isinstance(p, dict):
         return p
     if isinstance(p, str):
         return {"prompt": p}
-    if isinstance(p, list) and p and isinstance(p[0], dict):
-        return {"messages": p}
-    return {"prompt_token_ids": list(p)}
+    if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+        return {"messages": list(p)}
+    if isinstance(p, (list, tuple)):
+        return {"prompt_token_ids": list(p)}
+    hint = "; one prompt of token ids is a list in the list, [[1, 2, 3]]" if isinstance(p, int) else ""
+    raise InputError(f"prompt {n}: expected text, chat messages (a list of {{role, content}}), token ids (a list of "
+                     f"integers) or a record (a dict), got {type(p).__name__} {p!r:.40}{hint}")

@@ -788,7 +788,7 @@ def _check_ids(ids: Any, key: str) -> str | None:
         return None
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
     if bad:
-        return f"'{key}' must hold non-negative integers, found {bad[0]!r}"
+        return f"'{key}' must hold non-negative integers, found {_type(bad[0])}"
     return None
 
 

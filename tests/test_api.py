@@ -3,10 +3,11 @@ prompt order, the same tokens transformers gives."""
 
 import io
 
+import numpy as np
 import pytest
 
 from msinfer.launcher.api import LLM
-from msinfer.launcher.errors import SpecError
+from msinfer.launcher.errors import InputError, SpecError
 from msinfer.launcher.job import StreamPrinter
 from msinfer.launcher.spec import SamplingSpec, validate
 from tests.conftest import PROMPTS
@@ -33,8 +34,19 @@ def test_llm_generate_keeps_order_and_matches_transformers(checkpoint, hf_greedy
                  for s in (hot, hot, {**hot, "seed": 5}, {**hot, "seed": 5}, {**hot, "seed": 2})]
         assert calls[0] != calls[1] and calls[2] == calls[3] and calls[4] == calls[0]
         assert calls[0][0] != calls[0][1]            # two records of one prompt in a call differ too
+        # one record alone (as vLLM takes one prompt), token ids as a numpy array
+        one = llm.generate({"prompt_token_ids": PROMPTS[1]}, {"max_new_tokens": 3})
+        assert len(one) == 1 and one[0]["output_token_ids"] == hf_greedy(name, PROMPTS[1], 6)[0][:3]
+        ids = llm.generate([np.array(PROMPTS[0], np.int32)], {"max_new_tokens": 3})
+        assert ids[0]["error"] is None and ids[0]["output_token_ids"] == hf_greedy(name, PROMPTS[0], 6)[0][:3]
+        with pytest.raises(InputError, match=r"prompt 1: expected text, .* got int 5; one prompt of token ids is a "
+                                             r"list in the list"):
+            llm.generate([5, 7])
     finally:
         llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        llm.generate([PROMPTS[0]])
 
 
 @pytest.mark.unit

@@ -228,7 +228,7 @@ def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
                         ({"input": ""}, "'input' must be a non-empty string, a list of token ids, or a list of "
                                         "several inputs (non-empty strings, or lists of token ids)"),
                         ({"input": ["a", ""]}, "'input' must be a non-empty string"),
-                        ({"input": [1, -2]}, "'input' must hold non-negative integers, found -2"),
+                        ({"input": [1, -2]}, "'input' must hold non-negative integers, found int -2"),
                         ({"input": "a", "encoding_format": "int8"}, "'encoding_format' must be float or base64"),
                         ({"input": "a", "dimensions": 0}, "'dimensions' must be a positive integer, got 0"),
                         ({"input": "a", "temperature": 1}, "unknown body key 'temperature'"),

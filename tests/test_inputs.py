@@ -51,7 +51,7 @@ BAD = [
     (b'{"id": "n", "prompt": 42}', "line 6: 'prompt' must be a string, got int 42"),
     (b'{"id": "m", "messages": [{"role": "user"}]}', "line 7: messages[0] needs a 'content' string"),
     (b'{"id": "p", "prompt_token_ids": [1, -2]}',
-     "line 8: 'prompt_token_ids' must hold non-negative integers, found -2"),
+     "line 8: 'prompt_token_ids' must hold non-negative integers, found int -2"),
     (b'{"id": "q", "prompt_token_ids": [1, null]}', "line 9: 'prompt_token_ids' must hold non-negative integers"),
     (b'{"id": "b", "prompt": "a", "messages": []}', "line 10: has both 'prompt' and 'messages'"),
     (b'{"id": "s", "prompt": "a", "sampling": [1]}', "line 11: 'sampling' must be an object"),

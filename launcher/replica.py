@@ -156,6 +156,18 @@ def _lean_head(dashboard: bool):
         Node.start_monitor, Node.start_log_monitor, Node.start_api_server = saved
 
 
+def late_names(late: list[int], workers: int, tp: int, pp: int) -> str:
+    """Who a start-up stage (Replica._stage) waited for in vain, by their calls' places: a rank
+    (with pipeline stages, its stage and rank), or past the ranks the engine's start in rank 0's
+    process (the load stage's last call, where the engine is hosted there)."""
+    ranks = [r for r in late if r < workers]
+    names = ", ".join(f"stage {r // tp} rank {r % tp}" if pp > 1 else str(r) for r in ranks)
+    who = [f"rank{'s' if len(ranks) > 1 else ''} {names}"] if ranks else []
+    if len(ranks) < len(late):
+        who.append("its engine's start (in rank 0's process)")
+    return " and ".join(who)
+
+
 # How long Replica.death waits for another rank's word once a rank is found gone without one.
 SILENT_GRACE_S = 0.5
 _LOG_LINE = re.compile(r"^\[[^\]]*\] \S+\.cc:\d+: (.*)$")
@@ -346,13 +358,10 @@ class Replica:
             late = [r for r, ref in enumerate(refs) if ref in pending]
             nodes = sorted({self.ranks[r]["node_ip"] for r in late if r < len(self.ranks) and "node_ip" in self.ranks[r]})
             where = f" (on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
-            tp = self.cfg.tensor_parallel
-            names = ", ".join(f"stage {r // tp} rank {r % tp}" if self.pp > 1 and r < tp * self.pp
-                              else str(r) for r in late)
             raise StartupTimeout(
-                f"replica {self.index}: rank{'s' if len(late) > 1 else ''} {names}{where} did not "
-                f"finish {stage} within fault.startup_timeout_s={self.cfg.startup_timeout_s:g}s (a hung HCCL/MCCL "
-                f"init, an unreachable node or a stalled load); the job stops")
+                f"replica {self.index}: {late_names(late, len(self.workers), self.cfg.tensor_parallel, self.pp)}"
+                f"{where} did not finish {stage} within fault.startup_timeout_s={self.cfg.startup_timeout_s:g}s (a "
+                f"hung HCCL/MCCL init, an unreachable node or a stalled load); the job stops")
         return ray.get(refs)
 
     def submit(self, seqs, is_prefill: bool) -> list:

@@ -1069,6 +1069,8 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
     try:
         if plan.device == "ascend" and simulate is None:
             check_npus(spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel, spec.ray.address)
+        if spec.ray.address and simulate is None and (note := cpu_room_note(spec)):
+            print(f"msinfer: note: {note}", file=sys.stderr, flush=True)
         controller.start()
     except BaseException:
         if started_ray:
@@ -1428,6 +1430,30 @@ def check_npus(ranks: int, address: str | None) -> None:
             f"{ranks} ranks (tensor_parallel x pipeline_parallel) needs {ranks}. Start Ray's nodes on Ascend machines (Ray finds "
             f"the cards through CANN; scripts/msinfer-node.sh), set parallel.device: cpu, or set "
             f"{EMULATE_ENV}=1 to run the Ascend path emulated on the CPU")
+
+
+def cpu_room_note(spec: JobSpec) -> str | None:
+    """Where no node of the Ray cluster has the CPUs a replica's packed stage asks for (spread:
+    the cluster has too few in all), what to do, said before placement waits for them up to
+    fault.startup_timeout_s: a node with more may yet join (an autoscaler's), so it is a note."""
+    import ray
+    tp, cpus = spec.parallel.tensor_parallel, spec.ray.num_cpus_per_worker
+    nodes = [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    if spec.parallel.placement == "pack":
+        need, have = tp * cpus, max(nodes, default=0.0)
+        if have >= need:
+            return None
+        what = f"no node of it has the {need:g} CPUs that a replica's {tp} packed workers ask for"
+    else:
+        need, have = tp * spec.parallel.pipeline_parallel * cpus, sum(nodes)
+        if have >= need:
+            return None
+        what = f"it has {have:g} CPUs in all, and a replica's workers ask for {need:g}"
+    return (f"the Ray cluster at {spec.ray.address}: {what} (its nodes: {', '.join(f'{c:g}' for c in nodes)} CPUs), "
+            f"so placement waits for a node that has them, up to fault.startup_timeout_s "
+            f"({spec.fault.startup_timeout_s:g} s). Ray's CPUs are slots, not cores: start the nodes with "
+            f"more (scripts/msinfer-node.sh --num-cpus N, ray start --num-cpus N), or lower "
+            f"ray.num_cpus_per_worker or parallel.tensor_parallel")
 
 
 def threads_per_worker(workers_on_node: int) -> int:

@@ -27,7 +27,8 @@ Options:
   --node-ip IP           this machine's address for Ray and MindSpore (default: the first IPv4
                          address of --interface, or of `hostname -I`); never 0.0.0.0
   --interface NAME       take --node-ip from this network interface (e.g. ib0, eth0)
-  --num-cpus N           CPUs Ray may use here (default: all)
+  --num-cpus N           CPU slots Ray may fill here (default: the cores; with JOB.yaml on one
+                         machine, as many as its workers ask for where that is more)
   --npus N               Ascend NPUs Ray may use here (default: Ray counts /dev/davinci*; restrict
                          the cards with ASCEND_RT_VISIBLE_DEVICES=0,1,... before starting)
   --expect-nodes N       with JOB.yaml: wait until the cluster has N nodes (default 1)
@@ -193,6 +194,27 @@ if [[ $mode == head ]]; then
 else
     start_args+=(--address="$join_addr")
 fi
+python_cmd=$(dirname "$ray_cmd")/python
+[[ -x $python_cmd ]] || python_cmd=python3
+if [[ -z $num_cpus && $mode == head && -n $spec && $expect_nodes == 1 ]]; then
+    # One machine for the job: as many CPU slots as its workers ask for where that is more than the
+    # cores (Ray's CPUs are slots, not cores), as msinfer's embedded Ray gives them; a tp 3 job on
+    # a 2-core machine would otherwise wait for a node with 3. A spec that does not load: none set
+    # here, and `msinfer run` says what is wrong with it.
+    sets=()
+    for ((i = 0; i + 1 < ${#run_args[@]}; i++)); do
+        [[ ${run_args[i]} == --set ]] && sets+=("${run_args[i + 1]}")
+    done
+    num_cpus=$("$python_cmd" - "$spec" ${sets[@]+"${sets[@]}"} 2>/dev/null <<'PY'
+import math, os, sys
+from msinfer.launcher.spec import load_spec
+s = load_spec(sys.argv[1], sys.argv[2:])
+p = s.parallel
+workers = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+print(max(os.cpu_count() or 1, math.ceil(workers * s.ray.num_cpus_per_worker) + 1))
+PY
+) || num_cpus=""
+fi
 [[ -z $num_cpus ]] || start_args+=(--num-cpus="$num_cpus")
 [[ -z $npus ]] || start_args+=(--resources="{\"NPU\": $npus}")
 [[ -z $temp_dir ]] || start_args+=(--temp-dir="$temp_dir")
@@ -234,8 +256,6 @@ fi
 
 if (( expect_nodes > 1 )); then
     say "waiting for $expect_nodes nodes in the cluster at $address"
-    python_cmd=$(dirname "$ray_cmd")/python
-    [[ -x $python_cmd ]] || python_cmd=python3
     "$python_cmd" - "$address" "$expect_nodes" "$timeout" <<'PY' || die "fewer than $expect_nodes nodes joined $address within ${timeout} s"
 import sys, time
 import ray

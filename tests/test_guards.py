@@ -339,3 +339,39 @@ def test_records_quarantined_for_the_same_crash_share_their_cause_and_their_line
     assert "pid 101 on 10.0.0.1" in message and "/tmp/ray/worker-102.err" in message and message.startswith(
         "record 'a' was running when a replica failed, 2 times (")
     assert a.cause == b.cause != c.cause and "pid" not in a.cause and "SIGFPE in PagedAttention" in a.cause
+
+
+def test_a_cluster_without_a_node_that_holds_a_replica_is_named_before_placement_waits(monkeypatch):
+    """On a Ray cluster whose nodes have fewer CPU slots than a replica's packed workers ask for
+    (a 2-core machine's `ray start` and a tp 3 job), placement would wait fault.startup_timeout_s
+    without a word: the run says so first, and what to change."""
+    import ray
+
+    from msinfer.launcher.job import cpu_room_note
+
+    def spec(**parallel):
+        return JobSpec.model_validate({"model": {"path": "model"}, "input": {"path": "in.jsonl"},
+                                       "output": {"path": "out.jsonl"}, "ray": {"address": "10.0.0.1:6379"},
+                                       "parallel": parallel})
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    note = cpu_room_note(spec(tensor_parallel=3))
+    assert note.startswith("the Ray cluster at 10.0.0.1:6379: no node of it has the 3 CPUs that a replica's 3 packed "
+                           "workers ask for (its nodes: 2 CPUs), so placement waits") and "--num-cpus N" in note
+    assert cpu_room_note(spec(tensor_parallel=1)) is None
+    nodes[1]["Alive"] = True
+    assert cpu_room_note(spec(tensor_parallel=3)) is None
+    nodes[1]["Resources"]["CPU"] = 0.5
+    assert "it has 2.5 CPUs in all, and a replica's workers ask for 3" in cpu_room_note(
+        spec(tensor_parallel=3, placement="spread"))
+    assert cpu_room_note(spec(tensor_parallel=2, placement="spread")) is None
+
+
+def test_a_start_up_stage_that_times_out_names_the_ranks_and_the_engine_it_waited_for():
+    """The load stage's calls are the ranks' loads and, where the engine runs in rank 0's process,
+    its start: a late one past the ranks is the engine's, not a rank that does not exist."""
+    from msinfer.launcher.replica import late_names
+    assert late_names([1], 2, 2, 1) == "rank 1"
+    assert late_names([0, 1], 1, 1, 1) == "rank 0 and its engine's start (in rank 0's process)"
+    assert late_names([3], 3, 3, 1) == "its engine's start (in rank 0's process)"
+    assert late_names([1, 3], 4, 2, 2) == "ranks stage 0 rank 1, stage 1 rank 1"

@@ -1235,6 +1235,8 @@ def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], retry
     `numbered` (file -> 1 at each line that holds a record now), where that line holds none: a
     line removed, or blanked, since its result was written. Its record is gone; a re-run would
     keep its result beside those of the lines that moved into its place."""
+    if not numbered:                    # every record has its own id: none is named by its line
+        return []
     gone = {}
     for rid in recorded_ids(output):
         source, _, n = rid.rpartition(":")

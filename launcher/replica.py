@@ -71,6 +71,14 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)} if main else {}
     try:
         _init_ray(address, num_cpus_needed, dashboard, npus)
+    except SystemExit as e:
+        # ray.init's own SIGTERM handler (sys.exit(signum)) took a SIGTERM that came while Ray
+        # started: the command's handler takes it as it takes one a moment later (a status and
+        # exit 75 where nothing was in flight, not a silent exit 15)
+        command = previous.get(signal.SIGTERM)
+        if e.code == signal.SIGTERM and callable(command):
+            command(signal.SIGTERM, None)
+        raise
     finally:
         # ray.init installs a SIGTERM handler of its own (SystemExit): the command's (launcher.drain:
         # SIGTERM drains a run) stays in force

@@ -5,6 +5,7 @@ emulated card's kernel check. The helpers are tests/test_cli.py's."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,33 @@ def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(mon
         assert cli.main(["run", str(spec)]) == code
         err = capsys.readouterr().err
         assert err.startswith(f"msinfer: {word}") and "Traceback" not in err
+
+
+def test_a_sigterm_while_ray_starts_is_the_command_s_not_ray_s(monkeypatch):
+    """ray.init installs its own SIGTERM handler (sys.exit(15)) while it starts: a SIGTERM then
+    reaches the command's handler all the same (Terminated: a drained stop, exit 75, a status)
+    instead of ending the command silently with status 15. The command's handler stays in force."""
+    import signal
+
+    import ray
+
+    from msinfer.launcher import replica
+    from msinfer.launcher.drain import Signals
+    from msinfer.launcher.errors import Terminated
+    command = Signals()
+    previous = signal.signal(signal.SIGTERM, command.handle)
+
+    def ray_init_meets_a_sigterm(*args):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))     # as ray.init does
+        raise SystemExit(signal.SIGTERM)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(replica, "_init_ray", ray_init_meets_a_sigterm)
+    try:
+        with pytest.raises(Terminated) as e:
+            replica.init_ray(None, 1)
+        assert e.value.drained and signal.getsignal(signal.SIGTERM) == command.handle
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.unit

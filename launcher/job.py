@@ -1206,7 +1206,8 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
         for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
             if rec.id == line_id(rec.source, rec.line):
                 lines = numbered.setdefault(rec.source, bytearray())
-                lines.extend(bytes(max(0, rec.line + 1 - len(lines))))
+                if rec.line >= len(lines):
+                    lines.extend(bytes(rec.line + 1 - len(lines)))
                 lines[rec.line] = 1
             if old < 0 or old == DIGEST_DROPPED or rec.digest is None or (retry_failed and old & 1):
                 continue

@@ -9,6 +9,7 @@ its result line, formatted in the engine -> written by the driver (launcher.writ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from msinfer.launcher.drain import SIGNALS, Drain, parse_deadline, slurm_time_left
 from msinfer.launcher.embed import resolve_pooling
-from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, UserError
+from msinfer.launcher.errors import InputError, OutputError, SpecError, SystemicError, Terminated, UserError
 from msinfer.launcher.idset import IdSet, chunks
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, line_id, location, longest_first, reads_back, unit_of)
@@ -931,7 +932,27 @@ class JobRun:
             "replica_restarts": self.controller.restarts if self.controller else 0,
             "workers": self.workers(), "settings": self.settings}, durable=state != "running")
 
-    def summary(self, startup_s: float) -> dict:
+    def conclude(self, state: str, startup_s: float, resumed: dict, drain: Drain, complete: bool = True,
+                 t_start: float | None = None, add=None, engines: bool = True) -> dict:
+        """Writes the run's summary (`summary` with the resumed records' counts, the deadline, the
+        drain's figures where the run did not finish, the first result's time, and what `add`
+        gives for it) and then its status, `state`; returns the summary. `engines` False: without
+        asking the engines for their step figures (a run stopped at once, or failed, waits for
+        nothing)."""
+        summary = {**self.summary(startup_s, engines), **resumed}
+        if drain.deadline is not None:
+            summary["deadline"] = drain.deadline_summary()
+        if not complete:
+            summary["drained"] = drain.summary(self.controller.abandoned if self.controller else 0)
+        if add is not None:
+            summary.update(add(summary))
+        if t_start is not None and self.t_first_result is not None:
+            summary["first_result_s"] = round(self.t_first_result - t_start, 3)
+        write_json_atomic(summary_path(self.spec.output.path), summary)
+        self.write_status(state)
+        return summary
+
+    def summary(self, startup_s: float, engines: bool = True) -> dict:
         gen_s = (time.perf_counter() - self.t_gen) if self.t_gen else 0.0
         out = self.stats.summary(startup_s, gen_s)
         out["replica_restarts"] = self.controller.restarts if self.controller else 0
@@ -944,7 +965,8 @@ class JobRun:
         out["replicas"] = self.workers()
         if self.controller:
             out["setup"] = [info for s in self.controller.slots for info in s.replica.setup_info]
-            out["steps"] = self.controller.step_stats()
+            if engines:
+                out["steps"] = self.controller.step_stats()
         return out
 
 
@@ -1305,6 +1327,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     lock = ResultsLock(spec.output.path, "simulate" if simulate is not None else "run")
     writer = job = metrics = None
     started_ray = False
+    startup_s, resumed = 0.0, {}
     try:
         settings, id_key = result_settings(plan), result_id_key(plan.output_format)
         redo, removed = frozenset(), 0
@@ -1329,11 +1352,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             return job.nothing_to_do(t_start, resumed)
         if drain.over():        # a deadline too near to finish anything: nothing is started
             drain.count_unread(itertools.chain([first], records))
-            summary = {**job.summary(0.0), **resumed, "deadline": drain.deadline_summary(),
-                       "drained": drain.summary(0)}
-            write_json_atomic(summary_path(spec.output.path), summary)
-            job.write_status("drained")
-            return summary
+            return job.conclude("drained", 0.0, resumed, drain, complete=False)
         job.write_status("starting")
         controller, started_ray = start_controller(plan, simulate, stream, on_stage=job.on_stage)
         job.controller = controller
@@ -1351,26 +1370,19 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             complete = job.run(dealing_order(spec, itertools.chain([first], records)))
         finally:
             SIGNALS.drain = None
-        summary = {**job.summary(startup_s), **resumed}
-        if drain.deadline is not None:
-            summary["deadline"] = drain.deadline_summary()
-        if not complete:
-            summary["drained"] = drain.summary(controller.abandoned)
+        add = None
         if simulate is not None:
-            summary["simulate"] = capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))
-        if job.t_first_result is not None:
-            summary["first_result_s"] = round(job.t_first_result - t_start, 3)
-        write_json_atomic(summary_path(spec.output.path), summary)
-        job.write_status("drained" if not complete else "done")
-        return summary
+            def add(summary):
+                return {"simulate": capacity(summary, spec, simulate, cpu0, cpu_seconds(controller))}
+        return job.conclude("done" if complete else "drained", startup_s, resumed, drain, complete, t_start, add)
     except BaseException as e:
         stop = SIGNALS.cause(e)
         if job is not None:
-            try:
-                job.write_status("drained" if getattr(stop, "drained", False) else
-                                 "interrupted" if isinstance(stop, KeyboardInterrupt) else "failed")
-            except Exception:
-                pass
+            state = ("drained" if getattr(stop, "drained", False) else
+                     "interrupted" if isinstance(stop, KeyboardInterrupt) else "failed")
+            with contextlib.suppress(Exception):    # (the stop's own error is the one to report)
+                job.conclude(state, startup_s, resumed, drain, True, t_start,
+                             lambda _: {"stopped": {"state": state, "why": stop_words(stop)}}, engines=False)
         if stop is not e:
             raise stop from None
         raise
@@ -1387,6 +1399,16 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         if started_ray and ray.is_initialized():
             from msinfer.launcher.replica import shutdown_ray
             shutdown_ray()
+
+
+def stop_words(stop: BaseException) -> str:
+    """Why a run stopped before its end, for its summary's `stopped`."""
+    if isinstance(stop, Terminated):
+        return f"{stop.signal_name}: " + ("stopped before any record was in flight" if stop.drained
+                                          else "stopped at once, the records in flight given up")
+    if isinstance(stop, KeyboardInterrupt):
+        return "interrupted (Ctrl-C): the records in flight given up"
+    return str(stop) or type(stop).__name__
 
 
 def make_drain(spec: JobSpec) -> Drain:

@@ -312,6 +312,10 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     assert _json(Path(f"{out}.status.json"))["state"] == "interrupted"
     assert out.read_bytes().endswith(b"\n")
     first = line_count(out)
+    stopped = _json(Path(f"{out}.summary.json"))      # the run's own figures, though it did not finish
+    assert stopped["stopped"] == {"state": "interrupted",
+                                  "why": "SIGTERM: stopped at once, the records in flight given up"}
+    assert stopped["records_done"] == first and stopped["records_skipped"] == 0
 
     p = cli.run(*command, "--set", "run.deadline=20s")
     ended = time.time()

@@ -171,6 +171,9 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     assert 1 <= len(kept) < n and len({r["id"] for r in kept}) == len(kept)
     assert all(r["error"] is None and r["completion_tokens"] == 40 for r in kept)
     assert job.status()["state"] == "failed" and job.status()["replica_restarts"] == 0
+    summary = job.summary()         # the failed run's figures, its stop's reason beside them
+    assert summary["stopped"]["state"] == "failed" and "replica 0 failed (TimeoutError" in summary["stopped"]["why"]
+    assert summary["records_done"] == len(kept) and summary["replica_restarts"] == 0
     with ResultWriter(job.output) as w:            # what the next run skips
         assert holds(w.done_ids, {r["id"] for r in kept}) and not w.cut_partial_line
 

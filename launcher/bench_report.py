@@ -8,7 +8,6 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,17 +55,14 @@ class BenchRun:
 
     def write(self) -> None:
         d = self.plan.out_dir
-        from msinfer.launcher.writer import keep_mode, write_json_atomic
+        from msinfer.launcher.writer import Replacement, write_json_atomic
         try:
             write_json_atomic(d / JSON_NAME, {"bench": self.meta, "cases": self.rows})
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{CSV_NAME}.", suffix=".tmp")
-            with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS)
+            with Replacement(d / CSV_NAME) as r:
+                w = csv.DictWriter(r.file, fieldnames=COLUMNS)
                 w.writeheader()
                 for row in self.rows:
                     w.writerow({k: csv_value(k, row[k]) for k in COLUMNS})
-            keep_mode(tmp, d / CSV_NAME)
-            os.replace(tmp, d / CSV_NAME)
         except OSError as e:
             raise OutputError(f"--output {d}: cannot write the results ({e.strerror or e})") from None
 

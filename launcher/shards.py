@@ -26,7 +26,7 @@ from msinfer.launcher.errors import OutputError, SpecError
 from msinfer.launcher.idset import CHUNK, IdSet, chunks, place, unplace
 from msinfer.launcher.inputs import input_files, read_records
 from msinfer.launcher.spec import parse_shard
-from msinfer.launcher.writer import inputs_path, result_id
+from msinfer.launcher.writer import Replacement, inputs_path, result_id
 
 SHOWN = 10          # ids named in a merge's report, of each kind
 
@@ -168,11 +168,11 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
         add(ids, values)
         starts.append(offsets)
 
-    tmp = f"{output_path}.merging"
     missing, total, matched, wanted = [], 0, 0, IdSet()
     shards = [open(path, "rb") for path in paths]
     try:
-        with open(tmp, "wb") as out:
+        with Replacement(output_path, binary=True, suffix=".merging") as merged:
+            out = merged.file
             for chunk in chunks(input_ids):
                 total += len(chunk)
                 wanted.update(chunk)
@@ -201,19 +201,12 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
                                  f"{', '.join(foreign[:SHOWN])}")
                 raise OutputError(f"msinfer merge: the {n} shards of {output_path} do not hold each of the input's "
                                   f"{total} records exactly once: " + "; ".join(parts) + ". Nothing was written")
-            out.flush()
-            os.fsync(out.fileno())
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+            with open(inputs_path(output_path), "wb") as inputs:  # (the shards' digests, for a re-run on the merged file)
+                for path in paths:
+                    _copy_whole_lines(inputs_path(path), inputs)
     finally:
         for f in shards:
             f.close()
-    with open(inputs_path(output_path), "wb") as inputs:     # (the shards' digests, for a re-run on the merged file)
-        for path in paths:
-            _copy_whole_lines(inputs_path(path), inputs)
-    os.replace(tmp, output_path)
     return {"records": total, "shards": n, "path": output_path}
 
 

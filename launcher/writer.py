@@ -446,11 +446,9 @@ class ResultWriter:
         leaves the old file or the new one. Other lines, a partial last one included, stay for
         `_resume` to judge. `<output>.inputs` is told first that their records have no result
         (a crash before the rename leaves them unchecked, never checked against a line gone)."""
-        tmp = None
         dropped: list[str] = []
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".retry")
-            with open(self.path, "rb") as src, os.fdopen(fd, "wb") as out:
+            with open(self.path, "rb") as src, Replacement(self.path, binary=True, suffix=".retry") as out:
                 for line in src:
                     error = failed and line.endswith(b"\n") and FAILED in line
                     rid = result_id(line, self.id_key) if error or ids else None
@@ -459,21 +457,15 @@ class ResultWriter:
                         self.dropped_changed += not error
                         dropped.append(rid)
                         continue
-                    out.write(line)
-                out.flush()
-                os.fsync(out.fileno())
-            if dropped:
-                with open(inputs_path(self.path), "ab") as inputs:
-                    inputs.write(b"".join(input_line(rid, None) for rid in dropped if rid is not None))
-                    inputs.flush()
-                    os.fsync(inputs.fileno())
-                keep_mode(tmp, self.path)
-                os.replace(tmp, self.path)
-            else:
-                os.remove(tmp)
+                    out.file.write(line)
+                if not dropped:
+                    out.discard()
+                else:
+                    with open(inputs_path(self.path), "ab") as inputs:
+                        inputs.write(b"".join(input_line(rid, None) for rid in dropped if rid is not None))
+                        inputs.flush()
+                        os.fsync(inputs.fileno())
         except OSError as e:
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
             raise OutputError(f"results file {self.path}: cannot rewrite it without the lines of the records to "
                               f"compute again (--retry-failed, --redo-changed): {e.strerror or e}") from None
 
@@ -666,25 +658,51 @@ def keep_mode(tmp: str | Path, path: str | Path) -> None:
     os.chmod(tmp, mode)
 
 
+class Replacement:
+    """`with Replacement(path) as r:` write `r.file`; when the block ends without an exception,
+    the file (synced to disk first where `durable`, given `path`'s mode) replaces `path` in one
+    rename, so that a reader or a crash sees the old file or the new one, never part of either.
+    It is written beside `path` (same file system), and removed where the block raises or calls
+    `discard()`, which leaves `path` as it was."""
+
+    def __init__(self, path: str | Path, binary: bool = False, durable: bool = True, suffix: str = ".tmp"):
+        self.path, self.binary, self.durable, self.suffix = Path(path), binary, durable, suffix
+        self.kept = True
+
+    def __enter__(self) -> Replacement:
+        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=self.suffix)
+        self.file = os.fdopen(fd, "wb") if self.binary else os.fdopen(fd, "w", encoding="utf-8", newline="")
+        return self
+
+    def discard(self) -> None:
+        self.kept = False
+
+    def __exit__(self, kind, exc, tb) -> None:
+        try:
+            if kind is None and self.kept:
+                self.file.flush()
+                if self.durable:
+                    os.fsync(self.file.fileno())
+                self.file.close()
+                keep_mode(self.tmp, self.path)
+                os.replace(self.tmp, self.path)
+        finally:
+            self.file.close()
+            try:
+                os.remove(self.tmp)         # (not there once it replaced `path`)
+            except FileNotFoundError:
+                pass
+
+
 def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
     """Replaces `path` with `obj` as JSON; `durable`: synced to disk first (the status file, which
     is rewritten every few seconds and only informs, is not: a sync there stalled the driver's
     loop for half a second at a time on this machine's disk)."""
-    path = Path(path)
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, ensure_ascii=False, indent=2)
-            f.write("\n")
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        keep_mode(tmp, path)
-        os.replace(tmp, path)
+        with Replacement(path, durable=durable) as r:
+            json.dump(obj, r.file, ensure_ascii=False, indent=2)
+            r.file.write("\n")
     except OSError as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from msinfer.launcher.errors import OutputError
+from msinfer.launcher.errors import OutputError, gist
 
 CSV_NAME, JSON_NAME, PNG_NAME = "bench.csv", "bench.json", "bench.png"
 COLUMNS = ("batch_size", "input_len", "output_len", "kv_cache_bytes", "status", "compile_s", "graphs_compiled",
@@ -65,16 +65,6 @@ class BenchRun:
                     w.writerow({k: csv_value(k, row[k]) for k in COLUMNS})
         except OSError as e:
             raise OutputError(f"--output {d}: cannot write the results ({e.strerror or e})") from None
-
-
-def gist(message: str, limit: int = 300) -> str:
-    """The first informative line of an error (MindSpore's start with rulers and headings)."""
-    lines = [ln.strip() for ln in message.splitlines()] or [""]
-    typed = re.match(r"(\w+):\s*(.*)", lines[0])          # "TypeError: ..." as describe() words it
-    head, first = typed.groups() if typed else ("", lines[0])
-    body = first or next((ln for ln in lines[1:] if ln and not ln.startswith(("-", "="))), "")
-    text = f"{head}: {body}" if head and body else head or body
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def csv_value(key: str, v):

@@ -42,6 +42,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.experimental import internal_kv
 
+from msinfer.launcher.errors import gist
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
 from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
@@ -237,12 +238,14 @@ WORKER_DIED = "a worker process died"
 
 
 def describe(e: BaseException) -> str:
+    """A failure in one line: its type and the message's first informative line, whole
+    (launcher.errors.gist)."""
     cause = getattr(e, "cause", None)
     if isinstance(e, RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {cause}"
-    if isinstance(e, RayActorError):
+        e = cause
+    elif isinstance(e, RayActorError):
         return WORKER_DIED
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return gist(f"{type(e).__name__}: {e}", limit=None)
 
 
 class Engine:

@@ -3,6 +3,8 @@ expected. The CLI catches `UserError` and prints the message without a traceback
 
 The command's exit codes (launcher.cli; README "Exit codes"):"""
 
+import re
+
 EXIT_USER_ERROR = 2       # a bad spec, model, input, output or launch; records failing for a cause not theirs
 EXIT_JOB_FAILED = 3       # replicas failed more often than allowed, or a start-up stage outlived its timeout
 EXIT_DRAINED = 75         # stopped before every record was done (SIGTERM, SIGUSR1, a deadline), the
@@ -75,3 +77,19 @@ class StartupTimeout(LaunchError):
 class NoRoom(StartupTimeout):
     """Ray found no room for a replica's workers within fault.startup_timeout_s (a node lost, and
     no other with the resources free)."""
+
+
+# What MindSpore's "Framework Unexpected Exception" messages say before the error itself
+BOILERPLATE = ("This exception is caused by framework's unexpected error",)
+
+
+def gist(message: str, limit: int | None = 300) -> str:
+    """The first informative line of an error (cut to `limit` characters): MindSpore's start with
+    rulers, headings and, for a framework error, a request to report it, before the line that
+    says what failed."""
+    lines = [ln.strip() for ln in message.splitlines()] or [""]
+    typed = re.match(r"(\w+):\s*(.*)", lines[0])          # "TypeError: ..." as launcher.engine.describe words it
+    head, first = typed.groups() if typed else ("", lines[0])
+    body = first or next((ln for ln in lines[1:] if ln and not ln.startswith(("-", "=", *BOILERPLATE))), "")
+    text = f"{head}: {body}" if head and body else head or body
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."

@@ -43,6 +43,14 @@ def test_error_column_keeps_the_gist_of_a_mindspore_error():
                "Unsupported data type!\nThe supported data types are ...")
     assert bench_report.gist(message) == "TypeError: Select CPU operator[Gather] fail! Unsupported data type!"
     assert bench_report.gist("a worker process died") == "a worker process died"
+    # a framework error's: what failed, not the request to report it (a replica's restart reason)
+    from msinfer.launcher.engine import describe
+    framework = RuntimeError("\n" + "-" * 52 + "\n- Framework Unexpected Exception Raised:\n" + "-" * 52 +
+                             "\nThis exception is caused by framework's unexpected error. Please create an issue at "
+                             "https://gitee.com/mindspore/mindspore/issues to get help.\n\n" + "-" * 52 +
+                             "\n- Runtime error info: (For framework developers)\n" + "-" * 52 +
+                             "\nThe value input to flatten tensor not supported for type \n")
+    assert describe(framework) == "RuntimeError: The value input to flatten tensor not supported for type"
 
 
 def test_tiny_run_records_every_case_and_goes_on_after_failures(checkpoint, ray_local, tmp_path, monkeypatch):

@@ -154,6 +154,29 @@ def test_scores_equal_transformers_chunked_and_batched_with_a_generation(checkpo
         np.testing.assert_allclose([v for _, v in top], ref[order], atol=LOGPROB_ATOL)
 
 
+def test_prompt_logprobs_after_a_decode_step_equal_transformers(checkpoint):
+    """Any record of a job may ask for prompt_logprobs, between other records' decode steps: a
+    scoring prefill whose graph runs again after a decode step's graph compiled (a graph of fewer
+    inputs) gives transformers' figures, as its first run did. A runner of its own, so that the
+    decode graph compiles between the two."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.protocol import SeqStep
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint("llama_gqa_tied")
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=128, max_batch_size=8))
+    n = len(PROMPTS[0])
+    for i, prompt in enumerate((PROMPTS[0], PROMPTS[2][:n])):        # the same shapes: the same graphs
+        sp = SamplingParams(prompt_logprobs=2, max_new_tokens=4)
+        blocks = list(range(8 * i, 8 * i + 8))
+        out = runner.step([SeqStep(i, list(prompt), 0, blocks, sp, targets=list(prompt[1:]) + [-1])], True)
+        lp = hf_log_softmax(path, prompt)
+        assert len(out.scores[0]) == n - 1
+        for j, (chosen, rank, top) in enumerate(out.scores[0]):
+            assert abs(chosen - lp[j, prompt[j + 1]]) < LOGPROB_ATOL and rank == (lp[j] >= lp[j, prompt[j + 1]]).sum()
+            assert [t for t, _ in top] == np.argsort(-lp[j], kind="stable")[:2].tolist()
+        runner.step([SeqStep(i, [out.token_ids[0]], n, blocks, sp, num_generated=1)], False)
+
+
 # ---- tier 3: a scoring job at tp 2 ----------------------------------------------------------------
 
 def test_score_job_at_tp2_writes_transformers_logprobs_and_generates_the_rest(checkpoint, hf_greedy, ray_local,

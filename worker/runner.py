@@ -43,11 +43,34 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
+def own_input_flags(graph, cell):
+    """`graph`, a method of `cell` compiled, called with the input flags of the graph it runs.
+    MindSpore's inference mode (jit's infer_boost) runs the graph compiled for the cell's `phase`
+    without compiling again, with the flags (`_mutable_flags`, one an input) that the cell's
+    latest compile left on the cell, whichever graph that was: a graph of one input count run
+    after another's compile (a step that scores prompt tokens, 12 inputs, after a decode step's
+    first, 10) stops with "The value input to flatten tensor not supported" (mindspore 2.10
+    graph/api.py, _JitExecutor._predict and _generate_run_args). So each phase's flags are kept
+    as its compile left them and put back before it runs."""
+    flags: dict = {}
+
+    def call(*args):
+        phase = getattr(cell, "phase", None)
+        if phase in flags:
+            cell._mutable_flags = flags[phase]
+        out = graph(*args)
+        if phase not in flags:
+            flags[phase] = getattr(cell, "_mutable_flags", None)
+        return out
+    return call
+
+
 def by_shape(graph, fn):
     """`graph`, method `fn` of a cell compiled in MindSpore's inference mode (which runs the graph
     the cell's `phase` names, whatever the inputs' shapes), called with a phase of `fn`'s name and
     the inputs' shapes: one graph a shape, as MindSpore keys graphs in its other modes."""
     cell, name = fn.__self__, fn.__name__
+    graph = own_input_flags(graph, cell)
 
     def call(*args):
         cell.phase = name + "".join(str(getattr(a, "shape", a)) for a in args)
@@ -165,7 +188,8 @@ class ModelRunner:
         """`fn` as a static graph; with dynamic shapes, one graph for every token and sequence count."""
         if not self.dynamic:
             options = self.dev.static_step_jit_options
-            return by_shape(self.ms.jit(fn, **options), fn) if options else self.ms.jit(fn, **self.dev.jit_options)
+            return by_shape(self.ms.jit(fn, **options), fn) if options else \
+                own_input_flags(self.ms.jit(fn, **self.dev.jit_options), fn.__self__)
         from msinfer.worker.model import POOL_INPUTS, SCORE_INPUTS, STEP_INPUTS
         ms = self.ms
         dims = {"positions": ([None, self.scheme.num_components], ms.float32), "block_tables": ([None, None], ms.int32),
@@ -173,7 +197,8 @@ class ModelRunner:
                 "hidden": ([None, self.cfg.hidden_size], ms.float32)}
         names = (SCORE_INPUTS if kind.startswith("score") else POOL_INPUTS if kind == "pool" else STEP_INPUTS) + (
             () if self.stage.first else ("hidden",))
-        return self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32)) for n in names})
+        return own_input_flags(self.dynamic_graph(fn, {n: dims.get(n, ([None], ms.int32)) for n in names}),
+                               fn.__self__)
 
     def dynamic_graph(self, fn, specs: dict):
         """Method `fn` compiled once for inputs of variable size (mindspore.enable_dynamic: each

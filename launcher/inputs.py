@@ -1,5 +1,5 @@
 """Input records, read lazily from .txt (one prompt a line), .jsonl or .parquet (same keys as
-jsonl, as columns). A .jsonl line with `custom_id` and `body` is an OpenAI Batch API request
+jsonl, as columns). A .jsonl line with `custom_id` or `body` is an OpenAI Batch API request
 (`parse_openai`): its `custom_id` is the record's id and its body's parameters its sampling.
 
 A bad record never raises: it comes back with `error` set (naming its line and the problem) so
@@ -143,21 +143,39 @@ def reads_back(input_path: str | Path, output_path: str | Path) -> bool:
     return folder.is_dir() and out.parent == folder and out.suffix.lower() in INPUT_SUFFIXES
 
 
+FORMAT_LINES = 1000      # lines of a .jsonl input read at most to find its first JSON object
+
+
 def is_openai_batch(path: str | Path) -> bool:
-    """Whether a .jsonl input's first record is an OpenAI Batch API request."""
+    """Whether a .jsonl input's first JSON object (in its files' order, past empty files and
+    lines that are not JSON, up to FORMAT_LINES lines) is an OpenAI Batch API request
+    (`is_openai_request`): one bad line first does not decide the format of every result."""
     try:
-        path = input_files(path)[0][0]
+        files = input_files(path)[0]
     except InputError:
         return False
-    if path.suffix.lower() != ".jsonl" or not path.is_file():
-        return False
-    for _, text, error in _lines(path):
-        try:
-            obj = json.loads(text) if not error else None
-        except json.JSONDecodeError:
+    read = 0
+    for f in files:
+        if f.suffix.lower() != ".jsonl" or not f.is_file():
             return False
-        return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+        for _, text, error in _lines(f):
+            read += 1
+            if read > FORMAT_LINES:
+                return False
+            try:
+                obj = json.loads(text) if not error else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return is_openai_request(obj)
     return False
+
+
+def is_openai_request(obj: dict) -> bool:
+    """Whether a .jsonl line's object is an OpenAI Batch API request: it has `custom_id` or
+    `body`, which no record of msinfer's own has (one missing the other is such a request, and
+    its error line keeps the custom_id it has)."""
+    return "custom_id" in obj or "body" in obj
 
 
 def check_input(path: str | Path, pick=None) -> tuple[list[Path], Path | None]:
@@ -314,13 +332,15 @@ def _read_jsonl(path: Path, source: str = "") -> Iterator[Record]:
             yield Record(id=line_id(source, n), line=n, error=error, source=source)
             continue
         digest = input_digest(text.strip())
+        text = text.rstrip()
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
+            cut = " (the line ends before its JSON does)" if e.pos >= len(text) else ""
             yield Record(id=line_id(source, n), line=n, source=source, digest=digest,
-                         error=f"{location(source, n)}: invalid JSON: {e.msg} at column {e.colno}")
+                         error=f"{location(source, n)}: invalid JSON{cut}: {e.msg} at column {e.colno}")
             continue
-        rec = parse_openai(obj, n, "line", source) if isinstance(obj, dict) and "custom_id" in obj and "body" in obj \
+        rec = parse_openai(obj, n, "line", source) if isinstance(obj, dict) and is_openai_request(obj) \
             else parse_record(obj, n, "line", source)
         rec.digest = digest
         yield rec
@@ -456,6 +476,8 @@ def parse_openai(obj: dict, n: int, unit: str = "line", source: str = "") -> Rec
         rec.error = f"{where}: method {obj.get('method')!r} is not POST"
     elif url not in OPENAI_URLS:
         rec.error = f"{where}: url {url!r} is not one of {', '.join(OPENAI_URLS)}"
+    elif "body" not in obj:
+        rec.error = f"{where}: the request has no 'body' (the {url} request itself)"
     elif not isinstance(body, dict):
         rec.error = f"{where}: 'body' must be an object, got {_type(body)}"
     else:
@@ -530,9 +552,14 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'include_reasoning' must be true or false, got {_type(body['include_reasoning'])}"
         rec.openai_reasoning = body["include_reasoning"]
     logprobs = body.get("logprobs")
-    if chat and logprobs is True:    # chat: logprobs true, top_logprobs 0-20 alternatives
-        rec.openai_logprobs = body.get("top_logprobs") or 0
-    elif not chat and logprobs is not None and logprobs is not False:    # completions: logprobs 0-5
+    if chat:     # chat: logprobs true (or 1, as vLLM's pydantic reads it), top_logprobs 0-20 alternatives
+        if logprobs is not None and not (isinstance(logprobs, bool) or type(logprobs) is int and logprobs in (0, 1)):
+            return f"'logprobs' must be true or false, got {_type(logprobs)}"
+        if body.get("top_logprobs") is not None and not logprobs:      # (vLLM's check_logprobs)
+            return "'top_logprobs' asks for alternatives, and 'logprobs' is not true; set \"logprobs\": true"
+        if logprobs:
+            rec.openai_logprobs = body.get("top_logprobs") or 0
+    elif logprobs is not None and logprobs is not False:    # completions: logprobs 0-5
         rec.openai_logprobs = logprobs
     if rec.openai_logprobs is not None:
         if isinstance(rec.openai_logprobs, bool) or not isinstance(rec.openai_logprobs, int) \

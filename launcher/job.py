@@ -100,7 +100,9 @@ class Plan:
                else "off"),
             f"input       {s.input.path}{input_note(s.input.path)}"
             + ("" if self.tokenizer else "  (no tokenizer: prompt_token_ids only)"),
-            f"output      {s.output.path}",
+            f"output      {s.output.path}, "
+            + ("OpenAI batch output lines" if self.output_format == "openai" else "msinfer's result lines")
+            + (" (output.format auto: from the input's first JSON object)" if s.output.format == "auto" else ""),
             f"ray         {s.ray.address or 'embedded local Ray'}",
         ]
         dbytes = dtype_bytes(self.engine.dtype)

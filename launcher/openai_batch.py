@@ -23,6 +23,9 @@ def _id(prefix: str, custom_id: str) -> str:
     return f"{prefix}{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
 
 
+SERVER_ERRORS = ("quarantined", "InternalError")     # launcher.records error_result types that are not the request's
+
+
 def _line(custom_id: str, status: int, body: dict) -> dict:
     return {"custom_id": custom_id, "id": _id("batch_req_", custom_id),
             "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body}, "error": None}
@@ -39,9 +42,12 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     (the prompt's alone, as vLLM answers max_tokens 0); a chat completion's, "chat" (the
     result's prompt_text before each message's content)."""
     custom_id = result["id"]
-    if result.get("error"):
-        return _line(custom_id, 400, {"error": {"message": result["error"]["message"], "type": "invalid_request_error",
-                                                "param": None, "code": None}})
+    if result.get("error"):             # the request's fault (400), or the server's (500: a record
+        # quarantined for the replica failures it ran in, an inconsistency of msinfer's own)
+        server = result["error"]["type"] in SERVER_ERRORS
+        return _line(custom_id, 500 if server else 400, {"error": {
+            "message": result["error"]["message"], "type": "server_error" if server else "invalid_request_error",
+            "param": None, "code": None}})
     if url == EMBEDDINGS_URL:         # (task embed, launcher.embed): one vector per input, in order
         vectors = result["embeddings"] if "embeddings" in result else [result["embedding"]]
         return _line(custom_id, 200, {
@@ -116,9 +122,11 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
     elif entries:
         texts = [token_text(t) for t in ids[:len(entries)]]
         offsets = [0, *itertools.accumulate(map(len, texts))][:len(texts)]     # (an echoed prompt: long)
+        # vLLM's: each token's own first, then the top_logprobs most likely (the same token once)
         logprobs = {"tokens": texts, "token_logprobs": [e and e["logprob"] for e in entries],
-                    "top_logprobs": [e and {token_text(a): v for a, v, *_ in e["top"][:top_logprobs]}
-                                     for e in entries],
+                    "top_logprobs": [e and {tok: e["logprob"], **{token_text(a): v for a, v, *_ in e["top"][:top_logprobs]
+                                                                 if token_text(a) != tok}}
+                                     for tok, e in zip(texts, entries)],
                     "text_offset": offsets}
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None}

@@ -197,7 +197,7 @@ class RecordCodec:
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
             own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None
             sampling = dataclasses.replace(sampling, draw_key=draw_key(sampling.seed, None if own else rec.id))
-        request, now = self.request(rec), time.perf_counter()
+        request, now = self.request(rec, sampling.logprobs), time.perf_counter()
         seqs = []
         for i in range(sampling.n * len(prompts)):     # prompt p's samples are choices p * n ... p * n + n - 1
             params = dataclasses.replace(sampling, index=i) if i else sampling
@@ -317,10 +317,11 @@ class RecordCodec:
             return list(rec.continuation_token_ids)
         return self.tok.encode_continuation(rec)
 
-    def request(self, rec: Record) -> OpenAIRequest | None:
+    def request(self, rec: Record, logprobs: int = 0) -> OpenAIRequest | None:
         """How an OpenAI Batch line answers the record (output.format openai): the url it was
         sent to (for a plain record: embeddings with task embed, else chat completions where a
-        chat template applies), the log-probability alternatives it asked for, whether its message
+        chat template applies), the log-probability alternatives it asked for (else `logprobs`,
+        its sampling's: the job's default, or a plain record's own), whether its message
         holds the reasoning (include_reasoning), whether its embedding is base64 (encoding_format)
         and its echo (OpenAIRequest.echo). None with output.format msinfer."""
         if not self.openai:
@@ -335,7 +336,10 @@ class RecordCodec:
         elif rec.openai_echo:
             given = rec.prompts if rec.prompts is not None else [rec.prompt]
             echo = (rec.openai_echo, tuple(p if isinstance(p, str) else None for p in given))
-        return OpenAIRequest(url, rec.openai_logprobs, rec.openai_reasoning, rec.openai_base64, echo)
+        top = rec.openai_logprobs
+        if top is None:         # the job's sampling.logprobs (or a plain record's own): computed, so answered
+            top = logprobs or None
+        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo)
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -542,9 +546,10 @@ class RecordCodec:
 # ---- result lines -------------------------------------------------------------------------------
 
 def outside_vocabulary(p: SamplingParams, vocab_size: int) -> tuple[str, int] | None:
-    """The first of the token ids a sampling names (logit_bias, allowed_token_ids) that is outside
-    the vocabulary, and its key; None where there is none."""
-    for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids)):
+    """The first of the token ids a sampling names (logit_bias, allowed_token_ids, stop_token_ids)
+    that is outside the vocabulary, and its key; None where there is none."""
+    for key, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids),
+                     ("stop_token_ids", p.stop_token_ids)):
         if bad := [t for t in ids if not 0 <= t < vocab_size]:
             return key, bad[0]
     return None

@@ -259,6 +259,23 @@ def test_a_prompt_token_id_must_be_below_the_vocabulary_size():
     bad = codec.sequences(Record("bad", 2, prompt_token_ids=[0, 100]), 1)
     assert isinstance(bad, Done) and bad.failed
     assert "record 'bad': token id 100 is outside the vocabulary (0..99)" in bad.line
+    stop = codec.sequences(Record("stop", 3, prompt_token_ids=[0], sampling={"stop_token_ids": [7, 100]}), 2)
+    assert isinstance(stop, Done) and stop.failed
+    assert "record 'stop': sampling.stop_token_ids: token id 100 is outside the vocabulary (0..99)" in stop.line
+
+
+def test_the_jobs_logprobs_are_answered_in_openai_lines_where_a_request_asks_for_none():
+    """sampling.logprobs in the spec is every record's default: an OpenAI line shows them (they
+    are computed), and a request's own logprobs take their place."""
+    from msinfer.launcher.inputs import parse_openai
+    model = SimpleNamespace(vocab_size=100, hidden_size=64, labels=(), eos_token_ids=(2,))
+    codec = RecordCodec(job_spec({"logprobs": 2}), model, None, "openai")
+    plain = codec.sequences(Record("p", 1, prompt_token_ids=[5, 6]), 0)
+    assert plain[0].record.request.top_logprobs == 2 and plain[0].sampling.logprobs == 2
+    asked = parse_openai({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": [5, 6], "logprobs": 4}}, 2)
+    assert codec.sequences(asked, 1)[0].record.request.top_logprobs == 4
+    none = RecordCodec(job_spec(), model, None, "openai").sequences(Record("n", 3, prompt_token_ids=[5]), 2)
+    assert none[0].record.request.top_logprobs is None
 
 
 # ---- the default cache's size -------------------------------------------------------------------

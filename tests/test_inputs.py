@@ -292,7 +292,7 @@ def test_a_folder_or_a_pattern_of_files_is_read_file_by_file_with_ids_named_by_f
     recs = list(read_records(d))
     assert [r.id for r in recs] == ["q1", "a.jsonl:2", "b.jsonl:1", "b.jsonl:2", "q1@b.jsonl:3"]
     assert [r.prompt for r in recs[:3]] == ["a", "b", "c"]
-    assert recs[3].error.startswith("b.jsonl line 2: invalid JSON: Expecting value")
+    assert recs[3].error.startswith("b.jsonl line 2: invalid JSON (the line ends before its JSON does): Expecting value")
     assert recs[4].error == "b.jsonl line 3: id 'q1' was already used on a.jsonl line 1; ids must be unique"
     sub = _mkdir(d / "more")
     jsonl(sub, [{"prompt": "d"}], "c.jsonl")

@@ -100,10 +100,44 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
     (request("x", {"prompt": "hi"}), "line 4: the body of a /v1/chat/completions request needs 'messages'"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}),
      "line 4: 'top_logprobs' must be an integer from 0 to 20"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}),
+     "line 4: 'logprobs' must be true or false, got int 2"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "true"}),
+     "line 4: 'logprobs' must be true or false, got str 'true'"),
+    (request("x", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
+     "line 4: 'top_logprobs' asks for alternatives, and 'logprobs' is not true; set \"logprobs\": true"),
+    ({"custom_id": "x", "method": "POST", "url": CHAT},
+     "line 4: the request has no 'body' (the /v1/chat/completions request itself)"),
 ])
 def test_a_request_msinfer_cannot_serve_is_that_requests_error(line, message):
     rec = parse_openai(line, 4)
     assert rec.id == "x" and rec.error == message
+
+
+@pytest.mark.unit
+def test_a_jsonl_file_is_a_batch_file_by_its_first_json_object_and_a_request_keeps_its_custom_id(tmp_path):
+    """output.format auto: a line that is not JSON, or an empty file, before the first request
+    does not make every result msinfer's; a request without its body, or a custom_id without a
+    url, is a request whose error line keeps its custom_id. A chat request's logprobs 1 is true
+    (vLLM reads it so)."""
+    from msinfer.launcher.inputs import is_openai_batch, read_records
+    good = json.dumps(request("c1", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "c0", "url": "/v1/chat/completions"\n' + good + "\n"
+                                       + json.dumps({"custom_id": "nobody", "url": CHAT}) + "\n")
+    assert is_openai_batch(tmp_path / "in.jsonl")
+    bad, ok, nobody = read_records(tmp_path / "in.jsonl")
+    assert bad.error == "line 1: invalid JSON (the line ends before its JSON does): Expecting ',' delimiter at column 50"
+    assert ok.error is None and (nobody.id, nobody.error) == (
+        "nobody", "line 3: the request has no 'body' (the /v1/chat/completions request itself)")
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.jsonl").write_text("\n")
+    (tmp_path / "parts" / "b.jsonl").write_text(good + "\n")
+    assert is_openai_batch(tmp_path / "parts")
+    (tmp_path / "parts" / "b.jsonl").write_text('{"id": "n", "prompt": "hi"}\n' + good + "\n")
+    assert not is_openai_batch(tmp_path / "parts")
+    rec = parse_openai(request("x", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1,
+                                     "top_logprobs": 2}), 1)
+    assert rec.error is None and rec.openai_logprobs == 2
 
 
 @pytest.mark.unit
@@ -136,6 +170,12 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_each_choice_as_vl
     assert choice["logprobs"]["top_logprobs"] == [None, {"<7>": -1.0, "<8>": -4.0}, {"<9>": -0.5, "<7>": -2.0},
                                                   {"<11>": -0.1, "<13>": -2.5}, {"<12>": -0.2, "<14>": -3.0}]
     assert choice["logprobs"]["text_offset"] == [0, 3, 6, 9, 13]
+    # vLLM's (OpenAI's "logprobs + 1"): the token's own first, then the k most likely, so that with
+    # logprobs 1 a token that is not the most likely comes with the one that is
+    assert [list(d) if d else d for d in choice["logprobs"]["top_logprobs"]] == \
+        [None, ["<8>", "<7>"], ["<9>", "<7>"], ["<11>", "<13>"], ["<12>", "<14>"]]
+    one = openai_line(result, "/v1/completions", 1, "m", text, echo="all")["response"]["body"]["choices"][0]
+    assert one["logprobs"]["top_logprobs"][1:3] == [{"<8>": -4.0, "<7>": -1.0}, {"<9>": -0.5}]
     assert Completion.model_validate(openai_line(result, "/v1/completions", None, "m", text, echo="all")
                                      ["response"]["body"]).choices[0].text == "Hi there Paris."
     alone = openai_line(result, "/v1/completions", 2, "m", text, echo="prompt")["response"]["body"]["choices"][0]
@@ -144,7 +184,8 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_each_choice_as_vl
     assert plain["text"] == "Hi there Paris." and plain["logprobs"] is None
     floats = dict(result, prompt_logprobs=[None, -4.0, -0.5])                  # prompt_logprobs 0: the values
     zero = openai_line(floats, "/v1/completions", 0, "m", text, echo="all")["response"]["body"]["choices"][0]
-    assert zero["logprobs"]["token_logprobs"][:3] == [None, -4.0, -0.5] and zero["logprobs"]["top_logprobs"][1] == {}
+    assert zero["logprobs"]["token_logprobs"][:3] == [None, -4.0, -0.5]
+    assert zero["logprobs"]["top_logprobs"][1:] == [{"<8>": -4.0}, {"<9>": -0.5}, {"<11>": -0.1}, {"<12>": -0.2}]
 
 
 @pytest.mark.unit
@@ -235,6 +276,11 @@ def test_output_lines_parse_as_openai_types():
     failed = openai_line(error_result("q2", "InvalidRecord", "line 2: bad"), CHAT, None, "m", str)
     assert failed["response"]["status_code"] == 400
     assert failed["response"]["body"]["error"]["message"] == "line 2: bad"
+    assert failed["response"]["body"]["error"]["type"] == "invalid_request_error"
+    # a record quarantined for the crashes it ran in: the server's failure, not the request's
+    crashed = openai_line(error_result("q3", "quarantined", "record 'q3' was running when a replica failed"),
+                          CHAT, None, "m", str)["response"]
+    assert crashed["status_code"] == 500 and crashed["body"]["error"]["type"] == "server_error"
     assert openai_line(result, CHAT, None, "m", str)["id"] == line["id"]       # the same id on a re-run
 
 

@@ -27,8 +27,13 @@ SERVER_ERRORS = ("quarantined", "InternalError")     # launcher.records error_re
 
 
 def _line(custom_id: str, status: int, body: dict) -> dict:
+    """A failed request's line has its error in the response body, as OpenAI's, and its message at
+    the top as well, as vLLM's run_batch puts it: a reader of either finds it. (A string there: the
+    writer tells an error line by the object, launcher.writer.FAILED, once a line.)"""
+    error = body.get("error")
     return {"custom_id": custom_id, "id": _id("batch_req_", custom_id),
-            "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body}, "error": None}
+            "response": {"status_code": status, "request_id": _id("req_", custom_id), "body": body},
+            "error": error and error["message"]}
 
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,

@@ -277,6 +277,7 @@ def test_output_lines_parse_as_openai_types():
     assert failed["response"]["status_code"] == 400
     assert failed["response"]["body"]["error"]["message"] == "line 2: bad"
     assert failed["response"]["body"]["error"]["type"] == "invalid_request_error"
+    assert failed["error"] == "line 2: bad"                                    # (vLLM's place and form)
     # a record quarantined for the crashes it ran in: the server's failure, not the request's
     crashed = openai_line(error_result("q3", "quarantined", "record 'q3' was running when a replica failed"),
                           CHAT, None, "m", str)["response"]

@@ -10,6 +10,7 @@ against the working directory when given with --set (that is where the user type
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from pathlib import Path
@@ -214,6 +215,22 @@ class InputSpec(Section):
         return path
 
 
+def closed_objects(schema):
+    """A copy of a JSON schema in which every object that lists its properties and says nothing
+    of others has `additionalProperties: false`: vLLM's default backend (xgrammar, strict) allows
+    no keys a schema does not name, where the JSON Schema standard (and llguidance, which msinfer
+    builds its masks with) allows any; vLLM's guidance backend does this with its
+    disable-additional-properties option (structured_output/backend_guidance.py)."""
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out
+
+
 class StructuredSpec(Section):
     """Structured outputs, with vLLM's names: exactly one of them."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
@@ -222,6 +239,21 @@ class StructuredSpec(Section):
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None                                  # a Lark or GBNF grammar
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_text(cls, value):
+        """A schema given as text must be a JSON object (kept as text: a re-run's settings compare it)."""
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the schema's text is not JSON ({e.msg} at character {e.pos + 1} of "
+                                 f"{len(e.doc)})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"the schema's text is JSON of a {type(schema).__name__}, not a JSON schema "
+                                 f"(an object)")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredSpec:
@@ -235,12 +267,10 @@ class StructuredSpec(Section):
 
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar (worker/sampler.py applies it)."""
-        import json
-
         import llguidance
         if self.json_schema is not None:
-            schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
-            return llguidance.grammar_from("json", schema)
+            schema = json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+            return llguidance.grammar_from("json", json.dumps(closed_objects(schema)))
         if self.json_object:
             return llguidance.grammar_from("json", '{"type": "object"}')
         if self.regex is not None:

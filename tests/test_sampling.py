@@ -241,6 +241,34 @@ def test_structured_outputs_and_tool_choices_follow_their_schema_regex_choice_gr
     assert bad.failed and "record 'bad': sampling.structured_outputs: Invalid type: bogus" in bad.line
 
 
+def test_a_json_schema_allows_only_the_keys_it_names_as_vllms_default_backend_does():
+    """A schema that lists its properties and says nothing of others: the grammar takes an
+    object of those keys and stops at another key's first token (vLLM's xgrammar is strict so;
+    the JSON Schema standard would take it); `additionalProperties: true` takes it. A schema
+    given as text that is not JSON is refused, naming what is wrong with it."""
+    import json
+    import llguidance
+    import llguidance.hf
+    import transformers
+    from pydantic import ValidationError
+    from msinfer.launcher.spec import StructuredSpec
+    from scripts.make_demo_model import ensure_demo_model
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_demo_model())
+    lltok = llguidance.hf.from_tokenizer(tok)
+
+    def taken(schema, text: str) -> int:            # of text's tokens, how many the grammar takes
+        ids = tok.encode(text)
+        return llguidance.LLMatcher(lltok, StructuredSpec.model_validate({"json": schema}).grammar_text(),
+                                    log_level=0).validate_tokens(ids) - len(ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {}}}}
+    assert taken(schema, '{"a": 1, "b": {}}') == 0 and taken(json.dumps(schema), '{"a": 1}') == 0
+    assert taken(schema, '{"a": 1, "c": 2}') < 0 and taken(schema, '{"b": {"c": 2}}') < 0
+    assert taken({**schema, "additionalProperties": True}, '{"a": 1, "c": 2}') == 0
+    with pytest.raises(ValidationError, match=r"the schema's text is not JSON \(Expecting property name enclosed in "
+                                              r"double quotes at character 2 of 9\)"):
+        StructuredSpec.model_validate({"json": "{not json"})
+
+
 def test_prompt_logprobs_are_transformers_log_softmax_over_chunks_and_generation_goes_on(checkpoint, reference):
     """prompt_logprobs: 0 on a 30-token prompt prefilled in chunks of 16: per prompt token its
     log-probability given the ones before it (None first), within 1e-4 of transformers' float32,

@@ -66,7 +66,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 ROUTE_PREFIX_CHARS = 256       # about 50-60 tokens of text: three blocks of 16 and more
 ROUTE_PREFIX_TOKENS = 48
 ROUTE_KEYS_KEPT = 100_000      # beginnings remembered, the oldest forgotten first
+STARTS_END_S = 10.0            # how long a shutdown waits for the replicas' starts under way to end
 ASK_EVERY_S = 0.5              # the tail: how often a replica may be asked for the records it has not started
 
 
@@ -155,6 +156,7 @@ class Controller:
     retired: list = field(default_factory=list)        # engine figures of replicas that went down
     on_stage: Callable[[str], None] | None = None      # replicas' start-up stages (launcher.replica)
     ledger: Ledger | None = None                       # which records each replica runs (with an engine setup)
+    starts: list[Future] = field(default_factory=list)  # the replicas' first starts (`start`)
     failures: dict = field(default_factory=dict)       # serial -> [(failure number, why, its kind)] it ran in
     blamed: set = field(default_factory=set)           # failure numbers a quarantined record caused
     quarantine: deque = field(default_factory=deque)   # (Done, Record) of quarantined records, to hand on
@@ -181,12 +183,14 @@ class Controller:
             replica.engine_setup = dataclasses.replace(replica.engine_setup, ledger=self.ledger)
         want = replica.engine_setup.queue_target
         self.slots = [Slot(i, self._new_replica(i), want=want) for i in range(self.cfg.data_parallel)]
-        futures = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
+        self.starts = [self.pool.submit(s.replica.start, self.cfg.engine_config) for s in self.slots]
         try:
-            for f in futures:
+            for f in self.starts:
                 f.result()
-        except Exception as e:
+        except BaseException as e:        # (Ctrl-C or a signal too: the starts end before Ray does)
             self.shutdown()
+            if not isinstance(e, Exception):
+                raise
             raise launch_error(e) from None
 
     def configure(self, spec, stream: bool = False) -> None:
@@ -503,12 +507,16 @@ class Controller:
                    f"without it" for i, t in sorted(self.no_room_since.items())])
 
     def shutdown(self) -> None:
+        """Stops every replica, and waits (up to STARTS_END_S) for the starts under way to see it
+        (launcher.replica.Replica._wait): the caller shuts Ray down next."""
         for slot in self.slots:
             slot.replica.shutdown()
         if self.ledger is not None:
             with contextlib.suppress(Exception):        # (the cluster may be gone with the job)
                 self.ledger.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        futures_wait([f for f in [*self.starts, *(s.starting for s in self.slots)] if f is not None],
+                     timeout=STARTS_END_S)
 
 
 def quarantined_done(serial: int, rec: Record, failures: list, setup: EngineSetup) -> Done:

@@ -1086,29 +1086,30 @@ def start_controller(plan: Plan, simulate=None, stream: bool = False, on_stage=N
         from msinfer.worker.build import start_build
         start_build()       # the CPU kernels' library, built while Ray starts (worker/build.py)
     workers = spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel * spec.parallel.data_parallel
-    init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
-             npus=workers if plan.engine.emulate and simulate is None else 0)
-    controller = make_controller(plan, simulate, stream)
-    controller.on_stage = on_stage
-    try:
+    try:        # (a signal held while Ray started is raised as init_ray returns: Ray is shut down)
+        init_ray(spec.ray.address, int(workers * spec.ray.num_cpus_per_worker + 1), spec.ray.dashboard,
+                 npus=workers if plan.engine.emulate and simulate is None else 0)
+        controller = make_controller(plan, simulate, stream)
+        controller.on_stage = on_stage
         if plan.device == "ascend" and simulate is None:
             check_npus(spec.parallel.tensor_parallel * spec.parallel.pipeline_parallel, spec.ray.address)
         if spec.ray.address and simulate is None and (note := cpu_room_note(spec)):
             print(f"msinfer: note: {note}", file=sys.stderr, flush=True)
         controller.start()
     except BaseException:
-        if started_ray:
+        if started_ray and ray.is_initialized():
             shutdown_ray()
         raise
     return controller, started_ray
 
 
-def result_settings(plan: Plan) -> dict:
+def result_settings(plan: Plan, simulate: bool = False) -> dict:
     """What a job's result lines depend on besides their records: the checkpoint (its config.json,
     its weight files' names and sizes, its tokenizer's files and chat template, so that a model
     moved to another folder stays the same one), the compute dtypes, the task, a LoRA adapter
     (likewise) and its scale, the position scheme, the chat template's use, the sampling defaults,
-    the output format and the reasoning and tool call parsers. Not max_model_len: a record that fits gives the
+    the output format and the reasoning and tool call parsers; and whether stand-ins wrote them
+    (`simulate`: msinfer simulate's tokens are no model's). Not max_model_len: a record that fits gives the
     same tokens under any, and raising it for the records too long before is what --retry-failed
     is for. Kept in the status file (`JobRun.write_status`)."""
     import hashlib
@@ -1139,13 +1140,14 @@ def result_settings(plan: Plan) -> dict:
             "sampling": s.sampling.model_dump(mode="json"),
             "output": {"format": plan.output_format, "reasoning_parser": s.output.reasoning_parser,
                        **({"tool_call_parser": s.output.tool_call_parser} if s.output.tool_call_parser else {})},
-            **({"pooling": s.pooling.model_dump(mode="json")} if s.task == "embed" else {})}
+            **({"pooling": s.pooling.model_dump(mode="json")} if s.task == "embed" else {}),
+            "simulate": simulate}
 
 
 # Settings `result_settings` keeps that msinfer added since its first runs kept their settings,
 # with the value every run before them ran with: such a run's results differ from a re-run's
 # where the re-run sets another value.
-SETTINGS_SINCE = {"model.kv_cache_dtype": "auto"}
+SETTINGS_SINCE = {"model.kv_cache_dtype": "auto", "simulate": False}
 
 
 def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> None:
@@ -1159,6 +1161,12 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
     changed = changed_settings(kept_settings(output), settings)
     if not changed:
         return
+    stand_in = next((then for k, then, _ in changed if k == "simulate"), None)
+    if stand_in is not None:
+        raise OutputError(f"{output} holds " + ("stand-in results of msinfer simulate, no model's; a run would skip "
+                                                "their records" if stand_in else "a run's results; msinfer simulate "
+                                                "would add stand-in lines to them") +
+                          ". Run with --overwrite to start over, or write to another output.path")
     shown = shown_settings(changed)
     model = [k for k, _, _ in changed if k.startswith("sampling.") and k[len("sampling."):] in from_model]
     why = (f" ({', '.join(model)} now from the model's generation_config.json: set {'it' if len(model) == 1 else 'them'} "
@@ -1331,7 +1339,7 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
     started_ray = False
     startup_s, resumed = 0.0, {}
     try:
-        settings, id_key = result_settings(plan), result_id_key(plan.output_format)
+        settings, id_key = result_settings(plan, simulate is not None), result_id_key(plan.output_format)
         redo, removed = frozenset(), 0
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings, plan.sampling_from_model)

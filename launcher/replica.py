@@ -53,6 +53,7 @@ WORKER_ALLOCATOR_ENV = {"RAY_LD_PRELOAD_ON_WORKERS": "1"}
 
 
 # start-up stages as the progress bar names them; compiling happens in the first steps
+STOP_POLL_S = 0.5       # how soon a replica's start sees its shutdown (Replica._wait)
 STAGE_NAMES = {"its communication scheduler's start": "starting workers",
                "its communication rendezvous": "starting workers", "process start": "starting workers",
                "device and communication init": "joining the communication group",
@@ -61,30 +62,46 @@ STAGE_NAMES = {"its communication scheduler's start": "starting workers",
                "load": "loading weights, then compiling"}
 
 
+# Held while Ray starts (init_ray), then handed to the handler in force before
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
 def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:
     """Embedded local Ray (address None) or join an existing cluster. `npus`: the embedded node
     advertises that many `NPU`s (emulated Ascend cards; Ray sets ASCEND_RT_VISIBLE_DEVICES for each
-    worker it places on one, as on a real node)."""
+    worker it places on one, as on a real node).
+
+    A SIGTERM, SIGUSR1 or Ctrl-C that comes while Ray starts is held until ray.init returns, then
+    handed to the handler in force before (the command's, launcher.drain: a status, and exit 75
+    where nothing was in flight). One that stopped ray.init in its middle left its driver half
+    made, which Ray's own exit handler then crashed on (SIGSEGV in CoreWorker::RecordMetrics, or
+    SIGABRT through Ray's failure handler, at the command's exit). ray.init sets a SIGTERM handler
+    of its own as it begins (sys.exit): not while the signals are held."""
     if ray.is_initialized():
         return
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)} if main else {}
-    try:
+    if threading.current_thread() is not threading.main_thread():     # (signals reach the main thread alone)
         _init_ray(address, num_cpus_needed, dashboard, npus)
-    except SystemExit as e:
-        # ray.init's own SIGTERM handler (sys.exit(signum)) took a SIGTERM that came while Ray
-        # started: the command's handler takes it as it takes one a moment later (a status and
-        # exit 75 where nothing was in flight, not a silent exit 15)
-        command = previous.get(signal.SIGTERM)
-        if e.code == signal.SIGTERM and callable(command):
-            command(signal.SIGTERM, None)
-        raise
+        return
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
+    utils = ray._private.utils
+    ray_sets = utils.set_sigterm_handler
+    try:
+        for sig in HELD_SIGNALS:
+            signal.signal(sig, lambda signum, frame: held.append(signum))
+        utils.set_sigterm_handler = lambda handler: None
+        _init_ray(address, num_cpus_needed, dashboard, npus)
     finally:
-        # ray.init installs a SIGTERM handler of its own (SystemExit): the command's (launcher.drain:
-        # SIGTERM drains a run) stays in force
+        utils.set_sigterm_handler = ray_sets
         for sig, handler in previous.items():
-            if callable(handler) and signal.getsignal(sig) is not handler:
+            if handler is not None:             # (None: a handler not set from Python, which stays)
                 signal.signal(sig, handler)
+        if held:
+            handler = previous[held[0]]
+            if callable(handler):
+                handler(held[0], None)
+            elif handler == signal.SIG_DFL:     # its default action: the process ends by it
+                os.kill(os.getpid(), held[0])
 
 
 def shutdown_ray() -> None:
@@ -99,6 +116,12 @@ def shutdown_ray() -> None:
             if info.process.poll() is None:
                 info.process.kill()
                 info.process.wait(timeout=5)
+    # A thread still in a replica's start (Replica._wait gives it up within STOP_POLL_S) must not
+    # find Ray gone and start it anew (Ray's auto-init, which can join a stale cluster address
+    # and retry for ever, the command then never exiting): Ray calls after this one fail instead.
+    # (ray._private.auto_init_hook reads RAY_ENABLE_AUTO_CONNECT once, at its import.)
+    from ray._private import auto_init_hook
+    auto_init_hook.enable_auto_connect = False
     ray.shutdown()
 
 
@@ -255,6 +278,7 @@ class Replica:
     ranks: list = field(default_factory=list)
     setup_info: list = field(default_factory=list)
     submitted: int = 0                  # steps submitted: the next one's index (Worker.step)
+    stopping: bool = False              # `shutdown` began: a start under way ends at its next wait
 
     def bundle(self) -> dict:
         if self.cfg.device == "ascend":
@@ -272,7 +296,7 @@ class Replica:
         tp = self.cfg.tensor_parallel
         self._announce("placing workers")
         self.pgs = [placement_group([self.bundle() for _ in range(tp)], strategy=strategy) for _ in range(pp)]
-        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=pp, timeout=self.cfg.startup_timeout_s)
+        ready, _ = self._wait([pg.ready() for pg in self.pgs], pp, time.monotonic() + self.cfg.startup_timeout_s)
         if len(ready) < pp:
             need = self.bundle()
             raise NoRoom(
@@ -358,7 +382,7 @@ class Replica:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            done, pending = self._wait(pending, 1, deadline)
             if not done:
                 break
             ray.get(done)
@@ -371,6 +395,20 @@ class Replica:
                 f"{where} did not finish {stage} within fault.startup_timeout_s={self.cfg.startup_timeout_s:g}s (a "
                 f"hung HCCL/MCCL init, an unreachable node or a stalled load); the job stops")
         return ray.get(refs)
+
+    def _wait(self, refs: list, num_returns: int, deadline: float) -> tuple[list, list]:
+        """ray.wait for `num_returns` of `refs` until `deadline` (time.monotonic), in slices of
+        STOP_POLL_S, so that a start is given up soon after `shutdown` (a Ctrl-C while it starts):
+        the caller may shut Ray down next, and a thread still inside a Ray call then could crash
+        the process, or, once Ray is down, start a new one and wait for it for ever."""
+        while True:
+            left = deadline - time.monotonic()
+            if not self.stopping:
+                done, pending = ray.wait(refs, num_returns=num_returns, timeout=max(0.0, min(left, STOP_POLL_S)))
+            if self.stopping:       # (its ranks killed: their calls end as failures, not the start's cause)
+                raise LaunchError(f"replica {self.index}: stopped while starting")
+            if len(done) >= num_returns or left <= STOP_POLL_S:
+                return done, pending
 
     def submit(self, seqs, is_prefill: bool) -> list:
         """Starts one step on every rank (launcher.engine.submit_step), from the caller's process:
@@ -434,6 +472,7 @@ class Replica:
         return ("; ".join(words for words, _ in found), found[0][1]) if found else None
 
     def shutdown(self) -> None:
+        self.stopping = True
         if isinstance(self.engine, LocalEngine):
             self.engine.kill()
         for a in [*self.workers, *self.schedulers]:

@@ -15,6 +15,7 @@ for no CPU), so the driver and the engines are exactly the real ones.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -44,13 +45,23 @@ def simulate_output(spec, path: str | None = None):
     tokens in the job's own results file would be taken for done records by the next `run`."""
     from msinfer.launcher.spec import OutputSpec, expand_path
     target = expand_path(path) if path else f"{spec.output.path}.simulate.jsonl"
-    if target in (spec.output.path, spec.input.path):
+    own = [k for k, p in (("output.path", spec.output.path), ("input.path", spec.input.path)) if same_file(target, p)]
+    if own:
         from msinfer.launcher.errors import SpecError
-        which = "output.path" if target == spec.output.path else "input.path"
+        which = own[0]
         raise SpecError(f"--output {path}: that is the job's own {which}; msinfer simulate writes its "
                         f"stand-in results elsewhere (default {spec.output.path}.simulate.jsonl)")
     output = OutputSpec.model_validate({**spec.output.model_dump(), "path": target})
     return spec.model_copy(update={"output": output})
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same one opened (a link, a hard link), or the same
+    place once links in their folders are followed (a file not made yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def prompt_key(prompt: list[int]) -> int:

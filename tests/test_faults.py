@@ -562,16 +562,11 @@ def test_mindspore_scheduler_listens_on_the_node_address_not_every_interface(mon
     assert env["MS_SCHED_HOST"] == host and env["MS_SCHED_PORT"] == str(port)
 
 
-def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_rank_and_stage(
-        model, tmp_path, ray_local):
-    """fault.startup_timeout_s bounds each start-up stage: a rank whose communication init hangs
-    (here a stand-in worker that never returns from it) ends the replica's start with a
-    StartupTimeout naming replica, rank and stage, and its processes are gone."""
+def never_joins():
+    """A stand-in worker whose rank 1 never returns from its communication init."""
     import sys
     from ray import cloudpickle
-    from msinfer.launcher.replica import Replica, ReplicaConfig, StartupTimeout
     from msinfer.launcher.simulate import StandInWorker
-    from msinfer.sharding.config import EngineConfig
 
     class NeverJoins(StandInWorker):
         def join(self, engine_config, sched_host=None, sched_port=None):
@@ -580,8 +575,46 @@ def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_ran
             return 0.0
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
+    return NeverJoins
+
+
+def test_ctrl_c_while_replicas_start_ends_their_starts_before_the_command_stops_ray(model, ray_local, tmp_path):
+    """Ctrl-C (or a signal) while the replicas start: the controller shuts them down, and each
+    start still waiting on its ranks (here for a join that never ends, under a startup timeout of
+    10 minutes) ends within a second or so, before the command shuts Ray down: a start thread
+    that outlived Ray crashed the command, or had Ray start anew and waited on that for ever."""
+    import threading
+    from msinfer.launcher.controller import Controller, ControllerConfig
+    from msinfer.launcher.engine import EngineSetup
+    from msinfer.launcher.errors import LaunchError
+    from msinfer.launcher.replica import ReplicaConfig
+    from msinfer.sharding.config import EngineConfig
+    setup = EngineSetup(load_spec(Job(tmp_path, model, records(1)).spec_path), None, None)
+    c = Controller(ControllerConfig(EngineConfig(str(model)), ReplicaConfig(
+        2, worker_cls=never_joins(), startup_timeout_s=600, cpus_per_worker=0.01, engine_setup=setup)))
+    began = []
+
+    def ctrl_c_once_the_ranks_run():
+        wait_for(lambda: c.slots and len(c.slots[0].replica.ranks) == 2, 120, "the ranks' processes")
+        began.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=ctrl_c_once_the_ranks_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        c.start()
+    assert began and time.monotonic() - began[0] < 15
+    assert c.starts[0].done() and isinstance(c.starts[0].exception(), LaunchError)
+    assert "replica 0: stopped while starting" in str(c.starts[0].exception())
+
+
+def test_a_rank_that_never_finishes_its_init_ends_the_start_with_the_replica_rank_and_stage(
+        model, tmp_path, ray_local):
+    """fault.startup_timeout_s bounds each start-up stage: a rank whose communication init hangs
+    (here a stand-in worker that never returns from it) ends the replica's start with a
+    StartupTimeout naming replica, rank and stage, and its processes are gone."""
+    from msinfer.launcher.replica import Replica, ReplicaConfig, StartupTimeout
+    from msinfer.sharding.config import EngineConfig
     # long enough for the processes to start on a busy machine (the suite runs two tests at once)
-    r = Replica(3, ReplicaConfig(2, worker_cls=NeverJoins, startup_timeout_s=8, cpus_per_worker=0.01))
+    r = Replica(3, ReplicaConfig(2, worker_cls=never_joins(), startup_timeout_s=8, cpus_per_worker=0.01))
     t0 = time.perf_counter()
     with pytest.raises(StartupTimeout, match=r"replica 3: rank 1 \(on node [0-9.]+\) did not finish device and "
                                              r"communication init within fault.startup_timeout_s=8s"):

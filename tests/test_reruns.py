@@ -75,10 +75,13 @@ def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(mon
         assert err.startswith(f"msinfer: {word}") and "Traceback" not in err
 
 
-def test_a_sigterm_while_ray_starts_is_the_command_s_not_ray_s(monkeypatch):
-    """ray.init installs its own SIGTERM handler (sys.exit(15)) while it starts: a SIGTERM then
-    reaches the command's handler all the same (Terminated: a drained stop, exit 75, a status)
-    instead of ending the command silently with status 15. The command's handler stays in force."""
+def test_a_sigterm_while_ray_starts_is_the_command_s_once_ray_has_started(monkeypatch):
+    """ray.init sets a SIGTERM handler of its own (sys.exit(15)) as it begins, and a signal that
+    stopped it in its middle left a half-made driver that crashed the command at its exit. A
+    SIGTERM (or SIGUSR1, Ctrl-C) while Ray starts is held until ray.init returns, and then reaches
+    the command's handler (Terminated: a drained stop, exit 75, a status); Ray's handler is never
+    set, and the command's stays in force."""
+    import os
     import signal
 
     import ray
@@ -88,16 +91,18 @@ def test_a_sigterm_while_ray_starts_is_the_command_s_not_ray_s(monkeypatch):
     from msinfer.launcher.errors import Terminated
     command = Signals()
     previous = signal.signal(signal.SIGTERM, command.handle)
+    went_on = []
 
     def ray_init_meets_a_sigterm(*args):
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))     # as ray.init does
-        raise SystemExit(signal.SIGTERM)
+        ray._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))     # as ray.init does
+        os.kill(os.getpid(), signal.SIGTERM)
+        went_on.append(True)             # (the signal did not stop it here)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(replica, "_init_ray", ray_init_meets_a_sigterm)
     try:
         with pytest.raises(Terminated) as e:
             replica.init_ray(None, 1)
-        assert e.value.drained and signal.getsignal(signal.SIGTERM) == command.handle
+        assert went_on and e.value.drained and signal.getsignal(signal.SIGTERM) == command.handle
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -128,6 +133,13 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
     check_same_settings(str(out), {**before, "model": {**before["model"], "kv_cache_dtype": "auto"}})
     with pytest.raises(OutputError, match=r"\(model.kv_cache_dtype 'auto' then, 'bfloat16' now\)"):
         check_same_settings(str(out), {**before, "model": {**before["model"], "kv_cache_dtype": "bfloat16"}})
+    # msinfer simulate's stand-in lines and a run's never share a results file, either way round
+    check_same_settings(str(out), {**before, "simulate": False})
+    with pytest.raises(OutputError, match=r"holds a run's results; msinfer simulate would add stand-in lines to them"):
+        check_same_settings(str(out), {**before, "simulate": True})
+    Path(f"{out}.status.json").write_text(json.dumps({"settings": {**before, "simulate": True}}))
+    with pytest.raises(OutputError, match=r"holds stand-in results of msinfer simulate, no model's; a run would skip"):
+        check_same_settings(str(out), {**before, "simulate": False})
 
 
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):
@@ -149,7 +161,8 @@ def test_simulate_writes_beside_the_jobs_results_never_into_them(tmp_path):
                                    "output": {"path": str(tmp_path / "out.jsonl")}})
     assert simulate_output(spec).output.path == f"{tmp_path / 'out.jsonl'}.simulate.jsonl"
     assert simulate_output(spec, str(tmp_path / "sim.jsonl")).output.path == str(tmp_path / "sim.jsonl")
-    for same in ("out.jsonl", "in.jsonl"):
+    (tmp_path / "link").symlink_to(tmp_path)
+    for same in ("out.jsonl", "in.jsonl", "link/out.jsonl", "./link//in.jsonl"):
         with pytest.raises(SpecError, match="that is the job's own"):
             simulate_output(spec, str(tmp_path / same))
 

@@ -31,8 +31,9 @@ from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
 from msinfer.launcher.tools import check_parser_tokens
 from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, ResultWriter, Stats, check_output,
-                                     digest_value, held_ids, holds_results, input_digest_index, read_summary,
-                                     recorded_ids, status_path, summary_path, write_json_atomic)
+                                     digest_value, held_ids, holds_results, input_digest_index, not_a_result,
+                                     read_summary, recorded_ids, result_id, status_path, summary_path,
+                                     write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, card_dtype, cpu_bfloat16,
                                     cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory,
@@ -1234,7 +1235,9 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
         return frozenset(), 0
     changed = []                        # (id, its file's name, line, gone): not whole records, of which there may be many
     numbered: dict[str, bytearray] = {}   # each file whose records are named by their lines: which lines hold one
+    current = IdSet()                   # every record's id
     for chunk in chunks(shard_input(spec)):
+        current.update([rec.id for rec in chunk])
         for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
             if rec.id == line_id(rec.source, rec.line):
                 lines = numbered.setdefault(rec.source, bytearray())
@@ -1245,7 +1248,7 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
                 continue
             if old >> 1 != digest_value(rec.digest) >> 1:
                 changed.append((rec.id, rec.source, rec.line, False))
-    changed += lines_gone(output, before, numbered, retry_failed)
+    changed += lines_gone(output, before, numbered, current, retry_failed)
     if changed:     # (a digest is kept for each line written; one the user removed since holds nothing)
         held = held_ids(output, {c[0] for c in changed}, id_key)
         changed = [c for c in changed if c[0] in held]
@@ -1262,27 +1265,32 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
                       f"record again, or write to another output.path")
 
 
-def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], retry_failed: bool) -> list[tuple]:
+def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], current: IdSet,
+               retry_failed: bool) -> list[tuple]:
     """(id, file, line, True) of each result in `<output>.inputs` (its latest digest in `before`)
-    whose id is a line number (launcher.inputs.line_id) of a file whose records are named so,
-    `numbered` (file -> 1 at each line that holds a record now), where that line holds none: a
-    line removed, or blanked, since its result was written. Its record is gone; a re-run would
-    keep its result beside those of the lines that moved into its place."""
-    if not numbered:                    # every record has its own id: none is named by its line
-        return []
+    whose id is a line number (launcher.inputs.line_id) that no record has now (`current`: every
+    record's id), where that line no longer holds a record named so: in a file whose records are
+    named by their lines (`numbered`: file -> 1 at each line that holds such a record now), a line
+    removed or blanked since; in any file, an error line's, whose record could not be read then
+    (a line that was not JSON, say) and has an id of its own now. Its record is gone; a re-run
+    would keep its result beside the others. An id a record gave itself ('100') is not taken for
+    a line number while a record has it."""
     gone = {}
-    for rid in recorded_ids(output):
-        source, _, n = rid.rpartition(":")
-        lines = numbered.get(source)
-        if lines is None or not n.isdigit() or str(int(n)) != n:
-            continue
-        if int(n) >= len(lines) or not lines[int(n)]:
-            gone[rid] = (source, int(n))
+    for chunk in chunks(recorded_ids(output)):        # (those no record has: few, where every id is one)
+        maybe = {}
+        for rid in chunk:
+            source, _, n = rid.rpartition(":")
+            if not n.isdigit() or str(int(n)) != n or rid in gone:
+                continue
+            lines = numbered.get(source)
+            if lines is None or int(n) >= len(lines) or not lines[int(n)]:
+                maybe[rid] = (source, int(n), lines is not None)
+        gone.update((rid, where) for (rid, where), v in zip(maybe.items(), current.lookup(list(maybe))) if v < 0)
     if not gone:
         return []
     latest = before.lookup(list(gone))
-    return [(rid, source, n, True) for (rid, (source, n)), v in zip(gone.items(), latest)
-            if v >= 0 and v != DIGEST_DROPPED and not (retry_failed and v & 1)]
+    return [(rid, source, n, True) for (rid, (source, n, named)), v in zip(gone.items(), latest)
+            if v >= 0 and v != DIGEST_DROPPED and (named or v & 1) and not (retry_failed and v & 1)]
 
 
 def resolve_output_format(spec: JobSpec, check_io: bool = True) -> str:
@@ -1298,21 +1306,30 @@ def result_id_key(output_format: str) -> str:
     return "custom_id" if output_format == "openai" else "id"
 
 
-def resume_summary(plan: Plan) -> str | None:
+def resume_summary(plan: Plan, simulate: bool = False) -> str | None:
     """`msinfer plan`'s word on the results file a run would resume (None: there is none yet): the
-    lines it holds, and whether `run` resumes after them or stops, its settings or records having
-    changed since (check_same_settings, changed_records)."""
+    lines it holds, and whether `run` resumes after them or stops, a line not being a result (as
+    the writer's resume finds it) or its settings or records having changed since
+    (check_same_settings, changed_records). `simulate`: a run of msinfer simulate's."""
     out = Path(plan.spec.output.path)
     if not holds_results(out):
         return None
+    id_key = result_id_key(plan.output_format)
     lines = errors = 0
+    bad = None              # the first line that is not a whole result, and a line after it
     with open(out, "rb") as f:
-        for raw in f:
+        for n, raw in enumerate(f, 1):
             lines += raw.endswith(b"\n")
             errors += FAILED in raw
+            if bad is None and result_id(raw, id_key) is None:
+                bad = [n, False]
+            elif bad is not None:
+                bad[1] = True
     held = f"{out} holds {lines} result line(s)" + (f", {errors} of them errors" if errors else "")
     try:
-        check_same_settings(str(out), result_settings(plan), plan.sampling_from_model)
+        if bad is not None and bad[1]:      # (a partial last line is a crash's, which a run cuts)
+            raise not_a_result(out, bad[0])
+        check_same_settings(str(out), result_settings(plan, simulate), plan.sampling_from_model)
         changed_records(plan.spec, result_id_key(plan.output_format), False, False)
     except OutputError as e:
         return f"{held}; `run` would stop: {e}"

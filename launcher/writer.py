@@ -470,9 +470,7 @@ class ResultWriter:
                               f"compute again (--retry-failed, --redo-changed): {e.strerror or e}") from None
 
     def _bad_line(self, n: int) -> OutputError:
-        return OutputError(f"results file {self.path}, line {n}: not a whole JSON result, and more lines follow "
-                           f"it, so it is not a crash's partial last line. Fix or remove that line, or pass "
-                           f"--overwrite to start the results over")
+        return not_a_result(self.path, n)
 
     def write(self, result: dict):
         """One result, written at once."""
@@ -614,6 +612,13 @@ def result_id(raw: bytes, key: str = "id") -> str | None:
     except ValueError:  # also UnicodeDecodeError
         return None
     return str(obj[key]) if isinstance(obj, dict) and key in obj else None
+
+
+def not_a_result(path: str | Path, n: int) -> OutputError:
+    """A resume's error for line n of a results file, which is no whole result and not the last."""
+    return OutputError(f"results file {path}, line {n}: not a whole JSON result, and more lines follow it, so it "
+                       f"is not a crash's partial last line. Fix or remove that line, or pass --overwrite to start "
+                       f"the results over")
 
 
 def held_ids(path: str | Path, wanted: set, key: str = "id") -> set:

@@ -542,12 +542,18 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
     records.append({"id": "bad", "prompt_token_ids": [10**6]})          # an error line
     assert run(job_spec(demo, tmp_path, records))["records_failed"] == 1
     written = (tmp_path / "out.jsonl").read_text()
-    assert resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False)) == (
+    assert resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False), simulate=True) == (
         f"{tmp_path / 'out.jsonl'} holds 4 result line(s), 1 of them errors; `run` resumes after them "
         f"(--overwrite starts over)")                                   # what `msinfer plan` says
+    first, rest = written.split("\n", 1)
+    (tmp_path / "out.jsonl").write_text("#" + first + "\n" + rest)           # a first line that is not JSON
+    assert ("; `run` would stop: results file " + f"{tmp_path / 'out.jsonl'}, line 1: not a whole JSON result") \
+        in resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False), simulate=True)
+    (tmp_path / "out.jsonl").write_text(written)
     records[1]["prompt_token_ids"] = [1, 2, 9, 9, 9]
     records[3]["prompt_token_ids"] = [1, 2]                              # fixed
-    assert "; `run` would stop: " in resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False))
+    assert "; `run` would stop: " in resume_summary(plan_job(job_spec(demo, tmp_path, records), weights=False),
+                                                    simulate=True)
     with pytest.raises(OutputError, match=r"out.jsonl holds results of 2 record\(s\) whose input in .*in.jsonl "
                                           r"changed since they were written: 'r1' \(line 2\), 'bad' \(line 4\)\. "
                                           r".* Run with --redo-changed"):
@@ -596,6 +602,19 @@ def test_a_re_run_whose_records_changed_since_their_results_stops_naming_them_or
         run(spec)
     assert run(spec, redo_changed=True)["records_removed"] == 1 and sorted(results(tmp_path / "lines.jsonl")) == [
         "1", "3"]
+
+    # An id a record gives itself is no line number ('100' beside the line-numbered error line of
+    # a line that is not JSON): a re-run resumes. Once that line holds a record with an id of its
+    # own, the error line of line 2 answers no record: named, and dropped with --redo-changed.
+    spec = job_spec(demo, tmp_path, [], output={"path": str(tmp_path / "own.jsonl")})
+    (tmp_path / "in.jsonl").write_text('{"id": "100", "prompt_token_ids": [1, 2, 3]}\noops\n')
+    assert (run(spec)["records_done"], run(spec)["records_skipped"]) == (1, 2)
+    (tmp_path / "in.jsonl").write_text('{"id": "100", "prompt_token_ids": [1, 2, 3]}\n'
+                                       '{"id": "b3", "prompt_token_ids": [1, 2]}\n')
+    with pytest.raises(OutputError, match=r"results of 1 record\(s\) .*'2' \(line 2, no longer a record\)\."):
+        run(spec)
+    assert run(spec, redo_changed=True)["records_removed"] == 1 and sorted(results(tmp_path / "own.jsonl")) == [
+        "100", "b3"]
 
 
 def test_records_whose_prompts_begin_alike_go_to_the_replica_their_beginning_names(demo, tmp_path, ray_local):

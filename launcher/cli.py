@@ -126,12 +126,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
                           t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
                           redo_changed=getattr(args, "redo_changed", False))
-        from msinfer.sharding.config import POOLING_TASKS
-        made = (("prompt_tokens", "records_per_s") if spec.task in POOLING_TASKS
-                else ("completion_tokens", "tokens_per_s"))
-        keys = ("records_done", "records_failed", "records_skipped", "records_cut", *made, "startup_s", "generation_s",
-                "replica_restarts") + (("simulate",) if simulate else ())
-        print(json.dumps({k: summary.get(k) for k in keys}))
+        print_summary(summary, spec.task)
         drained = summary.get("drained")
         if drained:
             lost = []
@@ -151,6 +146,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                  f"again", prefix="msinfer: ")
         return 0
     except (JobFailed, StartupTimeout) as e:
+        print_summary(getattr(e, "summary", None))
         _say(str(e))
         return EXIT_JOB_FAILED
     except (*USER_ERRORS, LaunchError) as e:
@@ -158,6 +154,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt as e:
         e = SIGNALS.cause(e)
+        print_summary(getattr(e, "summary", None))
         resume = "every finished record is in the results file, and running the same job again resumes after them"
         if isinstance(e, Terminated) and e.drained:
             _say(f"drained ({e.signal_name} before any record was in flight): stopped; {resume}", prefix="msinfer: ")
@@ -167,6 +164,18 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
             return EXIT_TERMINATED
         _say(f"interrupted; {resume}")
         return EXIT_INTERRUPTED
+
+
+def print_summary(summary: dict | None, task: str | None = None) -> None:
+    """The run's summary in one JSON line on stdout (docs/spec.md), where the run wrote one."""
+    if not summary:
+        return
+    from msinfer.sharding.config import POOLING_TASKS
+    task = task or summary.get("spec", {}).get("task")
+    made = ("prompt_tokens", "records_per_s") if task in POOLING_TASKS else ("completion_tokens", "tokens_per_s")
+    keys = ("records_done", "records_failed", "records_skipped", "records_cut", *made, "startup_s", "generation_s",
+            "replica_restarts") + (("simulate",) if "simulate" in summary else ())
+    print(json.dumps({k: summary.get(k) for k in keys}), flush=True)
 
 
 def cut_note(summary: dict) -> str:

@@ -833,10 +833,13 @@ class JobRun:
 
     def nothing_to_do(self, t_start: float, resumed: dict) -> dict:
         """The summary of a run that found every record's line in the results file and started
-        nothing: the last summary's figures, with this run's skip counts and time."""
-        summary = read_summary(summary_path(self.spec.output.path)) or self.summary(0.0)
-        summary.update(records_skipped=self.stats.skipped, **resumed, nothing_to_do=True,
-                       rerun_s=round(time.perf_counter() - t_start, 3))
+        nothing: this run's figures (records skipped, none done), and the summary of the last run
+        that did run (`last_run`, kept from the summary before)."""
+        before = read_summary(summary_path(self.spec.output.path)) or {}
+        last = before.get("last_run") if before.get("nothing_to_do") else before
+        summary = {**self.summary(0.0), **resumed, "nothing_to_do": True,
+                   "rerun_s": round(time.perf_counter() - t_start, 3),
+                   **({"last_run": last} if isinstance(last, dict) and last else {})}
         write_json_atomic(summary_path(self.spec.output.path), summary)
         self.write_status("done")
         return summary
@@ -1408,8 +1411,9 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
             state = ("drained" if getattr(stop, "drained", False) else
                      "interrupted" if isinstance(stop, KeyboardInterrupt) else "failed")
             with contextlib.suppress(Exception):    # (the stop's own error is the one to report)
-                job.conclude(state, startup_s, resumed, drain, True, t_start,
-                             lambda _: {"stopped": {"state": state, "why": stop_words(stop)}}, engines=False)
+                stop.summary = job.conclude(state, startup_s, resumed, drain, True, t_start,
+                                            lambda _: {"stopped": {"state": state, "why": stop_words(stop)}},
+                                            engines=False)      # (the command prints it too)
         if stop is not e:
             raise stop from None
         raise

@@ -305,7 +305,7 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: (_json(Path(f"{out}.status.json")) or {}).get("state") == "draining", 30, "draining", proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    printed, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "PC: @" not in err, err
     assert "terminated (SIGTERM while draining: stopped at once)" in said(err)
@@ -316,6 +316,7 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     assert stopped["stopped"] == {"state": "interrupted",
                                   "why": "SIGTERM: stopped at once, the records in flight given up"}
     assert stopped["records_done"] == first and stopped["records_skipped"] == 0
+    assert json.loads(printed.splitlines()[-1])["records_done"] == first          # and its line on stdout
 
     p = cli.run(*command, "--set", "run.deadline=20s")
     ended = time.time()

@@ -174,6 +174,7 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     summary = job.summary()         # the failed run's figures, its stop's reason beside them
     assert summary["stopped"]["state"] == "failed" and "replica 0 failed (TimeoutError" in summary["stopped"]["why"]
     assert summary["records_done"] == len(kept) and summary["replica_restarts"] == 0
+    assert json.loads(out.splitlines()[-1])["records_done"] == len(kept)        # its line on stdout
     with ResultWriter(job.output) as w:            # what the next run skips
         assert holds(w.done_ids, {r["id"] for r in kept}) and not w.cut_partial_line
 

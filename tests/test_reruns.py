@@ -40,8 +40,11 @@ def test_one_run_per_results_file_retry_failed_and_a_rerun_with_nothing_to_do(cl
     assert again.returncode == 0, again.stderr
     assert "1 record(s) already in" in said(again) and "--retry-failed" in said(again)
     summary = job.summary()
-    assert summary["nothing_to_do"] and summary["records_skipped"] == len(lines)
-    assert summary["records_skipped_failed"] == 1 and summary["steps"]["decode_steps"] > 0    # the last run's figures
+    assert summary["nothing_to_do"] and summary["records_skipped"] == len(lines) and summary["records_done"] == 0
+    assert summary["records_skipped_failed"] == 1 and "steps" not in summary
+    assert summary["last_run"]["records_done"] == len(lines) - 1 and summary["last_run"]["steps"]["decode_steps"] > 0
+    again = cli.run(*command, env=env)          # the last run that ran stays `last_run`
+    assert again.returncode == 0 and job.summary()["last_run"] == summary["last_run"]
     assert_ray_never_started(env)
 
     p = cli.run(*command, "--retry-failed", "--set", "model.max_model_len=128")

@@ -541,7 +541,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if error := check_chat({"chat_template_kwargs": spec.input.chat_template_kwargs}, "input."):
         raise SpecError(error)
     if tokenizer is not None and spec.input.chat_template:
-        tokenizer.check_chat_template(spec.input.chat_template_kwargs)
+        tokenizer.check_chat_template(spec.input.chat_template_kwargs, own=spec.input.template_text() is not None)
     if parser := spec.output.reasoning_parser:
         if spec.task != "generate":
             raise SpecError(f"output.reasoning_parser '{parser}' splits generated text, and task: {spec.task} "
@@ -1212,10 +1212,17 @@ def changed_settings(before: dict | None, settings: dict) -> list[tuple[str, obj
     return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if differs(k)]
 
 
+# What a setting `result_settings` keeps under a name of its own comes from, as a message says it
+SETTING_WORDS = {"model.checkpoint": "model.checkpoint (its config.json and weight files)",
+                 "model.tokenizer": "model.tokenizer (its files and chat template)",
+                 "model.dtype": "model.dtype (as resolved)",
+                 "model.matmul_dtype": "model.matmul_dtype (the linear layers' dtype, from model.dtype)"}
+
+
 def shown_settings(changed: list[tuple[str, object, object]]) -> str:
     """`changed_settings`' first four, as a message names them."""
     more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-    return ", ".join(f"{k} {then!r} then, {now!r} now" for k, then, now in changed[:4]) + more
+    return ", ".join(f"{SETTING_WORDS.get(k, k)} {then!r} then, {now!r} now" for k, then, now in changed[:4]) + more
 
 
 def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed: bool) -> tuple[frozenset, int]:

@@ -99,22 +99,27 @@ class Tokenizer:
         return renders_tools(lambda tools: self.apply_chat_template([{"role": "user", "content": "Hello"}], kwargs,
                                                                     tools=tools))
 
-    def check_chat_template(self, kwargs: dict | None = None) -> None:
+    def check_chat_template(self, kwargs: dict | None = None, own: bool = False) -> None:
         """Renders the chat template once for a plain user message, with the job's template
         variables (`plan`, before any worker starts): a template that cannot render fails here,
-        not on every record."""
+        not on every record. `own`: the template is the spec's (input.chat_template), not the
+        tokenizer's."""
         if not self.has_chat_template:
             return
+        which = ("the chat template of input.chat_template (the spec's, in place of the tokenizer's)" if own else
+                 f"the chat template in {self.path}")
         try:
             self.apply_chat_template([{"role": "user", "content": "Hello"}], kwargs)
         except ImportError as e:
-            raise TokenizerError(f"the chat template in {self.path} cannot be rendered: {e}; "
+            raise TokenizerError(f"{which} cannot be rendered: {e}; "
                                  + ("install jinja2 (pip install jinja2), " if "jinja" in str(e) else "")
                                  + "or set input.chat_template: false to encode prompts as they are") from None
         except Exception as e:  # a template that raises, or uses what transformers does not give it
-            raise TokenizerError(f"the chat template in {self.path} fails on a plain user message: "
-                                 f"{type(e).__name__}: {e}; fix the template (tokenizer_config.json or "
-                                 f"chat_template.jinja), or set input.chat_template: false") from None
+            fix = ("fix it, or set input.chat_template: true for the tokenizer's own" if own else
+                   "fix the template (tokenizer_config.json or chat_template.jinja), or give one of your own in "
+                   "input.chat_template")
+            raise TokenizerError(f"{which} fails on a plain user message: {type(e).__name__}: {e}; {fix}, or set "
+                                 f"input.chat_template: false to encode prompts as they are") from None
 
     def encode_record(self, record: Record, chat_template: bool, template_kwargs: dict | None = None,
                       generation_prompt: bool = True) -> list[int]:

@@ -143,6 +143,11 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
     Path(f"{out}.status.json").write_text(json.dumps({"settings": {**before, "simulate": True}}))
     with pytest.raises(OutputError, match=r"holds stand-in results of msinfer simulate, no model's; a run would skip"):
         check_same_settings(str(out), {**before, "simulate": False})
+    # a setting kept under a name of its own says where it comes from
+    Path(f"{out}.status.json").write_text(json.dumps({"settings": {"model": {"matmul_dtype": "float32"}}}))
+    with pytest.raises(OutputError, match=r"\(model.matmul_dtype \(the linear layers' dtype, from model.dtype\) "
+                                          r"'float32' then, 'bfloat16' now\)"):
+        check_same_settings(str(out), {"model": {"matmul_dtype": "bfloat16"}})
 
 
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):

@@ -425,8 +425,10 @@ def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_templa
     with pytest.raises(SpecError, match=r"the chat template file .*empty.jinja is empty"):
         spec("empty.jinja")
     broken = spec("{% for m in messages %}{{ m['content'] }")
-    with pytest.raises(TokenizerError, match="fails on a plain user message"):
-        load_tokenizer(bare, chat_template=broken.input.template_text()).check_chat_template()
+    with pytest.raises(TokenizerError, match=r"the chat template of input.chat_template \(the spec's, in place of "
+                                             r"the tokenizer's\) fails on a plain user message: TemplateSyntaxError: "
+                                             r".*; fix it, or set input.chat_template: true for the tokenizer's own"):
+        load_tokenizer(bare, chat_template=broken.input.template_text()).check_chat_template(own=True)
 
 
 def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):

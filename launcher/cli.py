@@ -206,7 +206,9 @@ def merge_job(spec) -> dict:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
                         "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
     plan = plan_job(spec, weights=False)
-    settings = result_settings(plan)
+    # the shards of `msinfer simulate` merge too, as stand-in results (which a run then refuses)
+    simulate = bool((kept_settings(shard_path(spec.output.path, 0, shard[1])) or {}).get("simulate"))
+    settings = result_settings(plan, simulate)
     for k in range(shard[1]):
         path = shard_path(spec.output.path, k, shard[1])
         if changed := changed_settings(kept_settings(path), settings):

@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                           t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
                           redo_changed=getattr(args, "redo_changed", False))
         print_summary(summary, spec.task)
+        if summary.get("records_cut") and simulate is None:
+            _say(cut_note(summary), prefix="msinfer: ")
+        again = "running the same job again" + (" (without --overwrite, which starts over)"
+                                                if getattr(args, "overwrite", False) else "")
         drained = summary.get("drained")
         if drained:
             lost = []
@@ -136,10 +140,8 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                 lost.append(f"{'at least ' if drained.get('records_not_dealt_at_least') else ''}"
                             f"{drained['records_not_dealt']} record(s) not started")
             _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
-                 f"{spec.output.path}, and running the same job again resumes after them", prefix="msinfer: ")
+                 f"{spec.output.path}, and {again} resumes after them", prefix="msinfer: ")
             return EXIT_DRAINED
-        if summary.get("records_cut") and simulate is None:
-            _say(cut_note(summary), prefix="msinfer: ")
         if summary.get("records_skipped_failed"):
             _say(f"note: {summary['records_skipped_failed']} record(s) already in {spec.output.path} are error "
                  f"lines and were not computed again; `msinfer run {args.spec} --retry-failed` computes them "
@@ -155,7 +157,9 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     except KeyboardInterrupt as e:
         e = SIGNALS.cause(e)
         print_summary(getattr(e, "summary", None))
-        resume = "every finished record is in the results file, and running the same job again resumes after them"
+        resume = ("every finished record is in the results file, and running the same job again"
+                  + (" (without --overwrite, which starts over)" if getattr(args, "overwrite", False) else "")
+                  + " resumes after them")
         if isinstance(e, Terminated) and e.drained:
             _say(f"drained ({e.signal_name} before any record was in flight): stopped; {resume}", prefix="msinfer: ")
             return EXIT_DRAINED

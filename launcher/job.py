@@ -1207,9 +1207,31 @@ def changed_settings(before: dict | None, settings: dict) -> list[tuple[str, obj
         parts = k.split(".")
         return any(".".join(parts[:i]) in old for i in range(1, len(parts)))
 
+    def leaf_above(side: dict, k: str) -> str | None:
+        """The key above `k` that `side` holds as a value, not a section (a LoRA adapter, a
+        structured output where the other run had none)."""
+        parts = k.split(".")
+        return next((p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in side), None)
+
+    def value(d: dict, key: str):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return {k: v for k, v in d.items() if v is not None} if isinstance(d, dict) else d
+
     old, new = flat(before), flat(settings)
     old.update({k: v for k, v in SETTINGS_SINCE.items() if k not in old and k in new})
-    return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if differs(k)]
+    changed, sections = [], set()
+    for k in sorted(old.keys() | new.keys()):
+        if not differs(k):
+            continue
+        # a section on one side and a value on the other: the section, once, as it is then and now
+        top = leaf_above(old, k) if k not in old else leaf_above(new, k) if k not in new else None
+        if top is None:
+            changed.append((k, old.get(k), new.get(k)))
+        elif top not in sections:
+            sections.add(top)
+            changed.append((top, value(before, top), value(settings, top)))
+    return changed
 
 
 # What a setting `result_settings` keeps under a name of its own comes from, as a message says it

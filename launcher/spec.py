@@ -9,6 +9,7 @@ against the working directory when given with --set (that is where the user type
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -627,6 +628,10 @@ def _apply_override(data: dict, item: str) -> str:
             value = expand_path(value)
         except ValueError as e:
             raise SpecError(f"--set {key}: {e}") from None
+    elif key == "input.chat_template" and isinstance(value, str) and "{" not in value:
+        with contextlib.suppress(ValueError):      # a template's file, named where it was typed (else the text)
+            if os.path.isfile(expand_path(value)):
+                value = expand_path(value)
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)

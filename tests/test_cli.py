@@ -170,6 +170,7 @@ def test_run_interrupt_and_run_again(cli, model, tmp_path, hf_greedy):
     assert "Traceback" not in err and "PC: @" not in err, err
     assert "drained (SIGTERM received: stopped dealing records, and the records in flight finished)" in said(err)
     assert "running the same job again resumes" in said(err)
+    assert "record(s) stopped at their length limit before the model ended them" in said(err)   # drained or not
     assert job.status()["state"] == "drained"
     assert job.summary()["drained"]["records_in_flight_abandoned"] == 0
     assert [s["allocator"] for s in job.summary()["setup"]] == ["glibc"]

@@ -76,6 +76,10 @@ def test_ctrl_c_and_sigterm_stop_with_their_own_exit_codes_and_one_paragraph(mon
         assert cli.main(["run", str(spec)]) == code
         err = capsys.readouterr().err
         assert err.startswith(f"msinfer: {word}") and "Traceback" not in err
+    # a run started with --overwrite: typing the same command again would start over
+    assert cli.main(["run", str(spec), "--overwrite"]) == 75
+    assert "running the same job again (without --overwrite, which starts over) resumes after them" in \
+        " ".join(capsys.readouterr().err.split())
 
 
 def test_a_sigterm_while_ray_starts_is_the_command_s_once_ray_has_started(monkeypatch):
@@ -124,7 +128,7 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
     before = {"model": {"lora": None, "dtype": "float32"}, "sampling": {"temperature": 0.0}}
     Path(f"{out}.status.json").write_text(json.dumps({"settings": before}))
     check_same_settings(str(out), {**before, "sampling": {"temperature": 0.0, "include_stop_str_in_output": False}})
-    with pytest.raises(OutputError, match=r"\(model.lora.adapter None then, 'ab12' now\)"):
+    with pytest.raises(OutputError, match=r"\(model.lora None then, \{'adapter': 'ab12'\} now\)"):
         check_same_settings(str(out), {**before, "model": {"lora": {"adapter": "ab12"}, "dtype": "float32"}})
     with pytest.raises(OutputError, match=r"sampling.temperature 0.0 then, 0.5 now"):
         check_same_settings(str(out), {**before, "sampling": {"temperature": 0.5, "include_stop_str_in_output": False}})
@@ -143,6 +147,12 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
     Path(f"{out}.status.json").write_text(json.dumps({"settings": {**before, "simulate": True}}))
     with pytest.raises(OutputError, match=r"holds stand-in results of msinfer simulate, no model's; a run would skip"):
         check_same_settings(str(out), {**before, "simulate": False})
+    # a section where there was a value: named once, as it is (a structured output where none was)
+    Path(f"{out}.status.json").write_text(json.dumps({"settings": {"sampling": {"structured_outputs": None}}}))
+    with pytest.raises(OutputError, match=r"\(sampling.structured_outputs None then, \{'json_object': False, 'choice': "
+                                          r"\['yes', 'no'\]\} now\)\. A re-run"):
+        check_same_settings(str(out), {"sampling": {"structured_outputs": {"json_schema": None, "json_object": False,
+                                                                           "choice": ["yes", "no"], "grammar": None}}})
     # a setting kept under a name of its own says where it comes from
     Path(f"{out}.status.json").write_text(json.dumps({"settings": {"model": {"matmul_dtype": "float32"}}}))
     with pytest.raises(OutputError, match=r"\(model.matmul_dtype \(the linear layers' dtype, from model.dtype\) "

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -414,6 +415,15 @@ def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_templa
     want = load_tokenizer(bare).encode("[user] hello world\n[assistant]", add_special_tokens=False)
     from_file = spec("chat.jinja")                               # relative to the spec's folder
     assert from_file.input.chat_template == template
+    typed = tmp_path / "here"                                      # --set: where it was typed, as other paths
+    typed.mkdir()
+    (typed / "chat.jinja").write_text("[own]{{ messages[0]['content'] }}")
+    cwd = os.getcwd()
+    try:
+        os.chdir(typed)
+        assert load_spec(job, ["input.chat_template=chat.jinja"]).input.chat_template.startswith("[own]")
+    finally:
+        os.chdir(cwd)
     assert prompt_ids(from_file, chat) == want
     assert prompt_ids(spec(template), chat) == want              # the text itself
     assert prompt_ids(from_file, {"id": "p", "prompt": "hello world"}) == want

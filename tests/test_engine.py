@@ -314,7 +314,12 @@ def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_
     runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
     assert {k: v["output_token_ids"] for k, v in got.items()} == {
         r["id"]: runner.tokens(r["prompt_token_ids"], 6) for r in records}
-    assert merge_job(spec)["records"] == 30
+    (tmp_path / "out.jsonl").write_text('{"id": "earlier", "error": null}\n')     # a run's results at that path
+    with pytest.raises(OutputError, match=r"out.jsonl holds results that are not a merge of these 3 shards"):
+        merge_job(spec)
+    assert (tmp_path / "out.jsonl").read_text() == '{"id": "earlier", "error": null}\n'
+    (tmp_path / "out.jsonl").unlink()
+    assert merge_job(spec)["records"] == 30 and merge_job(spec)["records"] == 30       # (a merge merges again)
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [got[r["id"]] for r in records]
     # the merged file keeps the shards' settings: a run on it with others stops, as on a run's file
     with pytest.raises(OutputError, match=r"out.jsonl holds results of a run with other settings "

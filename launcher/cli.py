@@ -232,8 +232,17 @@ def merge_job(spec) -> dict:
 
 
 def entry() -> int:
-    """The `msinfer` command's process (pyproject's console script): main, in a process of its own."""
-    return main(own_process=True)
+    """The `msinfer` command's process (pyproject's console script): main, in a process of its own.
+    Where a second signal stopped Ray's start in its middle (launcher.replica.INIT_CUT), the
+    process ends at once with the command's code, everything written: Ray's exit handler would
+    crash on the half-made driver (SIGSEGV)."""
+    code = main(own_process=True)
+    replica = sys.modules.get("msinfer.launcher.replica")
+    if replica is not None and replica.INIT_CUT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _say(message: str, prefix: str = "msinfer: error: ") -> None:

@@ -64,6 +64,9 @@ STAGE_NAMES = {"its communication scheduler's start": "starting workers",
 
 # Held while Ray starts (init_ray), then handed to the handler in force before
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A second signal stopped ray.init in its middle: the command's process then ends without Ray's
+# exit handler, which crashes on the half-made driver (launcher.cli.entry)
+INIT_CUT = False
 
 
 def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False, npus: int = 0) -> None:
@@ -76,7 +79,8 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
     where nothing was in flight). One that stopped ray.init in its middle left its driver half
     made, which Ray's own exit handler then crashed on (SIGSEGV in CoreWorker::RecordMetrics, or
     SIGABRT through Ray's failure handler, at the command's exit). ray.init sets a SIGTERM handler
-    of its own as it begins (sys.exit): not while the signals are held."""
+    of its own as it begins (sys.exit): not while the signals are held. The same signal a second
+    time acts at once (a Ray that does not start must not hold the command)."""
     if ray.is_initialized():
         return
     if threading.current_thread() is not threading.main_thread():     # (signals reach the main thread alone)
@@ -84,11 +88,27 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
         return
     held: list[int] = []
     previous = {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
+
+    def deliver(signum: int, frame=None) -> None:
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:         # its default action: the process ends by it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def hold(signum: int, frame) -> None:
+        global INIT_CUT
+        if signum in held:                      # (handed on now, and not again once Ray has started)
+            held.clear()
+            INIT_CUT = True
+            deliver(signum, frame)
+        held.append(signum)
     utils = ray._private.utils
     ray_sets = utils.set_sigterm_handler
     try:
         for sig in HELD_SIGNALS:
-            signal.signal(sig, lambda signum, frame: held.append(signum))
+            signal.signal(sig, hold)
         utils.set_sigterm_handler = lambda handler: None
         _init_ray(address, num_cpus_needed, dashboard, npus)
     finally:
@@ -97,11 +117,7 @@ def init_ray(address: str | None, num_cpus_needed: int, dashboard: bool = False,
             if handler is not None:             # (None: a handler not set from Python, which stays)
                 signal.signal(sig, handler)
         if held:
-            handler = previous[held[0]]
-            if callable(handler):
-                handler(held[0], None)
-            elif handler == signal.SIG_DFL:     # its default action: the process ends by it
-                os.kill(os.getpid(), held[0])
+            deliver(held[0])
 
 
 def shutdown_ray() -> None:

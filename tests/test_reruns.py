@@ -106,10 +106,22 @@ def test_a_sigterm_while_ray_starts_is_the_command_s_once_ray_has_started(monkey
         went_on.append(True)             # (the signal did not stop it here)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(replica, "_init_ray", ray_init_meets_a_sigterm)
+    monkeypatch.setattr(replica, "INIT_CUT", False)
     try:
         with pytest.raises(Terminated) as e:
             replica.init_ray(None, 1)
         assert went_on and e.value.drained and signal.getsignal(signal.SIGTERM) == command.handle
+        assert not replica.INIT_CUT
+
+        def ray_init_that_hangs(*args):        # a second SIGTERM acts at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            went_on.append(False)
+        monkeypatch.setattr(replica, "_init_ray", ray_init_that_hangs)
+        with pytest.raises(Terminated):
+            replica.init_ray(None, 1)
+        assert went_on == [True] and signal.getsignal(signal.SIGTERM) == command.handle
+        assert replica.INIT_CUT          # (the command's process then ends without Ray's exit handler)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -1267,9 +1267,9 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
         return frozenset(), 0
     changed = []                        # (id, its file's name, line, gone): not whole records, of which there may be many
     numbered: dict[str, bytearray] = {}   # each file whose records are named by their lines: which lines hold one
-    current = IdSet()                   # every record's id
+    current = IdSet()                   # the ids that end in digits (lines_gone's line numbers)
     for chunk in chunks(shard_input(spec)):
-        current.update([rec.id for rec in chunk])
+        current.update([rec.id for rec in chunk if rec.id[-1:].isdigit()])
         for rec, old in zip(chunk, before.lookup([rec.id for rec in chunk])):
             if rec.id == line_id(rec.source, rec.line):
                 lines = numbered.setdefault(rec.source, bytearray())
@@ -1300,8 +1300,8 @@ def changed_records(spec: JobSpec, id_key: str, retry_failed: bool, redo_changed
 def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], current: IdSet,
                retry_failed: bool) -> list[tuple]:
     """(id, file, line, True) of each result in `<output>.inputs` (its latest digest in `before`)
-    whose id is a line number (launcher.inputs.line_id) that no record has now (`current`: every
-    record's id), where that line no longer holds a record named so: in a file whose records are
+    whose id is a line number (launcher.inputs.line_id) that no record has now (`current`: the
+    records' ids that end in digits), where that line no longer holds a record named so: in a file whose records are
     named by their lines (`numbered`: file -> 1 at each line that holds such a record now), a line
     removed or blanked since; in any file, an error line's, whose record could not be read then
     (a line that was not JSON, say) and has an id of its own now. Its record is gone; a re-run

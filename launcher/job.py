@@ -696,9 +696,9 @@ def check_structured(sampling, tokenizer) -> None:
 
 
 def check_token_ids(sampling, vocab_size: int) -> None:
-    """The job's default token ids (sampling.logit_bias, allowed_token_ids) within the model's
-    vocabulary, before any worker starts: out of it, every record would fail alike (one
-    record's own are checked where it is read, launcher.records)."""
+    """The job's default token ids (sampling.logit_bias, allowed_token_ids, stop_token_ids) within
+    the model's vocabulary, before any worker starts: out of it, every record would fail alike
+    (one record's own are checked where it is read, launcher.records)."""
     if bad := outside_vocabulary(sampling.to_params(), vocab_size):
         raise SpecError(f"sampling.{bad[0]}: token id {bad[1]} is outside the model's vocabulary (0..{vocab_size - 1})")
 
@@ -1301,10 +1301,10 @@ def lines_gone(output: str, before: IdSet, numbered: dict[str, bytearray], curre
                retry_failed: bool) -> list[tuple]:
     """(id, file, line, True) of each result in `<output>.inputs` (its latest digest in `before`)
     whose id is a line number (launcher.inputs.line_id) that no record has now (`current`: the
-    records' ids that end in digits), where that line no longer holds a record named so: in a file whose records are
-    named by their lines (`numbered`: file -> 1 at each line that holds such a record now), a line
-    removed or blanked since; in any file, an error line's, whose record could not be read then
-    (a line that was not JSON, say) and has an id of its own now. Its record is gone; a re-run
+    records' ids that end in digits), where that line no longer holds a record named so: in a
+    file whose records are named by their lines (`numbered`: file -> 1 at each line that holds
+    such a record now), a line removed or blanked since; in any file, an error line's, whose
+    record could not be read then (a line that was not JSON, say) and has an id of its own now. Its record is gone; a re-run
     would keep its result beside the others. An id a record gave itself ('100') is not taken for
     a line number while a record has it."""
     gone = {}

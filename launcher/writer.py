@@ -402,7 +402,7 @@ class ResultWriter:
                     cut = data.rfind(b"\n") + 1
                     block, rest = data[:cut], data[cut:]
                     if block and bad_line:
-                        raise self._bad_line(bad_line)
+                        raise not_a_result(self.path, bad_line)
                     lines = block.count(b"\n")
                     ids = ids_of.findall(block)
                     try:
@@ -416,7 +416,7 @@ class ResultWriter:
                         for raw in block.split(b"\n")[:-1]:
                             n += 1
                             if bad_line:
-                                raise self._bad_line(bad_line) from None
+                                raise not_a_result(self.path, bad_line) from None
                             rid = result_id(raw + b"\n", self.id_key)
                             if rid is None:
                                 bad_line = n
@@ -429,7 +429,7 @@ class ResultWriter:
                         break
                 if rest:                    # a last line without its newline
                     if bad_line:
-                        raise self._bad_line(bad_line)
+                        raise not_a_result(self.path, bad_line)
                     bad_line = n + 1
                 if bad_line:
                     f.truncate(good)
@@ -468,9 +468,6 @@ class ResultWriter:
         except OSError as e:
             raise OutputError(f"results file {self.path}: cannot rewrite it without the lines of the records to "
                               f"compute again (--retry-failed, --redo-changed): {e.strerror or e}") from None
-
-    def _bad_line(self, n: int) -> OutputError:
-        return not_a_result(self.path, n)
 
     def write(self, result: dict):
         """One result, written at once."""

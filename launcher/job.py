@@ -530,7 +530,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     device, emulate, dtype, pipeline = layout.device, layout.emulate, layout.dtype, layout.pipeline
     plans = plan_tensors(m, tp, ep)
     absent = sizing and weights and not holds_weights(spec.model.path)
-    ckpt_bytes = check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant) if weights and not absent else 0
+    ckpt_bytes = (check_checkpoint(spec.model.path, plans, spec.model.allow_pickle, m.quant, notes)
+                  if weights and not absent else 0)
     tokenizer = load_tokenizer(spec.model.tokenizer_path, spec.model.trust_remote_code, spec.input.template_text())
     if spec.model.classifier_from_tokens is not None:
         m = token_classifier(spec, m, tokenizer, weights and not absent)

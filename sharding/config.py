@@ -233,6 +233,10 @@ class ModelConfig:
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         if d.get("use_sliding_window"):
             raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+        act = d.get("hidden_act", "silu")            # (transformers' ACT2FN: swish is SiLU by another name)
+        if act not in ("silu", "swish"):
+            raise ModelConfigError(f"{source}: hidden_act '{act}' is not supported: msinfer's MLPs and experts "
+                                   f"compute SiLU (hidden_act 'silu'), as vLLM's {arch} does")
         if d.get("is_causal") is False:         # (gte-Qwen2's embedding models): a causal run would differ
             raise ModelConfigError(f"{source}: is_causal=false (attention both ways, as some embedding models "
                                    f"use) is not supported: msinfer's attention is causal")

@@ -23,31 +23,35 @@ R, ALPHA = 4, 8
 N_NEW = 8
 
 
-@pytest.fixture(scope="session")
-def adapter(checkpoint, tmp_path_factory):
-    """(adapter folder, transformers + peft merged greedy tokens per prompt, base model's tokens)."""
+def peft_adapter(path, out, targets):
+    """An adapter of checkpoint `path` on `targets`, as peft saves it, into `out`, and the greedy tokens
+    per prompt of transformers + peft with it merged (which differ from the base model's)."""
     import peft
     import torch
     import transformers
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets,
                                                       lora_dropout=0.0))
     torch.manual_seed(1)
     with torch.no_grad():                  # lora_B starts at zero: make the adapter matter
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn_like(p) * 0.3)
-    out = tmp_path_factory.mktemp("lora") / "adapter"
     model.save_pretrained(out)
     merged = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32), out
-    ).merge_and_unload().eval()
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), out).merge_and_unload().eval()
     expected = [greedy(merged, p) for p in PROMPTS]
-    plain = [greedy(transformers.AutoModelForCausalLM.from_pretrained(checkpoint(NAME), dtype=torch.float32), p)
+    plain = [greedy(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), p)
              for p in PROMPTS]
     assert expected != plain, "the adapter does not change the greedy tokens: the test would prove nothing"
     return out, expected
+
+
+@pytest.fixture(scope="session")
+def adapter(checkpoint, tmp_path_factory):
+    """(adapter folder, transformers + peft merged greedy tokens per prompt)."""
+    return peft_adapter(checkpoint(NAME), tmp_path_factory.mktemp("lora") / "adapter", TARGETS)
 
 
 def greedy(model, prompt):
@@ -175,6 +179,80 @@ def test_unsupported_adapters_are_refused_with_the_reason(adapter, tmp_path):
         LoraAdapter(edited_adapter(adapter_dir, tmp_path / "dora", config={"use_dora": True}))
     with pytest.raises(AdapterError, match="adapter_config.json is missing"):
         LoraAdapter(tmp_path)
+
+
+def test_an_adapter_whose_file_and_config_disagree_is_refused_as_peft_would_not_apply_it(adapter, tmp_path):
+    """PEFT applies the matrices of the modules its config targets and refuses a rank other than
+    the config's; merging every matrix in the file regardless gave other tokens than peft's."""
+    adapter_dir, _ = adapter
+    assert len(LoraAdapter(adapter_dir).modules) == 2 * len(TARGETS)
+    for name, config, said in [
+            ("fewer", {"target_modules": ["q_proj"]}, r"module 'model\.layers\.0\.mlp\.down_proj' has LoRA "
+                                                      r"matrices, but adapter_config.json does not target it "
+                                                      r"\(target_modules \['q_proj'\]\): PEFT would leave them out"),
+            ("layers", {"layers_to_transform": [0]}, r"module 'model\.layers\.1\..*layers_to_transform \[0\]"),
+            ("excluded", {"exclude_modules": ["down_proj"]}, r"module 'model\.layers\.0\.mlp\.down_proj' has LoRA"),
+            ("rank", {"r": 8}, r"down_proj': lora_A \[4, 128\] is of rank 4, where adapter_config.json gives r 8"),
+            ("pattern", {"rank_pattern": {"o_proj": 2}}, r"o_proj': lora_A \[4, 64\] is of rank 4, where "
+                                                         r"adapter_config.json gives r 2 \(rank_pattern\)")]:
+        with pytest.raises(AdapterError, match=said):
+            LoraAdapter(edited_adapter(adapter_dir, tmp_path / name, config=config))
+    for name, config in [("regex", {"target_modules": r".*\.(q|k|v|o|gate|up|down)_proj"}),
+                         ("all", {"target_modules": "all-linear"}), ("every layer", {"layers_to_transform": [0, 1]}),
+                         ("own pattern", {"rank_pattern": {"o_proj": 4}})]:
+        assert len(LoraAdapter(edited_adapter(adapter_dir, tmp_path / name, config=config)).modules) == 14
+
+
+def test_which_modules_an_adapter_targets_is_peft_s_own_answer():
+    """worker.lora._targeted against peft's check_target_module_exists, over the ways a config
+    names its modules."""
+    import peft
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from msinfer.worker.lora import _targeted
+    keys = [f"model.layers.{i}.{m}" for i in (0, 1, 12) for m in
+            ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.gate", "mlp.shared_expert.up_proj")]
+    keys.append("lm_head")
+    configs = [dict(target_modules=["q_proj", "down_proj"]), dict(target_modules=".*\\.(o|q)_proj"),
+               dict(target_modules=["q_proj", "up_proj"], layers_to_transform=[1, 12]),
+               dict(target_modules=["q_proj"], layers_to_transform=0, layers_pattern="layers"),
+               dict(target_modules=["q_proj", "mlp.down_proj"], exclude_modules=["model.layers.1.self_attn.q_proj"]),
+               dict(target_modules=["model.layers.0.mlp.down_proj", "lm_head"], layers_to_transform=[1]),
+               dict(target_modules=["q_proj"], target_parameters=["gate.weight"])]
+    for config in configs:
+        cfg = peft.LoraConfig(**config)
+        for key in keys:
+            want = check_target_module_exists(cfg, key)
+            want = bool(want) and type(want).__name__ != "_ExcludedModule"
+            if config.get("target_parameters") and key.endswith("mlp.gate"):
+                want = True                    # (peft wraps the router's weight as a parameter)
+            assert _targeted(config, key) == want, (config, key)
+
+
+def test_an_lm_head_adapter_as_peft_saves_it_merges_to_peft_s_tokens(checkpoint, tmp_path):
+    """peft saves its own copy of lm_head's base weight beside the LoRA matrices
+    (save_embedding_layers); equal to the checkpoint's, it changes nothing, and one that differs
+    (a weight trained with the adapter) is refused rather than left out."""
+    adapter_dir, expected = peft_adapter(checkpoint(NAME), tmp_path / "head", ["q_proj", "lm_head"])
+    copy = "base_model.model.lm_head.base_layer.weight"
+    assert copy in load_file(str(adapter_dir / "adapter_model.safetensors"))
+    out = Driver(ModelRunner(engine_config(checkpoint(NAME), adapter_dir))).generate(dict(enumerate(PROMPTS)), N_NEW)
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+    def trained(t):
+        t[copy] = t[copy] * 1.01
+        return t
+    with pytest.raises(AdapterError, match=f"tensor '{copy}' holds a weight of 'lm_head' other than the checkpoint's"):
+        ModelRunner(engine_config(checkpoint(NAME), edited_adapter(adapter_dir, tmp_path / "trained", tensors=trained)))
+
+
+def test_a_router_adapter_as_peft_saves_it_merges_to_peft_s_tokens(checkpoint, tmp_path):
+    """peft names a mixture's router among target_parameters (its weight is no linear module in
+    transformers); its matrices merge as a linear module's."""
+    name = "qwen3_moe_top2_dense_layer"
+    adapter_dir, expected = peft_adapter(checkpoint(name), tmp_path / "router", ["q_proj", "gate"])
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["target_parameters"] == ["gate.weight"]
+    out = Driver(ModelRunner(engine_config(checkpoint(name), adapter_dir))).generate(dict(enumerate(PROMPTS)), N_NEW)
+    assert [out[i] for i in range(len(PROMPTS))] == expected
 
 
 def test_plan_job_checks_the_adapter_before_workers_start(adapter, checkpoint, tmp_path):

@@ -255,6 +255,8 @@ def with_weights(**change) -> dict:
     ({**GOOD, "format": "naive-quantized"}, "format 'naive-quantized' is not supported"),
     ({**GOOD, "quantization_status": "frozen"}, "the weights are not stored compressed"),
     ({**GOOD, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is set"),
+    ({**GOOD, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
+     "sparsity_config is set (format 'sparse-24-bitmask'): not supported"),
     (with_weights(symmetric=False), "symmetric False) is not supported"),
     (with_weights(type="float", num_bits=8), "type float, 8 bits"),
     (with_weights(num_bits=2), "2 bits"),
@@ -271,6 +273,14 @@ def with_weights(**change) -> dict:
 def test_a_quantization_msinfer_does_not_read_is_refused_by_name(config, said):
     with pytest.raises(QuantizationError, match=re.escape(said)):
         parse_quantization(config)
+
+
+def test_a_dense_sparsity_config_is_read_as_no_sparsity():
+    """llm-compressor writes sparsity_config {format: dense} into checkpoints it quantized without
+    pruning them; compressed-tensors and vLLM load them as the plain quantized checkpoints they are."""
+    dense = {"format": "dense", "global_sparsity": 0.0, "registry_requires_subclass": False,
+             "sparsity_structure": "unstructured"}
+    assert parse_quantization({**GOOD, "sparsity_config": dense}) == parse_quantization(GOOD)
 
 
 def test_plan_refuses_a_broken_quantized_checkpoint_naming_the_tensor(quantized, tmp_path):

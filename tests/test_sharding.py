@@ -12,7 +12,7 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.config import ModelConfig, ModelConfigError
 from msinfer.sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
 from msinfer.sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
@@ -205,6 +205,36 @@ def test_plan_gives_every_rank_an_equal_share_of_the_sharded_bytes():
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ValueError, match=r"MistralForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         ModelConfig.from_dict({**SMOLLM2, "architectures": ["MistralForCausalLM"]})
+
+
+def test_an_activation_other_than_silu_is_refused_rather_than_computed_as_silu():
+    """The MLPs compute SiLU: a checkpoint trained with another hidden_act would run with wrong
+    tokens and no word, so its config is refused by name."""
+    assert ModelConfig.from_dict({**SMOLLM2, "hidden_act": "swish"}).family == "llama"
+    for act in ("gelu", "relu"):
+        with pytest.raises(ModelConfigError, match=f"config.json: hidden_act '{act}' is not supported: msinfer's "
+                                                   f"MLPs and experts compute SiLU"):
+            ModelConfig.from_dict({**SMOLLM2, "hidden_act": act})
+
+
+def test_a_tied_config_with_its_own_lm_head_in_the_checkpoint_says_the_head_is_unused(checkpoint, tmp_path):
+    """A config that ties the head to the embedding, over a checkpoint that also holds lm_head.weight:
+    msinfer computes with the embedding (as vLLM), and plan's notes say the head is not used."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from msinfer.worker.loader import check_checkpoint
+    folder = tmp_path / "tied"
+    shutil.copytree(checkpoint("llama_gqa_tied"), folder)
+    config = ModelConfig.from_dir(folder)
+    plans = plan_tensors(config, 1)
+    notes = []
+    check_checkpoint(folder, plans, notes=notes)
+    assert notes == []
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] * 2}, str(folder / "model.safetensors"))
+    check_checkpoint(folder, plans, notes=notes)
+    assert len(notes) == 1 and "tie_word_embeddings: true), so the checkpoint's own lm_head.weight is not used" in notes[0]
 
 
 def test_rope_theta_is_read_at_top_level_and_inside_rope_parameters():

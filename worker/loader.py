@@ -293,11 +293,13 @@ class _Header:
         return self.dtype
 
 
-def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, quant=None) -> int:
+def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, quant=None,
+                     notes: list | None = None) -> int:
     """Before any worker starts: every tensor the layout plan needs is in the checkpoint with the
     shape the config implies (a quantized layer's ints, scales and packing with the shapes its
     scheme implies), and every file's header reads. Reads headers, and the shape of packed
-    weights. Returns the checkpoint's size in bytes."""
+    weights. Returns the checkpoint's size in bytes; `notes` gets a word on an LM head the
+    checkpoint holds and a tied config leaves unused."""
     found: dict[str, tuple[Path, _Header]] = {}
     packed_shapes: dict[str, np.ndarray] = {}         # the values of packed weights' weight_shape
     size = 0
@@ -319,6 +321,12 @@ def check_checkpoint(model_dir: str | Path, plans, allow_pickle: bool = False, q
         found[name] = found[n]
         if n in packed_shapes:
             packed_shapes[name] = packed_shapes[n]
+    planned = {p.name for p in plans}
+    if notes is not None and "lm_head.weight" in found and "lm_head.weight" not in planned \
+            and "model.embed_tokens.weight" in planned:
+        notes.append("config.json ties the LM head to the embedding (tie_word_embeddings: true), so the "
+                     "checkpoint's own lm_head.weight is not used, as vLLM does (transformers uses it where it "
+                     "differs from the embedding)")
     if quant is None:
         marked = next((n for n in found if n.endswith(QUANTIZED_SUFFIXES)), None)
         if marked is not None:

@@ -34,6 +34,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # a PEFT key: base_model.model.<module>.lora_A[.<adapter name>].weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+# a copy of a target module's base weight, which PEFT saves for lm_head (save_embedding_layers)
+_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
 
 
 class AdapterError(CheckpointError):
@@ -48,6 +50,7 @@ class LoraModule:
     a_shape: tuple[int, int]    # [r, in]
     b_shape: tuple[int, int]    # [out, r]
     scaling: float              # scale * alpha / r
+    copy_key: str | None = None     # the adapter's copy of the base weight (_COPY), which must equal it
 
     @property
     def weight_name(self) -> str:
@@ -93,7 +96,9 @@ class LoraAdapter:
             (bool(cfg.get("modules_to_save")), f"modules_to_save {cfg.get('modules_to_save')} replaces whole "
                                                f"modules; only LoRA matrices merge"),
             (bool(cfg.get("lora_bias")), "lora_bias is true; adapters with a lora_B bias are not supported"),
-            (bool(cfg.get("target_parameters")), "target_parameters is set; only LoRA on linear modules merges"),
+            (any(not isinstance(t, str) or not t.endswith(".weight") for t in cfg.get("target_parameters") or ()),
+             f"target_parameters {cfg.get('target_parameters')} names a parameter other than a module's 2-D "
+             f"weight (such as a mixture's stacked experts); only LoRA on linear weights merges"),
             (bool(cfg.get("trainable_token_indices")), "trainable_token_indices is set (trained embedding rows); "
                                                        "only LoRA matrices merge"),
             (bool(cfg.get("layer_replication")), "layer_replication is set; the base model's layers are used as "
@@ -113,12 +118,20 @@ class LoraAdapter:
         except OSError as e:
             raise AdapterError(f"{self.weights}: cannot be read ({e})") from None
         pairs: dict[str, dict[str, str]] = {}
+        copies: dict[str, str] = {}
         for key in shapes:
             m = _KEY.match(key)
+            if m is None and (c := _COPY.match(key)) is not None:
+                copies[c["module"]] = key
+                continue
             if m is None:
                 what = "an embedding LoRA" if "lora_embedding" in key else "not a lora_A / lora_B matrix"
                 raise AdapterError(f"{self.weights}: tensor '{key}' is {what}; only LoRA on linear layers merges")
             pairs.setdefault(m["module"], {})[m["which"]] = key
+        for module, key in copies.items():
+            if module not in pairs:
+                raise AdapterError(f"{self.weights}: tensor '{key}' is a copy of the weight of '{module}', which the "
+                                   f"adapter has no LoRA matrices for; only LoRA on linear layers merges")
         modules = {}
         for module, ab in pairs.items():
             if set(ab) != {"A", "B"}:
@@ -128,11 +141,20 @@ class LoraAdapter:
             if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
                 raise AdapterError(f"{self.weights}: module '{module}': lora_A {list(a)} and lora_B {list(b)} are "
                                    f"not [r, in] and [out, r] of one rank r")
+            if not _targeted(self.config, module):
+                raise AdapterError(f"{self.weights}: module '{module}' has LoRA matrices, but {CONFIG_FILE} does not "
+                                   f"target it ({_targets_said(self.config)}): PEFT would leave them out. The "
+                                   f"adapter's file and its config disagree")
             r = a[0]
+            want = _pattern_value(self.config.get("rank_pattern") or {}, module, self.config.get("r", 8))
+            if r != want:
+                raise AdapterError(f"{self.weights}: module '{module}': lora_A {list(a)} is of rank {r}, where "
+                                   f"{CONFIG_FILE} gives r {want}" + (" (rank_pattern)" if want != self.config.get(
+                                       "r", 8) else "") + ": the adapter's file and its config disagree")
             alpha = float(_pattern_value(self.config.get("alpha_pattern") or {}, module,
                                          self.config.get("lora_alpha", 8)))
             base = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
-            lm = LoraModule(module, ab["A"], ab["B"], a, b, self.scale * base)
+            lm = LoraModule(module, ab["A"], ab["B"], a, b, self.scale * base, copies.get(module))
             modules[lm.weight_name] = lm
         if not modules:
             raise AdapterError(f"{self.weights}: holds no LoRA matrices")
@@ -141,17 +163,22 @@ class LoraAdapter:
     def check(self, base_shapes: dict[str, tuple]) -> None:
         """Every target module exists in the base model with the shapes the adapter implies."""
         targets = self.config.get("target_modules")
+        tied = "lm_head.weight" not in base_shapes and "model.embed_tokens.weight" in base_shapes
         if isinstance(targets, list):
             modules = {n.removesuffix(".weight") for n in base_shapes if n.endswith(".weight")}
             short = {m.rsplit(".", 1)[-1] for m in modules}
             missing = [t for t in targets if t not in short and t not in modules]
             if missing:
+                if tied and missing[0] == "lm_head":
+                    raise tied_head(self.path / CONFIG_FILE)
                 linear = sorted(n for n in short if n.endswith("_proj") or n == "lm_head")
                 raise AdapterError(f"{self.path / CONFIG_FILE}: target module '{missing[0]}' is not a module of "
                                    f"the base model (its linear modules: {', '.join(linear)})")
         self.refuse_experts()
         for name, lm in self.modules.items():
             if name not in base_shapes:
+                if tied and name == "lm_head.weight":
+                    raise tied_head(self.weights)
                 raise AdapterError(f"{self.weights}: target module '{lm.module}' is not in the base model "
                                    f"(no tensor '{name}'); was the adapter trained on another model?")
             check_shapes(lm, base_shapes[name])
@@ -167,6 +194,12 @@ class LoraAdapter:
         """The checkpoint source of tensor `name`, merged with this adapter if it targets it."""
         lm = self.modules.get(name)
         return src if lm is None else MergedSource(src, lm, self.weights)
+
+
+def tied_head(where: Path) -> AdapterError:
+    return AdapterError(f"{where}: targets lm_head, which this checkpoint ties to model.embed_tokens "
+                        f"(tie_word_embeddings): a LoRA merged into it would change the embedding too, so msinfer "
+                        f"does not merge one")
 
 
 def check_shapes(lm: LoraModule, base: tuple) -> None:
@@ -192,7 +225,14 @@ class MergedSource:
         with safe_open(str(self.weights), framework="np") as f:
             b = np.asarray(f.get_slice(self.lm.b_key)[rows, :], np.float32)
             a = np.asarray(f.get_slice(self.lm.a_key)[:, cols], np.float32)
+            copy = None if self.lm.copy_key is None else np.asarray(f.get_slice(self.lm.copy_key)[rows, cols],
+                                                                     np.float32)
         base = np.asarray(self.src[rows, cols], np.float32)
+        if copy is not None and not np.array_equal(copy, base):
+            raise AdapterError(f"{self.weights}: tensor '{self.lm.copy_key}' holds a weight of '{self.lm.module}' "
+                               f"other than the checkpoint's (PEFT saves it with save_embedding_layers, for a "
+                               f"weight trained or resized with the adapter); msinfer merges LoRA matrices into "
+                               f"the checkpoint's weights only")
         return base + np.float32(self.lm.scaling) * (b @ a)
 
 
@@ -237,6 +277,52 @@ def check_adapter(path: str, scale: float, plans) -> int:
     adapter = LoraAdapter(path, scale)
     adapter.check({p.name: tuple(p.full_shape) for p in plans})
     return len(adapter.modules)
+
+
+def _targeted(config: dict, module: str) -> bool:
+    """Whether PEFT applies the adapter to `module` (its name in the base model), as its
+    check_target_module_exists decides: exclude_modules, then target_modules (a regular
+    expression the whole name matches, names it ends in, or all-linear: every linear module but
+    lm_head) with layers_to_transform for a list of names, then target_parameters (a module's
+    2-D weight). No targets given (PEFT's defaults for the architecture): every module."""
+    def ends_in(names, key: str) -> bool:
+        return any(key == n or key.endswith(f".{n}") for n in names)
+
+    exclude = config.get("exclude_modules")
+    if exclude and (re.fullmatch(exclude, module) if isinstance(exclude, str) else ends_in(exclude, module)):
+        return False
+    targets, params = config.get("target_modules"), config.get("target_parameters") or []
+    if targets is None and not params:
+        return True
+    if params and ends_in(params, module + ".weight"):
+        return True
+    if targets is None:
+        return False
+    if targets == "all-linear":
+        return not ends_in(["lm_head"], module)
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    if module in targets:
+        return True
+    if not ends_in(targets, module):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern") or []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    found = (next((m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module))), None)
+             if patterns else re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module))
+    if found is None:
+        return False
+    index = int(found["idx"])
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def _targets_said(config: dict) -> str:
+    said = [f"{k} {config[k]}" for k in ("target_modules", "target_parameters", "exclude_modules",
+                                          "layers_to_transform", "layers_pattern") if config.get(k) not in (None, [])]
+    return ", ".join(said) or "no target_modules"
 
 
 def _pattern_value(patterns: dict, module: str, default):

@@ -1181,6 +1181,16 @@ def check_same_settings(output: str, settings: dict, from_model: tuple = ()) -> 
                       f"to compute every record with these settings, or write to another output.path")
 
 
+def unknown_settings(output: str) -> str | None:
+    """What a run resuming `output` should hear when the results it holds have no settings kept
+    beside them (their status file removed, or not copied with them): none are checked."""
+    if not holds_results(output) or kept_settings(output) is not None:
+        return None
+    return (f"{output} holds results, but {status_path(output)}, which keeps the settings they were computed "
+            f"with, is missing or unreadable: their settings are not checked against this run's (a re-run with "
+            f"other settings would keep both), and this run's are kept from now on")
+
+
 def kept_settings(output: str) -> dict | None:
     """The settings the status file beside a results file keeps (None: none, or no such file)."""
     before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
@@ -1366,7 +1376,8 @@ def resume_summary(plan: Plan, simulate: bool = False) -> str | None:
         changed_records(plan.spec, result_id_key(plan.output_format), False, False)
     except OutputError as e:
         return f"{held}; `run` would stop: {e}"
-    return f"{held}; `run` resumes after them (--overwrite starts over)"
+    unknown = " (their settings unknown: " + status_path(out).name + " is missing)" if unknown_settings(str(out)) else ""
+    return f"{held}{unknown}; `run` resumes after them (--overwrite starts over)"
 
 
 def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, progress: bool = True,
@@ -1393,6 +1404,8 @@ def run_job(spec: JobSpec, *, overwrite: bool = False, stream: bool = False, pro
         redo, removed = frozenset(), 0
         if not overwrite:               # (before the writer, which may drop lines, changes the file)
             check_same_settings(spec.output.path, settings, plan.sampling_from_model)
+            if note := unknown_settings(spec.output.path):
+                print(f"msinfer: note: {note}", file=sys.stderr, flush=True)
             redo, removed = changed_records(spec, id_key, retry_failed, redo_changed)
         writer = ResultWriter(spec.output.path, overwrite, spec.output.fsync_interval_s, id_key,
                               retry_failed=retry_failed, redo_ids=redo)

@@ -172,6 +172,24 @@ def test_a_setting_added_to_msinfer_since_a_results_file_was_written_does_not_st
         check_same_settings(str(out), {"model": {"matmul_dtype": "bfloat16"}})
 
 
+@pytest.mark.unit
+def test_results_whose_settings_file_is_gone_are_resumed_with_a_note_that_says_so(tmp_path):
+    """Results copied without their status file (or with it removed) cannot have their settings
+    checked: a re-run says so instead of adopting its own settings for them in silence."""
+    import json
+    from msinfer.launcher.job import unknown_settings
+    out = tmp_path / "out.jsonl"
+    assert unknown_settings(str(out)) is None                   # nothing to resume
+    out.write_text('{"id": "a"}\n')
+    status = Path(f"{out}.status.json")
+    status.write_text(json.dumps({"settings": {"sampling": {"temperature": 0.0}}}))
+    assert unknown_settings(str(out)) is None
+    status.unlink()
+    note = unknown_settings(str(out))
+    assert note is not None and f"{status}, which keeps the settings they were computed with, is missing" in note
+    assert "their settings are not checked against this run's" in note
+
+
 def test_ascend_without_a_card_fails_in_seconds_naming_the_resource_and_emulation(cli, model, tmp_path):
     job = Job(tmp_path, model, records(2), parallel={"device": "ascend"})
     t0 = time.monotonic()

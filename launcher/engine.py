@@ -474,6 +474,8 @@ class Engine:
         with self.cond:
             returned += [serial for serial, _ in self.probation]
             self.probation.clear()
+            if self.on_probation in returned:   # (admitted, not started): the next suspect may come in
+                self.on_probation = None
             for serial in returned:
                 self.unfinished -= 1
                 self.reported.discard(serial)       # (preempted): the ledger hears it ended here

@@ -769,3 +769,52 @@ def test_a_drain_takes_back_the_records_an_engine_has_not_started_and_the_rest_f
     assert sorted(done + returned) == list(range(len(records))) and not set(done) & set(returned)
     assert 0 in done and len(returned) >= len(records) // 2, (done, returned)      # batch 2: most queued
     assert all(not d.failed for d in answered) and engine.unfinished == 0
+
+
+def test_a_suspect_record_given_back_before_it_started_lets_the_next_suspect_run(checkpoint):
+    """Records that were running when a replica failed (suspects) run one at a time. One admitted
+    but not started when the driver takes queued records back (a drain, or the job's tail) leaves
+    the engine: the next suspect dealt to it must still run. It waited forever (the job hung with
+    one record left after a replica of sixteen was killed)."""
+    import pickle
+    import threading
+    import time
+    from msinfer.launcher.engine import Engine, EngineSetup
+    from tests.engine_driver import in_process_rank
+    spec = JobSpec.model_validate({
+        "model": {"path": str(checkpoint("llama_gqa_tied")), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+        "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 24, "ignore_eos": True},
+        "scheduler": {"max_batch_size": 1}})
+    plan = plan_job(spec, check_io=False)
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0, plan.tokenizer)
+    engine.attach([in_process_rank(plan.engine)])
+    record = [parse_record({"id": f"r{i}", "prompt_token_ids": [5 + i, 17, 33]}, i + 1) for i in range(3)]
+    answered, returned = [], []
+
+    def exchange(*args):
+        out, _, _, _, back = pickle.loads(engine.exchange(*args))
+        answered.extend(out)
+        returned.extend(back)
+    try:
+        # the first record takes the one batch slot; the suspect is admitted behind it
+        gate, step = threading.Event(), engine.workers[0].step.fn
+        engine.workers[0].step.fn = lambda *args: (gate.wait(60), step(*args))[1]
+        exchange(pickle.dumps([(0, record[0])]), True)
+        t_end = time.monotonic() + 60
+        while not engine.in_flight and time.monotonic() < t_end:
+            time.sleep(0.01)
+        exchange(pickle.dumps([(1, record[1])]), True, (1,))
+        while engine.on_probation is None and time.monotonic() < t_end:
+            time.sleep(0.01)
+        exchange(None, False, (), True)
+        while 1 not in returned and time.monotonic() < t_end:
+            exchange(None, False)
+        assert returned == [1]                        # the suspect went back, unstarted
+        gate.set()
+        exchange(pickle.dumps([(2, record[2])]), False, (2,))
+        while {0, 2} - {d.serial for d in answered} and time.monotonic() < t_end:
+            exchange(None, False)
+    finally:
+        gate.set()
+        engine.close()
+    assert {d.serial for d in answered} == {0, 2} and returned == [1], (answered, returned)

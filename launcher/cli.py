@@ -203,7 +203,7 @@ def merge_job(spec) -> dict:
     from msinfer.launcher.inputs import read_records
     from msinfer.launcher.job import changed_settings, kept_settings, plan_job, result_id_key, result_settings, \
         shown_settings
-    from msinfer.launcher.shards import merge_shards, resolve_shard, shard_path
+    from msinfer.launcher.shards import merge_shards, merged_path, resolve_shard, shard_path
     from msinfer.launcher.writer import holds_results, read_summary, status_path, write_json_atomic
     shard = resolve_shard(spec.input.shard)
     if shard is None:
@@ -219,15 +219,15 @@ def merge_job(spec) -> dict:
             raise OutputError(f"msinfer merge: shard {k} of {shard[1]} ({path}) holds results of a run with other "
                               f"settings than the spec's ({shown_settings(changed)}); merge the shards of one job, "
                               f"with the spec they ran with. Nothing was written")
-    if holds_results(spec.output.path) and (read_summary(status_path(spec.output.path)) or {}).get(
-            "merged_shards") != shard[1]:
-        raise OutputError(f"msinfer merge: {spec.output.path} holds results that are not a merge of these "
+    out = merged_path(spec.output.path)
+    if holds_results(out) and (read_summary(status_path(out)) or {}).get("merged_shards") != shard[1]:
+        raise OutputError(f"msinfer merge: {out} holds results that are not a merge of these "
                           f"{shard[1]} shards (a run's, written there before); merging would replace them. Move "
                           f"that file, or merge to another with --set output.path=<merged file>. Nothing was written")
     ids = (r.id for r in read_records(spec.input.path))       # (read as the merge asks: none are held)
     merged = merge_shards(ids, spec.output.path, shard[1], result_id_key(plan.output_format))
-    write_json_atomic(status_path(spec.output.path), {"state": "done", "updated_unix": time.time(),
-                                                      "merged_shards": shard[1], "settings": settings})
+    write_json_atomic(status_path(out), {"state": "done", "updated_unix": time.time(),
+                                         "merged_shards": shard[1], "settings": settings})
     return merged
 
 

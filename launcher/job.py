@@ -842,7 +842,11 @@ class JobRun:
                    "rerun_s": round(time.perf_counter() - t_start, 3),
                    **({"last_run": last} if isinstance(last, dict) and last else {})}
         write_json_atomic(summary_path(self.spec.output.path), summary)
-        self.write_status("done")
+        # a merge's file (msinfer merge) that this run left as it was stays one: merged again later,
+        # it is replaced rather than refused as a run's results
+        merged = (read_summary(status_path(self.spec.output.path)) or {}).get("merged_shards")
+        untouched = not any(resumed.get(k) for k in ("records_retried", "records_redone", "records_removed"))
+        self.write_status("done", {"merged_shards": merged} if merged and untouched else None)
         return summary
 
     def on_stage(self, stage: str) -> None:
@@ -928,7 +932,7 @@ class JobRun:
     def workers(self) -> list[dict]:
         return self.controller.ranks() if self.controller else []
 
-    def write_status(self, state: str) -> None:
+    def write_status(self, state: str, add: dict | None = None) -> None:
         self.status_t = time.perf_counter()
         if not self.status:
             return
@@ -937,7 +941,7 @@ class JobRun:
             "state": state, "updated_unix": time.time(), "records_done": s.done, "records_failed": s.failed,
             "records_skipped": s.skipped, "completion_tokens": s.completion_tokens,
             "replica_restarts": self.controller.restarts if self.controller else 0,
-            "workers": self.workers(), "settings": self.settings}, durable=state != "running")
+            "workers": self.workers(), "settings": self.settings, **(add or {})}, durable=state != "running")
 
     def conclude(self, state: str, startup_s: float, resumed: dict, drain: Drain, complete: bool = True,
                  t_start: float | None = None, add=None, engines: bool = True) -> dict:

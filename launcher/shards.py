@@ -66,6 +66,12 @@ def shard_path(path: str, k: int, n: int) -> str:
     return path if p.stem.endswith(f".{tag}") else str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))
 
 
+def merged_path(path: str) -> str:
+    """Where `msinfer merge` writes the shards of output.path `path`: the path itself, or where it
+    has `{shard}` (each shard's K-of-N), that replaced by `merged`."""
+    return path.replace("{shard}", "merged")
+
+
 def for_shard(spec):
     """The job spec of this task's shard: input.shard as K/N (auto resolved) and output.path its
     results file. A spec without a shard is returned as it is."""
@@ -115,7 +121,8 @@ def check_shard_by(spec) -> None:
 
 def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
     """Checks that every input id (an iterable, in input order) has exactly one line across the N
-    shards' results files, then writes them to output_path in input order (atomically), and the
+    shards' results files of output.path `output_path` (shard_path), then writes them to its
+    merged_path in input order (atomically), and the
     shards' `<output>.inputs` beside it. A line that is not a whole result (a crash's partial last
     line) is no line. Returns counts; raises OutputError naming the missing, duplicated and
     foreign ids, or a shard file that is not there, and writes nothing then.
@@ -124,10 +131,8 @@ def merge_shards(input_ids, output_path: str, n: int, id_key: str) -> dict:
     (shard, line number) in an index (launcher.idset) and each line's byte offset in an array,
     about 32 bytes a record, and the lines are copied from the shards' files as the input's order
     asks for them."""
-    if "{shard}" in output_path:
-        raise SpecError(f"output.path {output_path}: the merged file's path has {{shard}} in it; set "
-                        f"--set output.path=<merged file>, and the shards are found from the spec's")
     paths = [shard_path(output_path, k, n) for k in range(n)]
+    output_path = merged_path(output_path)
     where, starts = IdSet(), []         # each id's place (launcher.idset.place: shard, line); each shard's lines' offsets
     doubled: dict[str, list[int]] = {}  # the places of an id found on more than one line
     distinct = 0

@@ -321,6 +321,9 @@ def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_
     (tmp_path / "out.jsonl").unlink()
     assert merge_job(spec)["records"] == 30 and merge_job(spec)["records"] == 30       # (a merge merges again)
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [got[r["id"]] for r in records]
+    # a run on the merged file with nothing to do leaves it a merge: merged again, it is replaced
+    assert run_job(job_spec(demo, tmp_path, records), progress=False, simulate=StandIn(step_ms=1.0))["nothing_to_do"]
+    assert merge_job(spec)["records"] == 30
     # the merged file keeps the shards' settings: a run on it with others stops, as on a run's file
     with pytest.raises(OutputError, match=r"out.jsonl holds results of a run with other settings "
                                           r"\(sampling.max_new_tokens 6 then, 5 now\)"):

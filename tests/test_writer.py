@@ -450,6 +450,23 @@ def test_merge_writes_the_shards_in_input_order_or_names_what_is_missing_and_dou
         merge_shards(ids, out, 3, "id")
 
 
+def test_shards_named_by_a_shard_placeholder_merge_into_the_path_with_merged_in_its_place(tmp_path):
+    """output.path with {shard}: shard K writes the path with K-of-N there, and merge reads them and
+    writes the path with `merged` there (it refused such a path and could merge them no other way)."""
+    from msinfer.launcher.shards import in_shard, merge_shards, shard_path
+    ids = [f"r{i}" for i in range(12)]
+    template = str(tmp_path / "res-{shard}" / "out.jsonl")
+    for k in range(2):
+        os.makedirs(os.path.dirname(shard_path(template, k, 2)), exist_ok=True)
+        with open(shard_path(template, k, 2), "w") as f:
+            f.writelines(json.dumps({"id": i}) + "\n" for i in ids if in_shard(i, k, 2))
+    assert shard_path(template, 1, 2) == str(tmp_path / "res-1-of-2" / "out.jsonl")
+    merged = str(tmp_path / "res-merged" / "out.jsonl")
+    os.makedirs(os.path.dirname(merged))
+    assert merge_shards(ids, template, 2, "id") == {"records": 12, "shards": 2, "path": merged}
+    assert [json.loads(line)["id"] for line in open(merged)] == ids
+
+
 @pytest.mark.unit
 def test_the_input_digests_held_compactly_answer_as_the_dict_of_them(tmp_path):
     """launcher.writer.input_digest_index holds `<output>.inputs` as launcher.idset does: each id's

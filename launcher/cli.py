@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import textwrap
 import threading
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         mark()
     from msinfer.launcher.errors import JobFailed, LaunchError, StartupTimeout
     from msinfer.launcher.job import USER_ERRORS, plan_job, resume_summary, run_job
+    from msinfer.launcher.shards import for_shard
 
     try:
         if args.command == "bench":
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                                 f"and {args.prefill_ms_per_token:g}")
             simulate = StandIn(args.step_ms, args.prefill_ms_per_token)
             spec = simulate_output(spec, args.output)
-            print(f"msinfer simulate: stand-in results go to {spec.output.path}", file=sys.stderr)
+            print(f"msinfer simulate: stand-in results go to {for_shard(spec).output.path}", file=sys.stderr)
         summary = run_job(spec, overwrite=args.overwrite, stream=args.stream, progress=not args.no_progress,
                           t_start=t_start, simulate=simulate, retry_failed=getattr(args, "retry_failed", False),
                           redo_changed=getattr(args, "redo_changed", False))
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
             _say(cut_note(summary), prefix="msinfer: ")
         again = "running the same job again" + (" (without --overwrite, which starts over)"
                                                 if getattr(args, "overwrite", False) else "")
+        results = for_shard(spec).output.path       # (this task's shard's file, where input.shard is set)
+        sets = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
         drained = summary.get("drained")
         if drained:
             lost = []
@@ -140,11 +144,11 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                 lost.append(f"{'at least ' if drained.get('records_not_dealt_at_least') else ''}"
                             f"{drained['records_not_dealt']} record(s) not started")
             _say(f"drained ({drained['why']}){': ' + ' and '.join(lost) if lost else ''}; every finished record is in "
-                 f"{spec.output.path}, and {again} resumes after them", prefix="msinfer: ")
+                 f"{results}, and {again} resumes after them", prefix="msinfer: ")
             return EXIT_DRAINED
         if summary.get("records_skipped_failed"):
-            _say(f"note: {summary['records_skipped_failed']} record(s) already in {spec.output.path} are error "
-                 f"lines and were not computed again; `msinfer run {args.spec} --retry-failed` computes them "
+            _say(f"note: {summary['records_skipped_failed']} record(s) already in {results} are error "
+                 f"lines and were not computed again; `msinfer run {args.spec}{sets} --retry-failed` computes them "
                  f"again", prefix="msinfer: ")
         return 0
     except (JobFailed, StartupTimeout) as e:

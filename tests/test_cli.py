@@ -358,6 +358,9 @@ def test_simulate_from_the_command_line_prints_its_capacity_figures_and_checks_i
     stand_in = Path(f"{job.output}.simulate.jsonl")
     assert f"stand-in results go to {stand_in}" in said(p)
     assert sorted(r["id"] for r in map(json.loads, stand_in.read_text().splitlines())) == [r["id"] for r in records(6)]
+    p = cli.run("simulate", job.spec_path, "--step-ms", "2", "--no-progress", "--set", "input.shard=1/2")
+    shard = Path(f"{job.output}.simulate.1-of-2.jsonl")              # the file it names is the file it writes
+    assert p.returncode == 0 and f"stand-in results go to {shard}" in said(p) and shard.exists(), p.stderr
     assert not job.output.exists() and Path(f"{stand_in}.summary.json").exists()
     p = cli.run("run", job.spec_path)               # with the progress bar (tqdm disables it off a terminal)
     assert p.returncode == 0, p.stderr

@@ -36,9 +36,11 @@ def test_one_run_per_results_file_retry_failed_and_a_rerun_with_nothing_to_do(cl
     assert [r["id"] for r in results if r["error"]] == ["long"]
 
     env = no_ray()
-    again = cli.run(*command, env=env)
+    again = cli.run(*command, "--set", "scheduler.max_batch_size=8", env=env)
     assert again.returncode == 0, again.stderr
-    assert "1 record(s) already in" in said(again) and "--retry-failed" in said(again)
+    # the note names the results file and a command that computes them again in it, --set included
+    assert f"1 record(s) already in {job.output} are error lines" in said(again)
+    assert f"`msinfer run {job.spec_path} --set scheduler.max_batch_size=8 --retry-failed`" in said(again)
     summary = job.summary()
     assert summary["nothing_to_do"] and summary["records_skipped"] == len(lines) and summary["records_done"] == 0
     assert summary["records_skipped_failed"] == 1 and "steps" not in summary

@@ -270,5 +270,19 @@ PY
 fi
 
 say "running: msinfer run $spec --set ray.address=$address ${run_args[*]-}"
-"$msinfer_cmd" run "$spec" --set "ray.address=$address" ${run_args[@]+"${run_args[@]}"} && rc=0 || rc=$?
+# The job runs in the background so that a signal to this script reaches it at once (bash holds a
+# trapped signal until its foreground child exits): SIGTERM and SIGUSR1 drain the job (exit 75),
+# a second stops it, SIGINT interrupts it, and the script exits with the job's code. Job control
+# (set -m) keeps the background job from starting with SIGINT ignored.
+set -m
+"$msinfer_cmd" run "$spec" --set "ray.address=$address" ${run_args[@]+"${run_args[@]}"} &
+job_pid=$!
+set +m
+forward() { kill -s "$1" "$job_pid" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+trap 'forward HUP' HUP
+while kill -0 "$job_pid" 2>/dev/null; do wait "$job_pid" || true; done
+wait "$job_pid" && rc=0 || rc=$?
 exit "$rc"

@@ -30,6 +30,7 @@ import pytest
 from msinfer.launcher.spec import load_spec
 from msinfer.worker.device import DeviceChoice, select_device
 from tests.conftest import cache_with_kernels
+from tests.test_cli import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -567,6 +568,34 @@ def test_ray_job_submit_runs_a_job_on_a_head_with_the_job_server(job_dir, dp2_ru
         try:
             node.wait(60)
         except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        gone = not processes_under(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert gone, "Ray processes outlived the node script"
+
+
+def test_sigterm_to_the_node_script_drains_its_job_at_once_and_exits_with_the_job_s_code(job_dir, tmp_path):
+    """`msinfer-node.sh JOB.yaml` passes SIGTERM on to its job, which drains (exit 75) and stops
+    the node. bash held the signal until the whole job had run, then exited 143."""
+    ray_tmp = short_tmp("msd")
+    env = clean_env(PATH=f"{BIN}:/usr/bin:/bin", TMPDIR=ray_tmp, MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"))
+    out = tmp_path / "drained.jsonl"
+    node = subprocess.Popen(["bash", NODE_SH, "--port", str(free_port()), "--node-ip", "127.0.0.1", "--num-cpus", "2",
+                             "--log", str(tmp_path / "ray.log"), str(job_dir / "job.yaml"), "--no-progress",
+                             "--set", f"output.path={out}", "--set", "sampling.max_new_tokens=100",
+                             "--set", "scheduler.max_batch_size=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=job_dir,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: out.is_file() and out.read_text().count("\n") >= 1, 240, "the job's first result", node)
+        node.send_signal(signal.SIGTERM)
+        _, err = node.communicate(timeout=120)
+        status = json.loads(Path(f"{out}.status.json").read_text())
+        assert node.returncode == 75 and status["state"] == "drained", err[-3000:]
+        assert len(read_results(out)) < N_RECORDS and "msinfer: drained (SIGTERM received" in err
+    finally:
+        if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
             node.wait()
         gone = not processes_under(ray_tmp)

@@ -430,6 +430,7 @@ class Controller:
         slot.outstanding.clear()
         slot.held.clear()
         slot.pending = None
+        slot.kv_usage = 0.0                 # (its cache went with it: the metrics say so)
         try:
             self.retired.append(fetch(slot.replica.engine.engine_stats.remote(), 5))
         except Exception:

@@ -392,3 +392,20 @@ def test_a_start_up_stage_that_times_out_names_the_ranks_and_the_engine_it_waite
     assert late_names([0, 1], 1, 1, 1) == "rank 0 and its engine's start (in rank 0's process)"
     assert late_names([3], 3, 3, 1) == "its engine's start (in rank 0's process)"
     assert late_names([1, 3], 4, 2, 2) == "ranks stage 0 rank 1, stage 1 rank 1"
+
+
+def test_a_failed_replica_s_kv_cache_usage_reads_zero_until_its_restart_says_otherwise():
+    """The metrics' msinfer_kv_cache_usage of a replica that failed: its cache went with it. It kept
+    the figure of the replica's last exchange beside msinfer_replicas_alive one less."""
+    FakeReplica.doomed = []
+    controller = FakeController(ControllerConfig(None, ReplicaConfig(engine_setup=EngineSetup(job_spec(), None, None)),
+                                                 data_parallel=2))
+    controller.start()
+    try:
+        slot = controller.slots[1]
+        slot.kv_usage = 0.25
+        controller._fail(slot, EngineFailed("a worker process died"))
+        assert slot.kv_usage == 0.0 and controller.restarts == 1
+        slot.starting.result(timeout=10)                # (its restart, which the fake makes at once)
+    finally:
+        controller.shutdown()

@@ -260,6 +260,8 @@ class Controller:
         while True:
             dealing = stop is None or stop.dealing()
             idle = self._ask_for_queued() if self.rebalance and dealing and exhausted else set()
+            if not dealing:                 # a drain: an exchange in flight returns the queued records now
+                self._ask_back_all()
             for slot in self.slots:
                 self._poll_restart(slot)
                 if slot.starting is not None or slot.pending is not None:
@@ -304,8 +306,10 @@ class Controller:
                 self.dealt_at.pop(done.serial, None)
                 on_done(done, rec)
             if stop is not None and (stop.over() or not stop.dealing() and not any(s.outstanding for s in self.slots)):
-                self.abandoned = (sum(len(s.outstanding) + len(s.held) for s in self.slots) + len(self.requeue)
-                                  + len(self.given))
+                # in flight: dealt to an engine and not answered; the records held for a replica,
+                # given back, or of a failed replica waiting to be dealt again were not running
+                self.abandoned = sum(len(s.outstanding) for s in self.slots)
+                stop.left += sum(len(s.held) for s in self.slots) + len(self.requeue) + len(self.given)
                 exhausted = exhausted or not stop.count_unread(records)
                 return exhausted and not self.abandoned and not stop.left
             if on_tick is not None:
@@ -324,6 +328,16 @@ class Controller:
             for slot in pending.values():   # an engine that does not answer: wedged, or its node gone
                 if slot.pending is not None and now - slot.sent > self.cfg.step_timeout_s + 60:
                     self._fail(slot, TimeoutError(f"its engine did not answer for {now - slot.sent:.0f}s"))
+
+    def _ask_back_all(self) -> None:
+        """A drain's word to each engine whose exchange is in flight (Engine.ask_back, once): it
+        returns with the records queued there and not started, instead of at its own time (up to
+        four times wait_s at the job's tail), while the engine would start them."""
+        for slot in self.slots:
+            if slot.pending is not None and slot.starting is None and not slot.given_back:
+                slot.given_back = True
+                with contextlib.suppress(Exception):        # (a replica gone: its failure tells)
+                    slot.replica.engine.ask_back.remote()
 
     def _ask_for_queued(self) -> set[int]:
         """The tail (see the module's docstring): the replicas idle now (serving, nothing dealt to

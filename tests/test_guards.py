@@ -196,8 +196,8 @@ def test_a_replica_without_room_waits_while_others_serve_and_is_charged_when_non
 def test_a_drain_deals_nothing_more_and_a_replica_failing_in_it_is_neither_restarted_nor_charged():
     """dp 2, replica 1's first exchange in flight. The drain is requested after 4 results; then
     replica 1 fails. With max_replica_restarts 0 that would stop a job; in a drain it is not
-    restarted and not charged: its records are given up (abandoned), replica 0's finish, and not
-    one record is dealt after the request."""
+    restarted and not charged: its records wait to be dealt again and are not (they count as not
+    dealt, none in flight), replica 0's finish, and not one record is dealt after the request."""
     from msinfer.launcher.drain import Drain
     records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=[i + 1]) for i in range(40)]
     read = []
@@ -225,11 +225,12 @@ def test_a_drain_deals_nothing_more_and_a_replica_failing_in_it_is_neither_resta
     finally:
         controller.shutdown()
     assert not complete and controller.restarts == 0 and len(controller.restart_log) == 1
-    assert controller.abandoned > 0 and len(done) + controller.abandoned == read_at_request[0]
+    failed = len(controller.requeue)
+    assert failed > 0 and controller.abandoned == 0 and len(done) + failed == read_at_request[0]
     # none dealt after the request; the run's end counts the rest, for the summary's records_not_dealt
-    assert drain.unread == len(records) - read_at_request[0] and drain.summary(0)["records_not_dealt"] == drain.unread
-    assert Counter(done) == Counter(read[:len(done) + controller.abandoned]) - Counter(
-        rec.id for _, rec in controller.requeue)
+    assert drain.unread == len(records) - read_at_request[0]
+    assert drain.summary(controller.abandoned)["records_not_dealt"] == drain.unread + failed
+    assert Counter(done) == Counter(read[:len(done) + failed]) - Counter(rec.id for _, rec in controller.requeue)
 
 
 def test_a_drain_ends_when_its_time_is_up_and_a_deadline_deals_only_what_fits():
@@ -409,3 +410,70 @@ def test_a_failed_replica_s_kv_cache_usage_reads_zero_until_its_restart_says_oth
         slot.starting.result(timeout=10)                # (its restart, which the fake makes at once)
     finally:
         controller.shutdown()
+
+
+class QueueingReplica:
+    """An engine that queues every record dealt to it and answers its exchange only when asked
+    for its queued records (ask_back: it gives them all back, unstarted), or after 3 s, as an
+    engine at the tail answers at its own time, having started them all (each then finishes)."""
+
+    def __init__(self, index: int):
+        self.index, self.engine, self.pending = index, None, None
+
+    def start(self, engine_config) -> list:
+        self.engine = SimpleNamespace(exchange=Call(self.exchange), ask_back=Call(self.ask_back),
+                                      engine_stats=Call(lambda: completed({})))
+        return []
+
+    def exchange(self, payload, more, suspects=(), give_back=False) -> Future:
+        import threading
+        chunk = pickle.loads(payload) if payload else []
+        f = Future()
+        if not chunk:
+            f.set_result(pickle.dumps(([], 0, [], 0.0, []), protocol=5))
+            return f
+        self.pending = (f, chunk)
+        threading.Timer(3.0, self.answer, (False,)).start()
+        return f
+
+    def answer(self, back: bool) -> None:
+        if self.pending is None or self.pending[0].done():
+            return
+        f, chunk = self.pending
+        done = [] if back else [Done(serial, rec.id, False, 1, 1, None) for serial, rec in chunk]
+        f.set_result(pickle.dumps((done, 0, [], 0.0, [serial for serial, _ in chunk] if back else []), protocol=5))
+
+    def ask_back(self) -> Future:
+        self.answer(True)
+        return completed(None)
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+class QueueingController(FakeController):
+    replica_cls = QueueingReplica
+
+
+def test_a_drain_takes_back_the_records_queued_in_an_exchange_in_flight_and_counts_them_not_dealt():
+    """Every record is dealt at the start (dp 2, queues of 8): at the signal, each engine's
+    exchange is in flight with its records queued. The drain asks for them at once (they went on
+    to start, waiting for the exchange's own answer) and counts them as not dealt, none in flight."""
+    from msinfer.launcher.drain import Drain
+    records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=[i + 1]) for i in range(12)]
+    setup = EngineSetup(job_spec(scheduler={"max_batch_size": 4}), None, None)
+    controller = QueueingController(ControllerConfig(None, ReplicaConfig(engine_setup=setup), data_parallel=2))
+    controller.stop = drain = Drain(drain_s=60)
+    done = []
+
+    def tick():
+        if drain.requested is None and all(s.pending is not None for s in controller.slots):
+            drain.request("SIGTERM received")
+    controller.start()
+    try:
+        complete = controller.run(iter(records), lambda d, rec: done.append(rec.id), on_tick=tick)
+    finally:
+        controller.shutdown()
+    assert not complete and done == []
+    summary = drain.summary(controller.abandoned)
+    assert summary["records_in_flight_abandoned"] == 0 and summary["records_not_dealt"] == len(records)

@@ -165,10 +165,9 @@ class BenchPlan:
         """The compute dtype as the table's title says it: float32 on the CPU with its linear
         layers (and KV cache, EngineConfig.kv_bfloat16) in bfloat16 where model.dtype is bfloat16
         there, or its KV cache alone with --kv-cache-dtype bfloat16."""
-        matmuls = self.engine.matmul_dtype
-        if matmuls == self.dtype:
+        if not self.engine.matmuls_apart:
             return self.dtype + self.engine.kv_named()
-        return f"{self.dtype}, {self.engine.in_matmul_dtype(self.model)} in {matmuls}"
+        return f"{self.dtype}, {self.engine.in_matmul_dtype(self.model)} in {self.engine.matmul_dtype}"
 
     def case_spec(self, case: Case):
         """The job spec a case runs with: its batch, its prefill budget, its output length."""

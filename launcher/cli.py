@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
                 _, table = check_device(plan.engine, plan.model, spec.parallel.tensor_parallel)
             except RuntimeError as e:
                 raise LaunchError(f"check-device: MindSpore cannot use an Ascend device in this process "
-                                  f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); on a machine "
+                                  f"({(str(e).strip().splitlines() or [type(e).__name__])[0]}); on a machine "
                                   f"without NPUs, MSINFER_ASCEND_EMULATE=1 checks the emulated kernels") from None
             print(table)
             return 0

@@ -90,8 +90,8 @@ class Plan:
                else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}"
-            + ("" if self.engine.matmul_dtype == self.engine.dtype else
-               f" ({self.engine.in_matmul_dtype(m)} {self.engine.matmul_dtype})") + self.engine.kv_named(),
+            + (f" ({self.engine.in_matmul_dtype(m)} {self.engine.matmul_dtype})" if self.engine.matmuls_apart
+               else "") + self.engine.kv_named(),
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",

@@ -687,6 +687,13 @@ class EngineConfig:
         """What computes in matmul_dtype where it is not dtype, as `plan` and `bench` name it."""
         return "linear layers and KV cache" if self.kv_bfloat16(cfg) else "linear layers"
 
+    @property
+    def matmuls_apart(self) -> bool:
+        """Whether the linear layers compute in another dtype than the network (the CPU kernels in
+        bfloat16 under a float32 network): `plan` and `bench` then name it. matmul_dtype's float32
+        elsewhere says only that they do not."""
+        return self.matmul_dtype == "bfloat16" and self.dtype != "bfloat16"
+
     def kv_named(self) -> str:
         """The KV cache's bfloat16 where model.kv_cache_dtype alone makes it so, as `plan` and `bench`
         say it after the compute dtype; "" otherwise."""

@@ -469,6 +469,7 @@ def test_plan_on_the_emulated_ascend_path_checks_block_size_and_says_how_it_is_v
     assert plan.engine.emulate and plan.engine.dtype == "float16"       # a float32 checkpoint: bfloat16 on a card
     assert "a card computes this job in bfloat16; the emulation computes it in float16" in text
     assert "ascend EMULATED on the CPU" in text and "card        64 GiB (assumed" in text
+    assert "compute dtype float16" in text and "linear layers" not in text    # (no float32 of their own)
     assert "head_dim 16 is not among the head sizes" in text
     portable = plan_job(ascend_spec(path, tmp_path, **{**sections, "model": {"ops": "portable", "max_model_len": 128}}),
                         check_io=False)

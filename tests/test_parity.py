@@ -297,6 +297,8 @@ def test_a_bfloat16_kv_cache_in_a_float32_job_gives_the_tokens_of_transformers_r
     assert 2 * plan.kv_bytes_per_rank == f32_plan.kv_bytes_per_rank
     assert plan.weight_bytes_per_rank == f32_plan.weight_bytes_per_rank
     assert "compute dtype float32 (KV cache bfloat16)" in plan.describe()
+    assert "compute dtype float32 (linear layers and KV cache bfloat16)" in \
+        plan_job(spec(dtype="bfloat16"), check_io=False).describe()         # the CPU kernels in bfloat16
     assert plan_job(spec(dtype="bfloat16", kv_cache_dtype="bfloat16"), check_io=False).engine == \
         plan_job(spec(dtype="bfloat16"), check_io=False).engine
     for model, why in [({"ops": "portable"}, "the portable operators"),

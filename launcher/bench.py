@@ -273,7 +273,11 @@ def flag_names(message: str) -> str:
                       "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
                       ("scheduler.max_batched_tokens", "--max-batched-tokens"),
                       ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache"),
-                      ("model.dtype", "--dtype"), ("model.ops", "--ops"), ("model.kv_cache_dtype", "--kv-cache-dtype")):
+                      ("model.dtype", "--dtype"), ("model.ops", "--ops"), ("model.kv_cache_dtype", "--kv-cache-dtype"),
+                      ("a larger parallel.memory_fraction (now", "a job's larger parallel.memory_fraction (bench "
+                                                                 "runs at"),
+                      ("parallel.device_memory_gb, the card's size", "a job's parallel.device_memory_gb, the card's "
+                                                                     "size (bench assumes)")):
         message = message.replace(key, flag)
     return message
 
@@ -426,6 +430,8 @@ def describe_failure(e: BaseException) -> str:
 def run_bench(args) -> int:
     import ray
 
+    from msinfer.launcher.replica import LaunchError
+
     plan = plan_bench(args)
     run = BenchRun(plan, meta=bench_meta(plan))
     runnable = [c for c in plan.cases if c not in plan.rejected]
@@ -438,7 +444,10 @@ def run_bench(args) -> int:
     bar = None
     try:
         if runnable:
-            engine.start()
+            try:
+                engine.start()
+            except LaunchError as e:        # (the card measured too small: worded for bench's flags)
+                raise LaunchError(flag_names(str(e))) from None
         if not args.no_progress:
             from tqdm import tqdm
             bar = tqdm(total=len(plan.cases), unit="case", file=sys.stderr, dynamic_ncols=True, desc="bench",

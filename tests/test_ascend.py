@@ -449,8 +449,17 @@ def test_the_card_plan_sizes_the_kv_cache_from_the_cards_memory_and_refuses_what
         card_plan(small, m, engine, bytes_per_rank(m, 1, 2), 2)
     few = ascend_spec(tmp_path, tmp_path, parallel={"device_memory_gb": 6.5})     # 3.4 GiB of weights a card
     with pytest.raises(LayoutError, match="a 6.5 GiB card .* room for 0 KV blocks of 128 tokens, and one sequence "
-                                          "of max_model_len 8192 needs 64"):
+                                          r"of max_model_len 8192 needs 64.*\. It may fit with a larger "
+                                          r"parallel.memory_fraction \(now 0.9\); or .*a lower model.max_model_len"):
         card_plan(few, m, engine, bytes_per_rank(m, 8, 2), 2)
+    # the blocks asked for are the cause: the refusal names that key first, and no shorter sequence
+    import dataclasses
+    with pytest.raises(LayoutError, match=r"scheduler.kv_cache_blocks asks for 10000000; .*\. It may fit with "
+                                          r"scheduler.kv_cache_blocks \d+ or fewer; or a larger parallel.memory_fraction "
+                                          r"\(now 0.9\); or parallel.device_memory_gb, the card's size \(64 GiB "
+                                          r"assumed\)") as e:
+        card_plan(spec, m, dataclasses.replace(engine, num_blocks=10 ** 7), bytes_per_rank(m, 8, 2), 2)
+    assert "max_model_len or" not in str(e.value)
 
 
 def test_plan_on_the_emulated_ascend_path_checks_block_size_and_says_how_it_is_verified(

@@ -33,11 +33,14 @@ replica that dies (its engine with it, where the engine lives in rank 0's proces
 what it was running. The records running in a failure become suspects: dealt again, each engine
 admits them one at a time (Engine.probation), beside any other records, so that no step runs two
 suspects. A record running in `max_record_failures` failures is quarantined: its result is an error
-line (type "quarantined", naming the failures' causes) and it is not dealt again. With the default
-of 2, a record is quarantined when it fails a second time as the one suspect of its step: a batch
-that died with a poison record loses no other record, unless a suspect shares its step with a
-second poison record not yet suspected. The failures a quarantined record caused are not charged to
-`max_restarts`: the job goes on while healthy replicas serve the rest.
+line (type "quarantined", naming the failures' causes) and it is not dealt again. A suspect may
+share its step with a second poison record not yet suspected, so a record that reaches the count
+beside other records runs alone first (alone_due): one replica is dealt nothing more until its
+records finish (Slot.clearing), then that record alone, and only a failure then quarantines it
+(with max_record_failures 1, every record running in a failure is quarantined at once). A batch
+that died with a poison record loses no other record. The failures a quarantined record caused are
+not charged to `max_restarts`, nor is one in which a record became due to run alone: the job goes
+on while healthy replicas serve the rest.
 
 The tail: once every record has been read and dealt, while replicas have run out of records,
 as many of the others, the most loaded, are asked (Engine.ask_back) for the records they hold
@@ -141,6 +144,8 @@ class Slot:
     kv_usage: float = 0.0                  # share of its engine's KV cache blocks in use, as it last said
     given_back: bool = False               # a drain asked its engine for the records not started yet
     asked_at: float = 0.0                  # the tail: when its engine was last asked for the records not started
+    clearing: bool = False                 # dealt nothing more until its records finish, for one to run alone
+    alone: int | None = None               # the serial of the record it runs alone (Controller.alone_due)
 
 
 @dataclass
@@ -170,6 +175,8 @@ class Controller:
     rebalance: bool = True                             # the tail: idle replicas take others' queued records
     given: deque = field(default_factory=deque)        # (serial, Record) handed back at the tail, for idle replicas
     rebalanced: int = 0                                # records so moved
+    alone_due: set = field(default_factory=set)        # serials at max_record_failures that never ran alone
+    waiting_alone: deque = field(default_factory=deque)  # (serial, Record) of those, until a replica is clear
 
     def _new_replica(self, index: int) -> Replica:
         return Replica(index, self.cfg.replica, self.on_stage)
@@ -268,7 +275,18 @@ class Controller:
                     continue
                 chunk = []
                 share = -(-len(self.given) // len(idle)) if slot.index in idle else 0
-                while dealing and len(chunk) < slot.want:
+                if self.waiting_alone and slot.alone is None and not any(s.clearing for s in self.slots):
+                    slot.clearing = True            # (one replica at a time clears for them)
+                    self.requeue.extend(slot.held)
+                    slot.held.clear()
+                if slot.clearing or slot.alone is not None:
+                    # a record that reached max_record_failures beside others runs alone before it is
+                    # quarantined: this replica is dealt nothing else until it has run
+                    if slot.clearing and not slot.outstanding and self.waiting_alone and dealing:
+                        item = self.waiting_alone.popleft()
+                        chunk.append(item)
+                        slot.alone, slot.clearing = item[0], False
+                while dealing and len(chunk) < slot.want and not slot.clearing and slot.alone is None:
                     if self.requeue:
                         item = self.requeue.popleft()
                     elif share and self.given:
@@ -284,6 +302,9 @@ class Controller:
                         item = (next(self.serials), rec)
                         if route and self._hold(item, slot, hold):
                             continue
+                    if item[0] in self.alone_due:
+                        self.waiting_alone.append(item)
+                        continue
                     if stop is not None and not stop.fits(item[1]):
                         self.dealt_at.pop(item[0], None)
                         continue
@@ -294,7 +315,8 @@ class Controller:
                 now = time.perf_counter()
                 for c in chunk:
                     self.dealt_at.setdefault(c[0], now)
-                more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held) or bool(self.given))
+                more = dealing and (not exhausted or bool(self.requeue) or bool(slot.held) or bool(self.given)
+                                    or bool(self.waiting_alone))
                 suspects = tuple(c[0] for c in chunk if c[0] in self.failures)
                 give_back = not dealing and not slot.given_back          # (a drain's first exchange)
                 slot.given_back |= give_back
@@ -309,7 +331,8 @@ class Controller:
                 # in flight: dealt to an engine and not answered; the records held for a replica,
                 # given back, or of a failed replica waiting to be dealt again were not running
                 self.abandoned = sum(len(s.outstanding) for s in self.slots)
-                stop.left += sum(len(s.held) for s in self.slots) + len(self.requeue) + len(self.given)
+                stop.left += (sum(len(s.held) for s in self.slots) + len(self.requeue) + len(self.given)
+                              + len(self.waiting_alone))
                 exhausted = exhausted or not stop.count_unread(records)
                 return exhausted and not self.abandoned and not stop.left
             if on_tick is not None:
@@ -317,7 +340,7 @@ class Controller:
             pending = {s.pending: s for s in self.slots if s.pending is not None}
             if not pending:
                 # (a replica waiting for room on the cluster has nothing dealt: the job ends without it)
-                if exhausted and not self.requeue and not self.given and not any(
+                if exhausted and not self.requeue and not self.given and not self.waiting_alone and not any(
                         (s.starting and s.index not in self.no_room_since) or s.held for s in self.slots):
                     return stop is None or not stop.left
                 time.sleep(0.05)            # a replica restarting, or one whose queue is full
@@ -351,7 +374,8 @@ class Controller:
                 and not s.held}
         if idle and not self.given and not self.requeue:
             now = time.perf_counter()
-            busy = [s for s in self.slots if s.outstanding and s.starting is None and now - s.asked_at > ASK_EVERY_S]
+            busy = [s for s in self.slots if s.outstanding and s.starting is None and s.alone is None
+                and now - s.asked_at > ASK_EVERY_S]
             for s in sorted(busy, key=lambda s: len(s.outstanding), reverse=True)[:len(idle)]:
                 s.asked_at = now
                 s.replica.engine.ask_back.remote()
@@ -388,6 +412,8 @@ class Controller:
             return
         now = time.perf_counter()
         for d in done:
+            if d.serial == slot.alone:
+                slot.alone = None
             item = slot.outstanding.pop(d.serial, None)
             if item is not None:
                 dealt = self.dealt_at.pop(d.serial, None)
@@ -402,6 +428,8 @@ class Controller:
                 on_stream(key, text)
         draining = self.stop is not None and not self.stop.dealing()
         for serial in returned:             # not started: a drain's, not dealt after all; else the tail's
+            if serial == slot.alone:
+                slot.alone = None
             item = slot.outstanding.pop(serial, None)
             if item is None:
                 continue
@@ -444,6 +472,7 @@ class Controller:
         slot.outstanding.clear()
         slot.held.clear()
         slot.pending = None
+        slot.alone, slot.clearing = None, False
         slot.kv_usage = 0.0                 # (its cache went with it: the metrics say so)
         try:
             self.retired.append(fetch(slot.replica.engine.engine_stats.remote(), 5))
@@ -460,7 +489,8 @@ class Controller:
         """Failure `number` of the job took `slot` down: each record it was running (the ledger's
         word, of those dealt to it) counts one; those now at max_record_failures are quarantined
         (taken out of its records, their error lines queued) and the failures they were running
-        in blamed on them. Whether any was."""
+        in blamed on them, or, where one failed beside others, left to run alone first
+        (alone_due). Whether any was."""
         if self.ledger is None:
             return False
         try:
@@ -474,6 +504,12 @@ class Controller:
             seen = self.failures.setdefault(serial, [])
             seen.append((number, reason, kind))
             if len(seen) < self.cfg.max_record_failures:
+                continue
+            if self.cfg.max_record_failures > 1 and set(running) & set(slot.outstanding) != {serial}:
+                # it failed beside other records, any of which may have been the cause (a suspect
+                # runs beside records not yet suspected): it runs alone first
+                self.alone_due.add(serial)
+                found = True                # (not charged to max_restarts now: it is likely a poison record's)
                 continue
             _, rec = slot.outstanding.pop(serial)
             self.blamed.update(n for n, *_ in seen)

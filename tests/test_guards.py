@@ -477,3 +477,59 @@ def test_a_drain_takes_back_the_records_queued_in_an_exchange_in_flight_and_coun
     assert not complete and done == []
     summary = drain.summary(controller.abandoned)
     assert summary["records_in_flight_abandoned"] == 0 and summary["records_not_dealt"] == len(records)
+
+
+class PoisonReplica:
+    """An engine whose exchange fails (its replica down) when a poison record is among the records
+    dealt to it, and finishes every other record at once. Its ledger word: every record it held."""
+    poison: set = set()
+
+    def __init__(self, index: int):
+        self.index, self.engine = index, None
+
+    def start(self, engine_config) -> list:
+        self.engine = SimpleNamespace(exchange=Call(self.exchange), ask_back=Call(lambda: completed(None)),
+                                      engine_stats=Call(lambda: completed({})))
+        return []
+
+    def exchange(self, payload, more, suspects=(), give_back=False) -> Future:
+        chunk = pickle.loads(payload) if payload else []
+        f = Future()
+        if any(rec.id in PoisonReplica.poison for _, rec in chunk):
+            f.set_exception(EngineFailed("a worker process died"))
+        else:
+            f.set_result(pickle.dumps(([Done(serial, rec.id, False, 1, 1, None) for serial, rec in chunk], 4, [], 0.0,
+                                       []), protocol=5))
+        return f
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+class PoisonController(FakeController):
+    replica_cls = PoisonReplica
+
+
+def test_a_record_at_its_failure_limit_beside_others_runs_alone_before_it_is_quarantined():
+    """Two poison records among twelve, dealt four at a time at dp 2: each failure takes down the
+    records dealt with a poison record, and those dealt again together fail again. A record at
+    max_record_failures (2) that failed beside others runs alone first: only the poison records,
+    which fail alone too, are quarantined, and every other record finishes. Before, the innocent
+    records dealt beside a poison record twice were quarantined with it."""
+    from msinfer.launcher.controller import ControllerConfig
+    records = [Record(f"r{i:02d}", i + 1, prompt_token_ids=[i + 1]) for i in range(12)]
+    PoisonReplica.poison = {"r01", "r06"}
+    setup = EngineSetup(job_spec(scheduler={"max_batch_size": 2}), None, None)
+    controller = PoisonController(ControllerConfig(None, ReplicaConfig(engine_setup=setup), data_parallel=2,
+                                                   max_restarts=2))
+    controller.start()
+    controller.ledger = SimpleNamespace(take=lambda index: list(controller.slots[index].outstanding),
+                                        put=lambda *a: None, clear=lambda: None)
+    done = []
+    try:
+        assert controller.run(iter(records), lambda d, rec: done.append((rec.id, d.failed)))
+    finally:
+        controller.shutdown()
+    assert sorted(rid for rid, failed in done if failed) == ["r01", "r06"]
+    assert Counter(rid for rid, _ in done) == Counter(r.id for r in records)
+    assert controller.quarantined == 2

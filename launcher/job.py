@@ -413,17 +413,14 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
                                     runtime)[2] >= need), None)
         card = (f"the card's measured {memory / gib:.3g} GiB ({in_use / gib:.2f} GiB of it in use before msinfer "
                 f"started)" if measured else f"a {memory / gib:.3g} GiB card")
-        # what would make room, for the cause at hand: the blocks asked for, the memory counted,
-        # what is on the card already, then a larger group or shorter sequences
+        # what else would make room, for the cause at hand: the blocks asked for, the memory
+        # counted, what is on the card already; shorter sequences only where one does not fit
         ways = ([f"scheduler.kv_cache_blocks {fits} or fewer"] if blocks > fits and fits >= one_seq else [])
         ways += [f"a larger parallel.memory_fraction (now {p.memory_fraction:g})"] if p.memory_fraction < 1 else []
         if not measured and p.device_memory_gb is None:
             ways.append(f"parallel.device_memory_gb, the card's size ({CARD_MEMORY_GB} GiB assumed)")
         if measured and in_use >= gib // 4:
             ways.append(f"the {in_use / gib:.2f} GiB in use on the card freed")
-        ways += [f"parallel.tensor_parallel {fit[0]} ({fit[1] / gib:.2f} GiB of weights a card)"] if fit else []
-        ways += ([f"parallel.pipeline_parallel {deeper[0]} at tensor_parallel {tp} ({deeper[1] / gib:.2f} GiB of "
-                  f"weights a card in its largest stage)"] if deeper else [])
         if fits < one_seq:
             ways.append("a lower model.max_model_len or scheduler.max_batched_tokens")
         raise LayoutError(
@@ -433,7 +430,10 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
             + f"runtime {RUNTIME_BYTES / gib:.2f} leave room for {fits} KV blocks of {engine.block_size} tokens, and "
             + (f"scheduler.kv_cache_blocks asks for {blocks}" if blocks > fits else
                f"one sequence of max_model_len {engine.max_model_len} needs {one_seq}")
-            + ("" if fit else "; no larger parallel.tensor_parallel fits")
+            + (f"; parallel.tensor_parallel {fit[0]} fits ({fit[1] / gib:.2f} GiB of weights a card)" if fit else
+               "; no larger parallel.tensor_parallel fits")
+            + (f"; parallel.pipeline_parallel {deeper[0]} fits at tensor_parallel {tp} ({deeper[1] / gib:.2f} GiB of "
+               f"weights a card in its largest stage)" if deeper else "")
             + (f". It may fit with {'; or '.join(ways)}" if ways else ""))
     return CardPlan(memory, p.device_memory_gb is None and not measured, p.memory_fraction, weights, activations,
                     RUNTIME_BYTES, (blocks + 1) * block, blocks, bool(measured), in_use)

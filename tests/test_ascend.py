@@ -460,6 +460,12 @@ def test_the_card_plan_sizes_the_kv_cache_from_the_cards_memory_and_refuses_what
                                           r"assumed\)") as e:
         card_plan(spec, m, dataclasses.replace(engine, num_blocks=10 ** 7), bytes_per_rank(m, 8, 2), 2)
     assert "max_model_len or" not in str(e.value)
+    # msinfer bench words the same refusal in its own flags, and names a job's keys as a job's
+    from msinfer.launcher.bench import flag_names
+    worded = flag_names(str(e.value))
+    assert "no larger --tensor-parallel fits" in worded and "the KV cache 10564 or fewer" in worded
+    assert "a job's larger parallel.memory_fraction (bench runs at 0.9)" in worded
+    assert "a job's parallel.device_memory_gb, the card's size (bench assumes)" in worded
 
 
 def test_plan_on_the_emulated_ascend_path_checks_block_size_and_says_how_it_is_verified(

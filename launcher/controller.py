@@ -498,6 +498,7 @@ class Controller:
         except Exception:                   # no word: every record is dealt again
             return False
         found = False
+        ran = set(running) & set(slot.outstanding)      # the records of this failure, as dealt to it
         for serial in running:
             if serial not in slot.outstanding:
                 continue
@@ -505,7 +506,7 @@ class Controller:
             seen.append((number, reason, kind))
             if len(seen) < self.cfg.max_record_failures:
                 continue
-            if self.cfg.max_record_failures > 1 and set(running) & set(slot.outstanding) != {serial}:
+            if self.cfg.max_record_failures > 1 and ran != {serial}:
                 # it failed beside other records, any of which may have been the cause (a suspect
                 # runs beside records not yet suspected): it runs alone first
                 self.alone_due.add(serial)

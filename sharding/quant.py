@@ -172,11 +172,11 @@ def parse_quantization(q, source: str = "config.json") -> Quantization | None:
         raise refuse(f"quantization_status '{status}': the weights are not stored compressed")
     for key in ("kv_cache_scheme", "transform_config", "sparsity_config"):
         value = q.get(key)
+        stored = value.get("format") if key == "sparsity_config" and isinstance(value, dict) else None
         # (a sparsity config of format dense says the weights are stored whole, as llm-compressor
         # writes it for a model it did not prune; compressed-tensors and vLLM ignore it)
-        if value and not (key == "sparsity_config" and isinstance(value, dict) and value.get("format") == "dense"):
-            raise refuse(f"{key} is set" + (f" (format '{value.get('format')}')" if key == "sparsity_config" and
-                                            isinstance(value, dict) else "") + ": not supported")
+        if value and stored != "dense":
+            raise refuse(f"{key} is set" + (f" (format '{stored}')" if stored is not None else "") + ": not supported")
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise refuse("has no config_groups")

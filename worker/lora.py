@@ -145,12 +145,12 @@ class LoraAdapter:
                 raise AdapterError(f"{self.weights}: module '{module}' has LoRA matrices, but {CONFIG_FILE} does not "
                                    f"target it ({_targets_said(self.config)}): PEFT would leave them out. The "
                                    f"adapter's file and its config disagree")
-            r = a[0]
-            want = _pattern_value(self.config.get("rank_pattern") or {}, module, self.config.get("r", 8))
+            r, r_config = a[0], self.config.get("r", 8)
+            want = _pattern_value(self.config.get("rank_pattern") or {}, module, r_config)
             if r != want:
                 raise AdapterError(f"{self.weights}: module '{module}': lora_A {list(a)} is of rank {r}, where "
-                                   f"{CONFIG_FILE} gives r {want}" + (" (rank_pattern)" if want != self.config.get(
-                                       "r", 8) else "") + ": the adapter's file and its config disagree")
+                                   f"{CONFIG_FILE} gives r {want}" + (" (rank_pattern)" if want != r_config else "")
+                                   + ": the adapter's file and its config disagree")
             alpha = float(_pattern_value(self.config.get("alpha_pattern") or {}, module,
                                          self.config.get("lora_alpha", 8)))
             base = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r

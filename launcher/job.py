@@ -531,6 +531,7 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         raise SpecError(f"{spec.model.path} is a sequence classifier ({m.architecture}, {m.num_labels} label(s)), "
                         f"with no LM head to {spec.task} with; set task: classify (or task: embed)")
     spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
+    card_keys = [k for k in ("device_memory_gb", "memory_fraction") if k in spec.parallel.model_fields_set]
     if spec.model.max_model_len is None:
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
@@ -639,6 +640,12 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
     kv = (m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine))
           * (engine.blocks() + 1))                                   # + scratch
+    if device == "cpu" and card_keys:
+        one = len(card_keys) == 1
+        notes.append(f"parallel.{' and parallel.'.join(card_keys)} {'sizes' if one else 'size'} an accelerator card's "
+                     f"memory and {'is' if one else 'are'} not used on the CPU: there the KV cache is scheduler.kv_cache_blocks "
+                     f"(or max_batch_size sequences of max_model_len), and every worker's weights and KV cache "
+                     f"must fit in {HOST_MEMORY_FRACTION:.0%} of this machine's memory")
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp

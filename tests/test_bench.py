@@ -166,6 +166,25 @@ def test_a_max_model_len_past_the_positions_the_model_is_made_for_is_refused_unl
     assert any("exceeds the 512 positions the model is made for" in n for n in plan.notes)
 
 
+def test_a_card_s_memory_keys_on_the_cpu_are_named_as_unused_in_the_plan(checkpoint):
+    """parallel.device_memory_gb and memory_fraction size a card's KV cache; on the CPU the plan
+    says they do nothing there (instead of leaving a user to think the cache follows them)."""
+    from msinfer.launcher.job import plan_job
+    from msinfer.launcher.spec import JobSpec
+
+    def notes(**parallel):
+        spec = JobSpec.model_validate({"model": {"path": str(checkpoint("llama_gqa_tied"))}, "parallel": parallel,
+                                       "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
+        return [n for n in plan_job(spec, check_io=False).notes if "not used on the CPU" in n]
+    assert notes() == []
+    assert notes(memory_fraction=0.5) == [
+        "parallel.memory_fraction sizes an accelerator card's memory and is not used on the CPU: there the KV cache is "
+        "scheduler.kv_cache_blocks (or max_batch_size sequences of max_model_len), and every worker's weights and KV "
+        "cache must fit in 80% of this machine's memory"]
+    assert notes(device_memory_gb=8, memory_fraction=0.9)[0].startswith(
+        "parallel.device_memory_gb and parallel.memory_fraction size an accelerator card's memory and are not used")
+
+
 def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_config_as_in_vllm(checkpoint, tmp_path):
     """vLLM's generation_config "auto": a checkpoint's generation_config.json recommends sampling
     defaults (Qwen3: temperature 0.6, top_p 0.95, top_k 20), taken for the keys a job leaves unset,

@@ -38,7 +38,6 @@ class LLM:
                  **model_options):
         """task embed (with `pooling`: the spec's pooling section) serves `embed`, task classify
         `classify`; the others `generate`."""
-        sampling = {"max_new_tokens": min(256, max_model_len - 1)} if max_model_len else {}
         spec = validate(JobSpec, {
             "task": task, **({"pooling": pooling} if pooling is not None else {}),
             "model": {"path": str(model), "dtype": dtype, "max_model_len": max_model_len, **model_options},
@@ -48,7 +47,6 @@ class LLM:
                        "tool_call_parser": tool_call_parser},
             "scheduler": {"max_batch_size": max_batch_size},
             "ray": {"address": ray_address},
-            "sampling": sampling,
         }, "LLM(...)")
         self.plan = plan_job(spec, check_io=False)
         self.controller, self._started_ray = start_controller(self.plan)

@@ -487,7 +487,10 @@ class JobSpec(Section):
         n, m = self.model.max_model_len, self.sampling.max_new_tokens
         if self.task != "embed" and self.pooling != PoolingSpec():
             raise ValueError(f"pooling applies to task: embed, and the task is {self.task}")
-        if n is not None and m >= n and self.task not in ("embed", "classify"):      # (they generate nothing)
+        # (embed and classify generate nothing; the default of 256, left unset, is capped as a
+        # record's own is: a sequence ends at max_model_len with finish_reason length)
+        if n is not None and m >= n and self.task not in ("embed", "classify") \
+                and "max_new_tokens" in self.sampling.model_fields_set:
             raise ValueError(f"sampling.max_new_tokens ({m}) must be less than model.max_model_len ({n}): "
                              f"a sequence holds its prompt and the generated tokens")
         blocks, bs = self.scheduler.kv_cache_blocks, self.scheduler.block_size
@@ -505,7 +508,7 @@ class JobSpec(Section):
     def with_max_model_len(self, n: int) -> JobSpec:
         """The spec with a null model.max_model_len resolved by the caller (from the checkpoint's
         config), with the checks that depend on it run again."""
-        data = self.resolved()
+        data = self.model_dump(mode="json", exclude_unset=True)    # (a key left unset stays unset)
         data["model"]["max_model_len"] = n
         try:
             return JobSpec.model_validate(data)

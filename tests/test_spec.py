@@ -196,6 +196,17 @@ def test_max_model_len_resolved_later_is_checked_again(tmp_path):
         spec.with_max_model_len(256)
 
 
+def test_the_default_max_new_tokens_does_not_refuse_a_short_max_model_len(tmp_path):
+    """max_new_tokens left at its default (256) is capped by max_model_len as a record's own is,
+    so a spec with a short max_model_len (written, or resolved from the checkpoint) loads; one
+    the user wrote above max_model_len is still refused."""
+    short = MINIMAL.replace("path: models/tiny", "path: m\n  max_model_len: 128")
+    assert load_spec(write(tmp_path, short)).sampling.max_new_tokens == 256
+    assert load_spec(write(tmp_path, MINIMAL)).with_max_model_len(64).model.max_model_len == 64
+    assert "sampling.max_new_tokens (200) must be less than model.max_model_len (128)" in spec_error(
+        tmp_path, short + "sampling:\n  max_new_tokens: 200\n")
+
+
 def test_input_suffix_checked(tmp_path):
     msg = spec_error(tmp_path, MINIMAL.replace("prompts.jsonl", "prompts.csv"))
     assert ("input.path: expected a .txt, .jsonl or .parquet file, a folder of such files or a pattern "

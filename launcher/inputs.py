@@ -495,7 +495,7 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         rec.messages = body["messages"]
         if error := _check_messages(rec.messages):
             return error
-    elif isinstance(body["prompt"], str) and body["prompt"].strip():
+    elif isinstance(body["prompt"], str) and body["prompt"]:
         rec.prompt = body["prompt"]
     elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(t, int) for t in body["prompt"]):
         rec.prompt_token_ids = body["prompt"]
@@ -503,8 +503,8 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return error
     elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(p, str) for p in body["prompt"]):
         rec.prompts = body["prompt"]           # several prompts: a choice (n of them) for each, in order
-        if not all(p.strip() for p in rec.prompts):
-            return f"'prompt[{next(i for i, p in enumerate(rec.prompts) if not p.strip())}]' is empty"
+        if not all(rec.prompts):
+            return f"'prompt[{rec.prompts.index('')}]' is empty"
     elif isinstance(body["prompt"], list) and body["prompt"] and all(isinstance(p, list) for p in body["prompt"]):
         rec.prompts = body["prompt"]
         for i, ids in enumerate(rec.prompts):
@@ -594,13 +594,13 @@ def _fill_embedding(rec: Record, body: dict) -> str | None:
         rec.messages = value
         if error := _check_messages(value) or _fill_chat(rec, body):
             return error
-    elif isinstance(value, str) and value.strip():
+    elif isinstance(value, str) and value:
         rec.prompt = value
     elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         rec.prompt_token_ids = value
         if error := _check_ids(value, "input"):
             return error
-    elif isinstance(value, list) and value and all(isinstance(p, str) and p.strip() for p in value):
+    elif isinstance(value, list) and value and all(isinstance(p, str) and p for p in value):
         rec.prompts = value
     elif isinstance(value, list) and value and all(isinstance(p, list) for p in value):
         rec.prompts = value
@@ -687,7 +687,7 @@ def _fill(rec: Record, obj: dict) -> str | None:
         rec.prompt = obj["prompt"]
         if not isinstance(rec.prompt, str):
             return f"'prompt' must be a string, got {_type(rec.prompt)}"
-        if not rec.prompt.strip():
+        if not rec.prompt:      # (whitespace is a prompt: its tokens, as vLLM takes it)
             return "'prompt' is empty"
     elif "messages" in given:
         rec.messages = obj["messages"]

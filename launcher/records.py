@@ -152,6 +152,8 @@ class RecordCodec:
                 if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so prompts must be token ids")
                 prompts = [list(p) if isinstance(p, list) else self.tok.encode(p) for p in rec.prompts]
+                if [] in prompts:
+                    raise RecordError(f"record '{rec.id}': prompt[{prompts.index([])}] encodes to no tokens")
             elif self.tok is None:
                 if rec.prompt_token_ids is None:
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so records need "

@@ -134,7 +134,7 @@ def assert_ray_never_started(env: dict) -> None:
 BAD_RECORDS = [   # (input line, what the error message of its result says)
     (b'{"id": "broken", "prompt_token_ids": [1, 2\n', "invalid JSON"),
     ({"id": "no-prompt", "sampling": {"temperature": 0}}, "no prompt"),
-    ({"id": "empty", "prompt": "  "}, "'prompt' is empty"),
+    ({"id": "empty", "prompt": ""}, "'prompt' is empty"),
     ({"id": "too-long", "prompt_token_ids": [3] * 64}, "the prompt has 64 tokens; model.max_model_len is 64"),
     (b'{"id": "latin1", "prompt": "caf\xe9"}\n', "not valid UTF-8"),
     ({"id": "text", "prompt": "hello"}, "the model has no tokenizer, so records need 'prompt_token_ids'"),

@@ -23,6 +23,16 @@ def test_txt_one_prompt_a_line_blank_lines_skipped(tmp_path):
     assert all(r.error is None and r.sampling == {} for r in recs)
 
 
+def test_a_prompt_of_whitespace_is_a_prompt_as_vllm_takes_it(tmp_path):
+    """" " is text to tokenize (vLLM generates from it); only "" is an empty prompt."""
+    spaces, empty, several = read_records(jsonl(tmp_path, [{"id": "w", "prompt": "  "}, {"id": "e", "prompt": ""},
+                                                           {"custom_id": "c", "url": "/v1/completions",
+                                                            "method": "POST", "body": {"prompt": ["a", " "]}}]))
+    assert (spaces.prompt, spaces.error) == ("  ", None)
+    assert empty.error == "line 2: 'prompt' is empty"
+    assert several.prompts == ["a", " "] and several.error is None
+
+
 def test_jsonl_forms(tmp_path):
     path = jsonl(tmp_path, [
         {"id": "a", "prompt": "hi", "sampling": {"temperature": 0.5}},
@@ -47,7 +57,7 @@ BAD = [
     (b'{"id": "y", "prompt": ', "line 2: invalid JSON"),
     (b'\xff\xfe{"prompt": "latin"}', "line 3: not valid UTF-8"),
     (b'{"id": "z"}', "line 4: no prompt: expected one of the keys 'prompt', 'messages' or 'prompt_token_ids'"),
-    (b'{"id": "e", "prompt": "  "}', "line 5: 'prompt' is empty"),
+    (b'{"id": "e", "prompt": ""}', "line 5: 'prompt' is empty"),
     (b'{"id": "n", "prompt": 42}', "line 6: 'prompt' must be a string, got int 42"),
     (b'{"id": "m", "messages": [{"role": "user"}]}', "line 7: messages[0] needs a 'content' string"),
     (b'{"id": "p", "prompt_token_ids": [1, -2]}',

@@ -90,7 +90,7 @@ def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm(
      "line 4: unknown body key 'tools'"),
     (request("x", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
      "line 4: 'response_format' type 'xml' is not one of text, json_object, json_schema"),
-    (request("x", {"prompt": ["a", " "]}, "/v1/completions"), "line 4: 'prompt[1]' is empty"),
+    (request("x", {"prompt": ["a", ""]}, "/v1/completions"), "line 4: 'prompt[1]' is empty"),
     (request("x", {"prompt": [1, "a"]}, "/v1/completions"),
      "line 4: 'prompt' must be a non-empty string, a list of token ids, or a list of several prompts (strings, or "
      "lists of token ids)"),

@@ -7,6 +7,7 @@ without adding special tokens again (the template already holds BOS and the role
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -235,13 +236,14 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
     """A chat completion's text as (reasoning, content), as vLLM's reasoning parsers split it
-    (vllm/reasoning: BaseThinkingReasoningParser for deepseek_r1, Qwen3ReasoningParser, and
-    DeepSeekV3ReasoningParser: deepseek_r1's where thinking is on, else the text as it is): a
-    <think> the model wrote is dropped (a template may open it in the prompt instead); the text
-    before </think> is the reasoning and the rest the content (None where empty). Without
-    </think>: qwen3 with thinking off (chat_template_kwargs enable_thinking false) gives it all as
-    content; otherwise it is all reasoning, cut before the model finished thinking. `thinking`:
-    RecordCodec.thinking's, per parser."""
+    (vllm/reasoning: BaseThinkingReasoningParser for deepseek_r1, and DeepSeekV3ReasoningParser:
+    deepseek_r1's where thinking is on, else the text as it is; qwen3: _qwen3_split): a <think>
+    the model wrote is dropped (a template may open it in the prompt instead); the text before
+    </think> is the reasoning and the rest the content (None where empty). Without </think> it is
+    all reasoning, cut before the model finished thinking. `thinking`: RecordCodec.thinking's,
+    per parser (chat_template_kwargs enable_thinking, thinking)."""
+    if parser == "qwen3":
+        return _qwen3_split(text) if thinking else (None, text)
     if parser == "deepseek_v3" and not thinking:
         return None, text
     before, start, after = text.partition(THINK_START)
@@ -249,9 +251,27 @@ def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str 
     if THINK_END in text:
         reasoning, _, content = text.partition(THINK_END)
         return reasoning, content or None
-    if parser == "qwen3" and not thinking:
-        return None, text
     return text, None
+
+
+_QWEN3_TAGS = re.compile(f"({re.escape(THINK_START)}|{re.escape(THINK_END)}|<tool_call>)")
+
+
+def _qwen3_split(text: str) -> tuple[str | None, str | None]:
+    """vLLM's Qwen3 reasoning parser with thinking on (vllm/parser/qwen3.py, qwen3_config's
+    transitions): the text is reasoning until </think>, or until a <tool_call>, which ends the
+    thinking and starts the content (a call written before </think> is still a call); a <think> in
+    the reasoning and a </think> in the content are dropped; an empty part is None."""
+    reasoning, content, thinking = [], [], True
+    for part in _QWEN3_TAGS.split(text):
+        if thinking and part == THINK_END:
+            thinking = False
+        elif thinking and part == "<tool_call>":
+            thinking = False
+            content.append(part)
+        elif part != (THINK_START if thinking else THINK_END):
+            (reasoning if thinking else content).append(part)
+    return "".join(reasoning) or None, "".join(content) or None
 
 
 def check_reasoning_tokens(tok: Tokenizer, parser: str) -> str | None:

@@ -224,33 +224,37 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
       that starts no JSON, leaves the whole text as content.
     - pythonic (Llama 3.2, ToolACE): the whole text one Python list of calls with keyword
       arguments, `[get_weather(city="Paris", days=3), get_time()]`, whose values are literals
-      (strings, numbers, True, False, None, and lists and dicts of them) that JSON can hold;
+      (strings, numbers, True, False, None or null, true, false, and lists and dicts of them)
+      that JSON can hold;
       llama4_pythonic (Llama 4) the same after `<|python_start|>`, its `<|python_end|>`s dropped.
       Anything else (text around the list, a positional argument, a name that is not a plain
-      name) leaves the whole text as content. The content of calls is None. (vLLM reads only
-      literal values, so `x=-1` leaves its text as content, and drops positional arguments;
-      these read `-1` and keep the text.)
+      name) leaves the whole text as content. The content of calls is None. (vLLM's parser
+      also reads sets and f-strings, and reads the first of several statements; those leave the
+      text as content here.)
     - mistral (Mistral 7B v0.3, Mixtral, Mistral Small, Devstral): after `[TOOL_CALLS]`, a JSON
       list of {"name": ..., "arguments": {...}} (tokenizers before v11), or each call its own
       `[TOOL_CALLS]NAME[ARGS]ARGS` or `[TOOL_CALLS]NAME{...}` (v11 on), the arguments taken as
-      written. The content is the text before the first `[TOOL_CALLS]`. (vLLM reads the second
+      written up to the end of their JSON (text after it dropped). The content is the text before
+      the first `[TOOL_CALLS]`, stripped. (vLLM reads the second
       form only through mistral_common's tokenizer; with a Hugging Face tokenizer, as here, only
       the list.)
     - deepseek_v3 (DeepSeek-V3, R1): after <｜tool▁calls▁begin｜>, each
       `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`;
       deepseek_v31 (DeepSeek-V3.1): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`.
-      The content is the text before the calls; the arguments are taken as written. (vLLM's
+      The content is the text before the calls (and for deepseek_v3 the text after
+      <｜tool▁calls▁end｜>); the arguments are taken as written. (vLLM's
       patterns stop at a line break, so it drops arguments written over several lines; these do
       not.)
     - kimi_k2 (Kimi K2): after <|tool_calls_section_begin|>, each `<|tool_call_begin|>
-      functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>`; the call's id is
+      functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>` (NAME may hold
+      dots); the call's id is
       the model's `functions.NAME:INDEX`, as vLLM keeps it (Kimi's chat template reads it back
       from the tool messages), and the arguments are taken as written. The content is the text
       before the section.
     - qwen3_coder (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>...
       </function></tool_call>`; a bare <function= is read too. Each value loses one line break at
       either end and is typed by its parameter's schema in `tools` (`coder_value`). The content
-      is the text before the first call.
+      is the text before the first call, stripped.
 
     A content that is blank is None."""
     if parser == "hermes":
@@ -284,10 +288,13 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
         else:
             calls = DEEPSEEK_V31_CALL.findall(text)
         content = text[:text.find(DEEPSEEK_START)]
+        if parser == "deepseek_v3" and (end := text.rfind(DEEPSEEK_END)) >= 0:
+            content += text[end + len(DEEPSEEK_END):]       # (V3's parser keeps the text after the calls)
     elif parser == "kimi_k2":
         if KIMI_START not in text:
             return None
-        calls = [(ident.split(":")[0].split(".")[-1], args, ident.strip()) for ident, args in KIMI_CALL.findall(text)]
+        calls = [(ident.strip().split(":")[0].removeprefix("functions."), args, ident.strip())
+                 for ident, args in KIMI_CALL.findall(text)]
         content = text[:text.find(KIMI_START)]
     elif parser == "qwen3_coder":
         if "<function=" not in text:
@@ -304,6 +311,8 @@ def parse_calls(parser: str, text: str, tools: tuple = ()) -> tuple[str | None, 
         raise ValueError(f"unknown tool call parser {parser!r}")
     if not calls or not all(isinstance(call[0], str) and call[0] for call in calls):
         return None
+    if parser in ("mistral", "qwen3_coder"):
+        content = content.strip()        # (their parsers' engine strips the content beside calls)
     return (content if content and content.strip() else None), calls
 
 
@@ -404,11 +413,20 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
         if not isinstance(call.func, ast.Name) or call.args or any(k.arg is None for k in call.keywords):
             return None
         try:
-            args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            args = {k.arg: ast.literal_eval(_JsonNames().visit(k.value)) for k in call.keywords}
             calls.append((call.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return None
     return calls
+
+
+class _JsonNames(ast.NodeTransformer):
+    """null, true and false written as JSON writes them, read as None, True and False (as vLLM's
+    pythonic parser reads them)."""
+    NAMES = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.NAMES[node.id]) if node.id in self.NAMES else node
 
 
 def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
@@ -439,8 +457,19 @@ def _mistral_calls(raw: list[str]) -> list[tuple[str, str]] | None:
             if "{" not in call:
                 continue                 # (vLLM passes over a call without arguments)
             name, args = call[:call.find("{")], call[call.find("{"):]
-        calls.append((name.partition(MISTRAL_CALL_ID)[0].strip(), args.strip()))
+        calls.append((name.partition(MISTRAL_CALL_ID)[0].strip(), _first_json(args.strip())))
     return calls
+
+
+def _first_json(args: str) -> str:
+    """A mistral call's arguments as written up to the end of their first JSON value (the model
+    may write text after them, which vLLM's parser drops); "{}" where none are written."""
+    if not args:
+        return "{}"
+    try:
+        return args[:json.JSONDecoder().raw_decode(args)[1]]
+    except ValueError:
+        return args
 
 
 def constrained_calls(use: ToolUse, text: str) -> list[tuple[str, str]] | None:

@@ -36,7 +36,12 @@ def think_tok_dir(tmp_path_factory):
     ("qwen3", "<think>still thinking", True, ("still thinking", None)),   # cut by max_new_tokens
     ("qwen3", "Paris", True, ("Paris", None)),
     ("qwen3", "Paris", False, (None, "Paris")),                           # enable_thinking false
-    ("qwen3", "a</think>b</think>c", False, ("a", "b</think>c")),
+    ("qwen3", "a</think>b</think>c", False, (None, "a</think>b</think>c")),   # not thinking: as it is
+    ("qwen3", "<think>plan\n<tool_call>{}</tool_call>", True, ("plan\n", "<tool_call>{}</tool_call>")),  # a call
+    ("qwen3", "plan <tool_call>{}</tool_call>", True, ("plan ", "<tool_call>{}</tool_call>")),  # ends the thinking
+    ("qwen3", "<think></think>Paris", True, (None, "Paris")),             # empty reasoning: None
+    ("qwen3", "a</think>b</think>c", True, ("a", "bc")),                  # a second </think> dropped
+    ("qwen3", "x<think>a<think>b</think>c", True, ("xab", "c")),          # and every <think> in the reasoning
     ("deepseek_r1", "plan</think>Paris", True, ("plan", "Paris")),
     ("deepseek_r1", "Paris", False, ("Paris", None)),                      # R1 has no switch
     ("deepseek_v3", "plan</think>Paris", True, ("plan", "Paris")),         # V3.1 thinking: R1's split
@@ -197,6 +202,6 @@ def test_a_structured_output_starts_after_the_reasoning_as_in_vllm(checkpoint, t
     assert end not in free and tok.decode(free) not in ("red", "blue")
     assert lines["thinking"]["output_token_ids"] == free            # no </think>: the grammar never began
     assert lines["forced"]["output_token_ids"][0] == end
-    assert (lines["forced"]["reasoning"], lines["forced"]["output_text"]) in (("", "red"), ("", "blue"))
+    assert (lines["forced"]["reasoning"], lines["forced"]["output_text"]) in ((None, "red"), (None, "blue"))
     assert lines["forced"]["finish_reason"] == "stop"
     assert lines["off"]["output_text"] in ("red", "blue") and lines["off"]["reasoning"] is None

@@ -92,6 +92,7 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
      (None, [("f", '{"x": -1.5, "flags": {"a": [1, true, null]}, "note": "caf\u00e9"}')])),
     ("pythonic", "\n[f(x=1)]\n", (None, [("f", '{"x": 1}')])),
     ("pythonic", "[f(x=1)] is what I would call", None),                     # text after the list
+    ("pythonic", "[f(a=null, b=true, c=false)]", (None, [("f", '{"a": null, "b": true, "c": false}')])),  # JSON's
     ("pythonic", "[f(1)]", None),                                            # a positional argument
     ("pythonic", "[f(x=g())]", None),                                        # a value that is no literal
     ("pythonic", "[f(x=float('inf'))]", None),
@@ -114,6 +115,8 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("mistral", 'Let me check.[TOOL_CALLS]get_weather{"city": "Oslo"}',
      ("Let me check.", [("get_weather", '{"city": "Oslo"}')])),
     ("mistral", '[TOOL_CALLS] [{"name": "f"}]', None),                       # no arguments
+    ("mistral", 'Sure. [TOOL_CALLS]f[ARGS]{"a": 1} and more[TOOL_CALLS]g[ARGS]',     # text after the JSON dropped;
+     ("Sure.", [("f", '{"a": 1}'), ("g", "{}")])),                           # no arguments: {}
     ("mistral", "[TOOL_CALLS] [not json", None),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}][TOOL_CALLS][{"name": "g", "arguments": {}}]', None),
     ("mistral", 'The weather is fine [{"name": "f", "arguments": {}}]', None),   # no [TOOL_CALLS]
@@ -121,6 +124,9 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
                     f'{B}function{SEP}get_time\n```json\n{{\n  "zone": "UTC"\n}}\n```{E}{CALLS_END}',
      ("Let me see.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{\n  "zone": "UTC"\n}')])),
     ("deepseek_v3", f'{CALLS}{B}retrieval{SEP}f\n```json\n{{}}\n```{E}{CALLS_END}', None),
+    ("deepseek_v3", f'A{CALLS}{B}function{SEP}f\n```json\n{{}}\n```{E}{CALLS_END} then B',   # V3 keeps the
+     ("A then B", [("f", "{}")])),                                           # text after the calls
+    ("deepseek_v31", f'A{CALLS}{B}f{SEP}{{}}{E}{CALLS_END} then B', ("A", [("f", "{}")])),   # V3.1 does not
     ("deepseek_v3", f"{CALLS}{B}function{SEP}f", None),                       # cut before its arguments
     ("deepseek_v31", f'{CALLS}{B}get_weather{SEP}{{"city": "Rome"}}{E}{CALLS_END}',
      (None, [("get_weather", '{"city": "Rome"}')])),
@@ -132,9 +138,11 @@ CALLS, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u258
     ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": ',
      None),                                                                  # cut before its end
     ("kimi_k2", '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>', None),   # no section
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.web.search:0<|tool_call_argument_begin|>'
+                '{}<|tool_call_end|><|tool_calls_section_end|>', (None, [("web.search", "{}", "functions.web.search:0")])),
     ("qwen3_coder", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-     ("I'll look.\n", [("get_weather", '{"city": "Paris", "days": 3}')])),
+     ("I'll look.", [("get_weather", '{"city": "Paris", "days": 3}')])),      # (the content stripped)
     ("qwen3_coder", "<function=f>\n<parameter=x>\n1.50\n</parameter>\n<parameter=y>\n2.0\n<parameter=z>\nnull\n"
                     "</function>",                                         # bare, a parameter left open
      (None, [("f", '{"x": 1.5, "y": 2, "z": null}')])),

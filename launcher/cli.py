@@ -214,11 +214,17 @@ def merge_job(spec) -> dict:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "
                         "e.g. --set input.shard=0/4 (any K: merge reads all N shards)")
     plan = plan_job(spec, weights=False)
-    # the shards of `msinfer simulate` merge too, as stand-in results (which a run then refuses)
-    simulate = bool((kept_settings(shard_path(spec.output.path, 0, shard[1])) or {}).get("simulate"))
-    settings = result_settings(plan, simulate)
-    for k in range(shard[1]):
-        path = shard_path(spec.output.path, k, shard[1])
+    # the shards of `msinfer simulate` merge too, as stand-in results (which a run then refuses);
+    # all of them or none
+    paths = [shard_path(spec.output.path, k, shard[1]) for k in range(shard[1])]
+    stand_in = [bool((kept_settings(path) or {}).get("simulate")) for path in paths]
+    if any(stand_in) and not all(stand_in):
+        raise OutputError(f"msinfer merge: shard(s) {', '.join(str(k) for k, s in enumerate(stand_in) if s)} of "
+                          f"{shard[1]} hold stand-in results of msinfer simulate, and shard(s) "
+                          f"{', '.join(str(k) for k, s in enumerate(stand_in) if not s)} a run's; run the stand-in "
+                          f"shards again with `msinfer run --overwrite`. Nothing was written")
+    settings = result_settings(plan, any(stand_in))
+    for k, path in enumerate(paths):
         if changed := changed_settings(kept_settings(path), settings):
             raise OutputError(f"msinfer merge: shard {k} of {shard[1]} ({path}) holds results of a run with other "
                               f"settings than the spec's ({shown_settings(changed)}); merge the shards of one job, "

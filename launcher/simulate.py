@@ -42,17 +42,35 @@ class StandIn:
 
 def simulate_output(spec, path: str | None = None):
     """The spec with its results going to `path`, or to `<output.path>.simulate.jsonl`: stand-in
-    tokens in the job's own results file would be taken for done records by the next `run`."""
+    tokens in the job's own results file would be taken for done records by the next `run`. Never
+    a file of the job's (its output.path, its shard's, input.path), a results file's companion
+    (`.status.json`, `.summary.json`, `.inputs`, `.lock`), nor a file that holds results no
+    simulate wrote (a run's, or ones without a status file), with or without --overwrite."""
+    from msinfer.launcher.errors import SpecError
+    from msinfer.launcher.job import kept_settings
+    from msinfer.launcher.shards import for_shard
     from msinfer.launcher.spec import OutputSpec, expand_path
-    target = expand_path(path) if path else f"{spec.output.path}.simulate.jsonl"
-    own = [k for k, p in (("output.path", spec.output.path), ("input.path", spec.input.path)) if same_file(target, p)]
-    if own:
-        from msinfer.launcher.errors import SpecError
-        which = own[0]
-        raise SpecError(f"--output {path}: that is the job's own {which}; msinfer simulate writes its "
-                        f"stand-in results elsewhere (default {spec.output.path}.simulate.jsonl)")
+    from msinfer.launcher.writer import holds_results, inputs_path, lock_path, status_path, summary_path
+    default = f"{spec.output.path}.simulate.jsonl"
+    target = expand_path(path) if path else default
+    mine = [("output.path", spec.output.path), ("input.path", spec.input.path)]
+    if spec.input.shard is not None:
+        mine.append(("results file of input.shard", for_shard(spec).output.path))
+    if own := [k for k, p in mine if same_file(target, p)]:
+        raise SpecError(f"--output {path}: that is the job's own {own[0]}; msinfer simulate writes its "
+                        f"stand-in results elsewhere (default {default})")
+    companions = (status_path, summary_path, inputs_path, lock_path)
+    if any(target.endswith(str(f(""))) for f in companions):
+        raise SpecError(f"--output {path}: that is the name of a results file's companion (its status, summary, "
+                        f"inputs or lock file); msinfer simulate writes its stand-in results elsewhere (default "
+                        f"{default})")
     output = OutputSpec.model_validate({**spec.output.model_dump(), "path": target})
-    return spec.model_copy(update={"output": output})
+    spec = spec.model_copy(update={"output": output})
+    written = for_shard(spec).output.path
+    if holds_results(written) and (kept_settings(written) or {}).get("simulate") is not True:
+        raise SpecError(f"--output {path}: {written} holds results that msinfer simulate did not write; it never "
+                        f"writes over them, not even with --overwrite. Give another --output (default {default})")
+    return spec
 
 
 def same_file(a: str, b: str) -> bool:

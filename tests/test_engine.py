@@ -336,6 +336,13 @@ def test_three_shards_give_every_record_once_with_one_jobs_lines_and_merge_into_
                                           r"run with other settings than the spec's \(sampling.max_new_tokens 5 then, "
                                           r"6 now\); .* Nothing was written"):
         merge_job(spec)
+    # shards of which some are stand-ins and some a run's: named as such, whichever comes first
+    status = tmp_path / "out.2-of-3.jsonl.status.json"
+    kept = json.loads(status.read_text())
+    status.write_text(json.dumps({**kept, "settings": {**kept["settings"], "simulate": False}}))
+    with pytest.raises(OutputError, match=r"msinfer merge: shard\(s\) 0, 1 of 3 hold stand-in results of msinfer "
+                                          r"simulate, and shard\(s\) 2 a run's; .* Nothing was written"):
+        merge_job(spec)
 
     # input.shard_by file: shard 1 of 2 reads b.jsonl and d.jsonl only; c.jsonl is not even UTF-8
     folder = tmp_path / "files"

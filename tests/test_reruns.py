@@ -5,6 +5,7 @@ emulated card's kernel check. The helpers are tests/test_cli.py's."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -215,6 +216,23 @@ def test_simulate_writes_beside_the_jobs_results_never_into_them(tmp_path):
     for same in ("out.jsonl", "in.jsonl", "link/out.jsonl", "./link//in.jsonl"):
         with pytest.raises(SpecError, match="that is the job's own"):
             simulate_output(spec, str(tmp_path / same))
+    for companion in ("out.jsonl.inputs", "out.jsonl.status.json", "x.summary.json", "out.jsonl.lock"):
+        with pytest.raises(SpecError, match="that is the name of a results file's companion"):
+            simulate_output(spec, str(tmp_path / companion))
+    sharded = spec.model_copy(update={"input": spec.input.model_copy(update={"shard": "0/2"})})
+    with pytest.raises(SpecError, match="that is the job's own results file of input.shard"):
+        simulate_output(sharded, str(tmp_path / "out.0-of-2.jsonl"))
+    # a file that holds a run's results (its status says so, or it has none), this job's or
+    # another's, is never written over; one a simulate wrote is its own to resume or overwrite
+    real, stand_in, unknown = (tmp_path / f"{n}.jsonl" for n in ("real", "stand-in", "unknown"))
+    for results, settings in ((real, {"simulate": False}), (stand_in, {"simulate": True}), (unknown, None)):
+        results.write_text('{"id": "a", "error": null}\n')
+        if settings is not None:
+            (tmp_path / f"{results.name}.status.json").write_text(json.dumps({"settings": settings}))
+    for taken in (real, unknown):
+        with pytest.raises(SpecError, match="holds results that msinfer simulate did not write; it never writes"):
+            simulate_output(spec, str(taken))
+    assert simulate_output(spec, str(stand_in)).output.path == str(stand_in)
 
 
 def test_check_device_prints_each_fused_kernels_convention_on_the_emulated_card(cli, model, tmp_path):

@@ -97,8 +97,12 @@ class LLM:
         self.controller.configure(self.plan.spec.model_copy(update={"sampling": defaults}), stream)
         results: dict[str, dict] = {}
         printer = StreamPrinter(sys.stderr) if stream else None
-        self.controller.run(iter(records), lambda done, rec: results.__setitem__(rec.id, json.loads(done.line)),
-                            printer.write if printer else None)
+        def on_done(done, rec) -> None:
+            results[rec.id] = json.loads(done.line)
+            if printer is not None:
+                printer.end(rec.id)
+
+        self.controller.run(iter(records), on_done, printer.write if printer else None)
         if printer is not None:
             printer.close()
         return [results[str(i)] for i in range(len(prompts))]

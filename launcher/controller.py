@@ -410,6 +410,9 @@ class Controller:
         except (RayError, EngineFailed) as e:       # its engine died, or failed (a local engine)
             self._fail(slot, e)
             return
+        if on_stream is not None:           # (a record's last text before its result: StreamPrinter.end)
+            for key, text in streamed:
+                on_stream(key, text)
         now = time.perf_counter()
         for d in done:
             if d.serial == slot.alone:
@@ -423,9 +426,6 @@ class Controller:
                     if self.stop is not None and not d.failed:
                         self.stop.finished(item[1], now - dealt)
                 on_done(d, item[1])
-        if on_stream is not None:
-            for key, text in streamed:
-                on_stream(key, text)
         draining = self.stop is not None and not self.stop.dealing()
         for serial in returned:             # not started: a drain's, not dealt after all; else the tail's
             if serial == slot.alone:

@@ -76,3 +76,31 @@ def test_streamed_text_comes_a_line_at_a_time_behind_each_records_id():
     printer.write("c", "left")
     printer.close()
     assert out.getvalue().splitlines()[2:] == ["[a] and", "[b[1]] Tw", "[b[0]] x", "[c] left"]
+
+
+def test_a_records_streamed_lines_are_its_text_each_out_by_the_time_its_result_is(ray_local, capsys):
+    """generate(stream=True) on the demo model: every record's text comes out on stderr whole, a
+    line at a time behind its id, and a record that finishes first is printed in full before the
+    call returns (its last line does not wait for the job's end, nor come split off)."""
+    from scripts.make_demo_model import ensure_demo_model
+    prompts = [{"prompt": "Name a colour.", "sampling": {"max_new_tokens": 3}},
+               {"prompt": "Write a short poem about the sea.", "sampling": {"max_new_tokens": 40}}]
+    with LLM(str(ensure_demo_model()), max_model_len=256, device="cpu", chat_template=False) as llm:
+        printed = []
+        real_end = StreamPrinter.end
+
+        def end(self, record_id):       # what is out on stderr when each record's result comes
+            real_end(self, record_id)
+            printed.append((record_id, capsys.readouterr().err))
+        StreamPrinter.end = end
+        try:
+            results = llm.generate(prompts, {"ignore_eos": True}, stream=True)
+        finally:
+            StreamPrinter.end = real_end
+    assert [r["id"] for r in results] == ["0", "1"] and printed[0][0] == "0"
+    err = "".join(text for _, text in printed) + capsys.readouterr().err
+    for r in results:
+        lines = [line[len(f"[{r['id']}] "):] for line in err.splitlines() if line.startswith(f"[{r['id']}] ")]
+        assert "\n".join(lines) == r["output_text"].rstrip("\n"), (r["id"], lines, r["output_text"])
+    first = [line for line in printed[0][1].splitlines() if line.startswith("[0] ")]
+    assert "\n".join(line[4:] for line in first) == results[0]["output_text"].rstrip("\n")

@@ -31,6 +31,11 @@ def run_job(spec: str | Path | JobSpec, overrides: list[str] | tuple[str, ...] =
 
 
 class LLM:
+    # the LLMs of this process not shut down, and whether one of them started the embedded Ray
+    # they all use: the last to shut down stops it (a user's own ray.init is theirs to stop)
+    _live = 0
+    _ray_ours = False
+
     def __init__(self, model: str, *, tensor_parallel: int = 1, data_parallel: int = 1, dtype: str = "auto",
                  max_model_len: int | None = None, device: str = "auto", chat_template: bool | str = True,
                  max_batch_size: int = 32, ray_address: str | None = None, reasoning_parser: str | None = None,
@@ -49,7 +54,9 @@ class LLM:
             "ray": {"address": ray_address},
         }, "LLM(...)")
         self.plan = plan_job(spec, check_io=False)
-        self.controller, self._started_ray = start_controller(self.plan)
+        self.controller, started_ray = start_controller(self.plan)
+        LLM._live += 1
+        LLM._ray_ours = LLM._ray_ours or started_ray
         self.calls = 0              # generate() calls so far: the job seed of a call that sets none
 
     def generate(self, prompts: list, sampling: dict | SamplingSpec | None = None, stream: bool = False) -> list[dict]:
@@ -113,9 +120,11 @@ class LLM:
             return
         self.controller.shutdown()
         self.controller = None
-        if self._started_ray and ray.is_initialized():
+        LLM._live -= 1
+        if LLM._live == 0 and LLM._ray_ours and ray.is_initialized():    # (the last of them)
             from msinfer.launcher.replica import shutdown_ray
             shutdown_ray()
+            LLM._ray_ours = False
 
     def __enter__(self) -> LLM:
         return self

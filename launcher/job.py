@@ -1007,10 +1007,16 @@ class StreamPrinter:
         self.out = out
         self.partial: dict[str, str] = {}
 
+    @staticmethod
+    def label(key: str) -> str:
+        """`[id] `, or `[id][i] ` for the key of sample i (launcher.engine.stream_key's `id[i]`)."""
+        head, sep, index = key.rpartition("[")
+        return f"[{head}][{index} " if sep and index[:-1].isdigit() and index.endswith("]") else f"[{key}] "
+
     def write(self, key: str, text: str) -> None:
         lines = (self.partial.pop(key, "") + text).split("\n")
         for line in lines[:-1]:
-            self.out.write(f"[{key}] {line}\n")
+            self.out.write(f"{self.label(key)}{line}\n")
         if lines[-1]:
             self.partial[key] = lines[-1]
         self.out.flush()
@@ -1018,12 +1024,12 @@ class StreamPrinter:
     def end(self, record_id: str) -> None:
         """The record's result is written: its partial lines (of each sample) go out."""
         for key in [k for k in self.partial if k == record_id or k.startswith(record_id + "[")]:
-            self.out.write(f"[{key}] {self.partial.pop(key)}\n")
+            self.out.write(f"{self.label(key)}{self.partial.pop(key)}\n")
         self.out.flush()
 
     def close(self) -> None:
         for key in list(self.partial):
-            self.out.write(f"[{key}] {self.partial.pop(key)}\n")
+            self.out.write(f"{self.label(key)}{self.partial.pop(key)}\n")
         self.out.flush()
 
 

@@ -69,13 +69,16 @@ def test_streamed_text_comes_a_line_at_a_time_behind_each_records_id():
     printer.write("a", "Hello")
     printer.write("b[1]", "One\nTw")
     printer.write("a", " world\nand")
-    assert out.getvalue() == "[b[1]] One\n[a] Hello world\n"
+    assert out.getvalue() == "[b][1] One\n[a] Hello world\n"
     printer.write("b[0]", "x")
     printer.end("a")
     printer.end("b")
     printer.write("c", "left")
     printer.close()
-    assert out.getvalue().splitlines()[2:] == ["[a] and", "[b[1]] Tw", "[b[0]] x", "[c] left"]
+    printer.write("d[x]", "not a sample's key\n")
+    printer.close()
+    assert out.getvalue().splitlines()[2:] == ["[a] and", "[b][1] Tw", "[b][0] x", "[c] left",
+                                               "[d[x]] not a sample's key"]
 
 
 def test_a_records_streamed_lines_are_its_text_each_out_by_the_time_its_result_is(ray_local, capsys):
@@ -104,3 +107,28 @@ def test_a_records_streamed_lines_are_its_text_each_out_by_the_time_its_result_i
         assert "\n".join(lines) == r["output_text"].rstrip("\n"), (r["id"], lines, r["output_text"])
     first = [line for line in printed[0][1].splitlines() if line.startswith("[0] ")]
     assert "\n".join(line[4:] for line in first) == results[0]["output_text"].rstrip("\n")
+
+
+@pytest.mark.unit
+def test_the_embedded_ray_stops_with_the_last_llm_that_uses_it_not_the_first(checkpoint, monkeypatch):
+    """Two LLMs in one process share the embedded Ray the first started: shutting that one down
+    leaves Ray up for the other (whose calls failed in Ray's internals), and the last one stops it."""
+    import ray
+
+    import msinfer.launcher.api as api
+    import msinfer.launcher.replica as replica
+
+    class Controller:
+        def shutdown(self):
+            pass
+
+    started, stopped = [True, False], []
+    monkeypatch.setattr(api, "start_controller", lambda plan: (Controller(), started.pop(0)))
+    monkeypatch.setattr(replica, "shutdown_ray", lambda: stopped.append(True))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    a, b = (LLM(str(checkpoint("qwen2_qkv_bias")), max_model_len=128, device="cpu") for _ in range(2))
+    a.shutdown()
+    assert stopped == [] and b.controller is not None
+    b.shutdown()
+    b.shutdown()
+    assert stopped == [True] and (LLM._live, LLM._ray_ours) == (0, False)

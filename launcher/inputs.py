@@ -531,8 +531,6 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     sampling = {OPENAI_SAMPLING[k]: v for k, v in body.items() if k in OPENAI_SAMPLING and v is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    if sampling.get("top_k") == -1:            # vLLM's "no top-k"
-        sampling["top_k"] = 0
     structured = {k: v for k, v in body.items() if k in OPENAI_STRUCTURED and v is not None}
     if body.get("response_format") is not None:
         rf = _response_format(body["response_format"])

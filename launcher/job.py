@@ -643,9 +643,9 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if device == "cpu" and card_keys:
         one = len(card_keys) == 1
         notes.append(f"parallel.{' and parallel.'.join(card_keys)} {'sizes' if one else 'size'} an accelerator card's "
-                     f"memory and {'is' if one else 'are'} not used on the CPU: there the KV cache is scheduler.kv_cache_blocks "
-                     f"(or max_batch_size sequences of max_model_len), and every worker's weights and KV cache "
-                     f"must fit in {HOST_MEMORY_FRACTION:.0%} of this machine's memory")
+                     f"memory and {'is' if one else 'are'} not used on the CPU: there the KV cache is "
+                     f"scheduler.kv_cache_blocks (or max_batch_size sequences of max_model_len), and every worker's "
+                     f"weights and KV cache must fit in {HOST_MEMORY_FRACTION:.0%} of this machine's memory")
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp

@@ -281,8 +281,8 @@ class RecordCodec:
             if self.tok is None:
                 raise RecordError(f"{where}.bad_words: the model has no tokenizer to encode them with")
             extra["bad_words_ids"] = tuple(ids for word in p.bad_words for ids in self.word_ids(word))
-        if p.min_tokens:
-            extra["min_tokens_ban"] = tuple(dict.fromkeys([*(() if p.ignore_eos else self.eos), *p.stop_token_ids]))
+        if p.min_tokens:        # (the end-of-sequence ids also with ignore_eos, as vLLM's _all_stop_token_ids)
+            extra["min_tokens_ban"] = tuple(dict.fromkeys([*self.eos, *p.stop_token_ids]))
         if self.pools:              # (a classifier's head reads the last token)
             extra["pooling"] = self.spec.pooling.type if self.embed else "last"
         return dataclasses.replace(p, **extra) if extra else p
@@ -365,10 +365,18 @@ class RecordCodec:
         """Its completion's text, decoded after its prompt's last tokens (Tokenizer.decode_after),
         without a trailing U+FFFD: the bytes of a character that the tokens so far leave
         incomplete (a sequence cut by max_new_tokens in the middle of an emoji), which vLLM's
-        detokenizer holds back and never writes; one in the middle stays."""
+        detokenizer holds back and never writes; one in the middle stays. A byte-fallback
+        tokenizer (Llama 2, Mistral) decodes a run of byte tokens that ends incomplete all as
+        U+FFFD, whole characters in it too: there the text without the last 1-3 tokens (the
+        incomplete character's bytes) keeps them, as vLLM's character by character decoding does."""
         if seq.record.context is None:
             seq.record.context = self.tok.context(seq.prompt_token_ids, seq.sampling.skip_special_tokens)
-        return self.tok.decode_after(seq.record.context, seq.text_token_ids).rstrip("\ufffd")
+        ids = seq.text_token_ids
+        text = self.tok.decode_after(seq.record.context, ids)
+        if not text.endswith("\ufffd"):
+            return text
+        shorter = (self.tok.decode_after(seq.record.context, ids[:-k]) for k in range(1, min(4, len(ids))))
+        return max((text.rstrip("\ufffd"), *(t for t in shorter if not t.endswith("\ufffd"))), key=len)
 
     # ---- results out ----------------------------------------------------------------------------
     def result(self, seq: Sequence) -> Done:

@@ -113,8 +113,9 @@ class Sequence:
     @property
     def text_token_ids(self) -> list[int]:
         """The completion to detokenize: the eos / stop token stays in output_token_ids but, as in
-        vLLM, not in the text."""
-        if self.stop_token_id is not None:
+        vLLM, not in the text, unless include_stop_str_in_output keeps it (its text; an eos that
+        is a special token still goes with skip_special_tokens)."""
+        if self.stop_token_id is not None and not self.sampling.include_stop_str_in_output:
             return self.output_token_ids[:-1]
         return self.output_token_ids
 

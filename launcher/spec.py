@@ -286,9 +286,9 @@ class SamplingSpec(Section):
     n: int = Field(1, ge=1)                     # samples per record, from one prefill of its prompt
     max_new_tokens: int = Field(256, ge=1)
     min_tokens: int = Field(0, ge=0)            # no end-of-sequence or stop before this many tokens
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)     # (vLLM's range; below 0.01 it samples at 0.01)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)                        # -1 or 0: the whole vocabulary
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -321,6 +321,18 @@ class SamplingSpec(Section):
             except ValueError:
                 return value
         return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _vllm_least_temperature(cls, value: float) -> float:
+        # vLLM samples a temperature in (0, 0.01) at 0.01 (SamplingParams.__post_init__, _MAX_TEMP):
+        # below it the logits' scale overflows
+        return 0.01 if 0.0 < value < 0.01 else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _no_top_k(cls, value: int) -> int:
+        return 0 if value == -1 else value      # (vLLM's -1, "disabled", is msinfer's 0)
 
     @field_validator("stop", mode="before")
     @classmethod

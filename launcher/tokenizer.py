@@ -88,6 +88,7 @@ class Tokenizer:
         template's own variables (chat_template_kwargs), `tools` the chat's tools (its `tools`
         variable), then a new assistant message opened, or with `continue_final_message` the last
         (assistant) message left open to be continued."""
+        messages = developer_as_system(messages, self.tok.chat_template)
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, tools=tools,
                                             **(kwargs or {}))
@@ -194,11 +195,29 @@ def _ids(x: Any) -> list[int]:
 CONTEXT_TOKENS = 24
 
 
+def developer_as_system(messages: list[dict], template: Any) -> list[dict]:
+    """OpenAI's `developer` messages for a chat template that does not name that role, as vLLM
+    renders them (renderers/hf.py, _convert_developer_to_system, _consolidate_system_messages):
+    as system messages, and every system message then one at the front, their texts joined by a
+    blank line. A template that names "developer" gets the messages as they are."""
+    if not any(m.get("role") == "developer" for m in messages) or (
+            isinstance(template, str) and ('"developer"' in template or "'developer'" in template)):
+        return messages
+    converted = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer"
+                 else m for m in messages]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems == [0]:
+        return converted
+    texts = [converted[i].get("content") for i in systems]
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)},
+            *(m for m in converted if m["role"] != "system")]
+
+
 class StopStringMatcher:
     """Finds the first stop string in one sequence's growing output text.
 
     Call `check(text)` with the whole decoded output after each new token; it returns the index
-    at which to cut the output or None: where the earliest stop string starts (the stop string
+    at which to cut the output or None: where the stop string that ends first starts (the stop string
     is not part of the output), or with `include` (vLLM's include_stop_str_in_output) where it
     ends. As vLLM's detokenizer (check_stop_strings), only a stop string that ends in the text
     added since the last call is looked for, so a long output costs no more per step than a
@@ -222,11 +241,12 @@ class StopStringMatcher:
         self.checked = len(text.rstrip("\ufffd"))
         if not search:
             return None
-        hits = [(i, k) for k, s in enumerate(self.stop) if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
+        hits = [(i + len(s), k, i) for k, s in enumerate(self.stop)
+                if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return None
-        i, k = min(hits)            # the earliest; of those starting together, the first listed
-        return i + len(self.stop[k]) if self.include else i
+        end, _, i = min(hits)       # the one that ends first (as text grows a character at a time);
+        return end if self.include else i       # of those ending together, the first listed
 
 
 # output.reasoning_parser (qwen3, deepseek_r1): vLLM's parsers of the same names, for the models

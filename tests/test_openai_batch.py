@@ -37,10 +37,11 @@ def test_a_request_becomes_a_record_with_its_sampling():
                                        "logit_bias": {"50256": -100}, "top_k": -1, "min_p": 0.1,
                                        "repetition_penalty": 1.1, "min_tokens": 3}), 4)
     assert tuned.error is None and tuned.sampling == {
-        "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"50256": -100}, "top_k": 0,
+        "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"50256": -100}, "top_k": -1,
         "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 3}
     from msinfer.launcher.spec import SamplingSpec
-    assert SamplingSpec().merge(tuned.sampling, "d").to_params().logit_bias == ((50256, -100.0),)
+    params = SamplingSpec().merge(tuned.sampling, "d").to_params()
+    assert params.logit_bias == ((50256, -100.0),) and params.top_k == 0          # vLLM's -1: no top-k
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     shaped = parse_openai(request("e", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}}), 5)

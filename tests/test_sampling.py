@@ -94,6 +94,8 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_then(checkpoint, refere
     p = plan.spec.sampling.merge({"stop_token_ids": [stop], "min_tokens": 5}).to_params()
     p = plan_codec(plan).complete(p, _rec("held"))
     assert p.min_tokens_ban == (EOS, stop)
+    ignoring = plan.spec.sampling.merge({"ignore_eos": True, "min_tokens": 5}).to_params()
+    assert plan_codec(plan).complete(ignoring, _rec("i")).min_tokens_ban == (EOS,)    # vLLM bans it then too
     assert held == reference(prompt, p) and len(held) >= 5 and stop not in held[:4]
 
 

@@ -340,6 +340,10 @@ def test_stop_token_ids_finish_with_stop(ahead):
     seq = run_one(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=(ref[i],)), ahead=ahead)
     assert seq.finish_reason == "stop" and seq.output_token_ids == ref[:i + 1]
     assert seq.text_token_ids == ref[:i]
+    # include_stop_str_in_output keeps the stop token's text too, as vLLM's detokenizer does
+    kept = run_one(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=(ref[i],), include_stop_str_in_output=True),
+                   ahead=ahead)
+    assert kept.finish_reason == "stop" and kept.text_token_ids == kept.output_token_ids == ref[:i + 1]
 
 
 def test_max_new_tokens_finishes_with_length(ahead):

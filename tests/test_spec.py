@@ -102,7 +102,8 @@ def test_missing_required_keys_named(tmp_path):
     ("sampling", "temperature", "-0.5", "expected a number >= 0, got -0.5"),
     ("sampling", "top_p", "0", "expected a number > 0, got 0"),
     ("sampling", "top_p", "1.5", "expected a number <= 1, got 1.5"),
-    ("sampling", "top_k", "-1", "expected an integer >= 0, got -1"),
+    ("sampling", "top_k", "-2", "expected an integer >= -1, got -2"),
+    ("sampling", "temperature", "2.5", "expected a number <= 2, got 2.5"),
     ("sampling", "max_new_tokens", "0", "expected an integer >= 1, got 0"),
     ("sampling", "stop", "5", "expected a string or a list of strings (a number quoted: '5'), got 5"),
     ("sampling", "temperature", ".nan", "expected a finite number"),
@@ -176,8 +177,8 @@ def test_slurm_time_left_reads_the_allocation_s_end():
 
 
 def test_scientific_notation_reads_as_number(tmp_path):
-    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  temperature: 1e-3\n"))
-    assert spec.sampling.temperature == 0.001
+    spec = load_spec(write(tmp_path, MINIMAL + "sampling:\n  temperature: 5e-2\n"))
+    assert spec.sampling.temperature == 0.05
 
 
 def test_cross_field_checks(tmp_path):
@@ -194,6 +195,20 @@ def test_max_model_len_resolved_later_is_checked_again(tmp_path):
     with pytest.raises(SpecError,
                        match=r"sampling.max_new_tokens \(300\) must be less than model.max_model_len \(256\)"):
         spec.with_max_model_len(256)
+
+
+@pytest.mark.unit
+def test_temperature_and_top_k_take_vllms_range_and_its_readings():
+    """vLLM's SamplingParams: a temperature in [0, 2], one in (0, 0.01) sampled at 0.01 (below it
+    the scaled logits overflow); top_k -1 is "no top-k" (msinfer's 0), also in a record's sampling."""
+    assert SamplingSpec(temperature=1e-6).temperature == 0.01
+    assert SamplingSpec(temperature=0.005).to_params().temperature == 0.01
+    assert SamplingSpec(temperature=0.0).to_params().greedy and SamplingSpec(temperature=2.0).temperature == 2.0
+    assert SamplingSpec().merge({"top_k": -1}, "r").top_k == 0
+    with pytest.raises(RecordError, match=r"record 'r': sampling.temperature: expected a number <= 2"):
+        SamplingSpec().merge({"temperature": 2.5}, "r")
+    with pytest.raises(RecordError, match=r"record 'r': sampling.top_k: expected an integer >= -1"):
+        SamplingSpec().merge({"top_k": -2}, "r")
 
 
 def test_the_default_max_new_tokens_does_not_refuse_a_short_max_model_len(tmp_path):

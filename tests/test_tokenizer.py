@@ -150,7 +150,12 @@ def test_stop_string_matcher_incremental():
     m = StopStringMatcher(["é!"])
     assert m.check("caf\ufffd") is None and m.check("café!") == 3  # an incomplete character is checked again
     m = StopStringMatcher(["ab", "a", "b"], include=True)          # vLLM's include_stop_str_in_output
-    assert m.check("xxb") == 3 and StopStringMatcher(["ab", "a"], include=True).check("xab") == 3
+    assert m.check("xxb") == 3 and StopStringMatcher(["ab", "a"], include=True).check("xab") == 2
+    # of stop strings a token completes together, the one that ends first wins, as vLLM's
+    # check_stop_strings picks it (the text as if it grew a character at a time); "xa" then "bc":
+    for include, cut in ((False, 2), (True, 3)):
+        m = StopStringMatcher(["abc", "b"], include=include)
+        assert m.check("xa") is None and m.check("xabc") == cut          # "b", not "abc" that starts first
     # Text taken as seen without a search (a sequence's first min_tokens tokens) is never searched
     # again: only a stop string that ends after it counts, one that starts in it included (vLLM's
     # tests/detokenizer/test_min_tokens.py: min_tokens 5, stop "e" -> " is Lee, and I'm a stud").
@@ -382,6 +387,41 @@ def test_a_completion_cut_inside_a_character_ends_before_it_as_in_vllm(tok):
     assert text(broken) == tok.decode(broken) and "\ufffd" in text(broken)
 
 
+def test_a_byte_fallback_completion_cut_inside_a_character_keeps_the_whole_ones_before_it(tmp_path):
+    """A byte-fallback tokenizer (Llama 2, Mistral v0.1) writes a character it has no token for
+    as its UTF-8 bytes, a token each, and decodes a run of them that ends incomplete all as
+    U+FFFD: a completion cut after the first byte of its second "語" kept neither, where vLLM's
+    text (decoded a character at a time) ends after the first."""
+    from tokenizers import Tokenizer as Raw, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from msinfer.launcher.records import RecordCodec, RecordState
+    from msinfer.launcher.scheduler import Sequence
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "o", "k", "▁ok", "▁The", "▁sky"):
+        vocab[piece] = len(vocab)
+    raw = Raw(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    tok = Tokenizer(str(tmp_path))
+    codec = RecordCodec.__new__(RecordCodec)
+    codec.tok = tok
+    ids = tok.encode("ok 語語", add_special_tokens=False)
+    assert ids[-6:] == [3 + b for b in "語語".encode()]            # each byte a token
+
+    def text(out):
+        seq = Sequence(tok.encode("The sky", add_special_tokens=False))
+        seq.record, seq.output_token_ids = RecordState(), list(out)
+        return codec.text(seq)
+
+    whole = text(ids)
+    assert whole.endswith("ok 語語") and "\ufffd" not in whole
+    assert [text(ids[:k]) for k in range(len(ids) - 5, len(ids))] == [whole[:-2]] * 2 + [whole[:-1]] * 3
+
+
 def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_template_flag(tmp_path):
     """A checkpoint whose tokenizer has no chat template (a base or older fine-tuned model) failed
     every 'messages' record; input.chat_template takes a template of one's own as vLLM's
@@ -482,3 +522,22 @@ def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):
     assert rec.sampling == {"skip_special_tokens": False, "truncate_prompt_tokens": 8}
     with pytest.raises(SpecError, match="truncate_prompt_tokens must be at least 1"):
         validate(SamplingSpec, {"truncate_prompt_tokens": 0}, "spec", "sampling")
+
+
+@pytest.mark.unit
+def test_a_developer_message_renders_as_vllm_renders_it_for_a_template_without_that_role(tmp_path):
+    """OpenAI's `developer` role: for a template that does not name it, vLLM renders it as a
+    system message, and all the system messages as one at the front; a template that names the
+    role gets it as written."""
+    from tests.checkpoints import build_tokenizer
+    tok = Tokenizer(str(build_tokenizer(tmp_path / "plain")))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "developer", "content": "Answer in French."}]
+    assert tok.decode(tok.apply_chat_template(chat), False) == \
+        "<|system|>Be brief.\n\nAnswer in French.<|user|>hi<|assistant|>"
+    assert tok.decode(tok.apply_chat_template(chat[1:]), False) == "<|system|>Answer in French.<|user|>hi<|assistant|>"
+    named = ("{% for m in messages %}{% if m['role'] == 'developer' %}[dev]{% endif %}<|{{ m['role'] }}|>"
+             "{{ m['content'] }}{% endfor %}")
+    tok = Tokenizer(str(build_tokenizer(tmp_path / "named", named)))
+    assert tok.decode(tok.apply_chat_template(chat, add_generation_prompt=False), False) == \
+        "<|system|>Be brief.<|user|>hi[dev]<|developer|>Answer in French."

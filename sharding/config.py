@@ -54,10 +54,10 @@ DEEPSEEK_DEFAULTS = {
 
 # generation_config.json's sampling keys that vLLM takes as a request's defaults (its
 # ModelConfig.get_diff_sampling_param, with generation_config "auto"), with the same names in
-# msinfer's sampling section; as vLLM reads the file (GenerationConfig.to_diff_dict), a key at
-# transformers' own default (GENERATION_NEUTRAL) is not one
-GENERATION_SAMPLING = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
-GENERATION_NEUTRAL = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# msinfer's sampling section: every one the file gives a value (GenerationConfig.to_diff_dict,
+# whose defaults are None since transformers 5, keeps top_k 50 or temperature 1.0 as written)
+GENERATION_SAMPLING = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                       "top_p", "min_p", "max_new_tokens", "skip_special_tokens")
 
 
 class ModelConfigError(ValueError):
@@ -390,8 +390,7 @@ class ModelConfig:
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
             object.__setattr__(cfg, "eos_token_ids", merged)
             object.__setattr__(cfg, "generation_sampling",
-                               tuple((k, d[k]) for k in GENERATION_SAMPLING
-                                     if d.get(k) is not None and d[k] != GENERATION_NEUTRAL.get(k)))
+                               tuple((k, d[k]) for k in GENERATION_SAMPLING if d.get(k) is not None))
         return cfg
 
     def with_modelslim(self, files: list[Path]) -> "ModelConfig":

@@ -188,7 +188,8 @@ def test_a_card_s_memory_keys_on_the_cpu_are_named_as_unused_in_the_plan(checkpo
 def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_config_as_in_vllm(checkpoint, tmp_path):
     """vLLM's generation_config "auto": a checkpoint's generation_config.json recommends sampling
     defaults (Qwen3: temperature 0.6, top_p 0.95, top_k 20), taken for the keys a job leaves unset,
-    and said so; a value at transformers' own default is not one; keys the spec sets win;
+    and said so, every one the file gives (one at transformers' old default too, as vLLM 0.33 with
+    transformers 5 reads the file; the penalties and skip_special_tokens too); keys the spec sets win;
     model.generation_config: msinfer leaves them out; a value the spec would refuse names the file."""
     from msinfer.launcher.errors import SpecError
     from msinfer.launcher.job import plan_job
@@ -199,8 +200,8 @@ def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_confi
     for f in checkpoint("llama_gqa_tied").iterdir():
         (model / f.name).symlink_to(f)
     (model / "generation_config.json").unlink(missing_ok=True)
-    recommended = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.0,
-                   "max_new_tokens": 7, "eos_token_id": [2, 5]}
+    recommended = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7,
+                   "presence_penalty": 0.5, "skip_special_tokens": False, "eos_token_id": [2, 5]}
     (model / "generation_config.json").write_text(json.dumps(recommended))
 
     def plan(sampling=None, **m):
@@ -208,10 +209,17 @@ def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_confi
                                                 "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}}),
                         check_io=False)
     s = plan({"top_k": 5}).spec.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.repetition_penalty) == (0.6, 0.95, 5, 7, 1.0)
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.presence_penalty, s.skip_special_tokens) == \
+        (0.6, 0.95, 5, 7, 0.5, False)
     assert plan().model.eos_token_ids[-1] == 5
     assert any(n.startswith("sampling defaults from the model's generation_config.json, as vLLM takes them: "
-                            "temperature 0.6, top_p 0.95, max_new_tokens 7") for n in plan({"top_k": 5}).notes)
+                            "presence_penalty 0.5, temperature 0.6, top_p 0.95, max_new_tokens 7")
+               for n in plan({"top_k": 5}).notes)
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 50, "temperature": 1.0,
+                                                              "repetition_penalty": 1.0}))
+    s = plan().spec.sampling
+    assert (s.top_k, s.temperature, s.repetition_penalty) == (50, 1.0, 1.0)
+    (model / "generation_config.json").write_text(json.dumps(recommended))
     s = plan(generation_config="msinfer").spec.sampling
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 0, 256)
     (model / "generation_config.json").write_text(json.dumps({**recommended, "top_p": 0.0}))

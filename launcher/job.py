@@ -86,8 +86,9 @@ class Plan:
             + (f"(kv {m.num_kv_heads}, head_dim {m.head_dim})" if m.mla is None else
                f"(latent attention: q/k {m.mla.qk_head_dim}, v {m.mla.v_head_dim})")
             + f", vocab {m.vocab_size}, checkpoint "
-            + (f"absent (about {self.checkpoint_bytes / gib:.2f} GiB in the config's dtype)" if self.weights_absent
-               else f"{self.checkpoint_bytes / gib:.2f} GiB"),
+            + (f"absent (about {self.checkpoint_bytes / gib:.2f} GiB in the config's dtype"
+               + ("; the quantized checkpoint's files hold less" if m.quant is not None else "") + ")"
+               if self.weights_absent else f"{self.checkpoint_bytes / gib:.2f} GiB"),
             f"parallel    {dp} replica(s){stages} x tensor parallel {tp} = {dp * pp * tp} worker(s) on {self.device}, "
             f"placement {s.parallel.placement}, compute dtype {self.engine.dtype}"
             + (f" ({self.engine.in_matmul_dtype(m)} {self.engine.matmul_dtype})" if self.engine.matmuls_apart
@@ -95,7 +96,10 @@ class Plan:
             f"per rank    weights {self.weight_bytes_per_rank / gib:.3f} GiB + KV cache "
             f"{self.kv_bytes_per_rank / gib:.3f} GiB ({self.engine.blocks()} blocks x {self.engine.block_size} "
             f"tokens) = {(self.weight_bytes_per_rank + self.kv_bytes_per_rank) / gib:.3f} GiB",
-            f"sequences   max_model_len {self.engine.max_model_len}, batch <= {s.scheduler.max_batch_size}, "
+            f"sequences   max_model_len {self.engine.max_model_len}, batch <= {s.scheduler.max_batch_size}"
+            + (f" (the KV cache holds {full} of max_model_len; shorter ones fill the rest)"
+               if (full := self.engine.blocks() // -(-self.engine.max_model_len // self.engine.block_size))
+               < s.scheduler.max_batch_size else "") + ", "
             f"<= {s.scheduler.max_batched_tokens} tokens per step, prefix caching "
             + ("on (a prompt starts after its longest run of cached KV blocks)" if s.scheduler.prefix_caching
                else "off"),
@@ -225,11 +229,11 @@ def quant_summary(m: ModelConfig, device: str, ops: str, dtype: str) -> str:
 def experts_summary(m: ModelConfig, tp: int, ep: bool, dbytes: int, pipeline: tuple = (),
                     int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
                     scale_bytes: int = 0, pairs: bool = False) -> str:
-    """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the largest
-    pipeline stage; int8: holds_int8's, bf16: holds_bfloat16's, scale_bytes: int4_scale_bytes',
-    pairs: bytes_per_rank's), and the sizes each allows."""
-    sizes = [hi - lo for lo, hi in pipeline]
-    stage = Stage.of(pipeline, sizes.index(max(sizes))) if pipeline else Stage()
+    """Per-rank bytes of the experts and of the rest in both layouts (on a rank of the pipeline
+    stage with the most weights, the plan's "per rank"; int8: holds_int8's, bf16: holds_bfloat16's,
+    scale_bytes: int4_scale_bytes', pairs: bytes_per_rank's), and the sizes each allows."""
+    weights = stage_weights(m, tp, dbytes, ep, pipeline, int8, bf16, scale_bytes, pairs) if pipeline else [0]
+    stage = Stage.of(pipeline, weights.index(max(weights))) if pipeline else Stage()
     gib = 1024 ** 3
     parts = []
     for layout, flag in (("sliced", False), ("expert parallel", True)):
@@ -294,22 +298,32 @@ def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
     have, gib = psutil.virtual_memory().total, 1024 ** 3
     if ranks * (weights + kv) <= HOST_MEMORY_FRACTION * have:
         return None
+    alone = (f" (the weights alone {ranks * weights / gib:.1f} GiB: no KV cache setting makes room; the model "
+             f"needs a larger machine, or a cluster's)" if ranks * weights > HOST_MEMORY_FRACTION * have else "")
     return (f"{ranks} worker(s) x (weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB) = "
             f"{ranks * (weights + kv) / gib:.1f} GiB is more than {HOST_MEMORY_FRACTION:.0%} of this machine's "
-            f"{have / gib:.1f} GiB")
+            f"{have / gib:.1f} GiB{alone}")
 
 
-def stage_weight_bytes(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
-                       int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
-                       scale_bytes: int = 0, pairs: bool = False) -> int:
-    """The weight bytes of a rank of the pipeline stage that holds the most (every rank of a
-    one-stage replica holds as much); int8: holds_int8's (linear layers, experts, int4 groups in
-    linear layers, in experts); bf16: holds_bfloat16's; scale_bytes: int4_scale_bytes'; pairs:
-    the linear layers computed in bfloat16 (Layout.matmul_dtype)."""
-    return max(bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
-                              int4=int8[2], int4_experts=int8[3], bf16=bf16, int4_scale_bytes=scale_bytes,
-                              pairs=pairs)
-               for st in range(max(1, len(pipeline))))
+def stage_weights(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
+                  int8: tuple[bool, bool, bool, bool] = (False,) * 4, bf16: bool = False,
+                  scale_bytes: int = 0, pairs: bool = False) -> list[int]:
+    """The weight bytes of a rank of each pipeline stage (one entry for a one-stage replica);
+    int8: holds_int8's (linear layers, experts, int4 groups in linear layers, in experts); bf16:
+    holds_bfloat16's; scale_bytes: int4_scale_bytes'; pairs: the linear layers computed in
+    bfloat16 (Layout.matmul_dtype)."""
+    return [bytes_per_rank(m, tp, dbytes, ep, stage=Stage.of(pipeline, st), int8=int8[0], int8_experts=int8[1],
+                           int4=int8[2], int4_experts=int8[3], bf16=bf16, int4_scale_bytes=scale_bytes, pairs=pairs)
+            for st in range(max(1, len(pipeline)))]
+
+
+def weight_counter(m: ModelConfig, dbytes: int, ep: bool, device: str, ops: str, lora: bool = False,
+                   pairs: bool = False, int8: tuple[bool, bool, bool, bool] | None = None):
+    """stage_weights at any (tp, pipeline), the weights held as a layout of these choices holds
+    them (int8: holds_int8's unless given): what card_plan weighs other layouts with."""
+    held, bf16, scales = holds_int8(device, ops) if int8 is None else int8, holds_bfloat16(device, ops, lora), \
+        int4_scale_bytes(device)
+    return lambda tp, pipeline: stage_weights(m, tp, dbytes, ep, pipeline, held, bf16, scales, pairs)
 
 
 def holds_int8(device: str, ops: str) -> tuple[bool, bool, bool, bool]:
@@ -344,7 +358,7 @@ def holds_bfloat16(device: str, ops: str, lora: bool = False) -> bool:
 
 def largest_stage(m: ModelConfig, engine: EngineConfig) -> int:
     """The decoder layers of the replica's largest pipeline stage (all of them with one stage):
-    every stage holds the same number of KV blocks, so the largest one's bound them."""
+    every stage holds the same number of KV blocks, so the largest one's KV cache is the largest."""
     return max((hi - lo for lo, hi in engine.pipeline), default=m.num_layers)
 
 
@@ -383,32 +397,39 @@ RUNTIME_BYTES = 2 * 1024 ** 3  # per card: the runtime's workspace and HCCL buff
 
 
 def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int, dbytes: int,
-              measured: tuple[int, int] | None = None) -> CardPlan:
+              measured: tuple[int, int] | None = None, weighs=None) -> CardPlan:
     """The KV cache a card holds after weights, the largest step's activations and the runtime's
     share, within parallel.memory_fraction of its memory: as many blocks as fit, at most what
     max_batch_size sequences of max_model_len need (or scheduler.kv_cache_blocks, which must fit).
     `measured`: (the card's total memory, bytes in use before msinfer started) as the workers
     read them; they replace parallel.device_memory_gb (or the 64 GiB assumed), and what is in use
     comes off the budget besides the runtime's estimate (no profile step measures msinfer's own
-    peak yet: the activations stay an estimate too). Refuses a layout that leaves no room for one sequence of max_model_len, naming the
-    smallest tensor_parallel that leaves it."""
+    peak yet: the activations stay an estimate too). Refuses a layout that leaves no room for one
+    sequence of max_model_len, naming the smallest tensor_parallel (and pipeline_parallel) that
+    leaves it. `weighs`: weight_counter's, each stage's weights at another tp or pipeline split
+    held as this layout holds them (None: every stage holds `weights`, and others are weighed
+    unquantized)."""
     p, tp = spec.parallel, spec.parallel.tensor_parallel
     memory, in_use = measured if measured else (int((p.device_memory_gb or CARD_MEMORY_GB) * 1024 ** 3), 0)
     in_use = max(in_use, 0)
     runtime = RUNTIME_BYTES + in_use
-    activations, block, fits = card_room(spec, m, engine, tp, weights, dbytes, memory, runtime)
+    if weighs is None:
+        current = [weights] * max(1, len(engine.pipeline))
+        weighs = lambda t, split: stage_weights(m, t, dbytes, p.expert_parallel, split)    # noqa: E731
+    else:
+        current = weighs(tp, engine.pipeline)
+    activations, block, fits = card_room(spec, m, engine, tp, current, dbytes, memory, runtime)
     blocks = engine.blocks() if engine.num_blocks else min(fits, engine.blocks())
     one_seq = -(-engine.max_model_len // engine.block_size)
     gib = 1024 ** 3
     if blocks > fits or fits < one_seq:
         need = blocks if engine.num_blocks else one_seq
         larger = (t for t in valid_tp_sizes(m, ep=p.expert_parallel) if t > tp)
-        fit = next(((t, w) for t in larger for w in [stage_weight_bytes(m, t, dbytes, p.expert_parallel, engine.pipeline)]
+        fit = next(((t, max(w)) for t in larger for w in [weighs(t, engine.pipeline)]
                     if card_room(spec, m, engine, t, w, dbytes, memory, runtime)[2] >= need), None)
         stages = max(1, len(engine.pipeline))
-        deeper = next(((n, w) for n in range(stages + 1, m.num_layers + 1)
-                       for split in [stage_layers(m.num_layers, n)]
-                       for w in [stage_weight_bytes(m, tp, dbytes, p.expert_parallel, split)]
+        deeper = next(((n, max(w)) for n in range(stages + 1, m.num_layers + 1)
+                       for split in [stage_layers(m.num_layers, n)] for w in [weighs(tp, split)]
                        if card_room(spec, m, dataclasses.replace(engine, pipeline=split), tp, w, dbytes, memory,
                                     runtime)[2] >= need), None)
         card = (f"the card's measured {memory / gib:.3g} GiB ({in_use / gib:.2f} GiB of it in use before msinfer "
@@ -439,11 +460,13 @@ def card_plan(spec: JobSpec, m: ModelConfig, engine: EngineConfig, weights: int,
                     RUNTIME_BYTES, (blocks + 1) * block, blocks, bool(measured), in_use)
 
 
-def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weights: int, dbytes: int,
+def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weights: list[int], dbytes: int,
               memory: int, runtime: int) -> tuple[int, int, int]:
-    """(activation bytes of the largest step, bytes of a KV block, KV blocks that fit) on one card of
-    `memory` bytes, `runtime` of them taken by others, in a tensor-parallel group of tp holding
-    `weights`. Per token of the largest step: its hidden rows, this rank's q, k and v heads, its
+    """(activation bytes of the largest step, bytes of a KV block of the stage with the most
+    weights, KV blocks that fit on every stage's card: each replica's stages hold as many) on one
+    card of `memory` bytes, `runtime` of them taken by others, in a tensor-parallel group of tp
+    holding `weights` (a rank's of each pipeline stage, their layers engine.pipeline's: a stage's
+    KV block holds its layers). Per token of the largest step: its hidden rows, this rank's q, k and v heads, its
     MLP columns (a sparse layer: its k routed copies and their intermediate rows, the grouped
     matmuls' buffers), and a row of the chunk mask [tokens, max_model_len]; per sequence its
     float32 logits."""
@@ -464,8 +487,10 @@ def card_room(spec: JobSpec, m: ModelConfig, engine: EngineConfig, tp: int, weig
     # float32 logits: the rank's vocabulary shard and the device sampler's few copies of it, and the
     # whole rows gathered once for a step whose sampling changes its logits on the host
     activations = tokens * per_token + rows * (4 * -(-m.vocab_size // tp) + m.vocab_size) * 4
-    block = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine))
-    return activations, block, max(0, (budget - weights - activations - runtime) // block - 1)  # - scratch
+    layers = [hi - lo for lo, hi in engine.pipeline] or [m.num_layers]
+    blocks = [m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, n) for n in layers]
+    fits = min((budget - w - activations - runtime) // b - 1 for w, b in zip(weights, blocks))     # - scratch
+    return activations, blocks[weights.index(max(weights))], max(0, fits)
 
 
 @dataclass(frozen=True)
@@ -497,10 +522,8 @@ def resolve_layout(m: ModelConfig, tp: int, pp: int, ep: bool, device: str, dtyp
         kv_cache_dtype = cpu_kv_cache_dtype(kv_cache_dtype, m, device, on_card or dtype, matmul_dtype, ops)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    weights = stage_weight_bytes(m, tp, dtype_bytes(dtype), ep, pipeline, holds_int8(device, ops),
-                                 holds_bfloat16(device, ops, lora), int4_scale_bytes(device),
-                                 pairs=matmul_dtype == "bfloat16")
-    return Layout(device, emulate, dtype, pipeline, weights, matmul_dtype, kv_cache_dtype)
+    weighs = weight_counter(m, dtype_bytes(dtype), ep, device, ops, lora, matmul_dtype == "bfloat16")
+    return Layout(device, emulate, dtype, pipeline, max(weighs(tp, pipeline)), matmul_dtype, kv_cache_dtype)
 
 
 def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_output: bool = False,
@@ -635,11 +658,19 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     check_ops(spec, m, device, notes)
     dbytes, weight_bytes = dtype_bytes(dtype), layout.weight_bytes
     card = None
+    weighs = weight_counter(m, dbytes, spec.parallel.expert_parallel, device, spec.model.ops,
+                            spec.model.lora is not None, layout.matmul_dtype == "bfloat16")
     if device == "ascend":
-        card = card_plan(spec, m, engine, weight_bytes, dbytes)
+        card = card_plan(spec, m, engine, weight_bytes, dbytes, weighs=weighs)
         engine = dataclasses.replace(engine, num_blocks=card.blocks, card=card.figures())
-    kv = (m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine))
-          * (engine.blocks() + 1))                                   # + scratch
+    # a rank's KV cache (+ scratch): the one beside the most weights (the plan's "per rank"), and
+    # the largest, which the host's memory is checked against
+    per_stage = weighs(tp, engine.pipeline)
+    heaviest = [hi - lo for lo, hi in engine.pipeline][per_stage.index(max(per_stage))] if engine.pipeline \
+        else m.num_layers
+    kv = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, heaviest) * (engine.blocks() + 1)
+    kv_most = m.kv_bytes(engine.block_size, engine.kv_dtype_bytes(m), tp, largest_stage(m, engine)) \
+        * (engine.blocks() + 1)
     if device == "cpu" and card_keys:
         one = len(card_keys) == 1
         notes.append(f"parallel.{' and parallel.'.join(card_keys)} {'sizes' if one else 'size'} an accelerator card's "
@@ -649,8 +680,10 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp
-        if problem := host_memory_problem(ranks_here, weight_bytes, kv):
-            raise LayoutError(f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
+        if problem := host_memory_problem(ranks_here, weight_bytes, kv_most):
+            raise LayoutError(problem + ("; MSINFER_ASCEND_EMULATE=1 runs every card's share on this machine's CPU"
+                                         if emulate else "") if "the weights alone" in problem else
+                              f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
                               f"scheduler.max_batch_size or model.max_model_len")
     check_structured(spec.sampling, tokenizer)
     check_token_ids(spec.sampling, m.vocab_size)
@@ -1083,16 +1116,18 @@ def card_replanner(plan: Plan):
         weights, note = plan.weight_bytes_per_rank, None
         planned = holds_int8(plan.engine.device, plan.engine.ops)
         held = (planned[0] and int8[0], planned[1] and int8[1], planned[2] and int8[0], planned[3] and int8[1])
+        weighs = weight_counter(plan.model, dbytes, spec.parallel.expert_parallel, plan.engine.device,
+                                plan.engine.ops, spec.model.lora is not None, plan.engine.matmul_dtype == "bfloat16",
+                                held)
         if held != planned:
-            weights = stage_weight_bytes(plan.model, spec.parallel.tensor_parallel, dbytes,
-                                         spec.parallel.expert_parallel, plan.engine.pipeline, held)
+            weights = max(weighs(spec.parallel.tensor_parallel, plan.engine.pipeline))
             what = " and ".join(w for w, p, h in zip(("layers", "experts"), planned, held) if p and not h)
             note = (f"the cards' int8 matmuls failed the start-up kernel check: the quantized {what} are held "
                     f"dequantized to {plan.engine.dtype}, {weights / gib:.2f} GiB of weights a rank where the plan "
                     f"counted {plan.weight_bytes_per_rank / gib:.2f}, and the KV cache is sized around them")
             print(f"msinfer: note: {note}", file=sys.stderr, flush=True)
         try:
-            card = card_plan(spec, plan.model, base, weights, dbytes, measured=(total, in_use))
+            card = card_plan(spec, plan.model, base, weights, dbytes, measured=(total, in_use), weighs=weighs)
         except LayoutError as e:
             raise LaunchError(f"{e} (measured by the workers: {source})") from None
         figures = {**card.figures(), "source": source, "plan": plan.card.figures(),

@@ -166,6 +166,19 @@ def test_a_max_model_len_past_the_positions_the_model_is_made_for_is_refused_unl
     assert any("exceeds the 512 positions the model is made for" in n for n in plan.notes)
 
 
+@pytest.mark.unit
+def test_the_host_memory_refusal_says_when_the_weights_alone_do_not_fit():
+    """Workers on this machine (the CPU, or emulated cards) whose weights alone are more than
+    its share: no KV cache setting helps, and the message says so instead of naming those keys."""
+    import psutil
+
+    from msinfer.launcher.job import host_memory_problem
+    have = psutil.virtual_memory().total
+    assert "(the weights alone " in host_memory_problem(8, have // 8, 0)
+    assert "weights alone" not in host_memory_problem(1, have // 2, have // 2)
+    assert host_memory_problem(1, have // 4, have // 4) is None
+
+
 def test_a_card_s_memory_keys_on_the_cpu_are_named_as_unused_in_the_plan(checkpoint):
     """parallel.device_memory_gb and memory_fraction size a card's KV cache; on the CPU the plan
     says they do nothing there (instead of leaving a user to think the cache follows them)."""

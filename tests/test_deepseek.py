@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from msinfer.launcher.cli import main
-from msinfer.launcher.job import plan_job
+from msinfer.launcher.job import RUNTIME_BYTES, plan_job
 from msinfer.sharding.config import ModelConfig, ModelConfigError
 from msinfer.sharding.layout import LayoutError
 from msinfer.worker.protocol import SeqStep
@@ -75,6 +75,17 @@ def test_plan_of_deepseek_v3_counts_the_latent_cache_and_names_the_stages_that_f
     assert plan.kv_bytes_per_rank == plan.model.kv_bytes(16, 2, 8, 16) * (plan.engine.blocks() + 1)
     with pytest.raises(LayoutError, match="parallel.pipeline_parallel 4 fits at tensor_parallel 8"):
         plan_job(deepseek_v3_spec(tmp_path, "parallel.pipeline_parallel=2"), sizing=True)
+    # stages of other sizes: the one with the most layers (16, the embedding's) is not the one with
+    # the most weights (15 and the LM head): each card holds its own stage's weights and KV blocks,
+    # so the blocks are what the tightest card leaves (20342: (51.2 GiB - 40.82 - 3.14 - 2) / 15
+    # layers' blocks, where 16 layers' blocks beside the heaviest weights gave 19070), and the
+    # plan's "per rank" and experts figures are that card's own
+    uneven = plan_job(deepseek_v3_spec(tmp_path, "parallel.pipeline_layers=[16,15,15,15]",
+                                       "parallel.memory_fraction=0.8"), sizing=True)
+    room = int(0.8 * 64 * 1024 ** 3) - uneven.card.activations - RUNTIME_BYTES - uneven.weight_bytes_per_rank
+    assert uneven.card.blocks == room // (15 * 16 * 576 * 2) - 1 == 20342
+    assert uneven.kv_bytes_per_rank == 15 * 16 * 576 * 2 * 20343
+    assert "experts 39.375 GiB + the rest 1.445 GiB per rank" in uneven.describe()
 
 
 def test_a_checkpoint_whose_latent_shapes_disagree_with_its_config_is_refused_naming_the_tensor(

@@ -197,9 +197,17 @@ def test_int4_groups_held_two_a_byte_fit_llama_405b_on_one_node(tmp_path):
     plan = plan_job(load_spec(name, [f"output.path={tmp_path / 'out.jsonl'}"]), sizing=True)
     assert 25 * 1024 ** 3 < plan.weight_bytes_per_rank < 25.2 * 1024 ** 3 and plan.card.blocks > 512
     assert "int4 groups int4, two a byte (Ascend's quantized matmuls)" in plan.describe()
+    # 30265 blocks hold 59 sequences of 8192 tokens: the batch line says so beside max_batch_size 64
+    assert "batch <= 64 (the KV cache holds 59 of max_model_len; shorter ones fill the rest)" in plan.describe()
     portable = load_spec(name, [f"output.path={tmp_path / 'out.jsonl'}", "model.ops=portable"])
     with pytest.raises(LayoutError, match="weights 94.5\\d GiB .*pipeline_parallel 2 fits at tensor_parallel 8"):
         plan_job(portable, sizing=True)
+    # on smaller cards the layouts it names are weighed as int4 too (they were weighed in bfloat16:
+    # tp 32 and pp 4 named, 24.37 and 24.24 GiB a card, where tp 16 and pp 2 fit)
+    small = load_spec(name, [f"output.path={tmp_path / 'out.jsonl'}", "parallel.device_memory_gb=32"])
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel 16 fits \(12.68 GiB of weights a card\); "
+                                          r"parallel.pipeline_parallel 2 fits at tensor_parallel 8 \(12.55 GiB"):
+        plan_job(small, sizing=True)
 
 
 def test_simulate_runs_stages_and_reports_each_stages_idle_share(checkpoint, tmp_path, ray_local):

@@ -81,14 +81,13 @@ def test_streamed_text_comes_a_line_at_a_time_behind_each_records_id():
                                                "[d[x]] not a sample's key"]
 
 
-def test_a_records_streamed_lines_are_its_text_each_out_by_the_time_its_result_is(ray_local, capsys):
-    """generate(stream=True) on the demo model: every record's text comes out on stderr whole, a
-    line at a time behind its id, and a record that finishes first is printed in full before the
-    call returns (its last line does not wait for the job's end, nor come split off)."""
-    from scripts.make_demo_model import ensure_demo_model
-    prompts = [{"prompt": "Name a colour.", "sampling": {"max_new_tokens": 3}},
-               {"prompt": "Write a short poem about the sea.", "sampling": {"max_new_tokens": 40}}]
-    with LLM(str(ensure_demo_model()), max_model_len=256, device="cpu", chat_template=False) as llm:
+def test_a_records_streamed_lines_are_its_text_each_out_by_the_time_its_result_is(checkpoint, ray_local, capsys):
+    """generate(stream=True): every record's text comes out on stderr whole, a line at a time
+    behind its id, and a record that finishes first is printed in full before the call returns
+    (its last line does not wait for the job's end, nor come split off)."""
+    prompts = [{"prompt": "hello world", "sampling": {"max_new_tokens": 3}},
+               {"prompt": "the capital of France is", "sampling": {"max_new_tokens": 40}}]
+    with LLM(str(checkpoint("qwen2_tied_5_layers")), max_model_len=128, device="cpu", chat_template=False) as llm:
         printed = []
         real_end = StreamPrinter.end
 

@@ -37,7 +37,7 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
 
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
-                cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None) -> dict:
+                cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None, forced: bool = False) -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
@@ -45,7 +45,8 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     completion's echo, "all" (the prompt's text, and with log-probabilities its tokens', before
     each choice's: the result's prompt_text, prompt_token_ids and prompt_logprobs) or "prompt"
     (the prompt's alone, as vLLM answers max_tokens 0); a chat completion's, "chat" (the
-    result's prompt_text before each message's content)."""
+    result's prompt_text before each message's content); `forced`: its tool_choice is "required" or
+    a named function."""
     custom_id = result["id"]
     if result.get("error"):             # the request's fault (400), or the server's (500: a record
         # quarantined for the replica failures it ran in, an inconsistency of msinfer's own)
@@ -72,8 +73,8 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
         """What echo puts before a choice, from its prompt's fields."""
         return (given["prompt_text"],) if chat else \
             (given["prompt_text"], given["prompt_token_ids"], given.get("prompt_logprobs") or [])
-    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(given) if echo else None)
-               for i, (out, given) in enumerate(zip(outputs, prompts))]
+    choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(given) if echo else None,
+                       forced) for i, (out, given) in enumerate(zip(outputs, prompts))]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
@@ -107,7 +108,9 @@ def vllm_prompt_logprobs(result: dict, token_text) -> list:
 
 
 def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True,
-            echo: str | None = None, prompt: tuple | None = None) -> dict:
+            echo: str | None = None, prompt: tuple | None = None, forced: bool = False) -> dict:
+    """One choice of the body; `forced`: the request's tool_choice is "required" or a named
+    function (vLLM's message then has content "", not null, beside its calls)."""
     text = out.get("output_text") or ""
     logprobs = None
     entries = out.get("logprobs") if top_logprobs is not None else None
@@ -120,9 +123,10 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
         head += [None] * (len(p_ids) - len(head))
         if top_logprobs is not None:
             ids, entries = (p_ids, head) if echo == "prompt" else (p_ids + ids, head + (entries or []))
-    if entries and chat:
+    if entries and chat:                # vLLM's candidates: the sampled token first, then the most likely
         logprobs = {"content": [_chat_logprob(token_text(t), e["logprob"],
-                                              [(token_text(a), v) for a, v, *_ in e["top"][:top_logprobs]])
+                                              [(token_text(a), v) for a, v in
+                                               _sampled_first(t, e["logprob"], e["top"])[:top_logprobs]])
                                 for t, e in zip(ids, entries)], "refusal": None}
     elif entries:
         texts = [token_text(t) for t in ids[:len(entries)]]
@@ -137,12 +141,19 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
             message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)
-        if out.get("tool_calls"):       # (launcher.tools) OpenAI's message: content null where it has only calls
-            message.update(content=text or None, tool_calls=out["tool_calls"])
+        if out.get("tool_calls"):       # (launcher.tools) content null where it has only calls; "" where
+            message.update(content=text or ("" if forced else None), tool_calls=out["tool_calls"])  # forced
         if prompt is not None:          # echo: the last message's text first (vLLM's, content "" at least)
             message["content"] = prompt[0] + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
+
+
+def _sampled_first(token: int, logprob: float, top: list) -> list[tuple[int, float]]:
+    """A chat token's top_logprobs candidates as vLLM orders them (its engine puts the sampled
+    token first, and chat takes the first top_logprobs): the token itself, then the most likely
+    others. The same as the most likely where the token is the most likely (greedy)."""
+    return [(token, logprob), *((a, v) for a, v, *_ in top if a != token)]
 
 
 def _chat_logprob(token: str, logprob: float, top: list) -> dict:

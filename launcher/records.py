@@ -36,6 +36,7 @@ class OpenAIRequest(NamedTuple):
     # its echo: a completion's (its mode, each prompt as written or None for token ids), a chat
     # completion's ("chat", the text before each choice's content), or None
     echo: tuple | None
+    forced: bool = False            # tool_choice "required" or a named function: content "" beside calls
 
 
 class Done(NamedTuple):
@@ -114,8 +115,7 @@ class RecordCodec:
         """A token's own text (decoded alone), remembered: logprobs name the same few often."""
         text = self.texts.get(token_id)
         if text is None:
-            text = self.texts[token_id] = (self.tok.decode([token_id], skip_special_tokens=False)
-                                           if self.tok is not None else str(token_id))
+            text = self.texts[token_id] = self.tok.token_text(token_id) if self.tok is not None else str(token_id)
         return text
 
     # ---- records in -----------------------------------------------------------------------------
@@ -341,7 +341,8 @@ class RecordCodec:
         top = rec.openai_logprobs
         if top is None:         # the job's sampling.logprobs (or a plain record's own): computed, so answered
             top = logprobs or None
-        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo)
+        forced = rec.tool_use is not None and rec.tool_use.choice != "auto"
+        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo, forced)
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -466,8 +467,8 @@ class RecordCodec:
             content = "" if calls else content
         calls = calls if use.parallel else calls[:1]
         finish = seq.finish_reason
-        if calls and (use.choice == "auto" or use.choice == "required" and finish == "stop"):
-            finish = "tool_calls"
+        if calls and finish == "stop" and use.choice in ("auto", "required"):   # (vLLM's: a length cut
+            finish = "tool_calls"                                           # stays; a named one stops)
         return {**fields, "output_text": content, "tool_calls": tool_calls_field(seq.key, index, calls)}, finish
 
     def logprob_entry(self, token: int, lp: float, top: list, rank: int | None = None) -> dict:
@@ -545,7 +546,7 @@ class RecordCodec:
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
             line = openai_line(result, request.url, request.top_logprobs, self.model_name, self.token_text, cached,
-                               request.reasoning, request.echo[0] if request.echo else None)
+                               request.reasoning, request.echo[0] if request.echo else None, request.forced)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])

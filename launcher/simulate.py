@@ -167,7 +167,9 @@ class StandInRunner:
         else:
             it = iter(drawn)
             tokens = [next(it) if s.sample else -1 for s in seqs]
-        lps = [(0.0, [(t, 0.0)] * s.sampling.logprobs) if t >= 0 and s.sampling.logprobs else None
+        # the sampled token and the next ids after it, as a real step's k distinct most likely
+        lps = [(0.0, [((t + i) % self.vocab, 0.0) for i in range(s.sampling.logprobs)])
+               if t >= 0 and s.sampling.logprobs else None
                for s, t in zip(seqs, tokens)] if any(s.sampling.logprobs for s in rows) else [None]
         # task embed and classify: a vector drawn by the prompt, as its tokens are
         scores = [self.draw(np.full(self.hidden, keys[s.seq_id], np.uint64), np.arange(self.hidden, dtype=np.uint64))

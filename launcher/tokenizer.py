@@ -7,6 +7,7 @@ without adding special tokens again (the template already holds BOS and the role
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,6 +57,20 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text alone, as vLLM names a token in log-probabilities
+        (convert_ids_list_to_tokens): decoded, with the leading spaces back that a Metaspace
+        pre-tokenizer's decode drops (Mistral's "▁Paris" is " Paris", where decoding it alone
+        gives "Paris")."""
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        if not hasattr(self, "_space_marker"):
+            self._space_marker = _space_marker(self.tok)
+        if self._space_marker is None:
+            return text
+        raw = self.tok.convert_ids_to_tokens(token_id) or ""
+        missing = (len(raw) - len(raw.lstrip(self._space_marker))) - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def context(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> tuple[list[int], str, bool]:
         """The prompt's last tokens that a completion is decoded after (`decode_after`), their
@@ -193,6 +208,20 @@ def _ids(x: Any) -> list[int]:
 # stream with the prompt (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer; earlier
 # versions with its last 4 to 24 tokens); a decoder's word boundary needs only the last few.
 CONTEXT_TOKENS = 24
+
+
+def _space_marker(tok) -> str | None:
+    """The character a Metaspace pre-tokenizer writes for a space ("▁"), read from the tokenizer's
+    own description as vLLM reads it (get_leading_space_marker); None for others (byte-level BPE
+    decodes a token's space itself)."""
+    try:
+        pre = json.loads(tok.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    except (AttributeError, ValueError, TypeError):
+        return None
+    for p in [pre, *(pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [])]:
+        if isinstance(p, dict) and p.get("type") == "Metaspace":
+            return p.get("replacement", "\u2581")
+    return None
 
 
 def developer_as_system(messages: list[dict], template: Any) -> list[dict]:

@@ -286,6 +286,24 @@ def test_output_lines_parse_as_openai_types():
     assert openai_line(result, CHAT, None, "m", str)["id"] == line["id"]       # the same id on a re-run
 
 
+@pytest.mark.unit
+def test_a_sampled_chat_token_heads_its_top_logprobs_and_forced_calls_have_content_as_in_vllm():
+    """vLLM's engine puts a position's sampled token first among its candidates, and a chat
+    completion takes the first top_logprobs of them: a token sampled below the most likely comes
+    first (greedy, where it is the most likely, the same as the k most likely); a message whose
+    calls tool_choice "required" or a named function forced has content "", not null."""
+    sampled = ok_result("s", [11, 12], "x", "stop", 3,
+                        {"logprobs": [{"logprob": -1.5, "top": [[13, -0.4], [11, -1.5], [14, -2.0]]},
+                                      {"logprob": -0.2, "top": [[12, -0.2], [14, -3.0]]}]})
+    content = openai_line(sampled, CHAT, 2, "m", lambda t: f"<{t}>")["response"]["body"]["choices"][0]["logprobs"]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content["content"]] == [["<11>", "<13>"], ["<12>", "<14>"]]
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    called = ok_result("t", [5], {"output_text": "", "tool_calls": call}, "tool_calls", 3)
+    forced, auto = (openai_line(called, CHAT, None, "m", str, forced=f)["response"]["body"]["choices"][0]["message"]
+                    for f in (True, False))
+    assert (forced["content"], auto["content"]) == ("", None) and forced["tool_calls"] == call
+
+
 def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ray_local):
     """A job on an OpenAI Batch file (output.format auto -> openai), on stand-in workers with the
     demo model's config and tokenizer: chat and completion requests answered in OpenAI's shapes,

@@ -541,3 +541,24 @@ def test_a_developer_message_renders_as_vllm_renders_it_for_a_template_without_t
     tok = Tokenizer(str(build_tokenizer(tmp_path / "named", named)))
     assert tok.decode(tok.apply_chat_template(chat, add_generation_prompt=False), False) == \
         "<|system|>Be brief.<|user|>hi[dev]<|developer|>Answer in French."
+
+
+@pytest.mark.unit
+def test_a_metaspace_tokens_text_keeps_its_leading_space_as_vllms_logprobs_name_it(tmp_path):
+    """A Metaspace tokenizer (Mistral's, Llama's newer ones) decodes "▁Paris" alone as "Paris":
+    vLLM's log-probabilities name it " Paris" (convert_ids_list_to_tokens puts the space back), and
+    so do msinfer's; a byte-level BPE's token keeps its own space either way."""
+    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Paris": 1, "Paris": 2, "▁is": 3, "▁▁": 4, "!": 5}
+    raw = Raw(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(tmp_path / "meta")
+    meta = Tokenizer(str(tmp_path / "meta"))
+    assert meta.decode([1]) == "Paris"                                  # what decoding it alone gives
+    assert [meta.token_text(i) for i in (1, 2, 3, 4, 5)] == [" Paris", "Paris", " is", "  ", "!"]
+    byte_level = Tokenizer(str(build_tokenizer(tmp_path / "bpe")))
+    ids = byte_level.encode(" hello", add_special_tokens=False)
+    assert byte_level.token_text(ids[0]) == byte_level.decode(ids[:1], False)

@@ -342,6 +342,8 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
     assert (none["output_text"], none["tool_calls"], none["finish_reason"]) == ("Paris is sunny.", [], "stop")
     broken = done(codec(), record("c"), '<tool_call>{"name": "get_weather", "arguments": {', "length")
     assert broken["output_text"] == '<tool_call>{"name": "get_weather", "arguments": {' and broken["tool_calls"] == []
+    cut = done(codec(), record("c2"), call + "\nand", "length")            # calls read, then cut: vLLM keeps
+    assert cut["finish_reason"] == "length" and len(cut["tool_calls"]) == 1      # the length (it said tool_calls)
     both = done(codec(), record("d", parallel_tool_calls=False), call + call.replace("Paris", "Rome"))
     assert [c["function"]["arguments"] for c in both["tool_calls"]] == ['{"city": "Paris"}']
     n2 = done(codec(), record("e", sampling={"n": 2, "temperature": 1.0}), call)

@@ -449,7 +449,14 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "prompt_logprobs": "prompt_logprobs", "include_stop_str_in_output": "include_stop_str_in_output",
                    "skip_special_tokens": "skip_special_tokens", "truncate_prompt_tokens": "truncate_prompt_tokens"}
 OPENAI_IGNORED = ("model", "user", "stream", "logprobs", "response_format", "top_logprobs", "metadata", "store",
-                  "guided_decoding_backend", "include_reasoning")
+                  "guided_decoding_backend", "include_reasoning",
+                  # vLLM's, which change nothing a batch answers: its scheduling priority (vLLM's
+                  # default first-come policy ignores it too), its own request id, and the options of
+                  # a stream (a batch has none)
+                  "priority", "request_id", "stream_options")
+# vLLM's reasoning_effort (renderers/params.py ReasoningEffort): a chat's template variable, and
+# enable_thinking (unless chat_template_kwargs sets it) true for any but "none"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # parameters that change what would be generated and that msinfer does not serve yet: refused
 # per request (a 400), not silently ignored, unless they have their neutral value
 OPENAI_NEUTRAL = {"best_of": 1, "suffix": None,
@@ -522,8 +529,15 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
             return f"'echo' must be true or false, got {_type(echo)}"
     if chat and (error := _fill_chat(rec, body)):
         return error
+    if chat and (effort := body.get("reasoning_effort")) is not None:
+        if effort not in REASONING_EFFORTS:
+            return f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {_type(effort)}"
+        own = (rec.chat or {}).get("chat_template_kwargs", {})
+        rec.chat = {**(rec.chat or {}), "chat_template_kwargs": {
+            "enable_thinking": effort != "none", **own, "reasoning_effort": effort}}
     unknown = [k for k in body if k not in (key, "echo", *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
-                                            *OPENAI_STRUCTURED, *((*CHAT_KEYS, *TOOL_KEYS) if chat else ()))]
+                                            *OPENAI_STRUCTURED,
+                                            *((*CHAT_KEYS, *TOOL_KEYS, "reasoning_effort") if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
     if body.get("stream"):

@@ -138,6 +138,8 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
                                      for tok, e in zip(texts, entries)],
                     "text_offset": offsets}
     if chat:
+        if "reasoning" in out and not reasoning:    # vLLM's: include_reasoning false hides the logprobs too
+            logprobs = None
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
             message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)

@@ -52,6 +52,28 @@ def test_a_request_becomes_a_record_with_its_sampling():
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+def test_vllms_reasoning_effort_is_a_template_variable_and_its_scheduling_keys_change_nothing():
+    """vLLM's chat body keys: reasoning_effort goes to the template as a variable and turns
+    enable_thinking on (off for "none") unless chat_template_kwargs sets it; priority, request_id
+    and stream_options (which a batch has no use for) are taken and change nothing."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    low = parse_openai(request("a", {**chat, "reasoning_effort": "low", "priority": 5, "request_id": "r-1",
+                                     "stream_options": {"include_usage": True}}), 1)
+    assert low.error is None and low.chat == {"chat_template_kwargs": {"enable_thinking": True,
+                                                                       "reasoning_effort": "low"}}
+    off = parse_openai(request("b", {**chat, "reasoning_effort": "none"}), 2)
+    assert off.chat["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "none"}
+    kept = parse_openai(request("c", {**chat, "reasoning_effort": "none",
+                                      "chat_template_kwargs": {"enable_thinking": True}}), 3)
+    assert kept.chat["chat_template_kwargs"] == {"enable_thinking": True, "reasoning_effort": "none"}
+    bad = parse_openai(request("d", {**chat, "reasoning_effort": "extreme"}), 4)
+    assert bad.error == ("line 4: 'reasoning_effort' must be one of none, minimal, low, medium, high, xhigh, max, "
+                         "got str 'extreme'")
+    assert parse_openai(request("e", {"prompt": "hi", "reasoning_effort": "low"}, "/v1/completions"), 5).error == \
+        "line 5: unknown body key 'reasoning_effort'"
+
+
 def test_vllms_structured_output_keys_in_a_body_constrain_the_output_as_in_vllm():
     """A batch file written for vLLM's run-batch gives structured outputs in vLLM's body keys: its
     `structured_outputs` object, or before it guided_json / guided_regex / guided_choice /
@@ -302,6 +324,14 @@ def test_a_sampled_chat_token_heads_its_top_logprobs_and_forced_calls_have_conte
     forced, auto = (openai_line(called, CHAT, None, "m", str, forced=f)["response"]["body"]["choices"][0]["message"]
                     for f in (True, False))
     assert (forced["content"], auto["content"]) == ("", None) and forced["tool_calls"] == call
+    # include_reasoning false (with a reasoning parser) leaves the reasoning out, and its tokens'
+    # log-probabilities with it, as vLLM's suppressed metadata
+    thought = ok_result("u", [11, 12], {"output_text": "x", "reasoning": "hmm"}, "stop", 3,
+                        {"logprobs": [{"logprob": -0.1, "top": []}, {"logprob": -0.2, "top": []}]})
+    hidden, shown = (openai_line(thought, CHAT, 0, "m", str, reasoning=r)["response"]["body"]["choices"][0]
+                     for r in (False, True))
+    assert (hidden["message"]["reasoning"], hidden["logprobs"]) == (None, None)
+    assert shown["message"]["reasoning"] == "hmm" and len(shown["logprobs"]["content"]) == 2
 
 
 def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ray_local):

@@ -147,8 +147,10 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
             message.update(content=text or ("" if forced else None), tool_calls=out["tool_calls"])  # forced
         if prompt is not None:          # echo: the last message's text first (vLLM's, content "" at least)
             message["content"] = prompt[0] + (message["content"] or "")
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"]}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out["finish_reason"],
+                "stop_reason": out.get("stop_reason")}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"],
+            "stop_reason": out.get("stop_reason")}
 
 
 def _sampled_first(token: int, logprob: float, top: list) -> list[tuple[int, float]]:

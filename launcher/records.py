@@ -101,6 +101,10 @@ class RecordCodec:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
         self.eos = tuple(eos)
+        # the end-of-sequence token vLLM stops at as its own (its stop_reason null); the others it
+        # counts among the stop tokens (stop_reason: the token)
+        self.primary_eos = tokenizer.eos_token_id if tokenizer is not None and tokenizer.eos_token_id is not None \
+            else next(iter(eos), None)
         self.openai = output_format == "openai"
         self.embed = spec.task == "embed"
         self.pools = spec.task in POOLING_TASKS        # embed, classify: a prefill pools, nothing is generated
@@ -395,11 +399,21 @@ class RecordCodec:
             return self._done(seq.record.serial, score_result(seq.key, seq.prompt_token_ids[-n:],
                                                               seq.record.continuation_logprobs,
                                                               seq.num_prompt_tokens - n), given_id=seq.record.given_id)
-        extra = {**self.logprobs(seq), **self.prompt_logprobs(seq), **self.echoed(seq)}
+        extra = {**self.stop_reason(seq), **self.logprobs(seq), **self.prompt_logprobs(seq), **self.echoed(seq)}
         fields, finish = self.message(seq) if self.tok is not None else (None, seq.finish_reason)
         result = ok_result(seq.key, seq.output_token_ids, fields, finish, seq.num_prompt_tokens, extra)
         return self._done(seq.record.serial, result, seq.record.request, self.ttft([seq]), seq.num_cached_tokens,
                           seq.record.given_id)
+
+    def stop_reason(self, seq: Sequence) -> dict:
+        """`stop_reason` where a stop string or a stop token ended the sequence, as vLLM's output
+        names it: the string, or the token (one of stop_token_ids, or an end-of-sequence token other
+        than the tokenizer's own: vLLM counts those among the stop tokens); nothing where the
+        tokenizer's end-of-sequence token or a length limit ended it."""
+        if seq.record.cut_text is not None and seq.record.stop_matcher is not None:
+            return {"stop_reason": seq.record.stop_matcher.matched}
+        token = seq.stop_token_id
+        return {} if token is None or token == self.primary_eos else {"stop_reason": token}
 
     def embedded(self, seq: Sequence) -> dict:
         """A task embed sequence's `embedding`: a list of floats, or base64 for an OpenAI request
@@ -429,8 +443,8 @@ class RecordCodec:
         for i, seq in enumerate(samples.seqs):
             fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
             outputs.append({"index": i, **fields, "output_token_ids": list(seq.output_token_ids),
-                            "finish_reason": finish, "completion_tokens": seq.num_completion_tokens,
-                            **self.logprobs(seq)})
+                            "finish_reason": finish, **self.stop_reason(seq),
+                            "completion_tokens": seq.num_completion_tokens, **self.logprobs(seq)})
             if several:
                 p = i - i % seq.sampling.n
                 if p not in prompts:

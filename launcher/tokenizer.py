@@ -257,6 +257,7 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(s for s in stop if s)
         self.include = include
+        self.matched: str | None = None     # the stop string it found
         self.checked = 0  # leading characters of the text already seen
         # the characters at the end of a running sequence's text that a stream holds back: the
         # start of a stop string that the next tokens may complete (vLLM's stop_buffer_length)
@@ -274,8 +275,9 @@ class StopStringMatcher:
                 if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return None
-        end, _, i = min(hits)       # the one that ends first (as text grows a character at a time);
-        return end if self.include else i       # of those ending together, the first listed
+        end, k, i = min(hits)       # the one that ends first (as text grows a character at a time);
+        self.matched = self.stop[k]             # of those ending together, the first listed
+        return end if self.include else i
 
 
 # output.reasoning_parser (qwen3, deepseek_r1): vLLM's parsers of the same names, for the models

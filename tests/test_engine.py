@@ -156,6 +156,9 @@ def test_a_stop_string_ends_a_record_where_it_starts(demo, tmp_path, ray_local, 
     assert late["output_text"] == (text[:later] if later >= 0 else text), (stop, text)
     assert late["finish_reason"] == ("stop" if later >= 0 else "length")
     assert late["completion_tokens"] > at
+    # vLLM's stop_reason: the stop string that ended it (none where the length limit did)
+    assert cut["stop_reason"] == kept["stop_reason"] == got["last"]["stop_reason"] == stop
+    assert late.get("stop_reason") == (stop if later >= 0 else None)
 
 
 class DiesOnce(StandInWorker):

@@ -90,6 +90,7 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_then(checkpoint, refere
                {"id": "held", "prompt_token_ids": prompt, "sampling": {"stop_token_ids": [stop], "min_tokens": 5}}]
     lines, _ = run_engine(plan, records)
     assert lines["early"]["output_token_ids"] == free[:2] and lines["early"]["finish_reason"] == "stop"
+    assert lines["early"]["stop_reason"] == stop                  # vLLM's: the stop token that ended it
     held = lines["held"]["output_token_ids"]
     p = plan.spec.sampling.merge({"stop_token_ids": [stop], "min_tokens": 5}).to_params()
     p = plan_codec(plan).complete(p, _rec("held"))

@@ -23,7 +23,6 @@ import numpy as np
 from msinfer.launcher.errors import SpecError
 
 MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-ST_MODULE = "sentence_transformers.models."
 
 
 def checkpoint_pooling(model_dir: str | Path) -> tuple[str | None, bool | None]:
@@ -42,7 +41,8 @@ def checkpoint_pooling(model_dir: str | Path) -> tuple[str | None, bool | None]:
                         f"pooling.type and pooling.normalize to pool without it") from None
     how, normalize = None, False
     for kind, path in kinds:
-        name = kind.removeprefix(ST_MODULE)
+        name = str(kind).rsplit(".", 1)[-1]     # (sentence_transformers.models.Pooling, or the newer
+        # sentence_transformers.sentence_transformer.modules.pooling.Pooling)
         if name == "Pooling":
             config = d / path / "config.json"
             try:
@@ -59,6 +59,8 @@ def checkpoint_pooling(model_dir: str | Path) -> tuple[str | None, bool | None]:
         elif name != "Transformer":
             raise SpecError(f"{modules_file}: module {kind} ({path or 'at the top'}) is not applied by msinfer "
                             f"(it applies Transformer, Pooling and Normalize)")
+    if how is None:         # no Pooling module: no sentence-transformers pooling to read (vLLM's
+        return None, None   # get_pooling_config), so the model's defaults, normalized
     return how, normalize
 
 

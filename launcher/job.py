@@ -25,7 +25,7 @@ from msinfer.launcher.idset import IdSet, chunks
 from msinfer.launcher.inputs import (check_chat, check_input, expected_length, file_label, input_files,
                                     is_openai_batch, line_id, location, longest_first, reads_back, unit_of)
 from msinfer.launcher.metrics import check_port
-from msinfer.launcher.records import Done, outside_vocabulary
+from msinfer.launcher.records import Done, matryoshka_problem, outside_vocabulary
 from msinfer.launcher.shards import check_shard_by, for_shard, shard_files, shard_input
 from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
@@ -541,9 +541,8 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if spec.task == "embed":                    # no LM head, the pooling the checkpoint gives (launcher.embed)
         (spec, note), m = resolve_pooling(spec), m.pooling_only()
         notes.append(note)
-        if spec.pooling.dimensions is not None and spec.pooling.dimensions > m.hidden_size:
-            raise SpecError(f"pooling.dimensions is {spec.pooling.dimensions}, more than the model's hidden size "
-                            f"{m.hidden_size}")
+        if spec.pooling.dimensions is not None and (problem := matryoshka_problem(m, spec.pooling.dimensions)):
+            raise SpecError(f"pooling.dimensions {problem}")
     elif spec.task == "classify" and not m.num_labels and not spec.model.classifier_from_tokens:
         raise SpecError(f"task classify needs a sequence classifier's checkpoint (*ForSequenceClassification, "
                         f"with its `score` head), or a causal LM and model.classifier_from_tokens (a reranker's "

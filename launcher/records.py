@@ -94,9 +94,10 @@ class RecordCodec:
 
     def __init__(self, spec, model, tokenizer: Tokenizer | None, output_format: str = "msinfer"):
         """spec: launcher.spec.JobSpec; model: sharding.config.ModelConfig."""
-        self.spec, self.tok = spec, tokenizer
+        self.spec, self.tok, self.model = spec, tokenizer, model
         self.vocab_size, self.hidden_size = model.vocab_size, model.hidden_size
         self.labels = model.labels                      # a classifier's (task classify)
+        self.activation = model.classifier_activation
         eos = model.eos_token_ids
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tuple(dict.fromkeys([*eos, tokenizer.eos_token_id]))
@@ -173,9 +174,11 @@ class RecordCodec:
                 prompts = [self.tok.encode_record(rec, template, spec.input.chat_template_kwargs,
                                                   generation_prompt=not self.pools)]
                 thinking = self.thinking(rec, template)
-            if k := sampling.truncate_prompt_tokens:    # (vLLM's left truncation: the prompt's last k tokens;
-                # -1: as many as fit, with room for a generated token unless it generates none)
-                prompts = [ids[-(max_len - (not self.pools) if k == -1 else k):] for ids in prompts]
+            if k := sampling.truncate_prompt_tokens:    # -1: as many as fit, with room for a generated
+                keep = max_len - (not self.pools) if k == -1 else k     # token unless it generates none
+                # vLLM's sides: a generated prompt keeps its last k tokens, a pooled one (embed,
+                # classify) its first k (its tokenizer's truncation_side "right" for pooling)
+                prompts = [ids[:keep] if self.pools else ids[-keep:] for ids in prompts]
             continuation = self.continuation(rec)
             prompts = [ids + continuation for ids in prompts]
             for ids in prompts:
@@ -295,9 +298,15 @@ class RecordCodec:
         """task embed: how many of its vector's values a record keeps (its OpenAI request's
         `dimensions`, else pooling.dimensions), checked against the model's hidden size."""
         k = rec.dimensions if rec.dimensions is not None else self.spec.pooling.dimensions if self.embed else None
-        if k is not None and k > self.hidden_size:
-            raise RecordError(f"record '{rec.id}': dimensions {k} is more than the model's {self.hidden_size}")
+        if k is not None and (problem := self.matryoshka_problem(k)):
+            raise RecordError(f"record '{rec.id}': dimensions {problem}")
         return k
+
+    def matryoshka_problem(self, k: int) -> str | None:
+        """Why a vector cannot be cut to its first k values, as vLLM refuses it: the model is no
+        Matryoshka model (config.json says neither is_matryoshka nor matryoshka_dimensions), k is
+        more than its hidden size, or not one of the sizes it lists."""
+        return matryoshka_problem(self.model, k)
 
     def word_ids(self, word: str) -> list[tuple[int, ...]]:
         """A bad word's token ids as vLLM finds them: the word as it is, and with a space before
@@ -390,7 +399,7 @@ class RecordCodec:
             return self._done(seq.record.serial, error_result(seq.key, "InvalidRecord", message), seq.record.request,
                               given_id=seq.record.given_id)
         if seq.sampling.pooling:
-            made = self.embedded(seq) if self.embed else classified(seq.record.pooled, self.labels)
+            made = self.embedded(seq) if self.embed else classified(seq.record.pooled, self.labels, self.activation)
             return self._done(seq.record.serial, {"id": seq.key, **made, "prompt_tokens": seq.num_prompt_tokens,
                                                   "completion_tokens": 0, "error": None},
                               seq.record.request, given_id=seq.record.given_id)
@@ -594,12 +603,27 @@ def ok_result(id: str, token_ids: list[int], text: str | dict | None, finish_rea
     return result
 
 
-def classified(logits, labels: tuple) -> dict:
-    """A classified record's fields (task classify): its classifier's `logits`, their `probs`
-    (softmax; a one-label model's, such as a reward model's, sigmoid) and the most likely
-    label's name (id2label)."""
+def matryoshka_problem(model, k: int) -> str | None:
+    """RecordCodec.matryoshka_problem's, for `model` (a ModelConfig)."""
+    if not getattr(model, "matryoshka", False):
+        return (f"{k}: the model does not support Matryoshka embeddings (its config.json has neither "
+                f"is_matryoshka nor matryoshka_dimensions), so its vectors are not cut; leave dimensions unset")
+    if k > model.hidden_size:
+        return f"{k} is more than the model's hidden size {model.hidden_size}"
+    if model.matryoshka_dimensions and k not in model.matryoshka_dimensions:
+        return f"{k} is not one of the model's Matryoshka dimensions {list(model.matryoshka_dimensions)}"
+    return None
+
+
+def classified(logits, labels: tuple, activation: str = "") -> dict:
+    """A classified record's fields (task classify): its classifier's `logits`, their `probs` and
+    the most likely label's name (id2label). `activation` (ModelConfig.classifier_activation):
+    "identity" (a regression's values), "sigmoid" (each label on its own), "softmax", or ""
+    (softmax; a one-label model's, such as a reward model's, sigmoid), as vLLM's pooler."""
     z = np.asarray(logits, np.float64)
-    if len(z) == 1:
+    if activation == "identity":
+        probs = z
+    elif activation == "sigmoid" or (len(z) == 1 and activation != "softmax"):
         probs = 1.0 / (1.0 + np.exp(-z))
     else:
         e = np.exp(z - z.max())

@@ -158,6 +158,14 @@ class ModelConfig:
     # hidden] on the last token's final hidden state, and its labels' names (id2label)
     num_labels: int = 0
     labels: tuple[str, ...] = ()
+    # how its logits become `probs` (launcher.records.classified), as vLLM's pooler picks it from
+    # problem_type and a cross-encoder's activation: "identity", "sigmoid" (each label on its own),
+    # "softmax", or "" (one label: sigmoid, several: softmax)
+    classifier_activation: str = ""
+    # Matryoshka embeddings: whether a vector may be cut to its first `dimensions` values, and to
+    # which (None: any), as config.json says (is_matryoshka, matryoshka_dimensions)
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
     # a causal LM read as a classifier of its next token among these (ModelConfig.token_classifier):
     # its head is their rows of the LM head (or of the tied embedding), not a `score` tensor
     head_tokens: tuple[int, ...] = ()
@@ -272,8 +280,40 @@ class ModelConfig:
         if quant is not None:
             check_expert_inputs(cfg, source)
         if arch.endswith("ForSequenceClassification"):
-            cfg = dataclasses.replace(cfg, lm_head=False, **cls._labels(d, source))
+            cfg = dataclasses.replace(cfg, lm_head=False, **cls._labels(d, source),
+                                      classifier_activation=cls._activation(d, source))
+        dims = d.get("matryoshka_dimensions")
+        if dims or d.get("is_matryoshka"):
+            cfg = dataclasses.replace(cfg, matryoshka=True,
+                                      matryoshka_dimensions=tuple(int(x) for x in dims) if dims else None)
         return cfg
+
+    # a cross-encoder's activation (sentence-transformers), by its torch.nn class
+    ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax"}
+
+    @staticmethod
+    def _activation(d: dict, source: str) -> str:
+        """How a sequence classifier's logits become probabilities, as vLLM's pooler reads its config
+        (model_executor/layers/pooler/activations.py): problem_type regression: the logits as
+        they are; multi_label_classification: a sigmoid for each; else a sentence-transformers
+        cross-encoder's activation_fn (or sbert_ce_default_activation_function)."""
+        problem = d.get("problem_type") or ""
+        if problem == "regression":
+            return "identity"
+        if problem == "multi_label_classification":
+            return "sigmoid"
+        if problem == "single_label_classification":
+            return ""
+        st = d.get("sentence_transformers")
+        name = ((st.get("activation_fn") if isinstance(st, dict) else None)
+                or d.get("sbert_ce_default_activation_function"))
+        if not name:
+            return ""
+        kind = ModelConfig.ACTIVATIONS.get(str(name).rsplit(".", 1)[-1]) if str(name).startswith("torch.nn.") else None
+        if kind is None:
+            raise ModelConfigError(f"{source}: the classifier's activation {name!r} is not one msinfer applies "
+                                   f"({', '.join('torch.nn.' + k for k in ModelConfig.ACTIVATIONS)})")
+        return kind
 
     @staticmethod
     def _labels(d: dict, source: str) -> dict:

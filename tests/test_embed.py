@@ -73,7 +73,8 @@ def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cach
     """Prompts of 37, 23 and 3 tokens at max_batched_tokens 16 (the longest in three chunks, the
     second after the first's cached blocks where last pooling lets it skip them): each vector
     within 1e-5 of transformers' pooled and normalized final hidden states; prompt_tokens counted;
-    truncate_prompt_tokens -1 keeps the last max_model_len tokens (no room for a generated one);
+    truncate_prompt_tokens -1 keeps the first max_model_len tokens (vLLM's pooling truncates on
+    the right; no room for a generated one is kept);
     n > 1 and prompt_logprobs are the record's error."""
     path = checkpoint(NAME)
     plan = plan_job(spec_for(path, pooling={"type": how}, scheduler={"max_batched_tokens": 16, "max_batch_size": 4}),
@@ -81,7 +82,7 @@ def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cach
     assert plan.spec.pooling.normalize is True and plan.model.lm_head is False
     records = [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
     stats = {}
-    long = [(5 * i + 1) % 200 + 3 for i in range(70)]           # past max_model_len 64: its last 64
+    long = [(5 * i + 1) % 200 + 3 for i in range(70)]           # past max_model_len 64: its first 64
     lines = run(plan, records + [{"id": "n", "prompt_token_ids": [5, 6], "sampling": {"n": 2}},
                                  {"id": "lp", "prompt_token_ids": [5, 6], "sampling": {"prompt_logprobs": 0}},
                                  {"id": "cut", "prompt_token_ids": long, "sampling": {"truncate_prompt_tokens": -1}}],
@@ -89,7 +90,7 @@ def test_each_pooling_gives_transformers_vector_whole_in_chunks_and_after_a_cach
     # the second prompt's first 16 tokens (a block) come from the first's cache where the last
     # token alone is pooled; mean and cls pooling feed every token
     assert stats["cached_tokens"] == (16 if how == "last" else 0)
-    for line, ids in zip(lines[:3] + lines[5:], PROMPTS + [long[-64:]]):
+    for line, ids in zip(lines[:3] + lines[5:], PROMPTS + [long[:64]]):
         assert line["error"] is None and line["prompt_tokens"] == len(ids) and line["completion_tokens"] == 0
         got = np.array(line["embedding"])
         assert got.shape == (plan.model.hidden_size,)
@@ -129,6 +130,8 @@ def test_a_base_models_checkpoint_pools_as_its_sentence_transformers_files_say_a
     from msinfer.launcher.errors import SpecError
     path = base_model(checkpoint(NAME), tmp_path / "base", "mean", normalize=False)
     assert not (path / "model.safetensors.index.json").exists()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))     # dimensions: cut it
     plan = plan_job(spec_for(path, output={"format": "openai"}), check_io=False)
     assert (plan.spec.pooling.type, plan.spec.pooling.normalize) == ("mean", False)
     assert ("task embed: mean pooling of the final hidden states, not normalized (from the checkpoint's "
@@ -168,8 +171,18 @@ def test_a_base_models_checkpoint_pools_as_its_sentence_transformers_files_say_a
                                         r"not applied by msinfer"):
         plan_job(spec_for(lasttoken), check_io=False)
     assert plan_job(spec_for(lasttoken, pooling={"type": "last", "normalize": True}), check_io=False)
-    with pytest.raises(SpecError, match="pooling.dimensions is 65, more than the model's hidden size 64"):
+    with pytest.raises(SpecError, match="pooling.dimensions 65 is more than the model's hidden size 64"):
         plan_job(spec_for(path, pooling={"dimensions": 65}), check_io=False, weights=False)
+    # as vLLM: a model that is no Matryoshka model is not cut, nor one to a size it does not list
+    with pytest.raises(SpecError, match=r"pooling.dimensions 16: the model does not support Matryoshka embeddings "
+                                        r"\(its config.json has neither is_matryoshka nor matryoshka_dimensions\)"):
+        plan_job(spec_for(lasttoken, pooling={"type": "last", "normalize": True, "dimensions": 16}), check_io=False,
+                 weights=False)
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    assert plan_job(spec_for(path, pooling={"dimensions": 32}), check_io=False, weights=False).spec.pooling.dimensions == 32
+    with pytest.raises(SpecError, match=r"pooling.dimensions 8 is not one of the model's Matryoshka dimensions "
+                                        r"\[16, 32\]"):
+        plan_job(spec_for(path, pooling={"dimensions": 8}), check_io=False, weights=False)
     # pooling is for task embed, and an embeddings request is its record's error in a generate job
     from msinfer.launcher.inputs import parse_openai
     from msinfer.launcher.records import RecordCodec
@@ -351,3 +364,41 @@ def test_a_mixture_of_experts_and_latent_attention_embed_as_transformers_base_mo
     lines = run(plan, [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)])
     for line, ids in zip(lines, PROMPTS):
         np.testing.assert_allclose(line["embedding"], hf_embedding(path, ids, "mean"), atol=1e-4)
+
+
+@pytest.mark.unit
+def test_a_classifiers_probs_and_a_checkpoints_pooling_are_read_as_vllms_pooler_reads_them(tmp_path):
+    """config.json's problem_type and a cross-encoder's activation decide `probs` (regression: the
+    logits; multi-label: a sigmoid each; Identity: the logits), as vLLM's pooler; modules.json
+    without a Pooling module leaves the model's defaults (last token, normalized), and the newer
+    sentence-transformers module names read as the old."""
+    from msinfer.launcher.embed import checkpoint_pooling
+    from msinfer.launcher.records import classified
+    from msinfer.sharding.config import ModelConfig, ModelConfigError
+    z = [1.0, 1.0, -1.0]
+    sig = [1 / (1 + np.exp(-x)) for x in z]
+    assert classified(z, ("a", "b", "c"), "sigmoid")["probs"] == pytest.approx(sig)
+    assert classified([2.0], ("score",), "identity")["probs"] == [2.0]
+    assert classified([2.0], ("score",))["probs"] == pytest.approx([1 / (1 + np.exp(-2.0))])
+    assert classified(z, ("a", "b", "c"))["probs"] == pytest.approx(np.exp(z) / np.exp(z).sum())
+    base = {"architectures": ["Qwen2ForSequenceClassification"], "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 64, "num_labels": 1}
+    kinds = {json.dumps(extra): ModelConfig.from_dict({**base, **extra}).classifier_activation for extra in (
+        {}, {"problem_type": "regression"}, {"problem_type": "multi_label_classification"},
+        {"problem_type": "single_label_classification"},
+        {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}},
+        {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Sigmoid"})}
+    assert list(kinds.values()) == ["", "identity", "sigmoid", "", "identity", "sigmoid"]
+    with pytest.raises(ModelConfigError, match=r"the classifier's activation 'my.Module' is not one msinfer applies"):
+        ModelConfig.from_dict({**base, "sentence_transformers": {"activation_fn": "my.Module"}})
+    (tmp_path / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "",
+                                                        "type": "sentence_transformers.models.Transformer"}]))
+    assert checkpoint_pooling(tmp_path) == (None, None)             # no Pooling module: the defaults
+    new = "sentence_transformers.sentence_transformer.modules."
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"path": "", "type": new + "transformer.Transformer"}, {"path": "1_Pooling", "type": new + "pooling.Pooling"},
+        {"path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]))
+    assert checkpoint_pooling(tmp_path) == ("mean", True)

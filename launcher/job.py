@@ -714,12 +714,15 @@ def token_classifier(spec: JobSpec, m: ModelConfig, tokenizer, weights: bool) ->
         raise SpecError(f"model.classifier_from_tokens names tokens, and the model has no tokenizer in "
                         f"{spec.model.tokenizer_path} to find them with")
     ids = []
-    for text in given:
-        got = tokenizer.encode(text, add_special_tokens=False)
-        if len(got) != 1:
-            raise SpecError(f"model.classifier_from_tokens: {text!r} is {len(got)} tokens of the tokenizer "
-                            f"({got[:8]}); each label must be one token")
-        ids.append(got[0])
+    hf = tokenizer.tok
+    for text in given:          # a vocabulary entry, as vLLM looks a label up (convert_tokens_to_ids)
+        tid = hf.convert_tokens_to_ids(text)
+        if tid is None or (tid == hf.unk_token_id and text != hf.unk_token):
+            got = tokenizer.encode(text, add_special_tokens=False)
+            raise SpecError(f"model.classifier_from_tokens: {text!r} is not a token of the tokenizer's vocabulary "
+                            f"(as text it is {len(got)} token(s), {got[:8]}); each label is one vocabulary entry, "
+                            f"as vLLM looks it up")
+        ids.append(tid)
     if len(set(ids)) != len(ids):
         raise SpecError(f"model.classifier_from_tokens: {given} name the same token twice")
     m = m.token_classifier(ids, given)

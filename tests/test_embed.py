@@ -316,7 +316,8 @@ def test_a_causal_lm_classifies_by_the_lm_head_rows_of_given_tokens_as_a_reranke
     """model.classifier_from_tokens: ["no", "yes"] under task classify (Qwen3-Reranker's way, as
     vLLM's classifier_from_token): the demo model's logits are its LM head's rows of those tokens on
     the last token, within 1e-4 of transformers' next-token logits there; probs[1] is the
-    relevance. A label that is not one token stops the plan, naming it."""
+    relevance. A label is a vocabulary entry, looked up as vLLM does; one that is not stops the
+    plan, naming it."""
     import torch
     import transformers
     from msinfer.launcher.errors import SpecError
@@ -337,7 +338,8 @@ def test_a_causal_lm_classifies_by_the_lm_head_rows_of_given_tokens_as_a_reranke
             want = ref(torch.tensor([ids])).logits[0, -1, list(plan.model.head_tokens)].double().numpy()
         np.testing.assert_allclose(line["logits"], want, atol=1e-4)
         assert line["prompt_tokens"] == len(ids) and line["label"] in ("no", "yes")
-    with pytest.raises(SpecError, match=r"model.classifier_from_tokens: 'maybe not' is \d+ tokens of the tokenizer"):
+    with pytest.raises(SpecError, match=r"model.classifier_from_tokens: 'maybe not' is not a token of the "
+                                        r"tokenizer's vocabulary \(as text it is \d+ token\(s\)"):
         plan_job(spec_for(path, task="classify", model={"classifier_from_tokens": ["no", "maybe not"]}),
                  check_io=False, weights=False)
 
@@ -402,3 +404,25 @@ def test_a_classifiers_probs_and_a_checkpoints_pooling_are_read_as_vllms_pooler_
         {"path": "", "type": new + "transformer.Transformer"}, {"path": "1_Pooling", "type": new + "pooling.Pooling"},
         {"path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]))
     assert checkpoint_pooling(tmp_path) == ("mean", True)
+
+
+@pytest.mark.unit
+def test_a_classifier_token_is_the_vocabulary_entry_of_that_name_as_vllm_looks_it_up(checkpoint, tmp_path):
+    """model.classifier_from_tokens names vocabulary entries (vLLM: convert_tokens_to_ids): with a
+    tokenizer that puts "▁" before a text's first word, "yes" is the entry "yes", not the "▁yes"
+    that encoding the text gives."""
+    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from msinfer.launcher.job import token_classifier
+    from msinfer.launcher.tokenizer import Tokenizer
+    from msinfer.sharding.config import ModelConfig
+    vocab = {"<unk>": 0, "▁no": 1, "▁yes": 2, "no": 3, "yes": 4}
+    raw = Raw(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(tmp_path)
+    tok = Tokenizer(str(tmp_path))
+    assert tok.encode("yes", add_special_tokens=False) == [2]
+    path = checkpoint(NAME)
+    spec = spec_for(path, task="classify", model={"classifier_from_tokens": ["no", "yes"]})
+    assert token_classifier(spec, ModelConfig.from_dir(path), tok, weights=False).head_tokens == (3, 4)

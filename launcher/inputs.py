@@ -820,6 +820,21 @@ def as_text_messages(messages: list[dict]) -> list[dict]:
             else {**m, "content": ""} if m.get("content") is None else m for m in messages]
 
 
+def as_part_messages(messages: list[dict]) -> list[dict]:
+    """Messages as vLLM gives them to a chat template that loops over a message's content parts
+    ("openai" content format, launcher.tokenizer.content_format): every content a list of
+    {"type": "text", "text": ...} parts (a string one part, none for no content); a tool
+    message's parts joined into one string by newlines, as vLLM's."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        parts = [] if content is None else [content] if isinstance(content, str) else content
+        texts = [part_text(p) for p in parts]
+        out.append({**m, "content": "\n".join(texts) if m.get("role") == "tool" and isinstance(content, list)
+                    else [{"type": "text", "text": t} for t in texts]})
+    return out
+
+
 def _check_ids(ids: Any, key: str) -> str | None:
     if not isinstance(ids, list) or not ids:
         return f"'{key}' must be a non-empty list of token ids, got {_type(ids)}"

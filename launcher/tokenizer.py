@@ -7,13 +7,14 @@ without adding special tokens again (the template already holds BOS and the role
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
 
 from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
-from msinfer.launcher.inputs import Record, as_text_messages
+from msinfer.launcher.inputs import Record, as_part_messages, as_text_messages
 from msinfer.launcher.tools import history, renders_tools
 from msinfer.worker.imports import before_transformers
 
@@ -165,7 +166,9 @@ class Tokenizer:
                                                    generation_prompt and not options["continue_final_message"])
         try:
             if record.messages is not None:
-                ids = self.apply_chat_template(history(as_text_messages(record.messages)), **options)
+                as_given = as_part_messages if content_format(self.tok.chat_template) == "openai" else \
+                    as_text_messages
+                ids = self.apply_chat_template(history(as_given(record.messages)), **options)
             elif templated:
                 ids = self.apply_chat_template([{"role": "user", "content": record.prompt}], **options)
             else:
@@ -208,6 +211,65 @@ def _ids(x: Any) -> list[int]:
 # stream with the prompt (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer; earlier
 # versions with its last 4 to 24 tokens); a decoder's word boundary needs only the last few.
 CONTEXT_TOKENS = 24
+
+
+@functools.lru_cache(maxsize=32)
+def content_format(template: Any) -> str:
+    """How vLLM gives a chat template a message's content (renderers/hf.py
+    _detect_content_format): "openai", a list of parts, where the template loops over a
+    message's content (Gemma 3, Llama 4: `for item in message['content']`), else "string", the
+    parts' texts joined. Found in the template's syntax tree: a loop over `X['content']` (or
+    `X.content`) where X is a message (a loop variable over `messages`, or over a variable set
+    from it), or over a variable named `content`. A template that does not parse: "string"."""
+    if not isinstance(template, str):
+        return "string"
+    try:
+        from jinja2 import nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        root = _compile_jinja_template(template).environment.parse(template)
+    except Exception:       # (a template transformers cannot compile fails where it renders, named)
+        return "string"
+
+    def base(node):         # through filters, tests and slices to what they read
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        return node
+
+    def dotted(node) -> str | None:     # ns.rest, a namespace's attribute, as one name
+        if isinstance(node, nodes.NSRef):
+            return f"{node.name}.{node.attr}"
+        if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name):
+            return f"{node.node.name}.{node.attr}"
+        return node.name if isinstance(node, nodes.Name) else None
+
+    def reads(node, names: set, key: str | None = None) -> bool:
+        node = base(node)
+        if key is None:
+            return dotted(node) in names
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            return reads(node.node, names)
+        return isinstance(node, nodes.Getattr) and node.attr == key and reads(node.node, names)
+
+    lists = {"messages"}
+    while True:             # variables set from messages (loop_messages = messages[1:], a namespace's
+        more = set()        # ns.rest), and theirs
+        for a in root.find_all(nodes.Assign):
+            if reads(a.node, lists) and (name := dotted(a.target)):
+                more.add(name)
+            elif isinstance(a.target, nodes.Name) and isinstance(a.node, nodes.Call) and \
+                    isinstance(a.node.node, nodes.Name) and a.node.node.name == "namespace":
+                more |= {f"{a.target.name}.{k.key}" for k in a.node.kwargs if reads(k.value, lists)}
+        more -= lists
+        if not more:
+            break
+        lists |= more
+    items = {loop.target.name for loop in root.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and reads(loop.iter, lists)}
+    for loop in root.find_all(nodes.For):
+        if reads(loop.iter, items, "content") or reads(loop.iter, {"content"}):
+            return "openai"
+    return "string"
 
 
 def _space_marker(tok) -> str | None:

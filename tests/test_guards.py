@@ -254,7 +254,8 @@ def test_a_drain_ends_when_its_time_is_up_and_a_deadline_deals_only_what_fits():
 # ---- the vocabulary's last id -------------------------------------------------------------------
 
 def test_a_prompt_token_id_must_be_below_the_vocabulary_size():
-    codec = RecordCodec(job_spec(), SimpleNamespace(vocab_size=100, hidden_size=64, labels=(), eos_token_ids=(2,)), None)
+    codec = RecordCodec(job_spec(), SimpleNamespace(vocab_size=100, hidden_size=64, labels=(),
+                                                    classifier_activation="", eos_token_ids=(2,)), None)
     ok = codec.sequences(Record("ok", 1, prompt_token_ids=[0, 99]), 0)
     assert isinstance(ok, list) and ok[0].prompt_token_ids == [0, 99]
     bad = codec.sequences(Record("bad", 2, prompt_token_ids=[0, 100]), 1)
@@ -269,7 +270,7 @@ def test_the_jobs_logprobs_are_answered_in_openai_lines_where_a_request_asks_for
     """sampling.logprobs in the spec is every record's default: an OpenAI line shows them (they
     are computed), and a request's own logprobs take their place."""
     from msinfer.launcher.inputs import parse_openai
-    model = SimpleNamespace(vocab_size=100, hidden_size=64, labels=(), eos_token_ids=(2,))
+    model = SimpleNamespace(vocab_size=100, hidden_size=64, labels=(), classifier_activation="", eos_token_ids=(2,))
     codec = RecordCodec(job_spec({"logprobs": 2}), model, None, "openai")
     plain = codec.sequences(Record("p", 1, prompt_token_ids=[5, 6]), 0)
     assert plain[0].record.request.top_logprobs == 2 and plain[0].sampling.logprobs == 2
@@ -320,7 +321,8 @@ def test_a_records_n_samples_prefill_its_prompt_once(ahead):
     and blocks of one token: the first sample prefills the prompt, the other three find it in the
     prefix cache and feed only its last token, for their own logits."""
     spec = job_spec({"n": 4, "max_new_tokens": 3}, {"max_batched_tokens": 64, "block_size": 1})
-    codec = RecordCodec(spec, SimpleNamespace(vocab_size=100, hidden_size=64, labels=(), eos_token_ids=()), None)
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=100, hidden_size=64, labels=(),
+                                              classifier_activation="", eos_token_ids=()), None)
     prompt = [5, 17, 33, 9, 60, 7]
     samples = codec.sequences(Record("r", 1, prompt_token_ids=prompt), 0)
     sc = spec.scheduler

@@ -97,7 +97,8 @@ def test_result_lines_carry_the_reasoning_beside_the_answer_for_chat_prompts_onl
     def codec(fmt="msinfer", **output):
         spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
                                        "output": {"path": "out.jsonl", "reasoning_parser": "qwen3", **output}})
-        return RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok, fmt)
+        return RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                                 classifier_activation="", eos_token_ids=(2,)), tok, fmt)
 
     def done(c, rec, text, finish="stop"):
         """The record's result line once each of its sequences has generated `text`."""

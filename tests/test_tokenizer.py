@@ -185,7 +185,8 @@ def test_a_scored_text_prompt_is_scored_as_written_and_a_generated_one_gets_the_
     from msinfer.launcher.spec import JobSpec
     spec = JobSpec.model_validate({"task": "score", "model": {"path": "m", "max_model_len": 512},
                                    "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}})
-    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                              classifier_activation="", eos_token_ids=(2,)), tok)
     text = "hello world"
     as_written = tok.encode(text)
     templated = tok.apply_chat_template([{"role": "user", "content": text}])
@@ -212,7 +213,8 @@ def test_logprob_entries_give_each_tokens_text_beside_its_id(tok):
     from msinfer.launcher.spec import JobSpec
     spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 512}, "input": {"path": "in.jsonl"},
                                    "output": {"path": "out.jsonl"}})
-    model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,))
+    model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                            classifier_activation="", eos_token_ids=(2,))
     ids = tok.encode("hello world", add_special_tokens=False)
     codec = RecordCodec(spec, model, tok)
     entry = codec.logprob_entry(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.25)])
@@ -447,7 +449,8 @@ def test_a_chat_template_of_the_specs_own_renders_the_chats_as_vllms_chat_templa
 
     def prompt_ids(s, record):
         tok = load_tokenizer(bare, chat_template=s.input.template_text())
-        codec = RecordCodec(s, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
+        codec = RecordCodec(s, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                               classifier_activation="", eos_token_ids=(2,)), tok)
         out = codec.sequences(parse_record(record, 1), 0)
         return out[0].prompt_token_ids if isinstance(out, list) else json.loads(out.line)["error"]["message"]
 
@@ -494,7 +497,8 @@ def test_vllms_truncate_prompt_tokens_and_skip_special_tokens_per_record(tok):
     from msinfer.launcher.spec import JobSpec, SamplingSpec, validate
     spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 16}, "input": {"path": "in.jsonl"},
                                    "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 4}})
-    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                              classifier_activation="", eos_token_ids=(2,)), tok)
     text = "the capital of France is Paris " * 3
     full = tok.apply_chat_template([{"role": "user", "content": text}])
     assert len(full) > 16
@@ -562,3 +566,38 @@ def test_a_metaspace_tokens_text_keeps_its_leading_space_as_vllms_logprobs_name_
     byte_level = Tokenizer(str(build_tokenizer(tmp_path / "bpe")))
     ids = byte_level.encode(" hello", add_special_tokens=False)
     assert byte_level.token_text(ids[0]) == byte_level.decode(ids[:1], False)
+
+
+@pytest.mark.unit
+def test_a_template_that_loops_over_content_parts_gets_them_as_parts_as_vllm_gives_them(tmp_path):
+    """vLLM gives a chat template that loops over a message's content (Gemma 3, Llama 4) the
+    parts themselves ("openai" content format, found in the template's syntax tree), and any other
+    the parts' texts joined by newlines ("string"). The formats below are what vLLM 0.33's
+    detector says of each template."""
+    from msinfer.launcher.inputs import parse_record
+    from msinfer.launcher.tokenizer import content_format
+    from tests.checkpoints import build_tokenizer
+    formats = {
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}": "string",
+        "{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}": "openai",
+        "{% set loop_messages = messages[1:] %}{% for message in loop_messages %}{% if message['content'] is string %}"
+        "{{ message['content'] | trim }}{% else %}{% for item in message['content'] | list %}{{ item['text'] }}"
+        "{% endfor %}{% endif %}{% endfor %}": "openai",
+        "{% set ns = namespace(rest=messages) %}{% for m in ns.rest %}{% for c in m.content %}{{ c.text }}{% endfor %}"
+        "{% endfor %}": "openai",
+        "{% macro render(content) %}{% for c in content %}{{ c.text }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ render(m.content) }}{% endfor %}": "openai",
+    }
+    assert {t: content_format(t) for t in formats} == formats
+    parts = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
+             "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}<|assistant|>")
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Translate:"},
+                                                      {"type": "text", "text": "Bonjour"}]}]}
+    rendered = {}
+    for name, template in (("openai", parts), ("string", "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                                                         "{% endfor %}<|assistant|>")):
+        tok = Tokenizer(str(build_tokenizer(tmp_path / name, template)))
+        rendered[name] = tok.decode(tok.encode_record(parse_record(chat, 1), True), False)
+    assert rendered == {"openai": "<|system|>Be brief.<|user|>Translate:Bonjour<|assistant|>",
+                        "string": "<|system|>Be brief.<|user|>Translate:\nBonjour<|assistant|>"}

@@ -317,7 +317,8 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
     def codec(fmt="msinfer", **output):
         spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 2048}, "input": {"path": "in.jsonl"},
                                        "output": {"path": "out.jsonl", "tool_call_parser": "hermes", **output}})
-        model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,))
+        model = SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                classifier_activation="", eos_token_ids=(2,))
         return RecordCodec(spec, model, tok, fmt)
 
     def done(c, rec, text, finish="stop"):
@@ -383,7 +384,8 @@ def test_result_lines_carry_the_calls_in_msinfer_and_openai_form(tool_tok_dir):
                                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     embed = RecordCodec(JobSpec.model_validate({"task": "embed", "model": {"path": "m", "max_model_len": 2048},
                                                 "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"}}),
-                        SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(), eos_token_ids=(2,)), tok)
+                        SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                        classifier_activation="", eos_token_ids=(2,)), tok)
     assert json.loads(embed.sequences(record("l", tool_choice="none"), 0).line)["error"]["message"] == (
         "record 'l': has 'tools', which are for generated chat completions; the job's task is 'embed'")
     unparsed = done(codec(tool_call_parser=None), record("j"), "x")

@@ -552,10 +552,11 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     elif m.num_labels:
         raise SpecError(f"{spec.model.path} is a sequence classifier ({m.architecture}, {m.num_labels} label(s)), "
                         f"with no LM head to {spec.task} with; set task: classify (or task: embed)")
-    spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set)
     card_keys = [k for k in ("device_memory_gb", "memory_fraction") if k in spec.parallel.model_fields_set]
-    if spec.model.max_model_len is None:
+    if spec.model.max_model_len is None:       # (checks the keys its user set against it, not the model's)
         spec = spec.with_max_model_len(min(m.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
+    spec, taken = model_sampling(spec, m)       # (while the spec knows which keys its user set: a
+    # max_new_tokens taken from the model above max_model_len is capped as the default is)
     tp, ep = spec.parallel.tensor_parallel, spec.parallel.expert_parallel
     layout = resolve_layout(m, tp, spec.parallel.pipeline_parallel, ep, spec.parallel.device, spec.model.dtype,
                             spec.model.ops, spec.parallel.pipeline_layers, spec.model.lora is not None,

@@ -233,6 +233,12 @@ def test_the_sampling_keys_a_spec_leaves_unset_take_the_model_s_generation_confi
     s = plan().spec.sampling
     assert (s.top_k, s.temperature, s.repetition_penalty) == (50, 1.0, 1.0)
     (model / "generation_config.json").write_text(json.dumps(recommended))
+    # a max_new_tokens the model recommends above max_model_len (resolved from the checkpoint:
+    # 512) is capped as the default is, not refused as one the user wrote
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 8192}))
+    long = plan()
+    assert (long.spec.sampling.max_new_tokens, long.spec.model.max_model_len) == (8192, 512)
+    (model / "generation_config.json").write_text(json.dumps(recommended))
     s = plan(generation_config="msinfer").spec.sampling
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 0, 256)
     (model / "generation_config.json").write_text(json.dumps({**recommended, "top_p": 0.0}))

@@ -67,6 +67,7 @@ class Record:
     # an OpenAI request's echo: a completion's "all" (each choice after its prompt) or "prompt"
     # (max_tokens 0: the prompt alone); a chat completion's "chat" (`echoed_message`); or None
     openai_echo: str | None = None
+    openai_token_ids: bool = False              # vLLM's return_token_ids: the token ids in the answer too
     dimensions: int | None = None               # an embeddings request's: its vector's first k values only
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
@@ -535,8 +536,8 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
         own = (rec.chat or {}).get("chat_template_kwargs", {})
         rec.chat = {**(rec.chat or {}), "chat_template_kwargs": {
             "enable_thinking": effort != "none", **own, "reasoning_effort": effort}}
-    unknown = [k for k in body if k not in (key, "echo", *OPENAI_SAMPLING, *OPENAI_IGNORED, *OPENAI_NEUTRAL,
-                                            *OPENAI_STRUCTURED,
+    unknown = [k for k in body if k not in (key, "echo", "return_token_ids", *OPENAI_SAMPLING, *OPENAI_IGNORED,
+                                            *OPENAI_NEUTRAL, *OPENAI_STRUCTURED,
                                             *((*CHAT_KEYS, *TOOL_KEYS, "reasoning_effort") if chat else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
@@ -578,6 +579,10 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
                 or not 0 <= rec.openai_logprobs <= 20:
             return f"'{'top_logprobs' if chat else 'logprobs'}' must be an integer from 0 to 20"
         sampling["logprobs"] = max(1, rec.openai_logprobs)      # the chosen token's comes with one
+    if (token_ids := body.get("return_token_ids")) not in (None, False):
+        if token_ids is not True:
+            return f"'return_token_ids' must be true or false, got {_type(token_ids)}"
+        rec.openai_token_ids = True
     if echo and chat:
         rec.openai_echo = "chat"            # (echoed_message: what goes before each choice's content)
     elif echo:

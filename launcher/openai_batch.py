@@ -37,7 +37,8 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
 
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
-                cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None, forced: bool = False) -> dict:
+                cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None, forced: bool = False,
+                token_ids: bool = False) -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
@@ -46,7 +47,9 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     each choice's: the result's prompt_text, prompt_token_ids and prompt_logprobs) or "prompt"
     (the prompt's alone, as vLLM answers max_tokens 0); a chat completion's, "chat" (the
     result's prompt_text before each message's content); `forced`: its tool_choice is "required" or
-    a named function."""
+    a named function; `token_ids`: its return_token_ids (vLLM's: each choice's `token_ids`, and the
+    prompt's `prompt_token_ids`, beside the choices of a chat completion, on each choice of a
+    completion)."""
     custom_id = result["id"]
     if result.get("error"):             # the request's fault (400), or the server's (500: a record
         # quarantined for the replica failures it ran in, an inconsistency of msinfer's own)
@@ -85,6 +88,14 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     body.update(created=int(time.time()), model=model, choices=choices, usage=usage)
     if chat and "prompt_logprobs" in result:        # vLLM's: a chat completion's, beside its choices
         body["prompt_logprobs"] = vllm_prompt_logprobs(result, token_text)
+    if token_ids:
+        for choice, out, given in zip(choices, outputs, prompts):
+            hidden = chat and "reasoning" in out and not reasoning      # (include_reasoning false: vLLM's too)
+            choice["token_ids"] = None if hidden else list(out["output_token_ids"])
+            if not chat:
+                choice["prompt_token_ids"] = given.get("prompt_token_ids")
+        if chat:
+            body["prompt_token_ids"] = result.get("prompt_token_ids")
     return _line(custom_id, 200, body)
 
 

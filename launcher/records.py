@@ -37,6 +37,7 @@ class OpenAIRequest(NamedTuple):
     # completion's ("chat", the text before each choice's content), or None
     echo: tuple | None
     forced: bool = False            # tool_choice "required" or a named function: content "" beside calls
+    token_ids: bool = False         # vLLM's return_token_ids: the prompt's and each choice's token ids
 
 
 class Done(NamedTuple):
@@ -355,7 +356,7 @@ class RecordCodec:
         if top is None:         # the job's sampling.logprobs (or a plain record's own): computed, so answered
             top = logprobs or None
         forced = rec.tool_use is not None and rec.tool_use.choice != "auto"
-        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo, forced)
+        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo, forced, rec.openai_token_ids)
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -447,7 +448,8 @@ class RecordCodec:
         # an OpenAI request's several prompts with echo or prompt_logprobs: each choice holds its own
         # prompt's (from that prompt's first sample), else the result holds the one prompt's
         several = first.sampling.n < len(samples.seqs) and first.record.request is not None \
-            and (first.record.request.echo is not None or first.sampling.prompt_logprobs is not None)
+            and (first.record.request.echo is not None or first.sampling.prompt_logprobs is not None
+                 or first.record.request.token_ids)
         prompts: dict[int, dict] = {}
         for i, seq in enumerate(samples.seqs):
             fields, finish = self.message(seq, i) if self.tok is not None else ({}, seq.finish_reason)
@@ -539,11 +541,13 @@ class RecordCodec:
         prompt as written; decoded from the ids where it was token ids or was truncated. A chat
         completion's: the text before each choice's content (inputs.echoed_message)."""
         request = seq.record.request
-        if request is None or request.echo is None:
+        if request is None or request.echo is None and not request.token_ids:
             return {}
-        if request.echo[0] == "chat":
-            return {"prompt_text": request.echo[1]}
         ids = list(seq.prompt_token_ids[:seq.num_prompt_tokens])
+        if request.echo is None:                # (return_token_ids alone: the ids)
+            return {"prompt_token_ids": ids}
+        if request.echo[0] == "chat":
+            return {"prompt_text": request.echo[1], **({"prompt_token_ids": ids} if request.token_ids else {})}
         given = request.echo[1][seq.sampling.index // seq.sampling.n]       # (its prompt's: choices go n a prompt)
         text = given if given is not None and not seq.sampling.truncate_prompt_tokens else \
             self.tok.decode(ids) if self.tok is not None else ""
@@ -569,7 +573,8 @@ class RecordCodec:
         if request is not None:
             from msinfer.launcher.openai_batch import openai_line
             line = openai_line(result, request.url, request.top_logprobs, self.model_name, self.token_text, cached,
-                               request.reasoning, request.echo[0] if request.echo else None, request.forced)
+                               request.reasoning, request.echo[0] if request.echo else None, request.forced,
+                               request.token_ids)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])

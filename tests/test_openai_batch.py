@@ -363,6 +363,10 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
              request("chat-plain", {"messages": continued, "continue_final_message": True, "max_tokens": 3}),
              request("list-plp", {"prompt": ["Once upon a time", "The sky is"], "max_tokens": 2, "prompt_logprobs": 1},
                      "/v1/completions"),
+             request("ids-chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                  "return_token_ids": True}),
+             request("ids-list", {"prompt": ["Once upon a time", "The sky is"], "max_tokens": 2,
+                                  "return_token_ids": True}, "/v1/completions"),
              request("bad-n", {"messages": [{"role": "user", "content": "Hi"}], "n": 0}),
              {"custom_id": "bad-body", "url": CHAT, "body": "not an object"}]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -374,7 +378,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
     out = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert sorted(out) == sorted(x["custom_id"] for x in lines)
-    assert summary["records_done"] == 11 and summary["records_failed"] == 2
+    assert summary["records_done"] == 13 and summary["records_failed"] == 2
     for cid, n in (("chat-1", 5), ("chat-2", 3)):
         body = ChatCompletion.model_validate(out[cid]["response"]["body"])
         assert out[cid]["response"]["status_code"] == 200 and body.usage.completion_tokens == n
@@ -411,6 +415,15 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
         assert c["text"] == p + tok.decode(runner.tokens(tok.encode(p), 3))
         assert c["logprobs"]["tokens"][:len(tok.encode(p))] == [tok.decode([t]) for t in tok.encode(p)]
         assert c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) == len(tok.encode(p)) + 3
+    # vLLM's return_token_ids: a chat's prompt ids beside its choices, each choice's own ids; a
+    # completion's prompt ids on each choice (its own prompt's, of several)
+    ids_chat = out["ids-chat"]["response"]["body"]
+    assert len(ids_chat["prompt_token_ids"]) == ids_chat["usage"]["prompt_tokens"]
+    assert ids_chat["choices"][0]["token_ids"] == runner.tokens(ids_chat["prompt_token_ids"], 2)
+    for c in out["ids-list"]["response"]["body"]["choices"]:
+        ids = tok.encode(("Once upon a time", "The sky is")[c["index"]])
+        assert c["prompt_token_ids"] == ids and c["token_ids"] == runner.tokens(ids, 2)
+    assert "token_ids" not in out["text-1"]["response"]["body"]["choices"][0]
     # prompt_logprobs of several prompts: each choice its own prompt's, keyed by its tokens
     for c in out["list-plp"]["response"]["body"]["choices"]:
         ids = tok.encode(("Once upon a time", "The sky is")[c["index"]])
@@ -424,7 +437,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     assert "sampling.n" in out["bad-n"]["response"]["body"]["error"]["message"]
     assert out["bad-body"]["response"]["status_code"] == 400
     again = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert again["nothing_to_do"] and again["records_skipped"] == 13     # resumed by custom_id: nothing to do,
+    assert again["nothing_to_do"] and again["records_skipped"] == 15     # resumed by custom_id: nothing to do,
     assert again["records_skipped_failed"] == 2                           # the 400 lines among them
     # a run killed while writing leaves a torn last line: the next run drops it and computes that
     # request again, each custom_id once
@@ -433,7 +446,7 @@ def test_a_batch_file_runs_to_openai_lines_and_resumes_by_custom_id(tmp_path, ra
     (tmp_path / "out.jsonl").write_bytes(torn)
     last = json.loads(data.splitlines()[-1])["custom_id"]
     resumed = run_job(spec, progress=False, simulate=StandIn(step_ms=1.0))
-    assert resumed["records_skipped"] == 12 and resumed["records_done"] + resumed["records_failed"] == 1
+    assert resumed["records_skipped"] == 14 and resumed["records_done"] + resumed["records_failed"] == 1
     again_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in again_out) == sorted(x["custom_id"] for x in lines)
     assert again_out[-1]["custom_id"] == last

@@ -724,7 +724,12 @@ def _model_in(tp) -> type[BaseModel] | None:
 
 
 # the names other tools give msinfer's keys (vLLM's and OpenAI's max_tokens), suggested first
-SYNONYMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+SYNONYMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+            "max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_batched_tokens",
+            "gpu_memory_utilization": "memory_fraction", "tensor_parallel_size": "tensor_parallel",
+            "pipeline_parallel_size": "pipeline_parallel", "data_parallel_size": "data_parallel",
+            "enable_expert_parallel": "expert_parallel", "enable_prefix_caching": "prefix_caching",
+            "num_gpu_blocks_override": "kv_cache_blocks"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

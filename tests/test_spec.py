@@ -277,6 +277,11 @@ def test_override_paths_resolve_against_cwd(tmp_path, monkeypatch):
 def test_override_errors(tmp_path):
     msg = spec_error(tmp_path, MINIMAL, ["scheduler.max_batch=4"])
     assert "--set: scheduler.max_batch: unknown key; did you mean 'max_batch_size'" in msg
+    # vLLM's names for msinfer's keys name them
+    for key, ours in (("scheduler.max_num_seqs", "max_batch_size"), ("parallel.gpu_memory_utilization",
+                                                                      "memory_fraction"),
+                      ("scheduler.num_gpu_blocks_override", "kv_cache_blocks")):
+        assert f"--set: {key}: unknown key; did you mean '{ours}'?" in spec_error(tmp_path, MINIMAL, [f"{key}=1"])
     msg = spec_error(tmp_path, MINIMAL, ["parallel.tensor_parallel=-1"])
     assert "--set: parallel.tensor_parallel: expected an integer >= 1, got -1" in msg
     assert "--set 'parallel'" in spec_error(tmp_path, MINIMAL, ["parallel"])

@@ -69,6 +69,9 @@ class Record:
     openai_echo: str | None = None
     openai_token_ids: bool = False              # vLLM's return_token_ids: the token ids in the answer too
     dimensions: int | None = None               # an embeddings request's: its vector's first k values only
+    # an embeddings request's vLLM options: use_activation (normalize or not), add_special_tokens,
+    # truncation_side (of truncate_prompt_tokens); None: the job's and vLLM's defaults
+    embed_options: dict | None = None
     digest: str | None = None                   # its input's `input_digest` (None: a line that is not UTF-8)
     chat: dict | None = None                    # its CHAT_KEYS given (`check_chat`), for the chat template
     tools: list | None = None                   # its tools, for the chat template (launcher.tools)
@@ -598,6 +601,12 @@ def _fill_openai(rec: Record, body: dict, chat: bool) -> str | None:
     return _fill_tools(rec, body) if chat else None
 
 
+# vLLM's embeddings request options msinfer serves: use_activation false leaves the vector
+# unnormalized; add_special_tokens (default true for `input`, false for `messages`, whose template
+# holds them); truncation_side of truncate_prompt_tokens (default right: the first k tokens)
+EMBED_OPTIONS = ("use_activation", "add_special_tokens", "truncation_side")
+
+
 def _fill_embedding(rec: Record, body: dict) -> str | None:
     """An embeddings request's body (task embed): `input`, a string, token ids, or a list of
     several (one vector each, in order), or vLLM's `messages` through the chat template;
@@ -628,7 +637,8 @@ def _fill_embedding(rec: Record, body: dict) -> str | None:
         return ("'input' must be a non-empty string, a list of token ids, or a list of several inputs (non-empty "
                 "strings, or lists of token ids)")
     unknown = [k for k in body if k not in ("input", "messages", "model", "user", "encoding_format", "dimensions",
-                                            "truncate_prompt_tokens", *(CHAT_KEYS if rec.messages else ()))]
+                                            "truncate_prompt_tokens", *EMBED_OPTIONS,
+                                            *(CHAT_KEYS if rec.messages else ()))]
     if unknown:
         return f"unknown body key '{unknown[0]}'"
     if body.get("encoding_format", "float") not in ("float", "base64"):
@@ -640,6 +650,12 @@ def _fill_embedding(rec: Record, body: dict) -> str | None:
         rec.dimensions = k
     if body.get("truncate_prompt_tokens") is not None:
         rec.sampling = {"truncate_prompt_tokens": body["truncate_prompt_tokens"]}
+    for k in ("use_activation", "add_special_tokens"):
+        if body.get(k) is not None and not isinstance(body[k], bool):
+            return f"'{k}' must be true or false, got {_type(body[k])}"
+    if body.get("truncation_side") not in (None, "left", "right"):
+        return f"'truncation_side' must be left or right, got {_type(body['truncation_side'])}"
+    rec.embed_options = {k: body[k] for k in EMBED_OPTIONS if body.get(k) is not None} or None
     return None
 
 

@@ -86,6 +86,7 @@ class RecordState:
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     pooled: object = None               # embed, classify: what its prompt's chunks pooled so far (numpy)
     dimensions: int | None = None       # task embed: its vector's first k values only
+    normalize: bool | None = None       # task embed: its request's use_activation (None: pooling.normalize)
     t_added: float = 0.0                # perf_counter when the engine received it
     t_first: float | None = None        # perf_counter of its first token
 
@@ -157,7 +158,8 @@ class RecordCodec:
             if rec.prompts is not None:         # an OpenAI completions request's several prompts, as written
                 if self.tok is None and not all(isinstance(p, list) for p in rec.prompts):
                     raise RecordError(f"record '{rec.id}': the model has no tokenizer, so prompts must be token ids")
-                prompts = [list(p) if isinstance(p, list) else self.tok.encode(p) for p in rec.prompts]
+                special = (rec.embed_options or {}).get("add_special_tokens") is not False
+                prompts = [list(p) if isinstance(p, list) else self.tok.encode(p, special) for p in rec.prompts]
                 if [] in prompts:
                     raise RecordError(f"record '{rec.id}': prompt[{prompts.index([])}] encodes to no tokens")
             elif self.tok is None:
@@ -178,8 +180,10 @@ class RecordCodec:
             if k := sampling.truncate_prompt_tokens:    # -1: as many as fit, with room for a generated
                 keep = max_len - (not self.pools) if k == -1 else k     # token unless it generates none
                 # vLLM's sides: a generated prompt keeps its last k tokens, a pooled one (embed,
-                # classify) its first k (its tokenizer's truncation_side "right" for pooling)
-                prompts = [ids[:keep] if self.pools else ids[-keep:] for ids in prompts]
+                # classify) its first k (its tokenizer's truncation_side "right" for pooling, which
+                # an embeddings request's truncation_side may set)
+                side = (rec.embed_options or {}).get("truncation_side", "right" if self.pools else "left")
+                prompts = [ids[:keep] if side == "right" else ids[-keep:] for ids in prompts]
             continuation = self.continuation(rec)
             prompts = [ids + continuation for ids in prompts]
             for ids in prompts:
@@ -216,7 +220,8 @@ class RecordCodec:
             stops = (StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
                      if sampling.stop and self.tok else None)
             seq.record = RecordState(serial, rec.given_id, request, t_added=now, stop_matcher=stops,
-                                     thinking=thinking, tools=rec.tool_use, dimensions=dimensions)
+                                     thinking=thinking, tools=rec.tool_use, dimensions=dimensions,
+                                     normalize=(rec.embed_options or {}).get("use_activation"))
             seqs.append(seq)
         if len(seqs) > 1:
             samples = Samples(seqs)
@@ -430,8 +435,8 @@ class RecordCodec:
         that asks so."""
         from msinfer.launcher.embed import embedding, encoded
         pooling = self.spec.pooling
-        vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, pooling.normalize,
-                           seq.record.dimensions)
+        normalize = pooling.normalize if seq.record.normalize is None else seq.record.normalize
+        vector = embedding(seq.record.pooled, pooling.type, seq.num_prompt_tokens, normalize, seq.record.dimensions)
         as_base64 = seq.record.request is not None and seq.record.request.base64
         return {"embedding": encoded(vector, as_base64)}
 

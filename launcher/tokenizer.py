@@ -99,7 +99,8 @@ class Tokenizer:
         return self.decode(ids, skip)
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list | None = None) -> list[int]:
+                            continue_final_message: bool = False, tools: list | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
         """The messages through the chat template, as vLLM renders a chat request: `kwargs` the
         template's own variables (chat_template_kwargs), `tools` the chat's tools (its `tools`
         variable), then a new assistant message opened, or with `continue_final_message` the last
@@ -110,7 +111,7 @@ class Tokenizer:
                                             **(kwargs or {}))
         if not isinstance(text, str):  # some versions hand back token ids (a list or BatchEncoding) anyway
             return _ids(text)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def renders_tools(self, kwargs: dict | None = None) -> bool:
         """Whether the chat template writes a chat's tools into its prompt (launcher.tools)."""
@@ -164,15 +165,17 @@ class Tokenizer:
                    "continue_final_message": own.get("continue_final_message", False), "tools": record.tools}
         options["add_generation_prompt"] = own.get("add_generation_prompt",
                                                    generation_prompt and not options["continue_final_message"])
+        special = (record.embed_options or {}).get("add_special_tokens")     # (vLLM's, an embeddings request's)
         try:
             if record.messages is not None:
                 as_given = as_part_messages if content_format(self.tok.chat_template) == "openai" else \
                     as_text_messages
-                ids = self.apply_chat_template(history(as_given(record.messages)), **options)
+                ids = self.apply_chat_template(history(as_given(record.messages)), **options,
+                                               add_special_tokens=bool(special))
             elif templated:
                 ids = self.apply_chat_template([{"role": "user", "content": record.prompt}], **options)
             else:
-                ids = self.encode(record.prompt)
+                ids = self.encode(record.prompt, add_special_tokens=special is not False)
         except (ImportError, OSError, MemoryError) as e:     # the environment's fault, not the record's
             raise SystemicError(
                 f"the tokenizer in {self.path} cannot encode records ({where} was the first): {type(e).__name__}: "

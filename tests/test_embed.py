@@ -143,8 +143,18 @@ def test_a_base_models_checkpoint_pools_as_its_sentence_transformers_files_say_a
         {"custom_id": "two", "method": "POST", "url": url, "body": {"input": [a, b], "dimensions": 16}},
         {"custom_id": "b64", "method": "POST", "url": url, "body": {"input": b, "encoding_format": "base64"}},
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "hi"}]}}], "openai")
-    one, two, b64, chat = (x["response"] for x in lines)
+         "body": {"messages": [{"role": "user", "content": "hi"}]}},
+        # vLLM's request options: use_activation (normalized here), truncation_side
+        {"custom_id": "unit", "method": "POST", "url": url, "body": {"input": a, "use_activation": True}},
+        {"custom_id": "first", "method": "POST", "url": url, "body": {"input": a, "truncate_prompt_tokens": 4}},
+        {"custom_id": "last", "method": "POST", "url": url, "body": {"input": a, "truncate_prompt_tokens": 4,
+                                                                       "truncation_side": "left"}}], "openai")
+    one, two, b64, chat, unit, first, last = (x["response"] for x in lines)
+    np.testing.assert_allclose(unit["body"]["data"][0]["embedding"], hf_embedding(path, a, "mean"), atol=1e-4)
+    np.testing.assert_allclose(first["body"]["data"][0]["embedding"], hf_embedding(path, a[:4], "mean", False),
+                               atol=1e-4)
+    np.testing.assert_allclose(last["body"]["data"][0]["embedding"], hf_embedding(path, a[-4:], "mean", False),
+                               atol=1e-4)
     assert one["status_code"] == 200 and one["body"]["object"] == "list"
     assert one["body"]["usage"] == {"prompt_tokens": len(a), "total_tokens": len(a)}
     [entry] = one["body"]["data"]
@@ -228,7 +238,7 @@ def test_the_demo_model_embeds_text_as_written_and_messages_through_its_template
 
 
 @pytest.mark.unit
-def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
+def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key(tmp_path):
     from msinfer.launcher.inputs import parse_openai
 
     def req(body, url="/v1/embeddings"):
@@ -237,6 +247,19 @@ def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
     assert (rec.error, rec.prompt, rec.dimensions, rec.openai_base64) == (None, "hi", 8, True)
     assert req({"input": [1, 2]}).prompt_token_ids == [1, 2] and req({"input": ["a", "b"]}).prompts == ["a", "b"]
     assert req({"input": [[1], [2, 3]], "truncate_prompt_tokens": 2}).sampling == {"truncate_prompt_tokens": 2}
+    assert req({"input": "a", "add_special_tokens": False, "use_activation": False}).embed_options == \
+        {"use_activation": False, "add_special_tokens": False}
+    # add_special_tokens (vLLM's: true for input, false for messages, whose template holds them)
+    from msinfer.launcher.tokenizer import Tokenizer
+    from tests.checkpoints import build_tokenizer
+    tok = Tokenizer(str(build_tokenizer(tmp_path)))
+    with_bos, without = (tok.encode_record(req({"input": "hello world", **f}), False)
+                         for f in ({}, {"add_special_tokens": False}))
+    assert with_bos == [1, *without]
+    chat = {"messages": [{"role": "user", "content": "hello"}]}
+    plain, special = (tok.encode_record(req({**chat, **f}), True, generation_prompt=False)
+                      for f in ({}, {"add_special_tokens": True}))
+    assert special == [1, *plain]
     for body, error in [({}, "the body of a /v1/embeddings request needs 'input' (or vLLM's 'messages')"),
                         ({"input": ""}, "'input' must be a non-empty string, a list of token ids, or a list of "
                                         "several inputs (non-empty strings, or lists of token ids)"),
@@ -245,6 +268,8 @@ def test_an_embeddings_request_becomes_a_record_and_a_bad_one_names_its_key():
                         ({"input": "a", "encoding_format": "int8"}, "'encoding_format' must be float or base64"),
                         ({"input": "a", "dimensions": 0}, "'dimensions' must be a positive integer, got 0"),
                         ({"input": "a", "temperature": 1}, "unknown body key 'temperature'"),
+                        ({"input": "a", "use_activation": 1}, "'use_activation' must be true or false"),
+                        ({"input": "a", "truncation_side": "middle"}, "'truncation_side' must be left or right"),
                         ({"input": "a", "messages": []}, "give 'input' or 'messages', not both")]:
         assert req(body).error.startswith("line 3: " + error), (body, req(body).error)
 

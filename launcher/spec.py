@@ -221,15 +221,32 @@ def closed_objects(schema):
     of others has `additionalProperties: false`: vLLM's default backend (xgrammar, strict) allows
     no keys a schema does not name, where the JSON Schema standard (and llguidance, which msinfer
     builds its masks with) allows any; vLLM's guidance backend does this with its
-    disable-additional-properties option (structured_output/backend_guidance.py)."""
+    disable-additional-properties option (structured_output/backend_guidance.py). Only the
+    schema's own subschemas are walked, as that option walks them: data (an `enum`'s or a
+    `const`'s values) and the names of properties stay as written."""
     if isinstance(schema, list):
         return [closed_objects(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
-    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_objects(out[key])
+    if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
+                                              or isinstance(out.get("patternProperties"), dict)):
         out["additionalProperties"] = False
     return out
+
+
+# a JSON schema's keywords whose values are schemas (SUBSCHEMAS: one, or a list of them) or maps
+# of names to schemas (SCHEMA_MAPS), as vLLM's guidance backend walks them
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+              "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items", "prefixItems", "allOf",
+              "anyOf", "oneOf")
 
 
 class StructuredSpec(Section):

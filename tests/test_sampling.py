@@ -267,6 +267,13 @@ def test_a_json_schema_allows_only_the_keys_it_names_as_vllms_default_backend_do
     assert taken(schema, '{"a": 1, "b": {}}') == 0 and taken(json.dumps(schema), '{"a": 1}') == 0
     assert taken(schema, '{"a": 1, "c": 2}') < 0 and taken(schema, '{"b": {"c": 2}}') < 0
     assert taken({**schema, "additionalProperties": True}, '{"a": 1, "c": 2}') == 0
+    # only subschemas are closed, as vLLM's guidance backend walks them: an enum's values and a
+    # property named "properties" stay as written
+    assert taken({"enum": [{"properties": 1}]}, '{"properties": 1}') == 0
+    named = {"type": "object", "properties": {"properties": {"type": "string"}}, "additionalProperties": True}
+    assert taken(named, '{"additionalProperties": 1}') == 0
+    nested = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]}}
+    assert taken(nested, '[{"a": 1}]') == 0 and taken(nested, '[{"b": 1}]') < 0
     with pytest.raises(ValidationError, match=r"the schema's text is not JSON \(Expecting property name enclosed in "
                                               r"double quotes at character 2 of 9\)"):
         StructuredSpec.model_validate({"json": "{not json"})

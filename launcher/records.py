@@ -91,6 +91,9 @@ class RecordState:
     t_first: float | None = None        # perf_counter of its first token
 
 
+QWEN3_TURNS = ("<|im_start|>", "<|im_end|>")      # a ChatML turn's boundaries (vLLM's CHATML_TURN_BOUNDARIES)
+
+
 class RecordCodec:
     """Records to sequences and finished sequences to result lines, for one job spec."""
 
@@ -205,7 +208,9 @@ class RecordCodec:
             dimensions = self.dimensions(rec)
         except RecordError as e:
             return self.error(serial, rec, str(e))
-        if sampling.structured and thinking is not None and (thinking or self.reasoning != "deepseek_v3") \
+        # (vLLM waits for the reasoning where the model thinks: DeepSeek-R1 always, Qwen3 and V3.1
+        # with thinking on)
+        if sampling.structured and thinking is not None and (thinking or self.reasoning == "deepseek_r1") \
                 and (gate := self.reasoning_end(prompts[0])) >= 0:
             sampling = dataclasses.replace(sampling, structured_after=gate)
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
@@ -250,14 +255,19 @@ class RecordCodec:
         """For a structured output under output.reasoning_parser: the token after which its grammar
         applies, as vLLM holds a grammar back until the reasoning ends: </think>, unless the prompt
         has ended the reasoning already (its last think token is </think>: Qwen3's template with
-        thinking off); -1 then. A prompt with neither waits for the model's </think>."""
+        thinking off); -1 then. A prompt with neither waits for the model's </think>. As vLLM's
+        Qwen3 parser, the search stops at the last turn's boundary (<|im_start|>, <|im_end|>): an
+        earlier turn's </think> ended that turn's reasoning, not this one's."""
         if self.think_ids is None:      # (one token each: plan checks it, launcher.tokenizer.check_reasoning_tokens)
             self.think_ids = tuple(self.tok.encode(t, add_special_tokens=False)[0] for t in (THINK_START, THINK_END))
+            self.turn_ids = frozenset(t for t in map(self.tok.tok.convert_tokens_to_ids, QWEN3_TURNS)
+                                      if t is not None and t != self.tok.tok.unk_token_id) \
+                if self.reasoning == "qwen3" else frozenset()
         start, end = self.think_ids
         for t in reversed(prompt_ids):
             if t == end:
                 return -1
-            if t == start:
+            if t == start or t in self.turn_ids:
                 break
         return end
 

@@ -206,3 +206,34 @@ def test_a_structured_output_starts_after_the_reasoning_as_in_vllm(checkpoint, t
     assert (lines["forced"]["reasoning"], lines["forced"]["output_text"]) in ((None, "red"), (None, "blue"))
     assert lines["forced"]["finish_reason"] == "stop"
     assert lines["off"]["output_text"] in ("red", "blue") and lines["off"]["reasoning"] is None
+
+
+@pytest.mark.unit
+def test_the_grammar_waits_for_this_turns_reasoning_only_as_vllms_qwen3_parser(tmp_path):
+    """Where a structured output starts under the qwen3 parser, as vLLM's: a prompt's last turn
+    decides (an earlier turn's </think>, as in a tool loop, does not end this turn's reasoning),
+    and with thinking off the grammar applies from the first token even where the template writes
+    no empty think block."""
+    from transformers import AutoTokenizer
+    from msinfer.launcher.inputs import parse_record
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    folder = build_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_tokens(["<think>", "</think>", "<|im_start|>", "<|im_end|>"])
+    hf.save_pretrained(folder)
+    tok = load_tokenizer(folder)
+    start, end, im_start, im_end = (tok.encode(t, add_special_tokens=False)[0]
+                                    for t in ("<think>", "</think>", "<|im_start|>", "<|im_end|>"))
+    spec = JobSpec.model_validate({"model": {"path": "m", "max_model_len": 64}, "input": {"path": "in.jsonl"},
+                                   "output": {"path": "out.jsonl", "reasoning_parser": "qwen3"},
+                                   "sampling": {"structured_outputs": {"choice": ["red", "blue"]}}})
+    codec = RecordCodec(spec, SimpleNamespace(vocab_size=len(tok.tok), hidden_size=64, labels=(),
+                                              classifier_activation="", eos_token_ids=(2,)), tok)
+    earlier_turn = [im_start, 5, im_end, im_start, 7, start, 8, end, im_end, im_start, 9]
+    assert codec.reasoning_end(earlier_turn) == end                      # waits for this turn's </think>
+    assert codec.reasoning_end([im_start, 9, start, 8, end]) == -1       # this turn's thinking ended
+    off = parse_record({"messages": [{"role": "user", "content": "hello"}],
+                        "chat_template_kwargs": {"enable_thinking": False}}, 1)
+    on = parse_record({"messages": [{"role": "user", "content": "hello"}]}, 2)
+    assert [codec.sequences(r, 0)[0].sampling.structured_after for r in (off, on)] == [-1, end]

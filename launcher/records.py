@@ -209,9 +209,9 @@ class RecordCodec:
         except RecordError as e:
             return self.error(serial, rec, str(e))
         # (vLLM waits for the reasoning where the model thinks: DeepSeek-R1 always, Qwen3 and V3.1
-        # with thinking on)
+        # with thinking on; not for a chat request with include_reasoning false)
         if sampling.structured and thinking is not None and (thinking or self.reasoning == "deepseek_r1") \
-                and (gate := self.reasoning_end(prompts[0])) >= 0:
+                and rec.openai_reasoning and (gate := self.reasoning_end(prompts[0])) >= 0:
             sampling = dataclasses.replace(sampling, structured_after=gate)
         if not sampling.greedy:     # its draws' stream (greedy ones draw nothing: they share one SamplingParams)
             own = isinstance(rec.sampling, dict) and rec.sampling.get("seed") is not None

@@ -237,3 +237,7 @@ def test_the_grammar_waits_for_this_turns_reasoning_only_as_vllms_qwen3_parser(t
                         "chat_template_kwargs": {"enable_thinking": False}}, 1)
     on = parse_record({"messages": [{"role": "user", "content": "hello"}]}, 2)
     assert [codec.sequences(r, 0)[0].sampling.structured_after for r in (off, on)] == [-1, end]
+    from msinfer.launcher.inputs import parse_openai           # include_reasoning false: from the first token
+    hidden = parse_openai({"custom_id": "h", "url": "/v1/chat/completions", "method": "POST", "body": {
+        "messages": [{"role": "user", "content": "hello"}], "include_reasoning": False}}, 3)
+    assert codec.sequences(hidden, 0)[0].sampling.structured_after == -1

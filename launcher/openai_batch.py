@@ -90,8 +90,7 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
         body["prompt_logprobs"] = vllm_prompt_logprobs(result, token_text)
     if token_ids:
         for choice, out, given in zip(choices, outputs, prompts):
-            hidden = chat and "reasoning" in out and not reasoning      # (include_reasoning false: vLLM's too)
-            choice["token_ids"] = None if hidden else list(out["output_token_ids"])
+            choice["token_ids"] = None if chat and _hides_metadata(out, reasoning) else list(out["output_token_ids"])
             if not chat:
                 choice["prompt_token_ids"] = given.get("prompt_token_ids")
         if chat:
@@ -149,7 +148,7 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
                                      for tok, e in zip(texts, entries)],
                     "text_offset": offsets}
     if chat:
-        if "reasoning" in out and not reasoning:    # vLLM's: include_reasoning false hides the logprobs too
+        if _hides_metadata(out, reasoning):
             logprobs = None
         message = {"role": "assistant", "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
@@ -162,6 +161,12 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
                 "stop_reason": out.get("stop_reason")}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out["finish_reason"],
             "stop_reason": out.get("stop_reason")}
+
+
+def _hides_metadata(out: dict, reasoning: bool) -> bool:
+    """Whether a chat choice's logprobs and token ids are left out: vLLM's suppressed metadata,
+    where the request's include_reasoning is false and a reasoning parser split the text."""
+    return "reasoning" in out and not reasoning
 
 
 def _sampled_first(token: int, logprob: float, top: list) -> list[tuple[int, float]]:

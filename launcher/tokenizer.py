@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from msinfer.launcher.errors import RecordError, SystemicError, TokenizerError
 from msinfer.launcher.inputs import Record, as_part_messages, as_text_messages
-from msinfer.launcher.tools import history, renders_tools
+from msinfer.launcher.tools import HERMES_START, history, renders_tools
 from msinfer.worker.imports import before_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
@@ -370,7 +370,7 @@ def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str 
     return text, None
 
 
-_QWEN3_TAGS = re.compile(f"({re.escape(THINK_START)}|{re.escape(THINK_END)}|<tool_call>)")
+_QWEN3_TAGS = re.compile(f"({re.escape(THINK_START)}|{re.escape(THINK_END)}|{re.escape(HERMES_START)})")
 
 
 def _qwen3_split(text: str) -> tuple[str | None, str | None]:
@@ -382,7 +382,7 @@ def _qwen3_split(text: str) -> tuple[str | None, str | None]:
     for part in _QWEN3_TAGS.split(text):
         if thinking and part == THINK_END:
             thinking = False
-        elif thinking and part == "<tool_call>":
+        elif thinking and part == HERMES_START:
             thinking = False
             content.append(part)
         elif part != (THINK_START if thinking else THINK_END):

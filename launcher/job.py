@@ -290,19 +290,22 @@ def check_ops(spec: JobSpec, m: ModelConfig, device: str, notes: list[str]) -> N
 HOST_MEMORY_FRACTION = 0.8     # of this machine's memory that the weights and KV caches of its workers may take
 
 
-def host_memory_problem(ranks: int, weights: int, kv: int) -> str | None:
+def host_memory_problem(ranks: int, weights: int, kv: int, kv_advice: str = "",
+                        weights_advice: str = "") -> str | None:
     """Why `ranks` workers computing on this machine's CPU, each holding `weights` bytes of weights
-    and `kv` bytes of KV cache, do not fit in HOST_MEMORY_FRACTION of its memory (None if they do).
-    `plan` and `bench` both ask it."""
+    and `kv` bytes of KV cache, do not fit in HOST_MEMORY_FRACTION of its memory (None if they do),
+    with `kv_advice` where a smaller KV cache would make room, else (the weights alone do not fit)
+    `weights_advice`. `plan` and `bench` both ask it."""
     import psutil
     have, gib = psutil.virtual_memory().total, 1024 ** 3
     if ranks * (weights + kv) <= HOST_MEMORY_FRACTION * have:
         return None
-    alone = (f" (the weights alone {ranks * weights / gib:.1f} GiB: no KV cache setting makes room; the model "
-             f"needs a larger machine, or a cluster's)" if ranks * weights > HOST_MEMORY_FRACTION * have else "")
+    alone = ranks * weights > HOST_MEMORY_FRACTION * have
+    advice = (f" (the weights alone {ranks * weights / gib:.1f} GiB: no KV cache setting makes room; the model "
+              f"needs a larger machine, or a cluster's){weights_advice}" if alone else kv_advice)
     return (f"{ranks} worker(s) x (weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB) = "
             f"{ranks * (weights + kv) / gib:.1f} GiB is more than {HOST_MEMORY_FRACTION:.0%} of this machine's "
-            f"{have / gib:.1f} GiB{alone}")
+            f"{have / gib:.1f} GiB{advice}")
 
 
 def stage_weights(m: ModelConfig, tp: int, dbytes: int, ep: bool, pipeline: tuple,
@@ -680,11 +683,11 @@ def plan_job(spec: JobSpec, check_io: bool = True, weights: bool = True, make_ou
     if engine.on_cpu and weights:
         pp = spec.parallel.pipeline_parallel
         ranks_here = tp * pp * spec.parallel.data_parallel if not spec.ray.address else tp * pp
-        if problem := host_memory_problem(ranks_here, weight_bytes, kv_most):
-            raise LayoutError(problem + ("; MSINFER_ASCEND_EMULATE=1 runs every card's share on this machine's CPU"
-                                         if emulate else "") if "the weights alone" in problem else
-                              f"{problem}; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
-                              f"scheduler.max_batch_size or model.max_model_len")
+        if problem := host_memory_problem(
+                ranks_here, weight_bytes, kv_most, f"; lower scheduler.kv_cache_blocks (now {engine.blocks()}), "
+                f"scheduler.max_batch_size or model.max_model_len",
+                "; MSINFER_ASCEND_EMULATE=1 runs every card's share on this machine's CPU" if emulate else ""):
+            raise LayoutError(problem)
     check_structured(spec.sampling, tokenizer)
     check_token_ids(spec.sampling, m.vocab_size)
     if absent:

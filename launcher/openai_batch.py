@@ -38,7 +38,7 @@ def _line(custom_id: str, status: int, body: dict) -> dict:
 
 def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, token_text,
                 cached_tokens: int = 0, reasoning: bool = True, echo: str | None = None, forced: bool = False,
-                token_ids: bool = False) -> dict:
+                token_ids: bool = False, role: str = "assistant") -> dict:
     """The output line of one msinfer result (launcher.records: one output, or `outputs` for n
     samples; or an error) for a request to `url`; `top_logprobs`: the alternatives asked for
     (None: no log-probabilities); `token_text(id)`: a token's text; `cached_tokens`: prompt
@@ -49,7 +49,8 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
     result's prompt_text before each message's content); `forced`: its tool_choice is "required" or
     a named function; `token_ids`: its return_token_ids (vLLM's: each choice's `token_ids`, and the
     prompt's `prompt_token_ids`, beside the choices of a chat completion, on each choice of a
-    completion)."""
+    completion); `role`: a chat answer's (vLLM's: the last message's where the request opens no
+    new assistant message, add_generation_prompt false)."""
     custom_id = result["id"]
     if result.get("error"):             # the request's fault (400), or the server's (500: a record
         # quarantined for the replica failures it ran in, an inconsistency of msinfer's own)
@@ -77,7 +78,7 @@ def openai_line(result: dict, url: str, top_logprobs: int | None, model: str, to
         return (given["prompt_text"],) if chat else \
             (given["prompt_text"], given["prompt_token_ids"], given.get("prompt_logprobs") or [])
     choices = [_choice(i, out, chat, top_logprobs, token_text, reasoning, echo, echoed(given) if echo else None,
-                       forced) for i, (out, given) in enumerate(zip(outputs, prompts))]
+                       forced, role) for i, (out, given) in enumerate(zip(outputs, prompts))]
     if chat:
         body = {"id": _id("chatcmpl-", custom_id), "object": "chat.completion"}
     else:
@@ -118,7 +119,8 @@ def vllm_prompt_logprobs(result: dict, token_text) -> list:
 
 
 def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_text, reasoning: bool = True,
-            echo: str | None = None, prompt: tuple | None = None, forced: bool = False) -> dict:
+            echo: str | None = None, prompt: tuple | None = None, forced: bool = False,
+            role: str = "assistant") -> dict:
     """One choice of the body; `forced`: the request's tool_choice is "required" or a named
     function (vLLM's message then has content "", not null, beside its calls)."""
     text = out.get("output_text") or ""
@@ -150,7 +152,7 @@ def _choice(index: int, out: dict, chat: bool, top_logprobs: int | None, token_t
     if chat:
         if _hides_metadata(out, reasoning):
             logprobs = None
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message = {"role": role, "content": text, "refusal": None}
         if "reasoning" in out:          # output.reasoning_parser: vLLM's message, content null without an answer
             message.update(content=text or None, reasoning=out["reasoning"] if reasoning else None)
         if out.get("tool_calls"):       # (launcher.tools) content null where it has only calls; "" where

@@ -38,6 +38,7 @@ class OpenAIRequest(NamedTuple):
     echo: tuple | None
     forced: bool = False            # tool_choice "required" or a named function: content "" beside calls
     token_ids: bool = False         # vLLM's return_token_ids: the prompt's and each choice's token ids
+    role: str = "assistant"         # a chat answer's role: the last message's without a generation prompt
 
 
 class Done(NamedTuple):
@@ -371,7 +372,11 @@ class RecordCodec:
         if top is None:         # the job's sampling.logprobs (or a plain record's own): computed, so answered
             top = logprobs or None
         forced = rec.tool_use is not None and rec.tool_use.choice != "auto"
-        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo, forced, rec.openai_token_ids)
+        chat_keys = rec.chat or {}          # (vLLM's get_chat_request_role)
+        opened = chat_keys.get("add_generation_prompt", not chat_keys.get("continue_final_message", False))
+        role = "assistant" if opened or not rec.messages else str(rec.messages[-1].get("role", "assistant"))
+        return OpenAIRequest(url, top, rec.openai_reasoning, rec.openai_base64, echo, forced, rec.openai_token_ids,
+                             role)
 
     # ---- while it runs --------------------------------------------------------------------------
     def stop_string(self, seq: Sequence) -> bool:
@@ -589,7 +594,7 @@ class RecordCodec:
             from msinfer.launcher.openai_batch import openai_line
             line = openai_line(result, request.url, request.top_logprobs, self.model_name, self.token_text, cached,
                                request.reasoning, request.echo[0] if request.echo else None, request.forced,
-                               request.token_ids)
+                               request.token_ids, request.role)
         error = result.get("error")
         cause = error["message"].replace(f"record '{result['id']}'", "a record") if error else None
         cut = any(o.get("finish_reason") == "length" for o in result.get("outputs") or [result])

@@ -331,6 +331,20 @@ def test_a_sampled_chat_token_heads_its_top_logprobs_and_forced_calls_have_conte
     hidden, shown = (openai_line(thought, CHAT, 0, "m", str, reasoning=r)["response"]["body"]["choices"][0]
                      for r in (False, True))
     assert (hidden["message"]["reasoning"], hidden["logprobs"]) == (None, None)
+    # the answer's role: the last message's where the request opens no assistant message (vLLM's)
+    from types import SimpleNamespace
+    from msinfer.launcher.records import RecordCodec
+    from msinfer.launcher.spec import JobSpec
+    codec = RecordCodec(JobSpec.model_validate({"model": {"path": "m"}, "input": {"path": "in.jsonl"},
+                                                "output": {"path": "out.jsonl"}}),
+                        SimpleNamespace(vocab_size=100, hidden_size=8, labels=(), classifier_activation="",
+                                        eos_token_ids=(2,)), None, "openai")
+    msgs = [{"role": "user", "content": "hi"}]
+    roles = [codec.request(parse_openai(request("r", {"messages": msgs, **extra}), 1)).role
+             for extra in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": True})]
+    assert roles == ["assistant", "user", "assistant"]
+    assert openai_line(thought, CHAT, None, "m", str, role="user")["response"]["body"]["choices"][0]["message"][
+        "role"] == "user"
     assert shown["message"]["reasoning"] == "hmm" and len(shown["logprobs"]["content"]) == 2
 
 

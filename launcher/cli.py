@@ -205,10 +205,10 @@ def merge_job(spec) -> dict:
 
     from msinfer.launcher.errors import OutputError, SpecError
     from msinfer.launcher.inputs import read_records
-    from msinfer.launcher.job import changed_settings, kept_settings, plan_job, result_id_key, result_settings, \
+    from msinfer.launcher.job import changed_settings, plan_job, result_id_key, result_settings, \
         shown_settings
     from msinfer.launcher.shards import merge_shards, merged_path, resolve_shard, shard_path
-    from msinfer.launcher.writer import holds_results, read_summary, status_path, write_json_atomic
+    from msinfer.launcher.writer import holds_results, kept_settings, read_summary, status_path, write_json_atomic
     shard = resolve_shard(spec.input.shard)
     if shard is None:
         raise SpecError("msinfer merge: the job spec has no input.shard; set the one its tasks ran with, "

@@ -31,9 +31,9 @@ from msinfer.launcher.spec import JobSpec
 from msinfer.launcher.tokenizer import TOKENIZER_FILES, Tokenizer, check_reasoning_tokens, load_tokenizer
 from msinfer.launcher.tools import check_parser_tokens
 from msinfer.launcher.writer import (DIGEST_DROPPED, FAILED, ResultsLock, ResultWriter, Stats, check_output,
-                                     digest_value, held_ids, holds_results, input_digest_index, not_a_result,
-                                     read_summary, recorded_ids, result_id, status_path, summary_path,
-                                     write_json_atomic)
+                                     digest_value, held_ids, holds_results, input_digest_index, kept_settings,
+                                     not_a_result, read_summary, recorded_ids, result_id, status_path,
+                                     summary_path, write_json_atomic)
 from msinfer.sharding.config import (BLOCK_MULTIPLE, EMULATE_ENV, HEAD_SIZES, EngineConfig, ModelConfig,
                                     ModelConfigError, ascend_emulated, bf16_panels_on, card_dtype, cpu_bfloat16,
                                     cpu_kernels, cpu_kv_cache_dtype, dtype_bytes, emulate_variants, emulated_memory,
@@ -1257,12 +1257,6 @@ def unknown_settings(output: str) -> str | None:
     return (f"{output} holds results, but {status_path(output)}, which keeps the settings they were computed "
             f"with, is missing or unreadable: their settings are not checked against this run's (a re-run with "
             f"other settings would keep both), and this run's are kept from now on")
-
-
-def kept_settings(output: str) -> dict | None:
-    """The settings the status file beside a results file keeps (None: none, or no such file)."""
-    before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
-    return before if isinstance(before, dict) else None
 
 
 def changed_settings(before: dict | None, settings: dict) -> list[tuple[str, object, object]]:

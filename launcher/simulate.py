@@ -49,7 +49,7 @@ def simulate_output(spec, path: str | None = None):
     from msinfer.launcher.errors import SpecError
     from msinfer.launcher.shards import for_shard
     from msinfer.launcher.spec import OutputSpec, expand_path
-    from msinfer.launcher.writer import holds_results, inputs_path, lock_path, read_summary, status_path, summary_path
+    from msinfer.launcher.writer import holds_results, inputs_path, kept_settings, lock_path, status_path, summary_path
     default = f"{spec.output.path}.simulate.jsonl"
     target = expand_path(path) if path else default
     mine = [("output.path", spec.output.path), ("input.path", spec.input.path)]
@@ -66,8 +66,7 @@ def simulate_output(spec, path: str | None = None):
     output = OutputSpec.model_validate({**spec.output.model_dump(), "path": target})
     spec = spec.model_copy(update={"output": output})
     written = for_shard(spec).output.path
-    settings = (read_summary(status_path(written)) or {}).get("settings")       # (launcher.job.kept_settings)
-    if holds_results(written) and not (isinstance(settings, dict) and settings.get("simulate") is True):
+    if holds_results(written) and (kept_settings(written) or {}).get("simulate") is not True:
         raise SpecError(f"--output {path}: {written} holds results that msinfer simulate did not write; it never "
                         f"writes over them, not even with --overwrite. Give another --output (default {default})")
     return spec

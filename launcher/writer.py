@@ -52,6 +52,12 @@ def lock_path(output: str | Path) -> Path:
     return Path(f"{output}.lock")
 
 
+def kept_settings(output: str | Path) -> dict | None:
+    """The settings the status file beside a results file keeps (None: none, or no such file)."""
+    before = (read_summary(status_path(output)) or {}).get("settings")     # (any JSON object file)
+    return before if isinstance(before, dict) else None
+
+
 def holds_results(output: str | Path) -> bool:
     """Whether the results file is there with something in it: what a re-run resumes and checks."""
     path = Path(output)

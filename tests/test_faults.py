@@ -598,10 +598,18 @@ def test_ctrl_c_while_replicas_start_ends_their_starts_before_the_command_stops_
     def ctrl_c_once_the_ranks_run():
         wait_for(lambda: c.slots and len(c.slots[0].replica.ranks) == 2, 120, "the ranks' processes")
         began.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
+        # to the main thread: a process's signal may land in any thread, and one that lands here
+        # leaves the main thread asleep in its wait (Python runs handlers there, woken by EINTR)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    # (a process started in the background by a shell without job control ignores SIGINT: Python
+    # then keeps SIG_IGN, and the signal would never stop the start)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=ctrl_c_once_the_ranks_run, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert began and time.monotonic() - began[0] < 15
     assert c.starts[0].done() and isinstance(c.starts[0].exception(), LaunchError)
     assert "replica 0: stopped while starting" in str(c.starts[0].exception())

@@ -79,6 +79,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-batched-tokens", default=None, metavar="N",
                    help="prompt tokens per prefill step, as scheduler.max_batched_tokens in a job, at least the "
                         "case's batch size (default: batch x input_len, every prompt of a case in one step)")
+    b.add_argument("--decode-steps", default=None, metavar="K",
+                   help="greedy decode steps a call, as scheduler.decode_steps in a job (default: the job's, 4 on "
+                        "the CPU)")
     b.add_argument("--repeats", default="1", help="timed passes per case; the fastest is reported (default 1)")
     b.add_argument("--seed", default="0", help="seed of the random prompts and weights (default 0)")
     b.add_argument("--output", default="bench-results", metavar="DIR",
@@ -184,7 +187,7 @@ def plan_bench(args) -> BenchPlan:
     """Every check that can fail, before Ray starts."""
     from msinfer.launcher.errors import SpecError
     from msinfer.launcher.job import host_memory_problem, plan_job, resolve_layout
-    from msinfer.launcher.spec import JobSpec
+    from msinfer.launcher.spec import MAX_DECODE_STEPS, JobSpec
     from msinfer.sharding.config import ModelConfig, kv_dtype_bytes
     from msinfer.sharding.layout import LayoutError
     from msinfer.worker.loader import CheckpointError
@@ -198,6 +201,9 @@ def plan_bench(args) -> BenchPlan:
     seed = parse_one(args.seed, "--seed", minimum=0)
     step_timeout = parse_one(args.step_timeout, "--step-timeout", kind=float, minimum=1)
     budget = None if args.max_batched_tokens is None else parse_one(args.max_batched_tokens, "--max-batched-tokens")
+    chain = None if args.decode_steps is None else parse_one(args.decode_steps, "--decode-steps")
+    if chain is not None and chain > MAX_DECODE_STEPS:
+        raise BenchError(f"--decode-steps '{args.decode_steps}': expected a whole number <= {MAX_DECODE_STEPS}")
 
     m = ModelConfig.from_dir(args.model)
     max_len = m.max_position_embeddings if args.max_model_len is None else \
@@ -242,7 +248,7 @@ def plan_bench(args) -> BenchPlan:
                       "max_batched_tokens": max(max(budget or c.batch_size * c.input_len, c.batch_size)
                                                 for c in runnable),
                       "kv_cache_blocks": None if device == "ascend" else max(blocks.values()),
-                      "prefix_caching": False},
+                      "prefix_caching": False, "decode_steps": chain},
         # a case whose replica fails is recorded as failed; bench starts the replica afresh itself
         "fault": {"max_replica_restarts": 0, "step_timeout_s": step_timeout},
         "ray": {"address": args.ray_address},
@@ -272,7 +278,8 @@ def flag_names(message: str) -> str:
                       "--pipeline-parallel"), ("parallel.expert_parallel",
                       "--expert-parallel"), ("model.max_model_len", "--input-len + --output-len"),
                       ("scheduler.max_batched_tokens", "--max-batched-tokens"),
-                      ("scheduler.max_batch_size", "--batch-size"), ("scheduler.kv_cache_blocks", "the KV cache"),
+                      ("scheduler.max_batch_size", "--batch-size"), ("scheduler.decode_steps", "--decode-steps"),
+                      ("scheduler.kv_cache_blocks", "the KV cache"),
                       ("model.dtype", "--dtype"), ("model.ops", "--ops"), ("model.kv_cache_dtype", "--kv-cache-dtype"),
                       ("a larger parallel.memory_fraction (now", "a job's larger parallel.memory_fraction (bench "
                                                                  "runs at"),

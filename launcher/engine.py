@@ -45,7 +45,8 @@ from ray.experimental import internal_kv
 from msinfer.launcher.errors import gist
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
-from msinfer.worker.protocol import SAMPLED, DecodeStep, StepOutput, pack_step
+from msinfer.sharding.config import cpu_kernels
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, StepOutput, pack_step
 
 if TYPE_CHECKING:
     from msinfer.launcher.spec import JobSpec
@@ -135,6 +136,7 @@ class InFlight:
     submitted: float
     others: set                     # refs of ranks > 0 not yet seen to finish
     outs: list | None = None        # pipeline stages: the last stage's rank 0 output per micro-batch
+    chain: list | None = None       # a DecodeChain: the sequences of each of its steps (`seqs`: its first's)
 
 
 def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: list[int] = ()) -> list:
@@ -146,6 +148,31 @@ def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: lis
     payload = pack_step(seqs, released)
     ref = ray.put(payload) if sum(not isinstance(w, LocalRank) for w in workers) > 1 else payload
     return [w.step.remote(payload if isinstance(w, LocalRank) else ref, is_prefill, index) for w in workers]
+
+
+# scheduler.decode_steps where the spec leaves it unset: on the CPU, where a step's call costs ~1 ms
+# besides its kernels (docs/benchmarks.md, "Decode steps in one call"); 1 on Ascend, not measured there
+CPU_DECODE_STEPS = 4
+
+
+def decode_steps(spec, ec) -> int:
+    """How many decode steps the engine chains into one call (a DecodeChain): the spec's
+    scheduler.decode_steps, by default CPU_DECODE_STEPS on the CPU and 1 elsewhere; 1 for a
+    replica of pipeline stages (Pipeline sends its micro-batches step by step)."""
+    if len(ec.pipeline) > 1:
+        return 1
+    k = spec.scheduler.decode_steps
+    if k is not None:
+        return k
+    # the CPU kernels (static shapes): the portable operators' dynamic graphs run a chain step by step
+    return CPU_DECODE_STEPS if cpu_kernels(ec.device, ec.ops) and ec.shapes != "dynamic" else 1
+
+
+def chains(sampling) -> bool:
+    """Whether a sequence's decode steps may go in a DecodeChain: greedy, nothing changes its
+    logits (penalties, biases, bans, a grammar) and no log-probabilities, so that each step's
+    token is the network's greedy pick, which the chain feeds the next step on the device."""
+    return sampling.greedy and not sampling.processes and not sampling.logprobs
 
 
 def micro_batches(steps, parts: int) -> list:
@@ -264,6 +291,7 @@ class Engine:
                                    spec.scheduler.max_batched_tokens, ec.max_model_len,
                                    spec.scheduler.prefix_caching)
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
+        self.decode_steps = decode_steps(spec, setup.engine_config)
         self.step_timeout_s = spec.fault.step_timeout_s
         self.target = setup.queue_target
         self.flush_s, self.wait_s = setup.flush_s, setup.wait_s
@@ -309,6 +337,7 @@ class Engine:
         the Python API's per-call options and msinfer bench's cases."""
         self.codec.spec, self.stream = spec, stream
         self.max_in_flight = 2 if spec.scheduler.async_scheduling else 1
+        self.decode_steps = decode_steps(spec, self.setup.engine_config)
         self.scheduler.set_limits(spec.scheduler.max_batch_size, spec.scheduler.max_batched_tokens)
 
     def exchange(self, payload: bytes | None, more: bool, suspects: tuple = (), give_back: bool = False) -> bytes:
@@ -441,7 +470,7 @@ class Engine:
                 if giving_back:
                     self._give_back()
                 while (len(self.in_flight) < self.max_in_flight and self.scheduler.has_work()
-                       and self._submit()):
+                       and not self._chain_first() and self._submit()):
                     pass
                 if not self.in_flight:
                     with self.cond:
@@ -456,6 +485,12 @@ class Engine:
         finally:
             local = [f for step in self.in_flight for f in step.refs if isinstance(f, Future)]
             futures_wait(local, timeout=self.step_timeout_s)
+
+    def _chain_first(self) -> bool:
+        """Whether the next step waits for the chain in flight (a DecodeChain) to end: while records
+        wait for a place in the batch, so that those its sequences leave are taken at once, not after
+        a chain scheduled ahead of it (up to 2 K - 1 steps of a place unused, against K - 1)."""
+        return bool(self.in_flight) and self.in_flight[-1].chain is not None and self.scheduler.num_waiting > 0
 
     def _give_back(self) -> None:
         """A drain or the job's tail (ask_back): the records none of whose sequences holds anything
@@ -499,10 +534,22 @@ class Engine:
             self.in_flight.append(InFlight([*outs, *others, *relays], seqs, is_prefill, time.perf_counter(),
                                            set(others), outs))
             return True
+        more = []
+        if not is_prefill and self.decode_steps > 1 and all(chains(seq.sampling) for seq in seqs):
+            more = self.scheduler.schedule_more_decodes(steps, self.decode_steps - 1)
+        if more and len(more) == self.decode_steps - 1 and more[-1][0].seq_ids == steps.seq_ids:
+            chain = DecodeChain([steps] + [step for step, _ in more])
+            self._send(chain, False, seqs, [seqs] + [part for _, part in more])
+            return True
+        # (a shorter chain goes step by step: each chain length would be one more graph to compile)
+        for step, part in [(steps, seqs), *more]:
+            self._send(step, is_prefill, part)
+        return True
+
+    def _send(self, steps, is_prefill: bool, seqs: list, chain: list | None = None) -> None:
         refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
-        self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:])))
-        return True
+        self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:]), chain=chain))
 
     def _report(self, seqs: list) -> None:
         """Before a step runs records that no step of this replica ran before, the ledger hears of
@@ -567,18 +614,24 @@ class Engine:
         self._check_timeout(step)
 
     def _check_timeout(self, step: InFlight) -> None:
-        if time.perf_counter() - max(step.submitted, self.last_result) > self.step_timeout_s:
-            raise TimeoutError(f"a step ran longer than fault.step_timeout_s={self.step_timeout_s:g}s")
+        steps = len(step.chain) if step.chain is not None else 1        # a chain: each of its steps its own time
+        if time.perf_counter() - max(step.submitted, self.last_result) > self.step_timeout_s * steps:
+            raise TimeoutError(f"a step ran longer than fault.step_timeout_s={self.step_timeout_s:g}s" + (
+                f" (a chain of {steps} decode steps, scheduler.decode_steps, ran longer than {steps} times it)"
+                if steps > 1 else ""))
 
     def _completed(self, step: InFlight, out) -> None:
         self.in_flight.popleft()
         done = time.perf_counter()
         figures = self.step_s["prefill" if step.is_prefill else "decode"]
-        for i, v in enumerate((1, done - max(step.submitted, self.last_result), out.worker_s, out.model_s,
-                               len(step.seqs), out.host_bytes)):
-            figures[i] += v
+        parts, outs = (step.chain, out) if step.chain is not None else ([step.seqs], [out])
+        elapsed = (done - max(step.submitted, self.last_result)) / len(parts)
+        for seqs, part in zip(parts, outs):
+            for i, v in enumerate((1, elapsed, part.worker_s, part.model_s, len(seqs), part.host_bytes)):
+                figures[i] += v
         self.last_result = done
-        self._postprocess(step.seqs, out, done, step.is_prefill)
+        for seqs, part in zip(parts, outs):         # a chain's steps in their order, as if one at a time
+            self._postprocess(seqs, part, done, step.is_prefill)
 
     def _postprocess(self, seqs: list, out, now: float, is_prefill: bool) -> None:
         # a sequence that finished while this step was in flight (async scheduling: it stopped in

@@ -394,6 +394,23 @@ class Scheduler:
                                    f"{self.num_running} running, {self.block_manager.num_free} free blocks")
         return [], False, []
 
+    def schedule_more_decodes(self, first: DecodeStep, more: int) -> list[tuple[DecodeStep, list[Sequence]]]:
+        """Up to `more` decode steps after `first` (just scheduled), each as the step in flight
+        before it leaves it (no prefill in between, no preemption): scheduler.decode_steps chains
+        them into one call. It stops after a step whose sequences are not first's (one finished
+        by its length, or the cache without a block for the next token); the engine then sends
+        the steps one by one."""
+        out = []
+        for _ in range(more):
+            self.step_no += 1
+            decode = self._schedule_decode(ahead=True)
+            if decode is None:
+                break
+            out.append(decode)
+            if decode[0].seq_ids != first.seq_ids:
+                break
+        return out
+
     def _schedule_prefill(self) -> list[tuple[Sequence, SeqStep]]:
         scheduled = []
         budget = self.max_batched_tokens

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from msinfer.worker.actor import Worker
-from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SeqStep, StepOutput, StepReader, one_by_one
 from msinfer.worker.sampler import mix64
 
 
@@ -133,12 +133,14 @@ class StandInRunner:
                 self.first_tokens[table[p // bs] * bs + p % bs] = s.token_ids[p - s.num_cached]
         return cached + s.token_ids[:KEY_TOKENS - len(cached)]
 
-    def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
-             released=(), hidden=None, sampled=None) -> StepOutput:
+    def step(self, seqs: list[SeqStep] | DecodeStep | DecodeChain, is_prefill: bool, logprobs: bool = True,
+             released=(), hidden=None, sampled=None) -> StepOutput | list:
         """A pipeline stage (EngineConfig.pipeline) takes step_ms / stages per call, a micro-batch
         as long as a step of the whole batch: each stage holds that share of the layers. A stage
         but the last samples nothing and passes on empty hidden states; the first takes the
         tokens of its SAMPLED inputs from the last (`sampled`), like the runner."""
+        if isinstance(seqs, DecodeChain):       # its steps one at a time: a stand-in's step costs its time
+            return one_by_one(self.step, seqs, logprobs, released)
         t0 = time.perf_counter()
         stage = self.stage
         seqs = self.steps.read(seqs, released)

@@ -408,6 +408,9 @@ class SamplingSpec(Section):
                                  "allowed_token_ids": tuple(self.allowed_token_ids or ())})
 
 
+MAX_DECODE_STEPS = 32       # scheduler.decode_steps: each is a copy of the step in its graph
+
+
 class SchedulerSpec(Section):
     max_batch_size: int = Field(32, ge=1)
     # prompt tokens per prefill step, packed: a static graph keeps every intermediate of its step
@@ -418,6 +421,9 @@ class SchedulerSpec(Section):
     kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len
     # schedule and submit each step while the one before it runs (launcher/engine.py)
     async_scheduling: bool = True
+    # greedy decode steps run this many at a time in one compiled call, each feeding the next its
+    # tokens (launcher/engine.py, worker.model.CausalLM.decode_chain); None: 4 on the CPU kernels, else 1
+    decode_steps: int | None = Field(None, ge=1, le=MAX_DECODE_STEPS)
     # a new sequence starts after the KV blocks of its longest cached prefix (launcher/scheduler.py)
     prefix_caching: bool = True
     # with prefix caching and data_parallel > 1: records whose prompts begin alike go to one replica
@@ -746,7 +752,7 @@ SYNONYMS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
             "gpu_memory_utilization": "memory_fraction", "tensor_parallel_size": "tensor_parallel",
             "pipeline_parallel_size": "pipeline_parallel", "data_parallel_size": "data_parallel",
             "enable_expert_parallel": "expert_parallel", "enable_prefix_caching": "prefix_caching",
-            "num_gpu_blocks_override": "kv_cache_blocks"}
+            "num_gpu_blocks_override": "kv_cache_blocks", "num_scheduler_steps": "decode_steps"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

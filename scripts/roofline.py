@@ -3,7 +3,7 @@ step kind's bytes and FLOPs for a dense model, the lower bound they set, and the
 `msinfer bench` measures beside it.
 
     python scripts/roofline.py [--model DIR] [--dtype float32] [--kv-cache-dtype auto] [--batch-size 1,16,64]
-                               [--prompt 32] [--prefill 512]
+                               [--prompt 32] [--prefill 512] [--decode-steps K]
 
 The machine (every core of the process's affinity):
     bandwidth  a triad z = x + y in numpy over arrays far larger than the caches, one slice per
@@ -34,8 +34,8 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
                reach `bound`, and its ratio to this sum says how far it is from what it can reach
 
 The measured figures are `msinfer bench`'s decode_ms_per_step (B prompts of --prompt tokens, 64
-new: context L = prompt + 32 on average) and prefill_ms (one prompt of T tokens), on the CPU
-kernels. Dense models only: a mixture of experts' step reads the experts its tokens chose, not
+new: context L = prompt + 32 on average; the job's scheduler.decode_steps, 4 on the CPU, runs 4
+decode steps a call) and prefill_ms (one prompt of T tokens), on the CPU kernels. Dense models only: a mixture of experts' step reads the experts its tokens chose, not
 all of them.
 """
 
@@ -156,14 +156,14 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
 
 
 def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path,
-          kv_cache_dtype: str = "auto") -> dict:
+          kv_cache_dtype: str = "auto", decode_steps: int | None = None) -> dict:
     """`msinfer bench`'s rows: (batch, input_len) -> row."""
     rows = {}
     for sizes, lengths, new in ((",".join(map(str, batches)), str(prompt), str(NEW)), ("1", str(prefill), "1")):
         d = out / f"in{lengths}"
         cmd = [sys.executable, "-m", "msinfer.launcher.cli", "bench", "--model", str(model), "--batch-size", sizes,
                "--input-len", lengths, "--output-len", new, "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype,
-               "--repeats", "3",
+               "--repeats", "3", *(("--decode-steps", str(decode_steps)) if decode_steps else ()),
                "--max-model-len", str(max(prefill, prompt + NEW) + 16), "--output", str(d), "--no-progress"]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if p.returncode != 0:
@@ -182,6 +182,8 @@ def main() -> int:
     ap.add_argument("--batch-size", default="1,16,64", help="decode batch sizes (default 1,16,64)")
     ap.add_argument("--prompt", type=int, default=PROMPT, help=f"decode prompts' tokens (default {PROMPT})")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode steps a call (scheduler.decode_steps; default the job's: 4 on the CPU)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from msinfer.sharding.config import ModelConfig
@@ -208,7 +210,8 @@ def main() -> int:
           + (f"; bfloat16 {bfloat16_rate() / 1e9:.1f} (the kernels' Linear over pairs, 512 rows)"
              if args.dtype == "bfloat16" else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype)
+        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype,
+                     args.decode_steps)
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes, "
           f"KV cache at {kv_bytes})")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'phases ms':>11}{'measured ms':>13}{'ratio':>7}"

@@ -21,7 +21,7 @@ from msinfer.sharding.layout import TPInfo
 from msinfer.worker.device import (CPU_ENVIRONMENT, apply_environment, free_port, init_communication,
                                    join_through_store, preflight, select_device, start_scheduler_thread)
 from msinfer.worker.imports import import_mindspore, own_process
-from msinfer.worker.protocol import DecodeStep, StepOutput, unpack_step
+from msinfer.worker.protocol import DecodeChain, DecodeStep, StepOutput, unpack_step
 
 
 # Fault injection, for tests (docs/spec.md): a worker whose step input holds this token id aborts
@@ -182,16 +182,18 @@ class Worker:
                 "dtype": self.runner.dtype, "fused_layers": self.runner.fused_layers, "all_reduce": self.all_reduce,
                 **({"kernel_check": self.runner.kernel_check} if self.runner.kernel_check is not None else {})}
 
-    def step(self, seqs: bytes, is_prefill: bool, index: int = -1, *inputs: StepOutput) -> StepOutput | None:
+    def step(self, seqs: bytes, is_prefill: bool, index: int = -1, *inputs: StepOutput) -> StepOutput | list | None:
         """Step `index` of this group (0, 1, ...; -1: unordered, when no other is in flight). With
         async scheduling two steps are in flight and the actor has threads for both: each waits for
-        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step).
+        the one before it. `seqs` as launcher.replica sends them (protocol.pack_step); a
+        DecodeChain's steps answer a list of StepOutputs, one a step.
         A pipeline stage's `inputs` (launcher.engine.Pipeline): the stage before's rank 0 output
         (its hidden states), or for the first stage the last stage's outputs of the step before
         (the tokens of its SAMPLED inputs)."""
         seqs, released = unpack_step(seqs)
-        if POISON_TOKEN is not None and POISON_TOKEN in (
-                seqs.token_ids if isinstance(seqs, DecodeStep) else [t for s in seqs for t in s.token_ids]):
+        fed = ([t for st in seqs.steps for t in st.token_ids] if isinstance(seqs, DecodeChain) else
+               seqs.token_ids if isinstance(seqs, DecodeStep) else [t for s in seqs for t in s.token_ids])
+        if POISON_TOKEN is not None and POISON_TOKEN in fed:
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))        # (no core file of a test's fault)
             os.abort()                      # as a kernel crash would (fault injection, tests only)
         hidden = next((o.hidden for o in inputs if o.hidden is not None), None)

@@ -136,6 +136,18 @@ class DecodeStep:
         return len(self.seq_ids)
 
 
+@dataclass
+class DecodeChain:
+    """Decode steps the engine scheduled back to back and sends as one call (scheduler.decode_steps):
+    each step after the first feeds the tokens the step before it picks (SAMPLED). The rank runs a
+    run of them with the same sequences, all greedy and changing no logits, as one compiled call
+    (worker.runner.ModelRunner.chain), and any other step alone; it answers a StepOutput a step."""
+    steps: list[DecodeStep]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
 class StepReader:
     """A rank's side of the wire: a step as the runner takes it, a list of SeqSteps. It keeps each
     sequence's last SeqStep until the engine releases the sequence (it finished, or was preempted
@@ -175,3 +187,9 @@ def pack_step(step: list[SeqStep] | DecodeStep, released: list[int] = ()) -> byt
 
 def unpack_step(payload: bytes) -> tuple[list[SeqStep] | DecodeStep, list[int]]:
     return pickle.loads(payload)
+
+
+def one_by_one(step, chain: DecodeChain, logprobs: bool, released=()) -> list:
+    """A DecodeChain's steps run one at a time by a runner's `step` (a StepOutput each), where they
+    cannot run as one call; the sequences released go with the first."""
+    return [step(st, False, logprobs, released if k == 0 else ()) for k, st in enumerate(chain.steps)]

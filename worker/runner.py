@@ -21,7 +21,7 @@ import numpy as np
 from msinfer.sharding.config import (MASK_PENALTY, POOLING_TASKS, EngineConfig, ModelConfig, fused, ops_problem,
                                      resolve_dtype)
 from msinfer.sharding.layout import Stage, TPInfo
-from msinfer.worker.protocol import SAMPLED, DecodeStep, SeqStep, StepOutput, StepReader
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SeqStep, StepOutput, StepReader, one_by_one
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
 from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
@@ -151,6 +151,10 @@ class ModelRunner:
             kinds["pool"] = self.model.pool
         if self.dev.fused_attention and self.cfg.mla is None:
             kinds["prefill"] = self.model.decode
+        # greedy decode steps in one call (`chain`): static shapes (the loop unrolls as the graph
+        # compiles for its number of steps), one stage, a device whose step kinds share one phase
+        if self.stage.count == 1 and self.cfg.lm_head and not self.dynamic and not self.dev.phases:
+            kinds["chain"] = self.model.decode_chain
         self.fns = {kind: self.compiled(fn, kind) for kind, fn in kinds.items()} if ec.graph_mode else kinds
         if kinds["prefill"] == kinds["decode"] and not self.dev.phases:   # one graph a shape, not one a kind
             self.fns["prefill"] = self.fns["decode"]
@@ -284,7 +288,7 @@ class ModelRunner:
         return fits[0]
 
     def prepare(self, seqs: list[SeqStep], is_prefill: bool, reuse: bool = True,
-                paged: bool = True, hidden: np.ndarray | None = None) -> tuple[dict, list[int]]:
+                paged: bool = True, hidden: np.ndarray | None = None, chain: int = 1) -> tuple[dict, list[int]]:
         """The step's input tensors by name (see CausalLM) and the first row of each sequence's tokens.
 
         The sequences' new tokens are packed one after another into N rows, with no padding
@@ -298,7 +302,10 @@ class ModelRunner:
         dynamic shapes nothing is padded and the tables are as wide as the step's longest sequence.
         `paged`: the step attends through the block tables (any kind but `prefill`), so a device
         with `paged_mask` gets the causal mask of its chunks. `hidden`: a pipeline stage's input,
-        the stage before's hidden states of the step's tokens ([total, hidden_size]), padded to N."""
+        the stage before's hidden states of the step's tokens ([total, hidden_size]), padded to N.
+        `chain` > 1: the inputs of that many decode steps of `seqs`, each a position further
+        (CausalLM.decode_chain): positions, slot_mapping, batch_valid_length and token_len with a
+        leading dimension of one row a step; the block tables must hold the last step's token."""
         P = self.scheme.num_components
         bs = self.block_size
         scratch = self.scratch_block * bs
@@ -306,11 +313,11 @@ class ModelRunner:
         n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, B)
         start = np.fromiter((s.num_cached for s in seqs), np.int64, B)
         blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
-        short = np.flatnonzero(blocks * bs < start + n)
+        short = np.flatnonzero(blocks * bs < start + n + chain - 1)
         if len(short):
             s = seqs[short[0]]
             raise ValueError(f"sequence {s.seq_id}: block table holds {len(s.block_table)} blocks, too few "
-                             f"for {s.num_cached + len(s.token_ids)} tokens")
+                             f"for {s.num_cached + len(s.token_ids) + chain - 1} tokens")
         total = int(n.sum())
         N, M = self.shape(total, B, is_prefill, reuse)
         if self.dynamic:
@@ -350,6 +357,16 @@ class ModelRunner:
             mask = np.zeros((1, 1), np.float32)
         out_index = np.full(M, -1, np.int32)
         out_index[:B] = first + n - 1
+        if chain > 1:                       # step k: every token k positions further
+            later = pos + np.arange(chain)[:, None]                  # [chain, total]
+            rope = np.zeros((chain, N, P), np.float32)
+            rope[:, :total] = self.scheme.at(later.ravel()).reshape(chain, total, P)
+            slots = np.full((chain, N), scratch, np.int32)
+            slots[:, :total] = tables[seq_of, later // bs] * bs + later % bs
+            token_len = np.zeros((chain, N), np.int32)
+            token_len[:, :total] = later + 1
+            valid_len = np.zeros((chain, M), np.int32)
+            valid_len[:, :B] = start + n + np.arange(chain)[:, None]
         # Tensor.from_numpy shares each array (built above in its input's dtype, and never changed
         # after): ~1 us a tensor against ~7 for Tensor(array, dtype), whose checks cost a decode
         # step ~60 us. The mask of a float16 or bfloat16 network converts.
@@ -395,8 +412,9 @@ class ModelRunner:
         from msinfer.worker.model import STEP_INPUTS
         shape = (inputs["input_ids"].shape[0], inputs["out_index"].shape[0])
         fn = self.fns[kind]
-        graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + tuple(
-            e.shape[0] for e in extra))
+        # (a chain's graph is one a shape and number of steps)
+        extra_dims = tuple(e.shape[0] for e in extra) + ((inputs["positions"].shape[0],) if kind == "chain" else ())
+        graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + extra_dims)
         t0 = time.perf_counter()
         if self.dev.phases:
             self.model.phase = self.dev.phases[kind]
@@ -411,8 +429,9 @@ class ModelRunner:
         if graph not in self.compiled_graphs:
             self.compiled_graphs.add(graph)
             self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
-                f" S={extra[0].shape[0]}" if extra else "")] = time.perf_counter() - t0
-        if not kind.startswith(("score", "pool")):
+                f" S={extra[0].shape[0]}" if extra else "") + (
+                f" K={extra_dims[-1]}" if kind == "chain" else "")] = time.perf_counter() - t0
+        if not kind.startswith(("score", "pool", "chain")):
             self.graphs.add(shape)
         return out
 
@@ -661,9 +680,10 @@ class ModelRunner:
             return mask
         return self.mask_pool.submit(fill)
 
-    def step(self, seqs: list[SeqStep] | DecodeStep, is_prefill: bool, logprobs: bool = True,
-             released=(), hidden: np.ndarray | None = None, sampled: dict | None = None) -> StepOutput:
-        """Runs the step (SeqSteps, or a DecodeStep: worker.protocol) and samples. Every rank of a
+    def step(self, seqs: list[SeqStep] | DecodeStep | DecodeChain, is_prefill: bool, logprobs: bool = True,
+             released=(), hidden: np.ndarray | None = None, sampled: dict | None = None) -> StepOutput | list:
+        """Runs the step (SeqSteps, or a DecodeStep: worker.protocol) and samples; a DecodeChain's
+        steps give a StepOutput each (`chain`). Every rank of a
         group samples the same tokens (the device sampler's collectives give each the same figures)
         and keeps them for the next step's SAMPLED inputs, and in the histories of sequences whose
         sampling looks back (until `released`).
@@ -671,6 +691,8 @@ class ModelRunner:
         step's tokens (`hidden`); one but the last returns its own (StepOutput.hidden) and samples
         nothing. The last stage samples, and the first takes the tokens the last sampled for the
         sequences of its SAMPLED inputs (`sampled`: seq_id -> token)."""
+        if isinstance(seqs, DecodeChain):
+            return self.chain(seqs, logprobs, released)
         t0, bytes0 = time.perf_counter(), self.host_bytes
         stage = self.stage
         seqs = self.steps.read(seqs, released)
@@ -723,3 +745,51 @@ class ModelRunner:
         return StepOutput(chosen, lps if any(x is not None for x in lps) else None,
                           None if all(x is None for x in scores) else scores, time.perf_counter() - t0, model_s,
                           self.host_bytes - bytes0, sampled=self.sampled if stage.count > 1 else None)
+
+    def chainable(self, chain: DecodeChain) -> bool:
+        """Whether `chain`'s steps can run as one call of `decode_chain`: this runner has it, and
+        every step is the one before it a position further for the same sequences, fed the tokens
+        it picks (SAMPLED), each sequence greedy with nothing that changes its logits or asks for
+        log-probabilities (those sample on the host's terms: `sample`)."""
+        steps, last = chain.steps, self.steps.last
+        if len(steps) < 2 or "chain" not in self.fns:
+            return False
+        first = steps[0]
+        for k, st in enumerate(steps[1:], 1):
+            if (st.seq_ids != first.seq_ids or any(t != SAMPLED for t in st.token_ids)
+                    or any(c != c0 + k for c, c0 in zip(st.num_cached, first.num_cached))):
+                return False
+        for seq_id in first.seq_ids:
+            before = last.get(seq_id)
+            if before is None or not before.sampling.greedy or before.sampling.processes or before.sampling.logprobs:
+                return False
+        return True
+
+    def chain(self, chain: DecodeChain, logprobs: bool = True, released=()) -> list[StepOutput]:
+        """The steps of a DecodeChain, a StepOutput each: as one call of the model's `decode_chain`
+        where they can (`chainable`), which returns every step's greedy tokens at once; else one
+        step at a time. The tokens are those the steps one at a time pick (the same graph's
+        operators, fed the same tokens)."""
+        if not self.chainable(chain):
+            return one_by_one(self.step, chain, logprobs, released)
+        t0, bytes0 = time.perf_counter(), self.host_bytes
+        K = len(chain.steps)
+        seqs = self.steps.read(chain.steps[0], released)
+        for seq_id in released:
+            self.histories.pop(seq_id, None)
+        for s in seqs:
+            if s.token_ids == [SAMPLED]:
+                if s.seq_id not in self.sampled:
+                    raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
+                s.token_ids = [self.sampled[s.seq_id]]
+        for st in chain.steps[1:]:
+            later = self.steps.read(st)     # (their block tables: the last step's hold every token)
+        rows = [SeqStep(s.seq_id, s.token_ids, s.num_cached, t.block_table) for s, t in zip(seqs, later)]
+        inputs, _ = self.prepare(rows, False, chain=K)
+        t1 = time.perf_counter()
+        tokens = self.to_host(self._call("chain", inputs))[:, :len(seqs)]
+        model_s = self.synced - t1
+        self.model_s += model_s
+        self.sampled = {s.seq_id: int(t) for s, t in zip(seqs, tokens[-1])}
+        share = (time.perf_counter() - t0) / K, model_s / K, (self.host_bytes - bytes0) // K
+        return [StepOutput(row.tolist(), None, None, *share) for row in tokens]

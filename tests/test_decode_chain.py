@@ -1,0 +1,137 @@
+"""Greedy decode steps chained into one call (scheduler.decode_steps, worker.runner.ModelRunner.chain):
+the same tokens as steps one at a time and as transformers, whatever stops a sequence inside a
+chain, and no chain where a step's sampling is the host's."""
+
+from __future__ import annotations
+
+import pytest
+
+from msinfer.launcher.engine import chains, decode_steps
+from msinfer.launcher.job import plan_job
+from msinfer.launcher.spec import JobSpec
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SamplingParams, SeqStep
+
+
+def job(path, decode_steps=None, scheduler=None, **sampling) -> JobSpec:
+    return JobSpec.model_validate({
+        "model": {"path": str(path), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+        "output": {"path": "out.jsonl"},
+        "sampling": {"max_new_tokens": 14, "ignore_eos": True, **sampling},
+        "scheduler": {"max_batch_size": 3, "decode_steps": decode_steps, **(scheduler or {})}})
+
+
+def test_chained_decode_steps_give_each_record_the_tokens_of_steps_one_at_a_time(checkpoint):
+    """Records stopping inside a chain (a stop token, their own max_new_tokens), records admitted
+    as others finish, a cache too small for every chain, and records whose sampling keeps their
+    steps out of chains (a seeded draw, log-probabilities) beside greedy ones: every result is the
+    one decode_steps 1 gives (the real network, a small test checkpoint), and the greedy batches
+    did run as chains."""
+    from tests.engine_driver import run_engine
+    path = checkpoint("llama_gqa_tied")
+    records = [{"id": f"r{i:02d}", "prompt_token_ids": [5 + i, 17, 33, 9][:2 + i % 3],
+                "sampling": {"max_new_tokens": 5 + 3 * i}} for i in range(7)]
+
+    def run(k, records=records, **options):
+        lines, engine = run_engine(plan_job(job(path, k, **options), check_io=False), records)
+        runner = engine.workers[0].runner
+        chained = [key for key in runner.compile_s if key.startswith("chain")]
+        return {rid: (r["output_token_ids"], r["finish_reason"], r.get("logprobs")) for rid, r in lines.items()}, \
+            chained
+
+    base, none = run(1)
+    assert not none
+    stop = sorted({out[4] for out, _, _ in base.values() if len(out) > 4})[:2]
+    for k, options in ((4, {}), (3, {"scheduler": {"kv_cache_blocks": 16, "block_size": 4}}),
+                       (4, {"stop_token_ids": stop})):
+        want = run(1, **options)[0] if options else base
+        got, chained = run(k, **options)
+        assert chained, (k, options)
+        assert got == want, (k, options)
+    stopped = run(4, stop_token_ids=stop)[0]
+    assert sum(reason == "stop" for _, reason, _ in stopped.values()) >= 2
+
+    mixed = [{**r, "sampling": {**r["sampling"], **extra}} for r, extra in zip(
+        records, [{}, {"temperature": 0.8, "seed": 3}, {}, {"logprobs": 2}, {}, {}, {"temperature": 1.0}])]
+    assert run(4, mixed)[0] == run(1, mixed)[0]
+
+
+def test_a_chain_of_greedy_steps_matches_transformers_and_single_steps(checkpoint, hf_greedy):
+    """ModelRunner.chain on a DecodeChain as the engine sends it (SAMPLED after the first step):
+    one compiled call of decode_steps, the tokens transformers' greedy generate gives, and the
+    next step (one at a time) continues from the chain's last tokens."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint("llama_gqa_tied")
+    prompts = [[5, 17, 33], [9, 4], [11, 12, 13, 14]]
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4))
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
+    out = runner.step([SeqStep(i, p, 0, tables[i]) for i, p in enumerate(prompts)], True)
+    got = [[t] for t in out.token_ids]
+    ids = list(range(len(prompts)))
+    for k0 in (1, 6):           # a chain of 5, then one of 3 whose blocks grow in its second step
+        K = 5 if k0 == 1 else 3
+        steps = [DecodeStep(ids, [SAMPLED] * len(ids), [len(p) + k0 - 1 + k for p in prompts],
+                            [k0 + k] * len(ids), {}) for k in range(K)]
+        outs = runner.step(DecodeChain(steps), False)
+        assert len(outs) == K
+        for o in outs:
+            for g, t in zip(got, o.token_ids):
+                g.append(t)
+    assert any(key.startswith("chain") and key.endswith("K=5") for key in runner.compile_s)
+    one = runner.step(DecodeStep(ids, [SAMPLED] * len(ids), [len(p) + 8 for p in prompts], [9] * len(ids), {}), False)
+    for g, t in zip(got, one.token_ids):
+        g.append(t)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("llama_gqa_tied", p, 10)[0]
+
+
+def test_a_chain_runs_step_by_step_where_a_sequence_samples_on_the_hosts_terms(checkpoint):
+    """A DecodeChain whose sequences are not all greedy without logit changes, or whose steps are
+    not each the one before a position further, runs its steps one at a time (no chain graph),
+    with the results of those steps."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint("llama_gqa_tied")
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=2))
+    penalised = SamplingParams(repetition_penalty=1.3)
+    out = runner.step([SeqStep(0, [5, 17, 33], 0, [0, 1]), SeqStep(1, [9, 4], 0, [2, 3], penalised,
+                                                                     history=([9, 4], []))], True)
+    steps = [DecodeStep([0, 1], [SAMPLED, SAMPLED], [3 + k, 2 + k], [1 + k, 1 + k], {}) for k in range(3)]
+    assert not runner.chainable(DecodeChain(steps))
+    outs = runner.step(DecodeChain(steps), False)
+    assert len(outs) == 3 and all(len(o.token_ids) == 2 for o in outs)
+    assert not [key for key in runner.compile_s if key.startswith("chain")]
+    skipping = [steps[0], DecodeStep([0], [SAMPLED], [5], [2], {})]
+    assert not runner.chainable(DecodeChain(skipping))
+    assert out.token_ids[0] >= 0
+
+
+def test_which_sequences_chain_and_how_many_steps_a_job_chains(checkpoint):
+    """Greedy sequences without logit changes or log-probabilities chain; the default is 4 steps
+    on the CPU kernels and 1 with the portable operators or pipeline stages; the spec's value wins."""
+    assert chains(SamplingParams())
+    for params in (SamplingParams(temperature=0.7), SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(structured="start: /[a-z]+/"), SamplingParams(logit_bias=((3, 1.0),))):
+        assert not chains(params), params
+    path = checkpoint("llama_gqa_tied")
+    plan = plan_job(job(path), check_io=False)
+    assert decode_steps(plan.spec, plan.engine) == 4
+    plan = plan_job(job(path, 7), check_io=False)
+    assert decode_steps(plan.spec, plan.engine) == 7
+    portable = job(path).model_copy(update={"model": job(path).model.model_copy(update={"ops": "portable"})})
+    plan = plan_job(portable, check_io=False)
+    assert decode_steps(plan.spec, plan.engine) == 1
+
+
+@pytest.mark.parametrize("value, expected", [(0, "expected an integer >= 1, got 0"),
+                                             (33, "expected an integer <= 32, got 33")])
+def test_decode_steps_out_of_range_is_a_spec_error(tmp_path, value, expected):
+    from tests.test_spec import MINIMAL, spec_error
+    msg = spec_error(tmp_path, MINIMAL + f"scheduler:\n  decode_steps: {value}\n")
+    assert "scheduler.decode_steps" in msg and expected in msg
+
+
+def test_vllms_num_scheduler_steps_is_named_as_decode_steps(tmp_path):
+    from tests.test_spec import MINIMAL, spec_error
+    msg = spec_error(tmp_path, MINIMAL + "scheduler:\n  num_scheduler_steps: 8\n")
+    assert "scheduler.num_scheduler_steps: unknown key; did you mean 'decode_steps'" in msg

@@ -80,7 +80,7 @@ def add_bench_parser(sub) -> None:
                    help="prompt tokens per prefill step, as scheduler.max_batched_tokens in a job, at least the "
                         "case's batch size (default: batch x input_len, every prompt of a case in one step)")
     b.add_argument("--decode-steps", default=None, metavar="K",
-                   help="greedy decode steps a call, as scheduler.decode_steps in a job (default: the job's, 4 on "
+                   help="decode steps a call, as scheduler.decode_steps in a job (default: the job's, 4 on "
                         "the CPU)")
     b.add_argument("--repeats", default="1", help="timed passes per case; the fastest is reported (default 1)")
     b.add_argument("--seed", default="0", help="seed of the random prompts and weights (default 0)")

@@ -168,11 +168,12 @@ def decode_steps(spec, ec) -> int:
     return CPU_DECODE_STEPS if cpu_kernels(ec.device, ec.ops) and ec.shapes != "dynamic" else 1
 
 
-def chains(sampling) -> bool:
-    """Whether a sequence's decode steps may go in a DecodeChain: greedy, nothing changes its
-    logits (penalties, biases, bans, a grammar) and no log-probabilities, so that each step's
-    token is the network's greedy pick, which the chain feeds the next step on the device."""
-    return sampling.greedy and not sampling.processes and not sampling.logprobs
+def chains(sampling, draws: bool) -> bool:
+    """Whether a sequence's decode steps may go in a DecodeChain: nothing changes its logits
+    (penalties, biases, bans, a grammar) and no log-probabilities, so that each step's token is
+    what the device picks from the network's logits, which the chain feeds the next step there;
+    greedy, or drawing where `draws` (tp 1: worker.runner.ModelRunner.samples_in_chains)."""
+    return not sampling.processes and not sampling.logprobs and (sampling.greedy or draws)
 
 
 def micro_batches(steps, parts: int) -> list:
@@ -535,7 +536,8 @@ class Engine:
                                            set(others), outs))
             return True
         more = []
-        if not is_prefill and self.decode_steps > 1 and all(chains(seq.sampling) for seq in seqs):
+        draws = self.setup.spec.parallel.tensor_parallel == 1
+        if not is_prefill and self.decode_steps > 1 and all(chains(seq.sampling, draws) for seq in seqs):
             more = self.scheduler.schedule_more_decodes(steps, self.decode_steps - 1)
         if more and len(more) == self.decode_steps - 1 and more[-1][0].seq_ids == steps.seq_ids:
             chain = DecodeChain([steps] + [step for step, _ in more])

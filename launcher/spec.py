@@ -421,7 +421,7 @@ class SchedulerSpec(Section):
     kv_cache_blocks: int | None = Field(None, ge=1)  # None: max_batch_size sequences of max_model_len
     # schedule and submit each step while the one before it runs (launcher/engine.py)
     async_scheduling: bool = True
-    # greedy decode steps run this many at a time in one compiled call, each feeding the next its
+    # decode steps run this many at a time in one compiled call, each feeding the next its
     # tokens (launcher/engine.py, worker.model.CausalLM.decode_chain); None: 4 on the CPU kernels, else 1
     decode_steps: int | None = Field(None, ge=1, le=MAX_DECODE_STEPS)
     # a new sequence starts after the KV blocks of its longest cached prefix (launcher/scheduler.py)

@@ -22,10 +22,10 @@ def job(path, decode_steps=None, scheduler=None, **sampling) -> JobSpec:
 
 def test_chained_decode_steps_give_each_record_the_tokens_of_steps_one_at_a_time(checkpoint):
     """Records stopping inside a chain (a stop token, their own max_new_tokens), records admitted
-    as others finish, a cache too small for every chain, and records whose sampling keeps their
-    steps out of chains (a seeded draw, log-probabilities) beside greedy ones: every result is the
-    one decode_steps 1 gives (the real network, a small test checkpoint), and the greedy batches
-    did run as chains."""
+    as others finish, a cache too small for every chain, and records that draw (seeded, top_k,
+    top_p) or ask for log-probabilities (which keep their batches' steps out of chains) beside
+    greedy ones: every result is the one decode_steps 1 gives (the real network, a small test
+    checkpoint), and the batches did run as chains, greedy and drawing."""
     from tests.engine_driver import run_engine
     path = checkpoint("llama_gqa_tied")
     records = [{"id": f"r{i:02d}", "prompt_token_ids": [5 + i, 17, 33, 9][:2 + i % 3],
@@ -51,8 +51,11 @@ def test_chained_decode_steps_give_each_record_the_tokens_of_steps_one_at_a_time
     assert sum(reason == "stop" for _, reason, _ in stopped.values()) >= 2
 
     mixed = [{**r, "sampling": {**r["sampling"], **extra}} for r, extra in zip(
-        records, [{}, {"temperature": 0.8, "seed": 3}, {}, {"logprobs": 2}, {}, {}, {"temperature": 1.0}])]
-    assert run(4, mixed)[0] == run(1, mixed)[0]
+        records, [{}, {"temperature": 0.8, "seed": 3}, {}, {"logprobs": 2}, {"temperature": 0.7, "top_k": 5}, {},
+                  {"temperature": 1.0, "top_p": 0.9}])]
+    got, chained = run(4, mixed)
+    assert got == run(1, mixed)[0]
+    assert any(key.endswith("sampled") for key in chained), chained     # batches that draw chained too
 
 
 def test_a_chain_of_greedy_steps_matches_transformers_and_single_steps(checkpoint, hf_greedy):
@@ -104,15 +107,50 @@ def test_a_chain_runs_step_by_step_where_a_sequence_samples_on_the_hosts_terms(c
     skipping = [steps[0], DecodeStep([0], [SAMPLED], [5], [2], {})]
     assert not runner.chainable(DecodeChain(skipping))
     assert out.token_ids[0] >= 0
+    wide = SamplingParams(temperature=0.8, top_k=65)          # more candidates than a chain's sampler draws from
+    runner.step([SeqStep(5, [5, 17], 0, [6, 7], wide)], True)
+    assert not runner.chainable(DecodeChain([DecodeStep([5], [SAMPLED], [2 + k], [1 + k], {}) for k in range(2)]))
+
+
+def test_a_chain_draws_the_tokens_steps_one_at_a_time_draw(checkpoint):
+    """Sequences that draw (temperature, top_k, top_p, min_p, each its own stream) run as one
+    chain and get the tokens that the same steps one at a time draw (the same uniforms: by their
+    stream, tokens generated so far and sample index), the greedy one beside them too."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint("llama_gqa_tied")
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4))
+    prompts = [[5, 17, 33], [9, 4], [11, 12, 13, 14], [7, 7]]
+    params = [SamplingParams(temperature=1.0, draw_key=11), SamplingParams(temperature=0.7, top_k=8, draw_key=12),
+              SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02, draw_key=13, index=1), SamplingParams()]
+    K = 6
+    got = {}
+    for base, chained in ((0, True), (10, False)):
+        ids = [base + i for i in range(len(prompts))]
+        out = runner.step([SeqStep(base + i, p, 0, list(range(4 * i, 4 * i + 4)), params[i])     # (the same blocks)
+                           for i, p in enumerate(prompts)], True)
+        tokens = [[t] for t in out.token_ids]
+        steps = [DecodeStep(ids, [SAMPLED] * len(ids), [len(p) + k for p in prompts], [1 + k] * len(ids), {})
+                 for k in range(K)]
+        outs = runner.step(DecodeChain(steps), False) if chained else [runner.step(st, False) for st in steps]
+        for o in outs:
+            for row, t in zip(tokens, o.token_ids):
+                row.append(t)
+        got[chained] = tokens
+    assert any(key.endswith(f"K={K} sampled") for key in runner.compile_s)
+    assert got[True] == got[False]
+    assert len({tuple(row) for row in got[True][:3]}) == 3
 
 
 def test_which_sequences_chain_and_how_many_steps_a_job_chains(checkpoint):
-    """Greedy sequences without logit changes or log-probabilities chain; the default is 4 steps
-    on the CPU kernels and 1 with the portable operators or pipeline stages; the spec's value wins."""
-    assert chains(SamplingParams())
-    for params in (SamplingParams(temperature=0.7), SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
+    """Sequences without logit changes or log-probabilities chain, those that draw where the
+    device draws a chain's steps (tp 1); the default is 4 steps on the CPU kernels and 1 with the
+    portable operators; the spec's value wins."""
+    assert chains(SamplingParams(), False) and chains(SamplingParams(temperature=0.7, top_p=0.8), True)
+    assert not chains(SamplingParams(temperature=0.7), False)
+    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
                    SamplingParams(structured="start: /[a-z]+/"), SamplingParams(logit_bias=((3, 1.0),))):
-        assert not chains(params), params
+        assert not chains(params, True), params
     path = checkpoint("llama_gqa_tied")
     plan = plan_job(job(path), check_io=False)
     assert decode_steps(plan.spec, plan.engine) == 4

@@ -145,7 +145,7 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     after step_timeout_s + 60 s.)"""
     n = 16
     job = Job(tmp_path, model, records(n), sampling={"max_new_tokens": 40}, parallel={"tensor_parallel": 2},
-              fault={"max_replica_restarts": 0, "step_timeout_s": 6})
+              fault={"max_replica_restarts": 0, "step_timeout_s": 6}, scheduler={"decode_steps": 2})
     proc = cli.start("run", job.spec_path, "--no-progress")
     stopped = None
     try:
@@ -164,9 +164,9 @@ def test_wedged_step_fails_its_replica_and_past_the_restart_limit_the_job_stops(
     assert waited >= 5, f"the job stopped {waited:.1f}s after the worker did, before the step timeout"
     msg = said(err)
     assert "Traceback" not in err
-    # (greedy decode steps go 4 to a call: a chain's wedged call waits 4 x step_timeout_s)
+    # (greedy decode steps go 2 to a call here: a chain's wedged call waits 2 x step_timeout_s)
     assert re.search(r"replica 0 failed \(TimeoutError: a step ran longer than fault\.step_timeout_s=6s( \(a chain "
-                     r"of 4 decode steps, scheduler\.decode_steps, ran longer than 4 times it\))?\); restarting it "
+                     r"of 2 decode steps, scheduler\.decode_steps, ran longer than 2 times it\))?\); restarting it "
                      r"would be restart 1, more than fault\.max_replica_restarts=0", msg), msg
     assert "Every finished record is in the results file: run the same job again to resume" in msg
     kept = whole_lines(job.output)

@@ -696,20 +696,24 @@ class CausalLM(nn.Cell):
     construct = decode
 
     def decode_chain(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
-                     token_seq, token_len, attn_mask, out_index):
-        """K greedy decode steps of the same sequences in one call (K = positions.shape[0], fixed by
-        the graph's shape, so the loop unrolls as it compiles): step k feeds the tokens step k - 1
+                     token_seq, token_len, attn_mask, out_index, draws):
+        """K decode steps of the same sequences in one call (K = positions.shape[0], fixed by the
+        graph's shape, so the loop unrolls as it compiles): step k feeds the tokens step k - 1
         picked. The per-step inputs carry a leading K (positions [K, N, P], slot_mapping [K, N],
-        batch_valid_length [K, M], token_len [K, N]); the rest are a decode step's. A decode step has
-        N = M and token b in row b, so a step's greedy tokens [M] are the next step's input ids, the
-        padding rows' (out_index -1) put back to the device's padding id. -> tokens [K, M] int32."""
+        batch_valid_length [K, M], token_len [K, N]); the rest are a decode step's. `draws`: [K, M, 5]
+        float32, each step's VocabSampler.sample parameters of each row (temperature, top_k, top_p,
+        min_p, its uniform), drawn by one SampleRows call a step (tp 1 with the CPU kernels); or
+        [K, 1, 1] for greedy steps (GreedyRows). A decode step has N = M and token b in row b, so a
+        step's tokens [M] are the next step's input ids, the padding rows' (out_index -1) put back
+        to the device's padding id. -> tokens [K, M] int32."""
         pad = ops.full_like(input_ids, self.dev.pad_id)
         real = out_index >= 0
+        sampled = draws.shape[-1] == 5          # (fixed by the graph's shape)
         ids, tokens = input_ids, []
         for k in range(positions.shape[0]):
             logits = self.forward(ids, positions[k], slot_mapping[k], block_tables, batch_valid_length[k], q_seq_lens,
                                   token_seq, token_len[k], attn_mask, out_index, False)
-            picked = self.sampler.greedy(logits)
+            picked = self.sampler.fused(logits, draws[k]) if sampled else self.sampler.greedy(logits)
             tokens.append(picked)
             ids = ops.select(real, picked, pad)
         return ops.stack(tokens)

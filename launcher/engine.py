@@ -150,22 +150,21 @@ def submit_step(workers: list, seqs, is_prefill: bool, index: int, released: lis
     return [w.step.remote(payload if isinstance(w, LocalRank) else ref, is_prefill, index) for w in workers]
 
 
-# scheduler.decode_steps where the spec leaves it unset: on the CPU, where a step's call costs ~1 ms
-# besides its kernels (docs/benchmarks.md, "Decode steps in one call"); 1 on Ascend, not measured there
+# scheduler.decode_steps where the spec leaves it unset: on the CPU kernels, where a step's call costs
+# ~1 ms besides its kernels (docs/benchmarks.md, "Decode steps in one call")
 CPU_DECODE_STEPS = 4
 
 
 def decode_steps(spec, ec) -> int:
     """How many decode steps the engine chains into one call (a DecodeChain): the spec's
-    scheduler.decode_steps, by default CPU_DECODE_STEPS on the CPU and 1 elsewhere; 1 for a
-    replica of pipeline stages (Pipeline sends its micro-batches step by step)."""
-    if len(ec.pipeline) > 1:
+    scheduler.decode_steps, by default CPU_DECODE_STEPS, on the CPU kernels; 1 elsewhere, where a
+    runner would run a chain's steps one at a time (its graphs of dynamic shapes: Ascend's, the
+    portable operators'), and for a replica of pipeline stages (Pipeline sends its micro-batches
+    step by step)."""
+    if len(ec.pipeline) > 1 or not cpu_kernels(ec.device, ec.ops) or ec.shapes == "dynamic":
         return 1
     k = spec.scheduler.decode_steps
-    if k is not None:
-        return k
-    # the CPU kernels (static shapes): the portable operators' dynamic graphs run a chain step by step
-    return CPU_DECODE_STEPS if cpu_kernels(ec.device, ec.ops) and ec.shapes != "dynamic" else 1
+    return CPU_DECODE_STEPS if k is None else k
 
 
 def chains(sampling, draws: bool) -> bool:

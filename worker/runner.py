@@ -83,6 +83,19 @@ def shape_key(inputs: dict) -> str:
     return f"N={inputs['input_ids'].shape[0]} M={inputs['out_index'].shape[0]}"
 
 
+def draw_parameters(params: list, generated: np.ndarray, rows, M: int) -> tuple:
+    """VocabSampler.sample's per-row inputs for M rows, of which `rows` draw with `params` after
+    `generated` tokens each: temperature, top_k (int32), top_p, min_p and the row's uniform
+    (worker.device_sampler.uniforms: its stream, tokens generated, sample index); other rows greedy."""
+    temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32), np.zeros(M, np.float32),
+                                       np.zeros(M, np.float32))
+    top_k = np.zeros(M, np.int32)
+    u = uniforms(np.array([p.draw_key for p in params], np.int64), generated, np.array([p.index for p in params]))
+    for i, p, x in zip(rows, params, u):
+        temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = p.temperature, p.top_k, p.top_p, p.min_p, x
+    return temperature, top_k, top_p, min_p, draw
+
+
 class ModelRunner:
     def __init__(self, ec: EngineConfig, tp: TPInfo = TPInfo()):
         import mindspore as ms
@@ -612,15 +625,8 @@ class ModelRunner:
             out = self.to_host(self.sampler_fn("greedy_logprobs", k, k)(logits), len(seqs))
             picked, figures = out[0][todo].tolist(), out[1]
         else:
-            M = logits.shape[0]
-            temperature, top_p, min_p, draw = (np.zeros(M, np.float32), np.ones(M, np.float32),
-                                               np.zeros(M, np.float32), np.zeros(M, np.float32))
-            top_k = np.zeros(M, np.int32)
-            u = uniforms(np.array([p.draw_key for p in params], np.int64),
-                         np.array([seqs[i].num_generated for i in todo]), np.array([p.index for p in params]))
-            for i, p, x in zip(todo, params, u):
-                temperature[i], top_k[i], top_p[i], min_p[i], draw[i] = (p.temperature, p.top_k, p.top_p,
-                                                                         p.min_p, x)
+            temperature, top_k, top_p, min_p, draw = draw_parameters(
+                params, np.array([seqs[i].num_generated for i in todo]), todo, logits.shape[0])
             widest = int(top_k.max())
             C = CANDIDATES if widest <= CANDIDATES else bucket(widest)
             drawn = [p for p in params if not p.greedy and p.top_k == 0]   # kept tokens beyond the candidates
@@ -704,13 +710,7 @@ class ModelRunner:
         if sampled:
             self.sampled.update(sampled)
         for s in seqs:
-            if s.token_ids == [SAMPLED]:
-                if not stage.first:              # the stage reads hidden states, not tokens
-                    s.token_ids = [0]
-                elif s.seq_id not in self.sampled:
-                    raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-                else:
-                    s.token_ids = [self.sampled.pop(s.seq_id) if stage.count > 1 else self.sampled[s.seq_id]]
+            self.feed_sampled(s)
             if s.history is not None and stage.last:
                 matcher = self.grammar(s.sampling.structured) if s.sampling.structured else None
                 self.histories[s.seq_id] = sampler.History(*s.history, matcher, s.sampling.structured_after)
@@ -746,6 +746,18 @@ class ModelRunner:
         return StepOutput(chosen, lps if any(x is not None for x in lps) else None,
                           None if all(x is None for x in scores) else scores, time.perf_counter() - t0, model_s,
                           self.host_bytes - bytes0, sampled=self.sampled if stage.count > 1 else None)
+
+    def feed_sampled(self, s: SeqStep) -> None:
+        """A step's SAMPLED token (worker.protocol) as the token this rank's step before picked for
+        its sequence (a pipeline stage but the first feeds hidden states: 0, unread)."""
+        if s.token_ids != [SAMPLED]:
+            return
+        if not self.stage.first:
+            s.token_ids = [0]
+        elif s.seq_id not in self.sampled:
+            raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
+        else:
+            s.token_ids = [self.sampled.pop(s.seq_id) if self.stage.count > 1 else self.sampled[s.seq_id]]
 
     def chainable(self, chain: DecodeChain) -> bool:
         """Whether `chain`'s steps can run as one call of `decode_chain`: this runner has it, and
@@ -784,16 +796,9 @@ class ModelRunner:
         params = [s.sampling for s in seqs]
         if all(p.greedy for p in params):
             return np.zeros((K, 1, 1), np.float32)
-        B = len(seqs)
-        draws = np.zeros((K, M, 5), np.float32)
-        draws[:, :, 2] = 1.0                                                    # top_p off
-        draws[:, :B, :4] = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], np.float32)
-        keys = np.array([p.draw_key for p in params], np.int64)
-        index = np.array([p.index for p in params])
-        generated = np.array([s.num_generated for s in seqs])
-        for k in range(K):
-            draws[k, :B, 4] = uniforms(keys, generated + k, index)
-        return draws
+        generated, rows = np.array([s.num_generated for s in seqs]), range(len(seqs))
+        return np.stack([np.stack(draw_parameters(params, generated + k, rows, M), -1, dtype=np.float32)
+                         for k in range(K)])
 
     def chain(self, chain: DecodeChain, logprobs: bool = True, released=()) -> list[StepOutput]:
         """The steps of a DecodeChain, a StepOutput each: as one call of the model's `decode_chain`
@@ -808,10 +813,7 @@ class ModelRunner:
         for seq_id in released:
             self.histories.pop(seq_id, None)
         for s in seqs:
-            if s.token_ids == [SAMPLED]:
-                if s.seq_id not in self.sampled:
-                    raise ValueError(f"sequence {s.seq_id}: the step before sampled no token for it")
-                s.token_ids = [self.sampled[s.seq_id]]
+            self.feed_sampled(s)
         for st in chain.steps[1:]:
             later = self.steps.read(st)     # (their block tables: the last step's hold every token)
         rows = [SeqStep(s.seq_id, s.token_ids, s.num_cached, t.block_table) for s, t in zip(seqs, later)]

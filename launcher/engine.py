@@ -538,19 +538,14 @@ class Engine:
         draws = self.setup.spec.parallel.tensor_parallel == 1
         if not is_prefill and self.decode_steps > 1 and all(chains(seq.sampling, draws) for seq in seqs):
             more = self.scheduler.schedule_more_decodes(steps, self.decode_steps - 1)
-        if more and len(more) == self.decode_steps - 1 and more[-1][0].seq_ids == steps.seq_ids:
-            chain = DecodeChain([steps] + [step for step, _ in more])
-            self._send(chain, False, seqs, [seqs] + [part for _, part in more])
-            return True
-        # (a shorter chain goes step by step: each chain length would be one more graph to compile)
-        for step, part in [(steps, seqs), *more]:
-            self._send(step, is_prefill, part)
-        return True
-
-    def _send(self, steps, is_prefill: bool, seqs: list, chain: list | None = None) -> None:
+        chain = None
+        if more:     # (a chain cut short runs step by step: each chain length would be a graph of its own)
+            whole = len(more) == self.decode_steps - 1 and more[-1][0].seq_ids == steps.seq_ids
+            steps, chain = DecodeChain([steps] + [step for step, _ in more], not whole), [seqs] + [p for _, p in more]
         refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
         self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:]), chain=chain))
+        return True
 
     def _report(self, seqs: list) -> None:
         """Before a step runs records that no step of this replica ran before, the ledger hears of

@@ -174,3 +174,52 @@ def test_vllms_num_scheduler_steps_is_named_as_decode_steps(tmp_path):
     from tests.test_spec import MINIMAL, spec_error
     msg = spec_error(tmp_path, MINIMAL + "scheduler:\n  num_scheduler_steps: 8\n")
     assert "scheduler.num_scheduler_steps: unknown key; did you mean 'decode_steps'" in msg
+
+
+def test_a_chain_cut_short_is_one_call_and_no_more_than_two_are_in_flight(checkpoint, monkeypatch):
+    """Where fewer than decode_steps steps can be scheduled (here each record's last tokens),
+    the steps go as one call run step by step: never more calls in flight than async
+    scheduling's two, which is what the ranks' threads serve in order (more could take every
+    thread of a rank while the step they wait for has none). The results are those of
+    decode_steps 1."""
+    from msinfer.launcher.engine import Engine
+    from tests.engine_driver import run_engine
+    path = checkpoint("llama_gqa_tied")
+    records = [{"id": f"r{i}", "prompt_token_ids": [5 + i, 17, 33], "sampling": {"max_new_tokens": 6 + i}}
+               for i in range(4)]
+    most, cut = [], []
+    submit = Engine._submit
+
+    def counted(self):
+        went = submit(self)
+        most.append(len(self.in_flight))
+        if self.in_flight and isinstance(self.in_flight[-1].chain, list):
+            cut.append(len(self.in_flight[-1].chain) < self.decode_steps)
+        return went
+    monkeypatch.setattr(Engine, "_submit", counted)
+    lines = {k: run_engine(plan_job(job(path, k), check_io=False), records)[0] for k in (4, 1)}
+    assert max(most) <= 2 and any(cut)
+    assert {r: x["output_token_ids"] for r, x in lines[4].items()} == \
+        {r: x["output_token_ids"] for r, x in lines[1].items()}
+
+
+def test_a_chain_never_takes_a_compiled_shape_of_more_tokens_than_rows(checkpoint):
+    """A prefill's compiled shape has more token rows than logit rows (64 tokens of 20 prompts,
+    32 rows at max_batch_size 32); a single decode step may run padded in it, a chain may not
+    (its steps feed each step's rows to the next as its tokens): the chain of 20 runs in a
+    shape of its own and picks the tokens steps one at a time pick."""
+    from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.runner import ModelRunner
+    path = checkpoint("llama_gqa_tied")
+    runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=32))
+    B = 20
+    prompts = [[5 + i, 17, 33] for i in range(B)]
+    got = {}
+    for base, chained in ((0, True), (100, False)):
+        ids = [base + i for i in range(B)]
+        runner.step([SeqStep(base + i, p, 0, [i]) for i, p in enumerate(prompts)], True)
+        assert (64, 32) in runner.graphs
+        steps = [DecodeStep(ids, [SAMPLED] * B, [3 + k] * B, [1 + k] * B, {}) for k in range(2)]
+        outs = runner.step(DecodeChain(steps), False) if chained else [runner.step(st, False) for st in steps]
+        got[chained] = [o.token_ids for o in outs]
+    assert got[True] == got[False]

@@ -275,13 +275,16 @@ class ModelRunner:
         return out if many else out[0]
 
     # ---- inputs -------------------------------------------------------------------------------
-    def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True) -> tuple[int, int]:
+    def shape(self, n_tok: int, n_seqs: int, is_prefill: bool, reuse: bool = True,
+              square: bool = False) -> tuple[int, int]:
         """The (N, M) a step of n_tok tokens of n_seqs sequences runs in. With dynamic shapes, its
         own. Else power-of-two buckets (N at least 64 for a prefill, 8 for a decode; M holds the
         logit rows), or, with `reuse`, the next larger bucket if it is compiled, padded, while the
         padding such steps have cost stays under PAD_TOKENS_BEFORE_COMPILE tokens: a compile costs
         seconds, a few padded steps less (rent until the rent paid equals the price). The choice
-        depends only on the steps run so far, so every rank of a group makes the same one."""
+        depends only on the steps run so far, so every rank of a group makes the same one.
+        `square`: a compiled shape of as many tokens as logit rows only (a chain's: decode_chain
+        feeds a step's M tokens to the next as its N)."""
         if self.dynamic:
             return n_tok, n_seqs
         if is_prefill:
@@ -291,7 +294,7 @@ class ModelRunner:
             N = M = bucket(n_tok, min(8, bucket(self.ec.max_batch_size)))
         if not reuse or (N, M) in self.graphs:
             return N, M
-        fits = sorted((n, m) for n, m in self.graphs if N <= n <= 2 * N and m >= n_seqs)
+        fits = sorted((n, m) for n, m in self.graphs if N <= n <= 2 * N and m >= n_seqs and (n == m or not square))
         if not fits:
             return N, M
         debt = self.pad_debt.get((N, M), 0) + fits[0][0] - N
@@ -332,7 +335,7 @@ class ModelRunner:
             raise ValueError(f"sequence {s.seq_id}: block table holds {len(s.block_table)} blocks, too few "
                              f"for {s.num_cached + len(s.token_ids) + chain - 1} tokens")
         total = int(n.sum())
-        N, M = self.shape(total, B, is_prefill, reuse)
+        N, M = self.shape(total, B, is_prefill, reuse, square=chain > 1)
         if self.dynamic:
             width = max(1, int((-(-(start + n) // bs)).max()))
         else:
@@ -766,7 +769,7 @@ class ModelRunner:
         log-probabilities (those sample on the host's terms: `sample`); a sequence that draws
         (temperature > 0) where one SampleRows call draws a step (`samples_in_chains`)."""
         steps, last = chain.steps, self.steps.last
-        if len(steps) < 2 or "chain" not in self.fns:
+        if len(steps) < 2 or chain.one_by_one or "chain" not in self.fns:
             return False
         first = steps[0]
         for k, st in enumerate(steps[1:], 1):

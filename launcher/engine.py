@@ -46,7 +46,7 @@ from msinfer.launcher.errors import gist
 from msinfer.launcher.records import Done, RecordCodec
 from msinfer.launcher.scheduler import Scheduler
 from msinfer.sharding.config import cpu_kernels
-from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, StepOutput, pack_step
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, StepOutput, chains, pack_step
 
 if TYPE_CHECKING:
     from msinfer.launcher.spec import JobSpec
@@ -165,14 +165,6 @@ def decode_steps(spec, ec) -> int:
         return 1
     k = spec.scheduler.decode_steps
     return CPU_DECODE_STEPS if k is None else k
-
-
-def chains(sampling, draws: bool) -> bool:
-    """Whether a sequence's decode steps may go in a DecodeChain: nothing changes its logits
-    (penalties, biases, bans, a grammar) and no log-probabilities, so that each step's token is
-    what the device picks from the network's logits, which the chain feeds the next step there;
-    greedy, or drawing where `draws` (tp 1: worker.runner.ModelRunner.samples_in_chains)."""
-    return not sampling.processes and not sampling.logprobs and (sampling.greedy or draws)
 
 
 def micro_batches(steps, parts: int) -> list:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from msinfer.launcher.engine import chains, decode_steps
+from msinfer.launcher.engine import decode_steps
 from msinfer.launcher.job import plan_job
 from msinfer.launcher.spec import JobSpec
-from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SamplingParams, SeqStep
+from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SamplingParams, SeqStep, chains
 
 
 def job(path, decode_steps=None, scheduler=None, **sampling) -> JobSpec:

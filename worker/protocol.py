@@ -151,6 +151,14 @@ class DecodeChain:
         return len(self.steps)
 
 
+def chains(sampling: SamplingParams, draws: bool) -> bool:
+    """Whether a sequence's decode steps may go in a DecodeChain: nothing changes its logits
+    (penalties, biases, bans, a grammar) and no log-probabilities, so that each step's token is
+    what the device picks from the network's logits, which the chain feeds the next step there;
+    greedy, or drawing where `draws` (the engine: tp 1; a rank: worker.runner.ModelRunner.samples_in_chains)."""
+    return not sampling.processes and not sampling.logprobs and (sampling.greedy or draws)
+
+
 class StepReader:
     """A rank's side of the wire: a step as the runner takes it, a list of SeqSteps. It keeps each
     sequence's last SeqStep until the engine releases the sequence (it finished, or was preempted

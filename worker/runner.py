@@ -21,7 +21,8 @@ import numpy as np
 from msinfer.sharding.config import (MASK_PENALTY, POOLING_TASKS, EngineConfig, ModelConfig, fused, ops_problem,
                                      resolve_dtype)
 from msinfer.sharding.layout import Stage, TPInfo
-from msinfer.worker.protocol import SAMPLED, DecodeChain, DecodeStep, SeqStep, StepOutput, StepReader, one_by_one
+from msinfer.worker.protocol import (SAMPLED, DecodeChain, DecodeStep, SeqStep, StepOutput, StepReader, chains,
+                                     one_by_one)
 from msinfer.worker.positions import make_scheme
 from msinfer.worker import sampler
 from msinfer.worker.device_sampler import CANDIDATES, process_inputs, uniforms
@@ -428,9 +429,12 @@ class ModelRunner:
         from msinfer.worker.model import STEP_INPUTS
         shape = (inputs["input_ids"].shape[0], inputs["out_index"].shape[0])
         fn = self.fns[kind]
-        # (a chain's graph is one a shape, number of steps and way of picking: its draws' shape)
-        extra_dims = tuple(e.shape[0] for e in extra) + ((extra[0].shape[-1],) if kind == "chain" else ())
-        graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + extra_dims)
+        if kind == "chain":         # one graph a shape, number of steps and way of picking: its draws' shape
+            draws = extra[0]
+            extra_dims, label = draws.shape[::2], f" K={draws.shape[0]}{' sampled' if draws.shape[-1] > 1 else ''}"
+        else:
+            extra_dims, label = tuple(e.shape[0] for e in extra), f" S={extra[0].shape[0]}" if extra else ""
+        graph = (kind if fn is not self.step_fn else "decode",) + (() if self.dynamic else shape + tuple(extra_dims))
         t0 = time.perf_counter()
         if self.dev.phases:
             self.model.phase = self.dev.phases[kind]
@@ -444,10 +448,7 @@ class ModelRunner:
             raise self.kernel_error(e, inputs, kind) from e
         if graph not in self.compiled_graphs:
             self.compiled_graphs.add(graph)
-            self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}" + (
-                f" S={extra[0].shape[0]}" if extra and kind != "chain" else "") + (
-                f" K={extra[0].shape[0]}{' sampled' if extra[0].shape[-1] > 1 else ''}" if kind == "chain"
-                else "")] = time.perf_counter() - t0
+            self.compile_s[kind if self.dynamic else f"{kind} {shape_key(inputs)}{label}"] = time.perf_counter() - t0
         if not kind.startswith(("score", "pool", "chain")):
             self.graphs.add(shape)
         return out
@@ -779,9 +780,7 @@ class ModelRunner:
                 return False
         for seq_id in first.seq_ids:
             before = last.get(seq_id)
-            if before is None or before.sampling.processes or before.sampling.logprobs:
-                return False
-            if not before.sampling.greedy and not self.samples_in_chains(before.sampling):
+            if before is None or not chains(before.sampling, self.samples_in_chains(before.sampling)):
                 return False
         return True
 

@@ -134,6 +134,15 @@ def all_gather():
     return ALL_GATHER()
 
 
+def in_turn(x, after):
+    """`x`, once `after` has been computed. The ranks of a group must reach their collectives in one
+    order, and MindSpore's runtime may run two branches of a graph that share no data in either
+    order (on the CPU, under load: a `score_top` step of a pipeline's last stage, the same inputs
+    that had run 3 times, failed with its ranks at different collectives). A graph with more than
+    one chain of collectives gives each chain after the first its input through this."""
+    return ops.depend(x, after)
+
+
 class PerTokenInt8(nn.Cell):
     """A W8A8 layer's input as compressed-tensors quantizes it (sharding.quant): each token's row
     to int8 levels of max|x| / 127.5, rounded half to even, and back, in float32. group_max > 1:

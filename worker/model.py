@@ -20,8 +20,8 @@ import numpy as np
 from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
                                      ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                                     StaticInt8, VocabParallelEmbedding, all_reduce, carried_levels, load_replicated,
-                                     new_param)
+                                     StaticInt8, VocabParallelEmbedding, all_reduce, carried_levels, in_turn,
+                                     load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
@@ -291,11 +291,14 @@ class SparseMoeBlock(nn.Cell):
         if self.norm_topk:
             weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
         y = self.experts(x, ids, weights.astype(x.dtype))
+        # (int8 inputs split over the ranks gather each row's max in the experts and in the shared
+        # expert's down projection: one after the other)
+        shared = None if self.shared_expert is None else self.shared_expert(in_turn(x, y))
         if self.shared_expert_gate is not None:
             scale = ops.sigmoid(self.shared_expert_gate(x))
-            y = y + ops.broadcast_to(scale, y.shape) * self.shared_expert(x)
-        elif self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+            y = y + ops.broadcast_to(scale, y.shape) * shared
+        elif shared is not None:
+            y = y + shared
         return y if self.all_reduce is None else self.all_reduce(y)
 
     def loaders(self, p: str, table: dict) -> None:
@@ -728,7 +731,8 @@ class CausalLM(nn.Cell):
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                               token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
-        return logits[:m], self.sampler.greedy(logits[:m]), self.sampler.score(logits[m:], targets)
+        greedy = self.sampler.greedy(logits[:m])
+        return logits[:m], greedy, self.sampler.score(in_turn(logits[m:], greedy), targets)
 
     def score_top(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
                   token_len, attn_mask, out_index, score_index, targets, hidden=None):
@@ -738,9 +742,10 @@ class CausalLM(nn.Cell):
         m = out_index.shape[0]
         logits = self.forward(input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens,
                               token_seq, token_len, attn_mask, ops.concat((out_index, score_index)), False, hidden)
-        _, figures = self.scorer.greedy_logprobs(logits[m:])
-        return (logits[:m], self.sampler.greedy(logits[:m]),
-                ops.concat((self.sampler.score(logits[m:], targets), figures[:, 1:]), -1))
+        greedy = self.sampler.greedy(logits[:m])
+        scored = self.sampler.score(in_turn(logits[m:], greedy), targets)
+        _, figures = self.scorer.greedy_logprobs(in_turn(logits[m:], scored))
+        return logits[:m], greedy, ops.concat((scored, figures[:, 1:]), -1)
 
     def pool(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
              token_len, attn_mask, out_index, pool_index, hidden=None):

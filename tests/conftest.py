@@ -107,11 +107,17 @@ def ray_local():
 #   unit         this process's Python and small MindSpore cells or kernels, no network built
 #   integration  networks built and compiled in this process against transformers, Ray actors
 #   slow         other processes: the msinfer command, Ray clusters, Slurm, the real demo model
-# They run in that order (Ray-backed tests last within a tier), so the quick tiers fail fast.
+# They run in that order, so the quick tiers fail fast; within a tier the longest files first
+# (LONGEST_FIRST), and within a file the Ray-backed tests last.
 UNIT = {"test_spec", "test_scheduler", "test_writer", "test_inputs", "test_tokenizer", "test_sampler",
         "test_device_sampler", "test_sharding", "test_kernels"}
 SLOW = {"test_cli", "test_reruns", "test_faults", "test_scale_out", "test_real_model"}
 TIERS = ("unit", "integration", "slow")
+# The files that take longest (`make test`'s seconds per file on 2 cores, most first): pytest-xdist
+# gives each process a whole file at a time, so a long file dealt last keeps one process busy
+# after the other has run out of files.
+LONGEST_FIRST = ("test_quant", "test_scale_out", "test_faults", "test_engine", "test_ascend", "test_moe",
+                 "test_cli", "test_reruns", "test_tp", "test_real_model")
 
 
 def tier(item) -> str:
@@ -133,7 +139,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(tier(item))
-    items.sort(key=lambda it: (TIERS.index(tier(it)), "ray_local" in getattr(it, "fixturenames", ())))
+    def weight(it) -> int:
+        return LONGEST_FIRST.index(it.path.stem) if it.path.stem in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=lambda it: (TIERS.index(tier(it)), weight(it), "ray_local" in getattr(it, "fixturenames", ())))
 
 
 # ---- the command line, as a user runs it (tests/test_cli.py, tests/test_faults.py) ------------------

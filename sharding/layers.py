@@ -137,9 +137,10 @@ def all_gather():
 def in_turn(x, after):
     """`x`, once `after` has been computed. The ranks of a group must reach their collectives in one
     order, and MindSpore's runtime may run two branches of a graph that share no data in either
-    order (on the CPU, under load: a `score_top` step of a pipeline's last stage, the same inputs
-    that had run 3 times, failed with its ranks at different collectives). A graph with more than
-    one chain of collectives gives each chain after the first its input through this."""
+    order (seen on the CPU under load: a scoring step whose greedy pick and scores gathered
+    independently had its ranks at different collectives, on inputs that had run cleanly before).
+    A graph with more than one chain of collectives gives each chain after the first its input
+    through this."""
     return ops.depend(x, after)
 
 

@@ -291,9 +291,11 @@ class SparseMoeBlock(nn.Cell):
         if self.norm_topk:
             weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
         y = self.experts(x, ids, weights.astype(x.dtype))
-        # (int8 inputs split over the ranks gather each row's max in the experts and in the shared
-        # expert's down projection: one after the other)
-        shared = None if self.shared_expert is None else self.shared_expert(in_turn(x, y))
+        shared = None
+        if self.shared_expert is not None:
+            # (int8 inputs split over the ranks gather each row's max in the experts and in the
+            # shared expert's down projection: one after the other)
+            shared = self.shared_expert(in_turn(x, y) if self.all_reduce is not None else x)
         if self.shared_expert_gate is not None:
             scale = ops.sigmoid(self.shared_expert_gate(x))
             y = y + ops.broadcast_to(scale, y.shape) * shared

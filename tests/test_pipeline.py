@@ -104,6 +104,20 @@ def test_a_bad_split_is_refused_and_plan_names_each_stages_layers(checkpoint, tm
     assert plan.kv_bytes_per_rank == one.kv_bytes_per_rank * 4 // 5    # its 4 layers of 5
 
 
+def mixed_records() -> list[dict]:
+    """Greedy records, prompts that share a cached block, n = 2 sampled with a penalty,
+    log-probabilities, prompt log-probabilities and structured outputs (a regex, a choice)."""
+    shared = [(5 * j) % 200 + 3 for j in range(16)]
+    return ([{"id": f"g{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
+            + [{"id": f"c{i}", "prompt_token_ids": shared + [40 + i]} for i in range(3)]
+            + [{"id": "n2", "prompt_token_ids": PROMPTS[0],
+                "sampling": {"n": 2, "temperature": 0.8, "seed": 3, "logprobs": 2, "presence_penalty": 0.5}},
+               {"id": "lp", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 1}},
+               {"id": "regex", "prompt": "hello", "sampling": {"structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"}}},
+               {"id": "choice", "prompt": "be brief", "sampling": {"structured_outputs": {
+                   "choice": ["hello world", "stop here please"]}}}])
+
+
 def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkpoint, hf_greedy, tmp_path,
                                                                           ray_local):
     """A replica of 2 stages x tp 2 (4 workers), through the engine: each step goes as micro-
@@ -114,15 +128,7 @@ def test_two_stages_of_tp2_over_ray_give_each_record_what_one_stage_gives(checkp
     from msinfer.launcher.replica import Replica, ReplicaConfig, wait_gone
     name = "qwen2_tied_5_layers"
     path = checkpoint(name)
-    shared = [(5 * j) % 200 + 3 for j in range(16)]
-    records = ([{"id": f"g{i}", "prompt_token_ids": p} for i, p in enumerate(PROMPTS)]
-               + [{"id": f"c{i}", "prompt_token_ids": shared + [40 + i]} for i in range(3)]
-               + [{"id": "n2", "prompt_token_ids": PROMPTS[0],
-                   "sampling": {"n": 2, "temperature": 0.8, "seed": 3, "logprobs": 2, "presence_penalty": 0.5}},
-                  {"id": "lp", "prompt_token_ids": PROMPTS[2], "sampling": {"logprobs": 2, "prompt_logprobs": 1}},
-                  {"id": "regex", "prompt": "hello", "sampling": {"structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"}}},
-                  {"id": "choice", "prompt": "be brief", "sampling": {"structured_outputs": {
-                      "choice": ["hello world", "stop here please"]}}}])
+    records = mixed_records()
     scored = [{"id": f"s{i}", "prompt_token_ids": p, "continuation_token_ids": [44, 3, 8, 9, 10]}
               for i, p in enumerate(PROMPTS)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -238,8 +238,9 @@ def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(c
     """MSINFER_FAULT_POISON_TOKEN: a worker whose step input holds the token aborts at once, as a
     kernel crash takes a process down; record r03's prompt holds it. The first failure takes down
     the batch r03 ran in; its records run again one suspect at a time, and the second failure
-    names r03 alone: its result is a "quarantined" error line, every other record gets
-    transformers' tokens, and the job exits 0, its two restarts not charged to
+    names r03 alone (or, where other records still ran beside it then, a third failure with r03
+    run alone does): its result is a "quarantined" error line, every other record gets
+    transformers' tokens, and the job exits 0, its restarts not charged to
     fault.max_replica_restarts (1). Each failure's reason names the signal and the Python frame
     it came in, from the worker's log. At tp 1: a group's failure and restart is the
     killed-worker test's."""
@@ -256,12 +257,17 @@ def test_a_poison_record_is_quarantined_and_every_other_record_gets_its_tokens(c
     results = {r["id"]: r for r in job.results()}
     assert sorted(job.ids()) == sorted(results) == sorted(want)
     error = results.pop("r03")["error"]
-    assert error["type"] == "quarantined" and "was running when a replica failed, 2 times" in error["message"]
+    said = re.search(r"was running when a replica failed, (\d+) times", error["message"])
+    assert error["type"] == "quarantined" and said is not None, error
+    # 2 where r03 ran alone on probation; 3 where its probation step had records not yet suspected
+    # in it (the others still running on a loaded machine), after which it runs alone first
+    failures = int(said[1])
+    assert failures in (2, 3), error
     for rid, r in results.items():
         assert r["error"] is None and r["output_token_ids"] == want[rid], rid
     summary = job.summary()
-    assert summary["replica_restarts"] == 2 and summary["records_quarantined"] == 1
-    assert summary["records_failed"] == 1 and len(summary["restart_reasons"]) == 2
+    assert summary["replica_restarts"] == failures and summary["records_quarantined"] == 1
+    assert summary["records_failed"] == 1 and len(summary["restart_reasons"]) == failures
     for why in summary["restart_reasons"]:          # the signal, from the worker's log, and where that is
         assert re.fullmatch(r"replica 0 failed \(a worker process died: rank 0 \(pid \d+ on [\d.]+\): SIGABRT, Python at "
                             r"actor\.py:\d+ in step; its log: /\S+/worker-\S+\.err\)", why), why

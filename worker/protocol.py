@@ -140,7 +140,7 @@ class DecodeStep:
 class DecodeChain:
     """Decode steps the engine scheduled back to back and sends as one call (scheduler.decode_steps):
     each step after the first feeds the tokens the step before it picks (SAMPLED). The rank runs a
-    run of them with the same sequences, all greedy and changing no logits, as one compiled call
+    run of them with the same sequences, each of which `chains`, as one compiled call
     (worker.runner.ModelRunner.chain), and any other step alone; it answers a StepOutput a step.
     `one_by_one`: every step alone (the engine's steps of a chain cut short: one call, so that no
     more calls are in flight than async scheduling's two, which the ranks' threads serve)."""

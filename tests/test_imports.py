@@ -65,14 +65,27 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_a_worker_imports_mindspore_with_its_objects_frozen_and_the_collector_back_on():
     """worker.imports.import_mindspore, which Worker.join calls: what MindSpore's import made is in
     the collector's permanent generation, which later collections (many while graphs compile) do
-    not walk, and the collector is on again afterwards; a second call returns the same module."""
+    not walk, and the collector is on again afterwards; a second call returns the same module.
+    MindSpore's import leaves protobuf's implementation as it was (upb, unless the user chose
+    another) and its PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION out of what later processes inherit."""
+    import os
     import subprocess
     import sys
-    code = ("import gc, sys\n"
+    code = ("import gc, os, sys\n"
             "from msinfer.worker.imports import import_mindspore\n"
             "ms = import_mindspore()\n"
-            "print(gc.isenabled(), gc.get_freeze_count(), ms is sys.modules['mindspore'], import_mindspore() is ms)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "from google.protobuf.internal import api_implementation\n"
+            "print(gc.isenabled(), gc.get_freeze_count(), ms is sys.modules['mindspore'], import_mindspore() is ms,\n"
+            "      api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
-    enabled, frozen, imported, again = p.stdout.split()
+    enabled, frozen, imported, again, protobuf, variable = p.stdout.split()
     assert enabled == imported == again == "True" and int(frozen) > 100_000
+    assert (protobuf, variable) == ("upb", "None")
+    code = code.replace("print(gc.isenabled(), gc.get_freeze_count(), ms is sys.modules['mindspore'], "
+                        "import_mindspore() is ms,\n      ", "print(")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**env, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["python", "python"]          # the user's choice stands

@@ -62,6 +62,7 @@ def import_mindspore():
     a worker imports it once, as it joins its group."""
     if "mindspore" in sys.modules:
         return sys.modules["mindspore"]
+    keep_protobuf = protobuf_as_chosen()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -70,4 +71,26 @@ def import_mindspore():
         gc.freeze()
         if enabled:
             gc.enable()
+        keep_protobuf()
     return mindspore
+
+
+PROTOBUF_ENV = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+
+
+def protobuf_as_chosen():
+    """MindSpore's import sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python where it is unset (for
+    its own checkpoint files, which msinfer does not read). Every process started after that
+    inherits it: Ray's (its agents, its workers) and the commands a program runs, each then
+    importing protobuf's pure-Python implementation, a third of a CPU-second more to import Ray
+    alone and slower at every message. A worker imported protobuf with Ray already, so MindSpore
+    runs on protobuf's default (upb) there; in a process where MindSpore comes first (the tests',
+    a program using the Python API) this fixes protobuf's choice before MindSpore's import, and
+    the returned callable takes MindSpore's variable out of the environment afterwards. A variable
+    the user set stays as it was."""
+    import os
+    if PROTOBUF_ENV in os.environ:
+        return lambda: None
+    from google.protobuf.internal import api_implementation     # (chosen as this import reads the variable)
+    del api_implementation
+    return lambda: os.environ.pop(PROTOBUF_ENV, None)

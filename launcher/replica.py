@@ -50,6 +50,14 @@ QUIET_ENV = {"GLOG_v": "3", "GLOG_logtostderr": "1", "TOKENIZERS_PARALLELISM": "
 # guide recommends jemalloc for inference on cards too. A user's own LD_PRELOAD (e.g. tcmalloc) is
 # what the workers get instead; RAY_LD_PRELOAD_ON_WORKERS=0 keeps glibc's malloc.
 WORKER_ALLOCATOR_ENV = {"RAY_LD_PRELOAD_ON_WORKERS": "1"}
+# An embedded instance's raylet starts no workers ahead of the job's actors. Ray (2.60) starts a
+# worker process per CPU when the first driver connects (prestart_worker_first_driver), each
+# importing Ray (about half a CPU-second here) and holding its memory for the instance's life: a
+# job whose actors are fewer than the node's CPUs (tp 1 here; any job on a large node) leaves
+# the rest idle. Each actor's worker starts as the actor is placed instead: a tp 1 job of the
+# tests' model started in 3.49-4.24 s (`startup_s`, median 3.62) against 3.56-4.85 (3.80), six
+# alternating rounds each.
+LEAN_RAY_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 # start-up stages as the progress bar names them; compiling happens in the first steps
@@ -164,10 +172,10 @@ def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: 
     # The embedded instance's processes inherit this one's environment, so the variables go there:
     # a job-wide runtime_env would make Ray start the workers apart from its ready pool, through
     # its runtime-env agent (1.5-1.8 s more to a first actor here, three rounds each way)
-    for key, value in {**QUIET_ENV, **WORKER_ALLOCATOR_ENV}.items():
+    for key, value in {**QUIET_ENV, **WORKER_ALLOCATOR_ENV, **LEAN_RAY_ENV}.items():
         os.environ.setdefault(key, value)
     # address="local": a new embedded instance even when `ray start` runs on this machine
-    with _lean_head(dashboard):
+    with _lean_head(dashboard), _raylet_awaited():
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=dashboard,
                  resources={"NPU": npus} if npus else None,
                  dashboard_host="127.0.0.1", log_to_driver=False,
@@ -201,6 +209,39 @@ def _lean_head(dashboard: bool):
         yield
     finally:
         Node.start_monitor, Node.start_log_monitor, Node.start_api_server = saved
+
+
+REGISTRATION_POLL_S = 0.02
+
+
+@contextlib.contextmanager
+def _raylet_awaited():
+    """ray.init of an embedded instance without its idle second: after starting the raylet, Ray
+    (2.60, Node.__init__) sleeps 0.1 s and asks the GCS for the node (services.get_node), whose
+    C++ side (GlobalStateAccessor::GetNode) sleeps a whole second each time the node has not
+    registered yet. The raylet registers once the dashboard agent it starts has imported Ray and
+    written its ports: 0.6-0.8 s here, so each start waited until 1.1 s. Here the GCS is asked
+    every 20 ms first, and Ray's own call comes once the node is there (or after Ray's own wait
+    when asking fails). `ray.init` took 1.41-1.54 s against 1.77-1.78."""
+    from ray._private import services
+    saved = services.get_node
+
+    def get_node(gcs_address, node_id):
+        deadline = time.monotonic() + float(os.environ.get("RAY_raylet_start_wait_time_s", 30))
+        try:
+            client = ray._raylet.GcsClient(address=gcs_address)
+            while time.monotonic() < deadline and not any(
+                    n.hex() == node_id and info.state == info.ALIVE
+                    for n, info in client.get_all_node_info(timeout=5).items()):
+                time.sleep(REGISTRATION_POLL_S)
+        except Exception:           # (Ray's own call below waits, and says what is wrong)
+            pass
+        return saved(gcs_address, node_id)
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = saved
 
 
 def late_names(late: list[int], workers: int, tp: int, pp: int) -> str:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,8 @@ def results(path) -> dict[str, dict]:
 
 def test_the_embedded_ray_starts_only_what_a_job_uses_and_keeps_the_ledger_in_its_store(ray_local):
     """init_ray's instance (the ray_local fixture's) runs its GCS and raylet and no autoscaler
-    monitor, log monitor or dashboard server (launcher.replica._lean_head). The job's ledger of
+    monitor, log monitor or dashboard server (launcher.replica._lean_head), and its raylet starts
+    no worker processes ahead of the actors (LEAN_RAY_ENV). The job's ledger of
     running records lives in the GCS's store: a replica's last entry comes back once to whoever
     takes it, and one job's entries are apart from another's."""
     from msinfer.launcher.engine import Ledger
@@ -65,6 +67,8 @@ def test_the_embedded_ray_starts_only_what_a_job_uses_and_keeps_the_ledger_in_it
     ours = [c for c in commands if session in c]
     assert any(b"raylet" in c for c in ours)
     assert not [c for c in ours if b"monitor.py" in c or b"dashboard.py" in c]
+    raylet = Path(f"/proc/{node.all_processes['raylet'][0].process.pid}/environ").read_bytes().split(b"\0")
+    assert b"RAY_prestart_worker_first_driver=0" in raylet
 
     a, b = Ledger("job-a"), Ledger("job-b")
     a.put(0, {3, 1})
@@ -74,6 +78,37 @@ def test_the_embedded_ray_starts_only_what_a_job_uses_and_keeps_the_ledger_in_it
     assert a.take(0) == [1, 2, 3] and a.take(0) == []
     a.clear()
     assert a.take(1) == [] and b.take(0) == [9]
+
+
+def test_an_embedded_ray_asks_for_its_node_once_registered_and_leaves_ray_as_it_was(monkeypatch):
+    """launcher.replica._raylet_awaited: Ray's look-up of the node it started comes once the GCS
+    lists the node alive (here on the third asking), not after a second's sleep in Ray; where the
+    GCS cannot be asked, Ray's own look-up runs as it would have (it waits and says what is
+    wrong); after ray.init, Ray's function is back."""
+    import ray
+    from ray._private import services
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+    from msinfer.launcher.replica import _raylet_awaited
+    node = ray.NodeID.from_random()
+    answers = [{}, {ray.NodeID.from_random(): GcsNodeInfo(state=GcsNodeInfo.ALIVE)},
+               {node: GcsNodeInfo(state=GcsNodeInfo.ALIVE)}]
+    asked, calls = [], []
+
+    class Gcs:
+        def __init__(self, address):
+            if address == "unreachable":
+                raise ConnectionError(address)
+
+        def get_all_node_info(self, timeout=None):
+            asked.append(time.monotonic())
+            return answers[min(len(asked), len(answers)) - 1]
+    monkeypatch.setattr(ray._raylet, "GcsClient", Gcs)
+    monkeypatch.setattr(services, "get_node", lambda address, node_id: calls.append((address, node_id)) or "info")
+    ray_own = services.get_node
+    with _raylet_awaited():
+        assert services.get_node("gcs:1", node.hex()) == "info" and len(asked) == 3
+        assert services.get_node("unreachable", node.hex()) == "info" and len(asked) == 3
+    assert calls == [("gcs:1", node.hex()), ("unreachable", node.hex())] and services.get_node is ray_own
 
 
 def test_an_engine_in_process_gives_each_record_one_result_the_same_with_and_without_async_scheduling(

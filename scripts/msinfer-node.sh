@@ -149,6 +149,10 @@ fi
 # The node's workers keep the jemalloc Ray starts its own processes with (launcher/replica.py,
 # WORKER_ALLOCATOR_ENV: graphs compile about a fifth faster); 0 keeps glibc's malloc for them.
 export RAY_LD_PRELOAD_ON_WORKERS=${RAY_LD_PRELOAD_ON_WORKERS:-1}
+# No worker processes started ahead of the actors (launcher/replica.py, LEAN_RAY_ENV): Ray starts
+# one per CPU as a job's driver connects, each importing Ray and idle for the job's whole run
+# where the job's ranks are fewer than the node's CPUs.
+export RAY_prestart_worker_first_driver=${RAY_prestart_worker_first_driver:-0}
 
 if [[ $mode == head ]]; then address=$node_ip:$port role=head; else address=$join_addr role=worker; fi
 [[ -n $log ]] || log=${TMPDIR:-/tmp}/msinfer-node.$(hostname -s).$$.log

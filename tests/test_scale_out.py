@@ -538,13 +538,16 @@ def ray_default_packages(cache: Path) -> Path:
 
 
 def test_ray_job_submit_runs_a_job_on_a_head_with_the_job_server(job_dir, dp2_run, tmp_path):
-    """`msinfer-node.sh --head --dashboard` keeps a head with Ray's job server up; `ray job submit
+    """`msinfer-node.sh --head --dashboard` keeps a head with Ray's job server up, its raylet
+    passing jemalloc on to the workers and starting none ahead of the actors; `ray job submit
     -- msinfer run job.yaml --set ray.address=auto` runs the job there (as docs/scale-out.md says)
     and writes the tokens of the cluster run; SIGTERM stops the node."""
     extra = ray_default_packages(Path.home() / ".cache" / "msinfer-tests")
     ray_tmp = short_tmp("msj")
     env = clean_env(PATH=f"{BIN}:/usr/bin:/bin", TMPDIR=ray_tmp, PYTHONPATH=str(extra), RAY_AUTH_MODE="token",
                     MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"))
+    for key in ("RAY_LD_PRELOAD_ON_WORKERS", "RAY_prestart_worker_first_driver"):    # (an embedded Ray's, if any)
+        env.pop(key, None)
     port, dash = free_port(), free_port()
     node = subprocess.Popen(["bash", NODE_SH, "--head", "--port", str(port), "--dashboard", "--dashboard-port",
                              str(dash), "--num-cpus", "2", "--log", str(tmp_path / "ray.log")],
@@ -558,6 +561,10 @@ def test_ray_job_submit_runs_a_job_on_a_head_with_the_job_server(job_dir, dp2_ru
                 break
         url = re.search(r"--address (http://\S+)", said)
         assert url, f"the head did not start:\n{said}{node.stdout.read() if node.poll() is not None else ''}"
+        import psutil
+        raylet = [p for p in map(psutil.Process, processes_under(ray_tmp)) if p.name() == "raylet"]
+        assert len(raylet) == 1 and {"RAY_LD_PRELOAD_ON_WORKERS": "1", "RAY_prestart_worker_first_driver": "0"}.items() \
+            <= raylet[0].environ().items()
         out = tmp_path / "submitted.jsonl"
         r = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", url.group(1), "--", MSINFER, "run",
                             str(job_dir / "job.yaml"), "--no-progress", "--set", "ray.address=auto",

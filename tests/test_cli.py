@@ -287,8 +287,8 @@ def test_missing_spec_file_exits_2(cli, tmp_path):
 
 def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cli, model, tmp_path):
     """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; 150 ms a step in the
-    first run; the first SIGTERM's drain is test_run_interrupt_and_run_again's). A SIGTERM while
-    draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 20 s
+    first run, 5 ms in the last; the first SIGTERM's drain is test_run_interrupt_and_run_again's).
+    A SIGTERM while draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 20 s
     away, the run stops dealing the records it has no time for and ends before the deadline: exit
     75, status drained. Then a run without a deadline finishes: every record once, with the tokens
     the stand-ins give its prompt."""
@@ -336,7 +336,7 @@ def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cl
     assert p.returncode == 75 and "drained (the deadline (run.deadline 5s, " in said(p), p.stderr
     assert summary["drained"]["records_not_dealt"] == len(lines) - line_count(out) and "setup" not in summary
 
-    p = cli.run(*command)
+    p = cli.run(*command, "--step-ms", "5")         # (the stand-ins' tokens do not depend on their pace)
     assert p.returncode == 0, p.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in results) == [r["id"] for r in lines]     # each exactly once

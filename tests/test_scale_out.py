@@ -563,8 +563,8 @@ def test_ray_job_submit_runs_a_job_on_a_head_with_the_job_server(job_dir, dp2_ru
         assert url, f"the head did not start:\n{said}{node.stdout.read() if node.poll() is not None else ''}"
         import psutil
         raylet = [p for p in map(psutil.Process, processes_under(ray_tmp)) if p.name() == "raylet"]
-        assert len(raylet) == 1 and {"RAY_LD_PRELOAD_ON_WORKERS": "1", "RAY_prestart_worker_first_driver": "0"}.items() \
-            <= raylet[0].environ().items()
+        set_by_script = {"RAY_LD_PRELOAD_ON_WORKERS": "1", "RAY_prestart_worker_first_driver": "0"}
+        assert len(raylet) == 1 and set_by_script.items() <= raylet[0].environ().items()
         out = tmp_path / "submitted.jsonl"
         r = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", url.group(1), "--", MSINFER, "run",
                             str(job_dir / "job.yaml"), "--no-progress", "--set", "ray.address=auto",

@@ -288,10 +288,10 @@ def test_missing_spec_file_exits_2(cli, tmp_path):
 def test_a_second_sigterm_stops_at_once_and_a_deadline_ends_the_run_before_it(cli, model, tmp_path):
     """On stand-ins (25 ms a step, 40 tokens a record, 4 at once: 1 s a record; 150 ms a step in the
     first run, 5 ms in the last; the first SIGTERM's drain is test_run_interrupt_and_run_again's).
-    A SIGTERM while draining stops at once: exit 143, status interrupted, every line whole. With run.deadline 20 s
-    away, the run stops dealing the records it has no time for and ends before the deadline: exit
-    75, status drained. Then a run without a deadline finishes: every record once, with the tokens
-    the stand-ins give its prompt."""
+    A SIGTERM while draining stops at once: exit 143, status interrupted, every line whole. With
+    run.deadline 20 s away, the run stops dealing the records it has no time for and ends before
+    the deadline: exit 75, status drained. Then a run without a deadline finishes: every record
+    once, with the tokens the stand-ins give its prompt."""
     from msinfer.launcher.job import plan_job
     from msinfer.launcher.simulate import StandIn, StandInRunner
     from msinfer.launcher.spec import load_spec

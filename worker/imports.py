@@ -5,6 +5,7 @@ worker imports MindSpore."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 _OWN_PROCESS = False        # this process is msinfer's own: see own_process
@@ -53,16 +54,30 @@ def transformers_without_torch() -> bool:
     return True
 
 
+# PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION: MindSpore's import sets it to "python" where it is unset
+# (for its own checkpoint files, which msinfer does not read), and every process started after that
+# inherits it: Ray's agents and workers, the commands a program runs, each then importing protobuf's
+# pure-Python implementation (a third of a CPU-second more to import Ray alone, and slower at every
+# message). A worker imported protobuf with Ray already, so MindSpore runs on protobuf's default
+# (upb) there.
+PROTOBUF_ENV = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+
+
 def import_mindspore():
     """Imports MindSpore, the first time in this process, with Python's cyclic garbage collector
     paused, then moves what the import made to the collector's permanent generation (gc.freeze):
     modules, classes and functions that live as long as the process, which every later full
     collection (frequent while graphs compile) would otherwise walk again. Importing MindSpore
     alone took 1.15-1.50 CPU-seconds so against 1.53-2.11 (six rounds each, jemalloc preloaded);
-    a worker imports it once, as it joins its group."""
+    a worker imports it once, as it joins its group. Where PROTOBUF_ENV is unset, protobuf's
+    implementation is chosen before MindSpore's import and MindSpore's variable is taken out of
+    the environment after it (in a process where MindSpore comes first: the tests', a program
+    using the Python API); a variable the user set stays as it was."""
     if "mindspore" in sys.modules:
         return sys.modules["mindspore"]
-    keep_protobuf = protobuf_as_chosen()
+    protobuf_unset = PROTOBUF_ENV not in os.environ
+    if protobuf_unset:
+        from google.protobuf.internal import api_implementation  # noqa: F401  (it reads the variable as it imports)
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -71,26 +86,6 @@ def import_mindspore():
         gc.freeze()
         if enabled:
             gc.enable()
-        keep_protobuf()
+        if protobuf_unset:
+            os.environ.pop(PROTOBUF_ENV, None)
     return mindspore
-
-
-PROTOBUF_ENV = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
-
-
-def protobuf_as_chosen():
-    """MindSpore's import sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python where it is unset (for
-    its own checkpoint files, which msinfer does not read). Every process started after that
-    inherits it: Ray's (its agents, its workers) and the commands a program runs, each then
-    importing protobuf's pure-Python implementation, a third of a CPU-second more to import Ray
-    alone and slower at every message. A worker imported protobuf with Ray already, so MindSpore
-    runs on protobuf's default (upb) there; in a process where MindSpore comes first (the tests',
-    a program using the Python API) this fixes protobuf's choice before MindSpore's import, and
-    the returned callable takes MindSpore's variable out of the environment afterwards. A variable
-    the user set stays as it was."""
-    import os
-    if PROTOBUF_ENV in os.environ:
-        return lambda: None
-    from google.protobuf.internal import api_implementation     # (chosen as this import reads the variable)
-    del api_implementation
-    return lambda: os.environ.pop(PROTOBUF_ENV, None)

@@ -520,11 +520,13 @@ class Engine:
         if not steps:
             return False
         self._report(seqs)
+        # a step's time counts from before its submission: a rank (LocalRank's thread, an idle
+        # actor) may start it before submit returns
+        at = time.perf_counter()
         if self.pipeline is not None:
             outs, others, relays = self.pipeline.submit(steps, is_prefill, self.scheduler.take_released())
             self.submitted = self.pipeline.index
-            self.in_flight.append(InFlight([*outs, *others, *relays], seqs, is_prefill, time.perf_counter(),
-                                           set(others), outs))
+            self.in_flight.append(InFlight([*outs, *others, *relays], seqs, is_prefill, at, set(others), outs))
             return True
         more = []
         draws = self.setup.spec.parallel.tensor_parallel == 1
@@ -536,7 +538,7 @@ class Engine:
             steps, chain = DecodeChain([steps] + [step for step, _ in more], not whole), [seqs] + [p for _, p in more]
         refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
-        self.in_flight.append(InFlight(refs, seqs, is_prefill, time.perf_counter(), set(refs[1:]), chain=chain))
+        self.in_flight.append(InFlight(refs, seqs, is_prefill, at, set(refs[1:]), chain=chain))
         return True
 
     def _report(self, seqs: list) -> None:

@@ -779,6 +779,43 @@ def test_an_engine_closed_with_a_wait_returns_after_the_step_its_rank_in_this_pr
     assert all(f.done() for f in running) and not engine.thread.is_alive()
 
 
+def test_a_kinds_seconds_cover_its_ranks_steps_even_when_a_step_ends_before_its_submission_returns(checkpoint):
+    """The summary's steps.prefill_s and decode_s (the replica's wall time, by kind of step)
+    hold the ranks' own time in the steps (worker_s): a step's time counts from before its
+    submission, since a rank (LocalRank's thread) may start and even finish it before the call
+    that submits it returns. A rank here runs each step inside that call."""
+    from concurrent.futures import Future
+    from msinfer.launcher.engine import Engine, EngineSetup, LocalRank
+    from msinfer.launcher.simulate import StandInRunner
+    from msinfer.worker.protocol import unpack_step
+    spec = JobSpec.model_validate({
+        "model": {"path": str(checkpoint("llama_gqa_tied")), "max_model_len": 64}, "input": {"path": "in.jsonl"},
+        "output": {"path": "out.jsonl"}, "sampling": {"max_new_tokens": 6, "ignore_eos": True}})
+    plan = plan_job(spec, check_io=False, weights=False)
+    runner = StandInRunner(plan.engine, StandIn(step_ms=10))
+
+    class AtOnce:
+        def remote(self, payload, is_prefill, index):
+            seqs, released = unpack_step(payload)
+            done = Future()
+            done.set_result(runner.step(seqs, is_prefill, released=released))
+            return done
+    rank = LocalRank(None)
+    rank.step = AtOnce()
+    engine = Engine(EngineSetup(plan.spec, plan.model, plan.engine), 0)
+    engine.attach([rank])
+    try:
+        done = exchange_until_done(engine, [parse_record({"id": f"r{i}", "prompt_token_ids": [5 + i, 17, 33]}, i + 1)
+                                            for i in range(3)])
+    finally:
+        engine.close()
+    assert len(done) == 3
+    figures = {kind: dict(zip(STEP_FIGURES, values)) for kind, values in engine.step_s.items()}
+    for kind in ("prefill", "decode"):
+        assert figures[kind]["steps"] > 0 and figures[kind]["worker_s"] >= 0.01 * figures[kind]["steps"]
+    assert sum(f["worker_s"] for f in figures.values()) <= sum(f["s"] for f in figures.values())
+
+
 def test_a_drain_takes_back_the_records_an_engine_has_not_started_and_the_rest_finish(checkpoint):
     """The exchange that starts a drain (give_back) takes out of the engine every record none of
     whose sequences holds anything yet (queued; a record of n samples with one under way stays

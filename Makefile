@@ -15,9 +15,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# msinfer's own modules compiled to bytecode (files changed since only): an editable install leaves
+# that to the first import, which writes nothing where PYTHONDONTWRITEBYTECODE is set, and every
+# worker and command then compiles them from source again (docs/architecture.md, platform notes).
+BYTECODE = $(BIN)/python -m compileall -q launcher worker sharding scripts tests > /dev/null
+
 install: $(STAMP)
+	$(BYTECODE)
 
 demo: $(STAMP)
+	$(BYTECODE)
 	$(BIN)/python scripts/make_demo_model.py
 	$(BIN)/msinfer run configs/demo.yaml --overwrite
 	@echo "--- results (configs/results/demo.jsonl) ---"
@@ -31,6 +38,7 @@ JEMALLOC = import importlib.util, pathlib; \
 	print(p if p.is_file() else "")
 
 test: $(STAMP)
+	$(BYTECODE)
 	$(BIN)/python scripts/make_demo_model.py
 	LD_PRELOAD="$$($(BIN)/python -c '$(JEMALLOC)')" $(BIN)/python -m pytest tests -q -x -n 2 --dist loadfile --durations=15
 

@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 STEP_KINDS = ("prefill", "decode")
 # per kind of step: how many, the replica's wall-clock seconds they account for (from the later of
-# the step's submit and the result before it, to its result), of which rank 0 spent in the step, of
-# which on the device (network and sampler); the sequences the steps carried, and the bytes rank 0
-# copied from the device in them
+# the call that submits the step and the result before it, to its result), of which rank 0 spent
+# in the step, of which on the device (network and sampler); the sequences the steps carried, and
+# the bytes rank 0 copied from the device in them
 STEP_FIGURES = ("steps", "s", "worker_s", "model_s", "seqs", "host_bytes")
 COUNTS = ("steps", "seqs", "host_bytes")
 

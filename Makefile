@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install bytecode clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,13 +18,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # msinfer's own modules compiled to bytecode (files changed since only): an editable install leaves
 # that to the first import, which writes nothing where PYTHONDONTWRITEBYTECODE is set, and every
 # worker and command then compiles them from source again (docs/architecture.md, platform notes).
-BYTECODE = $(BIN)/python -m compileall -q launcher worker sharding scripts tests > /dev/null
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q launcher worker sharding scripts tests > /dev/null
 
-install: $(STAMP)
-	$(BYTECODE)
+install: bytecode
 
-demo: $(STAMP)
-	$(BYTECODE)
+demo: bytecode
 	$(BIN)/python scripts/make_demo_model.py
 	$(BIN)/msinfer run configs/demo.yaml --overwrite
 	@echo "--- results (configs/results/demo.jsonl) ---"
@@ -37,8 +36,7 @@ JEMALLOC = import importlib.util, pathlib; \
 	p = pathlib.Path(importlib.util.find_spec("ray").origin).parent / "core" / "libjemalloc.so"; \
 	print(p if p.is_file() else "")
 
-test: $(STAMP)
-	$(BYTECODE)
+test: bytecode
 	$(BIN)/python scripts/make_demo_model.py
 	LD_PRELOAD="$$($(BIN)/python -c '$(JEMALLOC)')" $(BIN)/python -m pytest tests -q -x -n 2 --dist loadfile --durations=15
 

@@ -520,10 +520,10 @@ class Engine:
         if not steps:
             return False
         self._report(seqs)
-        # a step's time counts from before its submission: a rank (LocalRank's thread, an idle
-        # actor) may start it before submit returns
-        at = time.perf_counter()
+        # a step's time counts from the call that submits it: a rank (LocalRank's thread, an idle
+        # actor) may start the step before that call returns
         if self.pipeline is not None:
+            at = time.perf_counter()
             outs, others, relays = self.pipeline.submit(steps, is_prefill, self.scheduler.take_released())
             self.submitted = self.pipeline.index
             self.in_flight.append(InFlight([*outs, *others, *relays], seqs, is_prefill, at, set(others), outs))
@@ -536,6 +536,7 @@ class Engine:
         if more:     # (a chain cut short runs step by step: each chain length would be a graph of its own)
             whole = len(more) == self.decode_steps - 1 and more[-1][0].seq_ids == steps.seq_ids
             steps, chain = DecodeChain([steps] + [step for step, _ in more], not whole), [seqs] + [p for _, p in more]
+        at = time.perf_counter()
         refs = submit_step(self.workers, steps, is_prefill, self.submitted, self.scheduler.take_released())
         self.submitted += 1
         self.in_flight.append(InFlight(refs, seqs, is_prefill, at, set(refs[1:]), chain=chain))

@@ -7,28 +7,42 @@
 
 namespace {
 
+// The register blocks of a prefill tile's loops below: kScoreHeads query heads by kScoreKeys keys
+// (tile_scores), kPvRows tokens by kPvVecs vectors of D (tile_pv). With AVX-512 a v16 is one of
+// 32 registers: 24 and 28 accumulators. With AVX2 it is two of 16 and either block spills, yet
+// fewer passes over K and V still win over blocks that fit (2 x 2 each took 1.7x as long for a
+// 1024-token prefill of the demo model). tile_pv's 7 rows there are cut to 4: the prefill takes
+// as long (four rounds each, medians 7.8 s both on a Zen 4) and GCC builds kernels.cc for
+// Haswell in 35 s instead of 60 (its register allocator's passes over the spilled 7 x 4 block).
+#ifdef __AVX512F__
+constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
+#else
+constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 4, kPvVecs = 4;
+#endif
+
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
-// sum_d qt[g][d] k_j[d], eight keys at a time: per d, GC query loads and eight key broadcasts
-// feed 8 GC FMAs (24 accumulators for GC = 3).
+// sum_d qt[g][d] k_j[d], kScoreKeys keys at a time: per d, GC query loads and kScoreKeys key
+// broadcasts feed kScoreKeys GC FMAs.
 template <typename T, int GC>
 void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v16* s, int64_t ld) {
+  constexpr int KEYS = kScoreKeys;
   int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
-    v16 acc[GC][8] = {};
+  for (; j + KEYS <= len; j += KEYS) {
+    v16 acc[GC][KEYS] = {};
     const T* const* k = krow + j;
     for (int64_t d = 0; d < D; ++d) {
       v16 q[GC];
 #pragma GCC unroll 4
       for (int g = 0; g < GC; ++g) q[g] = qt[g * D + d];
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
+      for (int t = 0; t < KEYS; ++t) {
         const float kv = static_cast<float>(k[t][d]);
 #pragma GCC unroll 4
         for (int g = 0; g < GC; ++g) acc[g][t] += q[g] * kv;
       }
     }
     for (int g = 0; g < GC; ++g)
-      for (int t = 0; t < 8; ++t) s[g * ld + j + t] = acc[g][t];
+      for (int t = 0; t < KEYS; ++t) s[g * ld + j + t] = acc[g][t];
   }
   for (; j < len; ++j) {
     v16 acc[GC] = {};
@@ -42,7 +56,7 @@ void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v1
 
 // P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over 16 C consecutive values of
 // D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per key, C V
-// loads and R broadcasts feed R C FMAs (28 accumulators for R = 7, C = 4). p is zero past a
+// loads and R broadcasts feed R C FMAs (up to kPvRows kPvVecs accumulators). p is zero past a
 // token's own keys, so the tokens share one loop over the longest of their lengths.
 template <typename T, int R, int C>
 void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
@@ -367,11 +381,11 @@ struct PagedAttention {
     }
     key_rows(n0, h, len, krow);
     s.resize(G * len);
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    for (int64_t g0 = 0; g0 < G; g0 += kScoreHeads) {
       const v16* qg = qt.data() + g0 * D;
       v16* sg = s.data() + g0 * len;
-      with_count<3>(std::min<int64_t>(3, G - g0),
-                    [&](auto gc) { tile_scores<C, gc>(qg, D, krow.data(), len, sg, len); });
+      with_count<kScoreHeads>(std::min<int64_t>(kScoreHeads, G - g0),
+                              [&](auto gc) { tile_scores<C, gc>(qg, D, krow.data(), len, sg, len); });
     }
     for (int64_t g = 0; g < G; ++g) {
       v16* sg = s.data() + g * len;
@@ -393,19 +407,19 @@ struct PagedAttention {
       const v16 inv = sum > 0.f ? 1.f / sum : v16{};
       for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
     }
-    // P V in groups of up to 7 tokens: 64 values of D at a time held in registers, the last
-    // D mod 16 (an odd head size) one value at a time
+    // P V in groups of up to kPvRows tokens: 16 kPvVecs values of D at a time held in registers,
+    // the last D mod 16 (an odd head size) one value at a time
     const std::ptrdiff_t voff = vc - kc;
-    const int64_t D16 = D / 16 * 16, groups = (count + 6) / 7;
+    const int64_t D16 = D / 16 * 16, groups = (count + kPvRows - 1) / kPvRows;
     thread_local std::vector<float> a;
-    a.resize(7 * D);
+    a.resize(kPvRows * D);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i0 = 0, k = 0; k < groups; ++k) {
         const int64_t r = count / groups + (k < count % groups), n = tok_len[i0 + r - 1];
         const v16* p = s.data() + g * len;
-        for (int64_t c = 0; c < D16; c += 64)
-          with_count<7>(r, [&](auto rows) {
-            with_count<4>(std::min<int64_t>(4, (D16 - c) / 16), [&](auto vecs) {
+        for (int64_t c = 0; c < D16; c += 16 * kPvVecs)
+          with_count<kPvRows>(r, [&](auto rows) {
+            with_count<kPvVecs>(std::min<int64_t>(kPvVecs, (D16 - c) / 16), [&](auto vecs) {
               tile_pv<C, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
             });
           });

@@ -5,7 +5,8 @@ step kind's bytes and FLOPs for a dense model, the lower bound they set, and the
     python scripts/roofline.py [--model DIR] [--dtype float32] [--kv-cache-dtype auto] [--batch-size 1,16,64]
                                [--prompt 32] [--prefill 512] [--decode-steps K]
 
-The machine (every core of the process's affinity):
+The machine (every core of the process's affinity), before the steps and again after them; the
+higher figure of each is the one the bounds use, and a figure that moved by more than 15% is noted:
     bandwidth  a triad z = x + y in numpy over arrays far larger than the caches, one slice per
                thread (numpy releases the GIL in the loop): bytes read and written / second
     peak       the kernels' PeakFlops (worker/csrc/kernels.cc): 12 independent multiply-adds in
@@ -97,6 +98,12 @@ def peak_rate(kind: int, rounds: int = 5) -> float | None:
         flops = fn(kind, 2_000_000, 0.5)
         best = min(best, time.perf_counter() - t0)
     return flops / best
+
+
+def measure_machine(cores: int, bf16: bool) -> tuple[float, float, float | None]:
+    """The triad bandwidth (bytes/s, the better of one thread and every core), the float32 FMA
+    peak and the VDPBF16PS peak (FLOP/s; None without it, or with `bf16` false), measured now."""
+    return (max(bandwidth(t) for t in sorted({1, cores})), peak_rate(0), peak_rate(1) if bf16 else None)
 
 
 def bfloat16_rate(rows: int = 512, rounds: int = 5) -> float:
@@ -197,24 +204,36 @@ def main() -> int:
     kv_bytes = 2 if "bfloat16" in (args.dtype, args.kv_cache_dtype) else 4    # the cache's values (the network: float32)
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
-    bw = max(bandwidth(t) for t in sorted({1, cores}))
-    f32_peak = peak_rate(0)
-    bf16_peak = peak_rate(1) if os.environ.get("MSINFER_BF16_DOT", "1") != "0" else None   # (the kernels' override)
+    dot = os.environ.get("MSINFER_BF16_DOT", "1") != "0"          # (the kernels' override)
+    before = measure_machine(cores, dot)
     # (before numpy's: its BLAS threads go on spinning after a matmul, and would take the cores
     # from the kernels' threads)
     pairs_rate = bfloat16_rate() if args.dtype == "bfloat16" else None
     numpy_rate = matmul_rate()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype,
+                     args.decode_steps)
+    after = measure_machine(cores, dot)
+    # The machine is measured before the steps and after them, and the higher figure of each is
+    # its rate: a virtual machine's core taken by its host for a moment halves a peak measured
+    # then, which would put the bound below what the steps reached.
+    bw, f32_peak, bf16_peak = (max(a, b) if a else None for a, b in zip(before, after))
     rate = f32_peak
     layer_rate = (bf16_peak or f32_peak) if args.dtype == "bfloat16" else f32_peak
     print(f"machine   {cpu_flags()}")
     print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; peak float32 FMAs {f32_peak / 1e9:.1f} GFLOP/s"
           + (f", VDPBF16PS {bf16_peak / 1e9:.1f}" if bf16_peak else ", no VDPBF16PS") + " (the kernels' PeakFlops)")
+    print("          measured before and after the steps: " + "; ".join(
+        f"{name} {a / 1e9:.1f} and {b / 1e9:.1f}" for name, a, b in zip(("triad", "float32", "VDPBF16PS"), before, after)
+        if a))
+    moved = [name for name, a, b in zip(("the triad", "the float32 peak", "the VDPBF16PS peak"), before, after)
+             if a and abs(a - b) > 0.15 * max(a, b)]
+    if moved:
+        print(f"          note: {', '.join(moved)} moved by more than 15% between the two: the machine was busy "
+              f"or slowed meanwhile, and the steps' figures may be too")
     print(f"          matmuls reach: float32 {numpy_rate / 1e9:.1f} GFLOP/s (numpy's BLAS, 2048 x 2048)"
           + (f"; bfloat16 {pairs_rate / 1e9:.1f} (the kernels' Linear over pairs, 512 rows)"
              if pairs_rate else ""))
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype,
-                     args.decode_steps)
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes, "
           f"KV cache at {kv_bytes})")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'phases ms':>11}{'measured ms':>13}{'ratio':>7}"

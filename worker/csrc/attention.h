@@ -20,6 +20,63 @@ constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
 constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 4, kPvVecs = 4;
 #endif
 
+// The decode loops' vector (block_scores, block_values): a v16 with AVX-512; with AVX2 8 lanes,
+// one ymm register. A v16 there is a pair of them, and GCC kept those loops' v16 arrays on the
+// stack, moved them through general registers and built each broadcast of a weight lane by lane:
+// 16 sequences at context 512 of the demo model's 30 layers took 71-89 ms over a float32 cache
+// and 76-85 over a bfloat16 one, against 20-26 and 14-19 in 8 lanes (Haswell kernels on a Zen 4,
+// scripts/measure_attention.py, 3 alternating rounds). The blocks shrink to fit the 16 registers
+// too: 4 positions by 3 query heads for the scores (12 accumulators), 32 values of D for the
+// values (up to 12).
+#ifdef __AVX512F__
+typedef v16 vd;
+constexpr int kDecodeKeys = 8, kValueChunk = 64;
+inline vd loadd(const float* p) { return loadv(p); }
+inline vd loadd(const Bf16* p) { return loadv(p); }
+inline vd loadd(const _Float16* p) { return loadv(p); }
+inline void stored(float* p, vd x) { storev(p, x); }
+template <int P>
+__attribute__((always_inline)) inline void sum_lanes(const vd (&x)[P], float* s) { sum8<P>(x, s); }
+#else
+typedef float vd __attribute__((vector_size(32)));
+typedef float vdu __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vdi __attribute__((vector_size(32)));
+typedef uint32_t vdw __attribute__((vector_size(32)));
+typedef uint16_t vdh __attribute__((vector_size(16), aligned(2)));
+typedef _Float16 vdf __attribute__((vector_size(16), aligned(2)));
+constexpr int kDecodeKeys = 4, kValueChunk = 32;
+inline vd loadd(const float* p) { return *reinterpret_cast<const vdu*>(p); }
+inline vd loadd(const Bf16* p) {
+  const vdw w = __builtin_convertvector(*reinterpret_cast<const vdh*>(p), vdw) << 16;
+  return reinterpret_cast<const vd&>(w);
+}
+inline vd loadd(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const vdf*>(p), vd); }
+inline void stored(float* p, vd x) { *reinterpret_cast<vdu*>(p) = x; }
+// s[t] = the sum of x[t]'s 8 lanes for t < P (at most 8), as sum8 does for a v16: three rounds of
+// pairwise shuffles (in-lane or half swaps, one instruction each) and adds over 8 vectors, which
+// leave the sums in lanes 0, 4, 1, 5, 2, 6, 3, 7 of the last.
+template <int P>
+__attribute__((always_inline)) inline void sum_lanes(const vd (&x)[P], float* s) {
+  constexpr vdi lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+  constexpr vdi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  constexpr vdi lo3 = {0, 2, 8, 10, 4, 6, 12, 14}, hi3 = {1, 3, 9, 11, 5, 7, 13, 15};
+  constexpr int lane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  vd y[8], a[4], b[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : vd{};
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], hi1);
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  const vd c = __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+#pragma GCC unroll 8
+  for (int t = 0; t < P; ++t) s[t] = c[lane[t]];
+}
+#endif
+constexpr int kDecodeLanes = sizeof(vd) / sizeof(float);
+
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
 // sum_d qt[g][d] k_j[d], kScoreKeys keys at a time: per d, GC query loads and kScoreKeys key
 // broadcasts feed kScoreKeys GC FMAs.
@@ -169,24 +226,24 @@ struct PagedAttention {
   // widened from a bfloat16 cache) once for the GC heads.
   template <int P, int GC>
   static void block_scores(const float* q, int64_t D, const C* k, int64_t stride, float* s, int64_t ls) {
-    v16 acc[GC][P];
+    vd acc[GC][P];
 #pragma GCC unroll 4
     for (int g = 0; g < GC; ++g)
 #pragma GCC unroll 8
-      for (int t = 0; t < P; ++t) acc[g][t] = v16{};
-    for (int64_t d = 0; d < D; d += 16) {
-      v16 qd[GC];
+      for (int t = 0; t < P; ++t) acc[g][t] = vd{};
+    for (int64_t d = 0; d < D; d += kDecodeLanes) {
+      vd qd[GC];
 #pragma GCC unroll 4
-      for (int g = 0; g < GC; ++g) qd[g] = loadv(q + g * D + d);
+      for (int g = 0; g < GC; ++g) qd[g] = loadd(q + g * D + d);
 #pragma GCC unroll 8
       for (int t = 0; t < P; ++t) {
-        const v16 x = loadv(k + t * stride + d);
+        const vd x = loadd(k + t * stride + d);
 #pragma GCC unroll 4
         for (int g = 0; g < GC; ++g) acc[g][t] += qd[g] * x;
       }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < GC; ++g) sum8<P>(acc[g], s + g * ls);
+    for (int g = 0; g < GC; ++g) sum_lanes<P>(acc[g], s + g * ls);
   }
 
   // R query heads add the values of a block's nb positions (v: the first's row of their KV head,
@@ -195,26 +252,27 @@ struct PagedAttention {
   template <int R, int CV>
   static void block_values(const float* s, int64_t ls, const C* v, int64_t stride, int64_t nb, float* acc,
                            int64_t D) {
-    v16 e[R][CV];
+    constexpr int NV = CV * 16 / kDecodeLanes;        // CV 16 values of D, in vectors
+    vd e[R][NV];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) e[r][c] = loadv(acc + r * D + 16 * c);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) e[r][c] = loadd(acc + r * D + kDecodeLanes * c);
     for (int64_t t = 0; t < nb; ++t) {
-      v16 x[CV];
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) x[c] = loadv(v + t * stride + 16 * c);
+      vd x[NV];
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) x[c] = loadd(v + t * stride + kDecodeLanes * c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const float w = s[r * ls + t];
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) e[r][c] += w * x[c];
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) e[r][c] += w * x[c];
       }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) storev(acc + r * D + 16 * c, e[r][c]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) stored(acc + r * D + kDecodeLanes * c, e[r][c]);
   }
 
   // Share `unit` (`per` lines each) of a block of `lines` lines, asked for into L2: each piece
@@ -264,16 +322,17 @@ struct PagedAttention {
       for (int64_t b = b0; b < std::min(b0 + kAheadBlocks, blocks); ++b)
         prefetch_share(block(kc, b), lines, lines, 0);
       for (int64_t b = b0; b < blocks; ++b) {
-        const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs), units = (nb + 7) / 8 * KV;
+        const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs);
+        const int64_t units = (nb + kDecodeKeys - 1) / kDecodeKeys * KV;
         const int64_t per = (lines + units - 1) / units;
         const C* kb = block(kc, b);
         const int64_t a = b + kAheadBlocks;
         const C* next = a < blocks ? block(kc, a) : b0 + a - blocks < blocks ? block(vc, b0 + a - blocks) : nullptr;
-        for (int64_t t0 = 0, unit = 0; t0 < nb; t0 += 8)
+        for (int64_t t0 = 0, unit = 0; t0 < nb; t0 += kDecodeKeys)
           for (int64_t h = 0; h < KV; ++h, ++unit) {
             prefetch_share(next, lines, per, unit);
             for (int64_t g0 = 0; g0 < G; g0 += 3)
-              with_count<8>(std::min<int64_t>(8, nb - t0), [&](auto p) {
+              with_count<kDecodeKeys>(std::min<int64_t>(kDecodeKeys, nb - t0), [&](auto p) {
                 with_count<3>(std::min<int64_t>(3, G - g0), [&](auto gc) {
                   block_scores<p, gc>(qv.data() + (h * G + g0) * D, D, kb + t0 * stride + h * D, stride,
                                       s.data() + (h * G + g0) * count + j0 + t0, count);
@@ -282,7 +341,7 @@ struct PagedAttention {
           }
       }
       softmax_rows(s.data(), H, count, part, part ? part + H : nullptr);
-      const int64_t groups = (G + kShared - 1) / kShared, chunks = (D + 63) / 64;
+      const int64_t groups = (G + kShared - 1) / kShared, chunks = (D + kValueChunk - 1) / kValueChunk;
       const int64_t per = (lines + KV * groups * chunks - 1) / (KV * groups * chunks);
       for (int64_t b = b0; b < blocks; ++b) {
         const int64_t j0 = b * bs - from, nb = std::min(bs, len - b * bs);
@@ -291,10 +350,10 @@ struct PagedAttention {
                                                   : follow_block(follow, b + kAheadBlocks - blocks);
         for (int64_t h = 0, unit = 0; h < KV; ++h)
           for (int64_t g0 = 0; g0 < G; g0 += kShared)
-            for (int64_t c0 = 0; c0 < D; c0 += 64, ++unit) {
+            for (int64_t c0 = 0; c0 < D; c0 += kValueChunk, ++unit) {
               prefetch_share(next, lines, per, unit);
               with_count<kShared>(std::min<int64_t>(kShared, G - g0), [&](auto r) {
-                with_count<4>(std::min<int64_t>(4, (D - c0) / 16), [&](auto cv) {
+                with_count<kValueChunk / 16>(std::min<int64_t>(kValueChunk / 16, (D - c0) / 16), [&](auto cv) {
                   block_values<r, cv>(s.data() + (h * G + g0) * count + j0, count, vb + h * D + c0, stride, nb,
                                       acc.data() + (h * G + g0) * D + c0, D);
                 });

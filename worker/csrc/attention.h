@@ -7,29 +7,23 @@
 
 namespace {
 
-// The register blocks of a prefill tile's loops below: kScoreHeads query heads by kScoreKeys keys
-// (tile_scores), kPvRows tokens by kPvVecs vectors of D (tile_pv). With AVX-512 a v16 is one of
-// 32 registers: 24 and 28 accumulators. With AVX2 it is two of 16 and either block spills, yet
-// fewer passes over K and V still win over blocks that fit (2 x 2 each took 1.7x as long for a
-// 1024-token prefill of the demo model). tile_pv's 7 rows there are cut to 4: the prefill takes
-// as long (four rounds each, medians 7.8 s both on a Zen 4) and GCC builds kernels.cc for
-// Haswell in 35 s instead of 60 (its register allocator's passes over the spilled 7 x 4 block).
-#ifdef __AVX512F__
-constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
-#else
-constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 4, kPvVecs = 4;
-#endif
-
-// The decode loops' vector (block_scores, block_values): a v16 with AVX-512; with AVX2 8 lanes,
-// one ymm register. A v16 there is a pair of them, and GCC kept those loops' v16 arrays on the
-// stack, moved them through general registers and built each broadcast of a weight lane by lane:
-// 16 sequences at context 512 of the demo model's 30 layers took 71-89 ms over a float32 cache
-// and 76-85 over a bfloat16 one, against 20-26 and 14-19 in 8 lanes (Haswell kernels on a Zen 4,
-// scripts/measure_attention.py, 3 alternating rounds). The blocks shrink to fit the 16 registers
-// too: 4 positions by 3 query heads for the scores (12 accumulators), 32 values of D for the
-// values (up to 12).
+// The kernels' vector in attention's inner loops (vd): a v16 with AVX-512; with AVX2 8 lanes, one
+// ymm register. A v16 there is a pair of them, and GCC kept those loops' v16 arrays on the
+// stack, moved them through general registers and built each broadcast of a weight lane by lane
+// (Haswell kernels on a Zen 4, 3 alternating rounds: the decode attention of 16 sequences at
+// context 512 of the demo model's 30 layers, scripts/measure_attention.py, took 71-89 ms over a
+// float32 cache and 76-85 over a bfloat16 one, against 20-26 and 14-19 in 8 lanes; a 1024-token
+// prefill 7.5-8.3 s against 2.2-2.3; kernels.cc for Haswell compiled in 35 s against 13).
+//
+// The register blocks, which with AVX2 fit its 16 registers:
+//   a prefill tile's   kScoreHeads query heads by kScoreKeys keys (tile_scores; 16 token lanes,
+//                      with AVX2 in two halves), kPvRows tokens by kPvVecs vectors of D (tile_pv):
+//                      24 and 28 accumulators with AVX-512, 12 and 12 with AVX2
+//   a decode token's   kDecodeKeys positions by 3 query heads (block_scores), and up to kShared
+//                      query heads by kValueChunk values of D (block_values)
 #ifdef __AVX512F__
 typedef v16 vd;
+constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
 constexpr int kDecodeKeys = 8, kValueChunk = 64;
 inline vd loadd(const float* p) { return loadv(p); }
 inline vd loadd(const Bf16* p) { return loadv(p); }
@@ -44,6 +38,7 @@ typedef int32_t vdi __attribute__((vector_size(32)));
 typedef uint32_t vdw __attribute__((vector_size(32)));
 typedef uint16_t vdh __attribute__((vector_size(16), aligned(2)));
 typedef _Float16 vdf __attribute__((vector_size(16), aligned(2)));
+constexpr int kScoreHeads = 3, kScoreKeys = 4, kPvRows = 3, kPvVecs = 4;
 constexpr int kDecodeKeys = 4, kValueChunk = 32;
 inline vd loadd(const float* p) { return *reinterpret_cast<const vdu*>(p); }
 inline vd loadd(const Bf16* p) {
@@ -79,51 +74,56 @@ constexpr int kDecodeLanes = sizeof(vd) / sizeof(float);
 
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
 // sum_d qt[g][d] k_j[d], kScoreKeys keys at a time: per d, GC query loads and kScoreKeys key
-// broadcasts feed kScoreKeys GC FMAs.
+// broadcasts feed kScoreKeys GC FMAs. In vd vectors: with AVX2 the tile's 16 lanes in two
+// halves, one after the other (the keys read again, from the cache).
 template <typename T, int GC>
 void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v16* s, int64_t ld) {
-  constexpr int KEYS = kScoreKeys;
-  int64_t j = 0;
-  for (; j + KEYS <= len; j += KEYS) {
-    v16 acc[GC][KEYS] = {};
-    const T* const* k = krow + j;
-    for (int64_t d = 0; d < D; ++d) {
-      v16 q[GC];
+  constexpr int KEYS = kScoreKeys, HALVES = 16 / kDecodeLanes;
+  const vd* qv = reinterpret_cast<const vd*>(qt);
+  vd* sv = reinterpret_cast<vd*>(s);
+  for (int hf = 0; hf < HALVES; ++hf) {
+    int64_t j = 0;
+    for (; j + KEYS <= len; j += KEYS) {
+      vd acc[GC][KEYS] = {};
+      const T* const* k = krow + j;
+      for (int64_t d = 0; d < D; ++d) {
+        vd q[GC];
 #pragma GCC unroll 4
-      for (int g = 0; g < GC; ++g) q[g] = qt[g * D + d];
+        for (int g = 0; g < GC; ++g) q[g] = qv[(g * D + d) * HALVES + hf];
 #pragma GCC unroll 8
-      for (int t = 0; t < KEYS; ++t) {
-        const float kv = static_cast<float>(k[t][d]);
+        for (int t = 0; t < KEYS; ++t) {
+          const float kv = static_cast<float>(k[t][d]);
 #pragma GCC unroll 4
-        for (int g = 0; g < GC; ++g) acc[g][t] += q[g] * kv;
+          for (int g = 0; g < GC; ++g) acc[g][t] += q[g] * kv;
+        }
       }
+      for (int g = 0; g < GC; ++g)
+        for (int t = 0; t < KEYS; ++t) sv[(g * ld + j + t) * HALVES + hf] = acc[g][t];
     }
-    for (int g = 0; g < GC; ++g)
-      for (int t = 0; t < KEYS; ++t) s[g * ld + j + t] = acc[g][t];
-  }
-  for (; j < len; ++j) {
-    v16 acc[GC] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const float kv = static_cast<float>(krow[j][d]);
-      for (int g = 0; g < GC; ++g) acc[g] += qt[g * D + d] * kv;
+    for (; j < len; ++j) {
+      vd acc[GC] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float kv = static_cast<float>(krow[j][d]);
+        for (int g = 0; g < GC; ++g) acc[g] += qv[(g * D + d) * HALVES + hf] * kv;
+      }
+      for (int g = 0; g < GC; ++g) sv[(g * ld + j) * HALVES + hf] = acc[g];
     }
-    for (int g = 0; g < GC; ++g) s[g * ld + j] = acc[g];
   }
 }
 
-// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over 16 C consecutive values of
-// D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per key, C V
-// loads and R broadcasts feed R C FMAs (up to kPvRows kPvVecs accumulators). p is zero past a
-// token's own keys, so the tokens share one loop over the longest of their lengths.
+// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over C vd vectors of consecutive
+// values of D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per
+// key, C V loads and R broadcasts feed R C FMAs (up to kPvRows kPvVecs accumulators). p is zero
+// past a token's own keys, so the tokens share one loop over the longest of their lengths.
 template <typename T, int R, int C>
 void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
              int64_t lda) {
-  v16 acc[R][C] = {};
+  vd acc[R][C] = {};
   for (int64_t j = 0; j < len; ++j) {
     const T* v = krow[j] + voff;
-    v16 vv[C];
+    vd vv[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vv[c] = loadv(v + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = loadd(v + kDecodeLanes * c);
     const float* pj = reinterpret_cast<const float*>(p + j) + i0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -133,7 +133,7 @@ void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) storev(a + r * lda + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) stored(a + r * lda + kDecodeLanes * c, acc[r][c]);
 }
 
 // T: the queries' and the output's element; C: the KV cache's, T or Bf16 (a job computing in
@@ -466,7 +466,7 @@ struct PagedAttention {
       const v16 inv = sum > 0.f ? 1.f / sum : v16{};
       for (int64_t jj = 0; jj < len; ++jj) sg[jj] *= inv;
     }
-    // P V in groups of up to kPvRows tokens: 16 kPvVecs values of D at a time held in registers,
+    // P V in groups of up to kPvRows tokens: kPvVecs vectors of D at a time held in registers,
     // the last D mod 16 (an odd head size) one value at a time
     const std::ptrdiff_t voff = vc - kc;
     const int64_t D16 = D / 16 * 16, groups = (count + kPvRows - 1) / kPvRows;
@@ -476,9 +476,9 @@ struct PagedAttention {
       for (int64_t i0 = 0, k = 0; k < groups; ++k) {
         const int64_t r = count / groups + (k < count % groups), n = tok_len[i0 + r - 1];
         const v16* p = s.data() + g * len;
-        for (int64_t c = 0; c < D16; c += 16 * kPvVecs)
+        for (int64_t c = 0; c < D16; c += kDecodeLanes * kPvVecs)
           with_count<kPvRows>(r, [&](auto rows) {
-            with_count<kPvVecs>(std::min<int64_t>(kPvVecs, (D16 - c) / 16), [&](auto vecs) {
+            with_count<kPvVecs>(std::min<int64_t>(kPvVecs, (D16 - c) / kDecodeLanes), [&](auto vecs) {
               tile_pv<C, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
             });
           });

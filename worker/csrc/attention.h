@@ -7,8 +7,8 @@
 
 namespace {
 
-// The kernels' vector in attention's inner loops (vd): a v16 with AVX-512; with AVX2 8 lanes, one
-// ymm register. A v16 there is a pair of them, and GCC kept those loops' v16 arrays on the
+// Attention's inner loops run in the kernels' vector (vreg, common.h): a v16 with AVX-512; with
+// AVX2 8 lanes, one ymm register. A v16 there is a pair of them, and GCC kept those loops' v16 arrays on the
 // stack, moved them through general registers and built each broadcast of a weight lane by lane
 // (Haswell kernels on a Zen 4, 3 alternating rounds: the decode attention of 16 sequences at
 // context 512 of the demo model's 30 layers, scripts/measure_attention.py, took 71-89 ms over a
@@ -22,72 +22,54 @@ namespace {
 //   a decode token's   kDecodeKeys positions by 3 query heads (block_scores), and up to kShared
 //                      query heads by kValueChunk values of D (block_values)
 #ifdef __AVX512F__
-typedef v16 vd;
 constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
 constexpr int kDecodeKeys = 8, kValueChunk = 64;
-inline vd loadd(const float* p) { return loadv(p); }
-inline vd loadd(const Bf16* p) { return loadv(p); }
-inline vd loadd(const _Float16* p) { return loadv(p); }
-inline void stored(float* p, vd x) { storev(p, x); }
 template <int P>
-__attribute__((always_inline)) inline void sum_lanes(const vd (&x)[P], float* s) { sum8<P>(x, s); }
+__attribute__((always_inline)) inline void sum_lanes(const vreg (&x)[P], float* s) { sum8<P>(x, s); }
 #else
-typedef float vd __attribute__((vector_size(32)));
-typedef float vdu __attribute__((vector_size(32), aligned(4)));
-typedef int32_t vdi __attribute__((vector_size(32)));
-typedef uint32_t vdw __attribute__((vector_size(32)));
-typedef uint16_t vdh __attribute__((vector_size(16), aligned(2)));
-typedef _Float16 vdf __attribute__((vector_size(16), aligned(2)));
 constexpr int kScoreHeads = 3, kScoreKeys = 4, kPvRows = 3, kPvVecs = 4;
 constexpr int kDecodeKeys = 4, kValueChunk = 32;
-inline vd loadd(const float* p) { return *reinterpret_cast<const vdu*>(p); }
-inline vd loadd(const Bf16* p) {
-  const vdw w = __builtin_convertvector(*reinterpret_cast<const vdh*>(p), vdw) << 16;
-  return reinterpret_cast<const vd&>(w);
-}
-inline vd loadd(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const vdf*>(p), vd); }
-inline void stored(float* p, vd x) { *reinterpret_cast<vdu*>(p) = x; }
+typedef int32_t vregi __attribute__((vector_size(32)));
 // s[t] = the sum of x[t]'s 8 lanes for t < P (at most 8), as sum8 does for a v16: three rounds of
 // pairwise shuffles (in-lane or half swaps, one instruction each) and adds over 8 vectors, which
 // leave the sums in lanes 0, 4, 1, 5, 2, 6, 3, 7 of the last.
 template <int P>
-__attribute__((always_inline)) inline void sum_lanes(const vd (&x)[P], float* s) {
-  constexpr vdi lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
-  constexpr vdi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  constexpr vdi lo3 = {0, 2, 8, 10, 4, 6, 12, 14}, hi3 = {1, 3, 9, 11, 5, 7, 13, 15};
+__attribute__((always_inline)) inline void sum_lanes(const vreg (&x)[P], float* s) {
+  constexpr vregi lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+  constexpr vregi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  constexpr vregi lo3 = {0, 2, 8, 10, 4, 6, 12, 14}, hi3 = {1, 3, 9, 11, 5, 7, 13, 15};
   constexpr int lane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  vd y[8], a[4], b[2];
+  vreg y[8], a[4], b[2];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : vd{};
+  for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : vreg{};
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)
     a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], hi1);
 #pragma GCC unroll 2
   for (int i = 0; i < 2; ++i)
     b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
-  const vd c = __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+  const vreg c = __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
 #pragma GCC unroll 8
   for (int t = 0; t < P; ++t) s[t] = c[lane[t]];
 }
 #endif
-constexpr int kDecodeLanes = sizeof(vd) / sizeof(float);
 
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
 // sum_d qt[g][d] k_j[d], kScoreKeys keys at a time: per d, GC query loads and kScoreKeys key
-// broadcasts feed kScoreKeys GC FMAs. In vd vectors: with AVX2 the tile's 16 lanes in two
+// broadcasts feed kScoreKeys GC FMAs. In vreg vectors: with AVX2 the tile's 16 lanes in two
 // halves, one after the other (the keys read again, from the cache).
 template <typename T, int GC>
 void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v16* s, int64_t ld) {
-  constexpr int KEYS = kScoreKeys, HALVES = 16 / kDecodeLanes;
-  const vd* qv = reinterpret_cast<const vd*>(qt);
-  vd* sv = reinterpret_cast<vd*>(s);
+  constexpr int KEYS = kScoreKeys, HALVES = 16 / kLanes;
+  const vreg* qv = reinterpret_cast<const vreg*>(qt);
+  vreg* sv = reinterpret_cast<vreg*>(s);
   for (int hf = 0; hf < HALVES; ++hf) {
     int64_t j = 0;
     for (; j + KEYS <= len; j += KEYS) {
-      vd acc[GC][KEYS] = {};
+      vreg acc[GC][KEYS] = {};
       const T* const* k = krow + j;
       for (int64_t d = 0; d < D; ++d) {
-        vd q[GC];
+        vreg q[GC];
 #pragma GCC unroll 4
         for (int g = 0; g < GC; ++g) q[g] = qv[(g * D + d) * HALVES + hf];
 #pragma GCC unroll 8
@@ -101,7 +83,7 @@ void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v1
         for (int t = 0; t < KEYS; ++t) sv[(g * ld + j + t) * HALVES + hf] = acc[g][t];
     }
     for (; j < len; ++j) {
-      vd acc[GC] = {};
+      vreg acc[GC] = {};
       for (int64_t d = 0; d < D; ++d) {
         const float kv = static_cast<float>(krow[j][d]);
         for (int g = 0; g < GC; ++g) acc[g] += qv[(g * D + d) * HALVES + hf] * kv;
@@ -111,19 +93,19 @@ void tile_scores(const v16* qt, int64_t D, const T* const* krow, int64_t len, v1
   }
 }
 
-// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over C vd vectors of consecutive
+// P V of a prefill tile for R of its tokens (lanes i0.. of p[j]) over C vreg vectors of consecutive
 // values of D (the caller offsets voff and a): a[r][:] = sum_{j < len} p[j][i0 + r] v_j[:]. Per
 // key, C V loads and R broadcasts feed R C FMAs (up to kPvRows kPvVecs accumulators). p is zero
 // past a token's own keys, so the tokens share one loop over the longest of their lengths.
 template <typename T, int R, int C>
 void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff, int64_t len, float* a,
              int64_t lda) {
-  vd acc[R][C] = {};
+  vreg acc[R][C] = {};
   for (int64_t j = 0; j < len; ++j) {
     const T* v = krow[j] + voff;
-    vd vv[C];
+    vreg vv[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vv[c] = loadd(v + kDecodeLanes * c);
+    for (int c = 0; c < C; ++c) vv[c] = loadr(v + kLanes * c);
     const float* pj = reinterpret_cast<const float*>(p + j) + i0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -133,7 +115,7 @@ void tile_pv(const v16* p, int64_t i0, const T* const* krow, std::ptrdiff_t voff
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) stored(a + r * lda + kDecodeLanes * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) storer(a + r * lda + kLanes * c, acc[r][c]);
 }
 
 // T: the queries' and the output's element; C: the KV cache's, T or Bf16 (a job computing in
@@ -226,18 +208,18 @@ struct PagedAttention {
   // widened from a bfloat16 cache) once for the GC heads.
   template <int P, int GC>
   static void block_scores(const float* q, int64_t D, const C* k, int64_t stride, float* s, int64_t ls) {
-    vd acc[GC][P];
+    vreg acc[GC][P];
 #pragma GCC unroll 4
     for (int g = 0; g < GC; ++g)
 #pragma GCC unroll 8
-      for (int t = 0; t < P; ++t) acc[g][t] = vd{};
-    for (int64_t d = 0; d < D; d += kDecodeLanes) {
-      vd qd[GC];
+      for (int t = 0; t < P; ++t) acc[g][t] = vreg{};
+    for (int64_t d = 0; d < D; d += kLanes) {
+      vreg qd[GC];
 #pragma GCC unroll 4
-      for (int g = 0; g < GC; ++g) qd[g] = loadd(q + g * D + d);
+      for (int g = 0; g < GC; ++g) qd[g] = loadr(q + g * D + d);
 #pragma GCC unroll 8
       for (int t = 0; t < P; ++t) {
-        const vd x = loadd(k + t * stride + d);
+        const vreg x = loadr(k + t * stride + d);
 #pragma GCC unroll 4
         for (int g = 0; g < GC; ++g) acc[g][t] += qd[g] * x;
       }
@@ -252,16 +234,16 @@ struct PagedAttention {
   template <int R, int CV>
   static void block_values(const float* s, int64_t ls, const C* v, int64_t stride, int64_t nb, float* acc,
                            int64_t D) {
-    constexpr int NV = CV * 16 / kDecodeLanes;        // CV 16 values of D, in vectors
-    vd e[R][NV];
+    constexpr int NV = CV * 16 / kLanes;        // CV 16 values of D, in vectors
+    vreg e[R][NV];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) e[r][c] = loadd(acc + r * D + kDecodeLanes * c);
+      for (int c = 0; c < NV; ++c) e[r][c] = loadr(acc + r * D + kLanes * c);
     for (int64_t t = 0; t < nb; ++t) {
-      vd x[NV];
+      vreg x[NV];
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) x[c] = loadd(v + t * stride + kDecodeLanes * c);
+      for (int c = 0; c < NV; ++c) x[c] = loadr(v + t * stride + kLanes * c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const float w = s[r * ls + t];
@@ -272,7 +254,7 @@ struct PagedAttention {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) stored(acc + r * D + kDecodeLanes * c, e[r][c]);
+      for (int c = 0; c < NV; ++c) storer(acc + r * D + kLanes * c, e[r][c]);
   }
 
   // Share `unit` (`per` lines each) of a block of `lines` lines, asked for into L2: each piece
@@ -476,9 +458,9 @@ struct PagedAttention {
       for (int64_t i0 = 0, k = 0; k < groups; ++k) {
         const int64_t r = count / groups + (k < count % groups), n = tok_len[i0 + r - 1];
         const v16* p = s.data() + g * len;
-        for (int64_t c = 0; c < D16; c += kDecodeLanes * kPvVecs)
+        for (int64_t c = 0; c < D16; c += kLanes * kPvVecs)
           with_count<kPvRows>(r, [&](auto rows) {
-            with_count<kPvVecs>(std::min<int64_t>(kPvVecs, (D16 - c) / kDecodeLanes), [&](auto vecs) {
+            with_count<kPvVecs>(std::min<int64_t>(kPvVecs, (D16 - c) / kLanes), [&](auto vecs) {
               tile_pv<C, rows, vecs>(p, i0, krow.data(), voff + c, n, a.data() + c, D);
             });
           });

@@ -22,9 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define MSINFER_AMX 1
 #include <immintrin.h>
@@ -256,6 +254,49 @@ inline v16 loadv(const Bf16* p) {
 inline v16 loadv(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const h16u*>(p), v16); }
 inline void storev(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline void storev(_Float16* p, v16 x) { *reinterpret_cast<h16u*>(p) = __builtin_convertvector(x, h16); }
+
+// The kernels' vectors in their inner loops (the matmuls' micro-kernels, attention's) are the
+// CPU's own registers: 16 lanes on AVX-512, 8 on AVX2. GCC keeps a 16-lane vector extension type
+// in memory where no register holds it (AVX2: every matmul accumulator went through the stack,
+// 3.7 GFLOP/s against numpy's 90; attention, see attention.h).
+#ifdef __AVX512F__
+typedef v16 vreg;
+typedef v16u vregu;
+typedef h16u hregu;
+#else
+typedef float vreg __attribute__((vector_size(32)));
+typedef float vregu __attribute__((vector_size(32), aligned(4)));
+typedef _Float16 hregu __attribute__((vector_size(16), aligned(2)));
+#endif
+constexpr int kLanes = sizeof(vreg) / sizeof(float);
+inline vreg loadr(const float* p) { return *reinterpret_cast<const vregu*>(p); }
+inline vreg loadr(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const hregu*>(p), vreg); }
+// int8 lanes widened by one instruction each way (GCC turns __builtin_convertvector from a
+// vector of 8 int8 into 8 scalar conversions: the int8 panels ran 4-6x slower than float32's)
+#ifdef __AVX512F__
+inline vreg loadr(const int8_t* p) {
+  return (vreg)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+inline vreg loadr(const int8_t* p) {
+  return (vreg)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+// bfloat16 lanes (a bfloat16 checkpoint's weights in panels, CpuOps.pack_weight) widened to the
+// float32 they are exactly: the products and sums are the float32 panels' own, from half the bytes.
+#ifdef __AVX512F__
+inline vreg loadr(const uint16_t* p) {
+  return (vreg)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#else
+inline vreg loadr(const uint16_t* p) {
+  return (vreg)_mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
+inline vreg loadr(const Bf16* p) { return loadr(reinterpret_cast<const uint16_t*>(p)); }
 
 // Softmax over each of `rows` score rows of length len (row r at s + r * len), in place. With
 // `max` and `sum` given, each row is left as exp(score - its max), and its max and sum go there

@@ -26,46 +26,7 @@ constexpr int64_t kRows = 3;
 #endif
 constexpr int64_t kPanel = 32, kRowBlock = 9 * kRows;
 
-// The micro-kernel's vectors are the CPU's own registers: 16 lanes on AVX-512, 8 on AVX2. GCC
-// keeps a 16-lane vector extension type in memory where no register holds it (AVX2: every
-// accumulator went through the stack, 3.7 GFLOP/s against numpy's 90).
-#ifdef __AVX512F__
-typedef v16 vreg;
-typedef v16u vregu;
-typedef h16u hregu;
-#else
-typedef float vreg __attribute__((vector_size(32)));
-typedef float vregu __attribute__((vector_size(32), aligned(4)));
-typedef _Float16 hregu __attribute__((vector_size(16), aligned(2)));
-#endif
-constexpr int kLanes = sizeof(vreg) / sizeof(float), kVecs = kPanel / kLanes;   // per panel row
-inline vreg loadr(const float* p) { return *reinterpret_cast<const vregu*>(p); }
-inline vreg loadr(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const hregu*>(p), vreg); }
-// int8 lanes widened by one instruction each way (GCC turns __builtin_convertvector from a
-// vector of 8 int8 into 8 scalar conversions: the int8 panels ran 4-6x slower than float32's)
-#ifdef __AVX512F__
-inline vreg loadr(const int8_t* p) {
-  return (vreg)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#else
-inline vreg loadr(const int8_t* p) {
-  return (vreg)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
-// bfloat16 lanes (a bfloat16 checkpoint's weights in panels, CpuOps.pack_weight) widened to the
-// float32 they are exactly: the products and sums are the float32 panels' own, from half the bytes.
-#ifdef __AVX512F__
-inline vreg loadr(const uint16_t* p) {
-  return (vreg)_mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#else
-inline vreg loadr(const uint16_t* p) {
-  return (vreg)_mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-#endif
-inline void storer(float* p, vreg x) { *reinterpret_cast<vregu*>(p) = x; }
+constexpr int kVecs = kPanel / kLanes;   // per panel row
 
 // A bfloat16 panel row on AVX-512 as one 64-byte load: a 32-bit lane j holds columns 2j (low
 // half) and 2j+1, so a shift by 16 gives the even columns as float32 and an AND the odd ones.

@@ -24,34 +24,9 @@ namespace {
 #ifdef __AVX512F__
 constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
 constexpr int kDecodeKeys = 8, kValueChunk = 64;
-template <int P>
-__attribute__((always_inline)) inline void sum_lanes(const vreg (&x)[P], float* s) { sum8<P>(x, s); }
 #else
 constexpr int kScoreHeads = 3, kScoreKeys = 4, kPvRows = 3, kPvVecs = 4;
 constexpr int kDecodeKeys = 4, kValueChunk = 32;
-typedef int32_t vregi __attribute__((vector_size(32)));
-// s[t] = the sum of x[t]'s 8 lanes for t < P (at most 8), as sum8 does for a v16: three rounds of
-// pairwise shuffles (in-lane or half swaps, one instruction each) and adds over 8 vectors, which
-// leave the sums in lanes 0, 4, 1, 5, 2, 6, 3, 7 of the last.
-template <int P>
-__attribute__((always_inline)) inline void sum_lanes(const vreg (&x)[P], float* s) {
-  constexpr vregi lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
-  constexpr vregi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  constexpr vregi lo3 = {0, 2, 8, 10, 4, 6, 12, 14}, hi3 = {1, 3, 9, 11, 5, 7, 13, 15};
-  constexpr int lane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  vreg y[8], a[4], b[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : vreg{};
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], hi1);
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
-  const vreg c = __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
-#pragma GCC unroll 8
-  for (int t = 0; t < P; ++t) s[t] = c[lane[t]];
-}
 #endif
 
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =
@@ -225,7 +200,7 @@ struct PagedAttention {
       }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < GC; ++g) sum_lanes<P>(acc[g], s + g * ls);
+    for (int g = 0; g < GC; ++g) sum8<P>(acc[g], s + g * ls);
   }
 
   // R query heads add the values of a block's nb positions (v: the first's row of their KV head,

@@ -365,6 +365,32 @@ __attribute__((always_inline)) inline void sum8(const v16 (&x)[P], float* s) {
   for (int t = 0; t < P; ++t) s[t] = d[t];
 }
 
+#ifndef __AVX512F__
+typedef int32_t vregi __attribute__((vector_size(32)));
+// The same for the 8-lane vreg of a CPU without AVX-512 (attention's decode scores): three rounds
+// of pairwise shuffles (in-lane or half swaps, one instruction each) over 8 vectors, which leave
+// the sums in lanes 0, 4, 1, 5, 2, 6, 3, 7 of the last.
+template <int P>
+__attribute__((always_inline)) inline void sum8(const vreg (&x)[P], float* s) {
+  constexpr vregi lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+  constexpr vregi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  constexpr vregi lo3 = {0, 2, 8, 10, 4, 6, 12, 14}, hi3 = {1, 3, 9, 11, 5, 7, 13, 15};
+  constexpr int lane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  vreg y[8], a[4], b[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) y[i] = i < P ? x[i < P ? i : 0] : vreg{};
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo1) + __builtin_shuffle(y[2 * i], y[2 * i + 1], hi1);
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  const vreg c = __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+#pragma GCC unroll 8
+  for (int t = 0; t < P; ++t) s[t] = c[lane[t]];
+}
+#endif
+
 // x * rsqrt(mean(x^2) + eps) * w over one row of H, rounded to T before the weight as Hugging
 // Face does. o may be x.
 template <typename T>

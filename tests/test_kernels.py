@@ -697,7 +697,7 @@ def test_linear_of_every_row_count_gives_x_w_transposed(kernels, way, monkeypatc
 
 
 @pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (16, 63, 96, False), (33, 24, 45, False),
-                                       (17, 57, 64, True)])
+                                       (17, 57, 64, True), (3, 41, 70, False), (8, 41, 64, True)])
 def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M, K, N, glu):
     """Linear and LinearGlu over bfloat16 pairs (`pack_pairs`, computing in bfloat16): x and w
     rounded to the nearest bfloat16 (ties to even), each product exact, the sums in float32: the
@@ -846,13 +846,16 @@ def test_bfloat16_pairs_round_ties_to_even(kernels):
 
 def test_peak_flops_counts_the_multiply_adds_of_its_loop_and_refuses_what_the_build_lacks(kernels):
     """scripts/roofline.py divides PeakFlops' count by its time: the count is 2 FLOPs a product,
-    16 products a float32 FMA and 32 a VDPBF16PS, 12 of them an iteration, 8 items a thread (the
+    a float32 FMA's products the CPU's vector lanes (16 with AVX-512, 8 with AVX2: its loop is in
+    the CPU's own registers) and 32 a VDPBF16PS, 12 of them an iteration, 8 items a thread (the
     fixture's 2); VDPBF16PS answers -1 where the library has none, and so does an unknown kind."""
     import ctypes
     from msinfer.worker import cpu
     fn = cpu.peak_flops()
-    assert fn(0, 1000, 0.5) == 2 * 16 * 12 * 1000 * 8 * 2
-    dot = ctypes.CDLL(cpu._LIBRARY).Bf16DotReady()
+    lib = ctypes.CDLL(cpu._LIBRARY)
+    lanes = 16 if lib.Int4Ready() else 8                 # (int4 groups: the library was built with AVX-512)
+    assert fn(0, 1000, 0.5) == 2 * lanes * 12 * 1000 * 8 * 2
+    dot = lib.Bf16DotReady()
     assert fn(1, 1000, 0.5) == (2 * 32 * 12 * 1000 * 8 * 2 if dot else -1)
     assert fn(2, 1000, 0.5) == -1
 

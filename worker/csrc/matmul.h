@@ -588,7 +588,7 @@ typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
 // accumulators), the 4 vectors of a half and a broadcast are 17 of the 16 ymm, and GCC kept
 // accumulators on the stack; so the panel is taken in two passes of 16 columns, 6 rows each (12
 // accumulators, 2 vectors of a half, a broadcast). The 120 linear layers of a 16-row step from
-// memory, Zen 3, 100 alternating passes: median 46.7 ms against 56.2, faster in 95 of 100.
+// memory, Zen 3, 60 alternating passes: median 33.2 ms against 46.7, faster in 60 of 60.
 // (`micro`'s own panels measured no faster that way: 43.0 against 42.1 ms for bfloat16 panels,
 // 51.1 against 48.5 for float32's, so they keep 3 rows of the whole panel.)
 #ifdef __AVX512F__
@@ -598,6 +598,7 @@ constexpr int kPairPasses = 1;
 constexpr int64_t kRowsPairs = 6;
 constexpr int kPairPasses = 2;
 #endif
+constexpr int64_t kRowBlockPairs = 9 * kRowsPairs;
 
 // c[R][32] = a[R][2 K2] (float32 holding bfloat16 values, row stride lda) times a pair panel b
 // [K2][32] with FMAs: per word the high halves' products first, then the low halves'. A pass's
@@ -719,8 +720,9 @@ void linear_pairs(const float* x, const uint32_t* w, float* y, int64_t M, int64_
   auto group = [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached) {
     rows_times(m, r, w + p * kPanel * K2, y + m * ldy + p * out_cols, ldy, pf, step, cached);
   };
-  panel_items<kRowsPairs, 9 * kRowsPairs>(M, panels, full, K2, kPanel * sizeof(uint32_t), reinterpret_cast<const char*>(w),
-                                group, [&](int64_t m0, int64_t m1, int64_t p1) {
+  panel_items<kRowsPairs, kRowBlockPairs>(M, panels, full, K2, kPanel * sizeof(uint32_t),
+                                          reinterpret_cast<const char*>(w), group,
+                                          [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     const int64_t col = full * kPanel;
     const uint32_t* pad = padded_panel(w + col * K2, K2, N - col);

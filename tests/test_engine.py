@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,8 +279,12 @@ def test_a_folder_of_input_files_with_integer_ids_runs_as_one_input_and_a_re_run
 
 class SlowOne(StandInWorker):
     """A stand-in rank twenty times slower than the others: the first rank of the test to step
-    claims it (a card slowed by heat, a node shared with another job)."""
-    flag = ""
+    claims it (a card slowed by heat, a node shared with another job). Its first step also waits
+    until `written` lines are in the results file `results` (at most a minute): the others' steps
+    take their 2 ms and the driver's calls on top, so on a loaded machine the others are not
+    twenty times faster, and they have run every record but the slow one's before it goes on."""
+    flag = results = ""
+    written = 0
 
     def step(self, payload, is_prefill, index):
         if index == 0:
@@ -287,9 +292,20 @@ class SlowOne(StandInWorker):
                 os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
                 self.timing = StandIn(step_ms=20 * self.timing.step_ms)
                 self.runner.timing = self.timing
+                end = time.monotonic() + 60
+                while time.monotonic() < end and lines_in(self.results) < self.written:
+                    time.sleep(0.01)
             except FileExistsError:
                 pass
         return super().step(payload, is_prefill, index)
+
+
+def lines_in(path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def test_at_the_tail_an_idle_replica_takes_the_records_a_slow_one_has_queued(demo, tmp_path, ray_local):
@@ -304,7 +320,9 @@ def test_at_the_tail_an_idle_replica_takes_the_records_a_slow_one_has_queued(dem
     spec = job_spec(demo, tmp_path, records, parallel={"data_parallel": 2},
                     scheduler={"max_batch_size": 2, "prefix_caching": False})
     runner = StandInRunner(plan_job(spec, weights=False).engine, StandIn())
-    SlowOne.flag = str(tmp_path / "slow")
+    # the slow replica holds its batch (2) and two batches queued (Engine.queue_target) at most:
+    # 14 records are the others' once every record is dealt
+    SlowOne.flag, SlowOne.results, SlowOne.written = str(tmp_path / "slow"), str(tmp_path / "out.jsonl"), 14
     cloudpickle.register_pickle_by_value(sys.modules[__name__])     # the workers cannot import tests/
     summary = run_job(spec, progress=False, simulate=StandIn(step_ms=2.0, worker_cls=SlowOne))
     assert os.path.exists(SlowOne.flag)

@@ -18,15 +18,21 @@ namespace {
 // kRows is what the CPU's vector registers hold: 14 rows x 2 accumulators on AVX-512 (32 zmm);
 // with AVX2's 16 ymm a 16-lane vector takes two, and 3 rows (12 ymm of accumulators, 4 for the
 // panel) is the most that stays in registers (14 spilled: a 2,048-token prefill of the demo
-// model took 127 s instead of a few).
+// model took 127 s instead of a few). On AVX2 a matmul of more than 3 rows takes each panel in
+// halves instead (micro_half).
 #ifdef __AVX512F__
 constexpr int64_t kRows = 14;
+constexpr int kHalves = 1;
 #else
 constexpr int64_t kRows = 3;
+constexpr int kHalves = 2;      // (for more than kRows rows: micro_half)
 #endif
 constexpr int64_t kPanel = 32, kRowBlock = 9 * kRows;
 
 constexpr int kVecs = kPanel / kLanes;   // per panel row
+// a vector's 32-bit words (bfloat16 pairs, split or widened by shifts and masks)
+typedef uint32_t vregw __attribute__((vector_size(sizeof(vreg))));
+typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
 
 // A bfloat16 panel row on AVX-512 as one 64-byte load: a 32-bit lane j holds columns 2j (low
 // half) and 2j+1, so a shift by 16 gives the even columns as float32 and an AND the odd ones.
@@ -180,7 +186,9 @@ constexpr int64_t kRun = 8;
 // panels p below `full` and each group of its rows m..m+r-1 (r <= Rows, the groups of equal
 // size), group(p, m, r, pf, pf_step, cached), the prefetch as `micro` takes it; then
 // tail(m0, m1, p1) for the item's rows and the end of its run (the panels from `full` on).
-template <int64_t Rows, int64_t RowBlock, typename Group, typename Tail>
+// With Halves 2, each half h of a panel is taken by every group before the next half:
+// group(p, m, r, pf, pf_step, cached, h), the next panel's prefetch shared by all those calls.
+template <int64_t Rows, int64_t RowBlock, int Halves = 1, typename Group, typename Tail>
 void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t step_bytes, const char* w,
                  Group&& group, Tail&& tail) {
   const int64_t blocks = (M + RowBlock - 1) / RowBlock;
@@ -198,17 +206,23 @@ void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t
     const int64_t m0 = item % blocks * RowBlock, m1 = std::min(M, m0 + RowBlock);
     const int64_t p0 = run_start(item / blocks), p1 = run_start(item / blocks + 1);
     const int64_t groups = (m1 - m0 + Rows - 1) / Rows;
-    const int64_t share = (panel_bytes + groups - 1) / groups;
+    const int64_t share = (panel_bytes + groups * Halves - 1) / (groups * Halves);
     for (int64_t p = p0; p < std::min(p1, full); ++p) {
       const char* b = w + p * panel_bytes;
-      for (int64_t m = m0, g = 0; m < m1; ++g) {
-        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
-        const char* pf = b + panel_bytes + g * share;                        // the next panel's share
-        int64_t step = (share + steps - 1) / steps;
-        if (p + 1 >= std::min(p1, full)) step = 0;                  // no next panel in this run
-        if (p == p0 && g == 0) pf = b + 4096, step = step_bytes;
-        group(p, m, r, pf, step, groups > 1);
-        m += r;
+      for (int h = 0; h < Halves; ++h) {
+        for (int64_t m = m0, g = 0; m < m1; ++g) {
+          const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
+          const char* pf = b + panel_bytes + (h * groups + g) * share;        // the next panel's share
+          int64_t step = (share + steps - 1) / steps;
+          if (p + 1 >= std::min(p1, full)) step = 0;                // no next panel in this run
+          if (p == p0 && h == 0 && g == 0) pf = b + 4096, step = step_bytes;
+          if constexpr (Halves == 1) {
+            group(p, m, r, pf, step, groups > 1);
+          } else {
+            group(p, m, r, pf, step, groups > 1, h);
+          }
+          m += r;
+        }
       }
     }
     tail(m0, m1, p1);
@@ -270,6 +284,81 @@ void narrow_panel(const float* xa, const B* pad, const float* scale, T* y, int64
   });
 }
 
+// A CPU without AVX-512 takes each full panel of a matmul of more than kRows rows in two halves
+// of 16 columns, kRowsHalf rows a group, every group of rows through the first half before the
+// second (panel_items' Halves). A panel row there is 4 ymm, and `micro`'s 3 rows of it keep 12
+// accumulators, so that each 64 bytes of a bfloat16 panel serve 12 FMAs a k, and each panel row
+// is widened (vpmovzxwd and a shift a vector) for 3 rows only. A half with 6 rows: 12
+// accumulators, the half's 2 vectors and a broadcast in the 16 ymm, 12 FMAs for 32 bytes, and a
+// bfloat16 half is one 32-byte load split into its even and odd columns (a shift and an AND, as
+// load_split on AVX-512, put back in order as the tile leaves the registers); a half of a panel
+// of K 576 (18 KB) stays in L1 while the groups after the first read it. Each output's sum runs
+// over k in the same order as `micro`'s: the same bits. The demo model's 120 linear layers from
+// memory, 2 threads, Zen 3, against `micro` alone (alternating passes, medians): bfloat16
+// panels at 16 rows 33.6 ms against 36.1 (faster in 18 of 20), at 64 rows 123.5 against 131.7;
+// float32 panels at 16 rows 42.6 against 46.4, at 64 rows 133.5 against 154.7. The panel's own
+// rows asked for into L1 16 ahead (`micro`'s `cached` prefetch) helped float32 halves and cost
+// bfloat16's (at 16 rows 35.9 ms with it against 31.4 without), so only 4-byte panels keep it.
+// At 1 to 3 rows one group reads the whole panel from memory either way, and the halves were no
+// faster (1 row 18.1 ms against 17.2): those keep `micro`.
+constexpr int64_t kRowsHalf = 6, kRowBlockHalf = 9 * kRowsHalf;
+
+// c[R][16] (row stride ldc) = a[R][K] times half h of a full panel (b: the panel's first row,
+// offset by the half's 16 columns), prefetching as `micro`; `scale` the half's 16 column scales
+// where given. Glu: half 0 holds the gate (kept in c as T), half 1 the up projection, and c then
+// gets silu(gate) * up, what store_row gives from the whole panel.
+template <typename T, typename B, int R, bool Glu>
+__attribute__((noinline)) void micro_half(const float* a, int64_t lda, const B* b, int64_t K, T* c, int64_t ldc,
+                                          int h, const char* pf, int64_t pf_step, bool cached, const float* scale) {
+  constexpr int V = kVecs / 2;
+  constexpr bool split = std::is_same_v<B, uint16_t> && V == 2;
+  vreg acc[R][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const B* bk = b + k * kPanel;
+    __builtin_prefetch(pf + k * pf_step);
+    if (sizeof(B) == 4 && cached) __builtin_prefetch(bk + 16 * kPanel);
+    vreg bv[V];
+    if constexpr (split) {       // lane j holds columns 2j (low half) and 2j + 1
+      const vregw u = *reinterpret_cast<const vregwu*>(bk);
+      const vregw even = u << 16, odd = u & 0xffff0000u;
+      bv[0] = reinterpret_cast<const vreg&>(even);
+      bv[1] = reinterpret_cast<const vreg&>(odd);
+    } else {
+#pragma GCC unroll 2
+      for (int j = 0; j < V; ++j) bv[j] = loadr(bk + j * kLanes);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const float s = a[i * lda + k];
+#pragma GCC unroll 2
+      for (int j = 0; j < V; ++j) acc[i][j] += s * bv[j];
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float t[kPanel / 2];
+    if constexpr (split) {
+      alignas(64) float even[kLanes], odd[kLanes];
+      storer(even, acc[i][0]);
+      storer(odd, acc[i][1]);
+      for (int j = 0; j < kLanes; ++j) t[2 * j] = even[j], t[2 * j + 1] = odd[j];
+    } else {
+      for (int j = 0; j < V; ++j) storer(t + j * kLanes, acc[i][j]);
+    }
+    if (scale != nullptr) {
+#pragma omp simd
+      for (int j = 0; j < kPanel / 2; ++j) t[j] *= scale[j];
+    }
+    T* o = c + i * ldc;
+    if (Glu && h == 1) {
+#pragma omp simd
+      for (int j = 0; j < kPanel / 2; ++j) o[j] = silu_times(o[j], static_cast<T>(t[j]));
+    } else {
+#pragma omp simd
+      for (int j = 0; j < kPanel / 2; ++j) o[j] = static_cast<T>(t[j]);
+    }
+  }
+}
+
 // Glu: the panels hold 16 gate and 16 up columns each (CpuOps.pack_glu) and y [M, N/2] gets
 // silu(gate) * up, computed as each tile leaves the registers.
 // B int8_t (CpuOps.pack_int8): w holds the N column scales (float32), then the int8 panels.
@@ -290,15 +379,30 @@ void linear_rows(const T* x, const B* w, T* y, int64_t M, int64_t K, int64_t N) 
                              scales ? scales + p * kPanel : nullptr);
     });
   };
-  panel_items<kRows, kRowBlock>(M, panels, full, K, kPanel * sizeof(B), reinterpret_cast<const char*>(w), group,
-                                [&](int64_t m0, int64_t m1, int64_t p1) {
+  auto tail = [&](int64_t m0, int64_t m1, int64_t p1) {
     if (Glu || p1 <= full) return;   // (Glu: N is a multiple of 32)
     // the last, narrower panel: padded to 32 columns
     const int64_t col = full * kPanel;
     float pad_scale[kPanel] = {};
     if (scales) std::copy(scales + col, scales + N, pad_scale);
     narrow_panel<T, B>(xa, padded_panel(w + col * K, K, N - col), scales ? pad_scale : nullptr, y, m0, m1, K, N, col);
-  });
+  };
+  const char* wb = reinterpret_cast<const char*>(w);
+  if constexpr (kHalves == 2) {
+    if (M > kRows) {
+      auto half_group = [&](int64_t p, int64_t m, int64_t r, const char* pf, int64_t step, bool cached, int h) {
+        constexpr int64_t half = kPanel / 2;
+        with_count<kRowsHalf>(r, [&](auto rows) {
+          micro_half<T, B, rows, Glu>(xa + m * K, K, w + p * kPanel * K + h * half, K,
+                                      y + m * ldy + p * out_cols + (Glu ? 0 : h * half), ldy, h, pf, step, cached,
+                                      scales ? scales + p * kPanel + h * half : nullptr);
+        });
+      };
+      panel_items<kRowsHalf, kRowBlockHalf, 2>(M, panels, full, K, kPanel * sizeof(B), wb, half_group, tail);
+      return;
+    }
+  }
+  panel_items<kRows, kRowBlock>(M, panels, full, K, kPanel * sizeof(B), wb, group, tail);
 }
 
 // ---- Linear over int8 inputs and int8 weights, with AVX512-VNNI -----------------------------
@@ -579,9 +683,6 @@ void int4_rows(const T* x, const uint8_t* w, const float* scales, T* y, int64_t 
 #define MSINFER_BF16_DOT 1
 #endif
 
-typedef uint32_t vregw __attribute__((vector_size(sizeof(vreg))));
-typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
-
 // The pairs' micro-kernel by FMAs keeps kRowsPairs rows of kPanel / kPairPasses columns in
 // registers over the whole of K2, in kPairPasses passes over the panel. On AVX-512 that is
 // `micro`'s 14 rows of the whole panel. On AVX2 a panel row is 4 vectors: 3 rows of it (12
@@ -589,8 +690,10 @@ typedef uint32_t vregwu __attribute__((vector_size(sizeof(vreg)), aligned(4)));
 // accumulators on the stack; so the panel is taken in two passes of 16 columns, 6 rows each (12
 // accumulators, 2 vectors of a half, a broadcast). The 120 linear layers of a 16-row step from
 // memory, Zen 3, 60 alternating passes: median 33.2 ms against 46.7, faster in 60 of 60.
-// (`micro`'s own panels measured no faster that way: 43.0 against 42.1 ms for bfloat16 panels,
-// 51.1 against 48.5 for float32's, so they keep 3 rows of the whole panel.)
+// (`micro`'s own panels measured no faster with both passes in one call, as here: 43.0 against
+// 42.1 ms for bfloat16 panels, 51.1 against 48.5 for float32's; they gain with each half a call
+// of its own taken by every group of rows in turn, micro_half. The pairs measured the same that
+// way, 33.7 against 33.6 ms at 16 rows and 119.4 against 118.4 at 64, and keep one call.)
 #ifdef __AVX512F__
 constexpr int64_t kRowsPairs = kRows;
 constexpr int kPairPasses = 1;

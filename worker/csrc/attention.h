@@ -25,13 +25,18 @@ namespace {
 //                      prompt, Zen 3, 3 alternating rounds: 793.6-839.6 ms against 837.2-893.3,
 //                      1024 tokens 2024-2155 against 2129-2343)
 //   a decode token's   kDecodeKeys positions by 3 query heads (block_scores), and up to kShared
-//                      query heads by kValueChunk values of D (block_values)
+//                      query heads by kValueChunk values of D (block_values; with AVX2 16
+//                      values, 2 vectors: with 32, a bfloat16 cache's 4 widened vectors, 12 or 16
+//                      accumulators and a broadcast left one or more accumulators on the stack;
+//                      the demo model's 30 layers, 16 sequences at context 2048, 8 alternating
+//                      passes, Zen 3: bfloat16 cache 98.9 ms against 104.5, float32 198.4
+//                      against 212.9)
 #ifdef __AVX512F__
 constexpr int kScoreHeads = 3, kScoreKeys = 8, kPvRows = 7, kPvVecs = 4;
 constexpr int kDecodeKeys = 8, kValueChunk = 64;
 #else
 constexpr int kScoreHeads = 3, kScoreKeys = 4, kPvRows = 6, kPvVecs = 2;
-constexpr int kDecodeKeys = 4, kValueChunk = 32;
+constexpr int kDecodeKeys = 4, kValueChunk = 16;
 #endif
 
 // Scores of a prefill tile for GC query heads of one KV group: s[g][j] (16 token lanes) =

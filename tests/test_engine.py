@@ -301,6 +301,8 @@ class SlowOne(StandInWorker):
 
 
 def lines_in(path) -> int:
+    # tests/test_cli.py's line_count, which SlowOne cannot call: the Ray workers take this module
+    # by value (cloudpickle) and cannot import tests/
     try:
         with open(path, "rb") as f:
             return f.read().count(b"\n")

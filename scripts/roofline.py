@@ -28,7 +28,10 @@ A step (one replica, tp 1; B sequences at context L, or a prefill of T tokens wi
     bound      max(bytes / bandwidth, FLOPs / float32 peak); with --dtype bfloat16 (the linear
                layers and the LM head in bfloat16, attention in float32) their FLOPs at the
                bfloat16 peak (float32's without AVX512-BF16, as the kernels then take FMAs) and
-               attention's at float32's
+               attention's at float32's; a float32 decode step of more sequences than
+               GreedyHead's panels take (14 on AVX-512) takes its greedy tokens from the LM head
+               in bfloat16 pairs where the CPU has AVX512-BF16 (worker/csrc/linear.cc
+               greedy_head), so the LM head's FLOPs at the bfloat16 peak
     phases     the linear layers' bound (their weights' bytes, their FLOPs) plus attention's (the
                KV bytes, its FLOPs): the kernels run one after the other, so a step whose layers
                are bound by FLOPs and whose attention by bytes (decode at a long context) cannot
@@ -147,8 +150,8 @@ def weight_bytes(cfg, dtype: str) -> int:
 
 
 def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, sampled: int,
-              w_bytes: int | None = None) -> tuple[float, float, float, float]:
-    """(weight bytes, KV bytes, FLOPs of the linear layers and the LM head, attention's FLOPs) of
+              w_bytes: int | None = None) -> tuple[float, float, float, float, float]:
+    """(weight bytes, KV bytes, FLOPs of the linear layers, of the LM head, attention's FLOPs) of
     one step: every weight once (w_bytes each, default dtype_bytes), `kv_read` cached tokens' K
     and V (dtype_bytes a value), `tokens` rows through the layers, `sampled` through the LM head,
     `pairs` (query, key) pairs attended."""
@@ -159,7 +162,21 @@ def step_cost(cfg, dtype_bytes: int, tokens: int, pairs: int, kv_read: int, samp
     weights = sum(int(np.prod(p.full_shape)) for p in plan_tensors(cfg, 1)) * (w_bytes or dtype_bytes)
     kv = kv_read * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     attention = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
-    return weights, kv, 2 * tokens * layer_macs + 2 * sampled * head_macs, attention
+    return weights, kv, 2 * tokens * layer_macs, 2 * sampled * head_macs, attention
+
+
+def greedy_head_rows(dtype: str, wbytes: int, bf16_peak: float | None) -> tuple[bool, int]:
+    """Whether a float32 job's greedy chains pick from the LM head in bfloat16 pairs here
+    (worker.cpu.CpuOps.greedy_head: VDPBF16PS, a bfloat16 checkpoint held in bfloat16 panels, not
+    AMX tiles, MSINFER_GREEDY_HEAD unset or 1), and above how many sequences (GreedyHeadMinRows)."""
+    import ctypes
+
+    import msinfer.worker.cpu as cpu
+    if dtype != "float32" or wbytes != 2 or not bf16_peak or not cpu.CpuOps.greedy_head or cpu.CpuOps.amx:
+        return False, 0
+    fn = ctypes.CDLL(cpu._LIBRARY).GreedyHeadMinRows
+    fn.restype = ctypes.c_int64
+    return True, int(fn())
 
 
 def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path,
@@ -220,6 +237,7 @@ def main() -> int:
     bw, f32_peak, bf16_peak = (max(a, b) if a else None for a, b in zip(before, after))
     rate = f32_peak
     layer_rate = (bf16_peak or f32_peak) if args.dtype == "bfloat16" else f32_peak
+    greedy_head, head_rows = greedy_head_rows(args.dtype, wbytes, bf16_peak)
     print(f"machine   {cpu_flags()}")
     print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; peak float32 FMAs {f32_peak / 1e9:.1f} GFLOP/s"
           + (f", VDPBF16PS {bf16_peak / 1e9:.1f}" if bf16_peak else ", no VDPBF16PS") + " (the kernels' PeakFlops)")
@@ -243,13 +261,16 @@ def main() -> int:
               step_cost(cfg, kv_bytes, b, b * L, b * L, b, wbytes)) for b in batches]
     T = args.prefill
     cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, kv_bytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
-    for name, measured, (weights, kv, layers, others) in cases:
-        bound = 1e3 * max((weights + kv) / bw, layers / layer_rate + others / rate)     # (others: attention)
-        phases = 1e3 * (max(weights / bw, layers / layer_rate) + max(kv / bw, others / rate))
+    for (name, measured, (weights, kv, layers, head, others)), b in zip(cases, [*batches, 0]):
+        # (others: attention) a float32 job's greedy chains of more than head_rows sequences take
+        # the LM head's logits from bfloat16 pairs (GreedyHead): at VDPBF16PS's rate
+        head_time = head / (bf16_peak if greedy_head and b > head_rows else layer_rate)
+        bound = 1e3 * max((weights + kv) / bw, layers / layer_rate + head_time + others / rate)
+        phases = 1e3 * (max(weights / bw, layers / layer_rate + head_time) + max(kv / bw, others / rate))
         shown = f"{measured:.1f}" if measured else "-"
         ratio = f"{measured / bound:.2f}" if measured else "-"
         to_phases = f"{measured / phases:.2f}" if measured else "-"
-        print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + others) / 1e9:>8.2f}{bound:>10.1f}{phases:>11.1f}"
+        print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + head + others) / 1e9:>8.2f}{bound:>10.1f}{phases:>11.1f}"
               f"{shown:>13}{ratio:>7}{to_phases:>11}")
     return 0
 

@@ -4,6 +4,8 @@ chain, and no chain where a step's sampling is the host's."""
 
 from __future__ import annotations
 
+import mindspore as ms
+import numpy as np
 import pytest
 
 from msinfer.launcher.engine import decode_steps
@@ -58,15 +60,48 @@ def test_chained_decode_steps_give_each_record_the_tokens_of_steps_one_at_a_time
     assert any(key.endswith("sampled") for key in chained), chained     # batches that draw chained too
 
 
-def test_a_chain_of_greedy_steps_matches_transformers_and_single_steps(checkpoint, hf_greedy):
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "llama_gqa_tied_bfloat16"])
+def test_a_chain_of_greedy_steps_matches_transformers_and_single_steps(checkpoint, hf_greedy, name, monkeypatch):
     """ModelRunner.chain on a DecodeChain as the engine sends it (SAMPLED after the first step):
     one compiled call of decode_steps, the tokens transformers' greedy generate gives, and the
-    next step (one at a time) continues from the chain's last tokens."""
+    next step (one at a time) continues from the chain's last tokens. A checkpoint saved in
+    bfloat16, where the CPU has VDPBF16PS, picks its chains' tokens with GreedyHead (the LM head
+    in bfloat16 pairs, CausalLM.pack_greedy_head): the tokens of the float32 logits' GreedyRows
+    (MSINFER_GREEDY_HEAD=0) and transformers', and after `msinfer bench --skip-load` fills the
+    weights with random values, the same tokens as GreedyRows over those."""
     from msinfer.sharding.config import EngineConfig
+    from msinfer.worker.cpu import CpuOps
     from msinfer.worker.runner import ModelRunner
-    path = checkpoint("llama_gqa_tied")
+    path = checkpoint(name)
     prompts = [[5, 17, 33], [9, 4], [11, 12, 13, 14]]
-    runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4))
+    got = chain_tokens(ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4)), prompts)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(name, p, 10)[0]
+    if name.endswith("bfloat16") and CpuOps.greedy_head:
+        # `msinfer bench --skip-load`: random weights, GreedyHead's tables made again from them
+        from types import SimpleNamespace
+
+        from msinfer.worker.actor import Worker
+        runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4))
+        Worker.fill_random(SimpleNamespace(tp=SimpleNamespace(rank=0), runner=runner), scale=0.5)
+        pairs, norms = CpuOps.greedy_head_tables(runner.model.lm_head.weight.asnumpy())
+        np.testing.assert_array_equal(runner.model.head_pairs.asnumpy(), pairs)
+        np.testing.assert_array_equal(runner.model.head_norms.asnumpy(), norms)
+        got_random = chain_tokens(runner, prompts)
+        monkeypatch.setenv("MSINFER_GREEDY_HEAD", "0")          # (read as a runner loads the kernels)
+        assert chain_tokens(ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4)), prompts,
+                            head=False) == got
+        runner = ModelRunner(EngineConfig(str(path), max_model_len=64, max_batch_size=4))
+        Worker.fill_random(SimpleNamespace(tp=SimpleNamespace(rank=0), runner=runner), scale=0.5)
+        assert chain_tokens(runner, prompts, head=False) == got_random
+
+
+def chain_tokens(runner, prompts, head=None):
+    """The tokens of a prefill, a chain of 5 steps, one of 3 and a single step on `runner` (which
+    picks with GreedyHead where `head`, None: as the CPU and checkpoint allow)."""
+    from msinfer.worker.cpu import CpuOps
+    want = head if head is not None else (CpuOps.greedy_head and runner.model.lm_head.weight.dtype == ms.uint16)
+    assert (runner.model.greedy_head is not None) == bool(want)
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
     out = runner.step([SeqStep(i, p, 0, tables[i]) for i, p in enumerate(prompts)], True)
     got = [[t] for t in out.token_ids]
@@ -84,8 +119,7 @@ def test_a_chain_of_greedy_steps_matches_transformers_and_single_steps(checkpoin
     one = runner.step(DecodeStep(ids, [SAMPLED] * len(ids), [len(p) + 8 for p in prompts], [9] * len(ids), {}), False)
     for g, t in zip(got, one.token_ids):
         g.append(t)
-    for p, g in zip(prompts, got):
-        assert g == hf_greedy("llama_gqa_tied", p, 10)[0]
+    return got
 
 
 def test_a_chain_runs_step_by_step_where_a_sequence_samples_on_the_hosts_terms(checkpoint):

@@ -543,6 +543,66 @@ def test_greedy_rows_pick_the_first_largest_real_column_as_the_stats_kernel_does
         assert got.tolist() == stats(Tensor(x), meta).asnumpy()[:, 1].astype(np.int32).tolist(), (P, real)
 
 
+def test_greedy_head_picks_what_greedy_rows_picks_from_the_float32_logits(kernels):
+    """GreedyHead (a float32 job's greedy chains, CausalLM.pack_greedy_head): from the LM head in
+    bfloat16 pairs checked against their error bound, each row's token is the one GreedyRows
+    picks from Linear's float32 logits over the bfloat16 panels, and numpy's argmax where the
+    largest logit stands clear: with an odd K, a last panel narrower than 32 columns and padding
+    columns past the vocabulary; for rows whose largest columns are equal (the first wins), or
+    differ in a weight's last bit (within the pairs' error: computed again), a zero row, a NaN
+    row and a row past float32's range (the panels' whole product), and rows where more columns
+    tie than it computes again; a call of a few rows (the panels' product). Where VDPBF16PS is off
+    (a CPU without it) the same."""
+    from msinfer.worker.cpu import SamplerKernels, set_bf16_dot
+    rng = np.random.default_rng(3)
+    head, greedy, linear = kernels.greedy_head_op(), SamplerKernels.greedy(), kernels.linear_op()
+    dot = kernels.bf16_dot
+    for K, N, real in ((67, 101, 97), (64, 300, 300)):
+        w = _bfloat16_rounded(rng.standard_normal((N, K)) * 0.1)
+        w[50 % N] = w[3]                                     # equal columns
+        w[11] = w[10]
+        w[11, 5] = np.nextafter(w[10, 5], np.float32(1), dtype=np.float32)
+        w[11] = _bfloat16_rounded(w[11] + (w[11] - w[10]) * 300)   # one bfloat16 step apart in one weight
+        if N == 300:
+            w[40:300] = w[39]                                # 261 equal columns: more than it computes again
+        panels, _ = kernels.pack_weight(w)
+        assert panels.dtype == np.uint16
+        pairs, norms = kernels.greedy_head_tables(panels)
+        np.testing.assert_array_equal(pairs, kernels.pack_pairs(w)[0])
+        exact = np.sqrt((w.astype(np.float64) ** 2).sum(1))
+        assert (norms >= exact).all() and (np.nextafter(norms, np.float32(0)) < exact).all()
+        x = rng.standard_normal((19, K)).astype(np.float32)
+        x[0] = w[3] * 4                                      # columns 3 and 50 the largest, equal
+        x[1] = w[10] * 4                                     # 10 and 11 nearly equal
+        x[2] = 0                                             # padding
+        x[3, 7] = np.nan
+        x[4] *= np.float32(3e36)                             # logits past float32's range
+        x[5] = w[39] * 4 if N == 300 else x[5]
+        meta = Tensor(np.array([[real, 0]], np.int32))
+        try:
+            for way in ([True, False] if dot else [False]):
+                set_bf16_dot(way)
+                logits = linear(Tensor(x), Tensor(panels)).asnumpy()
+                logits[:, real:] = 0.0
+                want = greedy(Tensor(logits), meta).asnumpy()
+                got = head(Tensor(x), Tensor(panels), Tensor(pairs), Tensor(norms), meta).asnumpy()
+                assert got.dtype == np.int32
+                assert got.tolist() == want.tolist(), (K, N, way)
+                few = head(Tensor(x[:6]), Tensor(panels), Tensor(pairs), Tensor(norms), meta).asnumpy()
+                assert few.tolist() == want[:6].tolist(), (K, N, way)     # (as few rows take the panels)
+        finally:
+            set_bf16_dot(dot)
+        h = x.astype(np.float64) @ w.astype(np.float64).T
+        top = np.sort(h[:, :real], 1)
+        clear = np.isfinite(top).all(1) & (top[:, -1] - top[:, -2] > 1e-3 * np.abs(top[:, -1]))
+        assert clear.sum() >= 10
+        assert got[clear].tolist() == np.argmax(h[clear, :real], 1).tolist()
+        assert got[0] == 3 and got[1] in (10, 11) and got[2] == 0
+    w = np.zeros((40, 8), np.float32)
+    w[5, 2] = np.float32(2.0 ** -130)                        # a bfloat16 denormal: no tables
+    assert kernels.greedy_head_tables(kernels.pack_weight(w)[0]) is None
+
+
 @pytest.fixture(scope="module")
 def tiles(kernels):
     if not kernels.amx:

@@ -218,11 +218,15 @@ class Worker:
         from mindspore import Tensor
         rng = np.random.default_rng([seed, self.tp.rank])
         filled = 0
-        stacked = self.runner.model.stacked      # (a layer's weight held in its stack: never written)
-        for p in self.runner.model.get_parameters():
-            if "cache" not in p.name and p.name != "freq_matrix" and p.name not in stacked:
+        model = self.runner.model
+        stacked = model.stacked      # (a layer's weight held in its stack: never written)
+        made = {id(p) for p in (model.head_pairs, model.head_norms) if p is not None}   # (from the LM head, below)
+        for p in model.get_parameters():
+            if "cache" not in p.name and p.name != "freq_matrix" and p.name not in stacked and id(p) not in made:
                 p.set_data(Tensor(random_values(p.shape, p.dtype, rng, scale), dtype=p.dtype))
                 filled += p.nbytes
+        if made:
+            model.refresh_greedy_head()
         return filled
 
     def loaded_params(self) -> dict:

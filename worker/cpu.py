@@ -319,6 +319,38 @@ class CpuOps(MsOps):
             return bfloat16_values(held.view(np.uint16)[:, :K])
         return (cls.pack_glu(words) if glu else cls.pack(words)), unpack
 
+    # Whether a float32 job's greedy decode chains pick their tokens with GreedyHead (set by
+    # load_kernels: VDPBF16PS in force, unless MSINFER_GREEDY_HEAD=0; CausalLM.pack_greedy_head)
+    greedy_head = False
+
+    @staticmethod
+    def greedy_head_op():
+        """(x [M, K] float32, w [N, K] the LM head in bfloat16 panels (uint16), pairs [N, ceil(K/2)]
+        and norms [N] (`greedy_head_tables`), meta [1, 2] int32 (real columns first)) -> [M] int32:
+        the tokens GreedyRows picks from Linear(x, w), from the pairs' product checked against its
+        error bound (csrc/linear.cc greedy_head)."""
+        return _custom("GreedyHead", lambda x, *_: [x[0]], lambda *_: ms.int32)
+
+    @classmethod
+    def greedy_head_tables(cls, panels: np.ndarray):
+        """An LM head in bfloat16 panels (uint16 [N, K], `pack_weight`) -> (the same values in
+        `pack_pairs`' panels, uint32 [N, ceil(K/2)]; each row's Euclidean norm [N] float32, rounded
+        up), GreedyHead's tables; None where a weight is a bfloat16 denormal, which the pairs (as
+        VDPBF16PS reads them) would hold as zero."""
+        bits = cls.unpack(panels)
+        if (((bits & 0x7F80) == 0) & ((bits & 0x7F) != 0)).any():
+            return None
+        N, K = bits.shape
+        if K % 2:
+            bits = np.concatenate((bits, np.zeros((N, 1), np.uint16)), 1)
+        pairs = cls.pack(np.ascontiguousarray(bits).view(np.uint32))
+        norms = np.empty(N, np.float32)
+        for r in range(0, N, 4096):
+            exact = np.sqrt(np.square(bfloat16_values(bits[r:r + 4096]), dtype=np.float64).sum(1))
+            near = exact.astype(np.float32)
+            norms[r:r + 4096] = np.where(near < exact, np.nextafter(near, np.float32(np.inf)), near)
+        return pairs, norms
+
     @classmethod
     def pack_int8(cls, w: np.ndarray, scales: np.ndarray, glu: bool = False, levels: np.ndarray | None = None):
         """w [N, K] = q * scales[:, None] with q int8 -> (int8 [N, K + 4]: the N scales as float32
@@ -738,6 +770,7 @@ def load_kernels(threads: int = 0) -> None:
     CpuOps.fused_layers = os.environ.get("MSINFER_FUSED_LAYERS", "1") != "0"
     CpuOps.static_step_jit_options = INFERENCE_MODE if os.environ.get("MSINFER_INFER_BOOST", "1") != "0" else None
     set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
+    CpuOps.greedy_head = CpuOps.bf16_dot and os.environ.get("MSINFER_GREEDY_HEAD", "1") != "0"
     lib.SetAlone(ctypes.c_int(int(os.environ.get("MSINFER_ALONE", "1") != "0")))
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)

@@ -540,6 +540,8 @@ class CausalLM(nn.Cell):
         self.stack = self.stack_meta = None
         self.stack_args = ()
         self.stacked: dict = {}              # a layer weight's name -> (its stack_weights Parameter, the layer)
+        # greedy chains' pick from the LM head in bfloat16 pairs (`pack_greedy_head`): its op and tables
+        self.greedy_head = self.head_pairs = self.head_norms = None
         if cfg.quant is not None:
             self.quantize_inputs()
 
@@ -652,7 +654,8 @@ class CausalLM(nn.Cell):
                 layer.quantize_inputs(scheme, name[:-len(".weight")], self.dev.quant_rows_op)
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,
-                token_len, attn_mask, out_index, prefill: bool, hidden=None):
+                token_len, attn_mask, out_index, prefill: bool, hidden=None, head: bool = True):
+        """The step's logits at out_index; with `head` False, the final norm's rows there instead."""
         x = self.embed_tokens(input_ids) if self.first else hidden.astype(self.dtype)
         if self.dev.rope_cos_sin is not None:                            # one operator (the CPU kernels)
             cos, sin = self.dev.rope_cos_sin(positions, self.freq_matrix, self.rope_scale)
@@ -678,7 +681,7 @@ class CausalLM(nn.Cell):
         if not self.last:
             return (x + delta).astype(ms.float32)
         _, x = self.norm(self.dev.rows(x, out_index), self.dev.rows(delta, out_index))
-        if not self.has_lm_head:                 # embed, classify: the final norm's hidden states (`pool`)
+        if not self.has_lm_head or not head:     # embed, classify: the final norm's hidden states (`pool`)
             return x
         return self.lm_head(x).astype(ms.float32)
 
@@ -715,10 +718,14 @@ class CausalLM(nn.Cell):
         real = out_index >= 0
         sampled = draws.shape[-1] == 5          # (fixed by the graph's shape)
         ids, tokens = input_ids, []
+        rows = not sampled and self.greedy_head is not None      # GreedyHead's pick (pack_greedy_head)
         for k in range(positions.shape[0]):
-            logits = self.forward(ids, positions[k], slot_mapping[k], block_tables, batch_valid_length[k], q_seq_lens,
-                                  token_seq, token_len[k], attn_mask, out_index, False)
-            picked = self.sampler.fused(logits, draws[k]) if sampled else self.sampler.greedy(logits)
+            out = self.forward(ids, positions[k], slot_mapping[k], block_tables, batch_valid_length[k], q_seq_lens,
+                               token_seq, token_len[k], attn_mask, out_index, False, head=not rows)
+            if rows:
+                picked = self.greedy_head(out, self.lm_head.weight, self.head_pairs, self.head_norms, self.sampler.meta)
+            else:
+                picked = self.sampler.fused(out, draws[k]) if sampled else self.sampler.greedy(out)
             tokens.append(picked)
             ids = ops.select(real, picked, pad)
         return ops.stack(tokens)
@@ -806,6 +813,36 @@ class CausalLM(nn.Cell):
             for attr in ("levels", "levels_known"):     # use, on those replaced (which wait for a
                 if getattr(p, attr, None) is not None:  # collection) and those kept as float alike
                     delattr(p, attr)
+
+    def pack_greedy_head(self) -> bool:
+        """Where the device picks greedy tokens from the LM head in bfloat16 pairs (CpuOps.greedy_head:
+        the CPU kernels with VDPBF16PS, MSINFER_GREEDY_HEAD unset or 1), a float32 network at tp 1
+        whose LM head is in bfloat16 panels: that head's `greedy_head_tables` as Parameters, which
+        decode_chain's greedy steps take instead of the logits (GreedyHead; the same tokens as
+        GreedyRows over them). Called once the weights are packed, and again when they change
+        (the actor's fill_random); whether the tables are held."""
+        head = self.lm_head
+        if (not getattr(self.dev, "greedy_head", False) or head is None or self.dtype != ms.float32
+                or self.sampler.tp_size != 1 or self.dev.sampler_kernels is None or head.input_quant is not None
+                or head.weight.dtype != ms.uint16):
+            return False
+        tables = self.dev.greedy_head_tables(head.weight.asnumpy())
+        if tables is None:
+            self.greedy_head = self.head_pairs = self.head_norms = None
+            return False
+        self.head_pairs = Parameter(Tensor(tables[0]), name="lm_head.greedy_pairs", requires_grad=False)
+        self.head_norms = Parameter(Tensor(tables[1]), name="lm_head.greedy_norms", requires_grad=False)
+        self.greedy_head = self.dev.greedy_head_op()
+        return True
+
+    def refresh_greedy_head(self) -> None:
+        """GreedyHead's tables (`pack_greedy_head`) made again from the LM head's values as they
+        now are (the actor's fill_random wrote others), into the same Parameters."""
+        tables = self.dev.greedy_head_tables(self.lm_head.weight.asnumpy())
+        if tables is None:
+            raise ValueError("the LM head now holds bfloat16 denormals, which GreedyHead's pairs would read as zeros")
+        self.head_pairs.set_data(Tensor(tables[0]))
+        self.head_norms.set_data(Tensor(tables[1]))
 
     # The bytes of replaced parameters that pack_layer lets wait for a collection, and that fuse
     # leaves once the weights are stacked (a small model's: a test's process, where one takes ~90 ms).
@@ -928,8 +965,9 @@ class CausalLM(nn.Cell):
     def weights(self) -> dict[str, np.ndarray]:
         """name -> value of every parameter but the KV cache, in the Hugging Face layout (an int8
         weight dequantized, its scales not listed; a layer's weight in its stack, `stacked`, read
-        there, the stacks not listed)."""
+        there, the stacks not listed; GreedyHead's tables, made from the LM head, not listed)."""
         scales, stacks = {id(p) for p in self.int8_scales()}, {id(w) for w, _ in self.stacked.values()}
+        stacks.update(id(p) for p in (self.head_pairs, self.head_norms) if p is not None)
         out = {}
         for p in self.get_parameters():
             if "cache" in p.name or id(p) in scales or id(p) in stacks:

@@ -146,6 +146,7 @@ class ModelRunner:
             self.load_stats = load_checkpoint(with_lora(self.model, ec.lora_path, ec.lora_scale), ec.model_dir,
                                               ec.allow_pickle, self.cfg.quant, self.model.pack_layer)
         self.model.pack_weights()
+        self.model.pack_greedy_head()
         self.fused_layers = self.model.fuse()        # (layers with any part of them fused)
         self.head = None                         # task classify: the classifier's head, on the host
         if ec.task == "classify" and self.stage.last:

@@ -6,6 +6,7 @@
 #include "common.h"
 #include "matmul.h"
 #include "moe.h"
+#include "sampling.h"
 
 // x [N, K], meta [2] float32 (divisor, half away from zero) -> each row to int8 levels of
 // max|x| / divisor, rounded (half to even, or away from zero), clamped to -128..127, and back:
@@ -302,6 +303,154 @@ extern "C" int MoeDown(int nparam, void** params, int* ndims, int64_t** shapes, 
                 static_cast<const T*>(params[2]), w2, vnni ? &q : nullptr,
                 static_cast<T*>(params[nparam - 1]), N, K, H, E, I, static_cast<const int32_t*>(params[4])[0]);
   });
+  return 0;
+}
+
+namespace {
+
+// ---- A float32 job's greedy token from its LM head in bfloat16 pairs -------------------------
+// For a greedy decode step only the largest logit's column is wanted. The LM head's weights are
+// bfloat16 values (its panels are uint16: pack_weight), so the same weights in pairs (pack_pairs)
+// give, at VDPBF16PS's rate (about twice the float32 FMAs'), a_c = the pairs' product of x
+// rounded to bfloat16 (x_b). Against z_c, the float32 logit the panels compute (linear_rows),
+//   |z_c - a_c| <= |w_c| |x - x_b| + g(K) |w_c| |x| + g(K + 1) |w_c| |x_b|     (Euclidean norms)
+// : the first term by Cauchy-Schwarz, the others each a chain of at most K + 1 float32 roundings
+// (g(n) = n u / (1 - n u), u = 2^-24), plus the denormals VDPBF16PS flushes (`slack`). With m_c
+// that bound, a column whose a_c + m_c is below max_j (a_j - m_j) <= max_j z_j cannot hold the
+// largest logit; every column that may (all of them where several tie) is computed again as the
+// panels compute it, one FMA a k in order (panel_dot), so its value is the panels' to the bit and
+// the pick GreedyRows' (the first largest). A row with more than kHeadCandidates such columns, or
+// a value past float32's range or not finite, takes the panels' whole product instead.
+constexpr int64_t kHeadCandidates = 256;
+// Up to kRows rows (one group of the panels' micro-kernel), the float32 panels' product is bound
+// by the weights' bytes, as the pairs' is, and the pairs' only add their checks: in a decode step
+// of the demo model's float32 job (Zen 5) one sequence took 5.29 ms with them against 4.94
+// without, 16 sequences 11.97 against 12.80 (docs/benchmarks.md). Such calls take the panels.
+constexpr int64_t kHeadMinRows = kRows;
+
+// Column c of x [K] times w [N, K] in bfloat16 panels, as micro sums it: from 0, one FMA a k.
+inline float panel_dot(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t c) {
+  const int64_t full = N / kPanel;
+  const bool narrow = c >= full * kPanel;            // the last panel: [K][N mod 32]
+  const int64_t stride = narrow ? N - full * kPanel : kPanel;
+  const uint16_t* col = w + (c - c % kPanel) * K + c % kPanel;
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[k], bf16_value(col[k * stride]), acc);
+  return acc;
+}
+
+// x [M, K] float32, w [N, K] bfloat16 panels, pairs [N, ceil(K/2)] the same in pairs, norms [N]
+// (each w_c's norm, rounded up), n real columns -> out [M]: each row's greedy token over the
+// panels' x w^T (GreedyRows' pick among columns 0..n-1).
+inline void greedy_head(const float* x, const uint16_t* w, const uint32_t* pairs, const float* norms, int64_t n,
+                        int32_t* out, int64_t M, int64_t K, int64_t N) {
+  int64_t live = 0;
+  for (int64_t m = 0; m < M; ++m) live += std::any_of(x + m * K, x + (m + 1) * K, [](float v) { return v != 0.f; });
+  std::vector<char> whole(M, live <= kHeadMinRows);
+  thread_local std::vector<float> approx;
+  float* a = scratch(approx, live <= kHeadMinRows ? 0 : M * N);
+  if (live > kHeadMinRows) {
+    linear<float, false>(x, a, M, K, N, [&](const float* xs, float* ys, int64_t L) {
+      linear_pairs<false>(xs, pairs, ys, L, K, N);
+    });
+  }
+  const double u = 0x1p-24, g0 = K * u / (1 - K * u), g1 = (K + 1) * u / (1 - (K + 1) * u);
+  const float slack = static_cast<float>(4.0 * (K + 1) * 0x1p-126);
+  parallel_for(live <= kHeadMinRows ? 0 : M, 1, [&](int64_t m) {
+    const float* xr = x + m * K;
+    const float* ar = a + m * N;
+    double e2 = 0, x2 = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = xr[k], d = v - bf16_value(bf16_rounded(xr[k]));
+      e2 += d * d;
+      x2 += v * v;
+    }
+    if (!std::isfinite(x2)) {
+      whole[m] = 1;
+      return;
+    }
+    if (x2 == 0 || n <= 0) {                 // zeros (padding): every logit 0
+      out[m] = 0;
+      return;
+    }
+    const double e = std::sqrt(e2), xn = std::sqrt(x2);
+    // m_c = norms[c] * s + slack, in float: each float operation's rounding (2^-24 of its terms)
+    // is covered by the margin's extra 2^-20 of |a_c| + norms[c] * s
+    const float s = static_cast<float>((e + g0 * xn + g1 * (xn + e)) * (1 + 1e-6));
+    const float* nr = norms;           // (locals: through the lambda's captures GCC gathered)
+    const int64_t cols = n;
+    const float sl = slack;
+    float floor = -std::numeric_limits<float>::infinity(), bad = 0.f;
+#pragma omp simd reduction(max : floor, bad)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = ar[c], r = nr[c] * s;
+      floor = std::max(floor, v - (r + (std::fabs(v) + r) * 0x1p-20f + sl));
+      bad = std::max(bad, std::fabs(v) > 1e37f || v != v ? 1.f : 0.f);   // past range, or NaN
+    }
+    if (bad != 0.f) {
+      whole[m] = 1;
+      return;
+    }
+    int64_t best = -1, count = 0;
+    float top = 0.f;
+    constexpr int64_t kBlock = 256;
+    for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+      const int64_t c1 = std::min(cols, c0 + kBlock);
+      float hit = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : hit)
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = ar[c], r = nr[c] * s;
+        hit = std::max(hit, v + (r + (std::fabs(v) + r) * 0x1p-20f + sl));
+      }
+      if (hit < floor) continue;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = ar[c], r = nr[c] * s;
+        if (v + (r + (std::fabs(v) + r) * 0x1p-20f + sl) < floor) continue;
+        const float z = panel_dot(xr, w, K, N, c);
+        if (++count > kHeadCandidates || std::isnan(z)) {
+          whole[m] = 1;
+          return;
+        }
+        if (best < 0 || z > top) best = c, top = z;
+      }
+    }
+    out[m] = static_cast<int32_t>(best);
+  });
+  std::vector<int64_t> rows;
+  for (int64_t m = 0; m < M; ++m)
+    if (whole[m]) rows.push_back(m);
+  if (rows.empty()) return;
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<float> xs(R * K), zs(R * N);
+  for (int64_t i = 0; i < R; ++i) std::copy(x + rows[i] * K, x + (rows[i] + 1) * K, xs.data() + i * K);
+  linear<float, false>(xs.data(), zs.data(), R, K, N, [&](const float* xa, float* ya, int64_t L) {
+    linear_rows<float, false, uint16_t>(xa, w, ya, L, K, N);
+  });
+  for (int64_t i = 0; i < R; ++i) out[rows[i]] = greedy_row(zs.data() + i * N, n);
+}
+
+}  // namespace
+
+// The live rows up to which GreedyHead takes the panels' product (scripts/roofline.py's bound).
+extern "C" int64_t GreedyHeadMinRows() { return kHeadMinRows; }
+
+// x [M, K] float32, w [N, K] uint16 (the LM head in bfloat16 panels), pairs [N, ceil(K/2)] uint32
+// (the same in pairs), norms [N] float32, meta [1, 2] int32 (real columns first, as GreedyRows')
+// -> [M] int32: greedy_head, GreedyRows' tokens over Linear's product of x and w
+extern "C" int GreedyHead(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes, void* stream,
+                          void* extra) {
+  if (nparam != 6 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1 || ndims[4] != 2 ||
+      std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], "uint16") || std::strcmp(dtypes[2], "uint32") ||
+      std::strcmp(dtypes[3], "float32") || std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32"))
+    return 1;
+  const int64_t M = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+  if (shapes[1][1] != K || shapes[2][0] != N || shapes[2][1] != (K + 1) / 2 || shapes[3][0] != N ||
+      shapes[4][0] != 1 || shapes[4][1] != 2)
+    return 2;
+  const int64_t n = std::min<int64_t>(static_cast<const int32_t*>(params[4])[0], N);
+  greedy_head(static_cast<const float*>(params[0]), static_cast<const uint16_t*>(params[1]),
+              static_cast<const uint32_t*>(params[2]), static_cast<const float*>(params[3]), n,
+              static_cast<int32_t*>(params[5]), M, K, N);
   return 0;
 }
 

@@ -603,6 +603,21 @@ def int4_on() -> bool:
         return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
 
 
+def greedy_head_on(vocab: int, hidden: int) -> bool:
+    """Whether the CPU kernels hold a float32 job's LM head of [vocab, hidden] bfloat16 weights in
+    bfloat16 pairs as well as panels, for greedy chains (worker.model.CausalLM.pack_greedy_head):
+    the kernels built for this CPU (MSINFER_KERNEL_ARCH unset) with AVX512-BF16 in use
+    (MSINFER_BF16_DOT and MSINFER_GREEDY_HEAD unset or 1), and the head in panels, not AMX tiles
+    (no AMX in use, or a shape the tiles do not take). Read from /proc/cpuinfo, as int4_on is."""
+    if (any(os.environ.get(k, "1") == "0" for k in ("MSINFER_BF16_DOT", "MSINFER_GREEDY_HEAD"))
+            or os.environ.get("MSINFER_KERNEL_ARCH") or not os.path.exists("/proc/cpuinfo")):
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    tiles = "amx_tile" in flags and os.environ.get("MSINFER_AMX", "1") != "0" and vocab % 32 == 0 and hidden % 32 == 0
+    return "avx512_bf16" in flags and not tiles
+
+
 def cache_root() -> Path:
     """Where msinfer keeps what it builds or learns once per machine (the CPU kernels, the kernel
     self-check's verdicts, the compiled step graphs, the demo model): $MSINFER_CACHE, else

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msinfer.sharding.config import ModelConfig
+from msinfer.sharding.config import ModelConfig, greedy_head_on
 
 
 class LayoutError(ValueError):
@@ -337,7 +337,9 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
     attention's kv_b_proj and DeepSeek's router (worker.model, `device_order`). pairs: those
     weights and the experts' are held in bfloat16 pairs, whatever the checkpoint's dtype: 4 bytes a
     row per 2 inputs, an odd one padded; the embedding and the LM head so where the hidden size is
-    even (the CPU kernels computing the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs)."""
+    even (the CPU kernels computing the linear layers in bfloat16, worker.cpu.CpuOps.pack_pairs).
+    With bf16 at tp 1 and one stage, the LM head also in bfloat16 pairs with a norm a row where
+    this CPU's kernels hold them for a float32 job's greedy chains (greedy_head_on)."""
     halved = bf16 and dtype_bytes == 4 and cfg.torch_dtype == "bfloat16"
     total = 0
     for p in plan_tensors(cfg, tp_size, ep, stage):
@@ -369,4 +371,8 @@ def bytes_per_rank(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 4, ep: boo
                 total += n * (2 if halved else dtype_bytes)
         else:
             total += n * dtype_bytes
+    if (halved and not pairs and tp_size == 1 and stage.first and stage.last and cfg.lm_head and experts is not True
+            and greedy_head_on(cfg.vocab_size, cfg.hidden_size)):
+        # the LM head again in bfloat16 pairs, and each row's norm (CausalLM.pack_greedy_head)
+        total += cfg.vocab_size * (4 * ((cfg.hidden_size + 1) // 2) + 4)
     return total

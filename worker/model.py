@@ -816,14 +816,14 @@ class CausalLM(nn.Cell):
 
     def pack_greedy_head(self) -> bool:
         """Where the device picks greedy tokens from the LM head in bfloat16 pairs (CpuOps.greedy_head:
-        the CPU kernels with VDPBF16PS, MSINFER_GREEDY_HEAD unset or 1), a float32 network at tp 1
-        whose LM head is in bfloat16 panels: that head's `greedy_head_tables` as Parameters, which
-        decode_chain's greedy steps take instead of the logits (GreedyHead; the same tokens as
-        GreedyRows over them). Called once the weights are packed, and again when they change
-        (the actor's fill_random); whether the tables are held."""
+        the CPU kernels with VDPBF16PS, MSINFER_GREEDY_HEAD unset or 1), a float32 network of one
+        stage (whose decode steps chain) at tp 1 whose LM head is in bfloat16 panels: that head's
+        `greedy_head_tables` as Parameters, which decode_chain's greedy steps take instead of the
+        logits (GreedyHead; the same tokens as GreedyRows over them). Called once the weights are
+        packed (sharding.layout.bytes_per_rank counts them); whether the tables are held."""
         head = self.lm_head
-        if (not getattr(self.dev, "greedy_head", False) or head is None or self.dtype != ms.float32
-                or self.sampler.tp_size != 1 or self.dev.sampler_kernels is None or head.input_quant is not None
+        if (not getattr(self.dev, "greedy_head", False) or head is None or not self.first
+                or self.dtype != ms.float32 or self.sampler.tp_size != 1 or self.dev.sampler_kernels is None or head.input_quant is not None
                 or head.weight.dtype != ms.uint16):
             return False
         tables = self.dev.greedy_head_tables(head.weight.asnumpy())
@@ -956,10 +956,11 @@ class CausalLM(nn.Cell):
                    for p in (c.w13_scale, c.w2_scale)])
 
     def held_parameters(self) -> list[Parameter]:
-        """The parameters the checkpoint's weights are held in, once packed: what the loader wrote
-        and the scales of int8 weights."""
+        """The parameters the checkpoint's weights are held in, once packed: what the loader wrote,
+        the scales of int8 weights and GreedyHead's tables (`pack_greedy_head`)."""
         held = {id(p): p for _, p, _ in self.named_loaders().values()}
         held.update((id(p), p) for p in self.int8_scales())
+        held.update((id(p), p) for p in (self.head_pairs, self.head_norms) if p is not None)
         return list(held.values())
 
     def weights(self) -> dict[str, np.ndarray]:

@@ -315,7 +315,8 @@ namespace {
 // rounded to bfloat16 (x_b). Against z_c, the float32 logit the panels compute (linear_rows),
 //   |z_c - a_c| <= |w_c| |x - x_b| + g(K) |w_c| |x| + g(K + 1) |w_c| |x_b|     (Euclidean norms)
 // : the first term by Cauchy-Schwarz, the others each a chain of at most K + 1 float32 roundings
-// (g(n) = n u / (1 - n u), u = 2^-24), plus the denormals VDPBF16PS flushes (`slack`). With m_c
+// (g(n) = n u / (1 - n u), u = 2^-24; for the pairs' sums 2u, so that a VDPBF16PS that rounds
+// other than to nearest stays within it), plus the denormals VDPBF16PS flushes (`slack`). With m_c
 // that bound, a column whose a_c + m_c is below max_j (a_j - m_j) <= max_j z_j cannot hold the
 // largest logit; every column that may (all of them where several tie) is computed again as the
 // panels compute it, one FMA a k in order (panel_dot), so its value is the panels' to the bit and
@@ -354,7 +355,7 @@ inline void greedy_head(const float* x, const uint16_t* w, const uint32_t* pairs
       linear_pairs<false>(xs, pairs, ys, L, K, N);
     });
   }
-  const double u = 0x1p-24, g0 = K * u / (1 - K * u), g1 = (K + 1) * u / (1 - (K + 1) * u);
+  const double u = 0x1p-24, g0 = K * u / (1 - K * u), g1 = (K + 1) * 2 * u / (1 - (K + 1) * 2 * u);
   const float slack = static_cast<float>(4.0 * (K + 1) * 0x1p-126);
   parallel_for(live <= kHeadMinRows ? 0 : M, 1, [&](int64_t m) {
     const float* xr = x + m * K;

@@ -270,8 +270,8 @@ def main() -> int:
         shown = f"{measured:.1f}" if measured else "-"
         ratio = f"{measured / bound:.2f}" if measured else "-"
         to_phases = f"{measured / phases:.2f}" if measured else "-"
-        print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + head + others) / 1e9:>8.2f}{bound:>10.1f}{phases:>11.1f}"
-              f"{shown:>13}{ratio:>7}{to_phases:>11}")
+        print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + head + others) / 1e9:>8.2f}{bound:>10.1f}"
+              f"{phases:>11.1f}{shown:>13}{ratio:>7}{to_phases:>11}")
     return 0
 
 

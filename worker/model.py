@@ -823,8 +823,8 @@ class CausalLM(nn.Cell):
         packed (sharding.layout.bytes_per_rank counts them); whether the tables are held."""
         head = self.lm_head
         if (not getattr(self.dev, "greedy_head", False) or head is None or not self.first
-                or self.dtype != ms.float32 or self.sampler.tp_size != 1 or self.dev.sampler_kernels is None or head.input_quant is not None
-                or head.weight.dtype != ms.uint16):
+                or self.dtype != ms.float32 or self.sampler.tp_size != 1 or self.dev.sampler_kernels is None
+                or head.input_quant is not None or head.weight.dtype != ms.uint16):
             return False
         tables = self.dev.greedy_head_tables(head.weight.asnumpy())
         if tables is None:

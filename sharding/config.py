@@ -592,15 +592,20 @@ def bf16_panels_on() -> bool:
     return os.environ.get("MSINFER_BF16_PANELS", "1") != "0"
 
 
+def cpu_flags() -> list[str]:
+    """This machine's CPU flags (/proc/cpuinfo's first `flags` line; none where there is no such
+    file), which the driver's plan reads instead of the kernels': it takes the workers' nodes to be
+    of the driver's kind."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return []
+    with open("/proc/cpuinfo") as f:
+        return next((line for line in f if line.startswith("flags")), "").split()
+
+
 def int4_on() -> bool:
     """Whether the CPU kernels hold W4A16 layers' int4 weights as they are (worker.cpu.CpuOps.int4:
-    the kernels built for a CPU with AVX-512); MSINFER_INT4=0 dequantizes them. Read from
-    /proc/cpuinfo, so that the driver's plan needs no kernels: it takes the workers' nodes to be
-    of the driver's kind."""
-    if os.environ.get("MSINFER_INT4", "1") == "0" or not os.path.exists("/proc/cpuinfo"):
-        return False
-    with open("/proc/cpuinfo") as f:
-        return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+    the kernels built for a CPU with AVX-512); MSINFER_INT4=0 dequantizes them. From cpu_flags."""
+    return os.environ.get("MSINFER_INT4", "1") != "0" and "avx512f" in cpu_flags()
 
 
 def greedy_head_on(vocab: int, hidden: int) -> bool:
@@ -608,12 +613,11 @@ def greedy_head_on(vocab: int, hidden: int) -> bool:
     bfloat16 pairs as well as panels, for greedy chains (worker.model.CausalLM.pack_greedy_head):
     the kernels built for this CPU (MSINFER_KERNEL_ARCH unset) with AVX512-BF16 in use
     (MSINFER_BF16_DOT and MSINFER_GREEDY_HEAD unset or 1), and the head in panels, not AMX tiles
-    (no AMX in use, or a shape the tiles do not take). Read from /proc/cpuinfo, as int4_on is."""
+    (no AMX in use, or a shape the tiles do not take). From cpu_flags."""
     if (any(os.environ.get(k, "1") == "0" for k in ("MSINFER_BF16_DOT", "MSINFER_GREEDY_HEAD"))
-            or os.environ.get("MSINFER_KERNEL_ARCH") or not os.path.exists("/proc/cpuinfo")):
+            or os.environ.get("MSINFER_KERNEL_ARCH")):
         return False
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
+    flags = cpu_flags()
     tiles = "amx_tile" in flags and os.environ.get("MSINFER_AMX", "1") != "0" and vocab % 32 == 0 and hidden % 32 == 0
     return "avx512_bf16" in flags and not tiles
 

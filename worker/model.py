@@ -718,11 +718,11 @@ class CausalLM(nn.Cell):
         real = out_index >= 0
         sampled = draws.shape[-1] == 5          # (fixed by the graph's shape)
         ids, tokens = input_ids, []
-        rows = not sampled and self.greedy_head is not None      # GreedyHead's pick (pack_greedy_head)
+        by_head = not sampled and self.greedy_head is not None    # GreedyHead's pick (pack_greedy_head)
         for k in range(positions.shape[0]):
             out = self.forward(ids, positions[k], slot_mapping[k], block_tables, batch_valid_length[k], q_seq_lens,
-                               token_seq, token_len[k], attn_mask, out_index, False, head=not rows)
-            if rows:
+                               token_seq, token_len[k], attn_mask, out_index, False, head=not by_head)
+            if by_head:
                 picked = self.greedy_head(out, self.lm_head.weight, self.head_pairs, self.head_norms, self.sampler.meta)
             else:
                 picked = self.sampler.fused(out, draws[k]) if sampled else self.sampler.greedy(out)

@@ -331,10 +331,7 @@ constexpr int64_t kHeadMinRows = kRows;
 
 // Column c of x [K] times w [N, K] in bfloat16 panels, as micro sums it: from 0, one FMA a k.
 inline float panel_dot(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t c) {
-  const int64_t full = N / kPanel;
-  const bool narrow = c >= full * kPanel;            // the last panel: [K][N mod 32]
-  const int64_t stride = narrow ? N - full * kPanel : kPanel;
-  const uint16_t* col = w + (c - c % kPanel) * K + c % kPanel;
+  const auto [col, stride] = panel_row(w, N, K, c);
   float acc = 0.f;
   for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[k], bf16_value(col[k * stride]), acc);
   return acc;

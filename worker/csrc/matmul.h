@@ -1052,14 +1052,21 @@ inline float value_of(uint16_t bits) { return bf16_value(bits); }     // bfloat1
 template <typename T>
 inline T value_of(T v) { return v; }
 
+// Row `id` of a panel-major [V, H] table (column id of x w^T): where its first value lies, and
+// the distance between its values (its panel's width).
+template <typename W>
+inline std::pair<const W*, int64_t> panel_row(const W* w, int64_t V, int64_t H, int64_t id) {
+  const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
+  return {w + col * H + (id - col), width};
+}
+
 // Rows ids[n] of a panel-major [V, H] table (an embedding that is also the LM head's weight), W
 // the table's element (T, or uint16_t: bfloat16 for a float32 T); ids outside [0, V) (another
 // rank's vocabulary) give zeros.
 template <typename T, typename W = T>
 void embed(const W* w, const int32_t* ids, T* out, int64_t N, int64_t V, int64_t H) {
   lookup_rows(ids, out, N, V, H, [&](int64_t id, T* o) {
-    const int64_t col = id / kPanel * kPanel, width = std::min(kPanel, V - col);
-    const W* b = w + col * H + (id - col);
+    const auto [b, width] = panel_row(w, V, H, id);
     for (int64_t k = 0; k < H; ++k) o[k] = value_of(b[k * width]);
   });
 }

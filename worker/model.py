@@ -713,7 +713,8 @@ class CausalLM(nn.Cell):
         min_p, its uniform), drawn by one SampleRows call a step (tp 1 with the CPU kernels); or
         [K, 1, 1] for greedy steps (GreedyRows). A decode step has N = M and token b in row b, so a
         step's tokens [M] are the next step's input ids, the padding rows' (out_index -1) put back
-        to the device's padding id. -> tokens [K, M] int32."""
+        to the device's padding id. Greedy steps pick with GreedyHead where the model holds its
+        tables (`pack_greedy_head`). -> tokens [K, M] int32."""
         pad = ops.full_like(input_ids, self.dev.pad_id)
         real = out_index >= 0
         sampled = draws.shape[-1] == 5          # (fixed by the graph's shape)

@@ -329,6 +329,10 @@ constexpr int64_t kHeadCandidates = 256;
 // without, 16 sequences 11.97 against 12.80 (docs/benchmarks.md). Such calls take the panels.
 constexpr int64_t kHeadMinRows = kRows;
 
+// m_c for a_c = v and r = norms[c] * s (greedy_head), in float: each float operation's rounding
+// (2^-24 of its terms) is covered by the margin's extra 2^-20 of |v| + r.
+inline float head_margin(float v, float r, float slack) { return r + (std::fabs(v) + r) * 0x1p-20f + slack; }
+
 // Column c of x [K] times w [N, K] in bfloat16 panels, as micro sums it: from 0, one FMA a k.
 inline float panel_dot(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t c) {
   const auto [col, stride] = panel_row(w, N, K, c);
@@ -372,8 +376,6 @@ inline void greedy_head(const float* x, const uint16_t* w, const uint32_t* pairs
       return;
     }
     const double e = std::sqrt(e2), xn = std::sqrt(x2);
-    // m_c = norms[c] * s + slack, in float: each float operation's rounding (2^-24 of its terms)
-    // is covered by the margin's extra 2^-20 of |a_c| + norms[c] * s
     const float s = static_cast<float>((e + g0 * xn + g1 * (xn + e)) * (1 + 1e-6));
     const float* nr = norms;           // (locals: through the lambda's captures GCC gathered)
     const int64_t cols = n;
@@ -382,7 +384,7 @@ inline void greedy_head(const float* x, const uint16_t* w, const uint32_t* pairs
 #pragma omp simd reduction(max : floor, bad)
     for (int64_t c = 0; c < cols; ++c) {
       const float v = ar[c], r = nr[c] * s;
-      floor = std::max(floor, v - (r + (std::fabs(v) + r) * 0x1p-20f + sl));
+      floor = std::max(floor, v - head_margin(v, r, sl));
       bad = std::max(bad, std::fabs(v) > 1e37f || v != v ? 1.f : 0.f);   // past range, or NaN
     }
     if (bad != 0.f) {
@@ -398,12 +400,12 @@ inline void greedy_head(const float* x, const uint16_t* w, const uint32_t* pairs
 #pragma omp simd reduction(max : hit)
       for (int64_t c = c0; c < c1; ++c) {
         const float v = ar[c], r = nr[c] * s;
-        hit = std::max(hit, v + (r + (std::fabs(v) + r) * 0x1p-20f + sl));
+        hit = std::max(hit, v + head_margin(v, r, sl));
       }
       if (hit < floor) continue;
       for (int64_t c = c0; c < c1; ++c) {
         const float v = ar[c], r = nr[c] * s;
-        if (v + (r + (std::fabs(v) + r) * 0x1p-20f + sl) < floor) continue;
+        if (v + head_margin(v, r, sl) < floor) continue;
         const float z = panel_dot(xr, w, K, N, c);
         if (++count > kHeadCandidates || std::isnan(z)) {
           whole[m] = 1;

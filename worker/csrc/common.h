@@ -303,12 +303,14 @@ inline vreg loadr(const Bf16* p) { return loadr(reinterpret_cast<const uint16_t*
 // (a part of a row, whose parts are put together later). The max, the sum and the scaling run
 // on whole vectors (the CPU's own, vreg: in 16-lane vectors an AVX2 build kept them on the
 // stack, and a decode step's attention of 16 sequences at context 64, the demo model's 30
-// layers from memory, took 6.15 ms against 5.63, Zen 3), the rest of a row after them; the
+// layers from memory, took 6.15 ms against 5.63, Zen 3; the sum in 16 partial sums either way,
+// so the same bits), the rest of a row after them; the
 // exponentials are one vectorized loop (omp simd: the C library's vector expf). As one loop
 // with its reduction, GCC summed the exponentials one float at a time through the stack: ~17%
 // of a decode step's attention at context 64.
 inline void softmax_rows(float* s, int64_t rows, int64_t len, float* max = nullptr, float* sum = nullptr) {
-  const int64_t whole = len / kLanes * kLanes;
+  constexpr int HALVES = 16 / kLanes;
+  const int64_t whole = len / 16 * 16;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * len;
     vreg mv = vreg{} - std::numeric_limits<float>::infinity();
@@ -321,10 +323,12 @@ inline void softmax_rows(float* s, int64_t rows, int64_t len, float* max = nullp
     for (int64_t j = whole; j < len; ++j) m = sr[j] > m ? sr[j] : m;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) sr[j] = expf(sr[j] - m);
-    vreg tv = {};
-    for (int64_t j = 0; j < whole; j += kLanes) tv += loadr(sr + j);
+    vreg tv[HALVES] = {};       // 16 partial sums, lane by lane as 16 columns of the row
+    for (int64_t j = 0; j < whole; j += 16)
+      for (int h = 0; h < HALVES; ++h) tv[h] += loadr(sr + j + h * kLanes);
     float total = 0.f;
-    for (int i = 0; i < kLanes; ++i) total += tv[i];
+    for (int h = 0; h < HALVES; ++h)
+      for (int i = 0; i < kLanes; ++i) total += tv[h][i];
     for (int64_t j = whole; j < len; ++j) total += sr[j];
     if (max != nullptr) {
       max[r] = m, sum[r] = total;

@@ -263,9 +263,7 @@ struct PagedAttention {
   // without them.
   static constexpr bool kRowsIntoL1 = sizeof(vreg) == 32;
   static void rows_into_l1(const C* row, int64_t rows, int64_t stride, int64_t bytes) {
-    for (int64_t t = 0; t < rows; ++t)
-      for (int64_t l = 0; l < bytes; l += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(row + t * stride) + l, 0, 3);
+    for (int64_t t = 0; t < rows; ++t) prefetch<3>(row + t * stride, bytes);
   }
 
   // K block j of token `follow`'s sequence (nullptr past its blocks, or for no token, -1): what

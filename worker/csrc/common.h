@@ -195,8 +195,10 @@ using msinfer_shared::parallel_for;
 // way against ~1.22 ms into L1.
 constexpr int64_t kAhead = 8;
 
+// `bytes` from p asked for into L2 (Locality 1), or L1 (3)
+template <int Locality = 1>
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, Locality);
 }
 
 typedef float v16 __attribute__((vector_size(64)));   // 16 float lanes (GCC vector extension)

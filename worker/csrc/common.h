@@ -306,10 +306,10 @@ inline vreg loadr(const Bf16* p) { return loadr(reinterpret_cast<const uint16_t*
 // on whole vectors (the CPU's own, vreg: in 16-lane vectors an AVX2 build kept them on the
 // stack, and a decode step's attention of 16 sequences at context 64, the demo model's 30
 // layers from memory, took 6.15 ms against 5.63, Zen 3; the sum in 16 partial sums either way,
-// so the same bits), the rest of a row after them; the
-// exponentials are one vectorized loop (omp simd: the C library's vector expf). As one loop
-// with its reduction, GCC summed the exponentials one float at a time through the stack: ~17%
-// of a decode step's attention at context 64.
+// so the same bits), the rest of a row after them; the exponentials are one vectorized loop
+// (omp simd: the C library's vector expf). As one loop with its reduction, GCC summed the
+// exponentials one float at a time through the stack: ~17% of a decode step's attention at
+// context 64.
 inline void softmax_rows(float* s, int64_t rows, int64_t len, float* max = nullptr, float* sum = nullptr) {
   constexpr int HALVES = 16 / kLanes;
   const int64_t whole = len / 16 * 16;

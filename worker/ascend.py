@@ -46,7 +46,7 @@ import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
 from msinfer.sharding.layers import round_half_away
-from msinfer.worker.ops import (INFERENCE_MODE, MsOps, PortableLatentAttention, cache_index,
+from msinfer.worker.ops import (INFERENCE_MODE, MsOps, PortableLatentAttention, cache_index, int_range,
                                 latent_paged_attention, packed_attention, paged_attention, rms_norm)
 
 KERNELS = ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention", "RmsNorm")
@@ -537,7 +537,7 @@ def _token_sequences(seq_lens, num_tokens_like):
     its index within that sequence [T], for T = num_tokens_like.shape[0]."""
     T = num_tokens_like.shape[0]
     ends = ops.cumsum(seq_lens, 0)
-    token = ops.arange(T, dtype=ms.int32)
+    token = int_range(T)
     seq = (ops.broadcast_to(ends.reshape(1, -1), (T, ends.shape[0])) <= token.reshape(T, 1)).astype(ms.int32).sum(1)
     return seq, token - ops.gather(ends - seq_lens, seq, 0)
 
@@ -619,7 +619,7 @@ class PagedAttention(nn.Cell):
         T = query.shape[0]
         D = key_cache.shape[3]
         if q_seq_lens is None:
-            seq = ops.arange(T, dtype=ms.int32)
+            seq = int_range(T)
         else:
             seq, _ = _token_sequences(q_seq_lens, query)
         tables, lens, bias = ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), attn_mask
@@ -655,7 +655,7 @@ class MoeGatingTopKSoftmax(nn.Cell):
             raise NotImplementedError("the MoeGatingTopKSoftmax stand-in emulates finished=None only")
         y, ids = ops.topk(ops.softmax(x.astype(ms.float32), -1), k)
         n = x.shape[0]
-        row_idx = ops.arange(n * k, dtype=ms.int32).reshape(k, n).transpose(1, 0)
+        row_idx = int_range(n * k).reshape(k, n).transpose(1, 0)
         return y.astype(x.dtype), ids.astype(ms.int32), row_idx
 
 
@@ -675,11 +675,11 @@ class MoeInitRoutingV2(nn.Cell):
         k = expert_idx.shape[1]
         flat = expert_idx.reshape(-1)
         m = flat.shape[0]
-        pair = ops.arange(m, dtype=ms.int32)
+        pair = int_range(m)
         _, order = ops.sort((flat * m + pair).astype(ms.float32))        # stable: ties by pair
         order = order.astype(ms.int32)
         _, row_of_pair = ops.sort(order.astype(ms.float32))
-        experts = ops.arange(expert_num, dtype=ms.int32)
+        experts = int_range(expert_num)
         counts = ops.equal(ops.broadcast_to(flat.reshape(-1, 1), (m, expert_num)),
                            ops.broadcast_to(experts.reshape(1, -1), (m, expert_num))).astype(ms.int32).sum(0)
         if expert_tokens_count_or_cumsum_flag == 1:
@@ -748,7 +748,7 @@ class GroupedMatmulV4(nn.Cell):
         ends = group_list.astype(ms.int32)
         if group_list_type == 1:
             ends = ops.cumsum(ends, 0)
-        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= ops.arange(M, dtype=ms.int32).reshape(M, 1)) \
+        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= int_range(M).reshape(M, 1)) \
             .astype(ms.int32).sum(1)
         rows = ops.gather(ops.concat((s.astype(ms.float32), ops.zeros((1, N), ms.float32))), group, 0)   # [M, N]
         return (y * rows * pre_token_scale[0].astype(ms.float32).reshape(M, 1)).astype(out)
@@ -758,11 +758,11 @@ class GroupedMatmulV4(nn.Cell):
         ends = group_list.astype(ms.int32)
         if group_list_type == 1:
             ends = ops.cumsum(ends, 0)
-        row = ops.arange(M, dtype=ms.int32)
+        row = int_range(M)
         group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= row.reshape(M, 1)).astype(ms.int32).sum(1)
         every = ops.BatchMatMul()(ops.broadcast_to(x.expand_dims(0), (E,) + x.shape), w)      # [E, M, out]
         pick = ops.equal(ops.broadcast_to(group.reshape(1, M), (E, M)),
-                         ops.broadcast_to(ops.arange(E, dtype=ms.int32).reshape(E, 1), (E, M))).astype(x.dtype)
+                         ops.broadcast_to(int_range(E).reshape(E, 1), (E, M))).astype(x.dtype)
         return (every * ops.broadcast_to(pick.expand_dims(-1), every.shape)).sum(0)
 
 

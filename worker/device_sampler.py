@@ -60,6 +60,7 @@ from mindspore import Tensor, nn, ops
 
 from msinfer.sharding.layers import all_gather, all_reduce
 from msinfer.sharding.layout import TPInfo, vocab_shard
+from msinfer.worker.ops import int_range
 from msinfer.worker.sampler import mix64
 
 CANDIDATES = 64               # per row, for top-k, top-p and top_logprobs (more when a top_k asks for more)
@@ -265,7 +266,7 @@ class VocabSampler(nn.Cell):
         at = entries[:, 1].astype(ms.int32).expand_dims(0) - self.int_starts     # [R, E]: the token's column here
         valid = ops.logical_and(ops.logical_and(at >= 0, at < self.per), (row >= 0).expand_dims(0))
         E = entries.shape[0]
-        index = ops.stack((ops.broadcast_to(ops.arange(self.R, dtype=ms.int32).reshape(-1, 1), at.shape),
+        index = ops.stack((ops.broadcast_to(int_range(self.R).reshape(-1, 1), at.shape),
                            ops.broadcast_to(ops.clip_by_value(row, 0, None).expand_dims(0), at.shape),
                            ops.clip_by_value(at, 0, self.per - 1)), -1).reshape(-1, 3)
         old = ops.gather_nd(x, index).reshape(self.R, E)
@@ -455,7 +456,7 @@ class VocabSampler(nn.Cell):
         n = hit.shape[axis]
         shape = [1] * hit.ndim
         shape[axis] = n
-        positions = ops.arange(n, dtype=ms.int32).reshape(tuple(shape))
+        positions = int_range(n).reshape(tuple(shape))
         first = ops.argmax(hit.astype(ms.int32), axis)
         last = ops.argmax(ops.select(present, ops.broadcast_to(positions, hit.shape),
                                      ops.full_like(hit, -1, dtype=ms.int32)), axis)

@@ -64,6 +64,15 @@ class AddThenNorm(nn.Cell):
 MASKED = -1e30
 
 
+def int_range(n):
+    """[0, 1, ..., n - 1] int32, n an int or a graph's dynamic dimension: MindSpore's Range
+    operator, the one ops.arange calls, then a cast. ops.arange first works out its dtype with
+    Python code (str() of types, a dict) that a dynamic-shape graph cannot fold: it compiles into
+    each graph that calls it, about 0.8 s of type inference a graph on a Zen 3 core; ops.range's
+    call of the same operator about 0.1 s."""
+    return ops.range(0, n, 1).astype(ms.int32)
+
+
 def cache_index(slot_mapping, block_size: int):
     """[T, 2]: each slot's (block, offset) in a cache [blocks, block_size, ...], where
     scatter_nd_update writes the token's row (a slot is block * block_size + offset)."""
@@ -91,7 +100,7 @@ def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
     scores = ops.bmm(q.reshape(N, KV, H // KV, D), k).astype(ms.float32) * scale      # [N, KV, G, L]
     if bias is not None:
         scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, 1, L)
-    visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, 1, L)
+    visible = (int_range(L).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, 1, L)
     return _softmax_pv(scores, visible, v).reshape(N, H, Dv)
 
 
@@ -107,7 +116,7 @@ def latent_paged_attention(q, cache, tables, lens, scale: float, values: int, bi
     scores = ops.bmm(q, rows.transpose(0, 2, 1)).astype(ms.float32) * scale                # [N, H, L]
     if bias is not None:
         scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, L)
-    visible = (ops.arange(L, dtype=ms.int32).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, L)
+    visible = (int_range(L).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, L)
     return _softmax_pv(scores, visible, rows[:, :, :values])
 
 
@@ -123,7 +132,7 @@ def packed_attention(q, k, v, token_seq, scale: float, causal: bool = True):
     scores = ops.bmm(qh, k.transpose(1, 2, 0)).astype(ms.float32) * scale                 # [KV, G*N, N]
     visible = token_seq.reshape(N, 1) == token_seq.reshape(1, N)
     if causal:
-        index = ops.arange(N, dtype=ms.int32)
+        index = int_range(N)
         visible = ops.logical_and(visible, index.reshape(1, N) <= index.reshape(N, 1))
     visible = ops.broadcast_to(visible.reshape(1, 1, N, N), (KV, G, N, N)).reshape(KV, G * N, N)
     out = _softmax_pv(scores, visible, v.transpose(1, 0, 2))                              # [KV, G*N, Dv]

@@ -22,6 +22,20 @@ from msinfer.sharding.layout import TPInfo, kv_head_range, vocab_shard
 from msinfer.sharding.quant import Dequantized, source_shape
 
 
+# What a step graph compiles. The graphs have dynamic shapes, and MindSpore compiles the Python of
+# a functional op or a slice into each graph that calls it: a shape tuple holding a dynamic dimension
+# goes through its argument handler (a loop, ~10 subgraphs a call), a slice through tensor indexing
+# (~12), ops.full_like and ops.softmax through their checks. So the step graphs reshape and broadcast
+# to constant shapes (-1 for the dynamic dimension; mint.flatten to merge two), and call primitives
+# for softmax, top k, halves and masks: the tests' 2-layer Llama's portable prefill graph compiles in
+# about 1.1 s instead of 1.3 and its emulated Ascend one in 1.1 instead of 1.6 (Zen 3,
+# docs/benchmarks.md).
+HALVES = ops.Split(-1, 2)           # x [..., 2D] -> its halves [..., D]
+SPLIT = ops.auto_generate.SplitWithSize()    # (x, sizes, axis) -> its parts along axis
+SOFTMAX = ops.Softmax(-1)           # over the last axis
+TOPK = ops.TopK(sorted=True)        # (x, k) -> the k largest of the last axis and their indices, largest first
+
+
 class ShapeMismatch(ValueError):
     """A checkpoint tensor whose shape is not the one the config implies."""
 
@@ -459,18 +473,18 @@ class FusedExperts(nn.Cell):
             if self.w13_scale is not None:
                 return self.op(x, ids, weights, self.w13, self.w2, self.meta, self.w13_scale, self.w2_scale)
             return self.op(x, ids, weights, self.w13, self.w2, self.meta)
-        n, e = x.shape[0], self.count
+        e = self.count
         # dense routing weights [E, N]: weights[n, j] where ids[n, j] is local expert e
-        hit = ops.equal(ops.broadcast_to(ids.expand_dims(-1), ids.shape + (e,)),
+        hit = ops.equal(ops.broadcast_to(ids.expand_dims(-1), (-1, -1, e)),
                         ops.broadcast_to(self.expert_ids, ids.shape + (e,))).astype(weights.dtype)
-        dense = (hit * ops.broadcast_to(weights.expand_dims(-1), hit.shape)).sum(1).transpose(1, 0)
-        xs = ops.broadcast_to(x.expand_dims(0), (e, n, self.hidden))
-        h = self.batch_matmul(xs, self.w13)                                     # [E, N, 2I]
-        h = ops.silu(h[:, :, :self.inter]) * h[:, :, self.inter:]
+        dense = (hit * ops.broadcast_to(weights.expand_dims(-1), (-1, -1, e))).sum(1).transpose(1, 0)
+        xs = ops.broadcast_to(x.expand_dims(0), (e, -1, -1))
+        gate, up = HALVES(self.batch_matmul(xs, self.w13))                      # [E, N, 2I]
+        h = ops.silu(gate) * up
         if self.h_quant is not None:
-            h = self.h_quant(h.reshape(e * n, self.inter)).reshape(e, n, self.inter)
+            h = self.h_quant(h.reshape(-1, self.inter)).reshape(e, -1, self.inter)
         y = self.batch_matmul(h, self.w2)                                        # [E, N, H]
-        return (y * ops.broadcast_to(dense.expand_dims(-1), y.shape)).sum(0)
+        return (y * ops.broadcast_to(dense.expand_dims(-1), (-1, -1, self.hidden))).sum(0)
 
 
 class VocabParallelEmbedding(nn.Cell):
@@ -506,7 +520,7 @@ class VocabParallelEmbedding(nn.Cell):
         inside = ops.logical_and(local >= 0, local < self.stop - self.start)
         local = ops.select(inside, local, ops.zeros_like(local))
         out = ops.gather(self.weight, local, 0)
-        out = out * ops.broadcast_to(ops.expand_dims(inside.astype(out.dtype), -1), out.shape)
+        out = out * ops.broadcast_to(ops.expand_dims(inside.astype(out.dtype), -1), (-1, out.shape[1]))
         return self.all_reduce(out)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, mint, nn, ops
 from mindspore.ops import auto_generate
 import numpy as np
 
@@ -103,12 +103,11 @@ class AscendAttention(nn.Cell):
 
     def construct(self, q, k, v, k_cache, v_cache, ctx, prefill: bool):
         slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq, token_len, attn_mask = ctx
-        N = q.shape[0]
-        q, k, v = q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)
+        q, k, v = mint.flatten(q, 1), mint.flatten(k, 1), mint.flatten(v, 1)
         if self.cache_portable:
             at = cache_index(slot_mapping, self.block_size)
-            written = ops.depend(ops.scatter_nd_update(k_cache, at, k.reshape(N, self.kv_heads, self.head_dim)),
-                                 ops.scatter_nd_update(v_cache, at, v.reshape(N, self.kv_heads, self.head_dim)))
+            written = ops.depend(ops.scatter_nd_update(k_cache, at, k.reshape(-1, self.kv_heads, self.head_dim)),
+                                 ops.scatter_nd_update(v_cache, at, v.reshape(-1, self.kv_heads, self.head_dim)))
         else:
             # ReshapeAndCache.__call__(key, value, key_cache, value_cache, slot_mapping): writes the
             # caches (Parameters, passed as they are) in place; the query waits for it (vllm-mindspore
@@ -117,8 +116,9 @@ class AscendAttention(nn.Cell):
                                              slot_mapping=slot_mapping)
         q = ops.depend(q, written)
         if prefill and self.fa == "portable":
-            return packed_attention(q.reshape(N, self.heads, -1), k.reshape(N, self.kv_heads, -1),
-                                    v.reshape(N, self.kv_heads, -1), token_seq, self.scale).reshape(N, -1)
+            return mint.flatten(packed_attention(q.reshape(-1, self.heads, self.head_dim),
+                                                 k.reshape(-1, self.kv_heads, self.head_dim),
+                                                 v.reshape(-1, self.kv_heads, self.head_dim), token_seq, self.scale), 1)
         if prefill:
             # FlashAttentionScore.__call__(query, key, value, real_shift, drop_mask, padding_mask,
             # attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen) -> (max, sum, out, attention):
@@ -129,8 +129,8 @@ class AscendAttention(nn.Cell):
             return self.flash_attention(q, k, v, attn_mask=self.flash_mask, actual_seq_qlen=lengths,
                                         actual_seq_kvlen=lengths)[3]
         if self.pa_portable:
-            return paged_attention(q.reshape(N, self.heads, -1), k_cache, v_cache, ops.gather(block_tables, token_seq, 0),
-                                   token_len, self.scale).reshape(N, -1)
+            return mint.flatten(paged_attention(q.reshape(-1, self.heads, self.head_dim), k_cache, v_cache,
+                                                ops.gather(block_tables, token_seq, 0), token_len, self.scale), 1)
         # PagedAttention.__call__(query, key_cache, value_cache, block_tables, context_lens,
         # antiquant_scale, antiquant_offset, attn_mask, q_seq_lens, alibi_mask): context_lens is
         # each sequence's whole length, q_seq_lens its tokens in this step; the mask is [1, 1]
@@ -172,11 +172,10 @@ class AscendLatentAttention(nn.Cell):
         if self.pa_portable:
             return self.portable.attend(q, cache, ctx)
         _, block_tables, batch_valid_length, q_seq_lens, _, _, attn_mask = ctx
-        N = q.shape[0]
-        out = self.paged_attention(q.reshape(N, self.heads * self.width), key_cache=cache, value_cache=cache,
+        out = self.paged_attention(mint.flatten(q, 1), key_cache=cache, value_cache=cache,
                                    block_tables=block_tables, context_lens=batch_valid_length, attn_mask=attn_mask,
                                    q_seq_lens=q_seq_lens)
-        return out.reshape(N, self.heads, self.values)
+        return out.reshape(-1, self.heads, self.values)
 
 
 class AscendRouter(nn.Cell):
@@ -535,10 +534,9 @@ class AscendOps(MsOps):
 def _token_sequences(seq_lens, num_tokens_like):
     """seq_lens [B] (tokens of each sequence, packed in order) -> each token's sequence [T] and
     its index within that sequence [T], for T = num_tokens_like.shape[0]."""
-    T = num_tokens_like.shape[0]
     ends = ops.cumsum(seq_lens, 0)
-    token = int_range(T)
-    seq = (ops.broadcast_to(ends.reshape(1, -1), (T, ends.shape[0])) <= token.reshape(T, 1)).astype(ms.int32).sum(1)
+    token = int_range(num_tokens_like.shape[0])
+    seq = (ends.reshape(1, -1) <= token.reshape(-1, 1)).astype(ms.int32).sum(1)          # [T, B] summed
     return seq, token - ops.gather(ends - seq_lens, seq, 0)
 
 
@@ -586,14 +584,15 @@ class FlashAttentionScore(nn.Cell):
 
     def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None, attn_mask=None,
                   prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
-        T = query.shape[0]
         D = query.shape[1] // self.head_num
         lengths = actual_seq_qlen
         if self.cumulative:         # ends -> lengths
             lengths = lengths - ops.concat((ops.zeros((1,), lengths.dtype), lengths[:-1]))
         seq, _ = _token_sequences(lengths, query)
-        out = packed_attention(query.reshape(T, self.head_num, D), key.reshape(T, -1, D), value.reshape(T, -1, D),
-                               seq, self.scale, causal=attn_mask is not None).reshape(T, -1)
+        kv = key.shape[1] // D
+        out = mint.flatten(packed_attention(query.reshape(-1, self.head_num, D), key.reshape(-1, kv, D),
+                                            value.reshape(-1, kv, value.shape[1] // kv), seq, self.scale,
+                                            causal=attn_mask is not None), 1)
         return out, out, out, out
 
 
@@ -624,12 +623,12 @@ class PagedAttention(nn.Cell):
             seq, _ = _token_sequences(q_seq_lens, query)
         tables, lens, bias = ops.gather(block_tables, seq, 0), ops.gather(context_lens, seq, 0), attn_mask
         if self.values:
-            out = latent_paged_attention(query.reshape(T, self.head_num, D), key_cache, tables, lens, self.scale,
+            out = latent_paged_attention(query.reshape(-1, self.head_num, D), key_cache, tables, lens, self.scale,
                                          self.values, None if self.wrong else bias)
-            return out.reshape(T, -1)
-        out = paged_attention(query.reshape(T, self.head_num, D), key_cache, value_cache, tables, lens, self.scale,
+            return mint.flatten(out, 1)
+        out = paged_attention(query.reshape(-1, self.head_num, D), key_cache, value_cache, tables, lens, self.scale,
                               None if self.wrong else bias)
-        return out.reshape(T, -1)
+        return mint.flatten(out, 1)
 
 
 class RmsNorm(nn.Cell):

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, mint, nn, ops
 
 from msinfer.sharding.layers import all_gather, all_reduce
 from msinfer.sharding.layout import TPInfo, vocab_shard
@@ -281,7 +281,7 @@ class VocabSampler(nn.Cell):
         """-> the whole logits [M, vocab]."""
         x = self.local(logits)
         g = self.gather(x)                                                      # [M, tp, per]
-        g = g.reshape(g.shape[0], -1)
+        g = mint.flatten(g, 1)                                                  # [M, tp * per]
         # no slice where no shard is padded: MindSpore's CPU StridedSlice copies a [16, 49152]
         # float32 array in ~30 ms
         return g if g.shape[1] == self.vocab else g[:, : self.vocab]

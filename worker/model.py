@@ -18,10 +18,10 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from msinfer.sharding.config import ModelConfig
-from msinfer.sharding.layers import (ColumnParallelLinear, FusedExperts, LinearBase, MergedColumnParallelLinear,
-                                     ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                                     StaticInt8, VocabParallelEmbedding, all_reduce, carried_levels, in_turn,
-                                     load_replicated, new_param)
+from msinfer.sharding.layers import (HALVES, SOFTMAX, SPLIT, TOPK, ColumnParallelLinear, FusedExperts, LinearBase,
+                                     MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
+                                     RMSNorm, RowParallelLinear, StaticInt8, VocabParallelEmbedding, all_reduce,
+                                     carried_levels, in_turn, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
@@ -59,21 +59,21 @@ class Attention(nn.Cell):
             self.attend = dev.attention(self.heads, self.kv_heads, cfg.head_dim, block_size, dtype)
 
     def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
-        N = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.dev.fused_attention:
             slot_mapping, block_tables, _, _, token_seq, token_len, _ = ctx
             return self.o_proj(self.attend(qkv, *self.qk_norm, self.norm_meta, *rope_q, self.k_cache, self.v_cache,
                                            slot_mapping, block_tables, token_seq, token_len, self.attn_meta))
-        q = qkv[:, : self.q_size].reshape(N, self.heads, self.head_dim)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(N, self.kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].reshape(N, self.kv_heads, self.head_dim)
+        q, k, v = SPLIT(qkv, (self.q_size, self.kv_size, self.kv_size), 1)
+        q = q.reshape(-1, self.heads, self.head_dim)
+        k = k.reshape(-1, self.kv_heads, self.head_dim)
+        v = v.reshape(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         out = self.attend(self.dev.rotary(q, *rope_q), self.dev.rotary(k, *rope_k), v, self.k_cache, self.v_cache,
                           ctx, prefill)
-        return self.o_proj(out.reshape(N, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def caches(self) -> tuple:
         return self.k_cache, self.v_cache
@@ -137,39 +137,39 @@ class MLAttention(nn.Cell):
         """x [N, h, rope] rotated by cos/sin [N, rope/2] (halves; interleaved pairs put in halves first)."""
         if self.rope_order is not None:
             x = ops.gather(x, self.rope_order, 2)
-        half = self.rope // 2
-        shape = (x.shape[0], x.shape[1], half)
+        shape = (-1, x.shape[1], -1)
         c, s = ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
-        x1, x2 = x[:, :, :half], x[:, :, half:]
+        x1, x2 = HALVES(x)
         return ops.concat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
 
     def construct(self, x, rope_q, rope_k, ctx, prefill: bool):
-        N, H = x.shape[0], self.heads
+        H = self.heads
         slot_mapping, token_seq = ctx[0], ctx[4]
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(N, H, self.nope + self.rope)
+        q_nope, q_pe = SPLIT(q.reshape(-1, H, self.nope + self.rope), (self.nope, self.rope), 2)
         cos, sin = rope_q
-        q_pe = self.rotate(q[:, :, self.nope:], cos, sin)
-        down = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(down[:, :self.lora])
+        q_pe = self.rotate(q_pe, cos, sin)
+        c_kv, k_pe = SPLIT(self.kv_a_proj_with_mqa(x), (self.lora, self.rope), 1)
+        c_kv = self.kv_a_layernorm(c_kv)
         if self.kv_b_proj.input_quant is not None:
             # W8A8: c_kv is kv_b_proj's input, quantized per token as the checkpoint's arithmetic
             # says (sharding.quant), once: the cache holds it so, for decode's absorbed kv_b_proj too
             c_kv = self.kv_b_proj.input_quant(c_kv)
-        k_pe = self.rotate(down[:, self.lora:].reshape(N, 1, self.rope), cos, sin)
-        written = self.latent.write(ops.concat((c_kv, k_pe.reshape(N, self.rope)), -1), self.cache, slot_mapping)
+        k_pe = self.rotate(k_pe.reshape(-1, 1, self.rope), cos, sin)
+        written = self.latent.write(ops.concat((c_kv, k_pe.reshape(-1, self.rope)), -1), self.cache, slot_mapping)
         if prefill:
-            kv = self.kv_b_proj.matmul(c_kv, self.kv_b_proj.weight).reshape(N, H, self.nope + self.v)
-            k = ops.concat((kv[:, :, :self.nope], ops.broadcast_to(k_pe, (N, H, self.rope))), -1)
-            q = ops.depend(ops.concat((q[:, :, :self.nope], q_pe), -1), written)
-            out = packed_attention(q, k, kv[:, :, self.nope:], token_seq, self.scale)
+            kv = self.kv_b_proj.matmul(c_kv, self.kv_b_proj.weight).reshape(-1, H, self.nope + self.v)
+            k_nope, v = SPLIT(kv, (self.nope, self.v), 2)
+            k = ops.concat((k_nope, ops.broadcast_to(k_pe, (-1, H, -1))), -1)
+            q = ops.depend(ops.concat((q_nope, q_pe), -1), written)
+            out = packed_attention(q, k, v, token_seq, self.scale)
         else:
-            w = self.kv_b_proj.weight.reshape(H, self.nope + self.v, self.lora)
-            q_lat = ops.bmm(q[:, :, :self.nope].transpose(1, 0, 2), w[:, :self.nope])            # [H, N, lora]
+            w_k, w_v = SPLIT(self.kv_b_proj.weight.reshape(H, self.nope + self.v, self.lora), (self.nope, self.v), 1)
+            q_lat = ops.bmm(q_nope.transpose(1, 0, 2), w_k)                                        # [H, N, lora]
             q = ops.depend(ops.concat((q_lat.transpose(1, 0, 2), q_pe), -1), written)
             out = self.latent.attend(q, self.cache, ctx)                                          # [N, H, lora]
-            out = ops.bmm(out.transpose(1, 0, 2), w[:, self.nope:].transpose(0, 2, 1)).transpose(1, 0, 2)
-        return self.o_proj(out.reshape(N, H * self.v))
+            out = ops.bmm(out.transpose(1, 0, 2), w_v.transpose(0, 2, 1)).transpose(1, 0, 2)
+        return self.o_proj(out.reshape(-1, H * self.v))
 
     def caches(self) -> tuple:
         return (self.cache,)
@@ -240,21 +240,21 @@ class GroupedRouter(nn.Cell):
 
     def construct(self, logits):
         logits = logits.astype(ms.float32)
-        N, E, G = logits.shape[0], self.experts, self.groups
-        scores = ops.sigmoid(logits) if self.sigmoid else ops.softmax(logits, -1)
+        E, G = self.experts, self.groups
+        scores = ops.sigmoid(logits) if self.sigmoid else SOFTMAX(logits)
         choice = scores + ops.broadcast_to(self.bias, scores.shape) if self.bias is not None else scores
         if G > 1:
-            grouped = choice.reshape(N, G, E // G)
-            best = ops.topk(grouped, 2)[0].sum(-1) if self.top2 else grouped.max(axis=-1)
-            top = ops.topk(best, self.top_groups)[1].astype(ms.int32)                      # [N, top_groups]
-            shape = (N, self.top_groups, G)
-            hit = ops.equal(ops.broadcast_to(top.expand_dims(-1), shape), ops.broadcast_to(self.group_ids, shape))
-            keep = ops.broadcast_to((hit.astype(ms.float32).sum(1) > 0).expand_dims(-1), (N, G, E // G))
-            choice = ops.select(keep.reshape(N, E), choice, ops.full_like(choice, MASKED))
-        ids = ops.topk(choice, self.k)[1].astype(ms.int32)
+            grouped = choice.reshape(-1, G, E // G)
+            best = TOPK(grouped, 2)[0].sum(-1) if self.top2 else grouped.max(axis=-1)
+            top = TOPK(best, self.top_groups)[1].astype(ms.int32)                          # [N, top_groups]
+            hit = ops.equal(ops.broadcast_to(top.expand_dims(-1), (-1, -1, G)),
+                            ops.broadcast_to(self.group_ids, top.shape + (G,)))
+            keep = ops.broadcast_to((hit.astype(ms.float32).sum(1) > 0).expand_dims(-1), (-1, -1, E // G))
+            choice = ops.select(keep.reshape(-1, E), choice, MASKED)
+        ids = TOPK(choice, self.k)[1].astype(ms.int32)
         weights = ops.gather_elements(scores, 1, ids)
         if self.norm:
-            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True) + 1e-20, weights.shape)
+            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True) + 1e-20, (-1, self.k))
         return weights * self.scale, ids
 
 
@@ -289,7 +289,7 @@ class SparseMoeBlock(nn.Cell):
     def construct(self, x):
         weights, ids = self.route(self.gate(x.astype(ms.float32)) if self.gate_fp32 else self.gate(x))
         if self.norm_topk:
-            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), weights.shape)
+            weights = weights / ops.broadcast_to(weights.sum(-1, keepdims=True), (-1, weights.shape[1]))
         y = self.experts(x, ids, weights.astype(x.dtype))
         shared = None
         if self.shared_expert is not None:
@@ -298,7 +298,7 @@ class SparseMoeBlock(nn.Cell):
             shared = self.shared_expert(in_turn(x, y) if self.all_reduce is not None else x)
         if self.shared_expert_gate is not None:
             scale = ops.sigmoid(self.shared_expert_gate(x))
-            y = y + ops.broadcast_to(scale, y.shape) * shared
+            y = y + ops.broadcast_to(scale, (-1, y.shape[1])) * shared
         elif shared is not None:
             y = y + shared
         return y if self.all_reduce is None else self.all_reduce(y)

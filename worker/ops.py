@@ -23,16 +23,16 @@ imports none of them.
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import mint, nn, ops
 
-from msinfer.sharding.layers import new_param
+from msinfer.sharding.layers import HALVES, SOFTMAX, TOPK, new_param
 
 def rms_norm(x, weight, eps: float):
     """(x * rsqrt(mean(x^2) + eps) * weight, rsqrt(...)) in MindSpore primitives, in float32
     whatever x's dtype."""
     x32 = x.astype(ms.float32)
     rstd = ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + eps)
-    y = (x32 * ops.broadcast_to(rstd, x32.shape)).astype(x.dtype)
+    y = (x32 * ops.broadcast_to(rstd, (-1,) * (x32.ndim - 1) + (x32.shape[-1],))).astype(x.dtype)
     return y * ops.broadcast_to(weight, y.shape), rstd
 
 
@@ -59,6 +59,7 @@ class AddThenNorm(nn.Cell):
         return s, self.norm(s, weight)
 
 
+
 # The score of a position a token must not see. Finite, so that a padding token that sees nothing
 # (static shapes) gets a uniform average instead of NaN; exp() of it is 0 in float32.
 MASKED = -1e30
@@ -80,10 +81,9 @@ def cache_index(slot_mapping, block_size: int):
 
 
 def _softmax_pv(scores, visible, v):
-    """softmax over the last axis of float32 scores [..., L] where `visible` (broadcast to them),
-    then times v [..., L, D] in v's dtype."""
-    scores = ops.select(ops.broadcast_to(visible, scores.shape), scores, ops.full_like(scores, MASKED))
-    return ops.bmm(ops.softmax(scores, -1).astype(v.dtype), v)
+    """softmax over the last axis of float32 scores [..., L] where `visible` (of their shape), then
+    times v [..., L, D] in v's dtype."""
+    return ops.bmm(SOFTMAX(ops.select(visible, scores, MASKED)).astype(v.dtype), v)
 
 
 def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
@@ -93,15 +93,17 @@ def paged_attention(q, k_cache, v_cache, tables, lens, scale: float, bias=None):
     Query head h reads KV head h // (H / KV).
     The K/V rows are gathered ([N, MB * block_size, KV, D]): memory grows with N x the table width."""
     N, H, D = q.shape
-    bs, KV, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    L = tables.shape[1] * bs
-    k = ops.gather(k_cache, tables, 0).reshape(N, L, KV, D).transpose(0, 2, 3, 1)       # [N, KV, D, L]
-    v = ops.gather(v_cache, tables, 0).reshape(N, L, KV, Dv).transpose(0, 2, 1, 3)      # [N, KV, L, Dv]
-    scores = ops.bmm(q.reshape(N, KV, H // KV, D), k).astype(ms.float32) * scale      # [N, KV, G, L]
-    if bias is not None:
-        scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, 1, L)
-    visible = (int_range(L).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, 1, L)
-    return _softmax_pv(scores, visible, v).reshape(N, H, Dv)
+    KV, Dv = k_cache.shape[2], v_cache.shape[3]
+    G = H // KV
+    L = tables.shape[1] * k_cache.shape[1]
+    k = mint.flatten(ops.gather(k_cache, tables, 0), 1, 2).transpose(0, 2, 3, 1)        # [N, KV, D, L]
+    v = mint.flatten(ops.gather(v_cache, tables, 0), 1, 2).transpose(0, 2, 1, 3)        # [N, KV, L, Dv]
+    scores = ops.bmm(q.reshape(-1, KV, G, D), k).astype(ms.float32) * scale            # [N, KV, G, L]
+    if bias is not None:        # [N, L] or [1, 1]
+        scores = scores + bias.astype(ms.float32).expand_dims(1).expand_dims(1)
+    visible = int_range(L).reshape(1, -1) < lens.reshape(-1, 1)                          # [N, L]
+    visible = ops.broadcast_to(visible.expand_dims(1).expand_dims(1), (-1, KV, G, -1))
+    return _softmax_pv(scores, visible, v).reshape(-1, H, Dv)
 
 
 def latent_paged_attention(q, cache, tables, lens, scale: float, values: int, bias=None):
@@ -112,11 +114,12 @@ def latent_paged_attention(q, cache, tables, lens, scale: float, values: int, bi
     `bias` [N, MB * block_size] (or [1, 1]) is added to the scores."""
     N, H, W = q.shape
     L = tables.shape[1] * cache.shape[1]
-    rows = ops.gather(cache, tables, 0).reshape(N, L, W)                                   # read once
+    rows = mint.flatten(mint.flatten(ops.gather(cache, tables, 0), 1, 2), 2, 3)          # [N, L, W], read once
     scores = ops.bmm(q, rows.transpose(0, 2, 1)).astype(ms.float32) * scale                # [N, H, L]
-    if bias is not None:
-        scores = scores + ops.broadcast_to(bias.astype(ms.float32), (N, L)).reshape(N, 1, L)
-    visible = (int_range(L).reshape(1, L) < lens.reshape(N, 1)).reshape(N, 1, L)
+    if bias is not None:        # [N, L] or [1, 1]
+        scores = scores + bias.astype(ms.float32).expand_dims(1)
+    visible = int_range(L).reshape(1, -1) < lens.reshape(-1, 1)                          # [N, L]
+    visible = ops.broadcast_to(visible.expand_dims(1), (-1, H, -1))
     return _softmax_pv(scores, visible, rows[:, :, :values])
 
 
@@ -128,15 +131,15 @@ def packed_attention(q, k, v, token_seq, scale: float, causal: bool = True):
     N, H, D = q.shape
     KV, Dv = k.shape[1], v.shape[2]
     G = H // KV
-    qh = q.reshape(N, KV, G, D).transpose(1, 2, 0, 3).reshape(KV, G * N, D)
+    qh = q.reshape(-1, KV, G, D).transpose(1, 2, 0, 3).reshape(KV, -1, D)
     scores = ops.bmm(qh, k.transpose(1, 2, 0)).astype(ms.float32) * scale                 # [KV, G*N, N]
-    visible = token_seq.reshape(N, 1) == token_seq.reshape(1, N)
+    visible = token_seq.reshape(-1, 1) == token_seq.reshape(1, -1)
     if causal:
         index = int_range(N)
-        visible = ops.logical_and(visible, index.reshape(1, N) <= index.reshape(N, 1))
-    visible = ops.broadcast_to(visible.reshape(1, 1, N, N), (KV, G, N, N)).reshape(KV, G * N, N)
+        visible = ops.logical_and(visible, index.reshape(1, -1) <= index.reshape(-1, 1))
+    visible = mint.flatten(ops.broadcast_to(visible.expand_dims(0).expand_dims(0), (KV, G, -1, -1)), 1, 2)
     out = _softmax_pv(scores, visible, v.transpose(1, 0, 2))                              # [KV, G*N, Dv]
-    return out.reshape(KV, G, N, Dv).transpose(2, 0, 1, 3).reshape(N, H, Dv)
+    return out.reshape(KV, G, -1, Dv).transpose(2, 0, 1, 3).reshape(-1, H, Dv)
 
 
 class PortableAttention(nn.Cell):
@@ -272,21 +275,20 @@ class MsOps:
     @staticmethod
     def rope_tables(cos, sin, heads):
         """cos/sin [N, D/2] -> the tables `rotary` takes, built once per step: [N, heads, D/2]."""
-        shape = (cos.shape[0], heads, cos.shape[1])
+        shape = (-1, heads, -1)
         return ops.broadcast_to(cos.expand_dims(1), shape), ops.broadcast_to(sin.expand_dims(1), shape)
 
     @staticmethod
     def rotary(x, cos, sin):
         """x [N, heads, D]; cos/sin from `rope_tables`."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
+        x1, x2 = HALVES(x)
         return ops.concat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
     @staticmethod
     def silu_mul(gate_up):
         """[N, 2I] (gate | up) -> silu(gate) * up [N, I]."""
-        half = gate_up.shape[-1] // 2
-        return ops.silu(gate_up[:, :half]) * gate_up[:, half:]
+        gate, up = HALVES(gate_up)
+        return ops.silu(gate) * up
 
     @staticmethod
     def rows(x, index):
@@ -318,5 +320,5 @@ class TopKRouter(nn.Cell):
         self.k = k
 
     def construct(self, logits):
-        weights, ids = ops.topk(ops.softmax(logits.astype(ms.float32), -1), self.k)
+        weights, ids = TOPK(SOFTMAX(logits.astype(ms.float32)), self.k)
         return weights, ids.astype(ms.int32)

@@ -365,8 +365,10 @@ def test_the_installed_primitives_compile_as_called_and_fail_only_at_kernel_sele
     for name in ("ReshapeAndCache", "FlashAttentionScore", "PagedAttention"):
         setattr(Mixed, name, getattr(ascend.StandIns if name in standing_in else auto_generate, name))
     monkeypatch.setattr(ascend.AscendOps, "kernels", Mixed)
+    # (no start-up check: it would find the kernels that fail here wanting and put the portable
+    # operators in their place)
     runner = ModelRunner(EngineConfig(str(checkpoint("llama_gqa_tied")), max_model_len=128, max_batch_size=8,
-                                      device="ascend", dtype="float16"))
+                                      device="ascend", dtype="float16", kernel_check=False))
     d = Driver(runner)
     with pytest.raises(KernelError) as failed:
         d.prefill({0: PROMPTS[0]})

@@ -45,7 +45,7 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
-from msinfer.sharding.layers import round_half_away
+from msinfer.sharding.layers import HALVES, SOFTMAX, SPLIT, TOPK, round_half_away
 from msinfer.worker.ops import (INFERENCE_MODE, MsOps, PortableLatentAttention, cache_index, int_range,
                                 latent_paged_attention, packed_attention, paged_attention, rms_norm)
 
@@ -236,15 +236,14 @@ class AscendExperts(nn.Cell):
         E = w13.shape[0]
         local = ids - meta[0]
         held = ops.logical_and(local >= 0, local < E)
-        local = ops.select(held, local, ops.full_like(local, E))
+        local = ops.select(held, local, E)
         weights = ops.select(held, weights, ops.zeros_like(weights))
         rows, unsort, counts, _ = self.init_routing(x, local, active_num=0, expert_capacity=0, expert_num=E + 1,
                                                     drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=2,
                                                     expert_tokens_before_capacity_flag=True)
-        group_list = counts[:E].astype(ms.int64)
-        h = self.project(rows, self.x_quant, w13, group_list, w13_scale)
-        inter = h.shape[1] // 2                  # (not w13's: int4 pairs hold two columns a byte)
-        h = ops.silu(h[:, :inter]) * h[:, inter:]
+        group_list = SPLIT(counts, (E, 1), 0)[0].astype(ms.int64)
+        gate, up = HALVES(self.project(rows, self.x_quant, w13, group_list, w13_scale))
+        h = ops.silu(gate) * up
         y = ops.nan_to_num(self.project(h, self.h_quant, w2, group_list, w2_scale), 0.0, 0.0, 0.0)
         return self.unpermute(permuted_tokens=y, sorted_indices=unsort, probs=weights, padded_mode=False,
                               restore_shape=None)
@@ -652,9 +651,8 @@ class MoeGatingTopKSoftmax(nn.Cell):
     def construct(self, x, finished=None, k=1):
         if finished is not None:
             raise NotImplementedError("the MoeGatingTopKSoftmax stand-in emulates finished=None only")
-        y, ids = ops.topk(ops.softmax(x.astype(ms.float32), -1), k)
-        n = x.shape[0]
-        row_idx = int_range(n * k).reshape(k, n).transpose(1, 0)
+        y, ids = TOPK(SOFTMAX(x.astype(ms.float32)), k)
+        row_idx = int_range(x.shape[0] * k).reshape(k, -1).transpose(1, 0)
         return y.astype(x.dtype), ids.astype(ms.int32), row_idx
 
 
@@ -679,8 +677,7 @@ class MoeInitRoutingV2(nn.Cell):
         order = order.astype(ms.int32)
         _, row_of_pair = ops.sort(order.astype(ms.float32))
         experts = int_range(expert_num)
-        counts = ops.equal(ops.broadcast_to(flat.reshape(-1, 1), (m, expert_num)),
-                           ops.broadcast_to(experts.reshape(1, -1), (m, expert_num))).astype(ms.int32).sum(0)
+        counts = ops.equal(flat.reshape(-1, 1), experts.reshape(1, -1)).astype(ms.int32).sum(0)      # [m, E] summed
         if expert_tokens_count_or_cumsum_flag == 1:
             counts = ops.cumsum(counts, 0)
         return (ops.gather(x, order // k, 0), row_of_pair.astype(ms.int32), counts.astype(ms.int32),
@@ -747,22 +744,19 @@ class GroupedMatmulV4(nn.Cell):
         ends = group_list.astype(ms.int32)
         if group_list_type == 1:
             ends = ops.cumsum(ends, 0)
-        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= int_range(M).reshape(M, 1)) \
-            .astype(ms.int32).sum(1)
+        group = (ends.reshape(1, -1) <= int_range(M).reshape(-1, 1)).astype(ms.int32).sum(1)           # [M, E] summed
         rows = ops.gather(ops.concat((s.astype(ms.float32), ops.zeros((1, N), ms.float32))), group, 0)   # [M, N]
-        return (y * rows * pre_token_scale[0].astype(ms.float32).reshape(M, 1)).astype(out)
+        return (y * rows * pre_token_scale[0].astype(ms.float32).reshape(-1, 1)).astype(out)
 
     def grouped(self, x, w, group_list, group_list_type):
         E, M = w.shape[0], x.shape[0]
         ends = group_list.astype(ms.int32)
         if group_list_type == 1:
             ends = ops.cumsum(ends, 0)
-        row = int_range(M)
-        group = (ops.broadcast_to(ends.reshape(1, -1), (M, E)) <= row.reshape(M, 1)).astype(ms.int32).sum(1)
-        every = ops.BatchMatMul()(ops.broadcast_to(x.expand_dims(0), (E,) + x.shape), w)      # [E, M, out]
-        pick = ops.equal(ops.broadcast_to(group.reshape(1, M), (E, M)),
-                         ops.broadcast_to(int_range(E).reshape(E, 1), (E, M))).astype(x.dtype)
-        return (every * ops.broadcast_to(pick.expand_dims(-1), every.shape)).sum(0)
+        group = (ends.reshape(1, -1) <= int_range(M).reshape(-1, 1)).astype(ms.int32).sum(1)           # [M, E] summed
+        every = ops.BatchMatMul()(ops.broadcast_to(x.expand_dims(0), (E, -1, -1)), w)          # [E, M, out]
+        pick = ops.equal(group.reshape(1, -1), int_range(E).reshape(-1, 1)).astype(x.dtype)     # [E, M]
+        return (every * ops.broadcast_to(pick.expand_dims(-1), (-1, -1, w.shape[2]))).sum(0)
 
 
 class MoeTokenUnpermute(nn.Cell):
@@ -775,9 +769,9 @@ class MoeTokenUnpermute(nn.Cell):
     def construct(self, permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
         if probs is None or padded_mode or restore_shape is not None:
             raise NotImplementedError("the MoeTokenUnpermute stand-in emulates probs given, padded_mode False only")
-        n, k = probs.shape
-        rows = ops.gather(permuted_tokens, sorted_indices, 0).reshape(n, k, -1)
-        return (rows * ops.broadcast_to(probs.astype(rows.dtype).expand_dims(-1), rows.shape)).sum(1)
+        k, H = probs.shape[1], permuted_tokens.shape[1]
+        rows = ops.gather(permuted_tokens, sorted_indices, 0).reshape(-1, k, H)
+        return (rows * ops.broadcast_to(probs.astype(rows.dtype).expand_dims(-1), (-1, -1, H))).sum(1)
 
 
 def _bits_to_float(bits):

@@ -34,6 +34,9 @@ HALVES = ops.Split(-1, 2)           # x [..., 2D] -> its halves [..., D]
 SPLIT = ops.auto_generate.SplitWithSize()    # (x, sizes, axis) -> its parts along axis
 SOFTMAX = ops.Softmax(-1)           # over the last axis
 TOPK = ops.TopK(sorted=True)        # (x, k) -> the k largest of the last axis and their indices, largest first
+LAST = ops.Squeeze(-1)              # x [..., 1] -> [...]
+ROW_MAX = ops.ReduceMax(keep_dims=True)     # (x, axis) -> its max along axis, kept as 1
+MAX = ops.ReduceMax()               # (x, axis) -> its max along axis
 
 
 class ShapeMismatch(ValueError):
@@ -182,9 +185,9 @@ class PerTokenInt8(nn.Cell):
 
     def row_max(self, x):
         """Each row's max|x| [M, 1] float32, over every rank that holds a part of the row."""
-        amax = ops.abs(x.astype(mstype.float32)).max(axis=-1, keepdims=True)
+        amax = ROW_MAX(ops.abs(x.astype(mstype.float32)), -1)
         if self.gather is not None:
-            amax = self.gather(amax).reshape(self.ranks, -1, 1).max(axis=0)
+            amax = MAX(self.gather(amax).reshape(self.ranks, -1, 1), 0)
         return amax
 
     def levels(self, x):

@@ -45,7 +45,7 @@ from mindspore.ops import auto_generate
 import numpy as np
 
 from msinfer.sharding.config import MASK_PENALTY
-from msinfer.sharding.layers import HALVES, SOFTMAX, SPLIT, TOPK, round_half_away
+from msinfer.sharding.layers import HALVES, ROW_MAX, SOFTMAX, SPLIT, TOPK, round_half_away
 from msinfer.worker.ops import (INFERENCE_MODE, MsOps, PortableLatentAttention, cache_index, int_range,
                                 latent_paged_attention, packed_attention, paged_attention, rms_norm)
 
@@ -880,7 +880,7 @@ class DynamicQuantExt(nn.Cell):
         if smooth_scales is not None:
             raise NotImplementedError("the DynamicQuantExt stand-in emulates smooth_scales None only")
         xf = x.astype(ms.float32)
-        s = ops.abs(xf).max(axis=-1, keepdims=True) / 127.0
+        s = ROW_MAX(ops.abs(xf), -1) / 127.0
         s = s + (s == 0).astype(ms.float32) * float(np.finfo(np.float32).eps)
         y = ops.clip(round_half_away(xf / ops.broadcast_to(s, xf.shape)), -128.0, 127.0)
         return y.astype(ms.int8), s.reshape(x.shape[:-1])

@@ -58,7 +58,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
-from msinfer.sharding.layers import all_gather, all_reduce
+from msinfer.sharding.layers import HALVES, LAST, SPLIT, TOPK, all_gather, all_reduce
 from msinfer.sharding.layout import TPInfo, vocab_shard
 from msinfer.worker.ops import int_range
 from msinfer.worker.sampler import mix64
@@ -192,9 +192,8 @@ class VocabSampler(nn.Cell):
                 out = self.stats_ops[n](self.rows(x), meta)
             else:
                 out = self.stats_t_op(self.rows(x), t, meta)
-            out = out.reshape(self.R, -1, 4 + 2 * n)
-            m, arg, s, s_t = out[:, :, 0], out[:, :, 1], out[:, :, 2], out[:, :, 3]
-            top, ids = out[:, :, 4: 4 + n], out[:, :, 4 + n:]
+            m, arg, s, s_t, top, ids = SPLIT(out.reshape(self.R, -1, 4 + 2 * n), (1, 1, 1, 1, n, n), 2)
+            m, arg, s, s_t = LAST(m), LAST(arg), LAST(s), LAST(s_t)
         else:
             x = self.local(x)
             m = ops.amax(x, -1)
@@ -202,7 +201,7 @@ class VocabSampler(nn.Cell):
             d = x - ops.broadcast_to(m.expand_dims(-1), x.shape)
             s = ops.exp(d).sum(-1) if with_sum else m
             s_t = ops.exp(d / ops.broadcast_to(t.reshape(1, -1, 1), x.shape)).sum(-1) if t is not None else m
-            top, ids = ops.topk(x, C) if C else (m, m)
+            top, ids = TOPK(x, C) if C else (m, m)
             ids = ids.astype(ms.float32)
         return m, arg + self.starts, s, s_t, top, (ids + self.starts.expand_dims(-1)) if C else ids
 
@@ -229,8 +228,8 @@ class VocabSampler(nn.Cell):
         exceeds target [R, M] (or the last with a positive weight), int32 in the shard; x there."""
         if self.kernels is not None:
             out = self.draw_op(self.rows(x), ops.stack((g, t, tau), -1), target.reshape(-1), self.meta)
-            out = out.reshape(self.R, -1, 2)
-            return out[:, :, 0].astype(ms.int32), out[:, :, 1]
+            j, at_j = HALVES(out.reshape(self.R, -1, 2))
+            return LAST(j).astype(ms.int32), LAST(at_j)
         x = self.local(x)
         w = self.kept_weights(x, g, t, tau)
         hit = ops.cumsum(w, 2) > ops.broadcast_to(target.expand_dims(-1), w.shape)
@@ -245,9 +244,9 @@ class VocabSampler(nn.Cell):
         if self.tp_size == 1:
             return ops.argmax(self.rows(logits), -1).astype(ms.int32)
         m, arg, _, _, _, _ = self.stats(logits, 0, False)
-        g = self.gather(ops.stack((m, arg), -1))                                # [M, tp, 2]
-        best = ops.argmax(g[:, :, 0], -1).expand_dims(-1)
-        return ops.gather_elements(g[:, :, 1], 1, best).squeeze(-1).astype(ms.int32)
+        maxes, args = HALVES(self.gather(ops.stack((m, arg), -1)))               # [M, tp, 2]
+        best = ops.argmax(LAST(maxes), -1).expand_dims(-1)
+        return LAST(ops.gather_elements(LAST(args), 1, best)).astype(ms.int32)
 
     def process(self, logits, entries, mask):
         """The logits as a step's sampling parameters leave them (worker.sampler.Adjustments):
@@ -296,10 +295,11 @@ class VocabSampler(nn.Cell):
         inside = ops.logical_and(at >= 0, at < self.per)
         at = ops.clip_by_value(at, 0, self.per - 1)
         own = ops.gather_elements(x, 2, at.expand_dims(-1)).squeeze(-1) * inside.astype(ms.float32)
-        g = self.gather(ops.stack((m, s, own), -1))                             # [S, tp, 3]
-        top = ops.amax(g[:, :, 0], -1)
-        log_z = top + ops.log((g[:, :, 1] * ops.exp(g[:, :, 0] - top.expand_dims(-1))).sum(-1))
-        return x, g[:, :, 2].sum(-1), log_z
+        maxes, sums, owns = SPLIT(self.gather(ops.stack((m, s, own), -1)), (1, 1, 1), 2)    # [S, tp, 1] each
+        maxes, sums, owns = LAST(maxes), LAST(sums), LAST(owns)
+        top = ops.amax(maxes, -1)
+        log_z = top + ops.log((sums * ops.exp(maxes - top.expand_dims(-1))).sum(-1))
+        return x, owns.sum(-1), log_z
 
     def logprob(self, logits, targets):
         """targets [S] int32 -> log p(target) [S] float32 under each row's log-softmax."""
@@ -316,7 +316,7 @@ class VocabSampler(nn.Cell):
             above = self.count_op(self.rows(logits), target, self.meta).reshape(self.R, -1)     # [R, S]
         else:
             above = (x >= ops.broadcast_to(target.reshape(1, -1, 1), x.shape)).astype(ms.float32).sum(-1)
-        rank = self.gather(above.expand_dims(-1))[:, :, 0].sum(-1)
+        rank = LAST(self.gather(above.expand_dims(-1))).sum(-1)
         return ops.stack((target - log_z, rank), -1)
 
     def candidates(self, x, C: int, t=None):
@@ -328,14 +328,15 @@ class VocabSampler(nn.Cell):
         if self.tp_size == 1:            # one shard: its figures are the global ones, its candidates sorted
             return m[0], arg[0], m[0] + ops.log(s[0]), top[0], top_ids[0], m.transpose(1, 0), s_t.transpose(1, 0)
         g = self.gather(ops.concat((ops.stack((m, arg, s, s_t), -1), top, top_ids), -1))   # [M, tp, 4 + 2C]
-        maxes = g[:, :, 0]
+        maxes, args, sums, sums_t, tops, tops_ids = SPLIT(g, (1, 1, 1, 1, C, C), 2)
+        maxes, args, sums, sums_t = LAST(maxes), LAST(args), LAST(sums), LAST(sums_t)
         g_max = ops.amax(maxes, -1)
         winner = ops.argmax(maxes, -1).expand_dims(-1)
-        token = ops.gather_elements(g[:, :, 1], 1, winner).squeeze(-1)
-        log_z = g_max + ops.log((g[:, :, 2] * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
-        v, pos = ops.topk(g[:, :, 4: 4 + C].reshape(-1, self.tp_size * C), C)   # the global top C
-        v_ids = ops.gather_elements(g[:, :, 4 + C:].reshape(-1, self.tp_size * C), 1, pos)
-        return g_max, token, log_z, v, v_ids, maxes, g[:, :, 3]
+        token = LAST(ops.gather_elements(args, 1, winner))
+        log_z = g_max + ops.log((sums * ops.exp(maxes - g_max.expand_dims(-1))).sum(-1))
+        v, pos = TOPK(tops.reshape(-1, self.tp_size * C), C)                    # the global top C
+        v_ids = ops.gather_elements(tops_ids.reshape(-1, self.tp_size * C), 1, pos)
+        return g_max, token, log_z, v, v_ids, maxes, sums_t
 
     def greedy_logprobs(self, logits):
         """`sample`'s answer (K > 0) when every row is greedy, from one pass over the rows: the

@@ -18,7 +18,7 @@ from mindspore import Parameter, Tensor, nn, ops
 import numpy as np
 
 from msinfer.sharding.config import ModelConfig
-from msinfer.sharding.layers import (HALVES, SOFTMAX, SPLIT, TOPK, ColumnParallelLinear, FusedExperts, LinearBase,
+from msinfer.sharding.layers import (HALVES, MAX, SOFTMAX, SPLIT, TOPK, ColumnParallelLinear, FusedExperts, LinearBase,
                                      MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
                                      RMSNorm, RowParallelLinear, StaticInt8, VocabParallelEmbedding, all_reduce,
                                      carried_levels, in_turn, load_replicated, new_param)
@@ -245,7 +245,7 @@ class GroupedRouter(nn.Cell):
         choice = scores + ops.broadcast_to(self.bias, scores.shape) if self.bias is not None else scores
         if G > 1:
             grouped = choice.reshape(-1, G, E // G)
-            best = TOPK(grouped, 2)[0].sum(-1) if self.top2 else grouped.max(axis=-1)
+            best = TOPK(grouped, 2)[0].sum(-1) if self.top2 else MAX(grouped, -1)
             top = TOPK(best, self.top_groups)[1].astype(ms.int32)                          # [N, top_groups]
             hit = ops.equal(ops.broadcast_to(top.expand_dims(-1), (-1, -1, G)),
                             ops.broadcast_to(self.group_ids, top.shape + (G,)))

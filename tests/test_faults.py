@@ -101,7 +101,12 @@ def test_killed_worker_restarts_its_replica_and_requeues_its_records(cli, model,
     for line in lines:
         assert results[line["id"]]["output_token_ids"] == hf_greedy("llama_gqa_tied", line["prompt_token_ids"], 24)[0]
     summary = job.summary()
-    assert summary["replica_restarts"] == 1 and summary["records_done"] == n
+    # one restart for the kill; a second only where the new group's MindSpore store failed to start
+    # (seen once with the other test process loading both cores), which the job restarts too
+    reasons = summary["restart_reasons"]
+    assert "a worker process died" in reasons[0] and summary["records_done"] == n
+    assert summary["replica_restarts"] == len(reasons)
+    assert len(reasons) == 1 or (len(reasons) == 2 and "Failed to initialize the master node" in reasons[1]), reasons
     assert summary["steps"]["cached_prompt_tokens"] >= 16
     assert re.fullmatch(rf"replica 0 failed \(a worker process died: rank \d \(pid {victim['pid']} on {node_ip}\)\)",
                         *summary["restart_reasons"]), summary["restart_reasons"]      # SIGKILL: no log line

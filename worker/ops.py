@@ -59,7 +59,6 @@ class AddThenNorm(nn.Cell):
         return s, self.norm(s, weight)
 
 
-
 # The score of a position a token must not see. Finite, so that a padding token that sees nothing
 # (static shapes) gets a uniform average instead of NaN; exp() of it is 0 in float32.
 MASKED = -1e30

@@ -260,7 +260,7 @@ class VocabSampler(nn.Cell):
             words = ops.gather(mask, self.word_of, 1).reshape(-1, self.R, self.per).transpose(1, 0, 2)
             bits = ops.bitwise_and(ops.bitwise_right_shift(words, ops.broadcast_to(self.bit_of, words.shape)),
                                    ops.ones_like(words))
-            x = ops.select(bits == 1, x, ops.full_like(x, -float("inf")))
+            x = ops.select(bits == 1, x, -float("inf"))
         row = entries[:, 0].astype(ms.int32)
         at = entries[:, 1].astype(ms.int32).expand_dims(0) - self.int_starts     # [R, E]: the token's column here
         valid = ops.logical_and(ops.logical_and(at >= 0, at < self.per), (row >= 0).expand_dims(0))
@@ -358,8 +358,7 @@ class VocabSampler(nn.Cell):
             return self.fused(logits, prm)
         greedy = temperature <= 0
         t = ops.select(greedy, ops.ones_like(temperature), temperature)         # [M]
-        off = ops.full_like(temperature, OFF)
-        tau_min_p = ops.select(min_p > 0, ops.log(ops.maximum(min_p, ops.full_like(min_p, 1e-30))), off)
+        tau_min_p = ops.select(min_p > 0, ops.log(ops.maximum(min_p, 1e-30)), OFF)
         if self.kernels is not None:
             return self.merged(logits, prm, t, tau_min_p)
         x = logits                       # the network's; each pass takes it as it needs (`local`, `rows`)
@@ -373,7 +372,7 @@ class VocabSampler(nn.Cell):
         # top_k or top_p: the candidates
         y = (v - g_max.expand_dims(-1)) / t.expand_dims(-1)                      # scaled, 0 for the largest
         kth = ops.gather_elements(y, 1, (ops.clip_by_value(top_k, 1, self.C) - 1).expand_dims(-1)).squeeze(-1)
-        tau = ops.maximum(ops.select(top_k > 0, kth, off), tau_min_p)
+        tau = ops.maximum(ops.select(top_k > 0, kth, OFF), tau_min_p)
         wc = ops.exp(y) * (y >= tau.expand_dims(-1)).astype(f32)
         limit = top_p * ops.select(top_k > 0, wc.sum(-1), total)
         before = ops.cumsum(wc, 1) - wc
@@ -459,6 +458,5 @@ class VocabSampler(nn.Cell):
         shape[axis] = n
         positions = int_range(n).reshape(tuple(shape))
         first = ops.argmax(hit.astype(ms.int32), axis)
-        last = ops.argmax(ops.select(present, ops.broadcast_to(positions, hit.shape),
-                                     ops.full_like(hit, -1, dtype=ms.int32)), axis)
+        last = ops.argmax(ops.select(present, ops.broadcast_to(positions, hit.shape), -1), axis)
         return ops.select(hit.any(axis), first, last).astype(ms.int32)

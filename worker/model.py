@@ -715,7 +715,6 @@ class CausalLM(nn.Cell):
         step's tokens [M] are the next step's input ids, the padding rows' (out_index -1) put back
         to the device's padding id. Greedy steps pick with GreedyHead where the model holds its
         tables (`pack_greedy_head`). -> tokens [K, M] int32."""
-        pad = ops.full_like(input_ids, self.dev.pad_id)
         real = out_index >= 0
         sampled = draws.shape[-1] == 5          # (fixed by the graph's shape)
         ids, tokens = input_ids, []
@@ -728,7 +727,7 @@ class CausalLM(nn.Cell):
             else:
                 picked = self.sampler.fused(out, draws[k]) if sampled else self.sampler.greedy(out)
             tokens.append(picked)
-            ids = ops.select(real, picked, pad)
+            ids = ops.select(real, picked, self.dev.pad_id)
         return ops.stack(tokens)
 
     def score(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length, q_seq_lens, token_seq,

@@ -85,16 +85,33 @@ inline void store_row(const float* t, T* o) {
   }
 }
 
-// A micro-kernel's prefetches at step k: pf + k * pf_step (a share of the next panel) and, with
-// `cached`, the panel (see micro). With ToL2 the next panel goes into L2 only (prefetcht2), for
+// A micro-kernel's prefetches at step k: the share of the next panel at pf + k * pf_step, and,
+// with `cached`, the panel (see micro). With ToL2 the next panel goes into L2 only (prefetcht2), for
 // the kernels whose weight stream bounds them (VDPBF16PS and VPDPBUSD do twice and four times a
 // float32 FMA's work a byte); otherwise into L1 (prefetcht0). The 120 linear layers of a step
 // from memory, Zen 4, L2 against L1: pairs at 16 rows 11.0-12.8 ms against 12.7-12.8, at 1 row
 // 6.7-7.0 against 7.7-7.9, at 64 rows the same; VNNI at 16 rows 6.7-7.9 against 7.2-8.8. The
 // float32 panels' whole steps gained nothing from it (scripts/roofline.py, 1 and 16 sequences).
-template <bool ToL2 = false, typename B>
-inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached, const B* bk) {
-  __builtin_prefetch(pf + k * pf_step, 0, ToL2 ? 1 : 3);
+// A share of more than 64 bytes a step (one group of rows reading a panel of 4-byte words: 128
+// bytes a k) is asked for a line at a time, both lines; with one prefetch a step every other line
+// of the next panel came from memory as the micro-kernel read it. Zen 4, the 120 layers from
+// memory, both libraries in one process, 6 alternating rounds (medians): pairs at 4 rows 8.80 ms
+// against 9.92, 8 rows 8.80 against 11.14, 12 rows 9.70 against 13.91; float32 panels at 1 row
+// 11.15 against 11.92, 4 rows 14.29 against 18.06, 8 rows 18.14 against 21.98; 16 rows and more,
+// whose groups' shares are a line or less a step, and bfloat16 panels (64 bytes a k) the same.
+// A single row of pairs (Lines 1) keeps one line a step: with two it lost 5% (8.25 ms against
+// 7.83), its micro-kernel running far enough ahead of its loads for the core's own prefetchers.
+// Always inlined: as a function, GCC split its `cached` branch off (partial inlining) into a
+// function of prefetches alone, and the compiled micro, micro_pairs and micro_dot had neither a
+// call to it nor its prefetches (objdump): none of them asked for its panel into L1.
+template <bool ToL2 = false, int Lines = 2, typename B>
+__attribute__((always_inline)) inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached,
+                                                         const B* bk) {
+  const char* at = pf + k * pf_step;
+  __builtin_prefetch(at, 0, ToL2 ? 1 : 3);
+  if constexpr (Lines > 1 && kPanel * sizeof(B) > 64) {
+    if (pf_step > 64) __builtin_prefetch(at + 64, 0, ToL2 ? 1 : 3);
+  }
   if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
     __builtin_prefetch(bk + 16 * kPanel);
     __builtin_prefetch(bk + 16 * kPanel + 16);
@@ -128,7 +145,8 @@ inline void store_tile(const vreg (&acc)[R][kVecs], T* c, int64_t ldc, const flo
 // the bytes pf + k * pf_step (k < K) are asked for: weights stream from memory once a step, and
 // the hardware prefetcher alone leaves the FMAs waiting on them. When several row groups read
 // the panel (`cached`: it was asked for during the previous panel's groups and is in L2), it
-// is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows); with one group it is still
+// is also asked for into L1, 16 rows ahead (+4% at 64 and 512 rows when it was measured; on Zen 4
+// at 16 to 256 rows, against none, the same within the rounds); with one group it is still
 // coming from memory, and asking again only takes fill buffers (batch-1 decode step 41 -> 37 ms).
 // Kept out of line: inlined into the `with_count` dispatch, the 512-row matmuls measured a few
 // percent slower. B, the panel's element: x's own type, or int8_t, whose products are scaled by
@@ -759,7 +777,7 @@ __attribute__((noinline)) void micro_dot(const uint32_t* a, int64_t lda, const u
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
     const uint32_t* bk = b + k * kPanel;
-    prefetch_step<true>(pf, k, pf_step, cached, bk);
+    prefetch_step<true, R == 1 ? 1 : 2>(pf, k, pf_step, cached, bk);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 16);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {

@@ -99,17 +99,17 @@ inline void store_row(const float* t, T* o) {
 // against 9.92, 8 rows 8.80 against 11.14, 12 rows 9.70 against 13.91; float32 panels at 1 row
 // 11.15 against 11.92, 4 rows 14.29 against 18.06, 8 rows 18.14 against 21.98; 16 rows and more,
 // whose groups' shares are a line or less a step, and bfloat16 panels (64 bytes a k) the same.
-// A single row of pairs (Lines 1) keeps one line a step: with two it lost 5% (8.25 ms against
+// A single row of pairs (BothLines false) keeps one line a step: with two it lost 5% (8.25 ms against
 // 7.83), its micro-kernel running far enough ahead of its loads for the core's own prefetchers.
 // Always inlined: as a function, GCC split its `cached` branch off (partial inlining) into a
 // function of prefetches alone, and the compiled micro, micro_pairs and micro_dot had neither a
 // call to it nor its prefetches (objdump): none of them asked for its panel into L1.
-template <bool ToL2 = false, int Lines = 2, typename B>
+template <bool ToL2 = false, bool BothLines = true, typename B>
 __attribute__((always_inline)) inline void prefetch_step(const char* pf, int64_t k, int64_t pf_step, bool cached,
                                                          const B* bk) {
   const char* at = pf + k * pf_step;
   __builtin_prefetch(at, 0, ToL2 ? 1 : 3);
-  if constexpr (Lines > 1 && kPanel * sizeof(B) > 64) {
+  if constexpr (BothLines && kPanel * sizeof(B) > 64) {
     if (pf_step > 64) __builtin_prefetch(at + 64, 0, ToL2 ? 1 : 3);
   }
   if (cached) {                  // the panel itself, from L2 into L1, 16 rows ahead
@@ -777,7 +777,7 @@ __attribute__((noinline)) void micro_dot(const uint32_t* a, int64_t lda, const u
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
     const uint32_t* bk = b + k * kPanel;
-    prefetch_step<true, R == 1 ? 1 : 2>(pf, k, pf_step, cached, bk);
+    prefetch_step<true, (R > 1)>(pf, k, pf_step, cached, bk);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 16);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {

@@ -12,6 +12,9 @@ tensor-parallel group, so the world group *is* the tensor-parallel group.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
@@ -134,6 +137,28 @@ def new_param(shape, dtype, name: str) -> Parameter:
     pages): the KV cache of a long max_model_len costs no time or resident memory for what no
     sequence reaches, and weights are written once, by the loader."""
     return Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14          # (Linux's asm-generic/mman-common.h)
+
+
+def huge_pages(held: np.ndarray) -> bool:
+    """Asks Linux to back the 2 MB-aligned interior of `held`'s memory with 2 MB pages, before it
+    is written: its pages are then made huge as they are first touched, at no copy. Where the
+    kernel's transparent huge pages are set to `madvise` (a common default), only memory advised
+    so gets them. A decode step streams every weight from memory, and the DecoderStack's stacks
+    (CausalLM.stack_weights) are most of them: in 4 KB pages, which of them were in huge pages
+    depended on the allocator's history (memory that numpy had advised for its arrays of 4 MB and
+    more, freed and reused), and the qkv stack of the demo model had none. Whether the advice
+    was taken; nothing on other systems."""
+    lo = -(-held.ctypes.data // HUGE_PAGE) * HUGE_PAGE
+    hi = (held.ctypes.data + held.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if not sys.platform.startswith("linux") or hi <= lo:
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
 
 
 # How a tensor-parallel group sums a tensor over its ranks and gathers every rank's, factories of

@@ -6,6 +6,8 @@ all-reduce) must equal the full computation."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -13,8 +15,9 @@ import mindspore as ms
 from mindspore import Tensor
 
 from msinfer.sharding.config import ModelConfig, ModelConfigError
-from msinfer.sharding.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                                     QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding)
+from msinfer.sharding.layers import (HUGE_PAGE, ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                     QKVParallelLinear, RowParallelLinear, ShapeMismatch, VocabParallelEmbedding,
+                                     huge_pages, new_param)
 from msinfer.sharding.layout import LayoutError, TPInfo, bytes_per_rank, check_tp, plan_tensors, valid_tp_sizes
 from tests.checkpoints import VARIANTS
 
@@ -180,6 +183,37 @@ def test_a_tensor_of_the_wrong_shape_is_named():
     layer = ColumnParallelLinear(8, 12, False, TPInfo(0, 1), ms.float32)
     with pytest.raises(ShapeMismatch, match=r"'model.layers.0.mlp.up_proj.weight' has shape \[12, 7\]"):
         layer.weight_loader(layer.weight, np.zeros((12, 7)), "model.layers.0.mlp.up_proj.weight")
+
+
+def _advised(address: int) -> bool:
+    """Whether the mapping holding `address` is advised into huge pages (smaps' VmFlags `hg`)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_a_stacks_memory_is_advised_into_huge_pages_before_it_is_written_and_keeps_its_values():
+    """CausalLM.stack_weights asks for 2 MB pages for a stack's own memory (a zero Parameter's)
+    before writing the layers' weights into it: the mapping of its 2 MB-aligned interior is then
+    advised (VmFlags `hg`), whatever the allocator did with it before, and the values written
+    are read back. Memory too small to hold an aligned 2 MB page is left as it is."""
+    whole = new_param((4, HUGE_PAGE // 4), ms.float32, "stack.test")      # 8 MB
+    held = whole.asnumpy()
+    assert huge_pages(held)
+    inside = -(-held.ctypes.data // HUGE_PAGE) * HUGE_PAGE
+    assert _advised(inside) and _advised(inside + HUGE_PAGE)
+    values = rng.standard_normal(held.shape).astype(np.float32)
+    held[...] = values
+    np.testing.assert_array_equal(whole.asnumpy(), values)
+    small = np.ones(HUGE_PAGE // 8, np.float32)                           # 1 MB: no aligned page inside
+    assert not huge_pages(small)
 
 
 def test_layout_for_smollm2_names_the_sizes_that_work():

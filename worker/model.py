@@ -21,7 +21,7 @@ from msinfer.sharding.config import ModelConfig
 from msinfer.sharding.layers import (HALVES, MAX, SOFTMAX, SPLIT, TOPK, ColumnParallelLinear, FusedExperts, LinearBase,
                                      MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
                                      RMSNorm, RowParallelLinear, StaticInt8, VocabParallelEmbedding, all_reduce,
-                                     carried_levels, in_turn, load_replicated, new_param)
+                                     carried_levels, huge_pages, in_turn, load_replicated, new_param)
 from msinfer.sharding.layout import Stage, TPInfo
 from msinfer.sharding.quant import QuantizationError, int4_levels, int8_levels
 from msinfer.worker.cpu import GLU_GROUP
@@ -605,12 +605,14 @@ class CausalLM(nn.Cell):
         layer, named as theirs with `stack.` for the layer's prefix. Each layer's is copied into it
         and replaced by a Parameter of its name, shape and dtype that is never written (zero
         pages, no memory: `stacked` says where its values are); the replaced ones are freed as
-        pack_layer's are."""
+        pack_layer's are. The stack's memory is advised into 2 MB pages before it is written
+        (sharding.layers.huge_pages)."""
         first = getattr(*column[0])
         name = re.sub(r"^(.*\.)?layers\.\d+\.", "stack.", first.name)
         whole = new_param((len(column), *first.shape), first.dtype, name)
         self.insert_param_to_cell(name.replace(".", "_"), whole)
         held = whole.asnumpy()                   # (the Parameter's own memory)
+        huge_pages(held)
         for layer, (cell, attr) in enumerate(column):
             p = getattr(cell, attr)
             held[layer] = p.asnumpy()

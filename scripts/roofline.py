@@ -3,10 +3,14 @@ step kind's bytes and FLOPs for a dense model, the lower bound they set, and the
 `msinfer bench` measures beside it.
 
     python scripts/roofline.py [--model DIR] [--dtype float32] [--kv-cache-dtype auto] [--batch-size 1,16,64]
-                               [--prompt 32] [--prefill 512] [--decode-steps K]
+                               [--prompt 32] [--prefill 512] [--decode-steps K] [--rounds 1]
 
 The machine (every core of the process's affinity), before the steps and again after them; the
-higher figure of each is the one the bounds use, and a figure that moved by more than 15% is noted:
+higher figure of each is the one the bounds use, and a figure that moved by more than 15% is noted.
+With --rounds N, the machine's measures and the steps run N times one after the other, each
+round's ratio against the machine measured around it; the table shows the medians and each
+round's measured ms and ratio below its step (a virtual machine's rates move by more than a
+kernel change between runs minutes apart):
     bandwidth  a triad z = x + y in numpy over arrays far larger than the caches, one slice per
                thread (numpy releases the GIL in the loop): bytes read and written / second
     peak       the kernels' PeakFlops (worker/csrc/kernels.cc): 12 independent multiply-adds in
@@ -179,6 +183,23 @@ def greedy_head_rows(dtype: str, wbytes: int, bf16_peak: float | None) -> tuple[
     return True, int(fn())
 
 
+def bounds(cost: tuple, b: int, dtype: str, wbytes: int, before: tuple, after: tuple) -> tuple[float, float]:
+    """(bound, phases) in ms of a step of `cost` (step_cost's) for b sequences (0: a prefill),
+    with the machine measured before and after its steps: the higher figure of each is its rate,
+    since a virtual machine's core taken by its host for a moment halves a peak measured then,
+    which would put the bound below what the steps reached."""
+    weights, kv, layers, head, others = cost
+    bw, rate, bf16_peak = (max(x, y) if x else None for x, y in zip(before, after))
+    layer_rate = (bf16_peak or rate) if dtype == "bfloat16" else rate
+    greedy_head, head_rows = greedy_head_rows(dtype, wbytes, bf16_peak)
+    # (others: attention) a float32 job's greedy chains of more than head_rows sequences take the
+    # LM head's logits from bfloat16 pairs (GreedyHead): at VDPBF16PS's rate
+    head_time = head / (bf16_peak if greedy_head and b > head_rows else layer_rate)
+    bound = 1e3 * max((weights + kv) / bw, layers / layer_rate + head_time + others / rate)
+    phases = 1e3 * (max(weights / bw, layers / layer_rate + head_time) + max(kv / bw, others / rate))
+    return bound, phases
+
+
 def bench(model: Path, dtype: str, batches: list[int], prompt: int, prefill: int, out: Path,
           kv_cache_dtype: str = "auto", decode_steps: int | None = None) -> dict:
     """`msinfer bench`'s rows: (batch, input_len) -> row."""
@@ -206,9 +227,14 @@ def main() -> int:
     ap.add_argument("--batch-size", default="1,16,64", help="decode batch sizes (default 1,16,64)")
     ap.add_argument("--prompt", type=int, default=PROMPT, help=f"decode prompts' tokens (default {PROMPT})")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens, one prompt (default 512)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of the machine's measures and the steps, one after the other; the table shows "
+                         "their medians and each round's figures (default 1)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="decode steps a call (scheduler.decode_steps; default the job's: 4 on the CPU)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be 1 or more, not {args.rounds}")
     sys.path.insert(0, str(ROOT))
     from msinfer.sharding.config import ModelConfig
     if args.model is None:
@@ -222,56 +248,61 @@ def main() -> int:
     wbytes = weight_bytes(cfg, args.dtype)
     cores = len(os.sched_getaffinity(0))
     dot = os.environ.get("MSINFER_BF16_DOT", "1") != "0"          # (the kernels' override)
-    before = measure_machine(cores, dot)
+    L, T = args.prompt + NEW // 2, args.prefill
+    costs = [(f"decode B={b} L={L}", (b, args.prompt), b, step_cost(cfg, kv_bytes, b, b * L, b * L, b, wbytes))
+             for b in batches]
+    costs.append((f"prefill T={T}", (1, T), 0, step_cost(cfg, kv_bytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
     # (before numpy's: its BLAS threads go on spinning after a matmul, and would take the cores
     # from the kernels' threads)
-    pairs_rate = bfloat16_rate() if args.dtype == "bfloat16" else None
-    numpy_rate = matmul_rate()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype,
-                     args.decode_steps)
-    after = measure_machine(cores, dot)
-    # The machine is measured before the steps and after them, and the higher figure of each is
-    # its rate: a virtual machine's core taken by its host for a moment halves a peak measured
-    # then, which would put the bound below what the steps reached.
-    bw, f32_peak, bf16_peak = (max(a, b) if a else None for a, b in zip(before, after))
-    rate = f32_peak
-    layer_rate = (bf16_peak or f32_peak) if args.dtype == "bfloat16" else f32_peak
-    greedy_head, head_rows = greedy_head_rows(args.dtype, wbytes, bf16_peak)
+    pairs_rate = numpy_rate = None
+    rounds = []                 # per round: (machine before, after, {case: (bound, phases, measured)})
+    for r in range(args.rounds):
+        before = measure_machine(cores, dot)
+        if r == 0:
+            pairs_rate = bfloat16_rate() if args.dtype == "bfloat16" else None
+            numpy_rate = matmul_rate()
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = bench(args.model, args.dtype, batches, args.prompt, args.prefill, Path(tmp), args.kv_cache_dtype,
+                         args.decode_steps)
+        after = measure_machine(cores, dot)
+        rounds.append((before, after, {name: bounds(cost, b, args.dtype, wbytes, before, after)
+                                       + (rows[key].get("prefill_ms" if b == 0 else "decode_ms_per_step"),)
+                                       for name, key, b, cost in costs}))
     print(f"machine   {cpu_flags()}")
-    print(f"          triad bandwidth {bw / 1e9:.1f} GB/s; peak float32 FMAs {f32_peak / 1e9:.1f} GFLOP/s"
-          + (f", VDPBF16PS {bf16_peak / 1e9:.1f}" if bf16_peak else ", no VDPBF16PS") + " (the kernels' PeakFlops)")
-    print("          measured before and after the steps: " + "; ".join(
-        f"{name} {a / 1e9:.1f} and {b / 1e9:.1f}" for name, a, b in zip(("triad", "float32", "VDPBF16PS"), before, after)
-        if a))
-    moved = [name for name, a, b in zip(("the triad", "the float32 peak", "the VDPBF16PS peak"), before, after)
-             if a and abs(a - b) > 0.15 * max(a, b)]
-    if moved:
-        print(f"          note: {', '.join(moved)} moved by more than 15% between the two: the machine was busy "
-              f"or slowed meanwhile, and the steps' figures may be too")
+    for r, (before, after, _) in enumerate(rounds):
+        bw, f32_peak, bf16_peak = (max(a, b) if a else None for a, b in zip(before, after))
+        said = f"round {r + 1}: " if len(rounds) > 1 else ""
+        print(f"          {said}triad bandwidth {bw / 1e9:.1f} GB/s; peak float32 FMAs {f32_peak / 1e9:.1f} GFLOP/s"
+              + (f", VDPBF16PS {bf16_peak / 1e9:.1f}" if bf16_peak else ", no VDPBF16PS") + " (the kernels' PeakFlops)")
+        print("          measured before and after the steps: " + "; ".join(
+            f"{name} {a / 1e9:.1f} and {b / 1e9:.1f}" for name, a, b in zip(("triad", "float32", "VDPBF16PS"),
+                                                                           before, after) if a))
+        moved = [name for name, a, b in zip(("the triad", "the float32 peak", "the VDPBF16PS peak"), before, after)
+                 if a and abs(a - b) > 0.15 * max(a, b)]
+        if moved:
+            print(f"          note: {', '.join(moved)} moved by more than 15% between the two: the machine was busy "
+                  f"or slowed meanwhile, and the steps' figures may be too")
     print(f"          matmuls reach: float32 {numpy_rate / 1e9:.1f} GFLOP/s (numpy's BLAS, 2048 x 2048)"
           + (f"; bfloat16 {pairs_rate / 1e9:.1f} (the kernels' Linear over pairs, 512 rows)"
              if pairs_rate else ""))
     print(f"model     {args.model} ({cfg.architecture}, {args.dtype}; weights held at {wbytes} bytes, "
           f"KV cache at {kv_bytes})")
+    if len(rounds) > 1:
+        print(f"          {len(rounds)} rounds, each against the machine measured around it; the table's figures "
+              f"are their medians, and each round's measured ms and ratio follow it")
     print(f"{'step':<26}{'MB':>8}{'GFLOP':>8}{'bound ms':>10}{'phases ms':>11}{'measured ms':>13}{'ratio':>7}"
           f"{'to phases':>11}")
-    L = args.prompt + NEW // 2
-    cases = [(f"decode B={b} L={L}", rows[b, args.prompt].get("decode_ms_per_step"),
-              step_cost(cfg, kv_bytes, b, b * L, b * L, b, wbytes)) for b in batches]
-    T = args.prefill
-    cases.append((f"prefill T={T}", rows[1, T].get("prefill_ms"), step_cost(cfg, kv_bytes, T, T * (T + 1) // 2, 0, 1, wbytes)))
-    for (name, measured, (weights, kv, layers, head, others)), b in zip(cases, [*batches, 0]):
-        # (others: attention) a float32 job's greedy chains of more than head_rows sequences take
-        # the LM head's logits from bfloat16 pairs (GreedyHead): at VDPBF16PS's rate
-        head_time = head / (bf16_peak if greedy_head and b > head_rows else layer_rate)
-        bound = 1e3 * max((weights + kv) / bw, layers / layer_rate + head_time + others / rate)
-        phases = 1e3 * (max(weights / bw, layers / layer_rate + head_time) + max(kv / bw, others / rate))
-        shown = f"{measured:.1f}" if measured else "-"
-        ratio = f"{measured / bound:.2f}" if measured else "-"
-        to_phases = f"{measured / phases:.2f}" if measured else "-"
+    for name, _, _, (weights, kv, layers, head, others) in costs:
+        figures = [r[2][name] for r in rounds]
+        bound, phases = (float(np.median([f[i] for f in figures])) for i in (0, 1))
+        measured = [f[2] for f in figures if f[2]]
+        ratios = [f[2] / f[0] for f in figures if f[2]]
+        shown, ratio, to_phases = (f"{float(np.median(v)):.{d}f}" if measured else "-" for v, d in (
+            (measured, 1), (ratios, 2), ([f[2] / f[1] for f in figures if f[2]], 2)))
         print(f"{name:<26}{(weights + kv) / 1e6:>8.0f}{(layers + head + others) / 1e9:>8.2f}{bound:>10.1f}"
               f"{phases:>11.1f}{shown:>13}{ratio:>7}{to_phases:>11}")
+        if len(rounds) > 1 and measured:
+            print(f"{'':<26}rounds: " + ", ".join(f"{m:.1f} ms {q:.2f}x" for m, q in zip(measured, ratios)))
     return 0
 
 

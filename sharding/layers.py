@@ -147,11 +147,11 @@ def huge_pages(held: np.ndarray) -> bool:
     """Asks Linux to back the 2 MB-aligned interior of `held`'s memory with 2 MB pages, before it
     is written: its pages are then made huge as they are first touched, at no copy. Where the
     kernel's transparent huge pages are set to `madvise` (a common default), only memory advised
-    so gets them. A decode step streams every weight from memory, and the DecoderStack's stacks
-    (CausalLM.stack_weights) are most of them: in 4 KB pages, which of them were in huge pages
-    depended on the allocator's history (memory that numpy had advised for its arrays of 4 MB and
-    more, freed and reused), and the qkv stack of the demo model had none. Whether the advice
-    was taken; nothing on other systems."""
+    so gets them. A decode step streams every weight from memory, most of them from DecoderStack's
+    stacks (CausalLM.stack_weights), and reads them faster from 2 MB pages (docs/benchmarks.md).
+    Unadvised, a stack had huge pages only where the allocator reused memory that numpy had
+    advised for its arrays of 4 MB and more: the demo model's qkv stack had none. Whether the
+    advice was taken (False off Linux, and for memory that holds no aligned 2 MB page)."""
     lo = -(-held.ctypes.data // HUGE_PAGE) * HUGE_PAGE
     hi = (held.ctypes.data + held.nbytes) // HUGE_PAGE * HUGE_PAGE
     if not sys.platform.startswith("linux") or hi <= lo:

@@ -6,7 +6,7 @@ all-reduce) must equal the full computation."""
 
 from __future__ import annotations
 
-import sys
+import os
 
 import numpy as np
 import pytest
@@ -198,7 +198,8 @@ def _advised(address: int) -> bool:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="a kernel without transparent huge pages refuses MADV_HUGEPAGE")
 def test_a_stacks_memory_is_advised_into_huge_pages_before_it_is_written_and_keeps_its_values():
     """CausalLM.stack_weights asks for 2 MB pages for a stack's own memory (a zero Parameter's)
     before writing the layers' weights into it: the mapping of its 2 MB-aligned interior is then

@@ -6,9 +6,12 @@ bfloat16 checkpoint), bfloat16 pairs with VDPBF16PS (`model.dtype: bfloat16`, wh
 AVX512-BF16), and bfloat16 pairs with FMAs (the same bits without it). Prints ms and GFLOP/s
 per round, the median of `--repeats` passes each. With --in-cache the 30 layers are one layer's
 weights called 30 times (2.8 MB, in L2 and L3), against which the weights' stream from memory is
-measured.
+measured. With --by-kind each way runs both, from memory and in cache, their passes alternating
+within the round (the machine's phase moves a separate run's figures by more than the stream
+costs), and each kind of layer is timed by itself: its ms, GFLOP/s, and its time from memory over
+its time in cache, what the stream costs it.
 
-    python scripts/measure_bf16.py [--rows 16] [--rounds 3] [--repeats 5] [--threads 0] [--in-cache]
+    python scripts/measure_bf16.py [--rows 16] [--rounds 3] [--repeats 5] [--threads 0] [--in-cache | --by-kind]
 """
 
 from __future__ import annotations
@@ -65,6 +68,22 @@ def timed(calls, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_kinds(sets: list[list], repeats: int) -> list[list[float]]:
+    """Seconds of each kind of layer (a call's index mod len(LAYER)) in one pass over each set of
+    calls, the median of `repeats` passes; the sets' passes alternate."""
+    times = [[[] for _ in LAYER] for _ in sets]
+    for _ in range(repeats):
+        for at, calls in enumerate(sets):
+            sums = [0.0] * len(LAYER)
+            for i, call in enumerate(calls):
+                t0 = time.perf_counter()
+                call()
+                sums[i % len(LAYER)] += time.perf_counter() - t0
+            for k, t in enumerate(sums):
+                times[at][k].append(t)
+    return [[statistics.median(t) for t in kinds] for kinds in times]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=16)
@@ -72,7 +91,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: every core)")
     ap.add_argument("--in-cache", action="store_true", help="one layer's weights for all 30 layers")
+    ap.add_argument("--by-kind", action="store_true",
+                    help="each kind of layer timed by itself, from memory and in cache in alternating passes")
     args = ap.parse_args()
+    if args.in_cache and args.by_kind:
+        ap.error("--by-kind runs the weights in cache too: give it without --in-cache")
     load_kernels(args.threads)
     lib = ctypes.CDLL(cpu._LIBRARY)
     dot = CpuOps.bf16_dot
@@ -92,8 +115,11 @@ def main() -> None:
     if args.in_cache:
         panels, pairs = panels[:len(LAYER)] * 30, pairs[:len(LAYER)] * 30
     flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30
+    kind_flops = [2 * M * N * K * 30 for N, K, _ in LAYER]
+    names = ["qkv", "o", "gate/up", "down"]
 
-    print(f"{M} rows, AVX512-BF16 {'yes' if dot else 'no'}, weights {'in cache' if args.in_cache else 'from memory'}")
+    where = "from memory and in cache" if args.by_kind else "in cache" if args.in_cache else "from memory"
+    print(f"{M} rows, AVX512-BF16 {'yes' if dot else 'no'}, weights {where}")
     for r in range(args.rounds):
         ways = [("bfloat16 panels, float32 FMAs", None, panels), ("bfloat16 pairs, VDPBF16PS", True, pairs),
                 ("bfloat16 pairs, FMAs", False, pairs)]
@@ -103,10 +129,18 @@ def main() -> None:
                 continue
             if on is not None:
                 set_bf16_dot(on)
+            if args.by_kind:
+                memory, cache = timed_kinds([calls, calls[:len(LAYER)] * 30], args.repeats)
+                kinds = ", ".join(f"{n} {m * 1e3:.2f} ms ({f / m / 1e9:.0f} GFLOP/s) against {c * 1e3:.2f} "
+                                  f"({f / c / 1e9:.0f}): {m / c:.2f}x"
+                                  for n, m, c, f in zip(names, memory, cache, kind_flops))
+                parts.append(f"{name}, from memory against in cache: {kinds}; all {sum(memory) * 1e3:.2f} ms "
+                             f"against {sum(cache) * 1e3:.2f}: {sum(memory) / sum(cache):.2f}x")
+                continue
             s = timed(calls, args.repeats)
             parts.append(f"{name} {s * 1e3:.2f} ms ({flops / s / 1e9:.0f} GFLOP/s)")
         set_bf16_dot(dot)
-        print(f"round {r + 1}: " + "; ".join(parts))
+        print(f"round {r + 1}:" + ("\n  " if args.by_kind else " ") + ("\n  " if args.by_kind else "; ").join(parts))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """The linear layers of a demo-model step (30 layers of qkv 960 x 576, o_proj 576 x 576, gate/up
-2 x 1536 x 576 with its activation, down_proj 576 x 1536, each layer's weights distinct) at M
-rows, through the kernel library's Linear and LinearGlu entry points (ctypes, no MindSpore
-graph), three ways in turn: bfloat16 panels with float32 FMAs (what a float32 job runs on a
-bfloat16 checkpoint), bfloat16 pairs with VDPBF16PS (`model.dtype: bfloat16`, where the CPU has
-AVX512-BF16), and bfloat16 pairs with FMAs (the same bits without it). Prints ms and GFLOP/s
-per round, the median of `--repeats` passes each. With --in-cache the 30 layers are one layer's
-weights called 30 times (2.8 MB, in L2 and L3), against which the weights' stream from memory is
-measured. With --by-kind each way runs both, from memory and in cache, their passes alternating
-within the round (the machine's phase moves a separate run's figures by more than the stream
-costs), and each kind of layer is timed by itself: its ms, GFLOP/s, and its time from memory over
-its time in cache, what the stream costs it.
+2 x 1536 x 576 with its activation, down_proj 576 x 1536, each layer's weights distinct; each
+kind's 30 weights in one stack, as the workers' DecoderStack holds them, in 2 MB pages, or in 4 KB
+pages with --small-pages) at M rows, through the kernel library's Linear and LinearGlu entry
+points (ctypes, no MindSpore graph), three ways in turn: bfloat16 panels with float32 FMAs (what a
+float32 job runs on a bfloat16 checkpoint), bfloat16 pairs with VDPBF16PS (`model.dtype:
+bfloat16`, where the CPU has AVX512-BF16), and bfloat16 pairs with FMAs (the same bits without
+it). Prints ms and GFLOP/s per round, the median of `--repeats` passes each. With --in-cache the
+30 layers are one layer's weights called 30 times (2.8 MB, in L2 and L3), against which the
+weights' stream from memory is measured. With --by-kind each way runs both, from memory and in
+cache, their passes alternating within the round (the machine's phase moves a separate run's
+figures by more than the stream costs), and each kind of layer is timed by itself: its ms,
+GFLOP/s, and its time from memory over its time in cache, what the stream costs it.
 
-    python scripts/measure_bf16.py [--rows 16] [--rounds 3] [--repeats 5] [--threads 0] [--in-cache | --by-kind]
+    python scripts/measure_bf16.py [--rows 16] [--rounds 3] [--repeats 5] [--threads 0] [--small-pages]
+                                   [--in-cache | --by-kind]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from msinfer.worker import cpu  # noqa: E402
+from msinfer.sharding.layers import huge_pages  # noqa: E402
 from msinfer.worker.cpu import CpuOps, bfloat16_bits, load_kernels, set_bf16_dot  # noqa: E402
 
 LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]   # (N, K, glu)
@@ -68,6 +71,16 @@ def timed(calls, repeats: int) -> float:
     return statistics.median(times)
 
 
+def small_pages(held: np.ndarray) -> bool:
+    """Asks Linux to keep `held`'s memory (its 4 KB-aligned interior) in 4 KB pages, before it is
+    written (MADV_NOHUGEPAGE): whether the advice was taken."""
+    lo = -(-held.ctypes.data // 4096) * 4096
+    hi = (held.ctypes.data + held.nbytes) // 4096 * 4096
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return hi > lo and madvise(lo, hi - lo, 15) == 0        # MADV_NOHUGEPAGE (asm-generic/mman-common.h)
+
+
 def timed_kinds(sets: list[list], repeats: int) -> list[list[float]]:
     """Seconds of each kind of layer (a call's index mod len(LAYER)) in one pass over each set of
     calls, the median of `repeats` passes; the sets' passes alternate."""
@@ -91,6 +104,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: every core)")
     ap.add_argument("--in-cache", action="store_true", help="one layer's weights for all 30 layers")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="the weight stacks in 4 KB pages (default: 2 MB pages, as the workers hold them)")
     ap.add_argument("--by-kind", action="store_true",
                     help="each kind of layer timed by itself, from memory and in cache in alternating passes")
     args = ap.parse_args()
@@ -101,17 +116,33 @@ def main() -> None:
     dot = CpuOps.bf16_dot
     rng = np.random.default_rng(0)
     M = args.rows
-    panels, pairs = [], []
+    packed = {"panels": [[] for _ in LAYER], "pairs": [[] for _ in LAYER]}
+    inputs = []
     for _ in range(30):
-        for N, K, glu in LAYER:
+        for kind, (N, K, glu) in enumerate(LAYER):
             w = (bfloat16_bits((rng.standard_normal((N, K)) * 0.05).astype(np.float32)).astype(np.uint32) << 16)
             w = w.view(np.float32)
-            x = rng.standard_normal((M, K)).astype(np.float32)
-            fn = lib.LinearGlu if glu else lib.Linear
             bits = bfloat16_bits(w)
-            panels.append(Call(fn, x, CpuOps.pack_glu(bits) if glu else CpuOps.pack(bits),
-                               np.zeros((M, N // 2 if glu else N), np.float32)))
-            pairs.append(Call(fn, x, CpuOps.pack_pairs(w, glu)[0], np.zeros((M, N // 2 if glu else N), np.float32)))
+            packed["panels"][kind].append(CpuOps.pack_glu(bits) if glu else CpuOps.pack(bits))
+            packed["pairs"][kind].append(CpuOps.pack_pairs(w, glu)[0])
+            inputs.append(rng.standard_normal((M, K)).astype(np.float32))
+    # each kind's 30 weights in one stack, as DecoderStack holds them (CausalLM.stack_weights):
+    # advised into 2 MB pages before they are written, as the workers do, or with --small-pages
+    # advised against them (numpy advises its own arrays of 4 MB and more into them)
+    for way, kinds in packed.items():
+        for kind, layers in enumerate(kinds):
+            stack = np.empty((30, *layers[0].shape), layers[0].dtype)
+            if not (small_pages(stack) if args.small_pages else huge_pages(stack)):
+                sys.exit("measure_bf16: Linux refused the advice on the weights' pages")
+            stack[...] = layers
+            kinds[kind] = list(stack)
+    panels, pairs = [], []
+    for layer in range(30):
+        for kind, (N, K, glu) in enumerate(LAYER):
+            fn = lib.LinearGlu if glu else lib.Linear
+            x = inputs[layer * len(LAYER) + kind]
+            panels.append(Call(fn, x, packed["panels"][kind][layer], np.zeros((M, N // 2 if glu else N), np.float32)))
+            pairs.append(Call(fn, x, packed["pairs"][kind][layer], np.zeros((M, N // 2 if glu else N), np.float32)))
     if args.in_cache:
         panels, pairs = panels[:len(LAYER)] * 30, pairs[:len(LAYER)] * 30
     flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30

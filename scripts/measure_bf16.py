@@ -117,7 +117,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     M = args.rows
     packed = {"panels": [[] for _ in LAYER], "pairs": [[] for _ in LAYER]}
-    inputs = []
+    # one x for each K and one output for each kind, which every layer takes: they stay in cache,
+    # as a step's do (the kernel before wrote x), where 120 arrays of their own came from memory
+    inputs = {K: rng.standard_normal((M, K)).astype(np.float32) for _, K, _ in LAYER}
     for _ in range(30):
         for kind, (N, K, glu) in enumerate(LAYER):
             w = (bfloat16_bits((rng.standard_normal((N, K)) * 0.05).astype(np.float32)).astype(np.uint32) << 16)
@@ -125,24 +127,23 @@ def main() -> None:
             bits = bfloat16_bits(w)
             packed["panels"][kind].append(CpuOps.pack_glu(bits) if glu else CpuOps.pack(bits))
             packed["pairs"][kind].append(CpuOps.pack_pairs(w, glu)[0])
-            inputs.append(rng.standard_normal((M, K)).astype(np.float32))
     # each kind's 30 weights in one stack, as DecoderStack holds them (CausalLM.stack_weights):
     # advised into 2 MB pages before they are written, as the workers do, or with --small-pages
     # advised against them (numpy advises its own arrays of 4 MB and more into them)
-    for way, kinds in packed.items():
+    for kinds in packed.values():
         for kind, layers in enumerate(kinds):
             stack = np.empty((30, *layers[0].shape), layers[0].dtype)
             if not (small_pages(stack) if args.small_pages else huge_pages(stack)):
                 sys.exit("measure_bf16: Linux refused the advice on the weights' pages")
             stack[...] = layers
             kinds[kind] = list(stack)
+    outputs = {kind: np.zeros((M, N // 2 if glu else N), np.float32) for kind, (N, _, glu) in enumerate(LAYER)}
     panels, pairs = [], []
     for layer in range(30):
         for kind, (N, K, glu) in enumerate(LAYER):
             fn = lib.LinearGlu if glu else lib.Linear
-            x = inputs[layer * len(LAYER) + kind]
-            panels.append(Call(fn, x, packed["panels"][kind][layer], np.zeros((M, N // 2 if glu else N), np.float32)))
-            pairs.append(Call(fn, x, packed["pairs"][kind][layer], np.zeros((M, N // 2 if glu else N), np.float32)))
+            panels.append(Call(fn, inputs[K], packed["panels"][kind][layer], outputs[kind]))
+            pairs.append(Call(fn, inputs[K], packed["pairs"][kind][layer], outputs[kind]))
     if args.in_cache:
         panels, pairs = panels[:len(LAYER)] * 30, pairs[:len(LAYER)] * 30
     flops = 2 * M * sum(N * K for N, K, _ in LAYER) * 30

@@ -69,20 +69,25 @@ double timed(const std::vector<Matmul>& matmuls, const uint32_t* x, int64_t M, i
     }
   };
   double best = 1e30;
+  int phases[2] = {0, 0};                 // each thread's side of the barrier, kept from pass to pass
   for (int pass = 0; pass < passes; ++pass) {
-    const auto t0 = std::chrono::steady_clock::now();
+    double seconds = 0;
+    // timed by thread 0 from a first barrier (the helper started) to the last matmul's
     auto work = [&](int t) {
       std::vector<float> c(M * kPanel);
-      int mine = 0;
+      int& mine = phases[t];
+      barrier(mine);
+      const auto t0 = std::chrono::steady_clock::now();
       for (const Matmul& m : matmuls) {
         run(m, t, x, M, c.data());
         barrier(mine);
       }
+      if (t == 0) seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
     std::thread helper(work, 1);
     work(0);
     helper.join();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best, seconds);
   }
   return best;
 }

@@ -3,8 +3,9 @@ layers at M rows without the library's glue (scripts/stream_layers.cc: two threa
 its run of every matmul's panels, a spin barrier after each matmul, x rounded once), from memory
 in 2 MB pages, in 4 KB pages and in cache; then, with --library, the library's own Linear calls
 over the same shapes (scripts/measure_bf16.py --by-kind), so that the two stand side by side.
-The difference is what the library spends around its micro-kernels: the pool's hand-off, x
-rounded by the caller and read by the helper from the caller's cache, the threads' waits.
+The difference is what the library spends around its micro-kernels (the pool's hand-off, x
+rounded by the caller and read by the helper from the caller's cache, the threads' waits, the
+gate/up activation), with measure_bf16's Python calls through ctypes.
 
     python scripts/measure_stream.py [--rows 16] [--rounds 3] [--library]
 

@@ -25,7 +25,8 @@ namespace {
 
 #ifdef MSINFER_BF16_DOT
 constexpr int64_t kLayers = 30;
-constexpr int64_t kShapes[4][3] = {{960, 576, 0}, {576, 576, 0}, {3072, 576, 1}, {576, 1536, 0}};   // N, K, glu
+// N, K of qkv, o, gate/up (its activation left out: its product alone) and down
+constexpr int64_t kShapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
 
 struct Matmul {
   const uint32_t* w;       // [N / 32 panels][K2][32] words

@@ -6,7 +6,7 @@ points (ctypes, no MindSpore graph), three ways in turn: bfloat16 panels with fl
 float32 job runs on a bfloat16 checkpoint), bfloat16 pairs with VDPBF16PS (`model.dtype:
 bfloat16`, where the CPU has AVX512-BF16), and bfloat16 pairs with FMAs (the same bits without
 it). Prints ms and GFLOP/s per round, the median of `--repeats` passes each. With --in-cache the
-30 layers are one layer's weights called 30 times (2.8 MB, in L2 and L3), against which the
+30 layers are one layer's weights called 30 times (7.1 MB, in L3), against which the
 weights' stream from memory is measured. With --by-kind each way runs both, from memory and in
 cache, their passes alternating within the round (the machine's phase moves a separate run's
 figures by more than the stream costs), and each kind of layer is timed by itself: its ms,

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from msinfer.worker import cpu  # noqa: E402
-from msinfer.sharding.layers import huge_pages  # noqa: E402
+from msinfer.sharding.layers import MADV_NOHUGEPAGE, advise_pages, huge_pages  # noqa: E402
 from msinfer.worker.cpu import CpuOps, bfloat16_bits, load_kernels, set_bf16_dot  # noqa: E402
 
 LAYER = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]   # (N, K, glu)
@@ -69,16 +69,6 @@ def timed(calls, repeats: int) -> float:
             call()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def small_pages(held: np.ndarray) -> bool:
-    """Asks Linux to keep `held`'s memory (its 4 KB-aligned interior) in 4 KB pages, before it is
-    written (MADV_NOHUGEPAGE): whether the advice was taken."""
-    lo = -(-held.ctypes.data // 4096) * 4096
-    hi = (held.ctypes.data + held.nbytes) // 4096 * 4096
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi > lo and madvise(lo, hi - lo, 15) == 0        # MADV_NOHUGEPAGE (asm-generic/mman-common.h)
 
 
 def timed_kinds(sets: list[list], repeats: int) -> list[list[float]]:
@@ -133,7 +123,7 @@ def main() -> None:
     for kinds in packed.values():
         for kind, layers in enumerate(kinds):
             stack = np.empty((30, *layers[0].shape), layers[0].dtype)
-            if not (small_pages(stack) if args.small_pages else huge_pages(stack)):
+            if not (advise_pages(stack, MADV_NOHUGEPAGE, 4096) if args.small_pages else huge_pages(stack)):
                 sys.exit("measure_bf16: Linux refused the advice on the weights' pages")
             stack[...] = layers
             kinds[kind] = list(stack)

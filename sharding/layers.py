@@ -140,7 +140,19 @@ def new_param(shape, dtype, name: str) -> Parameter:
 
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14          # (Linux's asm-generic/mman-common.h)
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15          # (Linux's asm-generic/mman-common.h)
+
+
+def advise_pages(held: np.ndarray, advice: int, page: int) -> bool:
+    """madvise(advice) over the `page`-aligned interior of `held`'s memory: whether it was taken
+    (False off Linux, and for memory that holds no aligned page)."""
+    lo = -(-held.ctypes.data // page) * page
+    hi = (held.ctypes.data + held.nbytes) // page * page
+    if not sys.platform.startswith("linux") or hi <= lo:
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(lo, hi - lo, advice) == 0
 
 
 def huge_pages(held: np.ndarray) -> bool:
@@ -152,13 +164,7 @@ def huge_pages(held: np.ndarray) -> bool:
     Unadvised, a stack had huge pages only where the allocator reused memory that numpy had
     advised for its arrays of 4 MB and more: the demo model's qkv stack had none. Whether the
     advice was taken (False off Linux, and for memory that holds no aligned 2 MB page)."""
-    lo = -(-held.ctypes.data // HUGE_PAGE) * HUGE_PAGE
-    hi = (held.ctypes.data + held.nbytes) // HUGE_PAGE * HUGE_PAGE
-    if not sys.platform.startswith("linux") or hi <= lo:
-        return False
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+    return advise_pages(held, MADV_HUGEPAGE, HUGE_PAGE)
 
 
 # How a tensor-parallel group sums a tensor over its ranks and gathers every rank's, factories of

@@ -151,7 +151,10 @@ def shutdown_ray() -> None:
 
 def _init_ray(address: str | None, num_cpus_needed: int, dashboard: bool, npus: int) -> None:
     if address:
-        env = {"env_vars": dict(QUIET_ENV)}
+        # a cluster's workers get the environment of its raylets; the fault-injection variables
+        # (MSINFER_FAULT_*, docs/spec.md) set where the job is submitted go to them too
+        faults = {k: v for k, v in os.environ.items() if k.startswith("MSINFER_FAULT_")}
+        env = {"env_vars": {**QUIET_ENV, **faults}}
         check_reachable(address)
         with _stderr_collected() as said:
             try:

@@ -204,7 +204,8 @@ def test_tp2_spread_spans_both_nodes_and_generates_what_tp1_generates(two_nodes,
     assert {k: r["output_token_ids"] for k, r in results.items()} == {k: r["output_token_ids"] for k, r in tp1.items()}
 
 
-N_LOST = 96
+N_LOST = 32
+STEP_DELAY_S = 0.03      # 16 records of 32 tokens, two at a time: a replica's share lasts 8 s or more
 
 
 def test_a_lost_node_s_replica_is_placed_again_and_every_record_comes_back_once_and_correct(
@@ -213,9 +214,9 @@ def test_a_lost_node_s_replica_is_placed_again_and_every_record_comes_back_once_
     raylet and workers gone at once) and another node joins. Replica 1 fails and is placed again
     where there is room, its records go to replica 0 meanwhile, and every record is written once
     with transformers' tokens. Runs after the other tests of the cluster: it changes its nodes.
-    N_LOST records, enough that the node goes while both replicas still have records to run (with
-    48, a replica at times finished its share first, and a replica with nothing dealt is not
-    missed: no restart)."""
+    Every step takes STEP_DELAY_S more (MSINFER_FAULT_STEP_DELAY_S), so the node goes while both
+    replicas still have records to run on any machine (a replica that finished its share first,
+    with nothing dealt, is not missed: no restart)."""
     prompts = [[(13 * i + 7 * j) % 250 + 3 for j in range(4 + i)] for i in range(5)]
     n_new = 32
     (tmp_path / "in.jsonl").write_text("".join(
@@ -227,7 +228,8 @@ def test_a_lost_node_s_replica_is_placed_again_and_every_record_comes_back_once_
          "--set", "parallel.data_parallel=2", "--set", "ray.num_cpus_per_worker=1",
          "--set", f"ray.address={two_nodes['address']}", "--set", "scheduler.max_batch_size=2"],
         cwd=job_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=clean_env(MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"), RAY_AUTH_MODE="token"))
+        env=clean_env(MSINFER_CACHE=cache_with_kernels(tmp_path / "cache"), RAY_AUTH_MODE="token",
+                      MSINFER_FAULT_STEP_DELAY_S=str(STEP_DELAY_S)))
     status = Path(f"{out}.status.json")
     try:
         end = time.time() + 180

@@ -28,6 +28,10 @@ from msinfer.worker.protocol import DecodeChain, DecodeStep, StepOutput, unpack_
 # (SIGABRT) at once, as a process a kernel crash takes down does. Read once, and only where it is set.
 POISON_ENV = "MSINFER_FAULT_POISON_TOKEN"
 POISON_TOKEN = int(os.environ[POISON_ENV]) if os.environ.get(POISON_ENV) else None
+# and one whose every step takes this many seconds more, as a slow card's would (a job lasts long
+# enough that a test can take its node away while every replica still has records to run)
+DELAY_ENV = "MSINFER_FAULT_STEP_DELAY_S"
+STEP_DELAY_S = float(os.environ[DELAY_ENV]) if os.environ.get(DELAY_ENV) else None
 
 
 def peak_rss_bytes() -> int:
@@ -202,6 +206,8 @@ class Worker:
             if index >= 0:
                 self.turn.wait_for(lambda: self.next_index == index)
             try:
+                if STEP_DELAY_S is not None:    # (fault injection, tests only)
+                    time.sleep(STEP_DELAY_S * (len(seqs.steps) if isinstance(seqs, DecodeChain) else 1))
                 # every rank samples (the same tokens: the logits are whole on each) for SAMPLED
                 out = self.runner.step(seqs, is_prefill, logprobs=self.tp.rank == 0, released=released,
                                        hidden=hidden, sampled=sampled)

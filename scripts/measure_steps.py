@@ -9,10 +9,10 @@ by 10-15% (docs/benchmarks.md, "A method that resolves 2%").
 
 A variant is either a ModelRunner of its own, built with the EngineConfig fields --a or --b give
 (KEY=VALUE, VALUE read as YAML), or, with --switch NAME=A,B, one runner whose kernel library's
-exported setter NAME (SetAlone, SetBf16Dot, SetThreads: worker/csrc/kernels.cc) is called with A
-or B before each of the variant's steps. --dtype bfloat16 is a job's `model.dtype: bfloat16` on
-the CPU: a float32 network whose linear layers compute in bfloat16 pairs over a bfloat16 KV cache
-(EngineConfig dtype float32, matmul_dtype and kv_cache_dtype bfloat16).
+exported setter NAME (SetAlone, SetBf16Dot, SetSteal, SetThreads: worker/csrc/kernels.cc) is
+called with A or B before each of the variant's steps. --dtype bfloat16 is a job's `model.dtype:
+bfloat16` on the CPU: a float32 network whose linear layers compute in bfloat16 pairs over a
+bfloat16 KV cache (EngineConfig dtype float32, matmul_dtype and kv_cache_dtype bfloat16).
 
 Each round prefills the same --batch-size random prompts of --prompt tokens in each variant, their
 blocks scattered over the cache as a running engine's are, then decodes --steps greedy steps,

@@ -756,6 +756,45 @@ def test_linear_of_every_row_count_gives_x_w_transposed(kernels, way, monkeypatc
         set_bf16_dot(dot)
 
 
+@pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
+def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_is_the_same(kernels, way):
+    """A matmul of one block of rows (a decode step's) gives each thread one run of panels, and a
+    thread that ends its run takes the others' last panels one at a time (worker/csrc/matmul.h
+    panel_items). On three threads over this machine's cores, helpers start late and panels are
+    taken (the library counts them): every call gives numpy's result, to the bit what the runs
+    give when no panel is taken (SetSteal(0)), a last panel narrower than 32 columns included."""
+    import ctypes
+
+    from msinfer.worker import cpu
+    lib = ctypes.CDLL(cpu._LIBRARY)
+    lib.StolenPanels.restype = ctypes.c_int64
+    rng = np.random.default_rng(7)
+    M, K, N = 16, 96, 32 * 21 + 13
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    if way == "float32 panels":
+        packed, ref = kernels.pack(w), x.astype(np.float64) @ w.astype(np.float64).T
+    else:
+        packed, _ = kernels.pack_pairs(w, False)
+        ref = _bfloat16_rounded(x).astype(np.float64) @ _bfloat16_rounded(w).astype(np.float64).T
+    op = kernels.linear_op()
+    lib.SetThreads(3)
+    try:
+        lib.SetSteal(0)
+        whole_runs = op(Tensor(x), Tensor(packed)).asnumpy()
+        lib.SetSteal(1)
+        before, calls = lib.StolenPanels(), 0
+        while lib.StolenPanels() == before and calls < 500:
+            y = op(Tensor(x), Tensor(packed)).asnumpy()
+            np.testing.assert_array_equal(y, whole_runs, err_msg=f"call {calls}")
+            calls += 1
+        assert lib.StolenPanels() > before, f"no panel was taken in {calls} calls"
+    finally:
+        lib.SetSteal(1)
+        lib.SetThreads(2)
+    np.testing.assert_allclose(whole_runs, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
 @pytest.mark.parametrize("M,K,N,glu", [(1, 40, 70, False), (16, 63, 96, False), (33, 24, 45, False),
                                        (17, 57, 64, True), (3, 41, 70, False), (8, 41, 64, True)])
 def test_bfloat16_pairs_round_x_and_sum_the_exact_products_in_float32(kernels, M, K, N, glu):

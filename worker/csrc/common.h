@@ -150,6 +150,11 @@ class Pool {
 
 inline int g_threads = 1;        // SetThreads
 
+// panel_items: a thread that ends its run of panels takes the others' last ones, unless
+// SetSteal(0) (scripts/measure_steps.py --switch SetSteal=0,1 compares the two).
+inline bool g_steal = true;
+inline std::atomic<int64_t> g_stolen{0};      // the panels taken so (StolenPanels, for tests)
+
 // Set on a thread that runs a share of a call's tokens by itself (DecoderStack): its kernels
 // then take no helper, and their work is split as for one thread.
 inline thread_local bool t_alone = false;

@@ -196,7 +196,10 @@ __attribute__((noinline)) void micro(const float* a, int64_t lda, const B* b, in
 // first panel is prefetched ahead of its own first group only, so it comes late. Rows that fit
 // one block (a decode step) are therefore one run per thread: the 120 linear layers of a
 // 16-row step, Zen 5, medians of 8 alternating rounds, float32 panels 7.84 ms in runs of 8
-// against 7.44, pairs with VDPBF16PS 5.68 against 5.40 (docs/benchmarks.md, Nov 30).
+// against 7.44, pairs with VDPBF16PS 5.68 against 5.40 (docs/benchmarks.md, Nov 30). A thread
+// that ends its run then takes the other runs' last panels, one at a time: the two halves of a
+// 16-row bfloat16 matmul ended 7-10 us apart on average (of ~110 us, Zen 4, either thread last
+// as often), 3.6 us with the panels taken; the step 2.6% faster (docs/benchmarks.md, Dec 3).
 constexpr int64_t kRun = 8;
 
 // The work items above for a matmul of M rows over `panels` column panels, each panel `steps`
@@ -206,6 +209,7 @@ constexpr int64_t kRun = 8;
 // tail(m0, m1, p1) for the item's rows and the end of its run (the panels from `full` on).
 // With Halves 2, each half h of a panel is taken by every group before the next half:
 // group(p, m, r, pf, pf_step, cached, h), the next panel's prefetch shared by all those calls.
+
 template <int64_t Rows, int64_t RowBlock, int Halves = 1, typename Group, typename Tail>
 void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t step_bytes, const char* w,
                  Group&& group, Tail&& tail) {
@@ -220,29 +224,79 @@ void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t
   // took 16 and the other waited for it).
   const int64_t base = panels / runs, longer = panels % runs;
   auto run_start = [&](int64_t run) { return run * base + std::min(run, longer); };
+  // Panel p over rows m0..m1 (groups of them): `next` the panel whose shares its groups ask for
+  // (nullptr: none), `first` where nothing asked for p itself (its first group asks for its rows
+  // 4 KB ahead).
+  auto panel = [&](int64_t m0, int64_t m1, int64_t p, const char* next, bool first) {
+    const int64_t groups = (m1 - m0 + Rows - 1) / Rows;
+    const int64_t share = (panel_bytes + groups * Halves - 1) / (groups * Halves);
+    const char* b = w + p * panel_bytes;
+    for (int h = 0; h < Halves; ++h) {
+      for (int64_t m = m0, g = 0; m < m1; ++g) {
+        const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
+        const char* pf = (next ? next : b + panel_bytes) + (h * groups + g) * share;   // the next panel's share
+        int64_t step = next ? (share + steps - 1) / steps : 0;
+        if (first && h == 0 && g == 0) pf = b + 4096, step = step_bytes;
+        if constexpr (Halves == 1) {
+          group(p, m, r, pf, step, groups > 1);
+        } else {
+          group(p, m, r, pf, step, groups > 1, h);
+        }
+        m += r;
+      }
+    }
+  };
+  if (blocks == 1 && runs > 1 && msinfer_shared::g_steal) {
+    // One run per thread (a decode step): a thread that ends its run takes the others' last
+    // panels, one at a time from the back, so that neither waits for the other's last panels.
+    // Each run's claims are one word (front | back << 32) on a line of its own.
+    struct alignas(64) Claim {
+      std::atomic<uint64_t> word;
+    };
+    thread_local std::vector<Claim> claims_of_caller;
+    if (static_cast<int64_t>(claims_of_caller.size()) < runs) claims_of_caller = std::vector<Claim>(runs);
+    Claim* claims = claims_of_caller.data();
+    for (int64_t r = 0; r < runs; ++r)
+      claims[r].word.store(static_cast<uint64_t>(run_start(r)) |
+                               static_cast<uint64_t>(std::min(run_start(r + 1), full)) << 32,
+                           std::memory_order_relaxed);
+    // takes the front (or the back) panel of run r: its index, and the other end as it was; -1 if none is left
+    auto take = [&](int64_t r, bool front, int64_t& other) -> int64_t {
+      std::atomic<uint64_t>& word = claims[r].word;
+      uint64_t v = word.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t f = static_cast<int64_t>(v & 0xffffffffu), bk = static_cast<int64_t>(v >> 32);
+        if (f >= bk) return -1;
+        const uint64_t to = front ? v + 1 : v - (uint64_t{1} << 32);
+        if (word.compare_exchange_weak(v, to, std::memory_order_relaxed)) {
+          other = front ? bk : f;
+          return front ? f : bk - 1;
+        }
+      }
+    };
+    parallel_for(runs, 1, [&](int64_t run) {
+      const int64_t p0 = run_start(run);
+      int64_t p, other;
+      while ((p = take(run, true, other)) >= 0)
+        panel(0, M, p, p + 1 < other ? w + (p + 1) * panel_bytes : nullptr, p == p0);
+      tail(0, M, run_start(run + 1));
+      for (int64_t o = 1; o < runs; ++o) {
+        const int64_t r = (run + o) % runs;
+        bool first = true;
+        while ((p = take(r, false, other)) >= 0) {
+          panel(0, M, p, p - 1 >= other ? w + (p - 1) * panel_bytes : nullptr, first);
+          first = false;
+          msinfer_shared::g_stolen.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    });
+    return;
+  }
   parallel_for(blocks * runs, 1, [&](int64_t item) {
     const int64_t m0 = item % blocks * RowBlock, m1 = std::min(M, m0 + RowBlock);
     const int64_t p0 = run_start(item / blocks), p1 = run_start(item / blocks + 1);
-    const int64_t groups = (m1 - m0 + Rows - 1) / Rows;
-    const int64_t share = (panel_bytes + groups * Halves - 1) / (groups * Halves);
-    for (int64_t p = p0; p < std::min(p1, full); ++p) {
-      const char* b = w + p * panel_bytes;
-      for (int h = 0; h < Halves; ++h) {
-        for (int64_t m = m0, g = 0; m < m1; ++g) {
-          const int64_t r = (m1 - m0) / groups + (g < (m1 - m0) % groups);   // groups of equal size
-          const char* pf = b + panel_bytes + (h * groups + g) * share;        // the next panel's share
-          int64_t step = (share + steps - 1) / steps;
-          if (p + 1 >= std::min(p1, full)) step = 0;                // no next panel in this run
-          if (p == p0 && h == 0 && g == 0) pf = b + 4096, step = step_bytes;
-          if constexpr (Halves == 1) {
-            group(p, m, r, pf, step, groups > 1);
-          } else {
-            group(p, m, r, pf, step, groups > 1, h);
-          }
-          m += r;
-        }
-      }
-    }
+    for (int64_t p = p0; p < std::min(p1, full); ++p)
+      panel(m0, m1, p, p + 1 < std::min(p1, full) ? w + (p + 1) * panel_bytes : nullptr, p == p0);
     tail(m0, m1, p1);
   });
 }

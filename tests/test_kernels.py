@@ -767,7 +767,7 @@ def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_
 
     from msinfer.worker import cpu
     lib = ctypes.CDLL(cpu._LIBRARY)
-    lib.StolenPanels.restype = ctypes.c_int64
+    lib.StolenItems.restype = ctypes.c_int64
     rng = np.random.default_rng(7)
     M, K, N = 16, 96, 32 * 21 + 13
     x = rng.standard_normal((M, K)).astype(np.float32)
@@ -783,12 +783,12 @@ def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_
         lib.SetSteal(0)
         whole_runs = op(Tensor(x), Tensor(packed)).asnumpy()
         lib.SetSteal(1)
-        before, calls = lib.StolenPanels(), 0
-        while lib.StolenPanels() == before and calls < 500:
+        before, calls = lib.StolenItems(), 0
+        while lib.StolenItems() == before and calls < 500:
             y = op(Tensor(x), Tensor(packed)).asnumpy()
             np.testing.assert_array_equal(y, whole_runs, err_msg=f"call {calls}")
             calls += 1
-        assert lib.StolenPanels() > before, f"no panel was taken in {calls} calls"
+        assert lib.StolenItems() > before, f"no panel was taken in {calls} calls"
     finally:
         lib.SetSteal(1)
         lib.SetThreads(2)
@@ -1087,8 +1087,9 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
+def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step, threads):
     """Ten random steps of each kind in each of four layouts: float32 in blocks of 16 (4 query
     heads a KV head, head size 64, qk norm), a bfloat16 cache in blocks of 4 (one KV head of 5
     query heads, head size 32), a head size of 24 (not a multiple of 16: position by position)
@@ -1098,7 +1099,25 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step):
     step of fewer single tokens than twice the threads splits a long one into parts, and one of
     single tokens alone, as many or more, gives each thread a run of them (each asking for the
     next one's first blocks; a padding token's are none), each token written as its attention
-    begins where no two are of one sequence."""
+    begins where no two are of one sequence; a thread that ends its run takes the others' last
+    tokens (on three threads over this machine's cores, helpers start late: taken tokens are
+    counted, and many decode tokens alone see some taken)."""
+    import ctypes
+
+    from msinfer.worker import cpu
+    lib = ctypes.CDLL(cpu._LIBRARY)
+    lib.StolenItems.restype = ctypes.c_int64
+    lib.SetThreads(threads)
+    try:
+        taken = lib.StolenItems()
+        _attention_steps(kernels, step)
+        if threads == 3 and step == "many decodes":
+            assert lib.StolenItems() > taken, "no token was taken from another thread's run"
+    finally:
+        lib.SetThreads(2)
+
+
+def _attention_steps(kernels, step):
     from msinfer.worker.cpu import bfloat16_rounded, bfloat16_values
     rng = np.random.default_rng(sorted(STEPS).index(step))
     layouts = ((8, 2, 64, 16, None, True, np.float32, 1e-5), (5, 1, 32, 4, "bfloat16", False, np.float32, 1e-5),

@@ -556,16 +556,17 @@ struct PagedAttention {
     if (parts == 0 && count == singles && count >= 2 * threads && D % 16 == 0 && distinct_rows()) {
       // Single tokens alone (a decode step): one run per thread, items r, r + runs, ... (the
       // longest first, dealt round), each token asking for its successor's first K blocks as it
-      // finishes, so that a thread starts no token but its run's first on a cold cache. A token
-      // reads no other token's K/V (each is of its own sequence), so each is written as its
-      // attention begins.
+      // finishes, so that a thread starts no token but its run's first on a cold cache; a thread
+      // that ends its run takes the others' last tokens (runs_taken). A token reads no other
+      // token's K/V (each is of its own sequence), so each is written as its attention begins.
       const int64_t runs = threads;
-      parallel_for(runs, 1, [&](int64_t r) {
-        for (int64_t i = r; i < count; i += runs) {
-          writer.token(items[i].n0);
-          one(items[i].n0, 0, -1, nullptr, i + runs < count ? items[i + runs].n0 : -1);
-        }
-      });
+      runs_taken(runs, [&](int64_t r) { return std::pair<int64_t, int64_t>{0, (count - r + runs - 1) / runs}; },
+                 [&](int64_t r, int64_t k, int64_t next, bool) {
+                   const int64_t n = items[r + k * runs].n0;
+                   writer.token(n);
+                   one(n, 0, -1, nullptr, next >= 0 ? items[r + next * runs].n0 : -1);
+                 },
+                 [](int64_t) {});
       return;
     }
     writer.all(N);

@@ -150,10 +150,10 @@ class Pool {
 
 inline int g_threads = 1;        // SetThreads
 
-// panel_items: a thread that ends its run of panels takes the others' last ones, unless
-// SetSteal(0) (scripts/measure_steps.py --switch SetSteal=0,1 compares the two).
+// runs_taken: a thread that ends its run takes the others' last items, unless SetSteal(0)
+// (scripts/measure_steps.py --switch SetSteal=0,1 compares the two).
 inline bool g_steal = true;
-inline std::atomic<int64_t> g_stolen{0};      // the panels taken so (StolenPanels, for tests)
+inline std::atomic<int64_t> g_stolen{0};      // the items taken so (StolenItems, for tests)
 
 // Set on a thread that runs a share of a call's tokens by itself (DecoderStack): its kernels
 // then take no helper, and their work is split as for one thread.
@@ -176,6 +176,56 @@ inline void parallel_for(int64_t n, int64_t grain, const std::function<void(int6
   });
 }
 
+// One run of items a thread, run r its items k in [bounds(r).first, bounds(r).second): each
+// thread runs its own run's items in order, then own(r); then it takes the other runs' last
+// items, one at a time from the back, so that a thread that ends early does not wait for the
+// others' last items (a decode step's matmul halves ended 7-10 us apart of ~110 on average, a
+// thread's start or its memory slower at times; worker/csrc/matmul.h panel_items). fn(r, k,
+// next, first): next the item of run r this thread may take after k (k + 1 for the run's own
+// thread, k - 1 for another; -1 if none is left), so that it can ask for its data ahead; first
+// where k is the first this thread takes of run r. Each run's claims are one word (front | back
+// << 32) on a line of its own: a claim is an uncontended atomic, but where the threads meet.
+template <typename Bounds, typename Fn, typename Own>
+void runs_taken(int64_t runs, Bounds&& bounds, Fn&& fn, Own&& own) {
+  struct alignas(64) Claim {
+    std::atomic<uint64_t> word;
+  };
+  thread_local std::vector<Claim> claims_of_caller;
+  if (static_cast<int64_t>(claims_of_caller.size()) < runs) claims_of_caller = std::vector<Claim>(runs);
+  Claim* claims = claims_of_caller.data();
+  for (int64_t r = 0; r < runs; ++r) {
+    const auto [from, to] = bounds(r);
+    claims[r].word.store(static_cast<uint64_t>(from) | static_cast<uint64_t>(std::max(from, to)) << 32,
+                         std::memory_order_relaxed);
+  }
+  // the front (or the back) item of run r, and the other end as it was; -1 if none is left
+  auto take = [claims](int64_t r, bool front, int64_t& other) -> int64_t {
+    std::atomic<uint64_t>& word = claims[r].word;
+    uint64_t v = word.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t f = static_cast<int64_t>(v & 0xffffffffu), b = static_cast<int64_t>(v >> 32);
+      if (f >= b) return -1;
+      if (word.compare_exchange_weak(v, front ? v + 1 : v - (uint64_t{1} << 32), std::memory_order_relaxed)) {
+        other = front ? b : f;
+        return front ? f : b - 1;
+      }
+    }
+  };
+  const bool steal = g_steal;
+  parallel_for(runs, 1, [&](int64_t run) {
+    int64_t k, other;
+    for (bool first = true; (k = take(run, true, other)) >= 0; first = false) fn(run, k, k + 1 < other ? k + 1 : -1, first);
+    own(run);
+    for (int64_t o = 1; steal && o < runs; ++o) {
+      const int64_t r = (run + o) % runs;
+      for (bool first = true; (k = take(r, false, other)) >= 0; first = false) {
+        fn(r, k, k - 1 >= other ? k - 1 : -1, first);
+        g_stolen.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
 // linear_pairs: VDPBF16PS where the library has it, unless SetBf16Dot(0) (MSINFER_BF16_DOT=0).
 inline bool g_bf16_dot = true;
 
@@ -192,6 +242,7 @@ using msinfer_shared::g_int4_calls;
 using msinfer_shared::g_threads;
 using msinfer_shared::threads_now;
 using msinfer_shared::parallel_for;
+using msinfer_shared::runs_taken;
 
 // A decode token's K/V rows read position by position (PagedAttention::one_by_rows, a head size
 // that is not a multiple of 16) are scattered over the cache, too irregular for the hardware

@@ -246,50 +246,14 @@ void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t
       }
     }
   };
-  if (blocks == 1 && runs > 1 && msinfer_shared::g_steal) {
+  if (blocks == 1 && runs > 1) {
     // One run per thread (a decode step): a thread that ends its run takes the others' last
-    // panels, one at a time from the back, so that neither waits for the other's last panels.
-    // Each run's claims are one word (front | back << 32) on a line of its own.
-    struct alignas(64) Claim {
-      std::atomic<uint64_t> word;
-    };
-    thread_local std::vector<Claim> claims_of_caller;
-    if (static_cast<int64_t>(claims_of_caller.size()) < runs) claims_of_caller = std::vector<Claim>(runs);
-    Claim* claims = claims_of_caller.data();
-    for (int64_t r = 0; r < runs; ++r)
-      claims[r].word.store(static_cast<uint64_t>(run_start(r)) |
-                               static_cast<uint64_t>(std::min(run_start(r + 1), full)) << 32,
-                           std::memory_order_relaxed);
-    // takes the front (or the back) panel of run r: its index, and the other end as it was; -1 if none is left
-    auto take = [&](int64_t r, bool front, int64_t& other) -> int64_t {
-      std::atomic<uint64_t>& word = claims[r].word;
-      uint64_t v = word.load(std::memory_order_relaxed);
-      for (;;) {
-        const int64_t f = static_cast<int64_t>(v & 0xffffffffu), bk = static_cast<int64_t>(v >> 32);
-        if (f >= bk) return -1;
-        const uint64_t to = front ? v + 1 : v - (uint64_t{1} << 32);
-        if (word.compare_exchange_weak(v, to, std::memory_order_relaxed)) {
-          other = front ? bk : f;
-          return front ? f : bk - 1;
-        }
-      }
-    };
-    parallel_for(runs, 1, [&](int64_t run) {
-      const int64_t p0 = run_start(run);
-      int64_t p, other;
-      while ((p = take(run, true, other)) >= 0)
-        panel(0, M, p, p + 1 < other ? w + (p + 1) * panel_bytes : nullptr, p == p0);
-      tail(0, M, run_start(run + 1));
-      for (int64_t o = 1; o < runs; ++o) {
-        const int64_t r = (run + o) % runs;
-        bool first = true;
-        while ((p = take(r, false, other)) >= 0) {
-          panel(0, M, p, p - 1 >= other ? w + (p - 1) * panel_bytes : nullptr, first);
-          first = false;
-          msinfer_shared::g_stolen.fetch_add(1, std::memory_order_relaxed);
-        }
-      }
-    });
+    // panels (runs_taken). Nothing asked for a panel taken first from another run.
+    runs_taken(runs, [&](int64_t r) { return std::pair{run_start(r), std::min(run_start(r + 1), full)}; },
+               [&](int64_t r, int64_t p, int64_t next, bool first) {
+                 panel(0, M, p, next >= 0 ? w + next * panel_bytes : nullptr, first);
+               },
+               [&](int64_t r) { tail(0, M, run_start(r + 1)); });
     return;
   }
   parallel_for(blocks * runs, 1, [&](int64_t item) {

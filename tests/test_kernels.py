@@ -757,12 +757,13 @@ def test_linear_of_every_row_count_gives_x_w_transposed(kernels, way, monkeypatc
 
 
 @pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
-def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_is_the_same(kernels, way):
+def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_is_the_same(kernels, way,
+                                                                                            monkeypatch):
     """A matmul of one block of rows (a decode step's) gives each thread one run of panels, and a
     thread that ends its run takes the others' last panels one at a time (worker/csrc/matmul.h
     panel_items). On three threads over this machine's cores, helpers start late and panels are
     taken (the library counts them): every call gives numpy's result, to the bit what the runs
-    give when no panel is taken (SetSteal(0)), a last panel narrower than 32 columns included."""
+    give when no panel is taken (MSINFER_STEAL=0), a last panel narrower than 32 columns included."""
     import ctypes
 
     from msinfer.worker import cpu
@@ -778,11 +779,16 @@ def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_
         packed, _ = kernels.pack_pairs(w, False)
         ref = _bfloat16_rounded(x).astype(np.float64) @ _bfloat16_rounded(w).astype(np.float64).T
     op = kernels.linear_op()
-    lib.SetThreads(3)
     try:
-        lib.SetSteal(0)
+        monkeypatch.setenv("MSINFER_STEAL", "0")
+        load_kernels(3)
+        before = lib.StolenItems()
         whole_runs = op(Tensor(x), Tensor(packed)).asnumpy()
-        lib.SetSteal(1)
+        for _ in range(20):
+            np.testing.assert_array_equal(op(Tensor(x), Tensor(packed)).asnumpy(), whole_runs)
+        assert lib.StolenItems() == before, "MSINFER_STEAL=0 and panels were taken"
+        monkeypatch.delenv("MSINFER_STEAL")
+        load_kernels(3)
         before, calls = lib.StolenItems(), 0
         while lib.StolenItems() == before and calls < 500:
             y = op(Tensor(x), Tensor(packed)).asnumpy()
@@ -790,8 +796,8 @@ def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_
             calls += 1
         assert lib.StolenItems() > before, f"no panel was taken in {calls} calls"
     finally:
-        lib.SetSteal(1)
-        lib.SetThreads(2)
+        monkeypatch.delenv("MSINFER_STEAL", raising=False)
+        load_kernels(2)
     np.testing.assert_allclose(whole_runs, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
 
 

@@ -772,6 +772,7 @@ def load_kernels(threads: int = 0) -> None:
     set_bf16_dot(os.environ.get("MSINFER_BF16_DOT", "1") != "0")
     CpuOps.greedy_head = CpuOps.bf16_dot and os.environ.get("MSINFER_GREEDY_HEAD", "1") != "0"
     lib.SetAlone(ctypes.c_int(int(os.environ.get("MSINFER_ALONE", "1") != "0")))
+    lib.SetSteal(ctypes.c_int(int(os.environ.get("MSINFER_STEAL", "1") != "0")))
     CpuOps.sampler_kernels = SamplerKernels
     _RMS_NORM = _custom("RmsNorm", lambda x, *_: x)
     _ADD_RMS_NORM = _custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))

@@ -151,7 +151,7 @@ class Pool {
 inline int g_threads = 1;        // SetThreads
 
 // runs_taken: a thread that ends its run takes the others' last items, unless SetSteal(0)
-// (scripts/measure_steps.py --switch SetSteal=0,1 compares the two).
+// (MSINFER_STEAL=0; scripts/measure_steps.py --switch SetSteal=0,1 compares the two).
 inline bool g_steal = true;
 inline std::atomic<int64_t> g_stolen{0};      // the items taken so (StolenItems, for tests)
 

@@ -731,7 +731,7 @@ extern "C" void SetBf16Dot(int on) { g_bf16_dot = on != 0; }
 // SetAlone(0): DecoderStack shares each kernel between the threads at every step (MSINFER_ALONE=0).
 extern "C" void SetAlone(int on) { g_alone = on != 0; }
 // SetSteal(0): the threads of a matmul's or attention's runs (runs_taken) do not take each
-// other's items (scripts/measure_steps.py); StolenItems: how many they took (tests).
+// other's items (MSINFER_STEAL=0); StolenItems: how many they took (tests).
 extern "C" void SetSteal(int on) { msinfer_shared::g_steal = on != 0; }
 extern "C" int64_t StolenItems() { return msinfer_shared::g_stolen.load(); }
 // How many DecoderStack calls split their step between the threads (tests).

@@ -214,7 +214,8 @@ void runs_taken(int64_t runs, Bounds&& bounds, Fn&& fn, Own&& own) {
   const bool steal = g_steal;
   parallel_for(runs, 1, [&](int64_t run) {
     int64_t k, other;
-    for (bool first = true; (k = take(run, true, other)) >= 0; first = false) fn(run, k, k + 1 < other ? k + 1 : -1, first);
+    for (bool first = true; (k = take(run, true, other)) >= 0; first = false)
+      fn(run, k, k + 1 < other ? k + 1 : -1, first);
     own(run);
     for (int64_t o = 1; steal && o < runs; ++o) {
       const int64_t r = (run + o) % runs;

@@ -209,7 +209,6 @@ constexpr int64_t kRun = 8;
 // tail(m0, m1, p1) for the item's rows and the end of its run (the panels from `full` on).
 // With Halves 2, each half h of a panel is taken by every group before the next half:
 // group(p, m, r, pf, pf_step, cached, h), the next panel's prefetch shared by all those calls.
-
 template <int64_t Rows, int64_t RowBlock, int Halves = 1, typename Group, typename Tail>
 void panel_items(int64_t M, int64_t panels, int64_t full, int64_t steps, int64_t step_bytes, const char* w,
                  Group&& group, Tail&& tail) {

@@ -756,6 +756,16 @@ def test_linear_of_every_row_count_gives_x_w_transposed(kernels, way, monkeypatc
         set_bf16_dot(dot)
 
 
+def _library():
+    """The kernel library the ops run (ctypes), its StolenItems count typed."""
+    import ctypes
+
+    from msinfer.worker import cpu
+    lib = ctypes.CDLL(cpu._LIBRARY)
+    lib.StolenItems.restype = ctypes.c_int64
+    return lib
+
+
 @pytest.mark.parametrize("way", ["float32 panels", "bfloat16 pairs"])
 def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_is_the_same(kernels, way,
                                                                                             monkeypatch):
@@ -764,11 +774,7 @@ def test_a_thread_that_ends_its_run_takes_the_others_last_panels_and_the_result_
     panel_items). On three threads over this machine's cores, helpers start late and panels are
     taken (the library counts them): every call gives numpy's result, to the bit what the runs
     give when no panel is taken (MSINFER_STEAL=0), a last panel narrower than 32 columns included."""
-    import ctypes
-
-    from msinfer.worker import cpu
-    lib = ctypes.CDLL(cpu._LIBRARY)
-    lib.StolenItems.restype = ctypes.c_int64
+    lib = _library()
     rng = np.random.default_rng(7)
     M, K, N = 16, 96, 32 * 21 + 13
     x = rng.standard_normal((M, K)).astype(np.float32)
@@ -1108,11 +1114,7 @@ def test_paged_attention_of_steps_of_every_kind_equals_numpy(kernels, step, thre
     begins where no two are of one sequence; a thread that ends its run takes the others' last
     tokens (on three threads over this machine's cores, helpers start late: taken tokens are
     counted, and many decode tokens alone see some taken)."""
-    import ctypes
-
-    from msinfer.worker import cpu
-    lib = ctypes.CDLL(cpu._LIBRARY)
-    lib.StolenItems.restype = ctypes.c_int64
+    lib = _library()
     lib.SetThreads(threads)
     try:
         taken = lib.StolenItems()
